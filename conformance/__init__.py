@@ -1,0 +1,1 @@
+"""kvspec.conformance: conformance checks of implementations against the specification."""

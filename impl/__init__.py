@@ -1,0 +1,1 @@
+"""kvspec.impl: implementations checked against the specification."""

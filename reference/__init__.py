@@ -1,0 +1,1 @@
+"""kvspec.reference: a reference implementation of the KV-cache block lifecycle."""

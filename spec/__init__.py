@@ -1,0 +1,38 @@
+"""kvspec.spec: the executable specification of the KV-cache block lifecycle.
+
+Read it like a TLA+ module, in this order: ``state`` (constants and variables), ``pool`` (the
+block pool's mechanisms), ``policies`` (when hashes become visible), ``actions`` (one function per
+engine decision: guard, then effect) and ``invariants`` (what must hold in every state).
+Pure standard-library Python; it imports nothing else of kvspec.
+"""
+
+from .actions import ACTIONS, apply, waiting_order
+from .invariants import INVARIANTS, check, running_tables, tables_append_only
+from .state import (
+    DISCIPLINES,
+    NULL_BLOCK,
+    POLICIES,
+    PREEMPTIONS,
+    Config,
+    Illegal,
+    State,
+    initial_state,
+)
+
+__all__ = [
+    "ACTIONS",
+    "DISCIPLINES",
+    "INVARIANTS",
+    "NULL_BLOCK",
+    "POLICIES",
+    "PREEMPTIONS",
+    "Config",
+    "Illegal",
+    "State",
+    "apply",
+    "check",
+    "initial_state",
+    "running_tables",
+    "tables_append_only",
+    "waiting_order",
+]

@@ -1,0 +1,309 @@
+"""The actions of the specification: one function per *decision* an engine makes.
+
+Each action is a guard followed by an effect, as in a TLA+ module: the guard raises ``Illegal``
+when the decision is not allowed in the current state (under the configured discipline and
+preemption policy), the effect changes the state and returns the effect events it caused, in
+order. The effects are deterministic, so a trace of decisions fixes everything else: which blocks
+a lookup hits, which block id an allocation gets, what is published, freed and evicted.
+
+Decision events (``apply`` takes these; see ``docs/events.md``)::
+
+    ("arrive", req, prompt, max_tokens, priority)
+    ("begin", step)                    start scheduling a step
+    ("schedule", req, tokens, loaded)  give the request tokens to compute, or blocks to load
+    ("preempt", req)                   free a running request's blocks, send it back to waiting
+    ("submit", step)                   hand the step to the worker
+    ("execute", step, failed)          the worker writes, then reads; listed loads fail
+    ("commit", step, sampled)          the worker's output: ((req, token), ...)
+    ("abort", req)
+    ("reset",)                         reset the prefix cache
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import policies
+from .pool import Event, allocate, free_table, holds, lookup, touch
+from .state import Entry, Illegal, Request, State, Step, Write
+
+
+def arrive(
+    s: State, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int
+) -> list[Event]:
+    if rid in s.requests:
+        raise Illegal(f"arrive r{rid}: the id is taken")
+    if not prompt or max_tokens < 1:
+        raise Illegal(f"arrive r{rid}: empty prompt or max_tokens < 1")
+    s.requests[rid] = Request(rid, list(prompt), len(prompt), max_tokens, priority, len(s.requests))
+    s.waiting.append(rid)
+    return []
+
+
+def begin(s: State, step_id: int) -> list[Event]:
+    in_flight = len(s.steps)
+    if s.building is not None or in_flight >= s.config.depth or step_id != s.next_step:
+        raise Illegal(f"begin step {step_id}: {in_flight} in flight, depth {s.config.depth}")
+    s.next_step += 1
+    step = Step(step_id)
+    s.steps.append(step)
+    return policies.on_begin(s, step)
+
+
+def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[Event]:
+    """Give a request ``num_tokens`` tokens to compute in the building step; a waiting request is
+    admitted first (prefix lookup, hits touched before anything is allocated). An admission may
+    instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet."""
+    step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
+    bsz = cfg.block_size
+    where = f"schedule r{rid} in step {step.id}"
+    if rid in step.entries or req.loading is not None or req.status == "finished":
+        raise Illegal(f"{where}: already scheduled, loading, or finished")
+    if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
+        raise Illegal(f"{where}: {num_tokens} tokens exceed the budget or are negative")
+    if (num_tokens == 0) == (num_loaded == 0):
+        raise Illegal(f"{where}: either compute tokens or (on admission) load blocks")
+    events: list[Event] = []
+    if req.status == "waiting":
+        _admission_guard(s, step, req, where)
+        hits = lookup(s, req)
+        if len(hits) + num_loaded > (len(req.tokens) - 1) // bsz:
+            raise Illegal(f"{where}: the last known token must be computed, not loaded")
+        start = len(hits) * bsz
+        end = start + num_tokens + num_loaded * bsz
+        held_free = sum(1 for b in hits if s.blocks[b].refcount == 0)
+        if -(-end // bsz) - len(hits) > len(s.free) - held_free:
+            raise Illegal(f"{where}: not enough free blocks")
+        events += touch(s, req, hits)
+        req.cached = len(hits)
+        s.waiting.remove(rid)
+        s.running.append(rid)
+        req.status, step.admitted = "running", True
+    else:
+        if num_loaded:
+            raise Illegal(f"{where}: only an admission may load blocks")
+        if cfg.discipline == "vllm" and step.admitted:
+            raise Illegal(f"{where}: vllm schedules running requests before admitting any")
+        start, end = req.computed, req.computed + num_tokens
+        if -(-end // bsz) - len(req.table) > len(s.free):
+            raise Illegal(f"{where}: not enough free blocks")
+    if end > len(req.tokens):
+        raise Illegal(f"{where}: token {end - 1} is not known yet")
+    while len(req.table) * bsz < end:
+        events += allocate(s, req)
+    load = num_loaded > 0
+    for i in range(start // bsz, len(req.table)):
+        prefix = tuple(req.tokens[: min(end, (i + 1) * bsz)])
+        s.blocks[req.table[i]].pending.append(Write(step.id, rid, prefix, load))
+    req.computed = end
+    step.entries[rid] = Entry(
+        start, end, tuple(req.table), load, not load and end == len(req.tokens)
+    )
+    step.live.add(rid)
+    step.budget_used += num_tokens
+    if load:
+        req.loading = step.id
+    return events + policies.on_schedule(s, req, step, end)
+
+
+def preempt(s: State, rid: int) -> list[Event]:
+    step, req, cfg = _building(s, f"preempt r{rid}"), _request(s, rid), s.config
+    where = f"preempt r{rid} in step {step.id}"
+    if req.status != "running":
+        raise Illegal(f"{where}: not running")
+    if cfg.discipline == "vllm":
+        if step.admitted:
+            raise Illegal(f"{where}: vllm never preempts after admitting in the same step")
+        if cfg.preemption == "fcfs" and (rid != s.running[-1] or rid in step.entries):
+            raise Illegal(f"{where}: fcfs preempts the unscheduled tail of running")
+        if cfg.preemption == "priority" and rid != max(s.running, key=lambda r: _rank(s, r)):
+            raise Illegal(f"{where}: priority preempts the max (priority, arrival)")
+    step.preempted = True
+    events = _leave(s, req)
+    s.running.remove(rid)
+    s.waiting.insert(0, rid)
+    req.status = "waiting"
+    return events
+
+
+def submit(s: State, step_id: int) -> list[Event]:
+    step = _building(s, f"submit step {step_id}")
+    if step.id != step_id:
+        raise Illegal(f"submit step {step_id}: step {step.id} is building")
+    step.phase = "submitted"
+    return []
+
+
+def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]:
+    """The worker runs the oldest unexecuted step: every write of the batch, then every read."""
+    step = next((st for st in s.steps if st.phase != "executed"), None)
+    if step is None or step.id != step_id or step.phase != "submitted":
+        raise Illegal(f"execute step {step_id}: not the oldest submitted step")
+    if any(rid not in step.entries or not step.entries[rid].load for rid in failed):
+        raise Illegal(f"execute step {step_id}: only external loads can fail")
+    bsz = s.config.block_size
+    step.failed = tuple(failed)
+    for rid, e in step.entries.items():
+        for block in e.blocks[e.start // bsz :]:
+            b = s.blocks[block]
+            mine = [w for w in b.pending if w.step == step.id and w.req == rid]
+            b.pending = [w for w in b.pending if not (w.step == step.id and w.req == rid)]
+            if rid not in failed:
+                b.written = mine[-1].prefix
+    for rid, e in step.entries.items():
+        tokens = s.requests[rid].tokens
+        bad = [
+            block
+            for i, block in enumerate(e.blocks)
+            if not e.load
+            and not holds(s.blocks[block].written, tuple(tokens[: min(e.end, (i + 1) * bsz)]))
+        ]
+        if bad and rid in step.live:
+            s.bad_reads += [(step.id, rid, block) for block in bad]
+        if bad:  # K/V computed from wrong inputs is wrong too
+            for block in e.blocks[e.start // bsz :]:
+                s.blocks[block].written = None
+    step.phase = "executed"
+    return []
+
+
+def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list[Event]:
+    """Process the oldest step's output: load failures, then registrations, then each request's
+    sampled token (finishing it at max_tokens or the stop token, which frees its blocks)."""
+    if (
+        s.building is not None
+        or not s.steps
+        or s.steps[0].id != step_id
+        or s.steps[0].phase != "executed"
+    ):
+        raise Illegal(f"commit step {step_id}: not the oldest executed step, or a step is building")
+    step = s.steps[0]
+    expected = [rid for rid, e in step.entries.items() if e.samples and rid in step.live]
+    tokens = dict(sampled)
+    if sorted(tokens) != sorted(expected) or len(tokens) != len(sampled):
+        raise Illegal(
+            f"commit step {step_id}: samples for {sorted(tokens)}, expected {sorted(expected)}"
+        )
+    events = policies.on_confirmed(s, step)
+    for rid, e in step.entries.items():
+        req = s.requests[rid]
+        if e.load and req.loading == step.id:
+            req.loading = None
+            if rid in step.failed:  # simplification: recompute the request from scratch
+                events += _leave(s, req) + [("load_failed", rid)]
+                s.running.remove(rid)
+                s.waiting.insert(0, rid)
+                req.status = "waiting"
+    events += policies.on_written(s, step)
+    for rid in expected:
+        req = s.requests[rid]
+        req.tokens.append(tokens[rid])
+        reason = "length" if req.output_len >= req.max_tokens else None
+        if tokens[rid] == s.config.stop_token:
+            reason = "stop"
+        if reason:
+            events += free_table(s, req) + [("finish", rid, reason)]
+            s.running.remove(rid)
+            req.status = "finished"
+    s.steps.pop(0)
+    s.commits += 1
+    return events
+
+
+def abort(s: State, rid: int) -> list[Event]:
+    req = _request(s, rid)
+    if s.building is not None or req.status == "finished":
+        raise Illegal(f"abort r{rid}: finished already, or a step is building")
+    events = _leave(s, req)
+    (s.running if req.status == "running" else s.waiting).remove(rid)
+    req.status = "finished"
+    return events + [("finish", rid, "abort")]
+
+
+def reset(s: State) -> list[Event]:
+    """Reset the prefix cache: only when no block is in use and no step is in flight."""
+    if s.steps or any(b.refcount for b in s.blocks):
+        raise Illegal("reset: blocks are in use or steps in flight")
+    events: list[Event] = []
+    for block in sorted(b for blocks in s.index.values() for b in blocks):
+        s.blocks[block].key = None
+        events.append(("unpublish", block))
+    s.index.clear()
+    return events
+
+
+ACTIONS: dict[str, Callable[..., list[Event]]] = {
+    "arrive": arrive,
+    "begin": begin,
+    "schedule": schedule,
+    "preempt": preempt,
+    "submit": submit,
+    "execute": execute,
+    "commit": commit,
+    "abort": abort,
+    "reset": reset,
+}
+
+
+def apply(s: State, event: tuple[object, ...]) -> list[Event]:
+    """Take one decision event; return the effect events it causes."""
+    action = ACTIONS.get(str(event[0])) if event else None
+    if action is None:
+        raise Illegal(f"unknown decision {event!r}")
+    try:
+        return action(s, *event[1:])
+    except TypeError as err:
+        raise Illegal(f"malformed decision {event!r}: {err}") from None
+
+
+def waiting_order(s: State) -> list[int]:
+    """The order vLLM admits waiting requests in: queue order (fcfs), or (priority, arrival)."""
+    if s.config.preemption == "priority":
+        return sorted(s.waiting, key=lambda r: _rank(s, r))
+    return list(s.waiting)
+
+
+def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
+    if len(s.running) >= s.config.max_running:
+        raise Illegal(f"{where}: {len(s.running)} requests already running")
+    if s.config.discipline == "vllm":
+        if step.preempted:
+            raise Illegal(f"{where}: vllm admits nothing in a step that preempted")
+        if req.id != waiting_order(s)[0]:
+            raise Illegal(f"{where}: vllm admits the head of the waiting queue first")
+
+
+def _leave(s: State, req: Request) -> list[Event]:
+    """The request gives up its blocks early (preempt, abort, failed load). Its part in the
+    building step is withdrawn, so that step will not write it; submitted steps still will."""
+    step = s.building
+    if step is not None and req.id in step.entries:
+        entry = step.entries.pop(req.id)
+        step.budget_used -= entry.end - entry.start if not entry.load else 0
+        for block in entry.blocks:
+            b = s.blocks[block]
+            b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]
+    for st in s.steps:
+        st.live.discard(req.id)
+    events = policies.on_remove(s, req)
+    req.loading = None
+    return events + free_table(s, req)
+
+
+def _building(s: State, where: str) -> Step:
+    step = s.building
+    if step is None:
+        raise Illegal(f"{where}: no step is being scheduled")
+    return step
+
+
+def _request(s: State, rid: int) -> Request:
+    req = s.requests.get(rid)
+    if req is None:
+        raise Illegal(f"unknown request r{rid}")
+    return req
+
+
+def _rank(s: State, rid: int) -> tuple[int, int]:
+    req = s.requests[rid]
+    return (req.priority, req.arrival)

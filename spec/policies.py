@@ -1,0 +1,101 @@
+"""Registration policies: when a block's hash becomes visible to prefix lookups, and what is undone
+when the request that was to write it leaves (preemption, abort, failed KV load).
+
+The engine calls five hooks at fixed points; each policy is the few lines below that say what it
+does there. ``upto`` is a number of leading table blocks: "register blocks cached .. upto - 1".
+
+============================  =================================================================
+policy                        meaning
+============================  =================================================================
+eager-unsafe                  vLLM 0.33.0: publish at schedule time, never roll back.
+eager-rollback-single         PR 43569's first version: remember this schedule's registrations
+                              in one dict, cleared ("committed") when the next step begins;
+                              roll back what is still there on preempt/abort/failure.
+eager-rollback-fifo           PR 43569 as posted: one bucket per in-flight step; the oldest is
+                              popped ("committed") at the top of the worker's output handling;
+                              roll back the request's entries in every bucket.
+hide-uncommitted              eager bookkeeping, but the entries stay invisible to lookups until
+                              their step is confirmed (after load failures are handled); entries
+                              of a leaving request are dropped.
+deferred                      publish only at commit, and only what the step wrote.
+============================  =================================================================
+"""
+
+from __future__ import annotations
+
+from .pool import Event, count_if_lost, publish, unpublish
+from .state import Request, State, Step
+
+EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
+
+
+def register(s: State, req: Request, upto: int) -> tuple[list[Event], list[int]]:
+    """Publish the request's blocks ``cached .. upto - 1``; return the events and the indices."""
+    events: list[Event] = []
+    indices = list(range(req.cached, upto))
+    for i in indices:
+        events += publish(s, req, i)
+    req.cached = max(req.cached, upto)
+    return events, indices
+
+
+def on_begin(s: State, step: Step) -> list[Event]:
+    if s.config.policy == "eager-rollback-single":
+        s.single.clear()
+    return []
+
+
+def on_schedule(s: State, req: Request, step: Step, end: int) -> list[Event]:
+    """The request was just given tokens up to ``end`` (computed or loaded) in ``step``."""
+    policy, upto = s.config.policy, end // s.config.block_size
+    if policy in EAGER:
+        events, indices = register(s, req, upto)
+        if policy == "eager-rollback-single":
+            s.single.setdefault(req.id, []).extend(indices)
+        elif policy == "eager-rollback-fifo":
+            step.registrations.setdefault(req.id, []).extend(indices)
+        return events
+    if policy == "hide-uncommitted":
+        step.registrations.setdefault(req.id, []).extend(range(req.cached, upto))
+        req.cached = max(req.cached, upto)
+    return []
+
+
+def on_remove(s: State, req: Request) -> list[Event]:
+    """The request leaves while it still holds its blocks: roll back what the policy tracks."""
+    policy, events = s.config.policy, []
+    tracked: list[int] = []
+    if policy == "eager-rollback-single":
+        tracked = s.single.pop(req.id, [])
+    elif policy in ("eager-rollback-fifo", "hide-uncommitted"):
+        for step in s.steps:
+            tracked += step.registrations.pop(req.id, [])
+    for i in tracked:
+        if policy == "hide-uncommitted":
+            count_if_lost(s, req.table[i], s.key(req, i), leaving=req)
+        else:
+            events += unpublish(s, req.table[i], leaving=req)
+    return events
+
+
+def on_confirmed(s: State, step: Step) -> list[Event]:
+    """Top of the worker's output handling, before load failures (where PR 43569 commits)."""
+    if s.config.policy == "eager-rollback-fifo":
+        step.registrations.clear()
+    return []
+
+
+def on_written(s: State, step: Step) -> list[Event]:
+    """After load failures are handled: what the step really wrote may become visible."""
+    events: list[Event] = []
+    if s.config.policy == "hide-uncommitted":
+        for rid, indices in step.registrations.items():
+            req = s.requests[rid]
+            for i in indices:
+                events += publish(s, req, i)
+        step.registrations.clear()
+    elif s.config.policy == "deferred":
+        for rid, entry in step.entries.items():
+            if rid in step.live and rid not in step.failed:
+                events += register(s, s.requests[rid], entry.end // s.config.block_size)[0]
+    return events

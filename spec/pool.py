@@ -1,0 +1,143 @@
+"""The block pool's mechanisms (vLLM ``BlockPool``): lookup, touch, allocate, free, publish, unpublish.
+
+Each function changes the state and returns the effect events it caused, in order. They check the
+pool's own guards (no double free, no allocation from an empty queue) and raise ``Illegal`` when
+one fails; *when* they are called is decided by ``actions.py`` and ``policies.py``.
+
+Effect events are plain tuples (see ``docs/events.md``)::
+
+    ("hit", req, blocks)        lookup result, the blocks then touched
+    ("evict", block)            a cached free block's hash dropped because the block is reused
+    ("alloc", req, block)       the free queue's head given to a request
+    ("publish", req, index, block)   block registered under the request's index-th hash
+    ("unpublish", block)        a registration rolled back (or dropped by a prefix-cache reset)
+    ("free", block)             one reference dropped
+"""
+
+from __future__ import annotations
+
+from .state import NULL_BLOCK, Illegal, Key, Request, State
+
+Event = tuple[object, ...]
+
+
+def eventual_content(s: State, block: int, upto_step: int | None = None) -> Key | None:
+    """What the block will hold once every pending write of a step <= ``upto_step`` (all steps if
+    None) has run: the last such write wins, since writes only ever extend a prefix or start one
+    afresh in a newly allocated block."""
+    b = s.blocks[block]
+    content = b.written
+    for w in b.pending:
+        if upto_step is None or w.step <= upto_step:
+            content = w.prefix
+    return content
+
+
+def holds(content: Key | None, prefix: Key) -> bool:
+    """True when bytes holding ``content`` are valid for a reader of ``prefix``."""
+    return content is not None and content[: len(prefix)] == prefix and len(content) >= len(prefix)
+
+
+def lookup(s: State, req: Request) -> list[int]:
+    """The longest run of published blocks for the request's hashes, from its first block,
+    stopping at the first miss and capped so the last known token is always recomputed."""
+    cap = (len(req.tokens) - 1) // s.config.block_size
+    hits: list[int] = []
+    for i in range(cap):
+        blocks = s.index.get(s.key(req, i))
+        if not blocks:
+            break
+        hits.append(blocks[0])
+    return hits
+
+
+def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
+    """Take a reference on each hit block (out of the free queue if it was unreferenced) and
+    append it to the request's table."""
+    for block in blocks:
+        b = s.blocks[block]
+        if b.refcount == 0:
+            s.free.remove(block)
+        b.refcount += 1
+        req.table.append(block)
+    return [("hit", req.id, tuple(blocks))]
+
+
+def allocate(s: State, req: Request) -> list[Event]:
+    """Give the free queue's head to the request, dropping the hash it was cached under."""
+    if not s.free:
+        raise Illegal(f"allocate for r{req.id}: the free queue is empty")
+    block = s.free.pop(0)
+    b = s.blocks[block]
+    events: list[Event] = []
+    if b.key is not None:
+        _drop_key(s, block)
+        events.append(("evict", block))
+    b.refcount = 1
+    req.table.append(block)
+    events.append(("alloc", req.id, block))
+    return events
+
+
+def free_table(s: State, req: Request) -> list[Event]:
+    """Drop the request's references in reverse table order, so a chain's tail is evicted before
+    its ancestors; an unreferenced block goes to the queue's head when it has no hash (reused
+    first) and to its tail when it is cached (least recently used last)."""
+    events: list[Event] = []
+    for block in reversed(req.table):
+        b = s.blocks[block]
+        if b.refcount <= 0:
+            raise Illegal(f"free of block {block} by r{req.id}: refcount is {b.refcount}")
+        b.refcount -= 1
+        if b.refcount == 0:
+            if b.key is None:
+                s.free.insert(0, block)
+            else:
+                s.free.append(block)
+        events.append(("free", block))
+    req.table = []
+    req.computed = 0
+    req.cached = 0
+    return events
+
+
+def publish(s: State, req: Request, index: int) -> list[Event]:
+    """Register the request's block ``index`` under its hash (several blocks may share one)."""
+    block = req.table[index]
+    if block == NULL_BLOCK:
+        raise Illegal("publish of the null block")
+    b = s.blocks[block]
+    if b.key is not None:
+        return []
+    b.key = s.key(req, index)
+    s.index.setdefault(b.key, []).append(block)
+    return [("publish", req.id, index, block)]
+
+
+def unpublish(s: State, block: int, leaving: Request | None = None) -> list[Event]:
+    """Roll back a registration. When nobody but the leaving request references the block and
+    its bytes will be valid anyway, a future hit is thrown away: count it as a lost hit."""
+    b = s.blocks[block]
+    if b.key is None:
+        return []
+    count_if_lost(s, block, b.key, leaving)
+    _drop_key(s, block)
+    return [("unpublish", block)]
+
+
+def count_if_lost(s: State, block: int, key: Key, leaving: Request | None) -> None:
+    """Count a lost hit when ``key`` is dropped although the block will hold it and nobody but
+    the leaving request references the block."""
+    own = 1 if leaving is not None and block in leaving.table else 0
+    if s.blocks[block].refcount - own == 0 and holds(eventual_content(s, block), key):
+        s.lost_hits += 1
+
+
+def _drop_key(s: State, block: int) -> None:
+    b = s.blocks[block]
+    assert b.key is not None
+    owners = s.index[b.key]
+    owners.remove(block)
+    if not owners:
+        del s.index[b.key]
+    b.key = None

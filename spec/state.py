@@ -1,0 +1,198 @@
+"""The variables of the specification, their types and their initial values.
+
+This module owns the *state* half of the spec (the ``VARIABLES`` of a TLA+ module): the parameters
+of a configuration, one record per block, per request and per in-flight step, and ``initial_state``.
+Actions live in ``actions.py``, registration policies in ``policies.py`` and invariants in
+``invariants.py``. Everything here is plain standard-library Python so that a reader can check it
+line by line; speed is the reference implementation's business, not the spec's.
+
+A block's *hash* is modelled by what it names: the tuple of every token from position 0 to the end
+of the block (``Key``). Two blocks share a key exactly when they hold the same chained prefix, so the
+spec needs no hash function and has no collisions. Engines publish opaque hashes; the conformance
+layer maps them onto keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = (
+    "eager-unsafe",
+    "eager-rollback-single",
+    "eager-rollback-fifo",
+    "hide-uncommitted",
+    "deferred",
+)
+DISCIPLINES = ("vllm", "general")
+PREEMPTIONS = ("fcfs", "priority")
+NULL_BLOCK = 0
+
+Key = tuple[int, ...]
+"""A published hash, as the chained token prefix it names (tokens 0 .. end of the block)."""
+
+
+class Illegal(Exception):
+    """An event that is not an action of the spec in the current state: its guard is false."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The constants of a model (TLA+ ``CONSTANTS``)."""
+
+    num_blocks: int
+    """N, counting the null block 0: N - 1 blocks can hold K/V."""
+    block_size: int
+    """B, tokens per block."""
+    depth: int = 1
+    """D, how many submitted steps may be in flight: 1 sync, 2 async scheduling, k batch queue."""
+    policy: str = "deferred"
+    discipline: str = "vllm"
+    preemption: str = "fcfs"
+    token_budget: int = 64
+    """Most tokens (prefill + decode) one step may schedule."""
+    max_running: int = 8
+    """Most requests running at once (vLLM ``max_num_seqs``)."""
+    stop_token: int | None = None
+    """A sampled token equal to this finishes its request (reason ``stop``)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                self.num_blocks >= 2,
+                f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}",
+            ),
+            (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
+            (self.depth >= 1, f"depth must be >= 1, got {self.depth}"),
+            (
+                self.policy in POLICIES,
+                f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}",
+            ),
+            (self.discipline in DISCIPLINES, f"unknown discipline {self.discipline!r}"),
+            (self.preemption in PREEMPTIONS, f"unknown preemption {self.preemption!r}"),
+            (self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}"),
+            (self.max_running >= 1, f"max_running must be >= 1, got {self.max_running}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(slots=True)
+class Write:
+    """A write scheduled on a block: step ``step`` will write request ``req``'s K/V there, after
+    which the block holds ``prefix`` (tokens 0 .. the last slot written)."""
+
+    step: int
+    req: int
+    prefix: Key
+    load: bool = False
+    """Written by an external KV load (a connector) rather than by the model; it may fail."""
+
+
+@dataclass(slots=True)
+class Block:
+    refcount: int = 0
+    key: Key | None = None
+    """The published hash (visible to lookups), or None."""
+    written: Key | None = None
+    """Content: the prefix the block's bytes hold, or None for garbage (never written, or
+    computed from wrong inputs). Freeing or reusing a block does not change its bytes."""
+    pending: list[Write] = field(default_factory=list)
+    """Writes of in-flight steps, oldest step first."""
+
+
+@dataclass(slots=True)
+class Request:
+    id: int
+    tokens: list[int]
+    """Prompt then sampled tokens; grows at commit."""
+    prompt_len: int
+    max_tokens: int
+    priority: int
+    arrival: int
+    status: str = "waiting"
+    """waiting | running | finished"""
+    table: list[int] = field(default_factory=list)
+    """Block table: table[i] holds tokens i*B .. (i+1)*B - 1."""
+    computed: int = 0
+    """Tokens whose K/V is written or scheduled to be written (vLLM ``num_computed_tokens``)."""
+    cached: int = 0
+    """Leading table blocks already registered (vLLM ``num_cached_block``)."""
+    loading: int | None = None
+    """The step of an external KV load not yet confirmed; the request waits for it."""
+
+    @property
+    def output_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass(slots=True)
+class Entry:
+    """One request's part in a step: compute (or load) tokens ``start .. end - 1``."""
+
+    start: int
+    end: int
+    blocks: tuple[int, ...]
+    """The table prefix the step reads and writes: blocks 0 .. ceil(end / B) - 1."""
+    load: bool = False
+    samples: bool = False
+    """The step reaches the end of the known tokens, so it samples the next token."""
+
+
+@dataclass(slots=True)
+class Step:
+    id: int
+    phase: str = "building"
+    """building (being scheduled) | submitted | executed. Committed steps leave the state."""
+    entries: dict[int, Entry] = field(default_factory=dict)
+    """The step's output, in scheduling order. Preempting or aborting a request while the step
+    is building removes its entry; once submitted, the worker holds the batch and writes it all."""
+    live: set[int] = field(default_factory=set)
+    """Requests whose results will be used at commit (not preempted or aborted since)."""
+    registrations: dict[int, list[int]] = field(default_factory=dict)
+    """Eager registrations made while scheduling this step, as block indices per request: the
+    bucket of ``eager-rollback-fifo`` and the hidden entries of ``hide-uncommitted``."""
+    failed: tuple[int, ...] = ()
+    """Requests whose external load failed when the step executed."""
+    budget_used: int = 0
+    preempted: bool = False
+    admitted: bool = False
+
+
+@dataclass(slots=True)
+class State:
+    config: Config
+    blocks: list[Block]
+    free: list[int]
+    """The free queue, head (next to allocate) first."""
+    index: dict[Key, list[int]]
+    """Published keys to blocks, oldest registration first; a lookup takes the first."""
+    requests: dict[int, Request] = field(default_factory=dict)
+    waiting: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    """In-flight steps, oldest first; a building step, if any, is last."""
+    next_step: int = 0
+    single: dict[int, list[int]] = field(default_factory=dict)
+    """The one registration dict of ``eager-rollback-single`` (cleared at each begin)."""
+    bad_reads: list[tuple[int, int, int]] = field(default_factory=list)
+    """(step, request, block) for every live read that found the wrong bytes at execution."""
+    lost_hits: int = 0
+    """Valid, unreferenced cache entries dropped by a rollback (safe but wasted)."""
+    commits: int = 0
+
+    @property
+    def building(self) -> Step | None:
+        if self.steps and self.steps[-1].phase == "building":
+            return self.steps[-1]
+        return None
+
+    def key(self, req: Request, index: int) -> Key:
+        """The chained hash of the request's block ``index``."""
+        return tuple(req.tokens[: (index + 1) * self.config.block_size])
+
+
+def initial_state(config: Config) -> State:
+    """All blocks free in id order, nothing published, no requests, no steps."""
+    blocks = [Block() for _ in range(config.num_blocks)]
+    return State(config=config, blocks=blocks, free=list(range(1, config.num_blocks)), index={})
