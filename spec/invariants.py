@@ -20,8 +20,8 @@ def no_unwritten_read(s: State) -> str | None:
     earlier in-flight steps' writes have run. Guards against the zombie hit: plausible but wrong
     tokens computed from K/V that was never written (the seed bug's end-to-end symptom)."""
     if s.bad_reads:
-        step, rid, block = s.bad_reads[0]
-        return f"step {step} read block {block} for r{rid} but it does not hold r{rid}'s prefix"
+        step_id, rid, block = s.bad_reads[0]
+        return f"step {step_id} read block {block} for r{rid} but it does not hold r{rid}'s prefix"
     bsz = s.config.block_size
     for step in s.steps:
         if step.phase == "executed":

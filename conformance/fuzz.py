@@ -1,0 +1,267 @@
+"""Lockstep stateful fuzzing: Hypothesis generates workloads, drives an engine, the spec judges.
+
+The arrow "workload drives engine" lives here. ``lockstep_machine`` builds a Hypothesis
+``RuleBasedStateMachine`` for one cell (policy, discipline, preemption, depth): its rules are a
+workload (requests arriving with shared prefixes, engine steps, aborts, prefix-cache resets) and
+every nondeterministic choice the engine makes (which request a general scheduler admits or
+preempts, which external KV loads fail) is drawn by Hypothesis too, so failures shrink. After every
+rule, the engine's new events go through a ``Judge`` and its refcounts and free queue are compared
+with the spec's. ``run_cell`` runs a machine for a time budget and returns what it found.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    initialize,
+    invariant,
+    rule,
+)
+
+from kvspec.reference import Engine, EngineConfig
+from kvspec.spec import Config
+
+from .lockstep import Event, Finding, Judge
+
+PREFIXES = ((1, 2, 3, 1, 2, 3, 1, 2), (2, 2, 1, 1, 3, 3, 2, 2), (3, 1, 3, 1, 2, 1, 2, 1))
+"""Shared "system prompts": requests that start with the same one share prefix blocks."""
+
+
+class CounterexampleFound(AssertionError):
+    """Raised inside a run when the judge reports a finding."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(str(finding))
+        self.finding = finding
+
+
+class DataChoices:
+    """The engine's nondeterministic choices, drawn by Hypothesis (0 is the simplest)."""
+
+    def __init__(self) -> None:
+        self.data: Any = None
+
+    def pick(self, n: int, label: str) -> int:
+        if n <= 1 or self.data is None:
+            return 0
+        return int(self.data.draw(st.integers(0, n - 1), label=label))
+
+
+@dataclass
+class Failure:
+    """The last failing run: what the CLI prints and writes."""
+
+    finding: Finding
+    config: Config
+    program: list[tuple[str, list[Event]]]
+    events: list[Event]
+
+
+@dataclass
+class Tally:
+    """Counts over all runs of a machine class (for the demo's lost-hit rate)."""
+
+    runs: int = 0
+    commits: int = 0
+    lost_hits: int = 0
+    failure: Failure | None = None
+    first_failure_at: float | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def lockstep_machine(
+    policy: str,
+    discipline: str = "vllm",
+    preemption: str = "fcfs",
+    depth: int | None = None,
+) -> type[RuleBasedStateMachine]:
+    """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3."""
+    depths = st.integers(1, 3) if depth is None else st.just(depth)
+    tally = Tally()
+
+    class LockstepMachine(RuleBasedStateMachine):
+        @initialize(
+            num_blocks=st.integers(4, 10),
+            block_size=st.sampled_from((2, 4)),
+            depth=depths,
+            token_budget=st.integers(3, 12),
+            max_running=st.integers(2, 4),
+        )
+        def configure(
+            self, num_blocks: int, block_size: int, depth: int, token_budget: int, max_running: int
+        ) -> None:
+            common = dict(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                depth=depth,
+                policy=policy,
+                discipline=discipline,
+                preemption=preemption,
+                token_budget=token_budget,
+                max_running=max_running,
+                stop_token=0,
+            )
+            self.config = Config(**common)
+            self.choices = DataChoices()
+            self.engine = Engine(EngineConfig(**common, vocab=4), choices=self.choices)
+            self.judge = Judge(self.config)
+            self.program: list[tuple[str, list[Event]]] = []
+            self.next_id = 0
+            tally.runs += 1
+
+        @rule(
+            prefix=st.integers(0, len(PREFIXES) - 1),
+            shared=st.integers(0, 8),
+            suffix=st.lists(st.integers(1, 3), max_size=5),
+            max_tokens=st.integers(1, 4),
+            priority=st.integers(0, 3),
+            external=st.booleans(),
+        )
+        def arrive(
+            self,
+            prefix: int,
+            shared: int,
+            suffix: list[int],
+            max_tokens: int,
+            priority: int,
+            external: bool,
+        ) -> None:
+            prompt = PREFIXES[prefix][:shared] + tuple(suffix)
+            limit = (self.config.num_blocks - 1) * self.config.block_size - max_tokens
+            prompt = prompt[: max(1, limit)] or (1,)
+            rid, self.next_id = self.next_id, self.next_id + 1
+            self._run(
+                f"r{rid} arrives: prompt {list(prompt)}, max {max_tokens} new tokens, "
+                f"priority {priority}{', KV in the external store' if external else ''}",
+                lambda: self.engine.add_request(rid, prompt, max_tokens, priority, external),
+            )
+
+        @rule(data=st.data())
+        def step(self, data: Any) -> None:
+            self.choices.data = data
+            self._run("engine step", self.engine.step)
+            self.choices.data = None
+
+        @rule(which=st.integers(0, 7))
+        def abort(self, which: int) -> None:
+            live = [r for r, q in self.engine.requests.items() if q.status != "finished"]
+            if live:
+                rid = live[which % len(live)]
+                self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
+
+        @rule()
+        def reset_prefix_cache(self) -> None:
+            self._run("reset the prefix cache", self.engine.reset_prefix_cache)
+
+        @invariant()
+        def observables_agree(self) -> None:
+            if hasattr(self, "judge"):
+                self._raise_if(self.judge.compare(*self.engine.snapshot()))
+
+        def teardown(self) -> None:
+            if not hasattr(self, "judge"):
+                return
+            tally.commits += self.judge.state.commits
+            tally.lost_hits += self.judge.state.lost_hits
+
+        def _run(self, action: str, call: Callable[[], object]) -> None:
+            start = len(self.engine.events)
+            try:
+                call()
+            except Exception as err:  # an engine that crashes is a finding, not a fuzzer crash
+                self.program.append((action, self.engine.events[start:]))
+                where = self.judge.events_seen
+                self._raise_if(Finding("EngineError", f"{type(err).__name__}: {err}", where))
+            new = self.engine.events[start:]
+            self.program.append((action, new))
+            self._raise_if(self.judge.feed_all(new))
+
+        def _raise_if(self, finding: Finding | None) -> None:
+            if finding is None:
+                return
+            if tally.first_failure_at is None:
+                tally.first_failure_at = time.monotonic() - tally.started
+            tally.failure = Failure(
+                finding, self.config, list(self.program), list(self.engine.events)
+            )
+            raise CounterexampleFound(finding)
+
+    LockstepMachine.__name__ = f"Lockstep[{policy},{discipline},{preemption},{depth or 'D'}]"
+    LockstepMachine.tally = tally  # type: ignore[attr-defined]
+    return LockstepMachine
+
+
+@dataclass
+class CellResult:
+    policy: str
+    discipline: str
+    preemption: str
+    depth: int | None
+    failure: Failure | None
+    seconds_to_failure: float | None
+    seconds: float
+    runs: int
+    commits: int
+    lost_hits: int
+
+    @property
+    def lost_hits_per_1000_steps(self) -> float:
+        return 1000.0 * self.lost_hits / self.commits if self.commits else 0.0
+
+
+def run_cell(
+    policy: str,
+    discipline: str = "vllm",
+    preemption: str = "fcfs",
+    depth: int | None = None,
+    seconds: float = 10.0,
+    seed_value: int = 0,
+    chunk: int = 25,
+    steps: int = 40,
+) -> CellResult:
+    """Fuzz one cell until a counterexample is found (and shrunk) or ``seconds`` run out.
+
+    Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
+    reproducible from its seed."""
+    machine = lockstep_machine(policy, discipline, preemption, depth)
+    tally: Tally = machine.tally  # type: ignore[attr-defined]
+    config = settings(
+        max_examples=chunk,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        verbosity=Verbosity.quiet,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
+    batch = 0
+    while time.monotonic() - tally.started < seconds:
+        test = seed(seed_value * 1_000_003 + batch)(
+            get_state_machine_test(machine, settings=config)
+        )
+        batch += 1
+        try:
+            test()
+        except CounterexampleFound:
+            break
+    return CellResult(
+        policy,
+        discipline,
+        preemption,
+        depth,
+        tally.failure,
+        tally.first_failure_at,
+        time.monotonic() - tally.started,
+        tally.runs,
+        tally.commits,
+        tally.lost_hits,
+    )

@@ -1,0 +1,130 @@
+"""The judge: an engine's event stream replayed through the spec, one event at a time.
+
+This is the arrow "the spec judges the trace". Each *decision* event (arrive, begin, schedule,
+preempt, submit, execute, commit, abort, reset) is applied to the spec; the spec computes the
+effects it must cause (hits, evictions, allocations, publications, frees, finishes) and the engine's
+*effect* events that follow must be exactly those, in order. After every decision every invariant is
+checked. The first problem found is kept as a ``Finding``:
+
+* an invariant's name (``NoUnwrittenRead``, ...): the engine did what the spec allows, and the
+  resulting state is unsafe: a finding about the engine's *design* (its policy, its discipline);
+* ``Disagreement``: the engine's effects or observable state differ from the spec's: a bug in the
+  engine (or in the spec);
+* ``Illegal``: the engine made a decision the spec does not allow in that state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvspec.spec import (
+    ACTIONS,
+    INVARIANTS,
+    Config,
+    Illegal,
+    apply,
+    check,
+    initial_state,
+    running_tables,
+    tables_append_only,
+)
+
+Event = tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class Finding:
+    invariant: str
+    """An invariant's name, ``Disagreement``, ``Illegal`` or ``EngineError``."""
+    message: str
+    event: int
+    """Index of the event in the stream at which it was found."""
+
+    @property
+    def explanation(self) -> str:
+        """What the invariant guards, from its docstring."""
+        doc = INVARIANTS[self.invariant].__doc__ if self.invariant in INVARIANTS else None
+        if self.invariant == "Disagreement":
+            doc = "The engine and the spec disagree on an observable: a bug in one of them."
+        if self.invariant == "EngineError":
+            doc = "The engine raised an exception on an input the workload may send."
+        if self.invariant == "Illegal":
+            doc = "The engine took a decision that no action of the spec allows in this state."
+        return " ".join((doc or "").split())
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.message} (event {self.event})"
+
+
+class Judge:
+    """Feed events with ``feed``; compare observable state with ``compare``; ``settle`` at the
+    end. A judge stops at its first finding and returns it from then on."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.state = initial_state(config)
+        self.expected: deque[Event] = deque()
+        self.events_seen = 0
+        self.finding: Finding | None = None
+        self._tables = running_tables(self.state)
+
+    def feed(self, event: Event) -> Finding | None:
+        if self.finding is not None:
+            return self.finding
+        index = self.events_seen
+        self.events_seen += 1
+        if event and event[0] in ACTIONS:
+            if self.expected:
+                return self._found("Disagreement", f"missing effect {self.expected[0]}", index)
+            try:
+                self.expected.extend(apply(self.state, event))
+            except Illegal as err:
+                return self._found("Illegal", str(err), index)
+            violated = check(self.state)
+            if violated is not None:
+                return self._found(*violated, index)
+            grew = tables_append_only(self._tables, self.state)
+            if grew is not None:
+                return self._found("TablesAppendOnly", grew, index)
+            self._tables = running_tables(self.state)
+            return None
+        want = self.expected.popleft() if self.expected else None
+        if event != want:
+            return self._found(
+                "Disagreement", f"engine emitted {event}, spec expects {want}", index
+            )
+        return None
+
+    def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        for event in events:
+            if self.feed(event) is not None:
+                break
+        return self.finding
+
+    def settle(self) -> Finding | None:
+        """At a point where the engine has emitted everything: no effect may be missing."""
+        if self.finding is None and self.expected:
+            self._found("Disagreement", f"missing effect {self.expected[0]}", self.events_seen)
+        return self.finding
+
+    def compare(self, refcounts: tuple[int, ...], free: tuple[int, ...]) -> Finding | None:
+        """Check the engine's refcounts and free-queue order against the spec's."""
+        if self.settle() is not None:
+            return self.finding
+        s = self.state
+        mine = tuple(b.refcount for b in s.blocks)
+        if refcounts != mine:
+            return self._found(
+                "Disagreement", f"refcounts {refcounts}, spec {mine}", self.events_seen
+            )
+        if free != tuple(s.free):
+            return self._found(
+                "Disagreement", f"free queue {free}, spec {s.free}", self.events_seen
+            )
+        return None
+
+    def _found(self, invariant: str, message: str, index: int) -> Finding:
+        self.finding = Finding(invariant, message, index)
+        return self.finding
