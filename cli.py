@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     _cell_arguments(fuzz)
     fuzz.add_argument("--seconds", type=_positive(float), default=60.0)
     fuzz.add_argument("--out", help="write the counterexample's events here")
+    fuzz.add_argument(
+        "--loads", action="store_true", help="also external KV loads, some of which fail"
+    )
 
     sim = sub.add_parser("simulate", help="run the reference engine on a shared-prefix workload")
     _cell_arguments(sim)
@@ -78,7 +81,13 @@ def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.report import format_counterexample, write_events
 
     result = run_cell(
-        args.policy, args.discipline, args.preemption, args.depth, args.seconds, args.seed
+        args.policy,
+        args.discipline,
+        args.preemption,
+        args.depth,
+        args.loads,
+        args.seconds,
+        args.seed,
     )
     if result.failure is None:
         print(
@@ -138,7 +147,10 @@ def _demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     for result in all_cells(args.seconds, args.seed):
         verdict = "FAILS" if result.failure else "holds"
-        print(f"  {result.policy:24s} {result.discipline}/{result.preemption:9s} {verdict}")
+        loads = "kv-load failures" if result.loads else "preempt/abort"
+        print(
+            f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} {verdict}"
+        )
         results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")

@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     get_state_machine_test,
     initialize,
     invariant,
+    precondition,
     rule,
 )
 
@@ -74,6 +75,8 @@ class Tally:
     lost_hits: int = 0
     failure: Failure | None = None
     first_failure_at: float | None = None
+    first_failure_length: int | None = None
+    """Workload steps of the first failing run, before shrinking."""
     started: float = field(default_factory=time.monotonic)
 
 
@@ -82,14 +85,17 @@ def lockstep_machine(
     discipline: str = "vllm",
     preemption: str = "fcfs",
     depth: int | None = None,
+    loads: bool = False,
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3."""
+    """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3. With
+    ``loads``, some requests find their prompt in an external KV store and loads may fail."""
     depths = st.integers(1, 3) if depth is None else st.just(depth)
+    externals = st.booleans() if loads else st.just(False)
     tally = Tally()
 
     class LockstepMachine(RuleBasedStateMachine):
         @initialize(
-            num_blocks=st.integers(4, 10),
+            num_blocks=st.integers(4, 8),
             block_size=st.sampled_from((2, 4)),
             depth=depths,
             token_budget=st.integers(3, 12),
@@ -121,9 +127,9 @@ def lockstep_machine(
             prefix=st.integers(0, len(PREFIXES) - 1),
             shared=st.integers(0, 8),
             suffix=st.lists(st.integers(1, 3), max_size=5),
-            max_tokens=st.integers(1, 4),
+            max_tokens=st.integers(1, 6),
             priority=st.integers(0, 3),
-            external=st.booleans(),
+            external=externals,
         )
         def arrive(
             self,
@@ -134,9 +140,9 @@ def lockstep_machine(
             priority: int,
             external: bool,
         ) -> None:
-            prompt = PREFIXES[prefix][:shared] + tuple(suffix)
-            limit = (self.config.num_blocks - 1) * self.config.block_size - max_tokens
-            prompt = prompt[: max(1, limit)] or (1,)
+            capacity = (self.config.num_blocks - 1) * self.config.block_size
+            max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
+            prompt = (PREFIXES[prefix][:shared] + tuple(suffix))[: capacity - max_tokens] or (1,)
             rid, self.next_id = self.next_id, self.next_id + 1
             self._run(
                 f"r{rid} arrives: prompt {list(prompt)}, max {max_tokens} new tokens, "
@@ -144,10 +150,11 @@ def lockstep_machine(
                 lambda: self.engine.add_request(rid, prompt, max_tokens, priority, external),
             )
 
-        @rule(data=st.data())
-        def step(self, data: Any) -> None:
+        @rule(data=st.data(), count=st.integers(1, 6))
+        def step(self, data: Any, count: int) -> None:
             self.choices.data = data
-            self._run("engine step", self.engine.step)
+            for _ in range(count):
+                self._run("engine step", self.engine.step)
             self.choices.data = None
 
         @rule(which=st.integers(0, 7))
@@ -157,6 +164,7 @@ def lockstep_machine(
                 rid = live[which % len(live)]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
 
+        @precondition(lambda self: not self.engine.has_unfinished())
         @rule()
         def reset_prefix_cache(self) -> None:
             self._run("reset the prefix cache", self.engine.reset_prefix_cache)
@@ -189,12 +197,16 @@ def lockstep_machine(
                 return
             if tally.first_failure_at is None:
                 tally.first_failure_at = time.monotonic() - tally.started
+                tally.first_failure_length = len(self.program)
             tally.failure = Failure(
                 finding, self.config, list(self.program), list(self.engine.events)
             )
             raise CounterexampleFound(finding)
 
-    LockstepMachine.__name__ = f"Lockstep[{policy},{discipline},{preemption},{depth or 'D'}]"
+    loads_tag = ",loads" if loads else ""
+    LockstepMachine.__name__ = (
+        f"Lockstep[{policy},{discipline},{preemption},{depth or 'D'}{loads_tag}]"
+    )
     LockstepMachine.tally = tally  # type: ignore[attr-defined]
     return LockstepMachine
 
@@ -205,8 +217,10 @@ class CellResult:
     discipline: str
     preemption: str
     depth: int | None
+    loads: bool
     failure: Failure | None
     seconds_to_failure: float | None
+    unshrunk_length: int | None
     seconds: float
     runs: int
     commits: int
@@ -222,6 +236,7 @@ def run_cell(
     discipline: str = "vllm",
     preemption: str = "fcfs",
     depth: int | None = None,
+    loads: bool = False,
     seconds: float = 10.0,
     seed_value: int = 0,
     chunk: int = 25,
@@ -231,7 +246,7 @@ def run_cell(
 
     Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
     reproducible from its seed."""
-    machine = lockstep_machine(policy, discipline, preemption, depth)
+    machine = lockstep_machine(policy, discipline, preemption, depth, loads)
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
         max_examples=chunk,
@@ -258,8 +273,10 @@ def run_cell(
         discipline,
         preemption,
         depth,
+        loads,
         tally.failure,
         tally.first_failure_at,
+        tally.first_failure_length,
         time.monotonic() - tally.started,
         tally.runs,
         tally.commits,

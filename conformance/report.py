@@ -79,11 +79,15 @@ def format_counterexample(
         f"budget {config.token_budget}, policy {config.policy}, discipline {config.discipline}, "
         f"preemption {config.preemption}"
     ]
+    index = 0  # position in the whole event stream, to stop at the finding
     for number, (action, events) in enumerate(program, 1):
         lines.append(f"{number:3d}. {action}")
         line = ""
         for event in events:
-            text = describe(event)
+            if index > finding.event:
+                break
+            text = describe(event) + ("   <== here" if index == finding.event else "")
+            index += 1
             if event[0] == "arrive":
                 continue
             if event[0] in EFFECTS:
@@ -94,6 +98,8 @@ def format_counterexample(
                 line = text
         if line:
             lines.append(f"       {line}")
+        if index > finding.event:
+            break
     lines.append(f"violated: {finding.invariant}: {finding.message}")
     lines.append(f"  ({finding.explanation})")
     return "\n".join(lines)

@@ -8,21 +8,40 @@ counterexample found, which is evidence, not proof: issue #3 adds proofs).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 from kvspec.spec import POLICIES
 
 from .fuzz import CellResult, run_cell
 
-CELLS = (("vllm", "fcfs"), ("vllm", "priority"), ("general", "priority"))
+CELLS = (
+    ("vllm", "fcfs", False),
+    ("vllm", "priority", False),
+    ("general", "priority", False),
+    ("vllm", "fcfs", True),
+)
+"""(discipline, preemption, KV-load failures): the last cell adds requests whose prompt sits in an
+external KV store, and loads that fail."""
 
 
 def all_cells(
-    seconds: float, seed_value: int = 0, policies: tuple[str, ...] = POLICIES
+    seconds: float, seed_value: int = 0, policies: tuple[str, ...] = POLICIES, workers: int = 0
 ) -> Iterator[CellResult]:
-    for policy in policies:
-        for discipline, preemption in CELLS:
-            yield run_cell(policy, discipline, preemption, None, seconds, seed_value)
+    """Fuzz every cell for ``seconds`` each, ``workers`` processes at once (0: one per core);
+    results come in table order."""
+    jobs = [
+        (policy, discipline, preemption, None, loads, seconds, seed_value)
+        for policy in policies
+        for discipline, preemption, loads in CELLS
+    ]
+    with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        yield from pool.map(_run, jobs)
+
+
+def _run(job: tuple) -> CellResult:
+    return run_cell(*job)
 
 
 def rows(results: list[CellResult]) -> list[tuple[str, ...]]:
@@ -35,6 +54,7 @@ def rows(results: list[CellResult]) -> list[tuple[str, ...]]:
             (
                 r.policy,
                 r.discipline if r.discipline == "general" else f"{r.discipline}/{r.preemption}",
+                "kv-load failures" if r.loads else "preempt/abort",
                 "FAILS" if failure else "holds",
                 failure.finding.invariant if failure else "-",
                 str(len(failure.program)) if failure else "-",
@@ -48,11 +68,12 @@ def rows(results: list[CellResult]) -> list[tuple[str, ...]]:
 HEADERS = (
     "policy",
     "discipline",
+    "workload",
     "verdict",
     "invariant broken",
-    "shortest cex (steps)",
-    "s to 1st failure",
-    "lost hits /1k steps",
+    "cex steps",
+    "1st failure s",
+    "lost hits/1k steps",
 )
 
 
@@ -64,6 +85,6 @@ def print_table(results: list[CellResult], echo: Callable[[object], None] | None
     for header in HEADERS:
         table.add_column(header)
     for row in rows(results):
-        style = "red" if row[2] == "FAILS" else "green"
+        style = "red" if row[3] == "FAILS" else "green"
         table.add_row(*row, style=style)
-    (echo or Console(width=140).print)(table)
+    (echo or Console(width=160).print)(table)

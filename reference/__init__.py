@@ -1,1 +1,28 @@
-"""kvspec.reference: a reference implementation of the KV-cache block lifecycle."""
+"""kvspec.reference: a fast, independent implementation of the KV-cache block lifecycle.
+
+An engine built like a real one (O(1) block pool with an intrusive free list and a hash index,
+chained sha256 block hashes, a KV cache manager, five registration policies, a vLLM-like and a
+general scheduler, an engine loop with D steps in flight, a fake worker) that emits the same
+event stream as ``kvspec.spec``, against which it is checked. It imports nothing of kvspec.
+
+Modules: ``config`` (EngineConfig), ``choices`` (nondeterminism), ``hashing``, ``block_pool``,
+``request`` (request and step records), ``kv_cache_manager``, ``policies``, ``scheduler``
+(state and decisions), ``disciplines`` (which decisions), ``worker``, ``engine``, ``workload``.
+"""
+
+from .choices import Choices, DefaultChoices, RandomChoices
+from .config import DISCIPLINES, POLICIES, PREEMPTIONS, EngineConfig
+from .engine import Engine
+from .workload import shared_prefix_workload
+
+__all__ = [
+    "DISCIPLINES",
+    "POLICIES",
+    "PREEMPTIONS",
+    "Choices",
+    "DefaultChoices",
+    "Engine",
+    "EngineConfig",
+    "RandomChoices",
+    "shared_prefix_workload",
+]

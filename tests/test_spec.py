@@ -104,29 +104,42 @@ def test_consumer_scenario_is_illegal_under_vllm() -> None:
         apply(s, ("preempt", 1))
 
 
-def test_load_failure_publishes_unwritten_blocks_under_every_eager_policy() -> None:
+def test_load_failure_leaves_zombies_unless_rolled_back_at_commit() -> None:
     events = [
         ("arrive", 1, (1, 2, 3, 4, 5, 6, 7, 8, 9), 2, 0),
         ("begin", 0),
         ("schedule", 1, 0, 2),  # load blocks 0 and 1 from the external store
         ("submit", 0),
-        ("execute", 0, (1,)),  # the load fails
+        ("execute", 0, (1,)),  # the load fails; the scheduler learns it at commit
         ("commit", 0, ()),
     ]
     for policy in POLICIES:
         config = Config(num_blocks=8, block_size=4, policy=policy)
-        _, failure, at = run(config, events)
-        if policy.startswith("eager"):  # published before the load, which then fails
-            assert failure == ("NoUnwrittenPublish", failure[1]) and events[at][0] == "execute"
-        else:
-            assert failure is None, (policy, failure)
-        s = initial_state(config)
-        for event in events:
-            apply(s, event)
+        s, failure, at = run(config, events)
         zombies = sorted(b for blocks in s.index.values() for b in blocks)
         # PR 43569 commits its bucket at the top of update_from_output, before failures are
         # handled, so the fifo rollback finds nothing; the single dict still holds them at D=1
-        assert zombies == ([1, 2] if policy in ("eager-unsafe", "eager-rollback-fifo") else [])
+        if policy in ("eager-unsafe", "eager-rollback-fifo"):
+            assert failure is not None and failure[0] == "NoUnwrittenPublish"
+            assert events[at][0] == "commit" and zombies == [1, 2]
+        else:
+            assert failure is None and zombies == [], (policy, failure)
+
+
+def test_single_dict_is_cleared_before_the_failure_is_reported_at_depth_2() -> None:
+    config = Config(num_blocks=8, block_size=4, depth=2, policy="eager-rollback-single")
+    events = [
+        ("arrive", 1, (1, 2, 3, 4, 5, 6, 7, 8, 9), 2, 0),
+        ("begin", 0),
+        ("schedule", 1, 0, 2),
+        ("submit", 0),
+        ("begin", 1),  # clears the single dict: step 0's registrations count as committed
+        ("submit", 1),
+        ("execute", 0, (1,)),
+        ("commit", 0, ()),
+    ]
+    _, failure, at = run(config, events)
+    assert failure is not None and failure[0] == "NoUnwrittenPublish" and at == len(events) - 1
 
 
 def test_rollback_of_a_submitted_write_counts_a_lost_hit() -> None:

@@ -1,0 +1,66 @@
+"""Engine configuration: the constants of one engine instance, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = (
+    "eager-unsafe",
+    "eager-rollback-single",
+    "eager-rollback-fifo",
+    "hide-uncommitted",
+    "deferred",
+)
+DISCIPLINES = ("vllm", "general")
+PREEMPTIONS = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Pool geometry, scheduling limits, registration policy and the fake model's vocabulary."""
+
+    num_blocks: int
+    """Blocks in the pool, counting the null block 0."""
+    block_size: int
+    """Tokens per block."""
+    depth: int = 1
+    """Submitted steps that may be in flight at once (1 sync, 2 async scheduling, ...)."""
+    policy: str = "deferred"
+    discipline: str = "vllm"
+    preemption: str = "fcfs"
+    token_budget: int = 64
+    max_running: int = 8
+    stop_token: int | None = None
+    vocab: int = 8
+    """The fake model samples tokens in [0, vocab)."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            (_is_int(self.num_blocks) and self.num_blocks >= 2, "num_blocks must be an int >= 2"),
+            (_is_int(self.block_size) and self.block_size >= 1, "block_size must be an int >= 1"),
+            (_is_int(self.depth) and self.depth >= 1, "depth must be an int >= 1"),
+            (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}"),
+            (self.discipline in DISCIPLINES, f"discipline must be one of {', '.join(DISCIPLINES)}"),
+            (self.preemption in PREEMPTIONS, f"preemption must be one of {', '.join(PREEMPTIONS)}"),
+            (
+                _is_int(self.token_budget) and self.token_budget >= 1,
+                "token_budget must be an int >= 1",
+            ),
+            (
+                _is_int(self.max_running) and self.max_running >= 1,
+                "max_running must be an int >= 1",
+            ),
+            (
+                self.stop_token is None or _is_int(self.stop_token),
+                "stop_token must be None or an int",
+            ),
+            (_is_int(self.vocab) and self.vocab >= 1, "vocab must be an int >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                field = message.split()[0]
+                raise ValueError(f"{message}, got {getattr(self, field)!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

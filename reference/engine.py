@@ -1,0 +1,148 @@
+"""The engine loop (vLLM ``EngineCore`` with a batch queue of depth D) and the public API.
+
+``step()`` does one of two things: if fewer than D steps are in flight and there is work to
+schedule, it builds one step (begin, the discipline's decisions, submit), even an empty one;
+otherwise it executes the oldest step in flight on the fake worker and commits its output
+at once. With D >= 2 step N+1 is thus scheduled before step N executes (async scheduling).
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool, Event
+from .choices import Choices, DefaultChoices
+from .config import EngineConfig
+from .disciplines import schedule_general, schedule_vllm
+from .hashing import pack_tokens
+from .kv_cache_manager import KVCacheManager
+from .policies import make_policy
+from .request import FINISHED, Request
+from .scheduler import Scheduler
+from .worker import FakeWorker, StepLog
+
+
+class Engine:
+    def __init__(
+        self, config: EngineConfig, choices: Choices | None = None, record: bool = True
+    ) -> None:
+        self.config = config
+        self.choices: Choices = DefaultChoices() if choices is None else choices
+        self.record = record
+        self.events: list[Event] = []
+        sink = self.events if record else None
+        self.pool = BlockPool(config.num_blocks, sink)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(config, self.kv, make_policy(config.policy, self.kv), sink)
+        self.worker = FakeWorker(self.choices, config.block_size, config.vocab, record)
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        return self.scheduler.requests
+
+    @property
+    def worker_log(self) -> list[StepLog]:
+        """Per executed step, what the worker wrote and read (empty when not recording)."""
+        return self.worker.log if self.worker.log is not None else []
+
+    def add_request(
+        self,
+        rid: int,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        priority: int = 0,
+        external: bool = False,
+    ) -> None:
+        sched, cfg = self.scheduler, self.config
+        prompt = tuple(prompt)
+        if rid in sched.requests:
+            raise ValueError(f"request id {rid!r} is taken")
+        if not prompt:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
+        if not isinstance(priority, int):
+            raise ValueError(f"request {rid!r}: priority must be an int, got {priority!r}")
+        need = -(-(len(prompt) + max_tokens) // cfg.block_size)
+        if need > cfg.num_blocks - 1:
+            raise ValueError(
+                f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "
+                f"the pool has {cfg.num_blocks - 1}"
+            )
+        packed = pack_tokens(prompt)
+        req = Request(rid, prompt, packed, max_tokens, priority, len(sched.requests), external)
+        if self.record:
+            self.events.append(("arrive", rid, prompt, max_tokens, priority))
+        sched.add(req)
+
+    def step(self) -> bool:
+        sched = self.scheduler
+        if len(sched.in_flight) < self.config.depth and sched.has_schedulable_work():
+            step = sched.begin()
+            if self.config.discipline == "vllm":
+                schedule_vllm(sched, step)
+            else:
+                schedule_general(sched, step, self.choices)
+            sched.submit(step)
+            return True
+        if sched.in_flight:
+            step = sched.in_flight[0]
+            failed = self.worker.execute(step)
+            if self.record:
+                self.events.append(("execute", step.step_id, failed))
+            requests, live, sample = sched.requests, step.live, self.worker.sample
+            sampled = tuple(
+                (rid, sample(requests[rid]))
+                for rid, entry in step.entries.items()
+                if entry.samples and rid in live
+            )
+            sched.update_from_output(step, sampled)
+            return True
+        return False
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Step until there is nothing to do (or ``max_steps``); return the steps taken."""
+        n = 0
+        while (max_steps is None or n < max_steps) and self.step():
+            n += 1
+        return n
+
+    def abort(self, rid: int) -> bool:
+        req = self.scheduler.requests.get(rid)
+        if req is None or req.status == FINISHED:
+            return False
+        self.scheduler.abort(req)
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        if self.scheduler.in_flight or self.pool.in_use():
+            return False
+        if self.record:
+            self.events.append(("reset",))
+        self.pool.reset()
+        return True
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(refcount of every block id 0..N-1, free queue block ids head first)."""
+        return self.pool.snapshot()
+
+    def has_unfinished(self) -> bool:
+        sched = self.scheduler
+        return bool(sched.waiting) or bool(sched.running)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters. ``steps``: steps committed; ``prompt_tokens``: prompt tokens of all
+        arrivals; ``hit_tokens``: prefix-cache hits at first admissions (so at most
+        ``prompt_tokens``); ``readmit_hit_tokens``: hits at re-admissions (after preemption or a
+        failed load); ``lookup_tokens``: tokens of every admission's lookup; ``computed_tokens``:
+        tokens computed by submitted steps; ``blocks_*``: pool operations; ``requests_finished``
+        counts aborted requests too (``aborts``)."""
+        pool = self.pool
+        out = dict(self.scheduler.counters)
+        out.update(
+            blocks_allocated=pool.n_allocated,
+            blocks_touched=pool.n_touched,
+            blocks_freed=pool.n_freed,
+            blocks_evicted=pool.n_evicted,
+            blocks_published=pool.n_published,
+        )
+        return out

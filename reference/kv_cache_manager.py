@@ -1,0 +1,84 @@
+"""The KV cache manager (vLLM ``KVCacheManager``): a request's view of the block pool.
+
+Prefix lookup over the request's chained hashes, admission (touching hits before anything is
+allocated), growing a table to cover new tokens, publishing a table block under the request's
+hash, and freeing a table in reverse order. *When* blocks are published is the registration
+policy's business (``policies.py``).
+"""
+
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool
+from .hashing import extend_hashes
+from .request import Request
+
+
+class KVCacheManager:
+    __slots__ = ("pool", "block_size")
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+
+    def block_hash(self, req: Request, index: int) -> bytes:
+        """The chained hash of the request's full block ``index``."""
+        hashes = req.block_hashes
+        if index >= len(hashes):
+            extend_hashes(hashes, req.tokens, self.block_size, index + 1)
+        return hashes[index]
+
+    def lookup(self, req: Request) -> list[Block]:
+        """The longest run of cached blocks for the request's prefix, from its first block,
+        capped so that the last known token is always computed."""
+        cap = (len(req.tokens) - 1) // self.block_size
+        hashes = req.block_hashes
+        if len(hashes) < cap:
+            extend_hashes(hashes, req.tokens, self.block_size, cap)
+        index = self.pool.index
+        hits: list[Block] = []
+        for i in range(cap):
+            owners = index.get(hashes[i])
+            if not owners:
+                break
+            hits.append(next(iter(owners.values())))
+        return hits
+
+    def blocks_short(self, req: Request, end: int, hits: list[Block] | None = None) -> bool:
+        """True when covering tokens up to ``end`` needs more blocks than are free. On
+        admission, ``hits`` are about to be touched: the unreferenced ones count as consumed."""
+        need = -(-end // self.block_size) - len(req.table)
+        free = self.pool.free_queue.num_free
+        if hits is not None:
+            need -= len(hits)
+            for block in hits:
+                if block.ref_cnt == 0:
+                    free -= 1
+        return need > free
+
+    def admit(self, req: Request, hits: list[Block]) -> None:
+        """Touch the hit blocks and make them the start of the request's table."""
+        self.pool.touch(hits)
+        req.table.extend(hits)
+        req.cached = len(hits)
+        events = self.pool.events
+        if events is not None:
+            events.append(("hit", req.rid, tuple(b.block_id for b in hits)))
+
+    def grow(self, req: Request, end: int) -> None:
+        """Allocate blocks from the free queue's head until the table covers ``end`` tokens."""
+        table, bsz, pool = req.table, self.block_size, self.pool
+        while len(table) * bsz < end:
+            table.append(pool.allocate(req.rid))
+
+    def publish(self, req: Request, index: int) -> None:
+        """Register the request's block ``index`` under its chained hash."""
+        block = req.table[index]
+        if block.block_hash is None:
+            self.pool.publish(block, self.block_hash(req, index), req.rid, index)
+
+    def free(self, req: Request) -> None:
+        """Drop the request's blocks (last first; hashes kept) and forget what it computed."""
+        self.pool.free_reversed(req.table)
+        req.table = []
+        req.computed = 0
+        req.cached = 0

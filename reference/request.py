@@ -1,0 +1,122 @@
+"""Per-request and per-step records: ``Request``, a step's ``Entry`` per request, ``Step``."""
+
+from __future__ import annotations
+
+import zlib
+
+from .block_pool import Block
+from .hashing import pack_token
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class Request:
+    __slots__ = (
+        "rid",
+        "tokens",
+        "prompt_len",
+        "max_tokens",
+        "priority",
+        "arrival",
+        "external",
+        "status",
+        "table",
+        "computed",
+        "cached",
+        "loading",
+        "block_hashes",
+        "crc",
+        "admissions",
+    )
+
+    def __init__(
+        self,
+        rid: int,
+        prompt: tuple[int, ...],
+        packed: bytes,
+        max_tokens: int,
+        priority: int,
+        arrival: int,
+        external: bool,
+    ) -> None:
+        self.rid = rid
+        self.tokens: list[int] = list(prompt)
+        """Prompt then sampled tokens."""
+        self.prompt_len = len(prompt)
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.arrival = arrival
+        self.external = external
+        """Its prompt's full blocks can be loaded from an external KV store (until a load fails)."""
+        self.status = WAITING
+        self.table: list[Block] = []
+        """Block table; replaced (never cleared in place) on free, so steps may keep a reference."""
+        self.computed = 0
+        """Tokens written or scheduled to be written (``num_computed_tokens``)."""
+        self.cached = 0
+        """Leading table blocks registered, or tracked for registration (``num_cached_block``)."""
+        self.loading: int | None = None
+        """The step of an external load not yet committed."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of the full blocks, computed on demand and kept as tokens grow."""
+        self.crc = zlib.crc32(packed)
+        """crc32 of all tokens' bytes: the fake model's sample is ``crc % vocab``."""
+        self.admissions = 0
+        """How many times it was admitted (more than once after preemptions, failed loads)."""
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def append_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self.crc = zlib.crc32(pack_token(token), self.crc)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(r{self.rid}, {self.status}, tokens={len(self.tokens)}, "
+            f"computed={self.computed}, blocks={[b.block_id for b in self.table]})"
+        )
+
+
+class Entry:
+    """A request's part in a step: compute (or load) tokens ``start .. end - 1``; the step reads
+    and writes ``table[:num_blocks]`` (``table`` is the request's table object at the time)."""
+
+    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples")
+
+    def __init__(
+        self, start: int, end: int, table: list[Block], num_blocks: int, load: bool, samples: bool
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.table = table
+        self.num_blocks = num_blocks
+        self.load = load
+        self.samples = samples
+
+
+class Step:
+    __slots__ = (
+        "step_id",
+        "entries",
+        "live",
+        "registrations",
+        "failed",
+        "budget_used",
+        "preempted",
+        "admitted",
+    )
+
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+        self.entries: dict[int, Entry] = {}
+        """The step's output, in scheduling order."""
+        self.live: set[int] = set()
+        """Requests whose results are still wanted (not preempted or aborted since)."""
+        self.registrations: dict[int, list[int]] = {}
+        """Block indices registered (or hidden) while scheduling this step, per request."""
+        self.failed: tuple[int, ...] = ()
+        self.budget_used = 0
+        self.preempted = False
+        self.admitted = False

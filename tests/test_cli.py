@@ -1,0 +1,82 @@
+"""The command line: exit codes, one-line errors, the fuzz and simulate round trips."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvspec.cli import main
+from kvspec.conformance.lockstep import Judge
+from kvspec.conformance.report import read_events
+
+KVSPEC = [sys.executable, "-m", "kvspec"]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["fuzz"], "--policy"),
+        (["fuzz", "--policy", "nope"], "invalid choice"),
+        (["fuzz", "--policy", "deferred", "--depth", "0"], "must be > 0"),
+        (["fuzz", "--policy", "deferred", "--seconds", "soon"], "not a number"),
+        (["simulate", "--policy", "deferred"], "--out"),
+        (["teleport"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> None:
+    done = subprocess.run(KVSPEC + argv, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and fragment in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_simulate_impossible_config_is_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "e.jsonl"
+    argv = ["simulate", "--policy", "deferred", "--blocks", "2", "--out", str(out)]
+    done = subprocess.run(KVSPEC + argv, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_simulate_writes_events_the_spec_accepts(tmp_path: Path) -> None:
+    out = tmp_path / "events.jsonl"
+    argv = ["simulate", "--policy", "deferred", "--requests", "30", "--blocks", "64"]
+    assert main(argv + ["--block-size", "4", "--depth", "2", "--out", str(out)]) == 0
+    config, events = read_events(out)
+    assert config.depth == 2 and len(events) > 100
+    judge = Judge(config)
+    assert judge.feed_all(events) is None and judge.settle() is None
+    finished = {e[1] for e in events if e[0] == "finish"}
+    assert finished == set(range(30))
+
+
+def test_fuzz_finds_the_seed_bug_and_writes_its_events(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cex.jsonl"
+    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seed", "1"]
+    assert main(argv + ["--seconds", "60", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "violated: NoUnwritten" in text and "  1. " in text
+    config, events = read_events(out)
+    judge = Judge(config)
+    finding = judge.feed_all(events)
+    assert finding is not None and finding.invariant.startswith("NoUnwritten")
+
+
+def test_fuzz_of_a_safe_policy_exits_0(capsys) -> None:
+    assert main(["fuzz", "--policy", "deferred", "--seconds", "3"]) == 0
+    assert "no counterexample" in capsys.readouterr().out
+
+
+def test_read_events_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"format": "kvspec-events", "version": 0, "config": {"num_blocks": 4, "block_size": 4}}\n["begin", 0]\nnot json\n'
+    )
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: not JSON"):
+        read_events(bad)
+    bad.write_text('{"format": "other"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: bad header"):
+        read_events(bad)
