@@ -76,7 +76,8 @@ def format_counterexample(
     and their effects, ending with the violated invariant and what it guards."""
     lines = [
         f"config: {config.num_blocks} blocks of {config.block_size} tokens, depth {config.depth}, "
-        f"budget {config.token_budget}, policy {config.policy}, discipline {config.discipline}, "
+        f"budget {config.token_budget}, at most {config.max_running} running, "
+        f"policy {config.policy}, discipline {config.discipline}, "
         f"preemption {config.preemption}"
     ]
     index = 0  # position in the whole event stream, to stop at the finding
