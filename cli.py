@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvspec.spec import DISCIPLINES, POLICIES, PREEMPTIONS
+from kvspec.spec import DISCIPLINES, INVARIANTS, POLICIES, PREEMPTIONS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz.add_argument(
         "--loads", action="store_true", help="also external KV loads, some of which fail"
     )
+    fuzz.add_argument(
+        "--invariant",
+        action="append",
+        choices=tuple(INVARIANTS) + ("TablesAppendOnly",),
+        help="look only for violations of this invariant (repeatable; default: all)",
+    )
 
     sim = sub.add_parser("simulate", help="run the reference engine on a shared-prefix workload")
     _cell_arguments(sim)
@@ -60,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--blocks", type=_positive(int), default=512)
     sim.add_argument("--block-size", type=_positive(int), default=16)
     sim.add_argument("--out", required=True, help="event file to write")
+
+    rep = sub.add_parser(
+        "replay", help="replay an event file on a paged KV cache, compare with dense attention"
+    )
+    rep.add_argument("trace", help="event file (kvspec fuzz --out, kvspec simulate --out)")
+    rep.add_argument("--backend", default="triton", choices=("triton", "torch"))
+    rep.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    rep.add_argument("--heads", type=_positive(int), default=4, help="query heads")
+    rep.add_argument("--kv-heads", type=_positive(int), default=2)
+    rep.add_argument("--head-dim", type=_positive(int), default=16)
+    rep.add_argument("--layers", type=_positive(int), default=2)
 
     demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
     demo.add_argument("--seconds", type=_positive(float), default=12.0, help="budget per cell")
@@ -70,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"fuzz": _fuzz, "simulate": _simulate, "demo": _demo}[args.command](args)
+        commands = {"fuzz": _fuzz, "simulate": _simulate, "replay": _replay, "demo": _demo}
+        return commands[args.command](args)
     except (ValueError, OSError) as err:
         sys.stderr.write(f"kvspec {args.command}: error: {err}\n")
         return 2
@@ -88,6 +106,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.loads,
         args.seconds,
         args.seed,
+        invariants=args.invariant,
     )
     if result.failure is None:
         print(
@@ -138,6 +157,52 @@ def _simulate(args: argparse.Namespace) -> int:
         f"{hit_rate:.1%}; wrote {count} events to {args.out}"
     )
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Exit 0 when every step's attention matches dense attention, 1 at the first mismatch."""
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    from kvspec.impl.replay import use_interpreter_without_gpu
+
+    if args.backend == "triton":
+        use_interpreter_without_gpu()  # before anything imports triton
+    from kvspec.conformance.plan import PlanError, replay_plan
+    from kvspec.conformance.report import read_events
+    from kvspec.impl.kv_cache import DTYPES
+    from kvspec.impl.replay import TOLERANCES, Options, replay
+
+    config, events = read_events(args.trace)
+    try:
+        plan = list(replay_plan(config, events))
+    except PlanError as err:
+        raise ValueError(f"{args.trace}:{err.index + 2}: {err.reason}") from None
+    options = Options(
+        backend=args.backend,
+        dtype=DTYPES[args.dtype],
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+    )
+    started = time.perf_counter()
+    result = replay(plan, config.num_blocks, config.block_size, options)
+    atol, rtol = TOLERANCES[options.dtype]
+    print(
+        f"{args.trace}: {config.policy}, {config.num_blocks} blocks of {config.block_size}; "
+        f"{args.backend} {args.dtype}, {args.layers} layers, {args.heads}/{args.kv_heads} "
+        f"heads of {args.head_dim}"
+    )
+    print(
+        f"replayed {result.steps} steps in {time.perf_counter() - started:.1f} s: "
+        f"{result.queries} queries compared with dense attention, max error "
+        f"{result.max_error:.3g} (tolerance atol {atol:g}, rtol {rtol:g})"
+    )
+    if result.mismatch is None:
+        print("every step matches dense attention")
+        return 0
+    print(f"MISMATCH at {result.mismatch}")
+    return 1
 
 
 def _demo(args: argparse.Namespace) -> int:

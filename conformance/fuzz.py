@@ -12,7 +12,7 @@ with the spec's. ``run_cell`` runs a machine for a time budget and returns what 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,7 @@ def lockstep_machine(
     preemption: str = "fcfs",
     depth: int | None = None,
     loads: bool = False,
+    invariants: Collection[str] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3. With
     ``loads``, some requests find their prompt in an external KV store and loads may fail."""
@@ -118,7 +119,7 @@ def lockstep_machine(
             self.config = Config(**common)
             self.choices = DataChoices()
             self.engine = Engine(EngineConfig(**common, vocab=4), choices=self.choices)
-            self.judge = Judge(self.config)
+            self.judge = Judge(self.config, invariants)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             tally.runs += 1
@@ -198,10 +199,22 @@ def lockstep_machine(
             if tally.first_failure_at is None:
                 tally.first_failure_at = time.monotonic() - tally.started
                 tally.first_failure_length = len(self.program)
-            tally.failure = Failure(
-                finding, self.config, list(self.program), list(self.engine.events)
-            )
+            program = list(self.program)
+            self._drain()
+            tally.failure = Failure(finding, self.config, program, list(self.engine.events))
             raise CounterexampleFound(finding)
+
+        def _drain(self) -> None:
+            """Run the engine on (with its default choices) until idle, so that the event file
+            also holds the executions of the steps in flight: a replay on tensors then performs
+            the reads the finding is about. The judged prefix of the events is unchanged."""
+            self.choices.data = None
+            try:
+                for _ in range(500):
+                    if not self.engine.step():
+                        break
+            except Exception:  # the finding stands; a crashed engine just stops the tail
+                pass
 
     loads_tag = ",loads" if loads else ""
     LockstepMachine.__name__ = (
@@ -241,12 +254,13 @@ def run_cell(
     seed_value: int = 0,
     chunk: int = 25,
     steps: int = 40,
+    invariants: Collection[str] | None = None,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk) or ``seconds`` run out.
 
     Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
     reproducible from its seed."""
-    machine = lockstep_machine(policy, discipline, preemption, depth, loads)
+    machine = lockstep_machine(policy, discipline, preemption, depth, loads, invariants)
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
         max_examples=chunk,

@@ -1,1 +1,9 @@
-"""kvspec.impl: implementations checked against the specification."""
+"""kvspec.impl: paged K/V on real tensors, checked against dense attention.
+
+Modules: ``records`` (the replay plan's records: ``Fill``, ``Work``, ``Executed``), ``kv_cache``
+(the paged cache and its layout), ``batch`` (a mixed batch's metadata), ``kernels`` (Triton: the
+K/V write and paged attention), ``attention_ref`` (the torch oracle and CPU fallback), ``model``
+(a toy model whose K/V are functions of the token prefix) and ``replay`` (a plan on real
+tensors, every output compared with dense attention). Only ``kernels`` imports Triton; nothing
+here imports ``kvspec.spec`` or ``kvspec.conformance``.
+"""

@@ -9,7 +9,7 @@ two are the end-to-end safety properties, the rest are the bookkeeping that keep
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from .pool import eventual_content, holds
 from .state import NULL_BLOCK, State
@@ -172,9 +172,12 @@ INVARIANTS: dict[str, Callable[[State], str | None]] = {
 }
 
 
-def check(s: State) -> tuple[str, str] | None:
-    """The first invariant that fails, as (name, explanation), or None."""
+def check(s: State, names: Collection[str] | None = None) -> tuple[str, str] | None:
+    """The first invariant that fails, as (name, explanation), or None; only those in ``names``
+    when given."""
     for name, predicate in INVARIANTS.items():
+        if names is not None and name not in names:
+            continue
         message = predicate(s)
         if message is not None:
             return name, message
