@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--head-dim", type=_positive(int), default=16)
     rep.add_argument("--layers", type=_positive(int), default=2)
 
+    prove = sub.add_parser(
+        "prove", help="bounded model checking of the spec's Z3 model: proof or shortest cex"
+    )
+    prove.add_argument("--policy", required=True, choices=POLICIES)
+    prove.add_argument("--discipline", default="vllm", choices=DISCIPLINES)
+    prove.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS)
+    prove.add_argument("--blocks", type=_positive(int), default=4, help="N, with the null block")
+    prove.add_argument("--requests", type=_positive(int), default=2)
+    prove.add_argument("--depth", type=_positive(int), default=2, help="steps in flight")
+    prove.add_argument("--bound", type=_positive(int), default=8, help="decisions on a path")
+    prove.add_argument("--timeout", type=_positive(float), default=120.0, help="solver seconds")
+    prove.add_argument("--out", help="write the counterexample's events here")
+
     demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
     demo.add_argument("--seconds", type=_positive(float), default=12.0, help="budget per cell")
     demo.add_argument("--seed", type=int, default=0)
@@ -87,7 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"fuzz": _fuzz, "simulate": _simulate, "replay": _replay, "demo": _demo}
+        commands = {
+            "fuzz": _fuzz,
+            "simulate": _simulate,
+            "replay": _replay,
+            "prove": _prove,
+            "demo": _demo,
+        }
         return commands[args.command](args)
     except (ValueError, OSError) as err:
         sys.stderr.write(f"kvspec {args.command}: error: {err}\n")
@@ -203,6 +222,23 @@ def _replay(args: argparse.Namespace) -> int:
         return 0
     print(f"MISMATCH at {result.mismatch}")
     return 1
+
+
+def _prove(args: argparse.Namespace) -> int:
+    """Exit 0 bounded proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
+    from kvspec.conformance.prove import run_prove
+
+    return run_prove(
+        args.policy,
+        args.discipline,
+        args.preemption,
+        args.blocks,
+        args.requests,
+        args.depth,
+        args.bound,
+        args.out,
+        args.timeout,
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,328 @@
+"""Bounded model checking of the symbolic model (``kvspec.spec.symbolic``), and ``kvspec prove``.
+
+``bmc`` unrolls the Z3 transition relation from the initial state, one decision per step, and asks
+at each depth k = 1, 2, ... whether some invariant can fail after exactly k decisions. The first
+depth that is satisfiable gives a *shortest* counterexample (in decisions, for these sizes): the
+solver's path is turned into decision events (with the prompts, priorities and sampled tokens Z3
+chose) and replayed through the executable spec, which must confirm it, state by state. If no
+depth up to the bound is satisfiable, that is a *bounded* proof: no violation is reachable in <= K
+decisions for these sizes; it says nothing about longer paths or larger sizes. A solver timeout is
+"unknown", never "proved".
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import z3
+
+from kvspec.spec import Config, Illegal, apply, check, initial_state
+from kvspec.spec import symbolic as sy
+
+from .lockstep import Event, Finding
+from .report import describe, format_counterexample, write_events
+
+DEFAULTS = {"blocks": 4, "requests": 2, "depth": 2, "bound": 8, "block_size": 1, "tokens": 3}
+
+
+ACTOR = {"arrive": "client", "abort": "client", "execute": "worker", "reset": "operator"}
+"""Who takes each decision, as the heading of a counterexample's numbered step."""
+
+
+class ModelSpecMismatch(AssertionError):
+    """A counterexample of the symbolic model that the executable spec does not confirm."""
+
+
+@dataclass
+class BmcResult:
+    verdict: str
+    """``counterexample``, ``bounded-proof`` or ``unknown``."""
+    fragment: sy.Fragment
+    bound: int
+    depth_reached: int
+    """Deepest k fully checked (unsat) before the verdict."""
+    decisions: list[Event] = field(default_factory=list)
+    invariant: str | None = None
+    message: str | None = None
+    seconds: float = 0.0
+    per_depth: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+class Unroller:
+    """The transition relation unrolled step by step into one incremental solver."""
+
+    def __init__(self, model: sy.Model, timeout_s: float | None = None) -> None:
+        self.model = m = model
+        f = model.fragment
+        self.solver = z3.Solver()
+        if timeout_s is not None:
+            self.solver.set("timeout", max(1, int(timeout_s * 1000)))
+        self.states = [m.initial()]
+        self.selectors: list[Any] = []
+        self.params: list[dict[sy.Instance, sy.Params]] = []
+        # the workload: each request's prompt, max_tokens and priority, chosen by the solver
+        self.workload: dict[int, sy.Params] = {}
+        for r in m.R:
+            w = m.fresh_params(("arrive", r), "w")
+            self.workload[r] = w
+            self.solver.add(w["plen"] >= 1, w["maxt"] >= 1, w["plen"] + w["maxt"] <= f.max_len)
+            self.solver.add(w["prio"] >= 0, w["prio"] < f.priorities)
+            for j in m.T:
+                t = w["ptok"][j]
+                self.solver.add(z3.If(w["plen"] > j, z3.And(t >= 1, t <= f.vocab), t == 0))
+
+    def step(self) -> None:
+        """Add one more decision."""
+        m, t = self.model, len(self.selectors)
+        f = m.fragment
+        S = self.states[-1]
+        sel = z3.Int(f"sel{t}")
+        self.solver.add(sel >= 0, sel < len(m.instances))
+        guards, succs, params = [], [], {}
+        for i, inst in enumerate(m.instances):
+            if inst[0] == "arrive":
+                p = self.workload[inst[1]]
+            else:
+                p = m.fresh_params(inst, f"s{t}.{i}")
+                if "n" in p:
+                    self.solver.add(p["n"] >= 1, p["n"] <= f.max_len)
+                for tok in p.get("smp", []):
+                    self.solver.add(tok >= 1, tok <= f.vocab)
+            params[inst] = p
+            g, succ = m.apply(inst, S, p)
+            guards.append(g)
+            succs.append(succ)
+            self.solver.add(z3.Implies(sel == i, g))
+        nxt = m.fresh(f"x{t + 1}")
+        for key, _ in m.schema:
+            groups: dict[int, tuple[Any, list[int]]] = {}
+            for i, succ in enumerate(succs):
+                term = succ[key]
+                groups.setdefault(term.get_id(), (term, []))[1].append(i)
+            values = list(groups.values())
+            value = values[-1][0]
+            for term, members in reversed(values[:-1]):
+                value = z3.If(sy.disj([sel == i for i in members]), term, value)
+            self.solver.add(nxt[key] == value)
+        self.states.append(nxt)
+        self.selectors.append(sel)
+        self.params.append(params)
+
+    def violated(self, k: int) -> Any:
+        return z3.Not(sy.conj(list(self.model.invariants(self.states[k]).values())))
+
+    def decisions(self, mz: Any) -> list[Event]:
+        """The path in the model ``mz`` as decision events."""
+        m = self.model
+        out: list[Event] = []
+
+        def val(term: Any) -> int:
+            return int(mz.eval(term, model_completion=True).as_long())
+
+        for t, sel in enumerate(self.selectors):
+            inst = m.instances[val(sel)]
+            p = self.params[t][inst]
+            kind = inst[0]
+            S = self.states[t]
+            if kind == "arrive":
+                prompt = tuple(val(p["ptok"][j]) for j in range(val(p["plen"])))
+                out.append(("arrive", inst[1], prompt, val(p["maxt"]), val(p["prio"])))
+            elif kind in ("begin", "submit"):
+                out.append((kind, val(p["sid"])))
+            elif kind == "execute":
+                out.append(("execute", val(p["sid"]), ()))
+            elif kind == "schedule":
+                out.append(("schedule", inst[1], val(p["n"]), 0))
+            elif kind in ("preempt", "abort"):
+                out.append((kind, inst[1]))
+            elif kind == "commit":
+                sampled = [
+                    (val(S["eo", 0, r]), r, val(p["smp"][r]))
+                    for r in m.R
+                    if z3.is_true(mz.eval(p["has"][r], model_completion=True))
+                ]
+                out.append(
+                    ("commit", val(p["sid"]), tuple((r, tok) for _, r, tok in sorted(sampled)))
+                )
+            else:
+                out.append(("reset",))
+        return out
+
+
+def replay(
+    model: sy.Model, decisions: list[Event], mz: Any = None, states: list[Any] | None = None
+) -> tuple[list[tuple[str, list[Event]]], list[Event], Finding | None]:
+    """Run decisions through the executable spec, checking every invariant after each; with a
+    Z3 model and its states, also check that each spec state is the symbolic one. Returns the
+    program (description, events), the event stream and the first finding."""
+    s = initial_state(model.config)
+    program: list[tuple[str, list[Event]]] = []
+    events: list[Event] = []
+    for t, decision in enumerate(decisions):
+        try:
+            effects = apply(s, decision)
+        except Illegal as err:
+            raise ModelSpecMismatch(
+                f"decision {t + 1} {decision}: the spec refuses it: {err}"
+            ) from None
+        heading = describe(decision) if decision[0] == "arrive" else ACTOR.get(str(decision[0]))
+        program.append((heading or "scheduler", [decision, *effects]))
+        events += [decision, *effects]
+        if mz is not None and states is not None:
+            wrong = [
+                name
+                for name, cond in sy.same(model, states[t + 1], s)
+                if not z3.is_true(mz.eval(cond, model_completion=True))
+            ]
+            if wrong:
+                raise ModelSpecMismatch(
+                    f"after decision {t + 1} {decision}: the symbolic state differs from the "
+                    f"spec's on {', '.join(wrong[:6])}"
+                )
+        failure = check(s)
+        if failure is not None:
+            return program, events, Finding(failure[0], failure[1], len(events) - 1 - len(effects))
+    return program, events, None
+
+
+def bmc(
+    fragment: sy.Fragment,
+    max_depth: int,
+    timeout_s: float | None = None,
+    first: int = 1,
+    progress: Callable[[int, str, float], None] | None = None,
+) -> BmcResult:
+    """Search depths first .. max_depth for a violation; confirm one by replaying it."""
+    started = time.monotonic()
+    model = sy.Model(fragment)
+    un = Unroller(model, timeout_s)
+    result = BmcResult("bounded-proof", fragment, max_depth, 0)
+    for k in range(1, max_depth + 1):
+        un.step()
+        if k < first:
+            continue
+        t0 = time.monotonic()
+        if timeout_s is not None:
+            left = timeout_s - (t0 - started)
+            if left <= 0:
+                result.verdict = "unknown"
+                break
+            un.solver.set("timeout", max(1, int(left * 1000)))
+        un.solver.push()
+        un.solver.add(un.violated(k))
+        answer = un.solver.check()
+        result.per_depth.append((k, str(answer), time.monotonic() - t0))
+        if progress is not None:
+            progress(*result.per_depth[-1])
+        if answer == z3.sat:
+            mz = un.solver.model()
+            decisions = un.decisions(mz)
+            _, _, finding = replay(model, decisions, mz, un.states)
+            if finding is None:
+                raise ModelSpecMismatch(
+                    f"Z3 found a violation after {k} decisions that the spec does not confirm: "
+                    f"{decisions}"
+                )
+            result.verdict, result.decisions = "counterexample", decisions
+            result.invariant, result.message = finding.invariant, finding.message
+            un.solver.pop()
+            break
+        un.solver.pop()
+        if answer == z3.unknown:
+            result.verdict = "unknown"
+            break
+        result.depth_reached = k
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def make_fragment(
+    policy: str,
+    discipline: str,
+    preemption: str,
+    blocks: int,
+    requests: int,
+    depth: int,
+    block_size: int = 1,
+    tokens: int = 4,
+) -> sy.Fragment:
+    """The fragment for a cell; raises ValueError on bad arguments."""
+    config = Config(
+        num_blocks=blocks,
+        block_size=block_size,
+        depth=depth,
+        policy=policy,
+        discipline=discipline,
+        preemption=preemption,
+        token_budget=tokens * requests,
+        max_running=requests,
+    )
+    return sy.Fragment(config, requests=requests, max_len=tokens)
+
+
+def run_prove(
+    policy: str,
+    discipline: str = "vllm",
+    preemption: str = "fcfs",
+    blocks: int = DEFAULTS["blocks"],
+    requests: int = DEFAULTS["requests"],
+    depth: int = DEFAULTS["depth"],
+    bound: int = DEFAULTS["bound"],
+    out: str | Path | None = None,
+    timeout_s: float = 120.0,
+    *,
+    block_size: int = DEFAULTS["block_size"],
+    tokens: int = DEFAULTS["tokens"],
+) -> int:
+    """``kvspec prove``: 0 bounded proof, 1 counterexample (printed; events written to ``out``),
+    2 bad arguments, 3 unknown (solver timeout)."""
+    try:
+        if not 1 <= bound <= 40:
+            raise ValueError(f"bound must be 1..40, got {bound}")
+        fragment = make_fragment(
+            policy, discipline, preemption, blocks, requests, depth, block_size, tokens
+        )
+    except ValueError as err:
+        sys.stderr.write(f"kvspec prove: error: {err}\n")
+        return 2
+    cell = f"{policy}, {discipline}/{preemption}"
+    result = bmc(fragment, bound, timeout_s)
+    where = f"fragment: {fragment.describe()}"
+    if result.verdict == "bounded-proof":
+        print(
+            f"BOUNDED PROOF ({cell}): no invariant violation is reachable from the initial state "
+            f"in <= {bound} decisions, checked by Z3 bounded model checking in "
+            f"{result.seconds:.1f} s."
+        )
+        print(where)
+        print(
+            "This is a bounded result (every path up to the bound, for these sizes), not an "
+            "inductive proof: longer paths and larger sizes are not covered."
+        )
+        return 0
+    if result.verdict == "unknown":
+        print(
+            f"UNKNOWN ({cell}): the solver gave no answer within {timeout_s:.0f} s; no "
+            f"violation in <= {result.depth_reached} decisions (bounded), nothing claimed beyond."
+        )
+        print(where)
+        return 3
+    model = sy.Model(fragment)
+    program, events, finding = replay(model, result.decisions)
+    assert finding is not None
+    print(
+        f"COUNTEREXAMPLE ({cell}): {finding.invariant} fails after {len(result.decisions)} "
+        f"decisions, the shortest for these sizes (Z3 bounded model checking, "
+        f"{result.seconds:.1f} s); the executable spec confirms it."
+    )
+    print(where)
+    print(format_counterexample(program, finding, fragment.config))
+    if out is not None:
+        n = write_events(out, fragment.config, events)
+        print(f"wrote {n} events to {out}")
+    return 1
