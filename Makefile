@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: venv demo test lint format clean
+.PHONY: venv demo test lint contracts format clean
 
 venv: $(STAMP)
 
@@ -32,7 +32,14 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy -p kvspec.spec -p kvspec.reference
 
-test: lint
+# CrossHair over the pool contracts (docs/proofs.md, "crosshair"): about 2 minutes on 2 cores.
+# It exits 1 on a counterexample, which fails the build.
+CROSSHAIR_TIMEOUT ?= 5
+contracts: venv
+	$(BIN)/crosshair check --per_condition_timeout $(CROSSHAIR_TIMEOUT) \
+		kvspec.spec.contracts kvspec.reference.contracts
+
+test: lint contracts
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q
 
 format: venv

@@ -29,7 +29,7 @@ def describe(event: Event) -> str:
     kind, args = event[0], event[1:]
     match kind, args:
         case "arrive", (rid, prompt, max_tokens, priority):
-            return f"r{rid} arrives: {len(prompt)} prompt tokens {list(prompt)}, max {max_tokens} new, priority {priority}"  # type: ignore[arg-type]
+            return f"r{rid} arrives: {len(prompt)} prompt tokens {list(prompt)}, max {max_tokens} new, priority {priority}"
         case "begin", (step,):
             return f"begin step {step}"
         case "schedule", (rid, tokens, 0):
@@ -41,17 +41,17 @@ def describe(event: Event) -> str:
         case "submit", (step,):
             return f"submit step {step}"
         case "execute", (step, failed):
-            fails = f" (loads of {', '.join(f'r{r}' for r in failed)} FAIL)" if failed else ""  # type: ignore[union-attr]
+            fails = f" (loads of {', '.join(f'r{r}' for r in failed)} FAIL)" if failed else ""
             return f"worker executes step {step}{fails}"
         case "commit", (step, sampled):
-            toks = ", ".join(f"r{r}<-{t}" for r, t in sampled)  # type: ignore[union-attr]
+            toks = ", ".join(f"r{r}<-{t}" for r, t in sampled)
             return f"commit step {step}" + (f" sampling {toks}" if toks else "")
         case "abort", (rid,):
             return f"abort r{rid}"
         case "reset", ():
             return "reset the prefix cache"
         case "hit", (rid, blocks):
-            return f"r{rid} hits blocks {list(blocks)}"  # type: ignore[call-overload]
+            return f"r{rid} hits blocks {list(blocks)}"
         case "evict", (block,):
             return f"evict block {block}'s hash"
         case "alloc", (rid, block):
