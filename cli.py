@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvspec.spec import DISCIPLINES, INVARIANTS, POLICIES, PREEMPTIONS
+from kvspec.spec import DISCIPLINES, INVARIANTS, POLICIES, PREEMPTIONS, Config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,6 +42,25 @@ def _cell_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _format_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--format",
+        default="v0",
+        choices=("v0", "v1"),
+        help="--out file format: v0 event file (default) or v1 trace (docs/trace-format.md)",
+    )
+
+
+def _write(args: argparse.Namespace, config: Config, events: list[tuple[object, ...]]) -> int:
+    if args.format == "v1":
+        from kvspec.conformance.trace import write_trace
+
+        return write_trace(args.out, config, events, hashes=True)
+    from kvspec.conformance.report import write_events
+
+    return write_events(args.out, config, events)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -50,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cell_arguments(fuzz)
     fuzz.add_argument("--seconds", type=_positive(float), default=60.0)
     fuzz.add_argument("--out", help="write the counterexample's events here")
+    _format_argument(fuzz)
     fuzz.add_argument(
         "--loads", action="store_true", help="also external KV loads, some of which fail"
     )
@@ -66,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--blocks", type=_positive(int), default=512)
     sim.add_argument("--block-size", type=_positive(int), default=16)
     sim.add_argument("--out", required=True, help="event file to write")
+    _format_argument(sim)
 
     rep = sub.add_parser(
         "replay", help="replay an event file on a paged KV cache, compare with dense attention"
@@ -91,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     prove.add_argument("--timeout", type=_positive(float), default=120.0, help="solver seconds")
     prove.add_argument("--out", help="write the counterexample's events here")
 
+    chk = sub.add_parser(
+        "check", help="judge trace files with the spec: 0 holds, 1 violation, 2 unreadable"
+    )
+    chk.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (v1, or v0 events)")
+    chk.add_argument("--json", action="store_true", help="print a machine-readable report")
+    chk.add_argument("--html", metavar="REPORT", help="write an HTML report with a picture")
+    chk.add_argument(
+        "--check-every",
+        type=_positive(int),
+        default=1,
+        help="evaluate invariants every K decisions (default 1: every decision; see docs)",
+    )
+
     demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
     demo.add_argument("--seconds", type=_positive(float), default=12.0, help="budget per cell")
     demo.add_argument("--seed", type=int, default=0)
@@ -105,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "simulate": _simulate,
             "replay": _replay,
             "prove": _prove,
+            "check": _check,
             "demo": _demo,
         }
         return commands[args.command](args)
@@ -115,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.fuzz import run_cell
-    from kvspec.conformance.report import format_counterexample, write_events
+    from kvspec.conformance.report import format_counterexample
 
     result = run_cell(
         args.policy,
@@ -138,13 +173,12 @@ def _fuzz(args: argparse.Namespace) -> int:
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
     print(format_counterexample(failure.program, failure.finding, failure.config))
     if args.out:
-        count = write_events(args.out, failure.config, failure.events)
+        count = _write(args, failure.config, failure.events)
         print(f"wrote {count} events to {args.out}")
     return 1
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvspec.conformance.report import write_events
     from kvspec.reference import Engine, EngineConfig
     from kvspec.reference.workload import shared_prefix_workload
     from kvspec.spec import Config
@@ -168,7 +202,7 @@ def _simulate(args: argparse.Namespace) -> int:
     while engine.step():
         pass
     seconds = time.perf_counter() - started
-    count = write_events(args.out, Config(**common), engine.events)
+    count = _write(args, Config(**common), engine.events)
     stats = engine.stats
     hit_rate = stats["hit_tokens"] / max(1, stats["prompt_tokens"])
     print(
@@ -187,11 +221,10 @@ def _replay(args: argparse.Namespace) -> int:
     if args.backend == "triton":
         use_interpreter_without_gpu()  # before anything imports triton
     from kvspec.conformance.plan import PlanError, replay_plan
-    from kvspec.conformance.report import read_events
     from kvspec.impl.kv_cache import DTYPES
     from kvspec.impl.replay import TOLERANCES, Options, replay
 
-    config, events = read_events(args.trace)
+    config, events = _read(args.trace)
     try:
         plan = list(replay_plan(config, events))
     except PlanError as err:
@@ -224,6 +257,22 @@ def _replay(args: argparse.Namespace) -> int:
     return 1
 
 
+def _read(path: str) -> tuple[Config, list[tuple[object, ...]]]:
+    """An event file (v0) or a v1 trace, whole."""
+    import orjson
+
+    from kvspec.conformance.report import read_events
+    from kvspec.conformance.trace import FORMAT, read_trace
+
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        v1 = orjson.loads(first).get("format") == FORMAT
+    except (orjson.JSONDecodeError, AttributeError):
+        v1 = False
+    return read_trace(path) if v1 else read_events(path)
+
+
 def _prove(args: argparse.Namespace) -> int:
     """Exit 0 bounded proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
     from kvspec.conformance.prove import run_prove
@@ -239,6 +288,29 @@ def _prove(args: argparse.Namespace) -> int:
         args.out,
         args.timeout,
     )
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Exit 0 every trace holds, 1 a violation in one, 2 one is unreadable."""
+    import orjson
+
+    from kvspec.conformance.checker import check_path, write_html
+
+    reports = [check_path(path, args.check_every) for path in args.traces]
+    for report in reports:
+        if report.exit_code == 2:
+            sys.stderr.write(f"{report.error}\n")
+    if args.json:
+        code = max(r.exit_code for r in reports)
+        document = {"exit": code, "reports": [r.as_dict() for r in reports]}
+        print(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
+    else:
+        for report in reports:
+            if report.exit_code != 2:
+                print(report.text())
+    if args.html:
+        write_html(reports, args.html)
+    return max(r.exit_code for r in reports)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,747 @@
+"""The streaming checker: judge a trace file (or an engine in-process) one event at a time.
+
+``Checker`` is the ``Judge`` of ``lockstep.py`` made to run over unbounded streams:
+
+* every decision is applied to the spec and every effect compared with the spec's, exactly as the
+  Judge does; with ``check_every=1`` (the default) every invariant is checked after every decision,
+  so the checker finds every violation the Judge finds, at the same event;
+* finished requests are dropped from the spec's state once no in-flight step references them (the
+  spec would keep them forever); the ids ever used are kept as compact ranges so that a reused or
+  unknown id is still recognised; so memory depends on the pool size and the requests alive at
+  once, not on the length of the trace;
+* for each block and each live request it keeps a bounded ring of the last ``history`` events that
+  touched it, so a violation comes with its *minimal history*: only the earlier events that touched
+  the blocks and requests involved;
+* when ``publish`` lines carry opaque hashes, it checks that the same hash always names the same
+  token prefix and the same prefix always the same hash, among the blocks published at once
+  (``HashChainConsistent``).
+
+``check_every=k > 1`` is an incremental mode: effects are still compared at every event and every
+decision's guard is still checked (``Illegal`` and ``Disagreement`` are found at once), but the
+invariants are evaluated only every k decisions and at the end. ``NoUnwrittenRead`` is latched by the
+spec (a bad read is recorded at ``execute`` and stays), so it is never missed, only reported up to
+k - 1 decisions late. A violation of another invariant that arises and is repaired within the k
+decisions between two checks (e.g. a zombie publication rolled back or evicted before anyone reads
+it) is missed. The report then says in which range of lines it arose.
+
+``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from kvspec.spec import (
+    ACTIONS,
+    Config,
+    Illegal,
+    apply,
+    check,
+    initial_state,
+    running_tables,
+    tables_append_only,
+)
+
+from .lockstep import Event, Finding
+from .report import describe
+from .trace import FORMAT, TraceError, iter_trace
+
+HASH_CHAIN = "HashChainConsistent"
+EXPLANATIONS = {
+    HASH_CHAIN: "The engine's opaque block hashes agree with the token chain: one hash names one "
+    "token prefix, and one prefix has one hash. A mismatch means a lookup can hit a block holding "
+    "other tokens (or miss a valid one).",
+}
+REQUEST_FIELDS = {
+    "schedule": 1,
+    "preempt": 1,
+    "abort": 1,
+    "hit": 1,
+    "alloc": 1,
+    "publish": 1,
+    "load_failed": 1,
+    "finish": 1,
+}
+STEP_FIELDS = ("submit", "execute", "commit")
+
+
+class UnknownId(ValueError):
+    """An event names a request or step that never existed: the input is not a trace."""
+
+
+def explanation(finding: Finding) -> str:
+    return EXPLANATIONS.get(finding.invariant) or finding.explanation
+
+
+class IdSet:
+    """A set of non-negative ints stored as ``all below low`` plus a sparse set above it:
+    constant memory for ids handed out (roughly) in order."""
+
+    def __init__(self) -> None:
+        self.low = 0
+        self.above: set[int] = set()
+
+    def add(self, value: int) -> None:
+        if value < self.low:
+            return
+        self.above.add(value)
+        while self.low in self.above:
+            self.above.discard(self.low)
+            self.low += 1
+
+    def __contains__(self, value: int) -> bool:
+        return value < self.low or value in self.above
+
+
+@dataclass
+class Checker:
+    config: Config
+    check_every: int = 1
+    history: int = 50
+    retired_requests: int = 256
+    """Rings of this many finished requests are kept for reports."""
+
+    def __post_init__(self) -> None:
+        if self.check_every < 1:
+            raise ValueError("check_every must be >= 1")
+        self.state = initial_state(self.config)
+        self.expected: deque[Event] = deque()
+        self.events_seen = 0
+        self.decisions = 0
+        self.finding: Finding | None = None
+        self.finding_line: int | None = None
+        self.arose_after: int | None = None
+        """Incremental mode: the line of the last check that passed before the finding."""
+        self.last_check_line = 0
+        self._tables = running_tables(self.state)
+        self._left: set[int] = set()
+        self._arrivals = 0
+        self._ids = IdSet()
+        self._max_step = -1
+        self._finished: set[int] = set()
+        self.block_rings: list[deque[tuple[int, Event]]] = [
+            deque(maxlen=self.history) for _ in range(self.config.num_blocks)
+        ]
+        self.request_rings: dict[int, deque[tuple[int, Event]]] = {}
+        self.retired: OrderedDict[int, deque[tuple[int, Event]]] = OrderedDict()
+        self._block_hash: dict[int, str] = {}
+        self._hash_key: dict[str, list[object]] = {}
+        self._key_hash: dict[tuple[int, ...], list[object]] = {}
+        self.last_event: tuple[int, Event] | None = None
+
+    # -- feeding --------------------------------------------------------------------------------
+
+    def feed(
+        self, event: Event, line: int | None = None, hash_: str | None = None
+    ) -> Finding | None:
+        """Judge one event (``line``: where it is in its file; default its index + 1).
+        Raises ``UnknownId`` for a request or step id that never existed."""
+        if self.finding is not None:
+            return self.finding
+        index = self.events_seen
+        self.events_seen += 1
+        line = index + 1 if line is None else line
+        self.last_event = (line, event)
+        kind = event[0]
+        self._check_ids(kind, event)
+        if kind in ACTIONS:
+            return self._decide(event, kind, index, line)
+        want = self.expected.popleft() if self.expected else None
+        if event != want:
+            return self._found(
+                "Disagreement", f"engine emitted {event}, spec expects {want}", index, line
+            )
+        self._remember_effect(event, kind, line)
+        if hash_ is not None and kind == "publish":
+            return self._check_hash(event, hash_, index, line)
+        if kind in ("unpublish", "evict"):
+            self._drop_hash(event[1])  # type: ignore[arg-type]
+        elif kind == "load_failed":
+            self._left.add(event[1])  # type: ignore[arg-type]
+        return None
+
+    def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        for event in events:
+            if self.feed(event) is not None:
+                break
+        return self.finding
+
+    def finish(self, line: int | None = None) -> Finding | None:
+        """End of the stream: no effect may be missing; the last invariant check runs."""
+        line = self.events_seen + 1 if line is None else line
+        if self.finding is None and self.expected:
+            self._found(
+                "Disagreement", f"missing effect {self.expected[0]}", self.events_seen, line
+            )
+        if self.finding is None and self.check_every > 1:
+            self._check(self.events_seen, line)
+        return self.finding
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check_ids(self, kind: object, event: Event) -> None:
+        if kind == "arrive":
+            return
+        position = REQUEST_FIELDS.get(kind)  # type: ignore[arg-type]
+        rids: Iterable[object] = ()
+        if position is not None:
+            rids = (event[position],)
+        elif kind == "execute":
+            rids = event[2]  # type: ignore[assignment]
+        elif kind == "commit":
+            rids = [pair[0] for pair in event[2]]  # type: ignore[attr-defined]
+        for rid in rids:
+            if rid not in self._ids:
+                raise UnknownId(f"{kind}: request r{rid} never arrived")
+        if kind in STEP_FIELDS and event[1] > self._max_step:  # type: ignore[operator]
+            raise UnknownId(f"{kind}: step {event[1]} never began")
+        if kind == "begin" and event[1] > self._max_step:  # type: ignore[operator]
+            self._max_step = event[1]  # type: ignore[assignment]
+
+    def _decide(self, event: Event, kind: object, index: int, line: int) -> Finding | None:
+        s = self.state
+        if self.expected:
+            return self._found("Disagreement", f"missing effect {self.expected[0]}", index, line)
+        self._prune()
+        if kind == "arrive":
+            rid = event[1]
+            if rid in self._ids and rid not in s.requests:
+                return self._found("Illegal", f"arrive r{rid}: the id is taken", index, line)
+        elif kind in ("schedule", "preempt", "abort"):
+            rid = event[1]
+            if rid not in s.requests:
+                return self._found("Illegal", f"{kind} r{rid}: it has finished", index, line)
+        elif kind == "execute":
+            self._remember_execute(line)
+        try:
+            effects = apply(s, event)
+        except Illegal as err:
+            return self._found("Illegal", str(err), index, line)
+        if kind == "arrive":
+            rid = event[1]
+            s.requests[rid].arrival = self._arrivals  # type: ignore[index]
+            self._arrivals += 1
+            self._ids.add(rid)  # type: ignore[arg-type]
+            self.request_rings[rid] = deque(maxlen=self.history)  # type: ignore[index]
+        elif kind == "preempt":
+            self._left.add(event[1])  # type: ignore[arg-type]
+        self._remember(event, line)
+        for effect in effects:
+            if effect[0] == "finish":
+                self._finished.add(effect[1])  # type: ignore[arg-type]
+        self.expected.extend(effects)
+        self.decisions += 1
+        if self.decisions % self.check_every == 0:
+            return self._check(index, line)
+        return None
+
+    def _check(self, index: int, line: int) -> Finding | None:
+        s = self.state
+        violated = check(s)
+        if violated is not None:
+            return self._found(*violated, index, line)
+        before = self._tables
+        if self._left or any(r not in s.requests for r in before):
+            # Requests that left running since the snapshot (preempted, failed load, finished and
+            # pruned) may legitimately come back with another table.
+            before = {r: t for r, t in before.items() if r not in self._left and r in s.requests}
+            self._left.clear()
+        grew = tables_append_only(before, s)
+        if grew is not None:
+            return self._found("TablesAppendOnly", grew, index, line)
+        self._tables = running_tables(s)
+        self.last_check_line = line
+        return None
+
+    def _prune(self) -> None:
+        """Drop finished requests no in-flight step references any more."""
+        if not self._finished:
+            return
+        s = self.state
+        for rid in list(self._finished):
+            if any(rid in st.entries or rid in st.registrations for st in s.steps):
+                continue
+            self._finished.discard(rid)
+            s.requests.pop(rid, None)
+            ring = self.request_rings.pop(rid, None)
+            if ring is not None:
+                self.retired[rid] = ring
+                if len(self.retired) > self.retired_requests:
+                    self.retired.popitem(last=False)
+
+    def _remember(self, event: Event, line: int) -> None:
+        kind = event[0]
+        rings = self.request_rings
+        if kind in ("arrive", "schedule", "preempt", "abort"):
+            ring = rings.get(event[1])  # type: ignore[call-overload]
+            if ring is not None:
+                ring.append((line, event))
+        elif kind == "execute":
+            for rid in event[2]:  # type: ignore[attr-defined]
+                if rid in rings:
+                    rings[rid].append((line, event))
+        elif kind == "commit":
+            for rid, _ in event[2]:  # type: ignore[attr-defined]
+                if rid in rings:
+                    rings[rid].append((line, event))
+
+    def _remember_effect(self, event: Event, kind: object, line: int) -> None:
+        if kind in ("evict", "unpublish", "free"):
+            self.block_rings[event[1]].append((line, event))  # type: ignore[index]
+            return
+        if kind in ("alloc", "publish"):
+            self.block_rings[event[-1]].append((line, event))  # type: ignore[index]
+        elif kind == "hit":
+            for block in event[2]:  # type: ignore[attr-defined]
+                self.block_rings[block].append((line, event))
+        ring = self.request_rings.get(event[1])  # type: ignore[call-overload]
+        if ring is not None:
+            ring.append((line, event))
+
+    def _remember_execute(self, line: int) -> None:
+        """The oldest submitted step is about to execute: record its writes and reads."""
+        step = next((st for st in self.state.steps if st.phase == "submitted"), None)
+        if step is None:
+            return
+        bsz = self.config.block_size
+        for rid, e in step.entries.items():
+            first = e.start // bsz
+            for i, block in enumerate(e.blocks):
+                what = "wrote" if i >= first else "read"
+                self.block_rings[block].append((line, (what, rid, block, step.id)))
+
+    def _check_hash(self, event: Event, hash_: str, index: int, line: int) -> Finding | None:
+        _, rid, i, block = event
+        key = self.state.key(self.state.requests[rid], i)  # type: ignore[index, arg-type]
+        named = self._hash_key.get(hash_)
+        if named is not None and named[0] != key:
+            return self._found(
+                HASH_CHAIN,
+                f"block {block} is published under hash {hash_!r} for r{rid}'s tokens "
+                f"0..{len(key) - 1}, but that hash names a different {len(named[0])}-token "  # type: ignore[arg-type]
+                "prefix",
+                index,
+                line,
+            )
+        other = self._key_hash.get(key)
+        if other is not None and other[0] != hash_:
+            return self._found(
+                HASH_CHAIN,
+                f"block {block} is published under hash {hash_!r}, but the same token prefix "
+                f"(r{rid}'s tokens 0..{len(key) - 1}) is published under {other[0]!r}",
+                index,
+                line,
+            )
+        self._drop_hash(block)  # type: ignore[arg-type]
+        self._block_hash[block] = hash_  # type: ignore[index]
+        for table, k, v in ((self._hash_key, hash_, key), (self._key_hash, key, hash_)):
+            entry = table.setdefault(k, [v, 0])  # type: ignore[attr-defined]
+            entry[1] += 1
+        return None
+
+    def _drop_hash(self, block: int) -> None:
+        hash_ = self._block_hash.pop(block, None)
+        if hash_ is None:
+            return
+        key = self._hash_key[hash_][0]
+        for table, k in ((self._hash_key, hash_), (self._key_hash, key)):
+            entry = table[k]  # type: ignore[index]
+            entry[1] -= 1  # type: ignore[operator]
+            if entry[1] == 0:
+                del table[k]  # type: ignore[attr-defined]
+
+    def _found(self, invariant: str, message: str, index: int, line: int) -> Finding:
+        self.finding = Finding(invariant, message, index)
+        self.finding_line = line
+        if self.check_every > 1 and invariant not in ("Illegal", "Disagreement", HASH_CHAIN):
+            self.arose_after = self.last_check_line
+        return self.finding
+
+    # -- the minimal history --------------------------------------------------------------------
+
+    def involved(self) -> tuple[set[int], set[int]]:
+        """(blocks, requests) named by the finding and by the violating event."""
+        blocks: set[int] = set()
+        reqs: set[int] = set()
+        if self.finding is None:
+            return blocks, reqs
+        text = self.finding.message
+        blocks.update(int(b) for b in re.findall(r"\bblock (\d+)", text))
+        for listed in re.findall(r"\bblocks \[([\d, ]*)\]", text):
+            blocks.update(int(b) for b in listed.replace(",", " ").split())
+        reqs.update(int(r) for r in re.findall(r"\br(\d+)\b", text))
+        if self.last_event is not None:
+            event = self.last_event[1]
+            kind = event[0]
+            if kind in ("evict", "unpublish", "free"):
+                blocks.add(event[1])  # type: ignore[arg-type]
+            elif kind in REQUEST_FIELDS or kind == "arrive":
+                reqs.add(event[1])  # type: ignore[arg-type]
+                if kind in ("alloc", "publish"):
+                    blocks.add(event[-1])  # type: ignore[arg-type]
+        n = self.config.num_blocks
+        return {b for b in blocks if 0 <= b < n}, reqs
+
+    def minimal_history(self) -> list[tuple[int, Event]]:
+        """The remembered events that touched the involved blocks and requests, in file order."""
+        blocks, reqs = self.involved()
+        seen: dict[tuple[int, str], tuple[int, Event]] = {}
+        rings: list[Iterable[tuple[int, Event]]] = [self.block_rings[b] for b in sorted(blocks)]
+        for rid in sorted(reqs):
+            ring = self.request_rings.get(rid) or self.retired.get(rid)
+            if ring is not None:
+                rings.append(ring)
+        for ring in rings:
+            for line, event in ring:
+                seen.setdefault((line, repr(event)), (line, event))
+        if self.last_event is not None:
+            line, event = self.last_event
+            seen.setdefault((line, repr(event)), (line, event))
+        return sorted(seen.values(), key=lambda item: item[0])
+
+
+def describe_any(event: Event) -> str:
+    """``describe`` plus the checker's own entries (a step's writes and reads of a block)."""
+    kind = event[0]
+    if kind in ("wrote", "read"):
+        _, rid, block, step = event
+        verb = "writes" if kind == "wrote" else "reads"
+        return f"step {step} {verb} block {block} for r{rid}"
+    return describe(event)
+
+
+# -- checking a file ------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    path: str
+    exit_code: int
+    """0 holds, 1 violation, 2 unreadable."""
+    events: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    """For exit 2: ``file:line: message``."""
+    line: int | None = None
+    invariant: str | None = None
+    message: str | None = None
+    explanation: str | None = None
+    event: str | None = None
+    arose_after: int | None = None
+    history: list[tuple[int, str]] = field(default_factory=list)
+    timeline: list[tuple[int, int, str, int | None]] = field(default_factory=list)
+    """(line, block, what, request) for the picture: the involved blocks' history."""
+
+    @property
+    def status(self) -> str:
+        return ("holds", "violation", "unreadable")[self.exit_code]
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "path": self.path,
+            "status": self.status,
+            "exit": self.exit_code,
+            "events": self.events,
+            "seconds": round(self.seconds, 3),
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.invariant is not None:
+            out["violation"] = {
+                "line": self.line,
+                "where": f"{self.path}:{self.line}",
+                "invariant": self.invariant,
+                "message": self.message,
+                "explanation": self.explanation,
+                "event": self.event,
+                "arose_after_line": self.arose_after,
+                "history": [{"line": ln, "event": text} for ln, text in self.history],
+            }
+        return out
+
+    def text(self) -> str:
+        if self.exit_code == 2:
+            return self.error or f"{self.path}: unreadable"
+        if self.exit_code == 0:
+            return f"{self.path}: holds ({self.events} events, {self.seconds:.2f} s)"
+        lines = [
+            f"{self.path}:{self.line}: {self.invariant}: {self.message}",
+            f"  event: {self.event}",
+            f"  ({self.explanation})",
+        ]
+        if self.arose_after is not None:
+            lines.append(
+                f"  (incremental check: the state was fine at line {self.arose_after}; it broke "
+                f"between there and line {self.line})"
+            )
+        lines.append("  minimal history (events that touched the blocks and requests involved):")
+        lines += [f"    {self.path}:{ln}: {text}" for ln, text in self.history]
+        return "\n".join(lines)
+
+
+def _events(path: str | Path) -> tuple[Config, Iterator[tuple[int, Event, str | None]]]:
+    """v1 traces stream; v0 event files (``kvspec-events``) are read whole."""
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        header = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        header = None
+    if isinstance(header, dict) and header.get("format") != FORMAT and "config" in header:
+        from .report import read_events
+
+        config, events = read_events(path)
+        return config, ((number, event, None) for number, event in enumerate(events, 2))
+    return iter_trace(path)
+
+
+def check_path(path: str | Path, check_every: int = 1) -> Report:
+    """Check one trace file; never raises for bad content (exit code 2 instead)."""
+    started = time.perf_counter()
+    name = str(path)
+    line = 1
+    checker: Checker | None = None
+    try:
+        config, events = _events(path)
+        checker = Checker(config, check_every)
+        for line, event, hash_ in events:
+            if checker.decisions == 0 and event[0] not in ACTIONS:
+                raise TraceError(path, line, f"effect {event[0]!r} before any decision")
+            try:
+                if checker.feed(event, line, hash_) is not None:
+                    break
+            except UnknownId as err:
+                raise TraceError(path, line, str(err)) from None
+        else:
+            checker.finish(line + 1)
+    except TraceError as err:
+        return Report(name, 2, checker.events_seen if checker else 0, error=str(err))
+    except (ValueError, OSError) as err:
+        text = str(err)
+        if not text.startswith(name):
+            text = f"{name}:{line}: {text}"
+        return Report(name, 2, checker.events_seen if checker else 0, error=text)
+    seconds = time.perf_counter() - started
+    if checker.finding is None:
+        return Report(name, 0, checker.events_seen, seconds)
+    return report_of(checker, name, seconds)
+
+
+def report_of(checker: Checker, name: str, seconds: float = 0.0) -> Report:
+    finding = checker.finding
+    assert finding is not None
+    history = checker.minimal_history()
+    blocks, _ = checker.involved()
+    timeline = []
+    for line, event in history:
+        kind = str(event[0])
+        rid = event[1] if kind in ("wrote", "read") or kind in REQUEST_FIELDS else None
+        if kind in ("wrote", "read"):
+            ids: Iterable[object] = (event[2],)
+        elif kind in ("evict", "unpublish", "free"):
+            ids = (event[1],)
+        elif kind in ("alloc", "publish"):
+            ids = (event[-1],)
+        elif kind == "hit":
+            ids = event[2]  # type: ignore[assignment]
+        else:
+            ids = ()
+        for block in ids:
+            if block in blocks:
+                timeline.append((line, block, kind, rid))  # type: ignore[arg-type]
+    last = checker.last_event
+    return Report(
+        name,
+        1,
+        checker.events_seen,
+        seconds,
+        line=checker.finding_line,
+        invariant=finding.invariant,
+        message=finding.message,
+        explanation=explanation(finding),
+        event=describe_any(last[1]) if last else None,
+        arose_after=checker.arose_after,
+        history=[(ln, describe_any(e)) for ln, e in history],
+        timeline=timeline,  # type: ignore[arg-type]
+    )
+
+
+# -- the HTML report ------------------------------------------------------------------------------
+
+MARKERS = {
+    "alloc": ("o", "tab:blue", "allocated"),
+    "hit": ("D", "tab:cyan", "hit (touched)"),
+    "publish": ("^", "tab:orange", "published"),
+    "wrote": ("s", "tab:green", "written by a step"),
+    "read": ("v", "tab:purple", "read by a step"),
+    "unpublish": ("x", "tab:brown", "unpublished"),
+    "evict": ("X", "tab:gray", "evicted"),
+    "free": ("P", "black", "freed"),
+}
+
+
+def picture(report: Report) -> bytes:
+    """Blocks against time (trace lines): who allocated, published, wrote, read and freed each
+    involved block; the violating event is the red line. A PNG."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 1.5 + 0.5 * len({b for _, b, _, _ in report.timeline})))
+    try:
+        for kind, (marker, color, label) in MARKERS.items():
+            points = [(ln, b, r) for ln, b, k, r in report.timeline if k == kind]
+            if not points:
+                continue
+            ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, c=color, s=60, label=label, zorder=3)  # fmt: skip
+            for ln, b, r in points:
+                if r is not None:
+                    ax.annotate(f"r{r}", (ln, b), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7)  # fmt: skip
+        if report.line is not None:
+            ax.axvline(report.line, color="red", linewidth=2, label=f"{report.invariant} (line {report.line})")  # fmt: skip
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("trace line (time)")
+        ax.set_ylabel("block")
+        blocks = sorted({b for _, b, _, _ in report.timeline})
+        if blocks:
+            ax.set_yticks(blocks)
+            ax.set_ylim(min(blocks) - 0.8, max(blocks) + 0.8)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        ax.set_title(f"{report.path}: history of the blocks involved")
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def write_html(reports: list[Report], path: str | Path) -> None:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>kvspec check</title>",
+        "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}"
+        "pre{background:#f6f6f6;padding:1em;overflow-x:auto}.bad{color:#b00}</style>",
+        "</head><body><h1>kvspec check</h1>",
+    ]
+    for report in reports:
+        esc = html.escape
+        parts.append(f"<h2>{esc(report.path)}: {esc(report.status)}</h2>")
+        if report.exit_code == 2:
+            parts.append(f"<p class='bad'>{esc(report.error or '')}</p>")
+            continue
+        parts.append(f"<p>{report.events} events checked in {report.seconds:.2f} s.</p>")
+        if report.exit_code == 0:
+            continue
+        parts.append(
+            f"<p class='bad'><b>{esc(report.invariant or '')}</b> at "
+            f"<code>{esc(report.path)}:{report.line}</code>: {esc(report.message or '')}</p>"
+            f"<p>Violating event: {esc(report.event or '')}</p>"
+            f"<p><i>{esc(report.explanation or '')}</i></p>"
+        )
+        png = base64.b64encode(picture(report)).decode("ascii")
+        parts.append(
+            f"<img alt='history of the blocks involved' src='data:image/png;base64,{png}'>"
+        )
+        parts.append("<h3>Minimal history</h3><pre>")
+        parts += [f"{ln:>8}  {esc(text)}\n" for ln, text in report.history]
+        parts.append("</pre>")
+    parts.append("</body></html>")
+    Path(path).write_text("".join(parts), encoding="utf-8")
+
+
+def tracemalloc_peak(checker: Checker, events: Iterable[Event]) -> int:
+    """Bytes allocated at peak (above what was live before) while ``checker`` judges ``events``."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for event in events:
+            if checker.feed(event) is not None:
+                break
+        checker.finish()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+# -- in-process monitoring ------------------------------------------------------------------------
+
+
+class Violation(AssertionError):
+    """Raised by a ``Monitor`` with ``raise_on_finding``."""
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(report.text())
+        self.report = report
+
+
+class Monitor:
+    """Feed an engine's events as it emits them; the spec judges each at once.
+
+    >>> with Monitor(config) as monitor:        # doctest: +SKIP
+    ...     for event in engine_events():
+    ...         monitor.feed(event)            # raises Violation at the first finding
+
+    ``raise_on_finding=False`` makes ``feed`` return the ``Finding`` (or None) instead. An id that
+    never existed is an ``Illegal`` finding here (a file would be unreadable instead)."""
+
+    def __init__(
+        self,
+        config: Config,
+        check_every: int = 1,
+        raise_on_finding: bool = True,
+        name: str = "<monitor>",
+    ) -> None:
+        self.checker = Checker(config, check_every)
+        self.raise_on_finding = raise_on_finding
+        self.name = name
+
+    def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
+        checker = self.checker
+        try:
+            finding = checker.feed(event, None, hash_)
+        except UnknownId as err:
+            index = checker.events_seen - 1
+            finding = checker._found("Illegal", str(err), index, index + 1)
+        return self._outcome(finding)
+
+    def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        for event in events:
+            if self.feed(event) is not None:
+                break
+        return self.checker.finding
+
+    def close(self) -> Finding | None:
+        return self._outcome(self.checker.finish())
+
+    def report(self) -> Report:
+        if self.checker.finding is None:
+            return Report(self.name, 0, self.checker.events_seen)
+        return report_of(self.checker, self.name)
+
+    def _outcome(self, finding: Finding | None) -> Finding | None:
+        if finding is not None and self.raise_on_finding:
+            raise Violation(self.report())
+        return finding
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        if kind is None:
+            self.close()

@@ -1,0 +1,328 @@
+"""Trace format v1: how any engine hands its block-lifecycle events to kvspec.
+
+JSON Lines. Line 1 is a header object; every further line is one JSON object ``{"ev": KIND, ...}``
+with named fields, one per event of ``docs/events.md``. ``docs/trace-format.md`` documents every
+field; ``trace-v1.schema.json`` (shipped in this package) is the JSON Schema of a line.
+
+``iter_trace`` streams: it reads one line at a time and validates it completely before yielding
+it, so a checker's memory does not grow with the file. Trace content is data: it is parsed with
+a JSON parser and checked field by field, never evaluated, unpickled or imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import orjson
+
+from kvspec.spec import Config
+
+from .lockstep import Event
+
+FORMAT = "kvspec-trace"
+VERSION = 1
+GUARANTEES = ("writes_before_reads", "steps_execute_in_order", "submitted_steps_write")
+"""Execution guarantees the checker's model assumes; a v1 trace must declare them all true."""
+MODEL_FIELDS = (
+    "policy",
+    "discipline",
+    "preemption",
+    "depth",
+    "token_budget",
+    "max_running",
+    "stop_token",
+)
+REASONS = ("length", "stop", "abort")
+
+# Field types: "id" a non-negative int (request or step id), "block" a block id in
+# 0 .. num_blocks - 1, "nat" an int >= 0, "int" any int, "tokens" a non-empty list of ints >= 0,
+# "blocks" a list of block ids, "ids" a list of request ids, "sampled" a list of [req, token],
+# "reason" one of REASONS, "hash" a non-empty string (optional).
+FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
+    # decisions
+    "arrive": (("req", "id"), ("tokens", "tokens"), ("max_tokens", "nat"), ("priority", "int")),
+    "begin": (("step", "id"),),
+    "schedule": (("req", "id"), ("tokens", "nat"), ("loaded", "nat")),
+    "preempt": (("req", "id"),),
+    "submit": (("step", "id"),),
+    "execute": (("step", "id"), ("failed", "ids")),
+    "commit": (("step", "id"), ("sampled", "sampled")),
+    "abort": (("req", "id"),),
+    "reset": (),
+    # effects
+    "hit": (("req", "id"), ("blocks", "blocks")),
+    "evict": (("block", "block"),),
+    "alloc": (("req", "id"), ("block", "block")),
+    "publish": (("req", "id"), ("index", "nat"), ("block", "block")),
+    "unpublish": (("block", "block"),),
+    "free": (("block", "block"),),
+    "load_failed": (("req", "id"),),
+    "finish": (("req", "id"), ("reason", "reason")),
+}
+OPTIONAL = {"publish": ("hash",)}
+DECISIONS = frozenset(
+    ("arrive", "begin", "schedule", "preempt", "submit", "execute", "commit", "abort", "reset")
+)
+PRIVATE = "tokens-private traces (block hashes only, no token ids) are not supported yet"
+
+
+class TraceError(ValueError):
+    """An unreadable trace: ``str`` is ``file:line: message``."""
+
+    def __init__(self, path: str | Path, line: int, message: str) -> None:
+        super().__init__(f"{path}:{line}: {message}")
+        self.path, self.line, self.message = str(path), line, message
+
+
+def header_for(config: Config, engine: tuple[str, str]) -> dict[str, object]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "engine": {"name": engine[0], "version": engine[1]},
+        "num_blocks": config.num_blocks,
+        "block_size": config.block_size,
+        "null_block": 0,
+        "guarantees": {name: True for name in GUARANTEES},
+        "model": {name: getattr(config, name) for name in MODEL_FIELDS},
+    }
+
+
+def to_json(event: Event, hash_: str | None = None) -> dict[str, object]:
+    """One event tuple as a v1 line object (tuples become lists)."""
+    kind = str(event[0])
+    line: dict[str, object] = {"ev": kind}
+    for (name, _), value in zip(FIELDS[kind], event[1:], strict=True):
+        if name == "sampled":
+            value = [list(pair) for pair in value]  # type: ignore[attr-defined]
+        line[name] = list(value) if isinstance(value, tuple) else value
+    if hash_ is not None:
+        line["hash"] = hash_
+    return line
+
+
+def write_trace(
+    path: str | Path,
+    config: Config,
+    events: Iterable[Event],
+    engine: tuple[str, str] | None = None,
+    hashes: bool = False,
+) -> int:
+    """Write a v1 trace; return the number of events. With ``hashes``, every publish carries an
+    opaque chained hash (blake2b of the block's token prefix), as a real engine's would."""
+    if engine is None:
+        from kvspec import __version__
+
+        engine = ("kvspec-reference", __version__)
+    tokens: dict[int, list[int]] = {}
+    count = 0
+    bsz = config.block_size
+    with open(path, "wb") as out:
+        out.write(orjson.dumps(header_for(config, engine)) + b"\n")
+        for event in events:
+            hash_ = None
+            if hashes:
+                kind = event[0]
+                if kind == "arrive":
+                    tokens[event[1]] = list(event[2])  # type: ignore[index, call-overload, arg-type]
+                elif kind == "commit":
+                    for rid, token in event[2]:  # type: ignore[attr-defined]
+                        tokens[rid].append(token)
+                elif kind == "publish":
+                    prefix = tokens[event[1]][: (event[2] + 1) * bsz]  # type: ignore[index, operator]
+                    hash_ = hashlib.blake2b(orjson.dumps(prefix), digest_size=16).hexdigest()
+                elif kind == "finish":
+                    tokens.pop(event[1], None)  # type: ignore[call-overload]
+            out.write(orjson.dumps(to_json(event, hash_)) + b"\n")
+            count += 1
+    return count
+
+
+def parse_header(raw: bytes, path: str | Path) -> Config:
+    """The header line as the spec ``Config`` it declares, or ``TraceError`` at line 1."""
+
+    def bad(message: str) -> TraceError:
+        return TraceError(path, 1, message)
+
+    if not raw.strip():
+        raise bad("empty header line")
+    try:
+        header = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise bad(f"header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise bad("the header must be a JSON object")
+    if header.get("format") != FORMAT:
+        raise bad(f'not a kvspec trace (header "format" is {header.get("format")!r})')
+    if header.get("version") != VERSION:
+        raise bad(f"unsupported trace version {header.get('version')!r} (this kvspec reads 1)")
+    if header.get("tokens", "present") == "private":
+        raise bad(PRIVATE)
+    engine = header.get("engine")
+    if (
+        not isinstance(engine, dict)
+        or not isinstance(engine.get("name"), str)
+        or not isinstance(engine.get("version"), str)
+    ):
+        raise bad('"engine" must be {"name": string, "version": string}')
+    for name, low in (("num_blocks", 2), ("block_size", 1)):
+        if not _is_int(header.get(name)) or header[name] < low:
+            raise bad(f'"{name}" must be an integer >= {low}')
+    if header.get("null_block") != 0 or not _is_int(header.get("null_block")):
+        raise bad('"null_block" must be 0')
+    guarantees = header.get("guarantees")
+    if not isinstance(guarantees, dict):
+        raise bad('"guarantees" must be an object')
+    for name in GUARANTEES:
+        if guarantees.get(name) is not True:
+            raise bad(f'the checker needs the guarantee "{name}": true')
+    model = header.get("model")
+    if not isinstance(model, dict):
+        raise bad('"model" must be an object')
+    unknown = sorted(set(model) - set(MODEL_FIELDS))
+    if unknown:
+        raise bad(f'unknown "model" field {unknown[0]!r}')
+    for name in ("policy", "discipline", "preemption"):
+        if name in model and not isinstance(model[name], str):
+            raise bad(f'"model.{name}" must be a string')
+    for name in ("depth", "token_budget", "max_running"):
+        if name in model and not _is_int(model[name]):
+            raise bad(f'"model.{name}" must be an integer')
+    if model.get("stop_token") is not None and not _is_int(model["stop_token"]):
+        raise bad('"model.stop_token" must be an integer or null')
+    try:
+        return Config(header["num_blocks"], header["block_size"], **model)
+    except (ValueError, TypeError) as err:
+        raise bad(f"bad model: {err}") from None
+
+
+def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:
+    """One event line as ``(event tuple, hash or None)``; ``ValueError`` with the reason."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        if not raw.strip():
+            raise ValueError("empty line") from None
+        raise ValueError(f"not JSON (truncated line?): {err}") from None
+    if not isinstance(obj, dict):
+        raise ValueError('an event is a JSON object {"ev": KIND, ...}')
+    kind = obj.get("ev")
+    fields = FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    if kind == "arrive" and "tokens" not in obj and "hashes" in obj:
+        raise ValueError(PRIVATE)
+    optional = OPTIONAL.get(kind, ())
+    if len(obj) != len(fields) + 1:
+        names = {name for name, _ in fields}
+        for key in obj:
+            if (
+                key != "ev"
+                and key not in names
+                and key not in optional
+                and not key.startswith("x_")
+            ):
+                raise ValueError(f'{kind}: unknown field "{key}"')
+    values: list[object] = [kind]
+    for name, type_ in fields:
+        if name not in obj:
+            raise ValueError(f'{kind}: missing field "{name}"')
+        values.append(_value(kind, name, type_, obj[name], num_blocks))
+    hash_ = obj.get("hash")
+    if hash_ is not None and (not isinstance(hash_, str) or not hash_):
+        raise ValueError(f'{kind}: "hash" must be a non-empty string')
+    return tuple(values), hash_
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> object:
+    where = f'{kind}: "{name}"'
+    if type_ in ("id", "nat", "block"):
+        if type(value) is not int:
+            raise ValueError(f"{where} must be an integer, got {_json_type(value)}")
+        if value < 0:
+            raise ValueError(f"{where} must be >= 0, got {value}")
+        if type_ == "block" and value >= num_blocks:
+            raise ValueError(f"{where}: block {value} is out of range (num_blocks {num_blocks})")
+        return value
+    if type_ == "int":
+        if type(value) is not int:
+            raise ValueError(f"{where} must be an integer, got {_json_type(value)}")
+        return value
+    if type_ == "reason":
+        if value not in REASONS:
+            raise ValueError(f"{where} must be one of {', '.join(REASONS)}, got {value!r}")
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list, got {_json_type(value)}")
+    if type_ == "sampled":
+        pairs = []
+        for pair in value:
+            if (
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or any(type(x) is not int or x < 0 for x in pair)
+            ):
+                raise ValueError(f"{where} must be a list of [req, token] pairs of integers >= 0")
+            pairs.append((pair[0], pair[1]))
+        return tuple(pairs)
+    if any(type(x) is not int or x < 0 for x in value):
+        raise ValueError(f"{where} must be a list of integers >= 0")
+    if type_ == "tokens" and not value:
+        raise ValueError(f"{where} must not be empty")
+    if type_ == "blocks" and any(x >= num_blocks for x in value):
+        raise ValueError(f"{where}: a block id is out of range (num_blocks {num_blocks})")
+    return tuple(value)
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        float: "a number with a fraction",
+        int: "an integer",
+    }.get(type(value), "null")
+
+
+TraceEvent = tuple[int, Event, "str | None"]
+
+
+def iter_trace(path: str | Path) -> tuple[Config, Iterator[TraceEvent]]:
+    """Open a v1 trace: its ``Config`` now (header errors raise here), and an iterator of
+    ``(line number, event tuple, publish hash or None)``, each line validated before it is
+    yielded (``TraceError`` at the first bad line). The file is read one line at a time."""
+    f = open(path, "rb")  # noqa: SIM115 -- closed by the generator
+    try:
+        first = f.readline()
+        if not first:
+            raise TraceError(path, 1, "empty file")
+        config = parse_header(first, path)
+    except BaseException:
+        f.close()
+        raise
+
+    def lines() -> Iterator[TraceEvent]:
+        with f:
+            number = 1
+            for raw in f:
+                number += 1
+                try:
+                    event, hash_ = parse_line(raw, config.num_blocks)
+                except ValueError as err:
+                    raise TraceError(path, number, str(err)) from None
+                yield number, event, hash_
+
+    return config, lines()
+
+
+def read_trace(path: str | Path) -> tuple[Config, list[Event]]:
+    """A whole v1 trace as ``(config, events)`` (hashes dropped): for small files."""
+    config, lines = iter_trace(path)
+    return config, [event for _, event, _ in lines]

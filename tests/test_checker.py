@@ -1,0 +1,282 @@
+"""Trace format v1 and the streaming checker: 0 holds, 1 violation, 2 unreadable, never a crash."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvspec.cli import main
+from kvspec.conformance.checker import Checker, Monitor, Violation, check_path, tracemalloc_peak
+from kvspec.conformance.fuzz import run_cell
+from kvspec.conformance.lockstep import Judge
+from kvspec.conformance.report import write_events
+from kvspec.conformance.trace import FIELDS, TraceError, iter_trace, read_trace, write_trace
+from kvspec.reference import Engine, EngineConfig
+from kvspec.reference.workload import shared_prefix_workload
+from kvspec.spec import Config
+
+KVSPEC = [sys.executable, "-m", "kvspec"]
+SAFE = dict(
+    num_blocks=24,
+    block_size=4,
+    depth=2,
+    policy="deferred",
+    discipline="vllm",
+    preemption="priority",
+    token_budget=24,
+    max_running=6,
+)
+
+
+def safe_run(requests: int = 40, seed: int = 0, **overrides: object) -> tuple[Config, list]:
+    common = {**SAFE, **overrides}
+    engine = Engine(EngineConfig(**common))  # type: ignore[arg-type]
+    for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 3, 8, 3, 5, seed):
+        engine.add_request(rid, prompt, max_tokens, priority)
+    engine.run()
+    return Config(**common), engine.events  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def counterexample() -> tuple[Config, list]:
+    result = run_cell("eager-unsafe", "general", "priority", None, False, 30, 1)
+    assert result.failure is not None
+    return result.failure.config, result.failure.events
+
+
+@pytest.fixture(scope="module")
+def good_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("t") / "good.jsonl"
+    config, events = safe_run()
+    write_trace(path, config, events, hashes=True)
+    return path
+
+
+def test_round_trip_and_schema_ships(good_trace: Path) -> None:
+    config, events = safe_run()
+    assert read_trace(good_trace) == (config, [tuple(e) for e in events])
+    schema = json.loads(
+        importlib.resources.files("kvspec.conformance").joinpath("trace-v1.schema.json").read_text()
+    )
+    assert set(FIELDS) <= set(schema["$defs"])
+    for kind, fields in FIELDS.items():
+        assert schema["$defs"][kind]["required"] == ["ev"] + [name for name, _ in fields]
+
+
+def test_safe_trace_holds_and_the_checker_agrees_with_the_judge(good_trace: Path) -> None:
+    assert main(["check", str(good_trace)]) == 0
+    config, events = read_trace(good_trace)
+    judge = Judge(config)
+    assert judge.feed_all(events) is None and judge.settle() is None
+    assert check_path(good_trace, check_every=25).exit_code == 0
+
+
+def test_v0_event_files_are_checked_too(tmp_path: Path) -> None:
+    config, events = safe_run(10)
+    write_events(tmp_path / "v0.jsonl", config, events)
+    assert check_path(tmp_path / "v0.jsonl").exit_code == 0
+
+
+def test_eager_unsafe_counterexample_is_a_violation(
+    counterexample: tuple[Config, list], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, events = counterexample
+    path = tmp_path / "cex.jsonl"
+    write_trace(path, config, events, hashes=True)
+    judge = Judge(config)
+    finding = judge.feed_all(events)
+    assert finding is not None
+    html = tmp_path / "report.html"
+    assert main(["check", str(path), "--json", "--html", str(html)]) == 1
+    document = json.loads(capsys.readouterr().out)
+    violation = document["reports"][0]["violation"]
+    assert document["exit"] == 1 and violation["invariant"] == finding.invariant
+    assert violation["line"] == finding.event + 2  # the header is line 1
+    assert violation["where"] == f"{path}:{finding.event + 2}"
+    assert violation["explanation"] and violation["history"]
+    assert all(item["line"] <= violation["line"] for item in violation["history"])
+    text = html.read_text()
+    assert "<img" in text and "data:image/png;base64,iVBOR" in text
+    # The incremental mode finds it too (possibly later).
+    report = check_path(path, check_every=7)
+    assert report.exit_code == 1 and report.line is not None and report.line >= violation["line"]
+
+
+def test_monitor_in_process(counterexample: tuple[Config, list]) -> None:
+    config, events = safe_run(15)
+    with Monitor(config) as monitor:
+        for event in events:
+            monitor.feed(event)
+    config, events = counterexample
+    with pytest.raises(Violation, match="NoUnwritten"):
+        with Monitor(config) as monitor:
+            monitor.feed_all(events)
+
+
+def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) -> None:
+    assert check_path(good_trace).exit_code == 0  # its hashes are consistent
+    lines = good_trace.read_bytes().splitlines()
+    for i, raw in enumerate(lines):
+        if b'"publish"' in raw:  # one hash for every prefix: a collision
+            obj = orjson.loads(raw)
+            obj["hash"] = "same"
+            lines[i] = orjson.dumps(obj)
+    bad = tmp_path / "hash.jsonl"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    report = check_path(bad)
+    assert report.exit_code == 1 and report.invariant == "HashChainConsistent"
+    assert "hash" in (report.explanation or "")
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda ls: ls[:3] + [ls[3][:-5]] + ls[4:], "not JSON"),
+        (lambda ls: ls[:3] + [b"[1, 2"] + ls[3:], "not JSON"),
+        (lambda ls: ls[:3] + [b'{"ev": "teleport"}'] + ls[3:], "unknown event kind"),
+        (lambda ls: [ls[0].replace(b'"version":1', b'"version":2')] + ls[1:], "version 2"),
+        (lambda ls: ls[:2] + [b'{"ev": "begin"}'] + ls[2:], 'missing field "step"'),
+        (lambda ls: ls[:2] + [b'{"ev": "begin", "step": "0"}'] + ls[2:], "must be an integer"),
+        (lambda ls: ls[:2] + [b'{"ev": "begin", "step": true}'] + ls[2:], "a boolean"),
+        (lambda ls: ls[:2] + [b'{"ev": "free", "block": 99}'] + ls[2:], "out of range"),
+        (lambda ls: ls[:2] + [b'{"ev": "free", "block": -1}'] + ls[2:], ">= 0"),
+        (lambda ls: ls[:2] + [b'{"ev": "abort", "req": 777}'] + ls[2:], "never arrived"),
+        (lambda ls: ls[:1] + [b'{"ev": "free", "block": 1}'] + ls[1:], "before any decision"),
+        (lambda ls: [b""], "empty header line"),
+        (lambda ls: [ls[0].replace(b'"format":"kvspec-trace"', b'"format":"x"')], "not a kvspec"),
+        (lambda ls: [ls[0].replace(b"}}", b',"x":1}}')] + ls[1:], 'unknown "model" field'),
+        (lambda ls: [ls[0][:-1] + b',"tokens":"private"}'] + ls[1:], "tokens-private"),
+    ],
+)
+def test_corrupted_files_exit_2_with_file_and_line(
+    good_trace: Path, tmp_path: Path, mutate, fragment: str
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\n".join(mutate(good_trace.read_bytes().splitlines())) + b"\n")
+    done = subprocess.run(KVSPEC + ["check", str(bad)], capture_output=True, text=True)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.startswith(f"{bad}:") and done.stderr.count("\n") == 1
+    assert fragment in done.stderr and "Traceback" not in done.stderr
+
+
+def test_trace_error_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("{}\n")
+    with pytest.raises(TraceError) as caught:
+        iter_trace(bad)
+    assert str(caught.value).startswith(f"{bad}:1: ")
+
+
+def _corrupt(lines: list[bytes], data: st.DataObject) -> list[bytes]:
+    """One to three random corruptions of a valid trace."""
+    for _ in range(data.draw(st.integers(1, 3))):
+        n = len(lines)
+        i = data.draw(st.integers(0, n - 1))
+        how = data.draw(
+            st.sampled_from(
+                [
+                    "truncate",
+                    "delete",
+                    "duplicate",
+                    "swap",
+                    "kind",
+                    "drop",
+                    "retype",
+                    "range",
+                    "noise",
+                ]
+            )
+        )
+        if how == "truncate":
+            lines[i] = lines[i][: data.draw(st.integers(0, max(0, len(lines[i]) - 1)))]
+        elif how == "delete" and n > 1:
+            del lines[i]
+        elif how == "duplicate":
+            lines.insert(i, lines[i])
+        elif how == "swap":
+            j = data.draw(st.integers(0, n - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+        elif how == "noise":
+            lines[i] = data.draw(st.binary(max_size=20))
+        else:
+            try:
+                obj = orjson.loads(lines[i])
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict) or not obj:
+                continue
+            key = data.draw(st.sampled_from(sorted(obj)))
+            if how == "kind":
+                obj["ev"] = data.draw(st.sampled_from(sorted(FIELDS) + ["nope", 3]))
+            elif how == "drop":
+                del obj[key]
+            elif how == "retype":
+                obj[key] = data.draw(
+                    st.sampled_from([None, True, 1.5, "x", [], {}, [True], [[1]], -3, 10**18])
+                )
+            elif how == "range":
+                obj[key] = data.draw(st.integers(-5, 10**6))
+            lines[i] = orjson.dumps(obj)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def small_traces(
+    tmp_path_factory: pytest.TempPathFactory, counterexample: tuple[Config, list]
+) -> list[list[bytes]]:
+    folder = tmp_path_factory.mktemp("small")
+    out = []
+    for name, (config, events) in {
+        "safe": safe_run(6, num_blocks=10, max_running=3),
+        "cex": counterexample,
+    }.items():
+        path = folder / f"{name}.jsonl"
+        write_trace(path, config, events, hashes=True)
+        out.append(path.read_bytes().splitlines())
+    return out
+
+
+@settings(max_examples=4000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_corrupted_traces_never_crash_the_checker(
+    small_traces: list[list[bytes]], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    lines = list(data.draw(st.sampled_from(small_traces)))
+    lines = _corrupt(lines, data)
+    path = tmp_path_factory.getbasetemp() / "corrupt.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    report = check_path(path)  # must not raise
+    assert report.exit_code in (0, 1, 2)
+    if report.exit_code == 2:
+        assert report.error is not None and report.error.startswith(f"{path}:")
+        line = report.error[len(str(path)) + 1 :].split(":", 1)[0]
+        assert line.isdigit() and "\n" not in report.error
+    if report.exit_code == 1:
+        assert report.invariant and report.line is not None
+
+
+def test_memory_stays_flat() -> None:
+    """Peak memory while checking a stream does not grow with its length."""
+    peaks = []
+    for requests in (60, 240):
+        config, events = safe_run(requests, seed=3)
+        # Rings of up to 16 finished requests are kept for reports (256 by default).
+        peaks.append(tracemalloc_peak(Checker(config, retired_requests=16), events))
+    assert peaks[1] < 1.5 * peaks[0] + 200_000, peaks
+
+
+def test_simulate_writes_v1_that_check_and_replay_read(tmp_path: Path) -> None:
+    out = tmp_path / "sim.jsonl"
+    argv = ["simulate", "--policy", "eager-rollback-fifo", "--requests", "6", "--blocks", "32"]
+    assert main(argv + ["--block-size", "4", "--format", "v1", "--out", str(out)]) == 0
+    assert orjson.loads(out.read_bytes().splitlines()[0])["format"] == "kvspec-trace"
+    assert main(["check", str(out)]) == 0
+    assert main(["replay", str(out), "--backend", "torch", "--layers", "1"]) == 0
