@@ -90,7 +90,8 @@ def test_consumer_scenario_under_general(policy: str) -> None:
         assert CONSUMER[at] == ("preempt", 1)
         if policy != "eager-unsafe":  # the rollback unpublished: only the consumer is hurt
             assert failure[0] == "NoUnwrittenRead"
-        assert s.requests[2].table[0] == s.requests[2].table[0] and s.blocks[1].refcount == 1
+        # the consumer still holds A's never-written block 1, A's reference is gone
+        assert s.requests[2].table[0] == 1 and s.blocks[1].refcount == 1
     else:
         assert failure is None, failure
 
