@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+from scenarios import SEED, A  # noqa: E402
+
 from kvspec.cli import main  # noqa: E402
 from kvspec.conformance.lockstep import Event, Judge  # noqa: E402
 from kvspec.conformance.plan import PlanError, replay_plan  # noqa: E402
@@ -25,35 +27,6 @@ from kvspec.reference import Engine, EngineConfig, RandomChoices  # noqa: E402
 from kvspec.reference.workload import shared_prefix_workload  # noqa: E402
 from kvspec.spec import ACTIONS, Config, apply, initial_state  # noqa: E402
 
-A = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-X = (9, 9, 9, 9, 9, 9, 9, 9)
-SEED = [  # tests/test_spec.py's seed scenario, carried on until r3 has read what it hit
-    ("arrive", 1, A + (10, 11), 4, 5),  # A, the future victim
-    ("begin", 0),
-    ("schedule", 1, 3, 0),
-    ("submit", 0),
-    ("execute", 0, ()),
-    ("commit", 0, ()),
-    ("arrive", 2, X + (9, 9, 9, 9), 1, 0),  # X, important
-    ("begin", 1),
-    ("schedule", 1, 1, 0),
-    ("schedule", 2, 8, 0),
-    ("submit", 1),
-    ("execute", 1, ()),
-    ("commit", 1, ()),
-    ("begin", 2),
-    ("schedule", 1, 6, 0),  # completes A's block 1: eager policies publish it now
-    ("preempt", 1),  # PRIORITY takes A, already in this step's output
-    ("schedule", 2, 4, 0),
-    ("submit", 2),
-    ("execute", 2, ()),
-    ("commit", 2, ((2, 3),)),
-    ("arrive", 3, A[:8] + (3,), 4, 0),
-    ("begin", 3),
-    ("schedule", 3, 1, 0),  # eager-unsafe: hits A's block 1, never written
-    ("submit", 3),
-    ("execute", 3, ()),  # ... and reads it
-]
 SEED_CONFIG = Config(
     num_blocks=6, block_size=4, policy="eager-unsafe", preemption="priority", token_budget=12
 )
