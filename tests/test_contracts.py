@@ -162,22 +162,30 @@ def stale_links(n: int, free: list, refs: list, keys: list, blocks: list) -> RPo
 '''
 
 
-def test_crosshair_finds_planted_bugs(tmp_path: Path) -> None:
-    target = tmp_path / "mutants.py"
-    target.write_text(textwrap.dedent(MUTANTS))
+def crosshair_check(
+    tmp_path: Path, name: str, source: str, seconds: int
+) -> tuple[int, list[str], str]:
+    """Run ``crosshair check`` on ``source`` written to a file; return the exit code, the error
+    lines and the whole output. crosshair's search is randomized and its timeout is per
+    condition: budgets are generous, since a loaded CI machine needs more, and a found bug ends
+    its condition early."""
+    target = tmp_path / name
+    target.write_text(textwrap.dedent(source))
     crosshair = Path(sys.executable).with_name("crosshair")
     result = subprocess.run(
-        # crosshair's search is randomized and its timeout is per condition: generous, since
-        # a loaded CI machine needs more; a found bug ends its condition early
-        [str(crosshair), "check", "--per_condition_timeout", "60", str(target)],
+        [str(crosshair), "check", "--per_condition_timeout", str(seconds), str(target)],
         capture_output=True,
         text=True,
         timeout=400,
         cwd=tmp_path,
     )
-    out = result.stdout + result.stderr
-    assert result.returncode == 1, out
     errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    return result.returncode, errors, result.stdout + result.stderr
+
+
+def test_crosshair_finds_planted_bugs(tmp_path: Path) -> None:
+    code, errors, out = crosshair_check(tmp_path, "mutants.py", MUTANTS, 60)
+    assert code == 1, out
     assert any("cached_to_head" in e for e in errors), out
     assert any("stale_links" in e for e in errors), out
 
@@ -246,18 +254,7 @@ def test_crosshair_spec_and_reference_agree(tmp_path: Path) -> None:
     """Free a table then allocate: the spec and the reference give the same allocations, free
     queue, refcounts and cached blocks (no counterexample in 30 s), while a planted difference
     is found."""
-    target = tmp_path / "agreement.py"
-    target.write_text(textwrap.dedent(AGREEMENT))
-    crosshair = Path(sys.executable).with_name("crosshair")
-    result = subprocess.run(
-        [str(crosshair), "check", "--per_condition_timeout", "30", str(target)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=tmp_path,
-    )
-    out = result.stdout + result.stderr
-    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
-    assert result.returncode == 1, out
+    code, errors, out = crosshair_check(tmp_path, "agreement.py", AGREEMENT, 30)
+    assert code == 1, out
     assert any("mutant_agrees" in e for e in errors), out
     assert not any("spec_agrees" in e for e in errors), out
