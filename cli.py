@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--layers", type=_positive(int), default=2)
 
     prove = sub.add_parser(
-        "prove", help="bounded model checking of the spec's Z3 model: proof or shortest cex"
+        "prove", help="Z3: inductive proof, else bounded model checking (shortest cex)"
     )
     prove.add_argument("--policy", required=True, choices=POLICIES)
     prove.add_argument("--discipline", default="vllm", choices=DISCIPLINES)
@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     prove.add_argument("--bound", type=_positive(int), default=8, help="decisions on a path")
     prove.add_argument("--timeout", type=_positive(float), default=120.0, help="solver seconds")
     prove.add_argument("--out", help="write the counterexample's events here")
+    prove.add_argument(
+        "--method",
+        default="auto",
+        choices=("auto", "bmc"),
+        help="auto: induction first, then bounded model checking; bmc: only the latter",
+    )
 
     chk = sub.add_parser(
         "check", help="judge trace files with the spec: 0 holds, 1 violation, 2 unreadable"
@@ -287,6 +293,7 @@ def _prove(args: argparse.Namespace) -> int:
         args.bound,
         args.out,
         args.timeout,
+        method=args.method,
     )
 
 

@@ -1,5 +1,9 @@
 """Bounded model checking of the symbolic model (``kvspec.spec.symbolic``), and ``kvspec prove``.
 
+``kvspec prove`` first tries an inductive proof (``induction.py``: every path length, at the
+fragment's sizes); if the invariants and lemmas are not inductive for the cell, it runs bounded
+model checking, described here, for the shortest counterexample or a bounded proof.
+
 ``bmc`` unrolls the Z3 transition relation from the initial state, one decision per step, and asks
 at each depth k = 1, 2, ... whether some invariant can fail after exactly k decisions. The first
 depth that is satisfiable gives a *shortest* counterexample (in decisions, for these sizes): the
@@ -24,6 +28,8 @@ import z3
 from kvspec.spec import Config, Illegal, apply, check, initial_state
 from kvspec.spec import symbolic as sy
 
+from . import induction
+from .enact import EnactError, enact
 from .lockstep import Event, Finding
 from .report import describe, format_counterexample, write_events
 
@@ -278,21 +284,36 @@ def run_prove(
     *,
     block_size: int = DEFAULTS["block_size"],
     tokens: int = DEFAULTS["tokens"],
+    method: str = "auto",
 ) -> int:
-    """``kvspec prove``: 0 bounded proof, 1 counterexample (printed; events written to ``out``),
-    2 bad arguments, 3 unknown (solver timeout)."""
+    """``kvspec prove``: 0 proof (inductive, or bounded when induction fails), 1 counterexample
+    (printed; events written to ``out``), 2 bad arguments, 3 unknown (solver timeout).
+    ``method``: ``auto`` tries induction first, ``bmc`` only bounded model checking."""
     try:
         if not 1 <= bound <= 40:
             raise ValueError(f"bound must be 1..40, got {bound}")
+        if method not in ("auto", "bmc"):
+            raise ValueError(f"method must be auto or bmc, got {method!r}")
         fragment = make_fragment(
             policy, discipline, preemption, blocks, requests, depth, block_size, tokens
         )
     except ValueError as err:
         sys.stderr.write(f"kvspec prove: error: {err}\n")
         return 2
+    outcome = prove_cell(fragment, bound, timeout_s, method)
     cell = f"{policy}, {discipline}/{preemption}"
-    result = bmc(fragment, bound, timeout_s)
     where = f"fragment: {fragment.describe()}"
+    if outcome.verdict == "proved":
+        assert outcome.induction is not None
+        print(f"PROVED ({cell}): {induction.describe(outcome.induction)}")
+        print(where + "; the proof leaves prompt tokens, priorities and samples unconstrained")
+        print(
+            "Unbounded in path length, bounded in size: larger pools, more requests or "
+            "deeper pipelines are other models (bench/bench_prove.py covers a range)."
+        )
+        return 0
+    result = outcome.bmc
+    assert result is not None
     if result.verdict == "bounded-proof":
         print(
             f"BOUNDED PROOF ({cell}): no invariant violation is reachable from the initial state "
@@ -302,7 +323,8 @@ def run_prove(
         print(where)
         print(
             "This is a bounded result (every path up to the bound, for these sizes), not an "
-            "inductive proof: longer paths and larger sizes are not covered."
+            f"inductive proof: longer paths and larger sizes are not covered; "
+            f"{outcome.why_not_inductive}"
         )
         return 0
     if result.verdict == "unknown":
@@ -322,7 +344,70 @@ def run_prove(
     )
     print(where)
     print(format_counterexample(program, finding, fragment.config))
+    print(outcome.engine)
     if out is not None:
         n = write_events(out, fragment.config, events)
         print(f"wrote {n} events to {out}")
     return 1
+
+
+@dataclass
+class ProveOutcome:
+    """What ``kvspec prove`` found for one cell."""
+
+    verdict: str
+    """``proved`` (inductive), ``counterexample``, ``bounded-proof`` or ``unknown``."""
+    induction: induction.InductionResult | None
+    bmc: BmcResult | None
+    why_not_inductive: str
+    engine: str = ""
+    """For a counterexample: what the reference engine did when forced through it."""
+    engine_confirms: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in (self.induction, self.bmc) if r is not None)
+
+
+def prove_cell(
+    fragment: sy.Fragment, bound: int, timeout_s: float | None, method: str = "auto"
+) -> ProveOutcome:
+    """Induction first (``auto``), then bounded model checking if the cell is not proved; a
+    counterexample is confirmed by the executable spec (``bmc``) and enacted on the engine."""
+    ind = None
+    why = "induction not tried (--method bmc)"
+    if method == "auto":
+        ind = induction.prove_inductive(fragment, timeout_s)
+        if ind.verdict == "inductive":
+            return ProveOutcome("proved", ind, None, "")
+        why = induction.describe(ind)
+    result = bmc(fragment, bound, timeout_s)
+    outcome = ProveOutcome(result.verdict, ind, result, why)
+    if result.verdict == "counterexample":
+        assert result.invariant is not None
+        outcome.engine, outcome.engine_confirms = confirm_on_engine(
+            fragment, result.decisions, result.invariant
+        )
+    return outcome
+
+
+def confirm_on_engine(
+    fragment: sy.Fragment, decisions: list[Event], invariant: str
+) -> tuple[str, bool]:
+    """Does the reference engine, forced through the same decisions and judged in lockstep with
+    the spec, violate the same invariant? One line for a reader, and the answer."""
+    try:
+        _, found = enact(fragment.config, decisions)
+    except EnactError as err:
+        return f"reference engine: could NOT enact the counterexample: {err}", False
+    if found is None:
+        return "reference engine: took every decision but NO violation was found", False
+    if found.invariant != invariant:
+        return (
+            f"reference engine: took every decision and violated {found.invariant} instead of "
+            f"{invariant}: {found.message}"
+        ), False
+    return (
+        f"reference engine: forced through the same {len(decisions)} decisions, it violates "
+        f"{found.invariant} too (judged in lockstep with the spec): {found.message}"
+    ), True

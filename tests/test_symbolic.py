@@ -341,7 +341,12 @@ def test_run_prove_exit_codes(tmp_path: Any, capsys: pytest.CaptureFixture[str])
         if event[0] in ACTIONS:
             apply(s, event)
     assert check(s) is not None
-    assert prove.run_prove("deferred", blocks=4, requests=1, depth=1, bound=3, tokens=3) == 0
+    small = dict(blocks=4, requests=1, depth=1, bound=3, tokens=3)
+    assert prove.run_prove("deferred", **small, method="bmc") == 0  # type: ignore[arg-type]
     text = capsys.readouterr().out
     assert "BOUNDED PROOF" in text and "COUNTEREXAMPLE" in text and "<== here" in text
+    assert "reference engine: forced through the same 4 decisions" in text
+    assert prove.run_prove("deferred", **small) == 0  # type: ignore[arg-type]
+    assert "PROVED (deferred, vllm/fcfs): INDUCTIVE" in capsys.readouterr().out
+    assert prove.run_prove("deferred", **small, method="nope") == 2  # type: ignore[arg-type]
     assert prove.run_prove("deferred", requests=3, depth=3, bound=12, timeout_s=0.5) == 3

@@ -1,0 +1,642 @@
+"""Strengthening lemmas for the inductive proofs of ``symbolic.py``'s model (issue #3).
+
+The invariants of ``invariants.py`` are true in every reachable state, but they are not
+*inductive*: a state that satisfies them can still step into one that does not, if that state is
+itself unreachable (a pending write naming a request that never arrived, a free-queue position
+outside the queue's bounds, ...). A lemma rules such states out. Each lemma here is a predicate
+on a symbolic state with a name and one sentence on why it holds in every reachable state; the
+proof (``kvspec.conformance.induction``) shows that the conjunction of the invariants and the
+lemmas holds initially and is preserved by every action instance, which proves every one of them
+for paths of any length (for the fragment's sizes).
+
+The first groups say how the encoding's variables fit together (what TLA+ calls ``TypeOK``): ranges,
+requests, references, the entries of in-flight steps and their pending writes. The *content
+lemmas* carry the safety argument: a running request's table will hold its computed prefix
+(``TablesEventuallyHold``), and per family of policies why nobody can come to depend on a write
+that is then withdrawn: the deferring policies never let anyone share a block being written; the
+eager ones record what they published in the building step, so that a preemption can roll it
+back before anyone could have hit it (vLLM's discipline admits nothing in a step before a
+preemption). A lemma can be limited to some policies; the proof lists the lemmas it used.
+
+The lemmas were found the usual way: run the proof, read the counterexample to induction (an
+unreachable state that steps out), state the fact that rules it out, repeat. 26 lemmas make all
+eleven cells the fuzzer finds safe inductive; the four unsafe cells stay non-inductive, and bounded
+model checking finds their real counterexamples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import z3
+
+from .symbolic import (
+    BUILDING,
+    EXECUTED,
+    FINISHED,
+    NONE,
+    RUNNING,
+    WAITING,
+    Model,
+    SState,
+    Term,
+    conj,
+    disj,
+    zmin,
+)
+
+
+@dataclass(frozen=True)
+class Lemma:
+    name: str
+    why: str
+    """One sentence: why every reachable state satisfies it."""
+    predicate: Callable[[Model, SState], Term]
+    policies: frozenset[str] | None = None
+    """The policies it is stated for (None: all)."""
+
+    def applies(self, policy: str) -> bool:
+        return self.policies is None or policy in self.policies
+
+
+LEMMAS: list[Lemma] = []
+
+
+def lemma(why: str, policies: tuple[str, ...] | None = None) -> Callable:
+    def register(fn: Callable[[Model, SState], Term]) -> Callable[[Model, SState], Term]:
+        name = "".join(part.title() for part in fn.__name__.split("_"))
+        LEMMAS.append(Lemma(name, why, fn, None if policies is None else frozenset(policies)))
+        return fn
+
+    return register
+
+
+def lemmas(m: Model, S: SState, names: list[str] | None = None) -> dict[str, Term]:
+    """The lemmas that apply to the model's policy, as predicates on S."""
+    return {
+        lem.name: lem.predicate(m, S)
+        for lem in LEMMAS
+        if lem.applies(m.config.policy) and (names is None or lem.name in names)
+    }
+
+
+def _in(term: Term, lo: int, hi: int) -> Term:
+    """lo <= term <= hi."""
+    return z3.And(term >= lo, term <= hi)
+
+
+# -- globals and step slots -----------------------------------------------------------------------
+
+
+@lemma("begin and commit move nst by one between 0 and D (begin needs nst == k < D).")
+def slots_bounded(m: Model, S: SState) -> Term:
+    return _in(S["nst"], 0, m.D)
+
+
+@lemma(
+    "commit shifts the slots down and blanks the top one, and begin starts a slot blank, so "
+    "a slot beyond the steps in flight holds no entry, bucket or pending write."
+)
+def blank_slots(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        empty = [z3.Not(S[name, k, r]) for r in m.R for name in ("ea", "elive", "ra")]
+        empty += [z3.Not(S["pa", b, k]) for b in m.blocks]
+        parts.append(z3.Implies(S["nst"] <= k, conj(empty)))
+    return conj(parts)
+
+
+@lemma("phases are only ever set to building, submitted or executed.")
+def phase_domain(m: Model, S: SState) -> Term:
+    return conj([z3.Implies(S["nst"] > k, _in(S["ph", k], BUILDING, EXECUTED)) for k in range(m.D)])
+
+
+@lemma("execute turns every pending write of its step into written content.")
+def executed_has_no_pending(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            z3.Implies(z3.And(S["nst"] > k, S["ph", k] == EXECUTED), z3.Not(S["pa", b, k]))
+            for k in range(m.D)
+            for b in m.blocks
+        ]
+    )
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+@lemma("arrive sets the status to waiting; later actions only move it among the four values.")
+def status_domain(m: Model, S: SState) -> Term:
+    return conj([_in(S["st", r], NONE, FINISHED) for r in m.R])
+
+
+@lemma("the fragment's requests arrive in id order.")
+def arrival_order(m: Model, S: SState) -> Term:
+    return conj(
+        [z3.Implies(S["st", r] == NONE, S["st", r + 1] == NONE) for r in m.R if r + 1 in m.R]
+    )
+
+
+@lemma(
+    "a request that has not arrived has no tokens, no table and no entry in any step "
+    "(the initial state, and no action but arrive touches it)."
+)
+def unarrived_is_empty(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        empty = [S["len", r] == 0, S["ntab", r] == 0, S["comp", r] == 0, S["cach", r] == 0]
+        empty += [z3.Not(S["son", r])]
+        empty += [z3.Not(S[name, k, r]) for k in range(m.D) for name in ("ea", "elive", "ra")]
+        parts.append(z3.Implies(S["st", r] == NONE, conj(empty)))
+    return conj(parts)
+
+
+@lemma(
+    "a prompt has 1 .. T tokens and commit appends one token per sample until max_tokens, so "
+    "plen <= len <= plen + max_tokens <= T, with len < plen + max_tokens until the request "
+    "finishes; an entry samples exactly when it ends at the last known token, and only the "
+    "oldest step's commit appends one."
+)
+def lengths(m: Model, S: SState) -> Term:
+    T = len(m.T)
+    parts = []
+    for r in m.R:
+        parts.append(
+            z3.Implies(
+                S["st", r] != NONE,
+                conj(
+                    [
+                        S["plen", r] >= 1,
+                        S["maxt", r] >= 1,
+                        S["plen", r] <= S["len", r],
+                        S["len", r] <= S["plen", r] + S["maxt", r],
+                        S["plen", r] + S["maxt", r] <= T,
+                    ]
+                ),
+            )
+        )
+        unfinished = z3.Or(S["st", r] == WAITING, S["st", r] == RUNNING)
+        parts.append(z3.Implies(unfinished, S["len", r] < S["plen", r] + S["maxt", r]))
+        for k in range(m.D):
+            ea, ee = S["ea", k, r], S["ee", k, r]
+            parts.append(
+                z3.Implies(ea, z3.If(S["esam", k, r], ee == S["len", r], ee < S["len", r]))
+            )
+    return conj(parts)
+
+
+@lemma(
+    "a request computes at most the tokens it knows, and a table holds ceil(computed / B) "
+    "blocks of the pool, of which the first cached ones are registered."
+)
+def progress_bounds(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        parts += [S["comp", r] >= 0, S["comp", r] <= S["len", r], S["cach", r] >= 0]
+        parts.append(S["cach", r] <= S["ntab", r])
+        parts.append(_in(S["ntab", r], 0, len(m.M)))
+        parts += [z3.Implies(S["ntab", r] > i, _in(S["tab", r, i], 1, m.blocks[-1])) for i in m.M]
+    return conj(parts)
+
+
+@lemma(
+    "a running request has computed at least one token: admission schedules at least one, "
+    "and a request that leaves is no longer running."
+)
+def running_computed_something(m: Model, S: SState) -> Term:
+    return conj([z3.Implies(S["st", r] == RUNNING, S["comp", r] >= 1) for r in m.R])
+
+
+# -- blocks: keys, contents, queue positions ------------------------------------------------------
+
+
+def _names_prefix(m: Model, S: SState, req: Term, length: Term, least: int) -> Term:
+    """(req, length) names a prefix of an arrived request's known tokens."""
+    return conj(
+        [
+            disj([req == r for r in m.R]),
+            disj([z3.And(req == r, S["st", r] != NONE, S["len", r] >= length) for r in m.R]),
+            length >= least,
+        ]
+    )
+
+
+@lemma(
+    "keys, contents and pending writes are references to prefixes of arrived requests' known "
+    "tokens: they are set from the request that publishes or writes, at most its length, and "
+    "tokens only append."
+)
+def references_valid(m: Model, S: SState) -> Term:
+    parts = []
+    for b in m.blocks:
+        key = conj(
+            [
+                _names_prefix(m, S, S["kreq", b], S["klen", b], m.B),
+                disj([S["klen", b] == (i + 1) * m.B for i in m.M]),
+            ]
+        )
+        parts.append(z3.Implies(S["hk", b], key))
+        parts.append(z3.Implies(S["wv", b], _names_prefix(m, S, S["wreq", b], S["wlen", b], 1)))
+        for k in range(m.D):
+            parts.append(
+                z3.Implies(S["pa", b, k], _names_prefix(m, S, S["preq", b, k], S["pl", b, k], 1))
+            )
+    return conj(parts)
+
+
+@lemma(
+    "free-queue positions lie between the head and tail counters: inserts take qlo - 1 or "
+    "qhi + 1; publication times lie below the publication counter."
+)
+def counters_bound_positions(m: Model, S: SState) -> Term:
+    parts = [S["qlo"] <= S["qhi"] + 1, S["pubc"] >= 0]
+    for b in m.blocks:
+        parts.append(
+            z3.Implies(S["inq", b], z3.And(S["qlo"] <= S["qpos", b], S["qpos", b] <= S["qhi"]))
+        )
+        parts.append(z3.Implies(S["hk", b], z3.And(S["pub", b] >= 0, S["pub", b] < S["pubc"])))
+    return conj(parts)
+
+
+# -- steps' entries and pending writes ------------------------------------------------------------
+
+
+@lemma(
+    "schedule records an entry [start, end) with 0 <= start < end <= len and the table's "
+    "first ceil(end / B) blocks; a live entry's request is running, has computed at least end "
+    "and still holds those blocks (preempt and abort clear liveness)."
+)
+def entries_match_tables(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        for r in m.R:
+            ea, es, ee = S["ea", k, r], S["es", k, r], S["ee", k, r]
+            shape = conj([S["st", r] != NONE, es >= 0, es < ee, ee <= S["len", r]])
+            parts.append(z3.Implies(ea, shape))
+            parts.append(z3.Implies(S["elive", k, r], ea))
+            nblk = m.ceil_blocks(ee)
+            same = [z3.Implies(nblk > i, S["eblk", k, r, i] == S["tab", r, i]) for i in m.M]
+            live = conj([S["st", r] == RUNNING, S["comp", r] >= ee] + same)
+            parts.append(z3.Implies(S["elive", k, r], live))
+            parts += [
+                z3.Implies(z3.And(ea, nblk > i), _in(S["eblk", k, r, i], 1, m.blocks[-1]))
+                for i in m.M
+            ]
+    return conj(parts)
+
+
+@lemma(
+    "schedule adds one pending write to slot k for each block its entry writes (from the "
+    "block of start on), holding the entry's prefix up to that block's end; execute removes "
+    "them all, and a withdrawn entry's writes are removed with it."
+)
+def pending_matches_entries(m: Model, S: SState) -> Term:
+    parts = []
+    B = m.B
+    for k in range(m.D):
+        open_ = z3.And(S["nst"] > k, S["ph", k] != EXECUTED)
+        for r in m.R:
+            first = m.floor_blocks(S["es", k, r])
+            nblk = m.ceil_blocks(S["ee", k, r])
+            for i in m.M:
+                writes = conj([open_, S["ea", k, r], first <= i, nblk > i])
+                block = S["eblk", k, r, i]
+                has = disj(
+                    [
+                        z3.And(
+                            block == b,
+                            S["pa", b, k],
+                            S["preq", b, k] == r,
+                            S["pl", b, k] == zmin(S["ee", k, r], (i + 1) * B),
+                        )
+                        for b in m.blocks
+                    ]
+                )
+                parts.append(z3.Implies(writes, has))
+        for b in m.blocks:
+            owner = disj(
+                [
+                    conj(
+                        [
+                            S["preq", b, k] == r,
+                            S["ea", k, r],
+                            m.floor_blocks(S["es", k, r]) <= i,
+                            m.ceil_blocks(S["ee", k, r]) > i,
+                            S["eblk", k, r, i] == b,
+                        ]
+                    )
+                    for r in m.R
+                    for i in m.M
+                ]
+            )
+            parts.append(z3.Implies(S["pa", b, k], z3.And(open_, owner)))
+    return conj(parts)
+
+
+@lemma(
+    "every entry of the building step is live: preempt withdraws the victim's entry from the "
+    "building step, and abort waits until no step is building."
+)
+def building_entries_live(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            z3.Implies(z3.And(m.building(S, k), S["ea", k, r]), S["elive", k, r])
+            for k in range(m.D)
+            for r in m.R
+        ]
+    )
+
+
+@lemma(
+    "preempt and abort clear a request's liveness in every step at once, so if an older "
+    "step's entry of a request is live, its entries in newer steps are live too."
+)
+def liveness_monotone(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            z3.Implies(z3.And(S["elive", k, r], S["ea", kk, r]), S["elive", kk, r])
+            for r in m.R
+            for k in range(m.D)
+            for kk in range(k + 1, m.D)
+        ]
+    )
+
+
+@lemma(
+    "a request that left a submitted step and runs again was admitted again by a newer step, "
+    "which is still in flight (steps commit oldest first), with a live entry."
+)
+def readmitted_in_newer_step(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        for k in range(m.D):
+            dead = conj([S["ea", k, r], z3.Not(S["elive", k, r]), S["st", r] == RUNNING])
+            newer = disj([S["elive", kk, r] for kk in range(k + 1, m.D)])
+            parts.append(z3.Implies(dead, newer))
+    return conj(parts)
+
+
+@lemma(
+    "a running request is scheduled from its computed count on, so its live entries in "
+    "successive steps are successive chunks: an older one ends where a newer one starts at "
+    "the latest."
+)
+def live_chunks_in_order(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            z3.Implies(z3.And(S["elive", k, r], S["elive", kk, r]), S["ee", k, r] <= S["es", kk, r])
+            for r in m.R
+            for k in range(m.D)
+            for kk in range(k + 1, m.D)
+        ]
+    )
+
+
+@lemma(
+    "a request's newest live entry ends at its computed count: schedule sets computed to the "
+    "entry's end, and only a leave (which kills the entry) resets it."
+)
+def newest_entry_ends_at_computed(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        for k in range(m.D):
+            newest = z3.And(
+                S["elive", k, r], z3.Not(disj([S["elive", kk, r] for kk in range(k + 1, m.D)]))
+            )
+            parts.append(z3.Implies(newest, S["ee", k, r] == S["comp", r]))
+    return conj(parts)
+
+
+# -- content lemmas, every policy: the safety argument --------------------------------------------
+
+
+@lemma(
+    "a running request's table block i will hold its computed prefix up to that block's end: "
+    "hits hold it already (they are published, hence hold their key), and every block the "
+    "request computes into gets a pending write of exactly that prefix, which nobody else "
+    "writes over while the request holds the block."
+)
+def tables_eventually_hold(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        for i in m.M:
+            block = S["tab", r, i]
+            held = conj([S["st", r] == RUNNING, S["ntab", r] > i])
+            prefix = (r, zmin(S["comp", r], (i + 1) * m.B))
+            parts.append(z3.Implies(held, m.holds(S, m.eventual_of(S, block), prefix)))
+    return conj(parts)
+
+
+@lemma(
+    "a published block in a request's table at index i is published under that request's "
+    "i-th chained hash: it got there as a hit on that hash, or the request registered it "
+    "under that hash itself."
+)
+def held_keys_match(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        for i in m.M:
+            held = conj([S["ntab", r] > i])
+            for b in m.blocks:
+                cond = z3.And(held, S["tab", r, i] == b, S["hk", b])
+                parts.append(z3.Implies(cond, m.key_matches(S, b, r, i)))
+    return conj(parts)
+
+
+@lemma(
+    "NoUnwrittenRead holds for withdrawn entries of submitted steps too: a submitted step "
+    "still runs all its reads and writes, and nothing changes a block's content before it "
+    "runs except the writes of older steps, which the reads already account for."
+)
+def dead_entries_read_well(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        ev = {b: m.eventual(S, b, upto=k) for b in m.blocks}
+        for r in m.R:
+            started = S["es", k, r]
+            active = conj([S["nst"] > k, S["ph", k] != EXECUTED, S["ea", k, r]])
+            for i in m.M:
+                block = S["eblk", k, r, i]
+                content = ev[m.blocks[-1]]
+                for b in reversed(m.blocks[:-1]):
+                    cnd = block == b
+                    content = (
+                        z3.If(cnd, ev[b][0], content[0]),
+                        z3.If(cnd, ev[b][1], content[1]),
+                        z3.If(cnd, ev[b][2], content[2]),
+                    )
+                prefix = (r, zmin(started, (i + 1) * m.B))
+                reads = m.ceil_blocks(started) > i
+                parts.append(z3.Implies(z3.And(active, reads), m.holds(S, content, prefix)))
+    return conj(parts)
+
+
+# -- the deferring policies (deferred, hide-uncommitted): nobody shares a block being written -----
+
+
+_DEFERRING = ("deferred", "hide-uncommitted")
+
+
+@lemma(
+    "under the deferring policies a block is published only by the commit of a step that "
+    "wrote it to its end, after which no step writes it again: a block with a pending write "
+    "is unpublished, and nobody else can hit it.",
+    policies=_DEFERRING,
+)
+def pending_blocks_unpublished(m: Model, S: SState) -> Term:
+    return conj(
+        [z3.Implies(S["pa", b, k], z3.Not(S["hk", b])) for b in m.blocks for k in range(m.D)]
+    )
+
+
+@lemma(
+    "under the deferring policies the blocks a live entry writes are its request's alone "
+    "(refcount 1): they were allocated to it, and they are unpublished until written.",
+    policies=_DEFERRING,
+)
+def written_blocks_unshared(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        open_ = z3.And(S["nst"] > k, S["ph", k] != EXECUTED)
+        for r in m.R:
+            first = m.floor_blocks(S["es", k, r])
+            nblk = m.ceil_blocks(S["ee", k, r])
+            for i in m.M:
+                writes = conj([open_, S["elive", k, r], first <= i, nblk > i])
+                parts.append(z3.Implies(writes, m.blk(S, "ref", S["eblk", k, r, i]) == 1))
+    return conj(parts)
+
+
+@lemma(
+    "under the deferring policies a block that a withdrawn entry will still write is held "
+    "again only after being allocated anew, by a newer step that will write it later: the "
+    "withdrawn write never is the block's last.",
+    policies=_DEFERRING,
+)
+def dead_writes_overwritten(m: Model, S: SState) -> Term:
+    parts = []
+    for b in m.blocks:
+        for k in range(m.D):
+            live_writer = disj([z3.And(S["preq", b, k] == r, S["elive", k, r]) for r in m.R])
+            newer = disj([S["pa", b, kk] for kk in range(k + 1, m.D)])
+            cond = conj([S["pa", b, k], z3.Not(live_writer), S["ref", b] >= 1])
+            parts.append(z3.Implies(cond, newer))
+    return conj(parts)
+
+
+# -- the policies that register at scheduling time: what a rollback must undo ---------------------
+
+
+@lemma(
+    "a step's bucket (hide-uncommitted, eager-rollback-fifo) is the range of table blocks the "
+    "request's live entry there fills to their end, from the block its entry starts in; "
+    "preempt and abort drop the request's buckets with its liveness.",
+    policies=("hide-uncommitted", "eager-rollback-fifo"),
+)
+def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        for r in m.R:
+            lo, hi = S["rlo", k, r], S["rhi", k, r]
+            span = z3.Implies(
+                lo < hi,
+                conj(
+                    [
+                        m.floor_blocks(S["es", k, r]) <= lo,
+                        hi <= m.floor_blocks(S["ee", k, r]),
+                        lo >= 0,
+                    ]
+                ),
+            )
+            parts.append(z3.Implies(S["ra", k, r], z3.And(S["elive", k, r], span)))
+    return conj(parts)
+
+
+@lemma(
+    "the policies that register at scheduling time advance a running request's cached count "
+    "to its full computed blocks at every schedule (hits are full blocks too).",
+    policies=("hide-uncommitted", "eager-unsafe", "eager-rollback-single", "eager-rollback-fifo"),
+)
+def cached_tracks_computed(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            z3.Implies(S["st", r] == RUNNING, S["cach", r] == m.floor_blocks(S["comp", r]))
+            for r in m.R
+        ]
+    )
+
+
+@lemma(
+    "under vllm's discipline, until the building step admits someone, the blocks its live "
+    "entries write are their requests' alone: the only way to share a block is a hit at "
+    "admission, and a block is published (eagerly) no earlier than the step that writes it "
+    "to its end (for the deferring policies WrittenBlocksUnshared says more, for every discipline)."
+)
+def building_writes_unshared_until_admission(m: Model, S: SState) -> Term:
+    if m.config.discipline != "vllm":
+        return z3.BoolVal(True)
+    parts = []
+    for k in range(m.D):
+        quiet = z3.And(m.building(S, k), z3.Not(S["adm", k]))
+        for r in m.R:
+            first = m.floor_blocks(S["es", k, r])
+            nblk = m.ceil_blocks(S["ee", k, r])
+            for i in m.M:
+                writes = conj([quiet, S["elive", k, r], first <= i, nblk > i])
+                parts.append(z3.Implies(writes, m.blk(S, "ref", S["eblk", k, r, i]) == 1))
+    return conj(parts)
+
+
+@lemma(
+    "under the rollback policies a block that a live entry of the building step writes and "
+    "that is published was published by that entry's own schedule (a block is published "
+    "only once full, and this step is the one filling it), so it is in the request's record "
+    "of this step's registrations, which a preemption rolls back.",
+    policies=("eager-rollback-single", "eager-rollback-fifo"),
+)
+def building_publications_recorded(m: Model, S: SState) -> Term:
+    parts = []
+    single = m.config.policy == "eager-rollback-single"
+    for k in range(m.D):
+        for r in m.R:
+            first = m.floor_blocks(S["es", k, r])
+            nblk = m.ceil_blocks(S["ee", k, r])
+            if single:
+                lo, hi, on = S["slo", r], S["shi", r], S["son", r]
+            else:
+                lo, hi, on = S["rlo", k, r], S["rhi", k, r], S["ra", k, r]
+            for i in m.M:
+                writes = conj([m.building(S, k), S["elive", k, r], first <= i, nblk > i])
+                published = m.blk(S, "hk", S["eblk", k, r, i])
+                recorded = conj([on, lo <= i, hi > i])
+                parts.append(z3.Implies(z3.And(writes, published), recorded))
+    return conj(parts)
+
+
+@lemma(
+    "while steps are in flight, eager-rollback-single's record names only running requests "
+    "scheduled in the newest step (begin clears it, preempt and abort drop the leaver), and "
+    "covers blocks that request's entry there fills to their end.",
+    policies=("eager-rollback-single",),
+)
+def single_record_is_newest_step(m: Model, S: SState) -> Term:
+    parts = []
+    for r in m.R:
+        lo, hi = S["slo", r], S["shi", r]
+        options = []
+        for k in range(m.D):
+            span = z3.Implies(
+                lo < hi,
+                conj(
+                    [
+                        m.floor_blocks(S["es", k, r]) <= lo,
+                        hi <= m.floor_blocks(S["ee", k, r]),
+                        lo >= 0,
+                    ]
+                ),
+            )
+            options.append(conj([S["nst"] == k + 1, S["elive", k, r], span]))
+        in_flight = z3.And(S["son", r], S["nst"] > 0)
+        parts.append(z3.Implies(in_flight, z3.And(S["st", r] == RUNNING, disj(options))))
+    return conj(parts)

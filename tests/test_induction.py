@@ -1,0 +1,141 @@
+"""Inductive proofs (conformance/induction.py, spec/lemmas.py) and enacting counterexamples on
+the reference engine (conformance/enact.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec.conformance import induction, prove
+from kvspec.conformance.enact import EnactError, enact
+from kvspec.spec import Config
+from kvspec.spec import lemmas as lm
+from kvspec.spec import symbolic as sy
+
+# Small sizes keep each proof to a few seconds; bench/bench_prove.py runs the default sizes.
+SMALL = dict(blocks=3, requests=2, depth=1, block_size=1, tokens=3)
+
+
+def fragment(policy: str, discipline: str = "vllm", preemption: str = "fcfs", **sizes: int):  # type: ignore[no-untyped-def]
+    return prove.make_fragment(policy, discipline, preemption, **{**SMALL, **sizes})
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        ("deferred", "general", "fcfs", {}),
+        ("hide-uncommitted", "vllm", "priority", {}),
+        ("eager-rollback-single", "vllm", "priority", {"depth": 2}),
+    ],
+)
+def test_safe_cells_are_inductive(cell) -> None:  # type: ignore[no-untyped-def]
+    policy, discipline, preemption, sizes = cell
+    result = induction.prove_inductive(fragment(policy, discipline, preemption, **sizes), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+    assert result.instances == len(sy.Model(result.fragment).instances)
+    assert "TablesEventuallyHold" in result.lemmas
+
+
+def test_unsafe_cell_is_not_inductive() -> None:
+    result = induction.prove_inductive(fragment("eager-unsafe", "general"), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "preempt"
+    assert {"NoUnwrittenRead", "NoUnwrittenPublish"} & set(result.cti.broken)
+    assert "not inductive" in induction.describe(result)
+
+
+def test_a_missing_lemma_leaves_a_counterexample_to_induction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = [lem for lem in lm.LEMMAS if lem.name != "TablesEventuallyHold"]
+    monkeypatch.setattr(lm, "LEMMAS", kept)
+    result = induction.prove_inductive(fragment("deferred"), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.pre  # the pre-state is shown to the reader
+
+
+def test_a_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deferred that (wrongly) registers at scheduling time, like eager-unsafe, is not proved."""
+    original = sy.Model.on_schedule
+
+    def eager(self, S, r, k, upto):  # type: ignore[no-untyped-def]
+        return self.register(original(self, S, r, k, upto), r, upto)
+
+    monkeypatch.setattr(sy.Model, "on_schedule", eager)
+    result = induction.prove_inductive(fragment("deferred", "general"), 300)
+    assert result.verdict == "cti"
+
+
+def test_base_case_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    wrong = lm.Lemma("NobodyArrives", "false once a request arrives", lambda m, S: S["nst"] == 1)
+    monkeypatch.setattr(lm, "LEMMAS", [*lm.LEMMAS, wrong])
+    result = induction.prove_inductive(fragment("deferred"), 300)
+    assert result.verdict == "base-fails" and result.cti is not None
+    assert result.cti.broken == ["NobodyArrives"]
+
+
+def test_every_lemma_has_a_reason() -> None:
+    names = [lem.name for lem in lm.LEMMAS]
+    assert len(names) == len(set(names))
+    assert all(lem.why.endswith(".") and len(lem.why) > 40 for lem in lm.LEMMAS)
+
+
+# -- the reference engine, forced through decisions --------------------------------------------
+
+CONSUMER = [
+    ("arrive", 0, (1, 1), 1, 0),
+    ("arrive", 1, (1, 1), 1, 0),
+    ("begin", 0),
+    ("schedule", 0, 2, 0),
+    ("schedule", 1, 1, 0),
+    ("preempt", 0),
+]
+"""The review's consumer scenario: r0 publishes block 1 eagerly, r1 hits it in the same step,
+then r0 is preempted from the step."""
+
+
+def config(policy: str) -> Config:
+    return Config(
+        num_blocks=4,
+        block_size=1,
+        depth=1,
+        policy=policy,
+        discipline="general",
+        preemption="fcfs",
+        token_budget=6,
+        max_running=2,
+    )
+
+
+def test_engine_enacts_the_consumer_scenario_and_violates_what_the_spec_says() -> None:
+    events, finding = enact(config("eager-rollback-fifo"), [*CONSUMER, ("submit", 0)])
+    assert finding is not None and finding.invariant == "NoUnwrittenRead"
+    assert ("publish", 0, 0, 1) in events and ("hit", 1, (1,)) in events
+
+
+def test_engine_enacts_the_same_decisions_safely_under_deferred() -> None:
+    decisions = [*CONSUMER, ("submit", 0), ("execute", 0, ()), ("commit", 0, ())]
+    events, finding = enact(config("deferred"), decisions)
+    assert finding is None
+    commit = events.index(("commit", 0, ()))
+    assert [e[:3] for e in events[commit:] if e[0] == "publish"] == [("publish", 1, 0)]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (("schedule", 0, 2, 0), "no step is building"),
+        (("begin", 7), "numbered the step 0"),
+        (("commit", 0, ()), "no such executed step"),
+        (("dance",), "unknown decision"),
+    ],
+)
+def test_engine_refuses_what_it_cannot_take(bad, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(EnactError, match=message):
+        enact(config("deferred"), [("arrive", 0, (1, 1), 1, 0), bad])
+
+
+def test_z3_counterexample_is_confirmed_on_the_engine() -> None:
+    f = prove.make_fragment("eager-unsafe", "general", "fcfs", 4, 1, 1, 1, 3)
+    outcome = prove.prove_cell(f, 6, 120)
+    assert outcome.verdict == "counterexample" and outcome.engine_confirms, outcome.engine
+    assert outcome.induction is not None and outcome.induction.verdict == "cti"
