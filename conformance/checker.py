@@ -266,16 +266,17 @@ class Checker(Judge):
             ring.append((line, event))
 
     def _remember_execute(self, line: int) -> None:
-        """The oldest submitted step is about to execute: record its writes and reads."""
+        """The oldest submitted step is about to execute: one record of its writes and reads goes
+        to the ring of every block it touches (``step_accesses`` expands it for a report)."""
         step = next((st for st in self.state.steps if st.phase == "submitted"), None)
         if step is None:
             return
         bsz = self.config.block_size
-        for rid, e in step.entries.items():
-            first = e.start // bsz
-            for i, block in enumerate(e.blocks):
-                what = "wrote" if i >= first else "read"
-                self.block_rings[block].append((line, (what, rid, block, step.id)))
+        accesses = tuple((rid, e.start // bsz, e.blocks) for rid, e in step.entries.items())
+        record = (line, ("step-io", step.id, accesses))
+        rings = self.block_rings
+        for block in {block for _, _, blocks in accesses for block in blocks}:
+            rings[block].append(record)
 
     def _check_hash(self, event: Event, hash_: str, index: int) -> Finding | None:
         _, rid, i, block = event
@@ -351,7 +352,9 @@ class Checker(Judge):
         """The remembered events that touched the involved blocks and requests, in file order."""
         blocks, reqs = self.involved()
         seen: dict[tuple[int, str], tuple[int, Event]] = {}
-        rings: list[Iterable[tuple[int, Event]]] = [self.block_rings[b] for b in sorted(blocks)]
+        rings: list[Iterable[tuple[int, Event]]] = [
+            step_accesses(self.block_rings[b], b) for b in sorted(blocks)
+        ]
         for rid in sorted(reqs):
             ring = self.request_rings.get(rid) or self.retired.get(rid)
             if ring is not None:
@@ -363,6 +366,20 @@ class Checker(Judge):
             line, event = self.last_event
             seen.setdefault((line, repr(event)), (line, event))
         return sorted(seen.values(), key=lambda item: item[0])
+
+
+def step_accesses(ring: Iterable[tuple[int, Event]], block: int) -> Iterator[tuple[int, Event]]:
+    """A block's ring with each step's record expanded into that step's writes and reads of the
+    block: ``("wrote" | "read", request, block, step)``."""
+    for line, event in ring:
+        if event[0] != "step-io":
+            yield line, event
+            continue
+        _, step, accesses = event
+        for rid, first, blocks in accesses:  # type: ignore[attr-defined]
+            for i, b in enumerate(blocks):
+                if b == block:
+                    yield line, ("wrote" if i >= first else "read", rid, block, step)
 
 
 def describe_any(event: Event) -> str:

@@ -116,9 +116,12 @@ class Judge:
         except Illegal as err:
             return self._found("Illegal", str(err), index)
         add_effects(s, fp, event, effects)
-        self.footprint.merge(fp)
         self.expected.extend(effects)
         self.decisions += 1
+        if self.check_every == 1:
+            self.footprint = fp
+            return self.check_now(index)
+        self.footprint.merge(fp)
         if self.decisions % self.check_every == 0:
             return self.check_now(index)
         return None

@@ -58,6 +58,8 @@ class Footprint:
     """(step, request) entries created: all their reads are new conjuncts."""
     left: set[int] = field(default_factory=set)
     """Requests that stopped running (preempted, failed load, finished, aborted)."""
+    steps: bool = False
+    """A step began, was submitted, executed or committed."""
 
     def merge(self, other: Footprint) -> None:
         self.blocks |= other.blocks
@@ -65,6 +67,7 @@ class Footprint:
         self.requests |= other.requests
         self.entries |= other.entries
         self.left |= other.left
+        self.steps |= other.steps
 
 
 def footprint(s: State, decision: Event) -> Footprint:
@@ -80,12 +83,16 @@ def footprint(s: State, decision: Event) -> Footprint:
             fp.content.update(step.entries[rid].blocks)  # its pending writes are withdrawn
         if kind in ("preempt", "abort"):
             fp.left.add(rid)  # type: ignore[arg-type]
+    elif kind in ("begin", "submit"):
+        fp.steps = True
     elif kind == "execute":
+        fp.steps = True
         step = next((st for st in s.steps if st.phase != "executed"), None)
         if step is not None:
             for e in step.entries.values():
                 fp.content.update(e.blocks[e.start // bsz :])
     elif kind == "commit" and s.steps:
+        fp.steps = True
         step = s.steps[0]
         fp.requests.update(step.entries)
         for rid in step.failed:  # its blocks stop being excused by NoUnwrittenPublish
@@ -137,6 +144,23 @@ class Incremental:
                 self.tables[rid] = tuple(req.table)
                 for i, block in enumerate(req.table):
                     self.holders.setdefault(block, {})[rid] = i
+        self._old: dict[int, tuple[int, ...]] = {}
+        """At a check: the old tables of the requests whose table changed."""
+        self._added: list[tuple[int, int, int]] = []
+        """At a check: the new (block, request, position) table occurrences."""
+        self._order = (
+            # (invariant, "a conjunct over the footprint is false", that answer is exact)
+            ("NoUnwrittenRead", self._reads, True),
+            ("NoUnwrittenPublish", self._published, True),
+            ("RefcountIsOwnership", self._refcounts, True),
+            ("SharedImpliesSamePrefix", self._shared, True),
+            ("FreeQueueExact", self._free_queue, True),
+            ("HashIndexConsistent", self._index, True),
+            ("NullBlockPinned", self._null_block, False),
+            ("TableMatchesComputed", self._tables_match, True),
+            ("StepsInOrder", self._steps, False),
+            ("NoLeakAtQuiescence", self._maybe_leak, False),
+        )
 
     def check(
         self, s: State, fp: Footprint, names: Collection[str] | None = None
@@ -144,32 +168,19 @@ class Incremental:
         """The first invariant (``INVARIANTS`` order, then ``TablesAppendOnly``) that fails, as
         (name, explanation), or None; only those in ``names`` when given. The full check's answer,
         provided every invariant held at the previous check."""
-        old_tables, new_occurrences = self._update_tables(s, fp)
+        self._old, self._added = self._update_tables(s, fp)
         try:
-            for name, failing in (
-                ("NoUnwrittenRead", self._reads),
-                ("NoUnwrittenPublish", self._published),
-                ("RefcountIsOwnership", self._refcounts),
-                ("SharedImpliesSamePrefix", lambda s, fp: self._shared(s, new_occurrences)),
-                ("FreeQueueExact", self._free_queue),
-                ("HashIndexConsistent", self._index),
-                ("NullBlockPinned", lambda s, fp: NULL_BLOCK in fp.blocks),
-                ("TableMatchesComputed", self._tables_match),
-                ("StepsInOrder", lambda s, fp: True),
-                ("NoLeakAtQuiescence", _maybe_leak),
-            ):
-                if names is not None and name not in names:
-                    continue
-                if failing(s, fp):
+            for name, may_fail, exact in self._order:
+                if (names is None or name in names) and may_fail(s, fp):
                     message = INVARIANTS[name](s)
                     if message is not None:
                         return name, message
-                    if name not in ("NullBlockPinned", "StepsInOrder", "NoLeakAtQuiescence"):
+                    if exact:
                         raise AssertionError(f"incremental {name} disagrees with its definition")
-            if names is None or TABLES_APPEND_ONLY in names:
+            if self._old and (names is None or TABLES_APPEND_ONLY in names):
                 before = {
                     rid: table
-                    for rid, table in old_tables.items()
+                    for rid, table in self._old.items()
                     if rid in self.running and rid not in fp.left and rid in s.requests
                 }
                 grew = tables_append_only(before, s)
@@ -177,8 +188,9 @@ class Incremental:
                     return TABLES_APPEND_ONLY, grew
             return None
         finally:
+            keys, blocks = self.keys, s.blocks
             for block in fp.blocks:
-                self.keys[block] = s.blocks[block].key
+                keys[block] = blocks[block].key
             for rid in fp.requests:
                 req = s.requests.get(rid)
                 if req is not None and req.status == "running":
@@ -262,12 +274,15 @@ class Incremental:
         """Every read of a new entry; a full block read before by the same holder, with no
         content change since and no pending write, is known to hold the prefix."""
         bsz, verified = s.config.block_size, self.verified
+        tokens: tuple[int, ...] | None = None
         for i in range(-(-start // bsz)):
             block = blocks[i]
             stable = (i + 1) * bsz <= start and not s.blocks[block].pending
             if stable and rid in verified.get(block, ()):
                 continue
-            if not _read_ok(s, step_id, rid, start, i, block):
+            if tokens is None:
+                tokens = tuple(s.requests[rid].tokens[:start])
+            if not holds(eventual_content(s, block, upto_step=step_id), tokens[: (i + 1) * bsz]):
                 return False
             if stable:
                 verified.setdefault(block, set()).add(rid)
@@ -295,18 +310,18 @@ class Incremental:
         return False
 
     def _refcounts(self, s: State, fp: Footprint) -> bool:
-        for rid in fp.requests:
-            req = s.requests.get(rid)
-            if req is not None and len(set(req.table)) != len(req.table):
+        for rid in self._old:
+            table = self.tables.get(rid, ())
+            if len(set(table)) != len(table):
                 return True
         return any(
             block != NULL_BLOCK and s.blocks[block].refcount != len(self.holders.get(block, ()))
             for block in fp.blocks
         )
 
-    def _shared(self, s: State, added: list[tuple[int, int, int]]) -> bool:
+    def _shared(self, s: State, fp: Footprint) -> bool:
         bsz = s.config.block_size
-        for block, rid, i in added:
+        for block, rid, i in self._added:
             mine = self.holders.get(block, {})
             if len(mine) < 2:
                 continue
@@ -316,6 +331,16 @@ class Incremental:
             if i != j or not full or s.key(req, i) != s.key(o, j):
                 return True
         return False
+
+    def _null_block(self, s: State, fp: Footprint) -> bool:
+        return NULL_BLOCK in fp.blocks
+
+    def _steps(self, s: State, fp: Footprint) -> bool:
+        return fp.steps
+
+    def _maybe_leak(self, s: State, fp: Footprint) -> bool:
+        """``no_leak_at_quiescence``'s cheap conjuncts first; its scan of requests if needed."""
+        return not s.steps and len(s.free) != len(s.blocks) - 1
 
     def _free_queue(self, s: State, fp: Footprint) -> bool:
         for block in fp.blocks:
@@ -353,8 +378,3 @@ def _read_ok(s: State, step_id: int, rid: int, start: int, i: int, block: int) -
     """One conjunct of ``no_unwritten_read``: the step's read of the request's block ``i``."""
     prefix = tuple(s.requests[rid].tokens[: min(start, (i + 1) * s.config.block_size)])
     return holds(eventual_content(s, block, upto_step=step_id), prefix)
-
-
-def _maybe_leak(s: State, fp: Footprint) -> bool:
-    """``no_leak_at_quiescence``'s cheap conjuncts first; the scan of requests only if needed."""
-    return not s.steps and len(s.free) != len(s.blocks) - 1
