@@ -119,8 +119,7 @@ class Judge:
         self.expected.extend(effects)
         self.decisions += 1
         if self.check_every == 1:
-            self.footprint = fp
-            return self.check_now(index)
+            return self._check(fp, index)
         self.footprint.merge(fp)
         if self.decisions % self.check_every == 0:
             return self.check_now(index)
@@ -137,8 +136,11 @@ class Judge:
 
     def check_now(self, index: int) -> Finding | None:
         """Check the invariants (and TablesAppendOnly since the last check) now."""
-        s, fp = self.state, self.footprint
-        self.footprint = Footprint()
+        fp, self.footprint = self.footprint, Footprint()
+        return self._check(fp, index)
+
+    def _check(self, fp: Footprint, index: int) -> Finding | None:
+        s = self.state
         if self.incremental is not None:
             violated = self.incremental.check(s, fp, self.invariants)
             return None if violated is None else self._found(*violated, index)

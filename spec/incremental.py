@@ -245,24 +245,30 @@ class Incremental:
     def _reads(self, s: State, fp: Footprint) -> bool:
         if s.bad_reads:
             return True
-        steps = [st for st in s.steps if st.phase != "executed"]
-        if not steps:
+        if not fp.entries and not fp.content:
             return False
+        steps = [st for st in s.steps if st.phase != "executed"]
         for step_id, rid in fp.entries:
             for st in steps:
-                e = st.entries.get(rid) if st.id == step_id else None
-                if e is not None and not e.load and rid in st.live:
-                    if not self._entry_ok(s, st.id, rid, e.start, e.blocks):
-                        return True
+                if st.id == step_id:
+                    e = st.entries.get(rid)
+                    if e is not None and not e.load and rid in st.live:
+                        if not self._entry_ok(s, st.id, rid, e.start, e.blocks):
+                            return True
+        bsz = s.config.block_size
         for block in fp.content:
-            for rid, i in self.holders.get(block, {}).items():
+            mine = self.holders.get(block)
+            if mine is None:
+                continue
+            for rid, i in mine.items():
                 for st in steps:
                     e = st.entries.get(rid)
                     if (
                         e is not None
+                        and i * bsz < e.start
                         and not e.load
                         and rid in st.live
-                        and i * s.config.block_size < e.start
+                        and (st.id, rid) not in fp.entries  # checked whole above
                         and not _read_ok(s, st.id, rid, e.start, i, block)
                     ):
                         return True
@@ -289,24 +295,23 @@ class Incremental:
         return True
 
     def _published(self, s: State, fp: Footprint) -> bool:
-        candidates = fp.blocks | fp.content
-        if not candidates:
+        if not fp.blocks and not fp.content:
             return False
-        bsz = s.config.block_size
-        unreported = {
-            block
-            for step in s.steps
-            for rid in step.failed
-            for block in step.entries[rid].blocks[step.entries[rid].start // bsz :]
-        }
-        for block in candidates:
-            if block in unreported:
-                continue
-            for key in {s.blocks[block].key, self.keys[block]}:
-                if key is None or block not in s.index.get(key, ()):
+        unreported: set[int] = set()
+        for step in s.steps:
+            for rid in step.failed:
+                e = step.entries[rid]
+                unreported.update(e.blocks[e.start // s.config.block_size :])
+        index, keys, blocks = s.index, self.keys, s.blocks
+        for changed in (fp.blocks, fp.content):
+            for block in changed:
+                key, before = blocks[block].key, keys[block]
+                if key is None and before is None or block in unreported:
                     continue
-                if not holds(eventual_content(s, block), key):
-                    return True
+                for k in (key, before) if key != before else (key,):
+                    if k is not None and block in index.get(k, ()):
+                        if not holds(eventual_content(s, block), k):
+                            return True
         return False
 
     def _refcounts(self, s: State, fp: Footprint) -> bool:
