@@ -2,8 +2,9 @@
 
 1. Writes a long v1 trace from the reference engine (policy ``deferred``, vLLM discipline, depth
    2, 256 blocks of 16 tokens, shared-prefix requests arriving in waves of 100), streaming: the
-   engine's event list is drained after every step, so nothing grows with the trace. The trace
-   goes to a temporary folder unless ``--trace`` says where (``--reuse`` keeps an existing one).
+   engine's event list is drained after every step (the engine itself keeps every request it saw,
+   so this runs in a child process). The trace goes to a temporary folder unless ``--trace`` says
+   where (``--reuse`` keeps an existing one).
 2. Throughput on one core, in events/s over the first ``--sample`` events of the trace, median of
    ``--rounds`` rounds; the modes run interleaved in each round, so a load on the machine hits
    them alike: the reader alone (parse and validate every line), the spec's actions alone (the
@@ -12,8 +13,8 @@
    mode (every invariant after every decision, incrementally) and with invariants every k
    decisions (``--every``).
 3. Peak memory: a fresh process checks the first L events (``--memory``, default 1M, 3M, 10M) in
-   the default mode and reports its peak resident set size (``ru_maxrss``, interpreter included)
-   and its throughput over those L events: memory must stay flat as L grows.
+   the default mode and reports its peak resident set size (``VmHWM``, interpreter included) and
+   its throughput over those L events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
    the engine feeding every event to a ``Monitor`` as it runs, median of ``--rounds`` rounds,
    interleaved.
@@ -111,8 +112,19 @@ def memory_child(path: Path, length: int) -> None:
     started = time.perf_counter()
     count = checked(1)(path, length)
     seconds = time.perf_counter() - started
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"events": count, "seconds": seconds, "peak_kib": peak_kib}))
+    print(json.dumps({"events": count, "seconds": seconds, "peak_kib": peak_rss_kib()}))
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size. ``VmHWM`` where Linux has it: ``ru_maxrss`` would
+    carry over the parent's peak across fork and exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def monitored_run(requests: int, monitor: bool) -> float:
@@ -144,17 +156,28 @@ def main() -> None:
     parser.add_argument("--trace", help="keep the trace here (default: a temporary file)")
     parser.add_argument("--reuse", action="store_true", help="reuse an existing --trace file")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--write-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(Path(args.memory_child[0]), int(args.memory_child[1]))
+        return
+    if args.write_child:
+        events = engine_events(int(args.write_child[1]))
+        print(write_trace(args.write_child[0], Config(**COMMON), events, hashes=True))  # type: ignore[arg-type]
         return
 
     path = Path(args.trace or os.path.join(tempfile.mkdtemp(), "bench.jsonl"))
     started = time.perf_counter()
     if args.reuse and path.exists():
         count = read_only(path, sys.maxsize)
-    else:
-        count = write_trace(path, Config(**COMMON), engine_events(args.events), hashes=True)  # type: ignore[arg-type]
+    else:  # in a child process: the engine keeps every request it saw, which is big
+        done = subprocess.run(
+            [sys.executable, __file__, "--write-child", str(path), str(args.events)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        count = int(done.stdout)
     print(
         f"trace: {count:,} events, {path.stat().st_size / 2**20:.0f} MiB, "
         f"{'counted' if args.reuse else 'written'} in {time.perf_counter() - started:.0f} s "

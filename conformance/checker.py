@@ -1,28 +1,34 @@
 """The streaming checker: judge a trace file (or an engine in-process) one event at a time.
 
-``Checker`` is the ``Judge`` of ``lockstep.py`` made to run over unbounded streams:
+``Checker`` is the ``Judge`` of ``lockstep.py`` (a subclass: one judging core) made to run over
+unbounded streams:
 
 * every decision is applied to the spec and every effect compared with the spec's, exactly as the
-  Judge does; with ``check_every=1`` (the default) every invariant is checked after every decision,
-  so the checker finds every violation the Judge finds, at the same event;
+  Judge does; with ``check_every=1`` (the default) every invariant is checked after every
+  decision, so the checker finds every violation the Judge finds, at the same event. The check is
+  incremental (``spec/incremental.py``): only what the decision changed is re-evaluated, with the
+  same answer as the full definitions of ``spec/invariants.py`` (``docs/checker.md`` gives the
+  argument; ``tests/test_incremental.py`` tests it), so the default mode is also the fast one;
 * finished requests are dropped from the spec's state once no in-flight step references them (the
   spec would keep them forever); the ids ever used are kept as compact ranges so that a reused or
   unknown id is still recognised; so memory depends on the pool size and the requests alive at
   once, not on the length of the trace;
 * for each block and each live request it keeps a bounded ring of the last ``history`` events that
-  touched it, so a violation comes with its *minimal history*: only the earlier events that touched
+  touched it (an executed step is one record per block, expanded into its writes and reads for a
+  report), so a violation comes with its *minimal history*: only the earlier events that touched
   the blocks and requests involved;
 * when ``publish`` lines carry opaque hashes, it checks that the same hash always names the same
   token prefix and the same prefix always the same hash, among the blocks published at once
   (``HashChainConsistent``).
 
-``check_every=k > 1`` is an incremental mode: effects are still compared at every event and every
-decision's guard is still checked (``Illegal`` and ``Disagreement`` are found at once), but the
-invariants are evaluated only every k decisions and at the end. ``NoUnwrittenRead`` is latched by the
-spec (a bad read is recorded at ``execute`` and stays), so it is never missed, only reported up to
-k - 1 decisions late. A violation of another invariant that arises and is repaired within the k
-decisions between two checks (e.g. a zombie publication rolled back or evicted before anyone reads
-it) is missed. The report then says in which range of lines it arose.
+``check_every=k > 1`` checks the state only every k decisions and at the end: effects are still
+compared at every event and every decision's guard is still checked (``Illegal`` and
+``Disagreement`` are found at once), but a violation is reported up to k - 1 decisions late (the
+report says in which range of lines it arose), and one that arises and is repaired between two
+checks (e.g. a zombie publication rolled back or evicted before anyone reads it) is missed.
+``NoUnwrittenRead`` is latched by the spec (a bad read is recorded at ``execute`` and stays), so it
+is never missed. Since the default mode is incremental, k > 1 saves little (see
+``bench/bench_checker.py``); it is kept for compatibility.
 
 ``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file.
 """

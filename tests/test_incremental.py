@@ -142,8 +142,9 @@ def test_corrupting_a_changed_item_is_found_as_by_the_full_check(
     run: tuple[Config, list[Event]], data: st.DataObject
 ) -> None:
     """The bookkeeping invariants never fail on the spec's own states, so traces cannot test
-    their incremental forms: corrupt one field of a block or request the last decision changed
-    and compare with the full definitions (which must also find the corruption)."""
+    their incremental forms: after a random decision (every check before it agreeing with the
+    full definitions), corrupt one field of a block or request that decision changed; the
+    incremental check must answer exactly as the full definitions do."""
     config, events = run
     s = initial_state(config)
     inc = Incremental(s)
