@@ -2,37 +2,47 @@
 
 1. Writes a long v1 trace from the reference engine (policy ``deferred``, vLLM discipline, depth
    2, 256 blocks of 16 tokens, shared-prefix requests arriving in waves of 100), streaming: the
-   engine's event list is drained after every step, so nothing grows with the trace.
-2. Throughput in events/s on one core, each mode stopped after ``--seconds``: the reader alone
-   (parse and validate every line), the checker with every invariant after every decision (the
-   default: finds everything the Judge finds, at the same event), and the incremental mode
-   (invariants every ``--every`` decisions).
-3. Peak memory (tracemalloc: reader + checker, streaming from the file) checking the first L and
-   the first 4 L events in the incremental mode (the state kept is the same for every k): it must
-   stay flat. L should cover more than 256 finished requests (the report keeps the rings of the
-   last 256 finished requests, so memory rises until then).
+   engine's event list is drained after every step (the engine itself keeps every request it saw,
+   so this runs in a child process). The trace goes to a temporary folder unless ``--trace`` says
+   where (``--reuse`` keeps an existing one).
+2. Throughput on one core, in events/s over the first ``--sample`` events of the trace, median of
+   ``--rounds`` rounds; the modes run interleaved in each round, so a load on the machine hits
+   them alike: the reader alone (parse and validate every line), the spec's actions alone (the
+   reader, then every decision applied to the spec: no effect comparison, no invariant, no
+   report: the floor of any checker built on the executable spec), the checker in its default
+   mode (every invariant after every decision, incrementally) and with invariants every k
+   decisions (``--every``).
+3. Peak memory: a fresh process checks the first L events (``--memory``, default 1M, 3M, 10M) in
+   the default mode and reports its peak resident set size (``VmHWM``, interpreter included) and
+   its throughput over those L events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
-   the engine feeding every event to a ``Monitor`` as it runs.
+   the engine feeding every event to a ``Monitor`` as it runs, median of ``--rounds`` rounds,
+   interleaved.
 
-    .venv/bin/python bench/bench_checker.py [--events 10000000] [--seconds 60] [--every 64]
+    .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
+        [--every 16 64] [--memory 1000000 3000000 10000000] [--requests 600] [--trace F --reuse]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
+import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
-import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvspec.conformance.checker import Checker, Monitor
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
-from kvspec.spec import Config
+from kvspec.spec import ACTIONS, Config, apply, initial_state
 
 COMMON = dict(
     num_blocks=256,
@@ -69,102 +79,161 @@ def engine_events(limit: int, seed: int = 0) -> Iterator[tuple[object, ...]]:
                 return
 
 
-def throughput(path: Path, seconds: float, every: int | None) -> tuple[int, float]:
-    """(events, seconds) for the reader alone (``every`` None) or the checker."""
+def read_only(path: Path, sample: int) -> int:
+    _, lines = iter_trace(path)
+    return sum(1 for _ in itertools.islice(lines, sample))
+
+
+def spec_only(path: Path, sample: int) -> int:
     config, lines = iter_trace(path)
-    checker = Checker(config, every) if every else None
-    count = 0
-    started = time.perf_counter()
-    for _, event, hash_ in lines:
-        if checker is not None and checker.feed(event, None, hash_) is not None:
-            raise SystemExit(f"unexpected finding: {checker.finding}")
+    s, count = initial_state(config), 0
+    for _, event, _ in itertools.islice(lines, sample):
+        if event[0] in ACTIONS:
+            apply(s, event)
         count += 1
-        if count % 4096 == 0 and time.perf_counter() - started > seconds:
-            break
-    return count, time.perf_counter() - started
+    return count
 
 
-def peak_memory(path: Path, events: int, every: int) -> int:
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
+def checked(every: int) -> Callable[[Path, int], int]:
+    def run(path: Path, sample: int) -> int:
         config, lines = iter_trace(path)
-        checker = Checker(config, every)
-        for _, event, hash_ in itertools.islice(lines, events):
-            checker.feed(event, None, hash_)
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+        checker, count = Checker(config, every), 0
+        for line, event, hash_ in itertools.islice(lines, sample):
+            if checker.feed(event, line, hash_) is not None:
+                raise SystemExit(f"unexpected finding: {checker.finding}")
+            count += 1
+        return count
+
+    return run
 
 
-def monitor_overhead(requests: int, every: int | None) -> float:
-    """Seconds to run the engine on ``requests`` requests, with a monitor unless ``every`` is
-    None."""
+def memory_child(path: Path, length: int) -> None:
+    """In a fresh process: check the first ``length`` events, print peak RSS and speed."""
+    started = time.perf_counter()
+    count = checked(1)(path, length)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"events": count, "seconds": seconds, "peak_kib": peak_rss_kib()}))
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size. ``VmHWM`` where Linux has it: ``ru_maxrss`` would
+    carry over the parent's peak across fork and exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def monitored_run(requests: int, monitor: bool) -> float:
+    """Seconds to run the engine on ``requests`` requests, feeding a Monitor or not."""
     engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
-    monitor = Monitor(Config(**COMMON), every) if every else None  # type: ignore[arg-type]
+    watch = Monitor(Config(**COMMON)) if monitor else None  # type: ignore[arg-type]
     sink = engine.events
     started = time.perf_counter()
     for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 4, 128, 16, 16, 7):
         engine.add_request(rid, prompt, max_tokens, priority)
     while engine.step():
-        if monitor is not None:
-            monitor.feed_all(sink)
+        if watch is not None:
+            watch.feed_all(sink)
         sink.clear()
-    if monitor is not None:
-        monitor.feed_all(sink)
-        monitor.close()
+    if watch is not None:
+        watch.feed_all(sink)
+        watch.close()
     return time.perf_counter() - started
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--events", type=int, default=10_000_000)
-    parser.add_argument("--seconds", type=float, default=60.0, help="cap per throughput mode")
-    parser.add_argument("--every", type=int, default=64, help="incremental mode's k")
-    parser.add_argument("--memory-events", type=int, default=50_000, help="L")
+    parser.add_argument("--events", type=int, default=10_000_000, help="trace length")
+    parser.add_argument("--sample", type=int, default=300_000, help="events per throughput run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--every", type=int, nargs="*", default=[16, 64])
+    parser.add_argument("--memory", type=int, nargs="*", default=[1_000_000, 3_000_000, 10_000_000])
     parser.add_argument("--requests", type=int, default=600, help="monitor overhead workload")
     parser.add_argument("--trace", help="keep the trace here (default: a temporary file)")
     parser.add_argument("--reuse", action="store_true", help="reuse an existing --trace file")
+    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--write-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        memory_child(Path(args.memory_child[0]), int(args.memory_child[1]))
+        return
+    if args.write_child:
+        events = engine_events(int(args.write_child[1]))
+        print(write_trace(args.write_child[0], Config(**COMMON), events, hashes=True))  # type: ignore[arg-type]
+        return
 
-    folder = tempfile.mkdtemp()
-    path = Path(args.trace or os.path.join(folder, "bench.jsonl"))
+    path = Path(args.trace or os.path.join(tempfile.mkdtemp(), "bench.jsonl"))
     started = time.perf_counter()
     if args.reuse and path.exists():
-        count = sum(1 for _ in iter_trace(path)[1])
-    else:
-        count = write_trace(path, Config(**COMMON), engine_events(args.events), hashes=True)  # type: ignore[arg-type]
+        count = read_only(path, sys.maxsize)
+    else:  # in a child process: the engine keeps every request it saw, which is big
+        done = subprocess.run(
+            [sys.executable, __file__, "--write-child", str(path), str(args.events)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        count = int(done.stdout)
     print(
-        f"trace: {count:,} events, {path.stat().st_size / 2**20:.0f} MiB, written in "
-        f"{time.perf_counter() - started:.0f} s (reference engine, {COMMON['num_blocks']} blocks "
-        f"of {COMMON['block_size']}, depth {COMMON['depth']}, policy {COMMON['policy']})"
+        f"trace: {count:,} events, {path.stat().st_size / 2**20:.0f} MiB, "
+        f"{'counted' if args.reuse else 'written'} in {time.perf_counter() - started:.0f} s "
+        f"(reference engine, {COMMON['num_blocks']} blocks of {COMMON['block_size']}, "
+        f"depth {COMMON['depth']}, policy {COMMON['policy']})"
     )
-    print(f"throughput on one core (each mode stopped after {args.seconds:g} s):")
-    for label, every in (
-        ("reader only (parse + validate)", None),
-        ("checker, invariants every decision", 1),
-        (f"checker, invariants every {args.every} decisions", args.every),
-    ):
-        n, seconds = throughput(path, args.seconds, every)
-        print(f"  {label:45s} {n / seconds:>12,.0f} events/s ({n:,} events in {seconds:.1f} s)")
-    length = args.memory_events
-    for every in (args.every,):  # the state kept does not depend on k; k = 1 is just slower
-        small = peak_memory(path, length, every)
-        large = peak_memory(path, 4 * length, every)
-        print(
-            f"peak memory, invariants every {every}: {small / 2**20:.2f} MiB at {length:,} events, "
-            f"{large / 2**20:.2f} MiB at {4 * length:,} events (ratio {large / small:.2f})"
+
+    modes: list[tuple[str, Callable[[Path, int], int]]] = [
+        ("reader only (parse + validate)", read_only),
+        ("spec actions only (reader + apply)", spec_only),
+        ("checker, every invariant every decision", checked(1)),
+    ] + [(f"checker, invariants every {k} decisions", checked(k)) for k in args.every]
+    rates: dict[str, list[float]] = {label: [] for label, _ in modes}
+    for _ in range(args.rounds):
+        for label, run in modes:
+            begun = time.perf_counter()
+            n = run(path, args.sample)
+            rates[label].append(n / (time.perf_counter() - begun))
+    print(
+        f"throughput on one core, events/s over the first {min(args.sample, count):,} events, "
+        f"median of {args.rounds} interleaved rounds [each round]:"
+    )
+    for label, _ in modes:
+        runs = ", ".join(f"{r:,.0f}" for r in rates[label])
+        print(f"  {label:45s} {statistics.median(rates[label]):>10,.0f}   [{runs}]")
+
+    print("peak memory, default mode, a fresh process per length (RSS includes the interpreter):")
+    peaks = []
+    for length in args.memory:
+        done = subprocess.run(
+            [sys.executable, __file__, "--memory-child", str(path), str(length)],
+            capture_output=True,
+            text=True,
+            check=True,
         )
-    alone = min(monitor_overhead(args.requests, None) for _ in range(3))
-    print(f"monitor overhead on the reference engine ({args.requests} requests):")
-    print(f"  engine alone (recording events)              {alone:.3f} s")
-    for every in (1, args.every):
-        monitored = min(monitor_overhead(args.requests, every) for _ in range(2))
+        got = json.loads(done.stdout)
+        peaks.append(got["peak_kib"])
         print(
-            f"  engine + monitor, invariants every {every:<4d}      {monitored:.3f} s "
-            f"(overhead {100 * (monitored / alone - 1):,.0f}%)"
+            f"  first {got['events']:>12,} events: peak RSS {got['peak_kib'] / 1024:7.1f} MiB, "
+            f"checked at {got['events'] / got['seconds']:,.0f} events/s"
         )
+    if len(peaks) > 1:
+        print(f"  largest / smallest peak: {max(peaks) / min(peaks):.3f}")
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for monitor in (False, True):
+            times[monitor].append(monitored_run(args.requests, monitor))
+    alone, watched = statistics.median(times[False]), statistics.median(times[True])
+    print(
+        f"monitor overhead on the reference engine ({args.requests} requests, median of "
+        f"{args.rounds} interleaved rounds):"
+    )
+    print(f"  engine alone (recording events)     {alone:8.3f} s")
+    print(f"  engine + Monitor (default mode)     {watched:8.3f} s")
+    print(f"  overhead                            {100 * (watched / alone - 1):8,.0f} %")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,34 @@
 """The streaming checker: judge a trace file (or an engine in-process) one event at a time.
 
-``Checker`` is the ``Judge`` of ``lockstep.py`` made to run over unbounded streams:
+``Checker`` is the ``Judge`` of ``lockstep.py`` (a subclass: one judging core) made to run over
+unbounded streams:
 
 * every decision is applied to the spec and every effect compared with the spec's, exactly as the
-  Judge does; with ``check_every=1`` (the default) every invariant is checked after every decision,
-  so the checker finds every violation the Judge finds, at the same event;
+  Judge does; with ``check_every=1`` (the default) every invariant is checked after every
+  decision, so the checker finds every violation the Judge finds, at the same event. The check is
+  incremental (``spec/incremental.py``): only what the decision changed is re-evaluated, with the
+  same answer as the full definitions of ``spec/invariants.py`` (``docs/checker.md`` gives the
+  argument; ``tests/test_incremental.py`` tests it), so the default mode is also the fast one;
 * finished requests are dropped from the spec's state once no in-flight step references them (the
   spec would keep them forever); the ids ever used are kept as compact ranges so that a reused or
   unknown id is still recognised; so memory depends on the pool size and the requests alive at
   once, not on the length of the trace;
 * for each block and each live request it keeps a bounded ring of the last ``history`` events that
-  touched it, so a violation comes with its *minimal history*: only the earlier events that touched
+  touched it (an executed step is one record per block, expanded into its writes and reads for a
+  report), so a violation comes with its *minimal history*: only the earlier events that touched
   the blocks and requests involved;
 * when ``publish`` lines carry opaque hashes, it checks that the same hash always names the same
   token prefix and the same prefix always the same hash, among the blocks published at once
   (``HashChainConsistent``).
 
-``check_every=k > 1`` is an incremental mode: effects are still compared at every event and every
-decision's guard is still checked (``Illegal`` and ``Disagreement`` are found at once), but the
-invariants are evaluated only every k decisions and at the end. ``NoUnwrittenRead`` is latched by the
-spec (a bad read is recorded at ``execute`` and stays), so it is never missed, only reported up to
-k - 1 decisions late. A violation of another invariant that arises and is repaired within the k
-decisions between two checks (e.g. a zombie publication rolled back or evicted before anyone reads
-it) is missed. The report then says in which range of lines it arose.
+``check_every=k > 1`` checks the state only every k decisions and at the end: effects are still
+compared at every event and every decision's guard is still checked (``Illegal`` and
+``Disagreement`` are found at once), but a violation is reported up to k - 1 decisions late (the
+report says in which range of lines it arose), and one that arises and is repaired between two
+checks (e.g. a zombie publication rolled back or evicted before anyone reads it) is missed.
+``NoUnwrittenRead`` is latched by the spec (a bad read is recorded at ``execute`` and stays), so it
+is never missed. Since the default mode is incremental, k > 1 saves little (see
+``bench/bench_checker.py``); it is kept for compatibility.
 
 ``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file.
 """
@@ -41,18 +47,9 @@ from pathlib import Path
 
 import orjson
 
-from kvspec.spec import (
-    ACTIONS,
-    Config,
-    Illegal,
-    apply,
-    check,
-    initial_state,
-    running_tables,
-    tables_append_only,
-)
+from kvspec.spec import ACTIONS, Config
 
-from .lockstep import Event, Finding
+from .lockstep import Event, Finding, Judge
 from .report import describe
 from .trace import FORMAT, TraceError, iter_trace
 
@@ -103,45 +100,50 @@ class IdSet:
         return value < self.low or value in self.above
 
 
-@dataclass
-class Checker:
-    config: Config
-    check_every: int = 1
-    history: int = 50
-    retired_requests: int = 256
-    """Rings of this many finished requests are kept for reports."""
+class Checker(Judge):
+    """A ``Judge`` for unbounded streams: file lines, bounded memory, rings for reports, ids and
+    opaque hashes checked."""
 
-    def __post_init__(self) -> None:
-        if self.check_every < 1:
-            raise ValueError("check_every must be >= 1")
-        self.state = initial_state(self.config)
-        self.expected: deque[Event] = deque()
-        self.events_seen = 0
-        self.decisions = 0
-        self.finding: Finding | None = None
+    def __init__(
+        self,
+        config: Config,
+        check_every: int = 1,
+        history: int = 50,
+        retired_requests: int = 256,
+        incremental: bool = True,
+    ) -> None:
+        """``history``: events kept per block and per request for reports; ``retired_requests``:
+        rings of this many finished requests are kept for reports."""
+        super().__init__(config, check_every=check_every, incremental=incremental)
+        self.history = history
+        self.retired_requests = retired_requests
         self.finding_line: int | None = None
         self.arose_after: int | None = None
-        """Incremental mode: the line of the last check that passed before the finding."""
+        """Every-k mode: the line of the last check that passed before the finding."""
         self.last_check_line = 0
-        self._tables = running_tables(self.state)
-        self._left: set[int] = set()
+        self._line = 0
         self._arrivals = 0
         self._ids = IdSet()
         self._max_step = -1
         self._finished: set[int] = set()
         self.block_rings: list[deque[tuple[int, Event]]] = [
-            deque(maxlen=self.history) for _ in range(self.config.num_blocks)
+            deque(maxlen=history) for _ in range(config.num_blocks)
         ]
         self.request_rings: dict[int, deque[tuple[int, Event]]] = {}
         self.retired: OrderedDict[int, deque[tuple[int, Event]]] = OrderedDict()
         self._block_hash: dict[int, str] = {}
         self._hash_key: dict[str, list[object]] = {}
         self._key_hash: dict[tuple[int, ...], list[object]] = {}
-        self.last_event: tuple[int, Event] | None = None
+        self._event: Event | None = None
+
+    @property
+    def last_event(self) -> tuple[int, Event] | None:
+        """(line, event) of the last event fed."""
+        return None if self._event is None else (self._line, self._event)
 
     # -- feeding --------------------------------------------------------------------------------
 
-    def feed(
+    def feed(  # type: ignore[override]
         self, event: Event, line: int | None = None, hash_: str | None = None
     ) -> Finding | None:
         """Judge one event (``line``: where it is in its file; default its index + 1).
@@ -151,40 +153,33 @@ class Checker:
         index = self.events_seen
         self.events_seen += 1
         line = index + 1 if line is None else line
-        self.last_event = (line, event)
+        self._line = line
+        self._event = event
         kind = event[0]
-        self._check_ids(kind, event)
         if kind in ACTIONS:
+            self._check_ids(kind, event)
             return self._decide(event, kind, index, line)
-        want = self.expected.popleft() if self.expected else None
-        if event != want:
-            return self._found(
-                "Disagreement", f"engine emitted {event}, spec expects {want}", index, line
-            )
+        expected = self.expected
+        if not expected or event != expected[0]:
+            # An effect the spec computed names only known ids: check them on a mismatch only.
+            self._check_ids(kind, event)
+            return self.match(event, index)
+        expected.popleft()
         self._remember_effect(event, kind, line)
         if hash_ is not None and kind == "publish":
-            return self._check_hash(event, hash_, index, line)
+            return self._check_hash(event, hash_, index)
         if kind in ("unpublish", "evict"):
             self._drop_hash(event[1])  # type: ignore[arg-type]
-        elif kind == "load_failed":
-            self._left.add(event[1])  # type: ignore[arg-type]
         return None
-
-    def feed_all(self, events: Iterable[Event]) -> Finding | None:
-        for event in events:
-            if self.feed(event) is not None:
-                break
-        return self.finding
 
     def finish(self, line: int | None = None) -> Finding | None:
         """End of the stream: no effect may be missing; the last invariant check runs."""
         line = self.events_seen + 1 if line is None else line
+        self._line = line
         if self.finding is None and self.expected:
-            self._found(
-                "Disagreement", f"missing effect {self.expected[0]}", self.events_seen, line
-            )
+            self._found("Disagreement", f"missing effect {self.expected[0]}", self.events_seen)
         if self.finding is None and self.check_every > 1:
-            self._check(self.events_seen, line)
+            self.check_now(self.events_seen)
         return self.finding
 
     # -- internals ------------------------------------------------------------------------------
@@ -211,57 +206,34 @@ class Checker:
     def _decide(self, event: Event, kind: object, index: int, line: int) -> Finding | None:
         s = self.state
         if self.expected:
-            return self._found("Disagreement", f"missing effect {self.expected[0]}", index, line)
+            return self._found("Disagreement", f"missing effect {self.expected[0]}", index)
         self._prune()
         if kind == "arrive":
             rid = event[1]
             if rid in self._ids and rid not in s.requests:
-                return self._found("Illegal", f"arrive r{rid}: the id is taken", index, line)
+                return self._found("Illegal", f"arrive r{rid}: the id is taken", index)
         elif kind in ("schedule", "preempt", "abort"):
             rid = event[1]
             if rid not in s.requests:
-                return self._found("Illegal", f"{kind} r{rid}: it has finished", index, line)
+                return self._found("Illegal", f"{kind} r{rid}: it has finished", index)
         elif kind == "execute":
             self._remember_execute(line)
-        try:
-            effects = apply(s, event)
-        except Illegal as err:
-            return self._found("Illegal", str(err), index, line)
+        found = self.decide(event, index)
+        if self.finding is not None and self.finding.invariant in ("Illegal", "Disagreement"):
+            return found
         if kind == "arrive":
             rid = event[1]
             s.requests[rid].arrival = self._arrivals  # type: ignore[index]
             self._arrivals += 1
             self._ids.add(rid)  # type: ignore[arg-type]
             self.request_rings[rid] = deque(maxlen=self.history)  # type: ignore[index]
-        elif kind == "preempt":
-            self._left.add(event[1])  # type: ignore[arg-type]
         self._remember(event, line)
-        for effect in effects:
+        for effect in self.expected:
             if effect[0] == "finish":
                 self._finished.add(effect[1])  # type: ignore[arg-type]
-        self.expected.extend(effects)
-        self.decisions += 1
-        if self.decisions % self.check_every == 0:
-            return self._check(index, line)
-        return None
-
-    def _check(self, index: int, line: int) -> Finding | None:
-        s = self.state
-        violated = check(s)
-        if violated is not None:
-            return self._found(*violated, index, line)
-        before = self._tables
-        if self._left or any(r not in s.requests for r in before):
-            # Requests that left running since the snapshot (preempted, failed load, finished and
-            # pruned) may legitimately come back with another table.
-            before = {r: t for r, t in before.items() if r not in self._left and r in s.requests}
-            self._left.clear()
-        grew = tables_append_only(before, s)
-        if grew is not None:
-            return self._found("TablesAppendOnly", grew, index, line)
-        self._tables = running_tables(s)
-        self.last_check_line = line
-        return None
+        if found is None and self.decisions % self.check_every == 0:
+            self.last_check_line = line
+        return found
 
     def _prune(self) -> None:
         """Drop finished requests no in-flight step references any more."""
@@ -309,18 +281,19 @@ class Checker:
             ring.append((line, event))
 
     def _remember_execute(self, line: int) -> None:
-        """The oldest submitted step is about to execute: record its writes and reads."""
+        """The oldest submitted step is about to execute: one record of its writes and reads goes
+        to the ring of every block it touches (``step_accesses`` expands it for a report)."""
         step = next((st for st in self.state.steps if st.phase == "submitted"), None)
         if step is None:
             return
         bsz = self.config.block_size
-        for rid, e in step.entries.items():
-            first = e.start // bsz
-            for i, block in enumerate(e.blocks):
-                what = "wrote" if i >= first else "read"
-                self.block_rings[block].append((line, (what, rid, block, step.id)))
+        accesses = tuple((rid, e.start // bsz, e.blocks) for rid, e in step.entries.items())
+        record = (line, ("step-io", step.id, accesses))
+        rings = self.block_rings
+        for block in {block for _, _, blocks in accesses for block in blocks}:
+            rings[block].append(record)
 
-    def _check_hash(self, event: Event, hash_: str, index: int, line: int) -> Finding | None:
+    def _check_hash(self, event: Event, hash_: str, index: int) -> Finding | None:
         _, rid, i, block = event
         key = self.state.key(self.state.requests[rid], i)  # type: ignore[index, arg-type]
         named = self._hash_key.get(hash_)
@@ -331,7 +304,6 @@ class Checker:
                 f"0..{len(key) - 1}, but that hash names a different {len(named[0])}-token "  # type: ignore[arg-type]
                 "prefix",
                 index,
-                line,
             )
         other = self._key_hash.get(key)
         if other is not None and other[0] != hash_:
@@ -340,7 +312,6 @@ class Checker:
                 f"block {block} is published under hash {hash_!r}, but the same token prefix "
                 f"(r{rid}'s tokens 0..{len(key) - 1}) is published under {other[0]!r}",
                 index,
-                line,
             )
         self._drop_hash(block)  # type: ignore[arg-type]
         self._block_hash[block] = hash_  # type: ignore[index]
@@ -360,12 +331,12 @@ class Checker:
             if entry[1] == 0:
                 del table[k]  # type: ignore[attr-defined]
 
-    def _found(self, invariant: str, message: str, index: int, line: int) -> Finding:
-        self.finding = Finding(invariant, message, index)
-        self.finding_line = line
+    def _found(self, invariant: str, message: str, index: int) -> Finding:
+        finding = super()._found(invariant, message, index)
+        self.finding_line = self._line
         if self.check_every > 1 and invariant not in ("Illegal", "Disagreement", HASH_CHAIN):
             self.arose_after = self.last_check_line
-        return self.finding
+        return finding
 
     # -- the minimal history --------------------------------------------------------------------
 
@@ -396,7 +367,9 @@ class Checker:
         """The remembered events that touched the involved blocks and requests, in file order."""
         blocks, reqs = self.involved()
         seen: dict[tuple[int, str], tuple[int, Event]] = {}
-        rings: list[Iterable[tuple[int, Event]]] = [self.block_rings[b] for b in sorted(blocks)]
+        rings: list[Iterable[tuple[int, Event]]] = [
+            step_accesses(self.block_rings[b], b) for b in sorted(blocks)
+        ]
         for rid in sorted(reqs):
             ring = self.request_rings.get(rid) or self.retired.get(rid)
             if ring is not None:
@@ -408,6 +381,20 @@ class Checker:
             line, event = self.last_event
             seen.setdefault((line, repr(event)), (line, event))
         return sorted(seen.values(), key=lambda item: item[0])
+
+
+def step_accesses(ring: Iterable[tuple[int, Event]], block: int) -> Iterator[tuple[int, Event]]:
+    """A block's ring with each step's record expanded into that step's writes and reads of the
+    block: ``("wrote" | "read", request, block, step)``."""
+    for line, event in ring:
+        if event[0] != "step-io":
+            yield line, event
+            continue
+        _, step, accesses = event
+        for rid, first, blocks in accesses:  # type: ignore[attr-defined]
+            for i, b in enumerate(blocks):
+                if b == block:
+                    yield line, ("wrote" if i >= first else "read", rid, block, step)
 
 
 def describe_any(event: Event) -> str:
@@ -717,7 +704,8 @@ class Monitor:
             finding = checker.feed(event, None, hash_)
         except UnknownId as err:
             index = checker.events_seen - 1
-            finding = checker._found("Illegal", str(err), index, index + 1)
+            checker._line = index + 1
+            finding = checker._found("Illegal", str(err), index)
         return self._outcome(finding)
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:

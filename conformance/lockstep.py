@@ -4,7 +4,7 @@ This is the arrow "the spec judges the trace". Each *decision* event (arrive, be
 preempt, submit, execute, commit, abort, reset) is applied to the spec; the spec computes the
 effects it must cause (hits, evictions, allocations, publications, frees, finishes) and the engine's
 *effect* events that follow must be exactly those, in order. After every decision every invariant is
-checked. The first problem found is kept as a ``Finding``:
+checked (incrementally: ``spec/incremental.py``). The first problem found is kept as a ``Finding``:
 
 * an invariant's name (``NoUnwrittenRead``, ...): the engine did what the spec allows, and the
   resulting state is unsafe: a finding about the engine's *design* (its policy, its discipline);
@@ -30,6 +30,7 @@ from kvspec.spec import (
     running_tables,
     tables_append_only,
 )
+from kvspec.spec.incremental import Footprint, Incremental, add_effects, footprint
 
 Event = tuple[object, ...]
 
@@ -60,17 +61,39 @@ class Finding:
 
 class Judge:
     """Feed events with ``feed``; compare observable state with ``compare``; ``settle`` at the
-    end. A judge stops at its first finding and returns it from then on."""
+    end. A judge stops at its first finding and returns it from then on.
 
-    def __init__(self, config: Config, invariants: Collection[str] | None = None) -> None:
+    This is kvspec's one judging core: ``checker.Checker`` (the streaming checker and the in-process
+    ``Monitor``) is a ``Judge`` with file positions, bounded memory and reports added.
+
+    Invariants are checked after every decision (``check_every=1``) by their incremental forms
+    (``spec/incremental.py``): only what the decision changed is re-evaluated, with the same answer
+    as the full definitions. ``incremental=False`` evaluates the full definitions instead (the
+    reference the incremental forms are tested against). ``check_every=k`` checks only every k
+    decisions (the state at those points, not the ones between)."""
+
+    def __init__(
+        self,
+        config: Config,
+        invariants: Collection[str] | None = None,
+        check_every: int = 1,
+        incremental: bool = True,
+    ) -> None:
         """``invariants``: check only these (default: all); bookkeeping disagreements and
         illegal decisions are always findings."""
+        if check_every < 1:
+            raise ValueError("check_every must be >= 1")
         self.config = config
         self.invariants = invariants
+        self.check_every = check_every
         self.state = initial_state(config)
         self.expected: deque[Event] = deque()
         self.events_seen = 0
+        self.decisions = 0
         self.finding: Finding | None = None
+        self.incremental = Incremental(self.state) if incremental else None
+        self.footprint = Footprint()
+        """What the decisions since the last check changed."""
         self._tables = running_tables(self.state)
 
     def feed(self, event: Event) -> Finding | None:
@@ -79,27 +102,57 @@ class Judge:
         index = self.events_seen
         self.events_seen += 1
         if event and event[0] in ACTIONS:
-            if self.expected:
-                return self._found("Disagreement", f"missing effect {self.expected[0]}", index)
-            try:
-                self.expected.extend(apply(self.state, event))
-            except Illegal as err:
-                return self._found("Illegal", str(err), index)
-            violated = check(self.state, self.invariants)
-            if violated is not None:
-                return self._found(*violated, index)
-            grew = tables_append_only(self._tables, self.state)
-            if grew is not None and (
-                self.invariants is None or "TablesAppendOnly" in self.invariants
-            ):
-                return self._found("TablesAppendOnly", grew, index)
-            self._tables = running_tables(self.state)
-            return None
+            return self.decide(event, index)
+        return self.match(event, index)
+
+    def decide(self, event: Event, index: int) -> Finding | None:
+        """Apply a decision; its effects become the expected ones; check every ``check_every``."""
+        if self.expected:
+            return self._found("Disagreement", f"missing effect {self.expected[0]}", index)
+        s = self.state
+        fp = footprint(s, event)
+        try:
+            effects = apply(s, event)
+        except Illegal as err:
+            return self._found("Illegal", str(err), index)
+        add_effects(s, fp, event, effects)
+        self.expected.extend(effects)
+        self.decisions += 1
+        if self.check_every == 1:
+            return self._check(fp, index)
+        self.footprint.merge(fp)
+        if self.decisions % self.check_every == 0:
+            return self.check_now(index)
+        return None
+
+    def match(self, event: Event, index: int) -> Finding | None:
+        """An effect: it must be the next one the spec computed."""
         want = self.expected.popleft() if self.expected else None
         if event != want:
             return self._found(
                 "Disagreement", f"engine emitted {event}, spec expects {want}", index
             )
+        return None
+
+    def check_now(self, index: int) -> Finding | None:
+        """Check the invariants (and TablesAppendOnly since the last check) now."""
+        fp, self.footprint = self.footprint, Footprint()
+        return self._check(fp, index)
+
+    def _check(self, fp: Footprint, index: int) -> Finding | None:
+        s = self.state
+        if self.incremental is not None:
+            violated = self.incremental.check(s, fp, self.invariants)
+            return None if violated is None else self._found(*violated, index)
+        violated = check(s, self.invariants)
+        if violated is not None:
+            return self._found(*violated, index)
+        # Requests that left running since the snapshot may come back with another table.
+        before = {r: t for r, t in self._tables.items() if r not in fp.left and r in s.requests}
+        grew = tables_append_only(before, s)
+        if grew is not None and (self.invariants is None or "TablesAppendOnly" in self.invariants):
+            return self._found("TablesAppendOnly", grew, index)
+        self._tables = running_tables(s)
         return None
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:

@@ -3,6 +3,8 @@
 Read it like a TLA+ module, in this order: ``state`` (constants and variables), ``pool`` (the
 block pool's mechanisms), ``policies`` (when hashes become visible), ``actions`` (one function per
 engine decision: guard, then effect) and ``invariants`` (what must hold in every state).
+``incremental`` re-evaluates the invariants after a decision where it changed the state: an
+optimization with the same answers, not part of the model.
 Pure standard-library Python; it imports nothing else of kvspec.
 """
 

@@ -151,12 +151,13 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
             if rid not in failed:
                 b.written = mine[-1].prefix
     for rid, e in step.entries.items():
-        tokens = s.requests[rid].tokens
+        if e.load:  # a load reads nothing
+            continue
+        tokens = tuple(s.requests[rid].tokens[: e.end])
         bad = [
             block
             for i, block in enumerate(e.blocks)
-            if not e.load
-            and not holds(s.blocks[block].written, tuple(tokens[: min(e.end, (i + 1) * bsz)]))
+            if not holds(s.blocks[block].written, tokens[: (i + 1) * bsz])
         ]
         if bad and rid in step.live:
             s.bad_reads += [(step.id, rid, block) for block in bad]
