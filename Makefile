@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: venv demo test lint contracts format clean
+.PHONY: venv demo test lint contracts format clean thirdparty
 
 venv: $(STAMP)
 
@@ -23,6 +23,27 @@ $(STAMP): pyproject.toml constraints.txt
 	mkdir -p $(VENV)/mypy-path
 	ln -sfn ../.. $(VENV)/mypy-path/kvspec
 	touch $(STAMP)
+
+# Third-party engines, each in its own virtual environment (their pins conflict with ours and
+# with each other); tests/test_adapter_*.py run their adapters when these exist, skip otherwise.
+# vLLM 0.33.0 on a CPU machine: --no-deps (its requirements pull CUDA builds), then the
+# pure-Python modules its scheduler imports (thirdparty/vllm-requirements.txt), over our CPU
+# torch; kvspec itself is installed editable so that .venv-vllm/bin/kvspec runs the adapter.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.stamp
+
+thirdparty: $(VLLM_STAMP)
+
+$(VLLM_STAMP): thirdparty/vllm-requirements.txt constraints.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+		-r thirdparty/vllm-requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt -e .
+	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import kvspec.conformance.adapters.vllm_adapter"
+	touch $(VLLM_STAMP)
 
 demo: venv
 	$(BIN)/kvspec demo
@@ -47,5 +68,5 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

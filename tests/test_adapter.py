@@ -1,0 +1,114 @@
+"""The adapter protocol: the reference engine through it, and ``kvspec fuzz --target`` validation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvspec.conformance.adapter import Adapter, ReferenceAdapter, load_factory, probe, reference
+from kvspec.conformance.fuzz import run_cell
+from kvspec.conformance.lockstep import Judge
+from kvspec.reference.choices import DefaultChoices
+from kvspec.spec import Config
+
+KVSPEC = [sys.executable, "-m", "kvspec"]
+CONFIG = Config(num_blocks=6, block_size=4, policy="eager-unsafe", preemption="priority")
+
+
+def test_the_reference_adapter_is_an_adapter_and_judged_clean() -> None:
+    adapter = reference(CONFIG, DefaultChoices())
+    assert isinstance(adapter, Adapter)
+    adapter.add_request(0, (1, 2, 3, 4, 5), 2, 0)
+    adapter.add_request(1, (1, 2, 3, 4, 6), 2, 0)
+    assert adapter.live_requests() == [0, 1]
+    while adapter.step():
+        pass
+    assert adapter.live_requests() == []
+    judge = Judge(CONFIG)
+    assert judge.feed_all(adapter.events) is None
+    snapshot = adapter.snapshot()
+    assert snapshot is not None and judge.compare(*snapshot) is None
+    assert ("publish", 0, 0, 1) in adapter.events  # eager-unsafe registers block 1 for r0
+    assert adapter.reset_prefix_cache() and adapter.events[-1] == ("unpublish", 1)
+
+
+def test_an_engine_with_a_wrong_effect_is_a_disagreement() -> None:
+    """The judge catches an adapter whose engine frees in the wrong order."""
+
+    class Reversed(ReferenceAdapter):
+        def step(self) -> bool:
+            start = len(self.events)
+            busy = super().step()
+            frees = [i for i in range(start, len(self.events)) if self.events[i][0] == "free"]
+            if len(frees) >= 2:
+                a, b = frees[0], frees[1]
+                self.events[a], self.events[b] = self.events[b], self.events[a]
+            return busy
+
+    result = run_cell("deferred", seconds=30, factory=lambda c, ch: Reversed(c, ch), seed_value=3)
+    assert result.failure is not None
+    assert result.failure.finding.invariant == "Disagreement"
+
+
+def test_fuzz_drives_a_target_through_the_protocol() -> None:
+    result = run_cell("eager-unsafe", "vllm", "priority", 1, seconds=60, factory=reference)
+    assert result.failure is not None
+    assert result.failure.finding.invariant in ("NoUnwrittenPublish", "NoUnwrittenRead")
+
+
+def _refuses(config: Config, choices: object) -> Adapter:
+    raise ValueError("this engine runs only deferred")
+
+
+def _not_an_adapter(config: Config, choices: object) -> object:
+    return object()
+
+
+NOT_CALLABLE = 3
+
+
+@pytest.mark.parametrize(
+    "target, fragment",
+    [
+        ("nocolon", "expected module:factory"),
+        ("no_such_module_kvspec:f", "cannot import no_such_module_kvspec"),
+        ("test_adapter:NOT_CALLABLE", "no callable 'NOT_CALLABLE'"),
+        ("test_adapter:_refuses", "runs only deferred"),
+        ("test_adapter:_not_an_adapter", "is not an adapter"),
+    ],
+)
+def test_bad_targets_exit_2_with_one_line(target: str, fragment: str) -> None:
+    argv = ["fuzz", "--policy", "eager-unsafe", "--seconds", "1", "--target", target]
+    env_path = str(Path(__file__).parent)
+    done = subprocess.run(
+        KVSPEC + argv, capture_output=True, text=True, env={"PYTHONPATH": env_path, **_env()}
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and fragment in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_loads_need_an_adapter_that_supports_them() -> None:
+    class NoLoads(ReferenceAdapter):
+        supports_loads = False
+
+    with pytest.raises(ValueError, match="no external KV loads"):
+        probe(lambda c, ch: NoLoads(c, ch), CONFIG, DefaultChoices(), "x", loads=True)
+    assert load_factory("kvspec.conformance.adapter:reference") is reference
+
+
+def test_cli_fuzzes_the_reference_target() -> None:
+    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--depth", "1"]
+    argv += ["--seconds", "60", "--target", "kvspec.conformance.adapter:reference"]
+    done = subprocess.run(KVSPEC + argv, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "counterexample found" in done.stdout and "preempt" in done.stdout
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
