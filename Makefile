@@ -31,8 +31,12 @@ $(STAMP): pyproject.toml constraints.txt
 # torch; kvspec itself is installed editable so that .venv-vllm/bin/kvspec runs the adapter.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.stamp
+# nano-vllm-fork: its scheduler and block manager need xxhash, numpy and transformers (for the
+# type of its Config); --no-deps keeps out flash-attn and a CUDA torch.
+NANO_VENV  := .venv-nano
+NANO_STAMP := $(NANO_VENV)/.stamp
 
-thirdparty: $(VLLM_STAMP)
+thirdparty: $(VLLM_STAMP) $(NANO_STAMP)
 
 $(VLLM_STAMP): thirdparty/vllm-requirements.txt constraints.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -44,6 +48,15 @@ $(VLLM_STAMP): thirdparty/vllm-requirements.txt constraints.txt pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import kvspec.conformance.adapters.vllm_adapter"
 	touch $(VLLM_STAMP)
+
+$(NANO_STAMP): thirdparty/nano-requirements.txt constraints.txt pyproject.toml
+	test -x $(NANO_VENV)/bin/python || $(PYTHON) -m venv $(NANO_VENV)
+	$(NANO_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
+	$(NANO_VENV)/bin/python -m pip install -q --no-deps nano-vllm-fork==20260210
+	$(NANO_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+		-r thirdparty/nano-requirements.txt -e .
+	$(NANO_VENV)/bin/python -c "import kvspec.conformance.adapters.nano_vllm_adapter"
+	touch $(NANO_STAMP)
 
 demo: venv
 	$(BIN)/kvspec demo
@@ -68,5 +81,5 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -31,6 +31,7 @@ from kvspec.spec import Config
 
 from .adapter import Factory, reference
 from .lockstep import Event, Finding, Judge
+from .observed import ObservedJudge
 
 PREFIXES = ((1, 2, 3, 1, 2, 3, 1, 2), (2, 2, 1, 1, 3, 3, 2, 2), (3, 1, 3, 1, 2, 1, 2, 1))
 """Shared "system prompts": requests that start with the same one share prefix blocks."""
@@ -124,7 +125,10 @@ def lockstep_machine(
             except ValueError:  # a geometry or depth this engine does not run: not a finding
                 reject()
             self.config = self.engine.config
-            self.judge = Judge(self.config, invariants)
+            judging = getattr(self.engine, "judging", "strict")
+            self.judge = (ObservedJudge if judging == "observed" else Judge)(
+                self.config, invariants
+            )
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             tally.runs += 1

@@ -11,6 +11,7 @@ import pytest
 from kvspec.conformance.adapter import Adapter, ReferenceAdapter, load_factory, probe, reference
 from kvspec.conformance.fuzz import run_cell
 from kvspec.conformance.lockstep import Judge
+from kvspec.conformance.observed import ObservedJudge
 from kvspec.reference.choices import DefaultChoices
 from kvspec.spec import Config
 
@@ -112,3 +113,58 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+OBSERVED = Config(num_blocks=6, block_size=4, policy="eager-unsafe", token_budget=16)
+ADMIT_R0 = [("arrive", 0, (1, 2, 3, 4, 5), 2, 0), ("begin", 0), ("schedule", 0, 5, 0)]
+
+
+def _judge_both(effects: list[tuple[object, ...]]) -> tuple[object, object]:
+    strict, observed = Judge(OBSERVED), ObservedJudge(OBSERVED)
+    for judge in (strict, observed):
+        judge.feed_all(ADMIT_R0 + effects + [("submit", 0)])
+        judge.settle()
+    return strict.finding, observed.finding
+
+
+def test_observed_judging_takes_the_engines_free_block_choice() -> None:
+    """The engine allocates blocks 3 and 1 where the spec's queue head gives 1 and 2."""
+    effects = [("hit", 0, ()), ("alloc", 0, 3), ("alloc", 0, 1), ("publish", 0, 0, 3)]
+    strict, observed = _judge_both(effects)
+    assert strict is not None and strict.invariant == "Disagreement"
+    assert observed is None
+
+
+@pytest.mark.parametrize(
+    "effects, fragment",
+    [
+        ([("hit", 0, ()), ("alloc", 0, 0), ("alloc", 0, 1), ("publish", 0, 0, 0)], "not free"),
+        ([("hit", 0, ()), ("alloc", 0, 2), ("alloc", 0, 2)], "not free"),
+        ([("hit", 0, (4,)), ("alloc", 0, 1)], "not published"),
+        ([("hit", 0, ()), ("alloc", 0, 1), ("alloc", 0, 2), ("unpublish", 2)], "not published"),
+    ],
+)
+def test_observed_judging_refuses_illegal_choices(
+    effects: list[tuple[object, ...]], fragment: str
+) -> None:
+    _, observed = _judge_both(effects)
+    assert observed is not None and observed.invariant == "Illegal"
+    assert fragment in observed.message
+
+
+def test_observed_judging_accepts_an_engine_dropping_a_registration() -> None:
+    effects = [("hit", 0, ()), ("alloc", 0, 1), ("alloc", 0, 2), ("publish", 0, 0, 1)]
+    effects += [("unpublish", 1)]
+    strict, observed = _judge_both(effects)
+    assert strict is not None and observed is None
+
+
+def test_the_reference_engine_passes_observed_judging() -> None:
+    class Observed(ReferenceAdapter):
+        judging = "observed"
+
+    result = run_cell(
+        "deferred", "general", "priority", None, seconds=15, factory=lambda c, ch: Observed(c, ch)
+    )
+    assert result.failure is None, result.failure and result.failure.finding
+    assert result.runs > 10

@@ -36,13 +36,13 @@ def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 def test_the_seed_bug_in_vllm_under_priority_preemption() -> None:
     """The shrunk counterexample, replayed on vLLM's own code: the victim's block 5 was published
     when it was scheduled and stays published after PRIORITY preempts it in the same step."""
-    done = _run("tests/vllm_checks.py", "seed")
+    done = _run("tests/thirdparty_checks.py", "vllm", "seed")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("NoUnwrittenPublish: block 5 is published"), done.stdout
 
 
 def test_vllm_agrees_with_the_spec_on_a_shared_prefix_workload() -> None:
-    done = _run("tests/vllm_checks.py", "clean")
+    done = _run("tests/thirdparty_checks.py", "vllm", "clean")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("none"), done.stdout
     assert "publish" in done.stdout and "hit" in done.stdout
