@@ -28,33 +28,35 @@ $(STAMP): pyproject.toml constraints.txt
 # with each other); tests/test_adapter_*.py run their adapters when these exist, skip otherwise.
 # vLLM 0.33.0 on a CPU machine: --no-deps (its requirements pull CUDA builds), then the
 # pure-Python modules its scheduler imports (thirdparty/vllm-requirements.txt), over our CPU
-# torch; kvspec itself is installed editable so that .venv-vllm/bin/kvspec runs the adapter.
+# torch. kvspec goes in editable with --no-deps and only what `kvspec fuzz` needs at run time
+# (thirdparty/kvspec-runtime.txt), so that .venv-*/bin/kvspec runs the adapters; pip then warns
+# about the requirements --no-deps left out, which is expected.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.stamp
 # nano-vllm-fork: its scheduler and block manager need xxhash, numpy and transformers (for the
-# type of its Config); --no-deps keeps out flash-attn and a CUDA torch.
+# type of its Config), not torch; --no-deps keeps out torch and triton.
 NANO_VENV  := .venv-nano
 NANO_STAMP := $(NANO_VENV)/.stamp
 
 thirdparty: $(VLLM_STAMP) $(NANO_STAMP)
 
-$(VLLM_STAMP): thirdparty/vllm-requirements.txt constraints.txt pyproject.toml
+$(VLLM_STAMP): thirdparty/vllm-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
 	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
-		-r thirdparty/vllm-requirements.txt
-	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt -e .
+		-r thirdparty/vllm-requirements.txt -r thirdparty/kvspec-runtime.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import kvspec.conformance.adapters.vllm_adapter"
 	touch $(VLLM_STAMP)
 
-$(NANO_STAMP): thirdparty/nano-requirements.txt constraints.txt pyproject.toml
+$(NANO_STAMP): thirdparty/nano-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
 	test -x $(NANO_VENV)/bin/python || $(PYTHON) -m venv $(NANO_VENV)
-	$(NANO_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
 	$(NANO_VENV)/bin/python -m pip install -q --no-deps nano-vllm-fork==20260210
-	$(NANO_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
-		-r thirdparty/nano-requirements.txt -e .
+	$(NANO_VENV)/bin/python -m pip install -q \
+		-r thirdparty/nano-requirements.txt -r thirdparty/kvspec-runtime.txt
+	$(NANO_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(NANO_VENV)/bin/python -c "import kvspec.conformance.adapters.nano_vllm_adapter"
 	touch $(NANO_STAMP)
 
