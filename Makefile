@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: venv demo test lint contracts format clean thirdparty
+.PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv
 
 venv: $(STAMP)
 
@@ -60,6 +60,16 @@ $(NANO_STAMP): thirdparty/nano-requirements.txt thirdparty/kvspec-runtime.txt py
 	$(NANO_VENV)/bin/python -c "import kvspec.conformance.adapters.nano_vllm_adapter"
 	touch $(NANO_STAMP)
 
+# HypoFuzz campaigns over tests/fuzz_targets.py (docs/fuzzing.md): its own venv, since
+# hypofuzz 25.11.1 needs hypothesis 6.148.2. Not part of CI.
+hypofuzz-venv: .venv-hypofuzz/.stamp
+
+.venv-hypofuzz/.stamp: thirdparty/hypofuzz-requirements.txt pyproject.toml
+	test -x .venv-hypofuzz/bin/python || $(PYTHON) -m venv .venv-hypofuzz
+	.venv-hypofuzz/bin/python -m pip install -q -r thirdparty/hypofuzz-requirements.txt
+	.venv-hypofuzz/bin/python -m pip install -q --no-deps -e .
+	touch .venv-hypofuzz/.stamp
+
 demo: venv
 	$(BIN)/kvspec demo
 
@@ -83,5 +93,5 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) .venv-hypofuzz build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
