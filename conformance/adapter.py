@@ -73,8 +73,8 @@ class Adapter(Protocol):
 
 
 Factory = Callable[[Config, Choices], Adapter]
-"""Optional adapter attributes: ``supports_loads = True`` (it can run ``kvspec fuzz --loads``) and
-``self_check() -> str | None`` (the adapter's own consistency check, e.g. its wrappers against the
+"""Optional adapter attributes: ``supports_loads = True`` (it can run ``kvspec fuzz --loads``),
+``judging = "observed"`` (``observed.py``; default strict) and ``self_check() -> str | None`` (the adapter's own consistency check, e.g. its wrappers against the
 engine's native events; a message is reported as a ``Disagreement``)."""
 
 
@@ -127,8 +127,11 @@ def load_factory(target: str) -> Factory:
         raise ValueError(f"--target {target!r}: expected module:factory")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:  # includes an adapter's own "needs its venv" error
-        raise ValueError(f"--target {target!r}: cannot import {module_name}: {err}") from None
+    except Exception as err:  # ImportError (an adapter outside its venv), or the module's own bug
+        message = " ".join(str(err).split())
+        raise ValueError(
+            f"--target {target!r}: cannot import {module_name}: {type(err).__name__}: {message}"
+        ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"--target {target!r}: {module_name} has no callable {attribute!r}")
@@ -142,8 +145,13 @@ def probe(
     factory refuses the config or returns something that is not an adapter."""
     try:
         adapter = factory(config, choices)
-    except ValueError as err:
+    except ValueError as err:  # the documented refusal
         raise ValueError(f"--target {target}: {err}") from None
+    except Exception as err:  # a factory that does not follow the protocol
+        message = " ".join(str(err).split())
+        raise ValueError(
+            f"--target {target}: the factory failed: {type(err).__name__}: {message}"
+        ) from None
     if not isinstance(adapter, Adapter):
         missing = [
             name

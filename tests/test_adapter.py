@@ -68,6 +68,10 @@ def _not_an_adapter(config: Config, choices: object) -> object:
     return object()
 
 
+def _wrong_signature() -> object:
+    return object()
+
+
 NOT_CALLABLE = 3
 
 
@@ -79,6 +83,7 @@ NOT_CALLABLE = 3
         ("test_adapter:NOT_CALLABLE", "no callable 'NOT_CALLABLE'"),
         ("test_adapter:_refuses", "runs only deferred"),
         ("test_adapter:_not_an_adapter", "is not an adapter"),
+        ("test_adapter:_wrong_signature", "the factory failed: TypeError"),
     ],
 )
 def test_bad_targets_exit_2_with_one_line(target: str, fragment: str) -> None:
