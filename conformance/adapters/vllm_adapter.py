@@ -14,7 +14,7 @@ vLLM method                         events
 ``Scheduler.schedule``              ``begin`` before, ``submit`` after
 ``KVCacheManager.allocate_slots``   ``schedule`` (and ``hit`` on admission) when it succeeds,
                                     then the effects recorded inside it
-``BlockPool.touch``                 (the hit blocks; reported by ``hit``)
+``BlockPool.touch``                 (cross-checks ``hit``: the blocks vLLM touched)
 ``BlockPool.get_new_blocks``        ``evict`` (from ``_maybe_evict_cached_block``), ``alloc``
 ``BlockPool._insert_block_hash``    ``publish`` (hash insertion)
 ``Scheduler._preempt_request``      ``preempt``
@@ -25,8 +25,9 @@ vLLM method                         events
 ==================================  ==========================================================
 
 vLLM's native KV events (``BlockStored``/``BlockRemoved``) are kept and cross-checked:
-``self_check`` (run by the fuzzer after every rule) says whether vLLM stored as many blocks as the wrappers saw ``publish``
-events and removed as many as they saw ``evict`` events.
+``self_check`` (run by the fuzzer after every rule) says whether vLLM stored as many blocks as
+the wrappers saw ``publish`` events and removed as many as they saw ``evict`` events, and whether
+the blocks vLLM touched on each admission are the ``hit`` reported.
 
 Judging is strict (``docs/adapters.md``): the spec models vLLM 0.33.0, so vLLM's effects must be
 the spec's exactly, block ids and free-queue order included. One known difference cannot show
@@ -182,6 +183,8 @@ class VllmAdapter:
         self._current: int | None = None  # request whose slots are being allocated
         self._pending: list[Event] = []  # effects recorded inside allocate_slots
         self._evicted: set[int] = set()
+        self._touched: list[int] = []  # blocks vLLM touched inside the current allocate_slots
+        self.problems: list[str] = []  # disagreements between the wrappers, for self_check
         self._wrap()
 
     # -- the protocol ---------------------------------------------------------------------------
@@ -277,6 +280,8 @@ class VllmAdapter:
     def self_check(self) -> str | None:
         """Cross-check the wrapped methods against vLLM's own KV events: as many blocks stored
         as ``publish`` events, as many removed as ``evict`` + ``unpublish`` events."""
+        if self.problems:
+            return self.problems[0]
         self.native += self.pool.take_events()
         stored = sum(len(e.block_hashes) for e in self.native if isinstance(e, BlockStored))
         removed = sum(len(e.block_hashes) for e in self.native if isinstance(e, BlockRemoved))
@@ -299,7 +304,7 @@ class VllmAdapter:
             pool._insert_block_hash,
             pool.free_blocks,
         )
-        preempt, free_request = sched._preempt_request, sched._free_request
+        preempt, free_request, touch = sched._preempt_request, sched._free_request, pool.touch
         take_events = kv.take_events
 
         def take_events_() -> list[Any]:
@@ -310,7 +315,7 @@ class VllmAdapter:
         def allocate_slots_(request: Request, num_new_tokens: int, *args: Any, **kw: Any) -> Any:
             admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            self._current, self._pending = int(request.request_id), []
+            self._current, self._pending, self._touched = int(request.request_id), [], []
             try:
                 result = allocate_slots(request, num_new_tokens, *args, **kw)
             finally:
@@ -322,7 +327,10 @@ class VllmAdapter:
             self.events.append(("schedule", rid, num_new_tokens, 0))
             if admission:
                 blocks = hits.blocks[0] if hits is not None else []
-                self.events.append(("hit", rid, tuple(b.block_id for b in blocks)))
+                hit = tuple(b.block_id for b in blocks)
+                self.events.append(("hit", rid, hit))
+                if tuple(self._touched) != hit:
+                    self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
             self.events.extend(pending)
             return result
 
@@ -334,6 +342,10 @@ class VllmAdapter:
                     self._effect(("evict", block.block_id))
                 self._effect(("alloc", self._current, block.block_id))
             return blocks
+
+        def touch_(blocks: Any) -> None:
+            self._touched += [b.block_id for b in blocks if not b.is_null]
+            touch(blocks)
 
         def evict_(block: Any) -> bool:
             evicted = evict(block)
@@ -365,6 +377,7 @@ class VllmAdapter:
 
         kv.allocate_slots = allocate_slots_
         pool.get_new_blocks = get_new_blocks_
+        pool.touch = touch_
         pool._maybe_evict_cached_block = evict_
         pool._insert_block_hash = insert_
         pool.free_blocks = free_blocks_
