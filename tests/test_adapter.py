@@ -54,12 +54,6 @@ def test_an_engine_with_a_wrong_effect_is_a_disagreement() -> None:
     assert result.failure.finding.invariant == "Disagreement"
 
 
-def test_fuzz_drives_a_target_through_the_protocol() -> None:
-    result = run_cell("eager-unsafe", "vllm", "priority", 1, seconds=60, factory=reference)
-    assert result.failure is not None
-    assert result.failure.finding.invariant in ("NoUnwrittenPublish", "NoUnwrittenRead")
-
-
 def _refuses(config: Config, choices: object) -> Adapter:
     raise ValueError("this engine runs only deferred")
 
@@ -107,11 +101,13 @@ def test_loads_need_an_adapter_that_supports_them() -> None:
 
 
 def test_cli_fuzzes_the_reference_target() -> None:
-    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--depth", "1"]
-    argv += ["--seconds", "60", "--target", "kvspec.conformance.adapter:reference"]
+    argv = ["fuzz", "--policy", "deferred", "--depth", "1", "--seconds", "3"]
+    argv += ["--target", "kvspec.conformance.adapter:reference"]
     done = subprocess.run(KVSPEC + argv, capture_output=True, text=True)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "counterexample found" in done.stdout and "preempt" in done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("no counterexample for deferred")
+    runs = int(done.stdout.split(" runs,")[0].rsplit(" ", 1)[1])
+    assert runs > 0
 
 
 def _env() -> dict[str, str]:
@@ -169,7 +165,7 @@ def test_the_reference_engine_passes_observed_judging() -> None:
         judging = "observed"
 
     result = run_cell(
-        "deferred", "general", "priority", None, seconds=15, factory=lambda c, ch: Observed(c, ch)
+        "deferred", "general", "priority", None, seconds=8, factory=lambda c, ch: Observed(c, ch)
     )
     assert result.failure is None, result.failure and result.failure.finding
     assert result.runs > 10

@@ -1,8 +1,8 @@
 """Fixed workloads on a third-party engine, judged event by event; run inside that engine's venv
 by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
 
-``python tests/thirdparty_checks.py ENGINE CASE`` prints the first finding, or ``none`` with the
-number of events and their kinds. ENGINE is ``vllm`` or ``nano``; CASE is ``seed`` (vLLM: the seed
+``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
+``none`` with the number of events and their kinds. ENGINE is ``vllm`` or ``nano``; CASE is ``seed`` (vLLM: the seed
 bug's shrunk counterexample), ``cached`` (nano: a prompt cached whole) or ``clean`` (a
 shared-prefix workload the engine must handle without a finding).
 """
@@ -78,12 +78,13 @@ NANO = dict(discipline="general", num_blocks=8, block_size=2, token_budget=6, ma
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
 
 if __name__ == "__main__":
-    engine, case = sys.argv[1], sys.argv[2]
-    if case == "seed":
-        run(engine, SEED, **VLLM)
-    elif case == "cached":
-        run(engine, CACHED, **NANO)
-    elif engine == "vllm":
-        run(engine, CLEAN, preemption="fcfs", **BIG)
-    else:
-        run(engine, CLEAN, discipline="general", **BIG)
+    engine = sys.argv[1]
+    for case in sys.argv[2:]:  # one line each, in one process (vLLM takes seconds to import)
+        if case == "seed":
+            run(engine, SEED, **VLLM)
+        elif case == "cached":
+            run(engine, CACHED, **NANO)
+        elif engine == "vllm":
+            run(engine, CLEAN, preemption="fcfs", **BIG)
+        else:
+            run(engine, CLEAN, discipline="general", **BIG)
