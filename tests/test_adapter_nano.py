@@ -36,6 +36,14 @@ def test_a_prompt_cached_whole_is_scheduled_with_nothing_to_compute() -> None:
     assert clean.startswith("none") and "unpublish" in clean, clean
 
 
+def test_a_preempted_sequence_stays_in_the_running_queue() -> None:
+    """nano-vllm-fork's decode loop preempts from a copy of ``running`` and never removes the
+    victim from ``running`` itself: the next step decodes it with an empty block table."""
+    done = _run("tests/thirdparty_checks.py", "nano", "preempted")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("EngineError: IndexError"), done.stdout
+
+
 def test_kvspec_fuzz_finds_the_cached_prompt_in_nano_vllm() -> None:
     argv = ["-m", "kvspec", "fuzz", "--target", TARGET, "--policy", "eager-unsafe"]
     argv += ["--discipline", "general", "--depth", "1", "--seconds", "60", "--seed", "0"]

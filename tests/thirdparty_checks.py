@@ -3,7 +3,8 @@ by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
 
 ``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
 ``none`` with the number of events and their kinds. ENGINE is ``vllm`` or ``nano``; CASE is ``seed`` (vLLM: the seed
-bug's shrunk counterexample), ``cached`` (nano: a prompt cached whole) or ``clean`` (a
+bug's shrunk counterexample), ``cached`` (nano: a prompt cached whole), ``preempted`` (nano: a
+preempted sequence left in the running queue) or ``clean`` (a
 shared-prefix workload the engine must handle without a finding).
 """
 
@@ -38,8 +39,13 @@ def run(engine: str, workload: list[tuple[str, tuple]], **cell: object) -> None:
         if what == "arrive":
             adapter.add_request(*args)
         else:
-            for _ in range(args[0]):
-                adapter.step()
+            try:
+                for _ in range(args[0]):
+                    adapter.step()
+            except Exception as err:  # as the fuzzer reports it
+                judge.feed_all(adapter.events[start:])
+                print(judge.finding or f"EngineError: {type(err).__name__}: {err}")
+                return
         finding = judge.feed_all(adapter.events[start:])
         if finding is None:
             finding = judge.compare(*adapter.snapshot())
@@ -73,6 +79,11 @@ CACHED = [  # the shrunk counterexample kvspec fuzz found in nano-vllm-fork (doc
     ("arrive", (1, (2, 3), 1, 0)),
     ("step", (1,)),  # r1's only block is r0's, published at allocation: nothing left to compute
 ]
+PREEMPTED = [  # the second nano-vllm-fork finding, once prompts are never whole blocks
+    ("arrive", (0, (1,), 4, 0)),
+    ("arrive", (1, (1, 2, 1), 3, 0)),
+    ("step", (8,)),  # step 2 preempts r1, which stays in `running`; step 3 decodes it: no blocks
+]
 VLLM = dict(preemption="priority", num_blocks=8, block_size=2, token_budget=6, max_running=3)
 NANO = dict(discipline="general", num_blocks=8, block_size=2, token_budget=6, max_running=3)
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
@@ -84,6 +95,8 @@ if __name__ == "__main__":
             run(engine, SEED, **VLLM)
         elif case == "cached":
             run(engine, CACHED, **NANO)
+        elif case == "preempted":
+            run(engine, PREEMPTED, **dict(NANO, num_blocks=4))
         elif engine == "vllm":
             run(engine, CLEAN, preemption="fcfs", **BIG)
         else:
