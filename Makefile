@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: venv demo test lint contracts format clean
+.PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv
 
 venv: $(STAMP)
 
@@ -23,6 +23,52 @@ $(STAMP): pyproject.toml constraints.txt
 	mkdir -p $(VENV)/mypy-path
 	ln -sfn ../.. $(VENV)/mypy-path/kvspec
 	touch $(STAMP)
+
+# Third-party engines, each in its own virtual environment (their pins conflict with ours and
+# with each other); tests/test_adapter_*.py run their adapters when these exist, skip otherwise.
+# vLLM 0.33.0 on a CPU machine: --no-deps (its requirements pull CUDA builds), then the
+# pure-Python modules its scheduler imports (thirdparty/vllm-requirements.txt), over our CPU
+# torch. kvspec goes in editable with --no-deps and only what `kvspec fuzz` needs at run time
+# (thirdparty/kvspec-runtime.txt), so that .venv-*/bin/kvspec runs the adapters; pip then warns
+# about the requirements --no-deps left out, which is expected.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.stamp
+# nano-vllm-fork: its scheduler and block manager need xxhash, numpy and transformers (for the
+# type of its Config), not torch; --no-deps keeps out torch and triton.
+NANO_VENV  := .venv-nano
+NANO_STAMP := $(NANO_VENV)/.stamp
+
+thirdparty: $(VLLM_STAMP) $(NANO_STAMP)
+
+$(VLLM_STAMP): thirdparty/vllm-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+		-r thirdparty/vllm-requirements.txt -r thirdparty/kvspec-runtime.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import kvspec.conformance.adapters.vllm_adapter"
+	touch $(VLLM_STAMP)
+
+$(NANO_STAMP): thirdparty/nano-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
+	test -x $(NANO_VENV)/bin/python || $(PYTHON) -m venv $(NANO_VENV)
+	$(NANO_VENV)/bin/python -m pip install -q --no-deps nano-vllm-fork==20260210
+	$(NANO_VENV)/bin/python -m pip install -q \
+		-r thirdparty/nano-requirements.txt -r thirdparty/kvspec-runtime.txt
+	$(NANO_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(NANO_VENV)/bin/python -c "import kvspec.conformance.adapters.nano_vllm_adapter"
+	touch $(NANO_STAMP)
+
+# HypoFuzz campaigns over tests/fuzz_targets.py (docs/fuzzing.md): its own venv, since
+# hypofuzz 25.11.1 needs hypothesis 6.148.2. Not part of CI.
+hypofuzz-venv: .venv-hypofuzz/.stamp
+
+.venv-hypofuzz/.stamp: thirdparty/hypofuzz-requirements.txt pyproject.toml
+	test -x .venv-hypofuzz/bin/python || $(PYTHON) -m venv .venv-hypofuzz
+	.venv-hypofuzz/bin/python -m pip install -q -r thirdparty/hypofuzz-requirements.txt
+	.venv-hypofuzz/bin/python -m pip install -q --no-deps -e .
+	touch .venv-hypofuzz/.stamp
 
 demo: venv
 	$(BIN)/kvspec demo
@@ -47,5 +93,5 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) .venv-hypofuzz build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

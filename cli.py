@@ -65,8 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    fuzz = sub.add_parser("fuzz", help="lockstep-fuzz the reference engine against the spec")
+    fuzz = sub.add_parser(
+        "fuzz", help="lockstep-fuzz an engine (default: the reference) against the spec"
+    )
     _cell_arguments(fuzz)
+    fuzz.add_argument(
+        "--target",
+        metavar="MODULE:FACTORY",
+        help="the engine's adapter factory (docs/adapters.md); default: the reference engine",
+    )
     fuzz.add_argument("--seconds", type=_positive(float), default=60.0)
     fuzz.add_argument("--out", help="write the counterexample's events here")
     _format_argument(fuzz)
@@ -155,9 +162,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from kvspec.conformance.fuzz import run_cell
+    from kvspec.conformance.adapter import load_factory, probe, reference
+    from kvspec.conformance.fuzz import DataChoices, run_cell
     from kvspec.conformance.report import format_counterexample
 
+    factory = reference
+    if args.target:
+        factory = load_factory(args.target)
+        config = Config(
+            num_blocks=8,
+            block_size=4,
+            depth=args.depth or 1,
+            policy=args.policy,
+            discipline=args.discipline,
+            preemption=args.preemption,
+            stop_token=0,
+        )
+        probe(factory, config, DataChoices(), args.target, args.loads)
     result = run_cell(
         args.policy,
         args.discipline,
@@ -167,6 +188,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.seconds,
         args.seed,
         invariants=args.invariant,
+        factory=factory,
     )
     if result.failure is None:
         print(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
+from hypothesis import HealthCheck, Phase, Verbosity, reject, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -27,10 +27,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvspec.reference import Engine, EngineConfig
 from kvspec.spec import Config
 
+from .adapter import Factory, reference
 from .lockstep import Event, Finding, Judge
+from .observed import ObservedJudge
 
 PREFIXES = ((1, 2, 3, 1, 2, 3, 1, 2), (2, 2, 1, 1, 3, 3, 2, 2), (3, 1, 3, 1, 2, 1, 2, 1))
 """Shared "system prompts": requests that start with the same one share prefix blocks."""
@@ -87,9 +88,11 @@ def lockstep_machine(
     depth: int | None = None,
     loads: bool = False,
     invariants: Collection[str] | None = None,
+    factory: Factory = reference,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3. With
-    ``loads``, some requests find their prompt in an external KV store and loads may fail."""
+    ``loads``, some requests find their prompt in an external KV store and loads may fail.
+    ``factory`` builds the engine under test (``adapter.py``; default: the reference engine)."""
     depths = st.integers(1, 3) if depth is None else st.just(depth)
     externals = st.booleans() if loads else st.just(False)
     tally = Tally()
@@ -116,10 +119,16 @@ def lockstep_machine(
                 max_running=max_running,
                 stop_token=0,
             )
-            self.config = Config(**common)
             self.choices = DataChoices()
-            self.engine = Engine(EngineConfig(**common, vocab=4), choices=self.choices)
-            self.judge = Judge(self.config, invariants)
+            try:
+                self.engine = factory(Config(**common), self.choices)
+            except ValueError:  # a geometry or depth this engine does not run: not a finding
+                reject()
+            self.config = self.engine.config
+            judging = getattr(self.engine, "judging", "strict")
+            self.judge = (ObservedJudge if judging == "observed" else Judge)(
+                self.config, invariants
+            )
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             tally.runs += 1
@@ -160,20 +169,29 @@ def lockstep_machine(
 
         @rule(which=st.integers(0, 7))
         def abort(self, which: int) -> None:
-            live = [r for r, q in self.engine.requests.items() if q.status != "finished"]
+            live = self.engine.live_requests()
             if live:
                 rid = live[which % len(live)]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
 
-        @precondition(lambda self: not self.engine.has_unfinished())
+        @precondition(lambda self: not self.engine.live_requests())
         @rule()
         def reset_prefix_cache(self) -> None:
             self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
         @invariant()
         def observables_agree(self) -> None:
-            if hasattr(self, "judge"):
-                self._raise_if(self.judge.compare(*self.engine.snapshot()))
+            if not hasattr(self, "judge"):
+                return
+            self_check = getattr(self.engine, "self_check", None)
+            problem = self_check() if self_check is not None else None
+            if problem is not None:
+                self._raise_if(Finding("Disagreement", problem, self.judge.events_seen))
+            snapshot = self.engine.snapshot()
+            if snapshot is None:
+                self._raise_if(self.judge.settle())
+            else:
+                self._raise_if(self.judge.compare(*snapshot))
 
         def teardown(self) -> None:
             if not hasattr(self, "judge"):
@@ -217,8 +235,9 @@ def lockstep_machine(
                 pass
 
     loads_tag = ",loads" if loads else ""
+    target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
     LockstepMachine.__name__ = (
-        f"Lockstep[{policy},{discipline},{preemption},{depth or 'D'}{loads_tag}]"
+        f"Lockstep[{target}{policy},{discipline},{preemption},{depth or 'D'}{loads_tag}]"
     )
     LockstepMachine.tally = tally  # type: ignore[attr-defined]
     return LockstepMachine
@@ -255,12 +274,13 @@ def run_cell(
     chunk: int = 25,
     steps: int = 40,
     invariants: Collection[str] | None = None,
+    factory: Factory = reference,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk) or ``seconds`` run out.
 
     Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
     reproducible from its seed."""
-    machine = lockstep_machine(policy, discipline, preemption, depth, loads, invariants)
+    machine = lockstep_machine(policy, discipline, preemption, depth, loads, invariants, factory)
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
         max_examples=chunk,

@@ -1,0 +1,103 @@
+"""Fixed workloads on a third-party engine, judged event by event; run inside that engine's venv
+by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
+
+``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
+``none`` with the number of events and their kinds. ENGINE is ``vllm`` or ``nano``; CASE is ``seed`` (vLLM: the seed
+bug's shrunk counterexample), ``cached`` (nano: a prompt cached whole), ``preempted`` (nano: a
+preempted sequence left in the running queue) or ``clean`` (a
+shared-prefix workload the engine must handle without a finding).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from kvspec.conformance.lockstep import Judge
+from kvspec.conformance.observed import ObservedJudge
+from kvspec.spec import Config
+
+
+class Ones:
+    """The fake model runner always samples token 1 (0 would stop the request)."""
+
+    def pick(self, n: int, label: str) -> int:
+        return 1
+
+
+ADAPTERS = {"vllm": "vllm_adapter", "nano": "nano_vllm_adapter"}
+
+
+def run(engine: str, workload: list[tuple[str, tuple]], **cell: object) -> None:
+    module = importlib.import_module(f"kvspec.conformance.adapters.{ADAPTERS[engine]}")
+    config = Config(policy="eager-unsafe", stop_token=0, **cell)  # type: ignore[arg-type]
+    adapter = module.factory(config, Ones())
+    observed = getattr(adapter, "judging", "strict") == "observed"
+    judge = (ObservedJudge if observed else Judge)(adapter.config)
+    for what, args in workload:
+        start = len(adapter.events)
+        if what == "arrive":
+            adapter.add_request(*args)
+        else:
+            try:
+                for _ in range(args[0]):
+                    adapter.step()
+            except Exception as err:  # as the fuzzer reports it
+                judge.feed_all(adapter.events[start:])
+                print(judge.finding or f"EngineError: {type(err).__name__}: {err}")
+                return
+        finding = judge.feed_all(adapter.events[start:])
+        if finding is None:
+            finding = judge.compare(*adapter.snapshot())
+        check = getattr(adapter, "self_check", lambda: None)
+        if finding is None and check() is not None:
+            finding = check()
+        if finding is not None:
+            print(finding)
+            return
+    kinds = sorted({str(e[0]) for e in adapter.events})
+    print("none", len(adapter.events), " ".join(kinds))
+
+
+SEED = [  # the shrunk counterexample kvspec fuzz found in vLLM 0.33.0 (docs/adapters.md)
+    ("arrive", (0, (1, 2, 3, 1, 2, 3, 1, 2, 1), 2, 1)),  # the future victim: least important
+    ("step", (2,)),
+    ("arrive", (1, (1,), 2, 0)),
+    ("arrive", (2, (1, 2), 2, 0)),
+    ("step", (3,)),  # r0 is scheduled (block 5 published), then preempted in the same step
+]
+CLEAN = [
+    ("arrive", (0, (1, 2, 3, 4, 5, 6, 7, 8, 1), 3, 0)),
+    ("arrive", (1, (1, 2, 3, 4, 5, 6, 7, 8, 2), 3, 0)),
+    ("step", (3,)),
+    ("arrive", (2, (1, 2, 3, 4, 9), 6, 0)),
+    ("step", (30,)),
+]
+
+CACHED = [  # the shrunk counterexample kvspec fuzz found in nano-vllm-fork (docs/adapters.md)
+    ("arrive", (0, (2, 3), 1, 0)),
+    ("arrive", (1, (2, 3), 1, 0)),
+    ("step", (1,)),  # r1's only block is r0's, published at allocation: nothing left to compute
+]
+PREEMPTED = [  # the second nano-vllm-fork finding, once prompts are never whole blocks
+    ("arrive", (0, (1,), 4, 0)),
+    ("arrive", (1, (1, 2, 1), 3, 0)),
+    ("step", (8,)),  # step 2 preempts r1, which stays in `running`; step 3 decodes it: no blocks
+]
+VLLM = dict(preemption="priority", num_blocks=8, block_size=2, token_budget=6, max_running=3)
+NANO = dict(discipline="general", num_blocks=8, block_size=2, token_budget=6, max_running=3)
+BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
+
+if __name__ == "__main__":
+    engine = sys.argv[1]
+    for case in sys.argv[2:]:  # one line each, in one process (vLLM takes seconds to import)
+        if case == "seed":
+            run(engine, SEED, **VLLM)
+        elif case == "cached":
+            run(engine, CACHED, **NANO)
+        elif case == "preempted":
+            run(engine, PREEMPTED, **dict(NANO, num_blocks=4))
+        elif engine == "vllm":
+            run(engine, CLEAN, preemption="fcfs", **BIG)
+        else:
+            run(engine, CLEAN, discipline="general", **BIG)
