@@ -58,7 +58,6 @@ class HFOracle:
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=self.max_new_tokens,
-                min_new_tokens=self.max_new_tokens,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
