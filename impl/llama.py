@@ -10,8 +10,8 @@ block table. Logits are computed only for the rows asked for (the last token of 
 
 Attention backends (``BACKENDS``): ``triton`` runs ``kernels.write_kv`` and
 ``kernels.paged_attention`` (the real path: on a GPU, or in Triton's CPU interpreter);
-``torch`` runs ``attention_ref.write_kv_ref`` and ``paged_attention_ref``, the same reads of the
-same paged cache through the same block tables, in plain torch, because the interpreter is far
+``torch`` runs ``attention_ref.write_kv_ref`` and ``attention_torch.paged_attention_torch``, the
+same reads of the same paged cache through the same block tables, in plain torch, because the interpreter is far
 too slow for a 30-layer model on a CPU (docs/engine.md has the measured times). The backend is
 always chosen by the caller; nothing falls back from one to the other.
 """
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .attention_ref import paged_attention_ref, write_kv_ref
+from .attention_ref import write_kv_ref
+from .attention_torch import paged_attention_torch
 from .batch import Batch
 from .kv_cache import KVCache
 
@@ -181,7 +182,7 @@ class PagedLlama:
 
             self._write, self._attend = write_kv, paged_attention
         else:
-            self._write, self._attend = write_kv_ref, paged_attention_ref
+            self._write, self._attend = write_kv_ref, paged_attention_torch
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:

@@ -219,5 +219,6 @@ class LLM:
             model_steps=self.worker.steps,
             model_tokens=self.worker.tokens,
             model_seconds=self.worker.seconds,
+            model_decode_seconds=self.worker.decode_seconds,
         )
         return out

@@ -46,6 +46,8 @@ class ModelWorker:
         self.steps = 0
         self.tokens = 0
         self.seconds = 0.0
+        self.decode_seconds = 0.0
+        """Time in steps made of decodes only (one token per entry): the benchmark's split."""
 
     def execute(self, step: Step, requests: Mapping[int, Request]) -> tuple[int, ...]:
         started = time.perf_counter()
@@ -88,7 +90,10 @@ class ModelWorker:
             self.logits = {rid: logits[i] for i, rid in enumerate(samplers)}
             self.tokens += len(tokens)
         self.steps += 1
-        self.seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        if tokens and len(tokens) == len(query_lens):
+            self.decode_seconds += seconds
         return ()
 
     def sample(self, step: Step, req: Request) -> int:
