@@ -370,7 +370,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())  # fmt: skip
-    with Progress(*columns, console=console, transient=True) as bar:
+    quiet = not console.is_terminal  # no bar (nor its last newline) when stderr is not a tty
+    with Progress(*columns, console=console, transient=True, disable=quiet) as bar:
         stages = ("weights", "tokenizer", "cache")
         load = bar.add_task(f"loading {args.model}", total=len(stages))
         llm = LLM(

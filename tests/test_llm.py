@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 from llm_helpers import HFOracle, model_engine, save_tiny_llama  # noqa: E402
 
+from kvspec.cli import main  # noqa: E402
 from kvspec.impl.attention_ref import paged_attention_ref  # noqa: E402
 from kvspec.impl.attention_torch import paged_attention_torch  # noqa: E402
 from kvspec.impl.batch import make_batch  # noqa: E402
@@ -193,6 +194,31 @@ def test_bad_inputs_are_clear_errors(tiny, tmp_path: Path) -> None:  # type: ign
         SamplingParams(max_tokens=0)
 
 
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--model", "/nowhere", "--prompt", "x"], "not a model folder"),
+        (["--model", "smollm2", "--prompt", "x", "--max-tokens", "0"], "must be > 0"),
+        (["--model", "smollm2", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["--model", "smollm2", "--prompt", "x", "--policy", "nope"], "invalid choice"),
+        (["--model", "smollm2"], "--prompt"),
+    ],
+)
+def test_cli_generate_bad_arguments(argv, fragment, capsys) -> None:  # type: ignore[no-untyped-def]
+    try:
+        code = main(["generate", *argv])
+    except SystemExit as exit:
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+def test_cli_generate_needs_a_tokenizer(tiny, capsys) -> None:  # type: ignore[no-untyped-def]
+    folder, _, _ = tiny  # saved without tokenizer files
+    assert main(["generate", "--model", str(folder), "--prompt", "x", "--backend", "torch"]) == 2
+    assert "no usable tokenizer" in capsys.readouterr().err
+
+
 def test_torch_backend_matches_the_oracle() -> None:
     """The batched torch paged attention equals ``paged_attention_ref`` on a mixed batch (a
     decode, a chunk over a cached context, a whole prefill), with NaN in every unused slot."""
@@ -200,8 +226,8 @@ def test_torch_backend_matches_the_oracle() -> None:
     bsz, kv_heads, head_dim, heads = 4, 2, 16, 6
     k_cache = torch.randn(12, bsz, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(12, bsz, kv_heads, head_dim, generator=gen)
-    query_lens, seq_lens = [1, 5, 7, 1], [10, 9, 7, 3]
-    tables = [[3, 1, 7], [2, 5, 9], [4, 6], [11]]
+    query_lens, seq_lens = [1, 5, 7, 1, 8], [10, 9, 7, 3, 8]  # chunks of 5, 7, 8: one group
+    tables = [[3, 1, 7], [2, 5, 9], [4, 6], [11], [8, 10]]
     for table, n in zip(tables, seq_lens, strict=True):  # poison what no sequence may read
         k_cache[table[-1], n - (len(table) - 1) * bsz :] = float("nan")
         v_cache[table[-1], n - (len(table) - 1) * bsz :] = float("nan")
