@@ -21,7 +21,8 @@ token, which a CPU does not: a decode step reads every weight for a few tokens).
 medians over ``--repeats``.
 
     .venv/bin/python bench/bench_llm.py [--model smollm2] [--requests 32] [--prefix 512]
-        [--suffix 16] [--max-tokens 16] [--threads 1] [--repeats 1] [--backend torch]
+        [--suffix 16] [--max-tokens 16] [--threads 1] [--repeats 1] [--hf-repeats 1]
+        [--backend torch] [--no-hf]
 
 ``--threads 1`` by default: on a machine whose cores are shared with other jobs, torch's
 OpenMP threads spin against each other (10x slower per step measured here with 2 threads).
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch", choices=("torch", "triton"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--hf-repeats", type=int, default=1, help="runs of the (slow) baseline")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -135,25 +137,31 @@ def main() -> None:
         f"block {args.block_size}, token budget {args.token_budget}, max running "
         f"{args.max_running}, policy deferred, depth 1"
     )
-    runs = {}
-    for name, caching in (("prefix caching", True), ("no prefix caching", False)):
-        llm = LLM(weights, prefix_caching=caching, **common)  # type: ignore[arg-type]
-        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
-        times, stats = [], {}
-        for _ in range(args.repeats):
-            seconds, stats = run_engine(llm, prompts, params)
-            times.append(seconds)
-        runs[name] = (statistics.median(times), stats)
+    names = {True: "prefix caching", False: "no prefix caching"}
+    engines = {}
+    for caching in names:
+        engines[caching] = LLM(weights, prefix_caching=caching, **common)  # type: ignore[arg-type]
+        engines[caching].generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    last: dict[bool, dict] = {}
+    for _ in range(args.repeats):  # interleaved, so that a slow spell of the machine hits both
+        for caching, llm in engines.items():
+            seconds, last[caching] = run_engine(llm, prompts, params)
+            times[caching].append(seconds)
+    runs = {names[c]: (statistics.median(times[c]), last[c]) for c in names}
     generated = args.requests * args.max_tokens
     prompt_tokens = args.requests * (args.prefix + args.suffix)
     print(
-        f"\n{'run':22s} {'seconds':>8s} {'gen tok/s':>10s} {'computed tok':>13s} {'hit rate':>9s}"
+        f"\n{'run':20s} {'seconds':>8s} {'gen tok/s':>10s} {'computed tok':>13s} "
+        f"{'hit rate':>9s} {'prefill steps s':>16s} {'decode steps s':>15s}"
     )
     for name, (seconds, stats) in runs.items():
         hits = stats["hit_tokens"]
+        decode_s = stats["model_decode_seconds"]
         print(
-            f"{name:22s} {seconds:8.1f} {generated / seconds:10.1f} "
-            f"{stats['computed_tokens']:13d} {hits / prompt_tokens:9.1%}"
+            f"{name:20s} {seconds:8.1f} {generated / seconds:10.1f} "
+            f"{stats['computed_tokens']:13d} {hits / prompt_tokens:9.1%} "
+            f"{stats['model_seconds'] - decode_s:16.1f} {decode_s:15.1f}"
         )
     with_s, with_stats = runs["prefix caching"]
     without_s, without_stats = runs["no prefix caching"]
@@ -181,11 +189,11 @@ def main() -> None:
     if not args.no_hf:
         model = hf_model(args.model)
         torch.set_num_threads(args.threads)
-        times, outs = [], []
-        for _ in range(args.repeats):
+        hf_times, outs = [], []
+        for _ in range(args.hf_repeats):
             seconds, outs = run_hf(model, prompts, args.max_tokens)
-            times.append(seconds)
-        hf_s = statistics.median(times)
+            hf_times.append(seconds)
+        hf_s = statistics.median(hf_times)
         same = sum(a == b for a, b in zip(outs, with_stats["outputs"], strict=True))
         print(
             f"Hugging Face generate, one request at a time: {hf_s:.1f} s, "

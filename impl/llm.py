@@ -168,8 +168,14 @@ class LLM:
         for prompt_ids, p in zip(ids, plist, strict=True):
             rid = self._next_id
             self._next_id += 1
+            try:
+                engine.add_request(rid, tuple(prompt_ids), p.max_tokens, p.priority)
+            except ValueError as err:  # leave nothing of this call behind
+                for added in rids:
+                    engine.abort(added)
+                    worker.forget(added)
+                raise ValueError(f"prompt {len(rids)}: {err}") from None
             worker.params[rid] = p
-            engine.add_request(rid, tuple(prompt_ids), p.max_tokens, p.priority)
             rids.append(rid)
         stops = {
             rid: set(p.stop_token_ids)

@@ -188,8 +188,9 @@ def test_bad_inputs_are_clear_errors(tiny, tmp_path: Path) -> None:  # type: ign
         llm.generate([[1000]])
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text"])
-    with pytest.raises(ValueError, match="blocks"):
-        llm.generate([list(range(20))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt 1: .* blocks"):
+        llm.generate([[1, 2], list(range(20))], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()  # the first prompt was withdrawn too
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
 
