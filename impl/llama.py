@@ -178,7 +178,13 @@ class PagedLlama:
         self.backend = backend
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cache.device)
         if backend == "triton":
-            from .kernels import paged_attention, write_kv
+            from .kernels import interpreting, paged_attention, write_kv
+
+            if cache.device.type != "cuda" and not interpreting():
+                raise ValueError(
+                    "the triton backend on a CPU needs TRITON_INTERPRET=1 (set before triton "
+                    "is imported); or use the torch backend"
+                )
 
             self._write, self._attend = write_kv, paged_attention
         else:
