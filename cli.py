@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate invariants every K decisions (default 1: every decision; see docs)",
     )
 
+    _generate_arguments(sub)
+
     demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
     demo.add_argument("--seconds", type=_positive(float), default=12.0, help="budget per cell")
     demo.add_argument("--seed", type=int, default=0)
@@ -154,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prove": _prove,
             "check": _check,
             "demo": _demo,
+            "generate": _generate,
         }
         return commands[args.command](args)
     except (ValueError, OSError) as err:
@@ -356,6 +359,78 @@ def _demo(args: argparse.Namespace) -> int:
         results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def _generate_arguments(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser(
+        "generate", help="generate text with a Llama model served through the reference engine"
+    )
+    gen.add_argument(
+        "--model", required=True, help="a Hugging Face folder, a .gguf file, or smollm2"
+    )
+    gen.add_argument("--prompt", required=True, action="append", help="text (repeatable)")
+    gen.add_argument("--max-tokens", type=_positive(int), default=32)
+    gen.add_argument("--policy", default="deferred", choices=POLICIES)
+    gen.add_argument("--depth", type=_positive(int), default=1, help="steps in flight")
+    gen.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "triton", "torch"),
+        help="attention: auto = triton on a GPU, torch (paged, same cache) on a CPU",
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Print each prompt followed by its completion; progress goes to stderr."""
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    from kvspec.impl.replay import use_interpreter_without_gpu
+
+    if args.backend == "triton":
+        use_interpreter_without_gpu()  # before anything imports triton
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvspec.impl.llm import LLM
+    from kvspec.impl.sampling import SamplingParams
+
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())  # fmt: skip
+    quiet = not console.is_terminal  # no bar (nor its last newline) when stderr is not a tty
+    with Progress(*columns, console=console, transient=True, disable=quiet) as bar:
+        stages = ("weights", "tokenizer", "cache")
+        load = bar.add_task(f"loading {args.model}", total=len(stages))
+        llm = LLM(
+            args.model,
+            policy=args.policy,
+            depth=args.depth,
+            backend=args.backend,
+            seed=args.seed,
+            on_load=lambda stage: bar.update(load, completed=stages.index(stage)),
+        )
+        bar.update(load, completed=len(stages))
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        started = time.perf_counter()
+        gen = bar.add_task("generating", total=args.max_tokens * len(args.prompt))
+        outs = llm.generate(
+            args.prompt, params, on_step=lambda done, total: bar.update(gen, completed=done)
+        )
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.token_ids) for o in outs)
+    cfg = llm.weights.config
+    console.print(
+        f"{cfg.num_layers} layers, {llm.weights.num_parameters / 1e6:.1f}M parameters; "
+        f"attention {llm.backend} on {llm.model.cache.device}; policy {args.policy}; "
+        f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)",
+        highlight=False,
+    )
+    for prompt, out in zip(args.prompt, outs, strict=True):
+        print(f"{prompt}{out.text}")
     return 0
 
 

@@ -7,12 +7,13 @@ event stream as ``kvspec.spec``, against which it is checked. It imports nothing
 
 Modules: ``config`` (EngineConfig), ``choices`` (nondeterminism), ``hashing``, ``block_pool``,
 ``request`` (request and step records), ``kv_cache_manager``, ``policies``, ``scheduler``
-(state and decisions), ``disciplines`` (which decisions), ``worker``, ``engine``, ``workload``.
+(state and decisions), ``disciplines`` (which decisions), ``worker`` (the worker protocol, the fake worker), ``engine``, ``workload``.
 """
 
 from .choices import Choices, DefaultChoices, RandomChoices
 from .config import DISCIPLINES, POLICIES, PREEMPTIONS, EngineConfig
 from .engine import Engine
+from .worker import FakeWorker, Worker
 from .workload import shared_prefix_workload
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "DefaultChoices",
     "Engine",
     "EngineConfig",
+    "FakeWorker",
     "RandomChoices",
+    "Worker",
     "shared_prefix_workload",
 ]

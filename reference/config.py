@@ -33,6 +33,9 @@ class EngineConfig:
     stop_token: int | None = None
     vocab: int = 8
     """The fake model samples tokens in [0, vocab)."""
+    prefix_caching: bool = True
+    """False: lookups find nothing (vLLM's ``enable_prefix_caching=False``), for benchmarks;
+    blocks are still published. The spec does not model it: conformance runs keep True."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -55,6 +58,7 @@ class EngineConfig:
                 "stop_token must be None or an int",
             ),
             (_is_int(self.vocab) and self.vocab >= 1, "vocab must be an int >= 1"),
+            (isinstance(self.prefix_caching, bool), "prefix_caching must be a bool"),
         )
         for ok, message in checks:
             if not ok:

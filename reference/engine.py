@@ -2,8 +2,14 @@
 
 ``step()`` does one of two things: if fewer than D steps are in flight and there is work to
 schedule, it builds one step (begin, the discipline's decisions, submit), even an empty one;
-otherwise it executes the oldest step in flight on the fake worker and commits its output
+otherwise it executes the oldest step in flight on the worker and commits its output
 at once. With D >= 2 step N+1 is thus scheduled before step N executes (async scheduling).
+
+The worker is pluggable (``worker.Worker``): the fake one by default (no tensors), or a model
+runner (``kvspec.impl.model_worker``) that computes real K/V and samples real tokens. The
+engine never needs a token that is not sampled yet: a request whose entry samples in step N
+has ``computed == len(tokens)`` until step N commits, so no later step schedules it before
+then, and every token a step computes is in ``req.tokens`` when the step executes, at any D.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ from .kv_cache_manager import KVCacheManager
 from .policies import make_policy
 from .request import FINISHED, Request
 from .scheduler import Scheduler
-from .worker import FakeWorker, StepLog
+from .worker import FakeWorker, StepLog, Worker
 
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, choices: Choices | None = None, record: bool = True
+        self,
+        config: EngineConfig,
+        choices: Choices | None = None,
+        record: bool = True,
+        worker: Worker | None = None,
     ) -> None:
         self.config = config
         self.choices: Choices = DefaultChoices() if choices is None else choices
@@ -30,9 +40,13 @@ class Engine:
         self.events: list[Event] = []
         sink = self.events if record else None
         self.pool = BlockPool(config.num_blocks, sink)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.kv, make_policy(config.policy, self.kv), sink)
-        self.worker = FakeWorker(self.choices, config.block_size, config.vocab, record)
+        self.worker: Worker = (
+            FakeWorker(self.choices, config.block_size, config.vocab, record)
+            if worker is None
+            else worker
+        )
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -40,8 +54,12 @@ class Engine:
 
     @property
     def worker_log(self) -> list[StepLog]:
-        """Per executed step, what the worker wrote and read (empty when not recording)."""
-        return self.worker.log if self.worker.log is not None else []
+        """Per executed step, what the fake worker wrote and read (empty when not recording or
+        with another worker)."""
+        worker = self.worker
+        if isinstance(worker, FakeWorker) and worker.log is not None:
+            return worker.log
+        return []
 
     def add_request(
         self,
@@ -85,12 +103,14 @@ class Engine:
             return True
         if sched.in_flight:
             step = sched.in_flight[0]
-            failed = self.worker.execute(step)
+            requests = sched.requests
+            failed = self.worker.execute(step, requests)
+            step.failed = failed
             if self.record:
                 self.events.append(("execute", step.step_id, failed))
-            requests, live, sample = sched.requests, step.live, self.worker.sample
+            live, sample = step.live, self.worker.sample
             sampled = tuple(
-                (rid, sample(requests[rid]))
+                (rid, sample(step, requests[rid]))
                 for rid, entry in step.entries.items()
                 if entry.samples and rid in live
             )

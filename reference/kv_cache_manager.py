@@ -14,11 +14,12 @@ from .request import Request
 
 
 class KVCacheManager:
-    __slots__ = ("pool", "block_size")
+    __slots__ = ("pool", "block_size", "prefix_caching")
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, prefix_caching: bool = True) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
 
     def block_hash(self, req: Request, index: int) -> bytes:
         """The chained hash of the request's full block ``index``."""
@@ -29,7 +30,9 @@ class KVCacheManager:
 
     def lookup(self, req: Request) -> list[Block]:
         """The longest run of cached blocks for the request's prefix, from its first block,
-        capped so that the last known token is always computed."""
+        capped so that the last known token is always computed (none without prefix caching)."""
+        if not self.prefix_caching:
+            return []
         cap = (len(req.tokens) - 1) // self.block_size
         hashes = req.block_hashes
         if len(hashes) < cap:

@@ -1,4 +1,5 @@
-"""The fake worker: runs a submitted step and samples tokens; no model, no K/V bytes.
+"""The worker protocol, and the fake worker: runs a submitted step and samples tokens; no model,
+no K/V bytes.
 
 ``execute`` decides which external loads fail (``choices.pick(2, "load-fails")`` per load
 entry, in scheduling order) and, when recording, logs each step's entries for replay (one
@@ -10,7 +11,8 @@ the request's whole token sequence: ``crc32(tokens as int64 LE) % vocab``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
 
 from .block_pool import Block
 from .choices import Choices
@@ -74,6 +76,18 @@ class StepLog(NamedTuple):
         return out
 
 
+class Worker(Protocol):
+    """What the engine needs from a worker. ``execute`` runs a submitted step, every entry of it,
+    live or not (a device runs what was submitted; only the results of live entries are used),
+    and returns the requests whose external load failed. ``sample`` is then asked, for each live
+    entry of that step that samples, the token it produced; it is called in scheduling order,
+    right after ``execute`` of the same step."""
+
+    def execute(self, step: Step, requests: Mapping[int, Request]) -> tuple[int, ...]: ...
+
+    def sample(self, step: Step, req: Request) -> int: ...
+
+
 class FakeWorker:
     __slots__ = ("choices", "block_size", "vocab", "log")
 
@@ -83,7 +97,7 @@ class FakeWorker:
         self.vocab = vocab
         self.log: list[StepLog] | None = [] if record else None
 
-    def execute(self, step: Step) -> tuple[int, ...]:
+    def execute(self, step: Step, requests: Mapping[int, Request]) -> tuple[int, ...]:
         """Run the step; return the requests whose external load failed."""
         failed = tuple(
             rid
@@ -100,5 +114,5 @@ class FakeWorker:
             self.log.append(StepLog(step.step_id, entries, failed))
         return failed
 
-    def sample(self, req: Request) -> int:
+    def sample(self, step: Step, req: Request) -> int:
         return req.crc % self.vocab
