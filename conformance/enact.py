@@ -109,7 +109,7 @@ def _enact_one(engine: Engine, choices: _ScriptedLoads, decision: Event) -> None
         if step is None or step.step_id != sid:
             raise EnactError("no such step to execute")
         choices.failing = [1 if rid in failed else 0 for rid, e in step.entries.items() if e.load]  # type: ignore[operator]
-        got = engine.worker.execute(step)
+        got = engine.worker.execute(step, sched.requests)
         choices.executed.add(step.step_id)
         engine.events.append(("execute", step.step_id, got))
     elif kind == "commit":

@@ -43,6 +43,7 @@ from .symbolic import (
     Term,
     conj,
     disj,
+    reads_hold,
     zmin,
 )
 
@@ -84,6 +85,18 @@ def lemmas(m: Model, S: SState, names: list[str] | None = None) -> dict[str, Ter
 def _in(term: Term, lo: int, hi: int) -> Term:
     """lo <= term <= hi."""
     return z3.And(term >= lo, term <= hi)
+
+
+def _live_after(m: Model, S: SState, k: int, r: int) -> Term:
+    """Request r has a live entry in a step newer than slot k."""
+    return disj([S["elive", kk, r] for kk in range(k + 1, m.D)])
+
+
+def _fills(m: Model, S: SState, k: int, r: int, lo: Term, hi: Term) -> Term:
+    """Table indices [lo, hi) are blocks that r's entry in slot k fills to their end, from the
+    block the entry starts in (or the range is empty)."""
+    es, ee = S["es", k, r], S["ee", k, r]
+    return z3.Implies(lo < hi, conj([m.floor_blocks(es) <= lo, hi <= m.floor_blocks(ee), lo >= 0]))
 
 
 # -- globals and step slots -----------------------------------------------------------------------
@@ -372,8 +385,7 @@ def readmitted_in_newer_step(m: Model, S: SState) -> Term:
     for r in m.R:
         for k in range(m.D):
             dead = conj([S["ea", k, r], z3.Not(S["elive", k, r]), S["st", r] == RUNNING])
-            newer = disj([S["elive", kk, r] for kk in range(k + 1, m.D)])
-            parts.append(z3.Implies(dead, newer))
+            parts.append(z3.Implies(dead, _live_after(m, S, k, r)))
     return conj(parts)
 
 
@@ -401,9 +413,7 @@ def newest_entry_ends_at_computed(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         for k in range(m.D):
-            newest = z3.And(
-                S["elive", k, r], z3.Not(disj([S["elive", kk, r] for kk in range(k + 1, m.D)]))
-            )
+            newest = z3.And(S["elive", k, r], z3.Not(_live_after(m, S, k, r)))
             parts.append(z3.Implies(newest, S["ee", k, r] == S["comp", r]))
     return conj(parts)
 
@@ -450,26 +460,7 @@ def held_keys_match(m: Model, S: SState) -> Term:
     "runs except the writes of older steps, which the reads already account for."
 )
 def dead_entries_read_well(m: Model, S: SState) -> Term:
-    parts = []
-    for k in range(m.D):
-        ev = {b: m.eventual(S, b, upto=k) for b in m.blocks}
-        for r in m.R:
-            started = S["es", k, r]
-            active = conj([S["nst"] > k, S["ph", k] != EXECUTED, S["ea", k, r]])
-            for i in m.M:
-                block = S["eblk", k, r, i]
-                content = ev[m.blocks[-1]]
-                for b in reversed(m.blocks[:-1]):
-                    cnd = block == b
-                    content = (
-                        z3.If(cnd, ev[b][0], content[0]),
-                        z3.If(cnd, ev[b][1], content[1]),
-                        z3.If(cnd, ev[b][2], content[2]),
-                    )
-                prefix = (r, zmin(started, (i + 1) * m.B))
-                reads = m.ceil_blocks(started) > i
-                parts.append(z3.Implies(z3.And(active, reads), m.holds(S, content, prefix)))
-    return conj(parts)
+    return conj(reads_hold(m, S, live_only=False))
 
 
 # -- the deferring policies (deferred, hide-uncommitted): nobody shares a block being written -----
@@ -538,17 +529,7 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     parts = []
     for k in range(m.D):
         for r in m.R:
-            lo, hi = S["rlo", k, r], S["rhi", k, r]
-            span = z3.Implies(
-                lo < hi,
-                conj(
-                    [
-                        m.floor_blocks(S["es", k, r]) <= lo,
-                        hi <= m.floor_blocks(S["ee", k, r]),
-                        lo >= 0,
-                    ]
-                ),
-            )
+            span = _fills(m, S, k, r, S["rlo", k, r], S["rhi", k, r])
             parts.append(z3.Implies(S["ra", k, r], z3.And(S["elive", k, r], span)))
     return conj(parts)
 
@@ -626,16 +607,7 @@ def single_record_is_newest_step(m: Model, S: SState) -> Term:
         lo, hi = S["slo", r], S["shi", r]
         options = []
         for k in range(m.D):
-            span = z3.Implies(
-                lo < hi,
-                conj(
-                    [
-                        m.floor_blocks(S["es", k, r]) <= lo,
-                        hi <= m.floor_blocks(S["ee", k, r]),
-                        lo >= 0,
-                    ]
-                ),
-            )
+            span = _fills(m, S, k, r, lo, hi)
             options.append(conj([S["nst"] == k + 1, S["elive", k, r], span]))
         in_flight = z3.And(S["son", r], S["nst"] > 0)
         parts.append(z3.Implies(in_flight, z3.And(S["st", r] == RUNNING, disj(options))))

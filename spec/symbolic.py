@@ -282,16 +282,21 @@ class Model:
         return valid, req, length
 
     def eventual_of(self, S: SState, block: Any) -> tuple[Term, Term, Term]:
-        ev = {b: self.eventual(S, b) for b in self.blocks}
+        return self.pick(block, {b: self.eventual(S, b) for b in self.blocks})
+
+    def pick(
+        self, block: Any, per_block: dict[int, tuple[Term, Term, Term]]
+    ) -> tuple[Term, Term, Term]:
+        """The triple of ``per_block`` for a block given as an int or a term."""
         if isinstance(block, int):
-            return ev[block]
-        out = ev[self.blocks[-1]]
+            return per_block[block]
+        out = per_block[self.blocks[-1]]
         for b in reversed(self.blocks[:-1]):
             c = block == b
             out = (
-                z3.If(c, ev[b][0], out[0]),
-                z3.If(c, ev[b][1], out[1]),
-                z3.If(c, ev[b][2], out[2]),
+                z3.If(c, per_block[b][0], out[0]),
+                z3.If(c, per_block[b][1], out[1]),
+                z3.If(c, per_block[b][2], out[2]),
             )
         return out
 
@@ -849,27 +854,28 @@ def _blank(key: SKey) -> Term:
 # invariants
 
 
-def z_no_unwritten_read(m: Model, S: SState) -> Term:
-    parts = [z3.Not(S["bad"])]
+def reads_hold(m: Model, S: SState, live_only: bool = True) -> list[Term]:
+    """Every read of a step not executed yet finds its prefix in the block's content once the
+    writes of that step and older ones have run; only live entries' reads if ``live_only``."""
+    parts = []
     for k in range(m.D):
         ev = {b: m.eventual(S, b, upto=k) for b in m.blocks}
         for r in m.R:
             started = S["es", k, r]
             reads = m.ceil_blocks(started)  # indices 0 .. ceil(start / B) - 1 are read
-            active = conj([S["nst"] > k, S["ph", k] != EXECUTED, S["ea", k, r], S["elive", k, r]])
+            active = [S["nst"] > k, S["ph", k] != EXECUTED, S["ea", k, r]]
+            if live_only:
+                active.append(S["elive", k, r])
             for i in m.M:
-                block = S["eblk", k, r, i]
-                content = ev[m.blocks[-1]]
-                for b in reversed(m.blocks[:-1]):
-                    cnd = block == b
-                    content = (
-                        z3.If(cnd, ev[b][0], content[0]),
-                        z3.If(cnd, ev[b][1], content[1]),
-                        z3.If(cnd, ev[b][2], content[2]),
-                    )
+                content = m.pick(S["eblk", k, r, i], ev)
                 prefix = (r, zmin(started, (i + 1) * m.B))
-                parts.append(z3.Implies(z3.And(active, reads > i), m.holds(S, content, prefix)))
-    return conj(parts)
+                held = m.holds(S, content, prefix)
+                parts.append(z3.Implies(z3.And(conj(active), reads > i), held))
+    return parts
+
+
+def z_no_unwritten_read(m: Model, S: SState) -> Term:
+    return conj([z3.Not(S["bad"]), *reads_hold(m, S)])
 
 
 def z_no_unwritten_publish(m: Model, S: SState) -> Term:
