@@ -123,7 +123,7 @@ def main() -> None:
     print(f"\nscaling: inductive proof of deferred, vllm/fcfs, R={args.requests}, T={args.tokens}")
     depths = (1, 2, 3)
     print("N \\ D | " + " | ".join(f"D={d}" for d in depths))
-    for n in (3, 4, 5, 6):
+    for n in (3, 4, 5):
         cells = [f"N={n}"]
         for d in depths:
             f = make_fragment(
