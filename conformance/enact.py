@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.reference import Engine, EngineConfig
+from kvspec.reference import Engine
 from kvspec.spec import Config
 
+from .adapter import ReferenceAdapter
 from .lockstep import Event, Finding, Judge
 
 
@@ -45,20 +46,7 @@ def enact(config: Config, decisions: Sequence[Event]) -> tuple[list[Event], Find
     """Run the decisions on a fresh reference engine; return its events and the Judge's first
     finding (None if every invariant held and the engine agreed with the spec throughout)."""
     choices = _ScriptedLoads()
-    engine = Engine(
-        EngineConfig(
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            depth=config.depth,
-            policy=config.policy,
-            discipline=config.discipline,
-            preemption=config.preemption,
-            token_budget=config.token_budget,
-            max_running=config.max_running,
-            stop_token=config.stop_token,
-        ),
-        choices=choices,
-    )
+    engine = ReferenceAdapter(config, choices).engine
     for number, decision in enumerate(decisions, 1):
         try:
             _enact_one(engine, choices, decision)
