@@ -72,6 +72,9 @@ class Judge:
     reference the incremental forms are tested against). ``check_every=k`` checks only every k
     decisions (the state at those points, not the ones between)."""
 
+    free_order_matters = True
+    """``compare`` checks the free queue's order (False: only which blocks are free)."""
+
     def __init__(
         self,
         config: Config,
@@ -177,9 +180,15 @@ class Judge:
             return self._found(
                 "Disagreement", f"refcounts {refcounts}, spec {mine}", self.events_seen
             )
-        if free != tuple(s.free):
+        if self.free_order_matters and free != tuple(s.free):
             return self._found(
                 "Disagreement", f"free queue {free}, spec {s.free}", self.events_seen
+            )
+        if sorted(free) != sorted(s.free) or len(set(free)) != len(free):
+            return self._found(
+                "Disagreement",
+                f"free blocks {sorted(free)}, spec {sorted(s.free)}",
+                self.events_seen,
             )
         return None
 
