@@ -12,7 +12,14 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvspec.spec import DISCIPLINES, INVARIANTS, POLICIES, PREEMPTIONS, Config
+from kvspec.spec import (
+    DISCIPLINES,
+    INVARIANTS,
+    OBSERVED_POLICIES,
+    POLICIES,
+    PREEMPTIONS,
+    Config,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,8 +41,8 @@ def _positive(kind: type) -> object:
     return parse
 
 
-def _cell_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", required=True, choices=POLICIES)
+def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLICIES) -> None:
+    p.add_argument("--policy", required=True, choices=policies)
     p.add_argument("--discipline", default="vllm", choices=DISCIPLINES)
     p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS)
     p.add_argument("--depth", type=_positive(int), default=None, help="steps in flight (1..)")
@@ -68,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz = sub.add_parser(
         "fuzz", help="lockstep-fuzz an engine (default: the reference) against the spec"
     )
-    _cell_arguments(fuzz)
+    # engine-registers: for --target engines that register on their own (observed judging).
+    _cell_arguments(fuzz, POLICIES + OBSERVED_POLICIES)
     fuzz.add_argument(
         "--target",
         metavar="MODULE:FACTORY",

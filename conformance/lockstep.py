@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvspec.spec import (
     ACTIONS,
     INVARIANTS,
+    OBSERVED_POLICIES,
     Config,
     Illegal,
     apply,
@@ -74,6 +75,8 @@ class Judge:
 
     free_order_matters = True
     """``compare`` checks the free queue's order (False: only which blocks are free)."""
+    judges_engine_registrations = False
+    """Whether this judge can take the engine's own registrations (policy ``engine-registers``)."""
 
     def __init__(
         self,
@@ -86,6 +89,10 @@ class Judge:
         illegal decisions are always findings."""
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
+        if config.policy in OBSERVED_POLICIES and not self.judges_engine_registrations:
+            raise ValueError(
+                f"policy {config.policy} is judged by the observed judge only (docs/adapters.md)"
+            )
         self.config = config
         self.invariants = invariants
         self.check_every = check_every

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from kvspec.spec import Config
+from kvspec.spec import OBSERVED_POLICIES, Config
 
 from .lockstep import Event
 
@@ -189,6 +189,11 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer')
+    if model.get("policy") in OBSERVED_POLICIES:
+        raise bad(
+            f"policy {model['policy']} is judged live through an adapter only "
+            "(docs/adapters.md); kvspec check judges trace files strictly"
+        )
     if model.get("stop_token") is not None and not _is_int(model["stop_token"]):
         raise bad('"model.stop_token" must be an integer or null')
     try:

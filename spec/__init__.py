@@ -13,6 +13,7 @@ from .invariants import INVARIANTS, check, running_tables, tables_append_only
 from .state import (
     DISCIPLINES,
     NULL_BLOCK,
+    OBSERVED_POLICIES,
     POLICIES,
     PREEMPTIONS,
     Config,
@@ -26,6 +27,7 @@ __all__ = [
     "DISCIPLINES",
     "INVARIANTS",
     "NULL_BLOCK",
+    "OBSERVED_POLICIES",
     "POLICIES",
     "PREEMPTIONS",
     "Config",

@@ -8,12 +8,19 @@ hit block is registered under the request's chained hash at that position); it r
 never changes which blocks are free or registered, so every action keeps its meaning. ``drop``
 applies a registration the engine dropped on its own, which is always safe (a lost hit at worst).
 Used by ``kvspec.conformance.observed`` (docs/adapters.md, "Judging modes").
+
+Under the policy ``engine-registers`` the engine also registers on its own, at points of its
+choosing, and may deduplicate: ``engine_effect`` applies its ``publish`` and ``dedup`` effects. Their
+guards check only what an effect *names* (a known request, a full block of its known tokens, a
+block published under the right key); whether the registration or the swap is *safe* is left to
+the invariants, so that a premature publish shows as a NoUnwrittenPublish violation, not as an
+illegal event.
 """
 
 from __future__ import annotations
 
-from .pool import Event, unpublish
-from .state import NULL_BLOCK, Illegal, State
+from .pool import Event, add_key, release, unpublish
+from .state import NULL_BLOCK, Illegal, Request, State
 
 
 def steer(s: State, decision: Event, effects: list[Event]) -> None:
@@ -49,9 +56,80 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
 def drop(s: State, effect: Event) -> list[Event]:
     """An ``unpublish`` the engine did on its own (outside the spec's policy): legal for any
     published block."""
-    if effect[0] != "unpublish" or not isinstance(effect[1], int):
+    if effect[0] != "unpublish" or len(effect) != 2 or not _is_block(s, effect[1]):
         raise Illegal(f"unexpected effect {effect}")
-    block = effect[1]
-    if not 0 <= block < len(s.blocks) or s.blocks[block].key is None:
+    block: int = effect[1]  # type: ignore[assignment]
+    if s.blocks[block].key is None:
         raise Illegal(f"unpublish of block {block}, which is not published")
     return unpublish(s, block)
+
+
+def engine_effect(s: State, effect: Event) -> list[Event]:
+    """An effect the engine had on its own, beyond the decision's effects in the spec: an
+    ``unpublish`` (any policy); under ``engine-registers`` also a ``publish`` or a ``dedup``.
+    Raises ``Illegal`` for any other effect or one whose guard fails."""
+    kind, engine_registers = effect[0], s.config.policy == "engine-registers"
+    if kind == "publish" and engine_registers:
+        return publish_own(s, effect)
+    if kind == "dedup" and engine_registers:
+        return dedup(s, effect)
+    return drop(s, effect)
+
+
+def publish_own(s: State, effect: Event) -> list[Event]:
+    """``("publish", req, index, block)``: the engine registered ``block`` under the request's
+    chained key for its ``index``-th block, which must be a full block of its known tokens. The
+    block need not be in the request's table any more (an engine may insert a finishing request's
+    blocks as it releases them); that it holds, or will hold, that prefix is NoUnwrittenPublish's
+    to judge."""
+    req, index, block = _named(s, effect)
+    if (index + 1) * s.config.block_size > len(req.tokens):
+        raise Illegal(f"publish r{req.id}'s block {index}: that block of its tokens is not full")
+    if s.blocks[block].key is not None:
+        raise Illegal(f"publish of block {block}, which is already published")
+    add_key(s, block, s.key(req, index))
+    return [effect]
+
+
+def dedup(s: State, effect: Event) -> list[Event]:
+    """``("dedup", req, index, block)``: the running request's table position ``index`` now names
+    ``block``, a block published under the request's key there, instead of its own copy; the copy
+    loses the request's reference and ``block`` gains one (SGLang, on inserting a request whose
+    pages another request has inserted first). Not while a step in flight still reads or writes
+    the request's copy: its entry names the copy. TablesAppendOnly treats the swap as sanctioned
+    (the observed judge updates its snapshot); the invariants judge whether ``block`` holds what
+    the request will read from it."""
+    req, index, block = _named(s, effect)
+    where = f"dedup r{req.id}'s block {index} to block {block}"
+    if req.status != "running" or index >= len(req.table):
+        raise Illegal(f"{where}: the request is not running with a block {index}")
+    if s.blocks[block].key != s.key(req, index) or block in req.table:
+        raise Illegal(f"{where}: not a published copy of r{req.id}'s block {index}")
+    old = req.table[index]
+    for step in s.steps:
+        entry = step.entries.get(req.id)
+        if entry is not None and req.id in step.live and old in entry.blocks:
+            raise Illegal(f"{where}: step {step.id} in flight still uses block {old}")
+    b = s.blocks[block]
+    if b.refcount == 0:
+        s.free.remove(block)
+    b.refcount += 1
+    req.table[index] = block
+    release(s, old, req.id)
+    return [effect]
+
+
+def _named(s: State, effect: Event) -> tuple[Request, int, int]:
+    """The request, table index and block an engine's ``publish`` or ``dedup`` names."""
+    if len(effect) != 4 or not all(isinstance(x, int) for x in effect[1:]):
+        raise Illegal(f"malformed effect {effect}")
+    rid, index, block = effect[1], effect[2], effect[3]
+    assert isinstance(rid, int) and isinstance(index, int) and isinstance(block, int)
+    req = s.requests.get(rid)
+    if req is None or index < 0 or not _is_block(s, block) or block == NULL_BLOCK:
+        raise Illegal(f"{effect[0]} names an unknown request, index or block: {effect}")
+    return req, index, block
+
+
+def _is_block(s: State, value: object) -> bool:
+    return isinstance(value, int) and 0 <= value < len(s.blocks)

@@ -81,24 +81,29 @@ def allocate(s: State, req: Request) -> list[Event]:
 
 def free_table(s: State, req: Request) -> list[Event]:
     """Drop the request's references in reverse table order, so a chain's tail is evicted before
-    its ancestors; an unreferenced block goes to the queue's head when it has no hash (reused
-    first) and to its tail when it is cached (least recently used last)."""
+    its ancestors."""
     events: list[Event] = []
     for block in reversed(req.table):
-        b = s.blocks[block]
-        if b.refcount <= 0:
-            raise Illegal(f"free of block {block} by r{req.id}: refcount is {b.refcount}")
-        b.refcount -= 1
-        if b.refcount == 0:
-            if b.key is None:
-                s.free.insert(0, block)
-            else:
-                s.free.append(block)
+        release(s, block, req.id)
         events.append(("free", block))
     req.table = []
     req.computed = 0
     req.cached = 0
     return events
+
+
+def release(s: State, block: int, rid: int) -> None:
+    """Request ``rid`` drops its reference; an unreferenced block goes to the queue's head when it
+    has no hash (reused first) and to its tail when it is cached (least recently used last)."""
+    b = s.blocks[block]
+    if b.refcount <= 0:
+        raise Illegal(f"free of block {block} by r{rid}: refcount is {b.refcount}")
+    b.refcount -= 1
+    if b.refcount == 0:
+        if b.key is None:
+            s.free.insert(0, block)
+        else:
+            s.free.append(block)
 
 
 def publish(s: State, req: Request, index: int) -> list[Event]:
@@ -109,8 +114,7 @@ def publish(s: State, req: Request, index: int) -> list[Event]:
     b = s.blocks[block]
     if b.key is not None:
         return []
-    b.key = s.key(req, index)
-    s.index.setdefault(b.key, []).append(block)
+    add_key(s, block, s.key(req, index))
     return [("publish", req.id, index, block)]
 
 
@@ -131,6 +135,11 @@ def count_if_lost(s: State, block: int, key: Key, leaving: Request | None) -> No
     own = 1 if leaving is not None and block in leaving.table else 0
     if s.blocks[block].refcount - own == 0 and holds(eventual_content(s, block), key):
         s.lost_hits += 1
+
+
+def add_key(s: State, block: int, key: Key) -> None:
+    s.blocks[block].key = key
+    s.index.setdefault(key, []).append(block)
 
 
 def _drop_key(s: State, block: int) -> None:

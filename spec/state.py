@@ -23,6 +23,12 @@ POLICIES = (
     "hide-uncommitted",
     "deferred",
 )
+OBSERVED_POLICIES = ("engine-registers",)
+"""Policies that only an observed judge can use (``conformance/observed.py``). Under
+``engine-registers`` the spec registers and rolls back nothing by itself: the engine's own
+``publish`` and ``dedup`` effects are applied as they come (``spec/observed.py``), and the invariants
+judge them. For engines whose registration points are none of the five above (SGLang inserts into
+its radix tree after a prefill chunk's result and at finish, and deduplicates on insert)."""
 DISCIPLINES = ("vllm", "general")
 PREEMPTIONS = ("fcfs", "priority")
 NULL_BLOCK = 0
@@ -64,8 +70,8 @@ class Config:
             (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
             (self.depth >= 1, f"depth must be >= 1, got {self.depth}"),
             (
-                self.policy in POLICIES,
-                f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}",
+                self.policy in POLICIES + OBSERVED_POLICIES,
+                f"unknown policy {self.policy!r}; one of {', '.join(POLICIES + OBSERVED_POLICIES)}",
             ),
             (self.discipline in DISCIPLINES, f"unknown discipline {self.discipline!r}"),
             (self.preemption in PREEMPTIONS, f"unknown preemption {self.preemption!r}"),

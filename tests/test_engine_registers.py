@@ -1,0 +1,146 @@
+"""The policy ``engine-registers``: an engine's own ``publish`` and ``dedup`` effects, judged by the
+observed judge (``spec/observed.py``, ``conformance/observed.py``).
+
+The engine's event streams below are written out by hand: the decisions, the spec's effects as an
+engine following it emits them, and the engine's own registrations at the place it makes them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec.conformance.lockstep import Judge
+from kvspec.conformance.observed import ObservedJudge
+from kvspec.conformance.trace import TraceError, parse_header
+from kvspec.spec import Config
+
+ER = Config(num_blocks=8, block_size=4, policy="engine-registers", discipline="general")
+
+# r0 and r1 share the 4-token prefix 1 2 3 4 and are admitted in the same step, so each computes
+# its own copy of that block: r0 gets blocks 1, 2 and r1 gets blocks 3, 4.
+BOTH_ADMITTED = [
+    ("arrive", 0, (1, 2, 3, 4, 5), 2, 0),
+    ("arrive", 1, (1, 2, 3, 4, 6), 2, 0),
+    ("begin", 0),
+    ("schedule", 0, 5, 0),
+    ("hit", 0, ()),
+    ("alloc", 0, 1),
+    ("alloc", 0, 2),
+    ("schedule", 1, 5, 0),
+    ("hit", 1, ()),
+    ("alloc", 1, 3),
+    ("alloc", 1, 4),
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ((0, 7), (1, 7))),
+]
+# After the step's result, as SGLang's insert does: r0's block is new to the tree; r1's copy is a
+# duplicate, so r1 now points at r0's block and its own copy is freed.
+INSERT_BOTH = [("publish", 0, 0, 1), ("dedup", 1, 0, 1)]
+# The next step: both decode (reading block 0 of their tables), then finish.
+DECODE_BOTH = [
+    ("begin", 1),
+    ("schedule", 0, 1, 0),
+    ("schedule", 1, 1, 0),
+    ("submit", 1),
+    ("execute", 1, ()),
+    ("commit", 1, ((0, 8), (1, 8))),
+    ("free", 2),
+    ("free", 1),
+    ("finish", 0, "length"),
+    ("free", 4),
+    ("free", 1),
+    ("finish", 1, "length"),
+]
+
+
+def judged(events: list[tuple[object, ...]], config: Config = ER) -> ObservedJudge:
+    judge = ObservedJudge(config)
+    judge.feed_all(events)
+    judge.settle()
+    return judge
+
+
+def test_an_engine_registering_after_the_write_and_deduplicating_is_judged_safe() -> None:
+    judge = judged(BOTH_ADMITTED + INSERT_BOTH + DECODE_BOTH)
+    assert judge.finding is None, judge.finding
+    assert judge.state.index == {(1, 2, 3, 4): [1]}
+
+
+def test_a_dedup_moves_the_reference_from_the_copy_to_the_published_block() -> None:
+    judge = judged(BOTH_ADMITTED + INSERT_BOTH)
+    assert judge.finding is None, judge.finding
+    assert judge.state.requests[1].table == [1, 4]
+    refcounts = tuple(b.refcount for b in judge.state.blocks)
+    assert refcounts == (0, 2, 1, 0, 1, 0, 0, 0)
+    assert judge.compare(refcounts, (3, 5, 6, 7)) is None
+
+
+def test_a_registration_before_the_write_whose_writer_leaves_is_caught() -> None:
+    """The seed bug in an engine that registers on its own: published at schedule time, then the
+    writer is preempted in the same step, so its write is withdrawn."""
+    events = BOTH_ADMITTED[:7] + [("publish", 0, 0, 1), ("preempt", 0), ("free", 2), ("free", 1)]
+    judge = judged(events)
+    assert judge.finding is not None and judge.finding.invariant == "NoUnwrittenPublish"
+
+
+def test_a_dedup_onto_a_block_that_will_never_hold_the_prefix_is_caught() -> None:
+    # r0's block 1 is published before its step runs; r0 is preempted in that step, so block 1
+    # stays garbage. r1 then dedups onto it and reads it in the next step.
+    events = BOTH_ADMITTED[:11] + [("publish", 0, 0, 1), ("preempt", 0), ("free", 2), ("free", 1)]
+    events += [("submit", 0), ("execute", 0, ()), ("commit", 0, ((1, 7),)), ("dedup", 1, 0, 1)]
+    judge = ObservedJudge(ER, invariants=["NoUnwrittenRead"])
+    judge.feed_all(events + [("begin", 1), ("schedule", 1, 1, 0), ("submit", 1)])
+    judge.settle()
+    assert judge.finding is not None and judge.finding.invariant == "NoUnwrittenRead"
+
+
+@pytest.mark.parametrize(
+    "effect, fragment",
+    [
+        (("dedup", 1, 0, 2), "not a published copy"),  # block 2 is not published
+        (("dedup", 1, 1, 1), "not a published copy"),  # wrong position for block 1's key
+        (("dedup", 1, 5, 1), "not running with a block 5"),
+        (("dedup", 9, 0, 1), "unknown request"),
+        (("publish", 1, 0, 1), "already published"),
+        (("publish", 0, 1, 2), "not full"),
+        (("publish", 0, 0, 0), "unknown request, index or block"),  # the null block
+        (("publish", 0, 0), "malformed"),
+    ],
+)
+def test_engine_effects_that_name_the_wrong_things_are_illegal(
+    effect: tuple[object, ...], fragment: str
+) -> None:
+    judge = judged(BOTH_ADMITTED + [("publish", 0, 0, 1), effect])
+    assert judge.finding is not None and judge.finding.invariant == "Illegal"
+    assert fragment in judge.finding.message
+
+
+def test_no_dedup_while_a_step_in_flight_uses_the_copy() -> None:
+    config = Config(
+        num_blocks=8, block_size=4, policy="engine-registers", discipline="general", depth=2
+    )
+    # r1 is still in step 0 (submitted, not executed) when it dedups its block 3 onto block 1.
+    events = BOTH_ADMITTED[:12] + [("publish", 0, 0, 1), ("dedup", 1, 0, 1)]
+    judge = judged(events, config)
+    assert judge.finding is not None and judge.finding.invariant == "Illegal"
+    assert "step 0 in flight still uses block 3" in judge.finding.message
+
+
+def test_under_the_other_policies_an_engine_may_not_register_on_its_own() -> None:
+    deferred = Config(num_blocks=8, block_size=4, policy="deferred", discipline="general")
+    judge = judged(BOTH_ADMITTED[:11] + [("publish", 0, 0, 1)], deferred)
+    assert judge.finding is not None and judge.finding.invariant == "Disagreement"
+
+
+def test_only_the_observed_judge_takes_engine_registers() -> None:
+    with pytest.raises(ValueError, match="observed judge only"):
+        Judge(ER)
+    header = (
+        b'{"format":"kvspec-trace","version":1,"engine":{"name":"x","version":"1"},'
+        b'"num_blocks":8,"block_size":4,"null_block":0,"guarantees":{"writes_before_reads":true,'
+        b'"steps_execute_in_order":true,"submitted_steps_write":true},'
+        b'"model":{"policy":"engine-registers"}}'
+    )
+    with pytest.raises(TraceError, match="judged live through an adapter only"):
+        parse_header(header, "t.jsonl")
