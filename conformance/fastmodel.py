@@ -53,6 +53,7 @@ STATUS = ("waiting", "running", "finished")
 BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
 PHASE = ("building", "submitted", "executed")
 EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
+REQUEST_DECISIONS = ("schedule", "preempt", "abort")
 ROOT = 0
 """The id of the empty prefix."""
 
@@ -181,7 +182,11 @@ class FastChecker:
         self.key_hash: dict[int, list[object]] = {}
         # what the current decision changed
         self.changed: set[int] = set()
-        """Blocks whose content (written or pending) changed."""
+        """Blocks whose content (written or pending) changed, by a write of the building step (or
+        a failed load stopped being excused)."""
+        self.rewritten: set[int] = set()
+        """Blocks whose content an execution changed other than by writing what was pending (a
+        failed load; K/V computed from wrong inputs): every later step's reads may change."""
         self.published: list[int] = []
         self.new_entry: tuple[Stp, int] | None = None
         self.actions: dict[str, Callable[..., None]] = {
@@ -213,11 +218,51 @@ class FastChecker:
                 self._drop_hash(event[1])  # type: ignore[arg-type]
             return None
         kind = event[0]
-        self.max_step = check_ids(kind, event, self.ids, self.max_step)
+        ids = self.ids
+        if kind == "schedule" and (event[1] < ids.low or event[1] in ids.above):  # type: ignore[operator]
+            pass  # the commonest decision, its id known: check_ids' verdict, inline
+        else:
+            self.max_step = check_ids(kind, event, ids, self.max_step)
         action = self.actions.get(kind)  # type: ignore[call-overload]
         if action is None:
             return self._found("Disagreement", index)
-        return self._decide(event, kind, action, index)  # type: ignore[arg-type]
+        if pos < len(expected):
+            return self._found("Disagreement", index)
+        if self.finished:
+            self._prune()
+        if kind == "arrive":
+            if event[1] in ids and event[1] not in self.requests:
+                return self._found("Illegal", index)
+        elif kind in REQUEST_DECISIONS and event[1] not in self.requests:
+            return self._found("Illegal", index)
+        self.expected, self.epos = [], 0
+        if self.changed:
+            self.changed = set()
+        if self.rewritten:
+            self.rewritten = set()
+        if self.published:
+            self.published = []
+        self.new_entry = None
+        try:
+            action(*event[1:])
+        except (Illegal, TypeError):  # TypeError: a malformed decision, as spec.apply says
+            return self._found("Illegal", index)
+        self.decisions += 1
+        if kind == "arrive":
+            rid = event[1]
+            self.requests[rid].arrival = self.arrivals  # type: ignore[index]
+            self.arrivals += 1
+            ids.add(rid)  # type: ignore[arg-type]
+            return None
+        if kind == "commit" or kind == "abort":
+            for effect in self.expected:
+                if effect[0] == "finish":
+                    self.finished.add(effect[1])  # type: ignore[arg-type]
+        if self.bad_reads or not self._reads_hold():
+            return self._found("NoUnwrittenRead", index)
+        if (self.changed or self.published) and not self._publications_hold():
+            return self._found("NoUnwrittenPublish", index)
+        return None
 
     def finish(self) -> str | None:
         """End of the stream: no effect may be missing."""
@@ -228,43 +273,6 @@ class FastChecker:
     def _found(self, invariant: str, index: int) -> str:
         self.verdict = (invariant, index)
         return invariant
-
-    def _decide(
-        self, event: Event, kind: str, action: Callable[..., None], index: int
-    ) -> str | None:
-        if self.epos < len(self.expected):
-            return self._found("Disagreement", index)
-        if self.finished:
-            self._prune()
-        requests = self.requests
-        if kind == "arrive":
-            if event[1] in self.ids and event[1] not in requests:
-                return self._found("Illegal", index)
-        elif kind in ("schedule", "preempt", "abort") and event[1] not in requests:
-            return self._found("Illegal", index)
-        self.expected, self.epos = [], 0
-        self.changed.clear()
-        self.published.clear()
-        self.new_entry = None
-        try:
-            action(*event[1:])
-        except (Illegal, TypeError):  # TypeError: a malformed decision, as spec.apply says
-            return self._found("Illegal", index)
-        self.decisions += 1
-        if kind == "arrive":
-            rid = event[1]
-            requests[rid].arrival = self.arrivals  # type: ignore[index]
-            self.arrivals += 1
-            self.ids.add(rid)  # type: ignore[arg-type]
-            return None
-        for effect in self.expected:
-            if effect[0] == "finish":
-                self.finished.add(effect[1])  # type: ignore[arg-type]
-        if self.bad_reads or not self._reads_hold():
-            return self._found("NoUnwrittenRead", index)
-        if not self._publications_hold(kind):
-            return self._found("NoUnwrittenPublish", index)
-        return None
 
     def _prune(self) -> None:
         """Drop finished requests no in-flight step references any more (as the Checker does)."""
@@ -492,8 +500,10 @@ class FastChecker:
         return req
 
     def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0) -> None:
-        step, req, cfg = self._building(), self._request(rid), self.config
-        bsz = self.bsz
+        steps, req, cfg = self.steps, self.requests.get(rid), self.config
+        if not steps or steps[-1].phase != BUILDING or req is None:
+            raise Illegal
+        step, bsz = steps[-1], self.bsz
         if rid in step.entries or req.loading is not None or req.status == FINISHED:
             raise Illegal
         if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
@@ -620,8 +630,13 @@ class FastChecker:
                 else:
                     pending[block] = []
                 if rid not in failed:
+                    # What was pending lands: no step's eventual content changes (this step is
+                    # the oldest in flight, its write the first pending), and no holder had
+                    # verified a block with a pending write.
                     written[block] = mine[-1][2]
-                self._content_changed(block)
+                else:
+                    self._content_changed(block)
+                    self.rewritten.add(block)
         requests, holds, live = self.requests, self._holds, step.live
         for rid, e in entries.items():
             if e.load:  # a load reads nothing
@@ -640,6 +655,7 @@ class FastChecker:
                 for block in blocks[e.start // bsz :]:
                     written[block] = None
                     self._content_changed(block)
+                    self.rewritten.add(block)
         step.phase = EXECUTED
 
     def commit(self, step_id: int, sampled: tuple[tuple[int, int], ...]) -> None:
@@ -758,34 +774,47 @@ class FastChecker:
     # -- invariants ---------------------------------------------------------------------------
 
     def _reads_hold(self) -> bool:
-        """NoUnwrittenRead's conjuncts the decision may have made false: every read of the new
-        entry, and every pending read of a block whose content changed."""
+        """NoUnwrittenRead's conjuncts the decision may have made false: the new entry's reads of
+        blocks it does not write (it reads what it writes as it writes it), the building step's
+        reads of blocks the decision wrote or withdrew a write from (older steps' eventual
+        contents do not see the building step's writes), and every pending read of a block an
+        execution rewrote."""
         bsz, holds, eventual = self.bsz, self._holds, self._eventual
         new = self.new_entry
         if new is not None:
             step, rid = new
             e = step.entries.get(rid)
             if e is not None and not e.load and rid in step.live:
-                req, pending = self.requests[rid], self.pending
-                start, blocks = e.start, e.blocks
+                req, pending, blocks = self.requests[rid], self.pending, e.blocks
                 contiguous = True
-                for i in range(req.verified, -(-start // bsz)):
+                for i in range(req.verified, e.start // bsz):
                     block = blocks[i]
-                    end = (i + 1) * bsz
-                    if not holds(eventual(block, step.id), self._prefix(req, min(start, end))):
+                    if not holds(eventual(block, step.id), self._chain(req, i)):
                         return False
-                    if contiguous and end <= start and not pending[block]:
+                    if contiguous and not pending[block]:
                         req.verified = i + 1
                     else:
                         contiguous = False
-        if not self.changed:
-            return True
-        steps = [st for st in self.steps if st.phase != EXECUTED]
-        if not steps:
-            return True
+        if self.changed:
+            steps = self.steps
+            if steps and steps[-1].phase == BUILDING:
+                skip = -1 if new is None else new[1]
+                if not self._readers_hold(self.changed, [steps[-1]], skip):
+                    return False
+        if self.rewritten:
+            steps = [st for st in self.steps if st.phase != EXECUTED]
+            if steps and not self._readers_hold(self.rewritten, steps, -1):
+                return False
+        return True
+
+    def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
+        """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
+        bsz, holds, eventual = self.bsz, self._holds, self._eventual
         requests, holders = self.requests, self.holders
-        for block in self.changed:
+        for block in blocks:
             for rid, i in holders[block].items():
+                if rid == skip:
+                    continue
                 for st in steps:
                     e = st.entries.get(rid)
                     if (
@@ -793,7 +822,6 @@ class FastChecker:
                         and i * bsz < e.start
                         and not e.load
                         and rid in st.live
-                        and (new is None or new[0] is not st or new[1] != rid)
                         and not holds(
                             eventual(block, st.id),
                             self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
@@ -802,23 +830,30 @@ class FastChecker:
                         return False
         return True
 
-    def _publications_hold(self, kind: str) -> bool:
+    def _publications_hold(self) -> bool:
         """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
-        if not self.changed and not self.published:
-            return True
+        key, holds, eventual = self.key, self._holds, self._eventual
+        excused: set[int] | None = None
+        for blocks in (self.published, self.changed):
+            for block in blocks:
+                k = key[block]
+                if k is None:
+                    continue
+                if excused is None:
+                    excused = self._excused()
+                if block not in excused and not holds(eventual(block), k):
+                    return False
+        return True
+
+    def _excused(self) -> set[int]:
+        """Blocks of loads that failed in steps not committed yet (NoUnwrittenPublish)."""
         excused: set[int] = set()
         bsz = self.bsz
         for st in self.steps:
             for rid in st.failed:
                 e = st.entries[rid]
                 excused.update(e.blocks[e.start // bsz :])
-        key, holds, eventual = self.key, self._holds, self._eventual
-        for blocks in (self.published, self.changed):
-            for block in blocks:
-                k = key[block]
-                if k is not None and block not in excused and not holds(eventual(block), k):
-                    return False
-        return True
+        return excused
 
     # -- opaque hashes (checker.Checker._check_hash) --------------------------------------------
 
