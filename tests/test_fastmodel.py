@@ -218,7 +218,7 @@ def test_x_fields_and_v0_files_read_the_same(tmp_path: Path) -> None:
 
 
 BROKEN = {
-    "publish-never-checked": ("_publications_hold", lambda self, kind: True),
+    "publish-never-checked": ("_publications_hold", lambda self: True),
     "freed-blocks-to-the-tail": ("_free_table", None),
 }
 
@@ -268,7 +268,7 @@ def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
     config, events = safe_run(10)
     path = tmp_path / "good.jsonl"
     write_trace(path, config, events)
-    monkeypatch.setattr(FastChecker, "_publications_hold", lambda self, kind: False)
+    monkeypatch.setattr(FastChecker, "_publications_hold", lambda self: False)
     with pytest.raises(FastPathDisagrees, match="NoUnwrittenPublish.*spec-based checker None"):
         check_path(path)
     assert check_path(path, engine="spec").exit_code == 0
