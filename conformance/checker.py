@@ -38,6 +38,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import re
 import time
 from collections import OrderedDict, deque
@@ -495,9 +496,9 @@ def _where(err: Exception, name: str, line: int) -> str:
     return text if text.startswith(name) else f"{name}:{line}: {text}"
 
 
-def _check_path_fast(path: str | Path) -> Report:
+def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
     """``check_path`` on the fast model; on a finding, the spec-based Checker re-judges from the
-    older checkpoint and reports (``fastpath.py``)."""
+    older checkpoint and reports (``fastpath.py``). ``limit``: only the first events (bench)."""
     from .fastmodel import FastChecker
     from .fastpath import FILE_WINDOW, FastRun
 
@@ -507,6 +508,8 @@ def _check_path_fast(path: str | Path) -> Report:
     run: FastRun | None = None
     try:
         config, events = _events(path, fast=True)
+        if limit is not None:
+            events = itertools.islice(events, limit)
         fast = FastChecker(config)
         run = FastRun(fast, FILE_WINDOW, keep_events=False)
         feed, actions = fast.feed, ACTIONS
