@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import orjson
+
 from kvspec.conformance.checker import Checker, Monitor, _check_path_fast, check_path
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
@@ -216,6 +218,10 @@ def main() -> None:
     sample = path.with_name(path.stem + f"-first{args.sample}.jsonl")
     with open(path, "rb") as src, open(sample, "wb") as out:
         out.writelines(itertools.islice(src, args.sample + 1))  # the header and the events
+        for raw in src:  # up to the next decision: no effect cut from its decision
+            if orjson.loads(raw)["ev"] in ACTIONS:
+                break
+            out.write(raw)
     modes: list[tuple[str, Callable[[Path, int], int]]] = [
         ("reader only, validating (parse_line)", read_only),
         ("reader only, fast reader", read_fast),

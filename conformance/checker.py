@@ -30,7 +30,10 @@ checks (e.g. a zombie publication rolled back or evicted before anyone reads it)
 is never missed. Since the default mode is incremental, k > 1 saves little (see
 ``bench/bench_checker.py``); it is kept for compatibility.
 
-``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file.
+``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file. Both judge
+with the fast model by default (``engine="fast"``, ``fastmodel.py``, kept equal to this
+``Checker`` by differential tests), which hands a finding over to this ``Checker`` for the
+report (``fastpath.py``); ``engine="spec"`` judges every event here.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import itertools
 import re
 import time
 from collections import OrderedDict, deque
@@ -498,7 +500,8 @@ def _where(err: Exception, name: str, line: int) -> str:
 
 def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
     """``check_path`` on the fast model; on a finding, the spec-based Checker re-judges from the
-    older checkpoint and reports (``fastpath.py``). ``limit``: only the first events (bench)."""
+    older checkpoint and reports (``fastpath.py``). ``limit`` (bench): stop at the first decision
+    after that many events, without the end-of-stream check."""
     from .fastmodel import FastChecker
     from .fastpath import FILE_WINDOW, FastRun
 
@@ -508,13 +511,13 @@ def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
     run: FastRun | None = None
     try:
         config, events = _events(path, fast=True)
-        if limit is not None:
-            events = itertools.islice(events, limit)
         fast = FastChecker(config)
         run = FastRun(fast, FILE_WINDOW, keep_events=False)
         feed, actions = fast.feed, ACTIONS
         for line, event, hash_ in events:
             if fast.events_seen >= run.due and event[0] in actions:
+                if limit is not None and fast.events_seen >= limit:
+                    break  # the first decision past the limit: nothing cut from a decision
                 run.checkpoint(line)
             elif fast.decisions == 0 and event[0] not in actions:
                 raise TraceError(path, line, f"effect {event[0]!r} before any decision")

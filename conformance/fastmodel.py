@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import cast
 
 from kvspec.spec import Config
 from kvspec.spec.state import Block, Entry, Request, State, Step, Write
@@ -178,8 +179,9 @@ class FastChecker:
         self.arrivals = 0
         self.finished: set[int] = set()
         self.block_hash: dict[int, str] = {}
-        self.hash_key: dict[str, list[object]] = {}
-        self.key_hash: dict[int, list[object]] = {}
+        self.hash_key: dict[str, tuple[int, int]] = {}
+        """Opaque hash -> (prefix id, how many blocks carry it), as the Checker's tables."""
+        self.key_hash: dict[int, tuple[str, int]] = {}
         # what the current decision changed
         self.changed: set[int] = set()
         """Blocks whose content (written or pending) changed, by a write of the building step (or
@@ -215,15 +217,14 @@ class FastChecker:
             if hash_ is not None and kind == "publish":
                 return self._check_hash(event, hash_, index)
             if (kind == "unpublish" or kind == "evict") and self.block_hash:
-                self._drop_hash(event[1])  # type: ignore[arg-type]
+                self._drop_hash(cast(int, event[1]))
             return None
         kind = event[0]
         ids = self.ids
-        if kind == "schedule" and (event[1] < ids.low or event[1] in ids.above):  # type: ignore[operator]
-            pass  # the commonest decision, its id known: check_ids' verdict, inline
-        else:
-            self.max_step = check_ids(kind, event, ids, self.max_step)
-        action = self.actions.get(kind)  # type: ignore[call-overload]
+        rid = event[1] if len(event) > 1 else None
+        if kind != "schedule" or not (isinstance(rid, int) and (rid < ids.low or rid in ids.above)):
+            self.max_step = check_ids(kind, event, ids, self.max_step)  # else: known, inline
+        action = self.actions.get(kind) if isinstance(kind, str) else None
         if action is None:
             return self._found("Disagreement", index)
         if pos < len(expected):
@@ -231,9 +232,9 @@ class FastChecker:
         if self.finished:
             self._prune()
         if kind == "arrive":
-            if event[1] in ids and event[1] not in self.requests:
+            if cast(int, rid) in ids and rid not in self.requests:
                 return self._found("Illegal", index)
-        elif kind in REQUEST_DECISIONS and event[1] not in self.requests:
+        elif kind in REQUEST_DECISIONS and rid not in self.requests:
             return self._found("Illegal", index)
         self.expected, self.epos = [], 0
         if self.changed:
@@ -249,15 +250,14 @@ class FastChecker:
             return self._found("Illegal", index)
         self.decisions += 1
         if kind == "arrive":
-            rid = event[1]
-            self.requests[rid].arrival = self.arrivals  # type: ignore[index]
+            self.requests[cast(int, rid)].arrival = self.arrivals
             self.arrivals += 1
-            ids.add(rid)  # type: ignore[arg-type]
+            ids.add(cast(int, rid))
             return None
         if kind == "commit" or kind == "abort":
             for effect in self.expected:
                 if effect[0] == "finish":
-                    self.finished.add(effect[1])  # type: ignore[arg-type]
+                    self.finished.add(cast(int, effect[1]))
         if self.bad_reads or not self._reads_hold():
             return self._found("NoUnwrittenRead", index)
         if (self.changed or self.published) and not self._publications_hold():
@@ -317,23 +317,28 @@ class FastChecker:
             return content is not None
         if content is None:
             return False
-        node = self.node
-        cp, ct = node[content][:2] if type(content) is int else content  # type: ignore[misc]
-        pp, pt = node[prefix][:2] if type(prefix) is int else prefix  # type: ignore[misc]
+        cp, ct = self._split(content)
+        pp, pt = self._split(prefix)
         if cp == pp:
-            return ct[: len(pt)] == pt  # type: ignore[no-any-return]
-        deeper = node[cp][2] - node[pp][2]
-        if deeper <= 0:  # same depth, other tokens; or a shorter content
+            return ct[: len(pt)] == pt
+        if self.node[cp][2] <= self.node[pp][2]:  # same depth, other tokens; or shorter
             return False
-        full = self.tokens_of(content)
-        want = self.tokens_of(prefix)
+        full, want = self._tokens(content), self._tokens(prefix)
         return full[: len(want)] == want
 
+    def _split(self, content: object) -> tuple[int, tuple[int, ...]]:
+        """(parent id, the block's tokens) of a content (not None)."""
+        if isinstance(content, int):
+            entry = self.node[content]
+            return entry[0], entry[1]
+        return cast("tuple[int, tuple[int, ...]]", content)
+
     def tokens_of(self, content: object) -> tuple[int, ...] | None:
-        """A content as the spec's token tuple."""
-        if content is None:
-            return None
-        parent, tail = (self.node[content][:2]) if type(content) is int else content  # type: ignore[misc]
+        """A content (or None) as the spec's token tuple."""
+        return None if content is None else self._tokens(content)
+
+    def _tokens(self, content: object) -> tuple[int, ...]:
+        parent, tail = self._split(content)
         parts = [tail]
         while parent != ROOT:
             parent, toks, _ = self.node[parent]
@@ -356,7 +361,9 @@ class FastChecker:
         live.update(k for k in self.key_hash)
         for content in self.written + [w[2] for ws in self.pending for w in ws]:
             if content is not None:
-                live.add(content if type(content) is int else content[0])  # type: ignore[index, arg-type]
+                live.add(
+                    self._split(content)[0] if isinstance(content, tuple) else cast(int, content)
+                )
         node = self.node
         todo = list(live)
         while todo:
@@ -450,10 +457,11 @@ class FastChecker:
 
     def _drop_key(self, block: int) -> None:
         k = self.key[block]
-        owners = self.index[k]  # type: ignore[index]
+        assert k is not None
+        owners = self.index[k]
         owners.remove(block)
         if not owners:
-            del self.index[k]  # type: ignore[arg-type]
+            del self.index[k]
         self.key[block] = None
 
     def _register(self, req: Req, upto: int) -> list[int]:
@@ -858,31 +866,35 @@ class FastChecker:
     # -- opaque hashes (checker.Checker._check_hash) --------------------------------------------
 
     def _check_hash(self, event: Event, hash_: str, index: int) -> str | None:
-        _, rid, i, block = event
-        k = self._chain(self.requests[rid], i)  # type: ignore[index, arg-type]
+        rid, i, block = cast(int, event[1]), cast(int, event[2]), cast(int, event[3])
+        k = self._chain(self.requests[rid], i)
         named = self.hash_key.get(hash_)
         if named is not None and named[0] != k:
             return self._found("HashChainConsistent", index)
         other = self.key_hash.get(k)
         if other is not None and other[0] != hash_:
             return self._found("HashChainConsistent", index)
-        self._drop_hash(block)  # type: ignore[arg-type]
-        self.block_hash[block] = hash_  # type: ignore[index]
-        for table, a, b in ((self.hash_key, hash_, k), (self.key_hash, k, hash_)):
-            entry = table.setdefault(a, [b, 0])  # type: ignore[attr-defined]
-            entry[1] += 1
+        self._drop_hash(block)
+        self.block_hash[block] = hash_
+        named, other = self.hash_key.get(hash_), self.key_hash.get(k)
+        self.hash_key[hash_] = (k, 1 if named is None else named[1] + 1)
+        self.key_hash[k] = (hash_, 1 if other is None else other[1] + 1)
         return None
 
     def _drop_hash(self, block: int) -> None:
         hash_ = self.block_hash.pop(block, None)
         if hash_ is None:
             return
-        k = self.hash_key[hash_][0]
-        for table, a in ((self.hash_key, hash_), (self.key_hash, k)):
-            entry = table[a]  # type: ignore[index]
-            entry[1] -= 1  # type: ignore[operator]
-            if entry[1] == 0:
-                del table[a]  # type: ignore[attr-defined]
+        k, n = self.hash_key[hash_]
+        if n == 1:
+            del self.hash_key[hash_]
+        else:
+            self.hash_key[hash_] = (k, n - 1)
+        h, m = self.key_hash[k]
+        if m == 1:
+            del self.key_hash[k]
+        else:
+            self.key_hash[k] = (h, m - 1)
 
     # -- export -------------------------------------------------------------------------------
 
@@ -894,7 +906,7 @@ class FastChecker:
                 self.refcount[b],
                 seq(self.key[b]),
                 seq(self.written[b]),
-                [Write(st, rid, seq(c), load) for st, rid, c, load in self.pending[b]],  # type: ignore[misc]
+                [Write(st, rid, self._tokens(c), load) for st, rid, c, load in self.pending[b]],
             )
             for b in range(self.config.num_blocks)
         ]
@@ -934,7 +946,7 @@ class FastChecker:
             config=self.config,
             blocks=blocks,
             free=list(self.free),
-            index={seq(k): list(v) for k, v in self.index.items()},  # type: ignore[misc]
+            index={self._tokens(k): list(v) for k, v in self.index.items()},
             requests=requests,
             waiting=list(self.waiting),
             running=list(self.running),

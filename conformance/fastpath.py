@@ -63,7 +63,7 @@ def resume(fast: FastChecker) -> Checker:
     checker.request_rings = {rid: deque(maxlen=checker.history) for rid in s.requests}
     seq = fast.tokens_of
     checker._block_hash = dict(fast.block_hash)
-    checker._hash_key = {h: [seq(k), n] for h, (k, n) in fast.hash_key.items()}  # type: ignore[arg-type]
+    checker._hash_key = {h: [seq(k), n] for h, (k, n) in fast.hash_key.items()}
     checker._key_hash = {seq(k): [h, n] for k, (h, n) in fast.key_hash.items()}  # type: ignore[misc]
     return checker
 
