@@ -334,3 +334,45 @@ def test_fast_model_memory_stays_flat() -> None:
             tracemalloc.stop()
         assert len(fast.node) <= 4 * 64 + 4 * len(fast.requests) * 8
     assert peaks[1] < 1.5 * peaks[0] + 100_000, peaks
+
+
+@pytest.mark.parametrize("bug", ["engine", "hash"])
+def test_check_hands_over_from_a_checkpoint_of_a_file(
+    bug: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints every 50 events: a late finding is re-judged from a checkpoint (the state,
+    ids and opaque-hash tables exported) to the same verdict as the spec engine's from the
+    start, with a history drawn from the spec engine's."""
+    import kvspec.conformance.fastpath as fastpath
+
+    monkeypatch.setattr(fastpath, "FILE_WINDOW", 50)
+    config, events = safe_run(80)
+    path = tmp_path / "late.jsonl"
+    if bug == "engine":
+        late = next(i for i in range(len(events) - 60, 0, -1) if events[i][0] == "free")
+        events = events[:late] + [("free", 0)] + events[late + 1 :]
+    write_trace(path, config, events, hashes=True)
+    if bug == "hash":  # a late publication reuses the hash of a block published long before
+        lines = path.read_bytes().splitlines()
+        published: dict[int, tuple[int, str]] = {}  # block -> (line index, hash)
+        for i, raw in enumerate(lines[1:], 1):
+            obj = orjson.loads(raw)
+            if obj["ev"] == "publish":
+                old = [h for at, h in published.values() if at < i - 200 and h != obj["hash"]]
+                if i > len(lines) // 2 and old:
+                    obj["hash"] = old[0]
+                    lines[i] = orjson.dumps(obj)
+                    break
+                published[obj["block"]] = (i, obj["hash"])
+            elif obj["ev"] in ("unpublish", "evict"):
+                published.pop(obj["block"], None)
+        path.write_bytes(b"\n".join(lines) + b"\n")
+    fast, spec = check_path(path), check_path(path, engine="spec")
+    assert fast.exit_code == spec.exit_code == 1 and fast.line is not None
+    assert fast.line > 200
+    assert (fast.invariant, fast.line, fast.message) == (spec.invariant, spec.line, spec.message)
+    assert fast.history and set(fast.history) <= set(spec.history)
+    assert fast.invariant == ("Disagreement" if bug == "engine" else "HashChainConsistent")
+    good = tmp_path / "good.jsonl"
+    write_trace(good, *safe_run(80), hashes=True)
+    assert check_path(good).exit_code == 0
