@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="evaluate invariants every K decisions (default 1: every decision; see docs)",
     )
+    chk.add_argument(
+        "--engine",
+        choices=("fast", "spec"),
+        default="fast",
+        help="fast: the fast model judges, the spec reports (default); spec: the spec judges all",
+    )
 
     _generate_arguments(sub)
 
@@ -336,7 +342,7 @@ def _check(args: argparse.Namespace) -> int:
 
     from kvspec.conformance.checker import check_path, write_html
 
-    reports = [check_path(path, args.check_every) for path in args.traces]
+    reports = [check_path(path, args.check_every, args.engine) for path in args.traces]
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")

@@ -1,26 +1,30 @@
-"""Benchmark of the streaming checker (``kvspec check``) and of the in-process ``Monitor``.
+"""Benchmark of the streaming checker (``kvspec check``) and of the in-process ``Monitor``, on
+both engines side by side: ``fast`` (the default: the fast model of ``conformance/fastmodel.py``
+judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker judges everything).
 
 1. Writes a long v1 trace from the reference engine (policy ``deferred``, vLLM discipline, depth
    2, 256 blocks of 16 tokens, shared-prefix requests arriving in waves of 100), streaming: the
    engine's event list is drained after every step (the engine itself keeps every request it saw,
    so this runs in a child process). The trace goes to a temporary folder unless ``--trace`` says
    where (``--reuse`` keeps an existing one).
-2. Throughput on one core, in events/s over the first ``--sample`` events of the trace, median of
-   ``--rounds`` rounds; the modes run interleaved in each round, so a load on the machine hits
-   them alike: the reader alone (parse and validate every line), the spec's actions alone (the
-   reader, then every decision applied to the spec: no effect comparison, no invariant, no
-   report: the floor of any checker built on the executable spec), the checker in its default
-   mode (every invariant after every decision, incrementally) and with invariants every k
+2. Throughput on one core, in events/s over the first ``--sample`` events of the trace (copied
+   to a file of their own), median of ``--rounds`` rounds; the modes run interleaved in each
+   round, so a load on the machine hits them alike: the readers alone (``parse_line`` validating
+   every field; the fast reader, which falls back to it only on a bad line), the spec's actions
+   alone (the floor of any checker built on the executable spec), ``kvspec check`` with each
+   engine (``check_path``: reading included), and the spec engine with invariants every k
    decisions (``--every``).
-3. Peak memory: a fresh process checks the first L events (``--memory``, default 1M, 3M, 10M) in
-   the default mode and reports its peak resident set size (``VmHWM``, interpreter included) and
-   its throughput over those L events: memory must stay flat as L grows.
+3. Peak memory: a fresh process checks the first L events (``--memory``, default 1M, 3M, 10M)
+   with the fast engine (``--spec-memory``: with the spec engine, default 1M) and reports its
+   peak resident set size (``VmHWM``, interpreter included) and its throughput over those L
+   events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
-   the engine feeding every event to a ``Monitor`` as it runs, median of ``--rounds`` rounds,
-   interleaved.
+   the engine feeding every event to a ``Monitor`` (each engine) as it runs, median of
+   ``--rounds`` rounds, interleaved.
 
     .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
-        [--every 16 64] [--memory 1000000 3000000 10000000] [--requests 600] [--trace F --reuse]
+        [--every 16 64] [--memory 1000000 3000000 10000000] [--spec-memory 1000000]
+        [--requests 600] [--trace F --reuse]
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvspec.conformance.checker import Checker, Monitor
+import orjson
+
+from kvspec.conformance.checker import Checker, Monitor, _check_path_fast, check_path
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
@@ -84,6 +90,23 @@ def read_only(path: Path, sample: int) -> int:
     return sum(1 for _ in itertools.islice(lines, sample))
 
 
+def read_fast(path: Path, sample: int) -> int:
+    _, lines = iter_trace(path, fast=True)
+    return sum(1 for _ in itertools.islice(lines, sample))
+
+
+def check_file(engine: str) -> Callable[[Path, int], int]:
+    """``kvspec check --engine ENGINE`` on the sample file (which holds ``sample`` events)."""
+
+    def run(path: Path, sample: int) -> int:
+        report = check_path(path, engine=engine)
+        if report.exit_code != 0:
+            raise SystemExit(f"unexpected verdict: {report.text()}")
+        return report.events
+
+    return run
+
+
 def spec_only(path: Path, sample: int) -> int:
     config, lines = iter_trace(path)
     s, count = initial_state(config), 0
@@ -107,10 +130,15 @@ def checked(every: int) -> Callable[[Path, int], int]:
     return run
 
 
-def memory_child(path: Path, length: int) -> None:
+def memory_child(path: Path, length: int, engine: str) -> None:
     """In a fresh process: check the first ``length`` events, print peak RSS and speed."""
     started = time.perf_counter()
-    count = checked(1)(path, length)
+    if engine == "fast":
+        report = _check_path_fast(path, limit=length)
+        assert report.exit_code == 0, report.text()
+        count = report.events
+    else:
+        count = checked(1)(path, length)
     seconds = time.perf_counter() - started
     print(json.dumps({"events": count, "seconds": seconds, "peak_kib": peak_rss_kib()}))
 
@@ -127,10 +155,11 @@ def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def monitored_run(requests: int, monitor: bool) -> float:
-    """Seconds to run the engine on ``requests`` requests, feeding a Monitor or not."""
+def monitored_run(requests: int, monitor: str | None) -> float:
+    """Seconds to run the engine on ``requests`` requests, feeding a Monitor (``monitor``: its
+    engine) or not."""
     engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
-    watch = Monitor(Config(**COMMON)) if monitor else None  # type: ignore[arg-type]
+    watch = Monitor(Config(**COMMON), engine=monitor) if monitor else None  # type: ignore[arg-type]
     sink = engine.events
     started = time.perf_counter()
     for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 4, 128, 16, 16, 7):
@@ -152,14 +181,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--every", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--memory", type=int, nargs="*", default=[1_000_000, 3_000_000, 10_000_000])
+    parser.add_argument("--spec-memory", type=int, nargs="*", default=[1_000_000])
     parser.add_argument("--requests", type=int, default=600, help="monitor overhead workload")
     parser.add_argument("--trace", help="keep the trace here (default: a temporary file)")
     parser.add_argument("--reuse", action="store_true", help="reuse an existing --trace file")
-    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--write-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(Path(args.memory_child[0]), int(args.memory_child[1]))
+        memory_child(Path(args.memory_child[0]), int(args.memory_child[1]), args.memory_child[2])
         return
     if args.write_child:
         events = engine_events(int(args.write_child[1]))
@@ -169,7 +199,7 @@ def main() -> None:
     path = Path(args.trace or os.path.join(tempfile.mkdtemp(), "bench.jsonl"))
     started = time.perf_counter()
     if args.reuse and path.exists():
-        count = read_only(path, sys.maxsize)
+        count = read_fast(path, sys.maxsize)
     else:  # in a child process: the engine keeps every request it saw, which is big
         done = subprocess.run(
             [sys.executable, __file__, "--write-child", str(path), str(args.events)],
@@ -185,16 +215,25 @@ def main() -> None:
         f"depth {COMMON['depth']}, policy {COMMON['policy']})"
     )
 
+    sample = path.with_name(path.stem + f"-first{args.sample}.jsonl")
+    with open(path, "rb") as src, open(sample, "wb") as out:
+        out.writelines(itertools.islice(src, args.sample + 1))  # the header and the events
+        for raw in src:  # up to the next decision: no effect cut from its decision
+            if orjson.loads(raw)["ev"] in ACTIONS:
+                break
+            out.write(raw)
     modes: list[tuple[str, Callable[[Path, int], int]]] = [
-        ("reader only (parse + validate)", read_only),
+        ("reader only, validating (parse_line)", read_only),
+        ("reader only, fast reader", read_fast),
         ("spec actions only (reader + apply)", spec_only),
-        ("checker, every invariant every decision", checked(1)),
-    ] + [(f"checker, invariants every {k} decisions", checked(k)) for k in args.every]
+        ("kvspec check --engine spec", check_file("spec")),
+        ("kvspec check --engine fast", check_file("fast")),
+    ] + [(f"spec engine, invariants every {k} decisions", checked(k)) for k in args.every]
     rates: dict[str, list[float]] = {label: [] for label, _ in modes}
     for _ in range(args.rounds):
         for label, run in modes:
             begun = time.perf_counter()
-            n = run(path, args.sample)
+            n = run(sample, args.sample)
             rates[label].append(n / (time.perf_counter() - begun))
     print(
         f"throughput on one core, events/s over the first {min(args.sample, count):,} events, "
@@ -203,37 +242,46 @@ def main() -> None:
     for label, _ in modes:
         runs = ", ".join(f"{r:,.0f}" for r in rates[label])
         print(f"  {label:45s} {statistics.median(rates[label]):>10,.0f}   [{runs}]")
+    fast, spec = (statistics.median(rates[f"kvspec check --engine {e}"]) for e in ("fast", "spec"))
+    print(f"  {'kvspec check: fast / spec':45s} {fast / spec:10.1f} x")
+    sample.unlink()
 
-    print("peak memory, default mode, a fresh process per length (RSS includes the interpreter):")
-    peaks = []
-    for length in args.memory:
-        done = subprocess.run(
-            [sys.executable, __file__, "--memory-child", str(path), str(length)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        got = json.loads(done.stdout)
-        peaks.append(got["peak_kib"])
-        print(
-            f"  first {got['events']:>12,} events: peak RSS {got['peak_kib'] / 1024:7.1f} MiB, "
-            f"checked at {got['events'] / got['seconds']:,.0f} events/s"
-        )
-    if len(peaks) > 1:
-        print(f"  largest / smallest peak: {max(peaks) / min(peaks):.3f}")
+    print("peak memory, a fresh process per length and engine (RSS includes the interpreter):")
+    for engine, lengths in (("fast", args.memory), ("spec", args.spec_memory)):
+        peaks = []
+        for length in lengths:
+            done = subprocess.run(
+                [sys.executable, __file__, "--memory-child", str(path), str(length), engine],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            got = json.loads(done.stdout)
+            peaks.append(got["peak_kib"])
+            print(
+                f"  {engine}: first {got['events']:>12,} events: peak RSS "
+                f"{got['peak_kib'] / 1024:7.1f} MiB, checked at "
+                f"{got['events'] / got['seconds']:,.0f} events/s"
+            )
+        if len(peaks) > 1:
+            print(f"  {engine}: largest / smallest peak: {max(peaks) / min(peaks):.3f}")
 
-    times: dict[bool, list[float]] = {False: [], True: []}
+    times: dict[str | None, list[float]] = {None: [], "fast": [], "spec": []}
     for _ in range(args.rounds):
-        for monitor in (False, True):
+        for monitor in times:
             times[monitor].append(monitored_run(args.requests, monitor))
-    alone, watched = statistics.median(times[False]), statistics.median(times[True])
+    alone = statistics.median(times[None])
     print(
         f"monitor overhead on the reference engine ({args.requests} requests, median of "
         f"{args.rounds} interleaved rounds):"
     )
     print(f"  engine alone (recording events)     {alone:8.3f} s")
-    print(f"  engine + Monitor (default mode)     {watched:8.3f} s")
-    print(f"  overhead                            {100 * (watched / alone - 1):8,.0f} %")
+    for monitor in ("fast", "spec"):
+        watched = statistics.median(times[monitor])
+        print(
+            f"  engine + Monitor (engine {monitor})      {watched:8.3f} s   overhead "
+            f"{100 * (watched / alone - 1):6,.0f} %"
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ checks (e.g. a zombie publication rolled back or evicted before anyone reads it)
 is never missed. Since the default mode is incremental, k > 1 saves little (see
 ``bench/bench_checker.py``); it is kept for compatibility.
 
-``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file.
+``Monitor`` feeds a ``Checker`` from inside an engine; ``check_path`` checks a file. Both judge
+with the fast model by default (``engine="fast"``, ``fastmodel.py``, kept equal to this
+``Checker`` by differential tests), which hands a finding over to this ``Checker`` for the
+report (``fastpath.py``); ``engine="spec"`` judges every event here.
 """
 
 from __future__ import annotations
@@ -44,14 +47,19 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from kvspec.spec import ACTIONS, Config
 
+from .ids import REQUEST_FIELDS, IdSet, UnknownId, check_ids
 from .lockstep import Event, Finding, Judge
 from .report import describe
 from .trace import FORMAT, TraceError, iter_trace
+
+if TYPE_CHECKING:
+    from .fastpath import FastRun
 
 HASH_CHAIN = "HashChainConsistent"
 EXPLANATIONS = {
@@ -59,45 +67,10 @@ EXPLANATIONS = {
     "token prefix, and one prefix has one hash. A mismatch means a lookup can hit a block holding "
     "other tokens (or miss a valid one).",
 }
-REQUEST_FIELDS = {
-    "schedule": 1,
-    "preempt": 1,
-    "abort": 1,
-    "hit": 1,
-    "alloc": 1,
-    "publish": 1,
-    "load_failed": 1,
-    "finish": 1,
-}
-STEP_FIELDS = ("submit", "execute", "commit")
-
-
-class UnknownId(ValueError):
-    """An event names a request or step that never existed: the input is not a trace."""
 
 
 def explanation(finding: Finding) -> str:
     return EXPLANATIONS.get(finding.invariant) or finding.explanation
-
-
-class IdSet:
-    """A set of non-negative ints stored as ``all below low`` plus a sparse set above it:
-    constant memory for ids handed out (roughly) in order."""
-
-    def __init__(self) -> None:
-        self.low = 0
-        self.above: set[int] = set()
-
-    def add(self, value: int) -> None:
-        if value < self.low:
-            return
-        self.above.add(value)
-        while self.low in self.above:
-            self.above.discard(self.low)
-            self.low += 1
-
-    def __contains__(self, value: int) -> bool:
-        return value < self.low or value in self.above
 
 
 class Checker(Judge):
@@ -185,23 +158,7 @@ class Checker(Judge):
     # -- internals ------------------------------------------------------------------------------
 
     def _check_ids(self, kind: object, event: Event) -> None:
-        if kind == "arrive":
-            return
-        position = REQUEST_FIELDS.get(kind)  # type: ignore[arg-type]
-        rids: Iterable[object] = ()
-        if position is not None:
-            rids = (event[position],)
-        elif kind == "execute":
-            rids = event[2]  # type: ignore[assignment]
-        elif kind == "commit":
-            rids = [pair[0] for pair in event[2]]  # type: ignore[attr-defined]
-        for rid in rids:
-            if rid not in self._ids:
-                raise UnknownId(f"{kind}: request r{rid} never arrived")
-        if kind in STEP_FIELDS and event[1] > self._max_step:  # type: ignore[operator]
-            raise UnknownId(f"{kind}: step {event[1]} never began")
-        if kind == "begin" and event[1] > self._max_step:  # type: ignore[operator]
-            self._max_step = event[1]  # type: ignore[assignment]
+        self._max_step = check_ids(kind, event, self._ids, self._max_step)
 
     def _decide(self, event: Event, kind: object, index: int, line: int) -> Finding | None:
         s = self.state
@@ -476,8 +433,11 @@ class Report:
         return "\n".join(lines)
 
 
-def _events(path: str | Path) -> tuple[Config, Iterator[tuple[int, Event, str | None]]]:
-    """v1 traces stream; v0 event files (``kvspec-events``) are read whole."""
+def _events(
+    path: str | Path, start: int = 2, fast: bool = False
+) -> tuple[Config, Iterator[tuple[int, Event, str | None]]]:
+    """v1 traces stream (from line ``start``; ``fast``: the fast reader); v0 event files
+    (``kvspec-events``) are read whole."""
     with open(path, "rb") as f:
         first = f.readline()
     try:
@@ -488,12 +448,24 @@ def _events(path: str | Path) -> tuple[Config, Iterator[tuple[int, Event, str | 
         from .report import read_events
 
         config, events = read_events(path)
-        return config, ((number, event, None) for number, event in enumerate(events, 2))
-    return iter_trace(path)
+        numbered = ((number, event, None) for number, event in enumerate(events, 2))
+        return config, (item for item in numbered if item[0] >= start)
+    return iter_trace(path, start, fast)
 
 
-def check_path(path: str | Path, check_every: int = 1) -> Report:
-    """Check one trace file; never raises for bad content (exit code 2 instead)."""
+ENGINES = ("fast", "spec")
+"""``fast``: the fast model judges, the spec-based Checker reports (``fastpath.py``); ``spec``:
+the spec-based Checker judges every event."""
+
+
+def check_path(path: str | Path, check_every: int = 1, engine: str = "fast") -> Report:
+    """Check one trace file; never raises for bad content (exit code 2 instead). ``engine``:
+    ``fast`` (the default; with ``check_every`` 1 only: every k > 1 is the spec's mode) or
+    ``spec``."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+    if engine == "fast" and check_every == 1:
+        return _check_path_fast(path)
     started = time.perf_counter()
     name = str(path)
     line = 1
@@ -514,14 +486,68 @@ def check_path(path: str | Path, check_every: int = 1) -> Report:
     except TraceError as err:
         return Report(name, 2, checker.events_seen if checker else 0, error=str(err))
     except (ValueError, OSError) as err:
-        text = str(err)
-        if not text.startswith(name):
-            text = f"{name}:{line}: {text}"
-        return Report(name, 2, checker.events_seen if checker else 0, error=text)
+        return Report(name, 2, checker.events_seen if checker else 0, error=_where(err, name, line))
     seconds = time.perf_counter() - started
     if checker.finding is None:
         return Report(name, 0, checker.events_seen, seconds)
     return report_of(checker, name, seconds)
+
+
+def _where(err: Exception, name: str, line: int) -> str:
+    text = str(err)
+    return text if text.startswith(name) else f"{name}:{line}: {text}"
+
+
+def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
+    """``check_path`` on the fast model; on a finding, the spec-based Checker re-judges from the
+    older checkpoint and reports (``fastpath.py``). ``limit`` (bench): stop at the first decision
+    after that many events, without the end-of-stream check."""
+    from .fastmodel import FastChecker
+    from .fastpath import FILE_WINDOW, FastRun
+
+    started = time.perf_counter()
+    name = str(path)
+    line = 1
+    run: FastRun | None = None
+    try:
+        config, events = _events(path, fast=True)
+        fast = FastChecker(config)
+        run = FastRun(fast, FILE_WINDOW, keep_events=False)
+        feed, actions = fast.feed, ACTIONS
+        for line, event, hash_ in events:
+            if fast.events_seen >= run.due and event[0] in actions:
+                if limit is not None and fast.events_seen >= limit:
+                    break  # the first decision past the limit: nothing cut from a decision
+                run.checkpoint(line)
+            elif fast.decisions == 0 and event[0] not in actions:
+                raise TraceError(path, line, f"effect {event[0]!r} before any decision")
+            try:
+                if feed(event, hash_) is not None:
+                    break
+            except UnknownId as err:
+                raise TraceError(path, line, str(err)) from None
+            except Exception as err:  # a bug in the fast model: the spec decides, loudly
+                run.crash = (repr(err), fast.events_seen - 1)
+                break
+        else:
+            fast.finish()
+    except TraceError as err:
+        return Report(name, 2, run.fast.events_seen if run else 0, error=str(err))
+    except (ValueError, OSError) as err:
+        return Report(name, 2, run.fast.events_seen if run else 0, error=_where(err, name, line))
+    if fast.verdict is None and run.crash is None:
+        return Report(name, 0, fast.events_seen, time.perf_counter() - started)
+    # Hand over: the spec-based Checker re-judges from the older checkpoint and reports.
+    checker = run.start()
+    line = run.older_line - 1
+    _, again = _events(path, start=run.older_line)
+    for line, event, hash_ in again:
+        if checker.feed(event, line, hash_) is not None:
+            break
+    else:
+        checker.finish(line + 1)
+    run.agree(checker, name)
+    return report_of(checker, name, time.perf_counter() - started)
 
 
 def report_of(checker: Checker, name: str, seconds: float = 0.0) -> Report:
@@ -678,14 +704,20 @@ class Violation(AssertionError):
 
 
 class Monitor:
-    """Feed an engine's events as it emits them; the spec judges each at once.
+    """Feed an engine's events as it emits them; each is judged at once.
 
     >>> with Monitor(config) as monitor:        # doctest: +SKIP
     ...     for event in engine_events():
     ...         monitor.feed(event)            # raises Violation at the first finding
 
     ``raise_on_finding=False`` makes ``feed`` return the ``Finding`` (or None) instead. An id that
-    never existed is an ``Illegal`` finding here (a file would be unreadable instead)."""
+    never existed is an ``Illegal`` finding here (a file would be unreadable instead).
+
+    ``engine="fast"`` (the default, with ``check_every=1``): the fast model judges; it keeps the
+    events since its older checkpoint (``window`` to ``2 * window`` of them, ``fastpath.py``), and
+    on a finding the spec-based ``Checker`` re-judges them from that checkpoint and makes the
+    report (its minimal history reaches back at least ``window`` events). ``engine="spec"``:
+    the spec-based ``Checker`` judges every event."""
 
     def __init__(
         self,
@@ -693,33 +725,82 @@ class Monitor:
         check_every: int = 1,
         raise_on_finding: bool = True,
         name: str = "<monitor>",
+        engine: str = "fast",
+        window: int | None = None,
     ) -> None:
-        self.checker = Checker(config, check_every)
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
         self.raise_on_finding = raise_on_finding
         self.name = name
+        self.checker: Checker | None = None
+        """The spec-based checker: with ``engine="spec"``, or once the fast one handed over."""
+        self.run: FastRun | None = None
+        if engine == "fast" and check_every == 1:
+            from .fastmodel import FastChecker
+            from .fastpath import MONITOR_WINDOW, FastRun
+
+            self.run = FastRun(FastChecker(config), window or MONITOR_WINDOW, keep_events=True)
+        else:
+            self.checker = Checker(config, check_every)
 
     def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
-        checker = self.checker
+        run = self.run
+        if run is None:
+            return self._outcome(_monitor_feed(self.checker, event, hash_))  # type: ignore[arg-type]
+        fast = run.fast
+        if fast.events_seen >= run.due and event[0] in ACTIONS:
+            run.checkpoint(fast.events_seen + 1)
+        run.newer_events.append((event, hash_))
         try:
-            finding = checker.feed(event, None, hash_)
-        except UnknownId as err:
-            index = checker.events_seen - 1
-            checker._line = index + 1
-            finding = checker._found("Illegal", str(err), index)
-        return self._outcome(finding)
+            if fast.feed(event, hash_) is None:
+                return None
+        except UnknownId:
+            fast.verdict = ("Illegal", fast.events_seen - 1)
+        except Exception as err:  # a malformed event (or a bug): the spec decides
+            run.crash = (repr(err), fast.events_seen - 1)
+        return self._outcome(self._hand_over(finish=False))
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
         for event in events:
             if self.feed(event) is not None:
                 break
-        return self.checker.finding
+        return self.finding
+
+    @property
+    def finding(self) -> Finding | None:
+        return None if self.checker is None else self.checker.finding
+
+    @property
+    def events_seen(self) -> int:
+        return self.run.fast.events_seen if self.run is not None else self.checker.events_seen  # type: ignore[union-attr]
 
     def close(self) -> Finding | None:
-        return self._outcome(self.checker.finish())
+        run = self.run
+        if run is None:
+            return self._outcome(self.checker.finish())  # type: ignore[union-attr]
+        if run.fast.finish() is None:
+            return None
+        return self._outcome(self._hand_over(finish=True))
+
+    def _hand_over(self, finish: bool) -> Finding | None:
+        """The fast model found something: the spec-based checker re-judges the kept events from
+        the older checkpoint, must find the same, and takes over from here."""
+        run = self.run
+        assert run is not None
+        checker = run.start()
+        for event, hash_ in run.events():
+            if _monitor_feed(checker, event, hash_) is not None:
+                break
+        else:
+            if finish:
+                checker.finish()
+        run.agree(checker, self.name)
+        self.checker, self.run = checker, None
+        return checker.finding
 
     def report(self) -> Report:
-        if self.checker.finding is None:
-            return Report(self.name, 0, self.checker.events_seen)
+        if self.checker is None or self.checker.finding is None:
+            return Report(self.name, 0, self.events_seen)
         return report_of(self.checker, self.name)
 
     def _outcome(self, finding: Finding | None) -> Finding | None:
@@ -733,3 +814,13 @@ class Monitor:
     def __exit__(self, kind: object, value: object, traceback: object) -> None:
         if kind is None:
             self.close()
+
+
+def _monitor_feed(checker: Checker, event: Event, hash_: str | None) -> Finding | None:
+    """One event to the spec-based checker; an unknown id is an ``Illegal`` finding."""
+    try:
+        return checker.feed(event, None, hash_)
+    except UnknownId as err:
+        index = checker.events_seen - 1
+        checker._line = index + 1
+        return checker._found("Illegal", str(err), index)

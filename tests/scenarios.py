@@ -36,3 +36,15 @@ SEED = [
     ("submit", 3),
     ("execute", 3, ()),  # ... and reads it (eager-unsafe: the zombie)
 ]
+
+CONSUMER = [
+    ("arrive", 1, (1, 2, 3, 4, 5), 4, 0),
+    ("begin", 0),
+    ("schedule", 1, 5, 0),  # A: blocks 0 and 1 full, published at once by eager policies
+    ("arrive", 2, (1, 2, 3, 4, 9), 1, 0),
+    ("schedule", 2, 1, 0),  # B hits them in the same step: A's pending writes will fill them
+    ("preempt", 1),  # `general` takes A out of the step: the writes B counted on are withdrawn
+]
+"""The review's consumer scenario (block size 2, policy ``eager-rollback-fifo``, discipline
+``general``): the rollback unpublishes A's blocks, but B already holds them, so its read is
+unwritten. Only a content change (A's withdrawn writes) breaks the invariant, not a new entry."""

@@ -6,8 +6,9 @@ same invariant, same message), or both none. A planted bug in an incremental che
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from scenarios import CONSUMER, SEED
 
 from kvspec.conformance.checker import Checker
 from kvspec.conformance.fuzz import PREFIXES
@@ -76,8 +77,26 @@ def engine_runs(draw: st.DrawFn) -> tuple[Config, list[Event]]:
     return Config(**common), list(engine.events)  # type: ignore[arg-type]
 
 
+def played(config: Config, decisions: list[Event]) -> tuple[Config, list[Event]]:
+    """A decision list with the effects the spec computes for it: a trace an engine could emit."""
+    s, events = initial_state(config), []
+    for decision in decisions:
+        events.append(decision)
+        events += apply(s, decision)
+    return config, events
+
+
+CONSUMER_RUN = played(
+    Config(6, 2, policy="eager-rollback-fifo", discipline="general", max_running=4), CONSUMER
+)
+"""NoUnwrittenRead broken by a content change alone (a withdrawn write), not by a new entry."""
+SEED_RUN = played(Config(6, 4, policy="eager-unsafe", preemption="priority"), SEED)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(run=engine_runs(), every=st.sampled_from((1, 1, 3)), names=st.sampled_from(SUBSETS))
+@example(run=CONSUMER_RUN, every=1, names=None)
+@example(run=SEED_RUN, every=1, names=("NoUnwrittenRead",))
 def test_incremental_and_full_checks_report_the_same_first_violation(
     run: tuple[Config, list[Event]], every: int, names: tuple[str, ...] | None
 ) -> None:

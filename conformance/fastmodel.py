@@ -1,0 +1,958 @@
+"""The fast model: the spec's state machine again, written for speed, used to *find* violations.
+
+``spec/`` is THE definition and stays written to be read (a block's hash is its token tuple,
+actions rebuild prefixes block by block); the spec-based ``Checker`` judges about 21,000
+events/s. ``FastChecker`` judges the same events by the same rules several times faster. It is
+an optimization whose equality with the spec is tested, not argued (``tests/test_fastmodel.py``),
+the way the reference engine is kept equal to the spec: on fuzzed traces of every policy (the
+unsafe ones included) it must give the spec-based ``Checker``'s verdict (none, or the same
+invariant at the same event), and after every decision ``to_spec`` must give the spec's state,
+field by field.
+
+What it does differently (how, not what):
+
+* token prefixes are *interned*: a full block's chained prefix is an int id (its parent's id and
+  its own tokens, like an engine's chained hash but exact: equal ids are equal prefixes); a
+  partial prefix is ``(parent id, the block's tokens)``. A hash or a content compares in O(1) or
+  O(B) instead of O(prefix). Ids nothing refers to any more are collected (their ancestors are
+  kept), so memory stays flat;
+* the free queue is an ``OrderedDict`` (O(1) removal anywhere); records have slots;
+* invariants: ``NoUnwrittenRead`` and ``NoUnwrittenPublish`` are evaluated after every decision,
+  incrementally as in ``spec/incremental.py`` (the new entry's reads, the readers and the hash of
+  every block whose content or hash changed; a request's full blocks once read valid are not read
+  again until their content changes). The bookkeeping invariants (refcounts, free queue, index,
+  tables, steps, leaks, append-only tables) are not evaluated: the checker's state is the state
+  the spec's actions reach on the trace's decisions (an engine's effects are only compared), and
+  on those states they hold (proved inductive at small sizes, ``docs/proofs.md``; fuzzed in
+  ``tests/test_incremental.py``). The differential tests check that claim with the rest;
+* ``Illegal`` (every guard of ``spec/actions.py`` and the checker's own), ``Disagreement`` (effects
+  compared in order, none missing) and ``HashChainConsistent`` are decided as by the ``Checker``.
+
+A finding is only ``(invariant, event index)``: the message, explanation, minimal history and
+picture are the spec-based ``Checker``'s, which ``checker.py`` hands the trace over to from a
+checkpoint (``to_spec``) when this model finds something.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import cast
+
+from kvspec.spec import Config
+from kvspec.spec.state import Block, Entry, Request, State, Step, Write
+
+from .ids import IdSet, check_ids
+
+Event = tuple[object, ...]
+Content = "int | tuple[int, tuple[int, ...]] | None"
+"""A prefix or a block's content: a full block's interned chain id, or (parent id, tokens) for
+a partial block; None for garbage."""
+
+WAITING, RUNNING, FINISHED = 0, 1, 2
+STATUS = ("waiting", "running", "finished")
+BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
+PHASE = ("building", "submitted", "executed")
+EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
+REQUEST_DECISIONS = ("schedule", "preempt", "abort")
+ROOT = 0
+"""The id of the empty prefix."""
+
+
+class Illegal(Exception):
+    """A guard of the spec failed (the fast model's twin of ``spec.Illegal``; no message)."""
+
+
+class Req:
+    __slots__ = (
+        "id",
+        "tokens",
+        "plen",
+        "max_tokens",
+        "priority",
+        "arrival",
+        "status",
+        "table",
+        "computed",
+        "cached",
+        "loading",
+        "chain",
+        "verified",
+    )
+
+    def __init__(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
+        self.id = rid
+        self.tokens = list(prompt)
+        self.plen = len(prompt)
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.arrival = 0
+        self.status = WAITING
+        self.table: list[int] = []
+        self.computed = 0
+        self.cached = 0
+        self.loading: int | None = None
+        self.chain: list[int] = []
+        """Interned ids of the full blocks' prefixes known so far (tokens only grow)."""
+        self.verified = 0
+        """Table positions below this were read valid as full blocks with no pending write, and
+        their content has not changed since (reset when the table is freed)."""
+
+
+class Ent:
+    __slots__ = ("start", "end", "blocks", "load", "samples")
+
+    def __init__(self, start: int, end: int, blocks: tuple[int, ...], load: bool, samples: bool):
+        self.start, self.end, self.blocks, self.load, self.samples = (
+            start,
+            end,
+            blocks,
+            load,
+            samples,
+        )
+
+
+class Stp:
+    __slots__ = (
+        "id",
+        "phase",
+        "entries",
+        "live",
+        "registrations",
+        "failed",
+        "budget_used",
+        "preempted",
+        "admitted",
+    )
+
+    def __init__(self, step_id: int) -> None:
+        self.id = step_id
+        self.phase = BUILDING
+        self.entries: dict[int, Ent] = {}
+        self.live: set[int] = set()
+        self.registrations: dict[int, list[int]] = {}
+        self.failed: tuple[int, ...] = ()
+        self.budget_used = 0
+        self.preempted = False
+        self.admitted = False
+
+
+class FastChecker:
+    """Judge a stream of events like ``checker.Checker`` (same verdicts, same ``UnknownId``s);
+    ``feed`` returns the invariant of the first finding (``Illegal``, ``Disagreement`` and
+    ``HashChainConsistent`` included) or None, ``finish`` at the end of the stream."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        n = config.num_blocks
+        self.bsz = config.block_size
+        self.refcount = [0] * n
+        self.key: list[int | None] = [None] * n
+        self.written: list[object] = [None] * n
+        self.pending: list[list[tuple[int, int, object, bool]]] = [[] for _ in range(n)]
+        self.holders: list[dict[int, int]] = [{} for _ in range(n)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
+        self.index: dict[int, list[int]] = {}
+        self.requests: dict[int, Req] = {}
+        self.waiting: list[int] = []
+        self.running: list[int] = []
+        self.steps: list[Stp] = []
+        self.next_step = 0
+        self.single: dict[int, list[int]] = {}
+        self.bad_reads: list[tuple[int, int, int]] = []
+        self.commits = 0
+        # interned prefixes
+        self.intern: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.node: dict[int, tuple[int, tuple[int, ...], int]] = {ROOT: (ROOT, (), 0)}
+        self.next_id = 1
+        self.collect_floor = 4096
+        self.collect_at = self.collect_floor
+        """Collect interned prefixes when there are more than this many (4 times the live ones)."""
+        # the checker's bookkeeping
+        self.events_seen = 0
+        self.decisions = 0
+        self.verdict: tuple[str, int] | None = None
+        self.expected: list[Event] = []
+        self.epos = 0
+        self.ids = IdSet()
+        self.max_step = -1
+        self.arrivals = 0
+        self.finished: set[int] = set()
+        self.block_hash: dict[int, str] = {}
+        self.hash_key: dict[str, tuple[int, int]] = {}
+        """Opaque hash -> (prefix id, how many blocks carry it), as the Checker's tables."""
+        self.key_hash: dict[int, tuple[str, int]] = {}
+        # what the current decision changed
+        self.changed: set[int] = set()
+        """Blocks whose content (written or pending) changed, by a write of the building step (or
+        a failed load stopped being excused)."""
+        self.rewritten: set[int] = set()
+        """Blocks whose content an execution changed other than by writing what was pending (a
+        failed load; K/V computed from wrong inputs): every later step's reads may change."""
+        self.published: list[int] = []
+        self.new_entry: tuple[Stp, int] | None = None
+        self.actions: dict[str, Callable[..., None]] = {
+            "arrive": self.arrive,
+            "begin": self.begin,
+            "schedule": self.schedule,
+            "preempt": self.preempt,
+            "submit": self.submit,
+            "execute": self.execute,
+            "commit": self.commit,
+            "abort": self.abort,
+            "reset": self.reset,
+        }
+
+    # -- feeding (checker.Checker.feed's rules) -----------------------------------------------
+
+    def feed(self, event: Event, hash_: str | None = None) -> str | None:
+        if self.verdict is not None:
+            return self.verdict[0]
+        index = self.events_seen
+        self.events_seen = index + 1
+        expected, pos = self.expected, self.epos
+        if pos < len(expected) and event == expected[pos]:  # the effect the spec computed
+            self.epos = pos + 1
+            kind = event[0]
+            if hash_ is not None and kind == "publish":
+                return self._check_hash(event, hash_, index)
+            if (kind == "unpublish" or kind == "evict") and self.block_hash:
+                self._drop_hash(cast(int, event[1]))
+            return None
+        kind = event[0]
+        ids = self.ids
+        rid = event[1] if len(event) > 1 else None
+        if kind != "schedule" or not (isinstance(rid, int) and (rid < ids.low or rid in ids.above)):
+            self.max_step = check_ids(kind, event, ids, self.max_step)  # else: known, inline
+        action = self.actions.get(kind) if isinstance(kind, str) else None
+        if action is None:
+            return self._found("Disagreement", index)
+        if pos < len(expected):
+            return self._found("Disagreement", index)
+        if self.finished:
+            self._prune()
+        if kind == "arrive":
+            if cast(int, rid) in ids and rid not in self.requests:
+                return self._found("Illegal", index)
+        elif kind in REQUEST_DECISIONS and rid not in self.requests:
+            return self._found("Illegal", index)
+        self.expected, self.epos = [], 0
+        if self.changed:
+            self.changed = set()
+        if self.rewritten:
+            self.rewritten = set()
+        if self.published:
+            self.published = []
+        self.new_entry = None
+        try:
+            action(*event[1:])
+        except (Illegal, TypeError):  # TypeError: a malformed decision, as spec.apply says
+            return self._found("Illegal", index)
+        self.decisions += 1
+        if kind == "arrive":
+            self.requests[cast(int, rid)].arrival = self.arrivals
+            self.arrivals += 1
+            ids.add(cast(int, rid))
+            return None
+        if kind == "commit" or kind == "abort":
+            for effect in self.expected:
+                if effect[0] == "finish":
+                    self.finished.add(cast(int, effect[1]))
+        if self.bad_reads or not self._reads_hold():
+            return self._found("NoUnwrittenRead", index)
+        if (self.changed or self.published) and not self._publications_hold():
+            return self._found("NoUnwrittenPublish", index)
+        return None
+
+    def finish(self) -> str | None:
+        """End of the stream: no effect may be missing."""
+        if self.verdict is None and self.epos < len(self.expected):
+            self._found("Disagreement", self.events_seen)
+        return None if self.verdict is None else self.verdict[0]
+
+    def _found(self, invariant: str, index: int) -> str:
+        self.verdict = (invariant, index)
+        return invariant
+
+    def _prune(self) -> None:
+        """Drop finished requests no in-flight step references any more (as the Checker does)."""
+        for rid in list(self.finished):
+            if any(rid in st.entries or rid in st.registrations for st in self.steps):
+                continue
+            self.finished.discard(rid)
+            self.requests.pop(rid, None)
+
+    # -- prefixes -----------------------------------------------------------------------------
+
+    def _chain(self, req: Req, i: int) -> int:
+        """The id of the request's tokens 0 .. (i + 1) * B - 1 (block ``i`` must be full)."""
+        chain = req.chain
+        if i < len(chain):
+            return chain[i]
+        bsz, tokens, intern = self.bsz, req.tokens, self.intern
+        while len(chain) <= i:
+            j = len(chain)
+            parent = chain[j - 1] if j else ROOT
+            k = (parent, tuple(tokens[j * bsz : (j + 1) * bsz]))
+            cid = intern.get(k)
+            if cid is None:
+                cid = self.next_id
+                self.next_id += 1
+                intern[k] = cid
+                self.node[cid] = (parent, k[1], self.node[parent][2] + 1)
+            chain.append(cid)
+        return chain[i]
+
+    def _prefix(self, req: Req, length: int) -> object:
+        """The request's tokens 0 .. length - 1 (length >= 1) as a content."""
+        bsz = self.bsz
+        i = (length - 1) // bsz
+        if length == (i + 1) * bsz:
+            return self._chain(req, i)
+        return (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
+
+    def _holds(self, content: object, prefix: object) -> bool:
+        """``spec.pool.holds``: bytes holding ``content`` are valid for a reader of ``prefix``."""
+        if content == prefix:
+            return content is not None
+        if content is None:
+            return False
+        cp, ct = self._split(content)
+        pp, pt = self._split(prefix)
+        if cp == pp:
+            return ct[: len(pt)] == pt
+        if self.node[cp][2] <= self.node[pp][2]:  # same depth, other tokens; or shorter
+            return False
+        full, want = self._tokens(content), self._tokens(prefix)
+        return full[: len(want)] == want
+
+    def _split(self, content: object) -> tuple[int, tuple[int, ...]]:
+        """(parent id, the block's tokens) of a content (not None)."""
+        if isinstance(content, int):
+            entry = self.node[content]
+            return entry[0], entry[1]
+        return cast("tuple[int, tuple[int, ...]]", content)
+
+    def tokens_of(self, content: object) -> tuple[int, ...] | None:
+        """A content (or None) as the spec's token tuple."""
+        return None if content is None else self._tokens(content)
+
+    def _tokens(self, content: object) -> tuple[int, ...]:
+        parent, tail = self._split(content)
+        parts = [tail]
+        while parent != ROOT:
+            parent, toks, _ = self.node[parent]
+            parts.append(toks)
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def _eventual(self, block: int, upto: int | None = None) -> object:
+        content = self.written[block]
+        for step, _, prefix, _ in self.pending[block]:
+            if upto is None or step <= upto:
+                content = prefix
+        return content
+
+    def _collect(self) -> None:
+        """Forget interned prefixes nothing refers to (keeping every ancestor of one that is)."""
+        live: set[int] = set()
+        for req in self.requests.values():
+            live.update(req.chain)
+        live.update(k for k in self.key if k is not None)
+        live.update(k for k in self.key_hash)
+        for content in self.written + [w[2] for ws in self.pending for w in ws]:
+            if content is not None:
+                live.add(
+                    self._split(content)[0] if isinstance(content, tuple) else cast(int, content)
+                )
+        node = self.node
+        todo = list(live)
+        while todo:
+            parent = node[todo.pop()][0]
+            if parent not in live:
+                live.add(parent)
+                todo.append(parent)
+        live.add(ROOT)
+        self.node = {cid: node[cid] for cid in live}
+        self.intern = {(p, toks): cid for cid, (p, toks, _) in self.node.items() if cid != ROOT}
+        self.collect_at = max(self.collect_floor, 4 * len(self.node))
+
+    # -- the pool (spec/pool.py) ----------------------------------------------------------------
+
+    def _content_changed(self, block: int) -> None:
+        self.changed.add(block)
+        holders = self.holders[block]
+        if holders:
+            requests = self.requests
+            for rid, i in holders.items():
+                req = requests[rid]
+                if req.verified > i:
+                    req.verified = i
+
+    def _lookup(self, req: Req) -> list[int]:
+        cap = (len(req.tokens) - 1) // self.bsz
+        hits: list[int] = []
+        index = self.index
+        for i in range(cap):
+            blocks = index.get(self._chain(req, i))
+            if not blocks:
+                break
+            hits.append(blocks[0])
+        return hits
+
+    def _allocate(self, req: Req) -> None:
+        if not self.free:
+            raise Illegal
+        block = self.free.popitem(last=False)[0]
+        if self.key[block] is not None:
+            self._drop_key(block)
+            self.expected.append(("evict", block))
+        self.refcount[block] = 1
+        self.holders[block][req.id] = len(req.table)
+        req.table.append(block)
+        self.expected.append(("alloc", req.id, block))
+
+    def _free_table(self, req: Req) -> None:
+        refcount, key, free, holders = self.refcount, self.key, self.free, self.holders
+        expected = self.expected
+        rid = req.id
+        for block in reversed(req.table):
+            count = refcount[block]
+            if count <= 0:
+                raise Illegal
+            refcount[block] = count - 1
+            if count == 1:
+                free[block] = None
+                if key[block] is None:
+                    free.move_to_end(block, last=False)
+            mine = holders[block]
+            if mine.get(rid) is not None:
+                del mine[rid]
+            expected.append(("free", block))
+        req.table = []
+        req.computed = 0
+        req.cached = 0
+        req.verified = 0
+
+    def _publish(self, req: Req, i: int) -> None:
+        block = req.table[i]
+        if block == 0:
+            raise Illegal
+        if self.key[block] is not None:
+            return
+        k = self._chain(req, i)
+        self.key[block] = k
+        owners = self.index.get(k)
+        if owners is None:
+            self.index[k] = [block]
+        else:
+            owners.append(block)
+        self.published.append(block)
+        self.expected.append(("publish", req.id, i, block))
+
+    def _unpublish(self, block: int) -> None:
+        if self.key[block] is None:
+            return
+        self._drop_key(block)
+        self.expected.append(("unpublish", block))
+
+    def _drop_key(self, block: int) -> None:
+        k = self.key[block]
+        assert k is not None
+        owners = self.index[k]
+        owners.remove(block)
+        if not owners:
+            del self.index[k]
+        self.key[block] = None
+
+    def _register(self, req: Req, upto: int) -> list[int]:
+        indices = list(range(req.cached, upto))
+        for i in indices:
+            self._publish(req, i)
+        if upto > req.cached:
+            req.cached = upto
+        return indices
+
+    # -- the actions (spec/actions.py, spec/policies.py) -------------------------------------------
+
+    def arrive(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
+        if rid in self.requests or not prompt or max_tokens < 1:
+            raise Illegal
+        self.requests[rid] = Req(rid, prompt, max_tokens, priority)
+        self.waiting.append(rid)
+        if len(self.node) > self.collect_at:
+            self._collect()
+
+    def begin(self, step_id: int) -> None:
+        steps = self.steps
+        if (
+            (steps and steps[-1].phase == BUILDING)
+            or len(steps) >= self.config.depth
+            or step_id != self.next_step
+        ):
+            raise Illegal
+        self.next_step += 1
+        steps.append(Stp(step_id))
+        if self.config.policy == "eager-rollback-single":
+            self.single.clear()
+
+    def _building(self) -> Stp:
+        steps = self.steps
+        if not steps or steps[-1].phase != BUILDING:
+            raise Illegal
+        return steps[-1]
+
+    def _request(self, rid: int) -> Req:
+        req = self.requests.get(rid)
+        if req is None:
+            raise Illegal
+        return req
+
+    def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0) -> None:
+        steps, req, cfg = self.steps, self.requests.get(rid), self.config
+        if not steps or steps[-1].phase != BUILDING or req is None:
+            raise Illegal
+        step, bsz = steps[-1], self.bsz
+        if rid in step.entries or req.loading is not None or req.status == FINISHED:
+            raise Illegal
+        if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
+            raise Illegal
+        if (num_tokens == 0) == (num_loaded == 0):
+            raise Illegal
+        table = req.table
+        if req.status == WAITING:
+            if len(self.running) >= cfg.max_running:
+                raise Illegal
+            if cfg.discipline == "vllm":
+                if step.preempted:
+                    raise Illegal
+                if cfg.preemption == "priority":
+                    head = min(self.waiting, key=self._rank)
+                else:
+                    head = self.waiting[0]
+                if rid != head:
+                    raise Illegal
+            hits = self._lookup(req)
+            if len(hits) + num_loaded > (len(req.tokens) - 1) // bsz:
+                raise Illegal
+            start = len(hits) * bsz
+            end = start + num_tokens + num_loaded * bsz
+            refcount = self.refcount
+            held_free = sum(1 for b in hits if refcount[b] == 0)
+            if -(-end // bsz) - len(hits) > len(self.free) - held_free:
+                raise Illegal
+            free, holders = self.free, self.holders
+            for block in hits:
+                if refcount[block] == 0:
+                    del free[block]
+                refcount[block] += 1
+                holders[block][rid] = len(table)
+                table.append(block)
+            self.expected.append(("hit", rid, tuple(hits)))
+            req.cached = len(hits)
+            self.waiting.remove(rid)
+            self.running.append(rid)
+            req.status = RUNNING
+            step.admitted = True
+        else:
+            if num_loaded:
+                raise Illegal
+            if cfg.discipline == "vllm" and step.admitted:
+                raise Illegal
+            start, end = req.computed, req.computed + num_tokens
+            if -(-end // bsz) - len(table) > len(self.free):
+                raise Illegal
+        if end > len(req.tokens):
+            raise Illegal
+        while len(table) * bsz < end:
+            self._allocate(req)
+        load = num_loaded > 0
+        pending, sid = self.pending, step.id
+        for i in range(start // bsz, len(table)):
+            block = table[i]
+            pending[block].append((sid, rid, self._prefix(req, min(end, (i + 1) * bsz)), load))
+            self._content_changed(block)
+        req.computed = end
+        step.entries[rid] = Ent(start, end, tuple(table), load, not load and end == len(req.tokens))
+        step.live.add(rid)
+        step.budget_used += num_tokens
+        if load:
+            req.loading = sid
+        self.new_entry = (step, rid)
+        # policies.on_schedule
+        policy, upto = cfg.policy, end // bsz
+        if policy in EAGER:
+            indices = self._register(req, upto)
+            if policy == "eager-rollback-single":
+                self.single.setdefault(rid, []).extend(indices)
+            elif policy == "eager-rollback-fifo":
+                step.registrations.setdefault(rid, []).extend(indices)
+        elif policy == "hide-uncommitted":
+            step.registrations.setdefault(rid, []).extend(range(req.cached, upto))
+            if upto > req.cached:
+                req.cached = upto
+
+    def _rank(self, rid: int) -> tuple[int, int]:
+        req = self.requests[rid]
+        return (req.priority, req.arrival)
+
+    def preempt(self, rid: int) -> None:
+        step, req, cfg = self._building(), self._request(rid), self.config
+        if req.status != RUNNING:
+            raise Illegal
+        if cfg.discipline == "vllm":
+            if step.admitted:
+                raise Illegal
+            if cfg.preemption == "fcfs" and (rid != self.running[-1] or rid in step.entries):
+                raise Illegal
+            if cfg.preemption == "priority" and rid != max(self.running, key=self._rank):
+                raise Illegal
+        step.preempted = True
+        self._leave(req)
+        self.running.remove(rid)
+        self.waiting.insert(0, rid)
+        req.status = WAITING
+
+    def submit(self, step_id: int) -> None:
+        step = self._building()
+        if step.id != step_id:
+            raise Illegal
+        step.phase = SUBMITTED
+
+    def execute(self, step_id: int, failed: tuple[int, ...] = ()) -> None:
+        step = next((st for st in self.steps if st.phase != EXECUTED), None)
+        if step is None or step.id != step_id or step.phase != SUBMITTED:
+            raise Illegal
+        entries = step.entries
+        for rid in failed:
+            if rid not in entries or not entries[rid].load:
+                raise Illegal
+        bsz, sid = self.bsz, step.id
+        pending, written = self.pending, self.written
+        step.failed = tuple(failed)
+        for rid, e in entries.items():
+            for block in e.blocks[e.start // bsz :]:
+                writes = pending[block]
+                mine = [w for w in writes if w[0] == sid and w[1] == rid]
+                if len(mine) != len(writes):
+                    pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
+                else:
+                    pending[block] = []
+                if rid not in failed:
+                    # What was pending lands: no step's eventual content changes (this step is
+                    # the oldest in flight, its write the first pending), and no holder had
+                    # verified a block with a pending write.
+                    written[block] = mine[-1][2]
+                else:
+                    self._content_changed(block)
+                    self.rewritten.add(block)
+        requests, holds, live = self.requests, self._holds, step.live
+        for rid, e in entries.items():
+            if e.load:  # a load reads nothing
+                continue
+            req = requests[rid]
+            blocks = e.blocks
+            first = req.verified if rid in live else 0  # reads known valid (unchanged since)
+            bad = [
+                block
+                for i, block in enumerate(blocks[first:], first)
+                if not holds(written[block], self._prefix(req, min(e.end, (i + 1) * bsz)))
+            ]
+            if bad and rid in live:
+                self.bad_reads += [(sid, rid, block) for block in bad]
+            if bad:  # K/V computed from wrong inputs is wrong too
+                for block in blocks[e.start // bsz :]:
+                    written[block] = None
+                    self._content_changed(block)
+                    self.rewritten.add(block)
+        step.phase = EXECUTED
+
+    def commit(self, step_id: int, sampled: tuple[tuple[int, int], ...]) -> None:
+        steps = self.steps
+        if (
+            not steps
+            or steps[-1].phase == BUILDING
+            or steps[0].id != step_id
+            or steps[0].phase != EXECUTED
+        ):
+            raise Illegal
+        step = steps[0]
+        entries, live = step.entries, step.live
+        expected = [rid for rid, e in entries.items() if e.samples and rid in live]
+        tokens = dict(sampled)
+        if len(tokens) != len(sampled) or sorted(tokens) != sorted(expected):
+            raise Illegal
+        policy, requests = self.config.policy, self.requests
+        if policy == "eager-rollback-fifo":  # policies.on_confirmed
+            step.registrations.clear()
+        if step.failed:
+            for rid, e in entries.items():
+                req = requests[rid]
+                if e.load and req.loading == step.id:
+                    req.loading = None
+                    if rid in step.failed:
+                        self._leave(req)
+                        self.expected.append(("load_failed", rid))
+                        self.running.remove(rid)
+                        self.waiting.insert(0, rid)
+                        req.status = WAITING
+        else:
+            for rid, e in entries.items():
+                if e.load:
+                    req = requests[rid]
+                    if req.loading == step.id:
+                        req.loading = None
+        # policies.on_written
+        if policy == "hide-uncommitted":
+            for rid, indices in step.registrations.items():
+                req = requests[rid]
+                for i in indices:
+                    self._publish(req, i)
+            step.registrations.clear()
+        elif policy == "deferred":
+            bsz, failed = self.bsz, step.failed
+            for rid, e in entries.items():
+                if rid in live and rid not in failed:
+                    self._register(requests[rid], e.end // bsz)
+        stop = self.config.stop_token
+        for rid in expected:
+            req = requests[rid]
+            token = tokens[rid]
+            req.tokens.append(token)
+            reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
+            if token == stop:
+                reason = "stop"
+            if reason:
+                self._free_table(req)
+                self.expected.append(("finish", rid, reason))
+                self.running.remove(rid)
+                req.status = FINISHED
+        steps.pop(0)
+        self.commits += 1
+        if step.failed:  # its failed loads stop being excused by NoUnwrittenPublish
+            for rid in step.failed:
+                e = entries[rid]
+                self.changed.update(e.blocks[e.start // self.bsz :])
+
+    def abort(self, rid: int) -> None:
+        req = self._request(rid)
+        steps = self.steps
+        if (steps and steps[-1].phase == BUILDING) or req.status == FINISHED:
+            raise Illegal
+        self._leave(req)
+        (self.running if req.status == RUNNING else self.waiting).remove(rid)
+        req.status = FINISHED
+        self.expected.append(("finish", rid, "abort"))
+
+    def reset(self) -> None:
+        if self.steps or any(self.refcount):
+            raise Illegal
+        key = self.key
+        for block in sorted(b for blocks in self.index.values() for b in blocks):
+            key[block] = None
+            self.expected.append(("unpublish", block))
+        self.index.clear()
+
+    def _leave(self, req: Req) -> None:
+        steps, rid = self.steps, req.id
+        if steps and steps[-1].phase == BUILDING and rid in steps[-1].entries:
+            step = steps[-1]
+            entry = step.entries.pop(rid)
+            step.budget_used -= entry.end - entry.start if not entry.load else 0
+            sid, pending = step.id, self.pending
+            for block in entry.blocks:
+                writes = pending[block]
+                if writes:
+                    pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
+                self._content_changed(block)
+        for st in steps:
+            st.live.discard(rid)
+        policy = self.config.policy
+        tracked: list[int] = []
+        if policy == "eager-rollback-single":
+            tracked = self.single.pop(rid, [])
+        elif policy in ("eager-rollback-fifo", "hide-uncommitted"):
+            for st in steps:
+                tracked += st.registrations.pop(rid, [])
+        if policy != "hide-uncommitted":
+            for i in tracked:
+                self._unpublish(req.table[i])
+        req.loading = None
+        self._free_table(req)
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def _reads_hold(self) -> bool:
+        """NoUnwrittenRead's conjuncts the decision may have made false: the new entry's reads of
+        blocks it does not write (it reads what it writes as it writes it), the building step's
+        reads of blocks the decision wrote or withdrew a write from (older steps' eventual
+        contents do not see the building step's writes), and every pending read of a block an
+        execution rewrote."""
+        bsz, holds, eventual = self.bsz, self._holds, self._eventual
+        new = self.new_entry
+        if new is not None:
+            step, rid = new
+            e = step.entries.get(rid)
+            if e is not None and not e.load and rid in step.live:
+                req, pending, blocks = self.requests[rid], self.pending, e.blocks
+                contiguous = True
+                for i in range(req.verified, e.start // bsz):
+                    block = blocks[i]
+                    if not holds(eventual(block, step.id), self._chain(req, i)):
+                        return False
+                    if contiguous and not pending[block]:
+                        req.verified = i + 1
+                    else:
+                        contiguous = False
+        if self.changed:
+            steps = self.steps
+            if steps and steps[-1].phase == BUILDING:
+                skip = -1 if new is None else new[1]
+                if not self._readers_hold(self.changed, [steps[-1]], skip):
+                    return False
+        if self.rewritten:
+            steps = [st for st in self.steps if st.phase != EXECUTED]
+            if steps and not self._readers_hold(self.rewritten, steps, -1):
+                return False
+        return True
+
+    def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
+        """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
+        bsz, holds, eventual = self.bsz, self._holds, self._eventual
+        requests, holders = self.requests, self.holders
+        for block in blocks:
+            for rid, i in holders[block].items():
+                if rid == skip:
+                    continue
+                for st in steps:
+                    e = st.entries.get(rid)
+                    if (
+                        e is not None
+                        and i * bsz < e.start
+                        and not e.load
+                        and rid in st.live
+                        and not holds(
+                            eventual(block, st.id),
+                            self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
+                        )
+                    ):
+                        return False
+        return True
+
+    def _publications_hold(self) -> bool:
+        """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
+        key, holds, eventual = self.key, self._holds, self._eventual
+        excused: set[int] | None = None
+        for blocks in (self.published, self.changed):
+            for block in blocks:
+                k = key[block]
+                if k is None:
+                    continue
+                if excused is None:
+                    excused = self._excused()
+                if block not in excused and not holds(eventual(block), k):
+                    return False
+        return True
+
+    def _excused(self) -> set[int]:
+        """Blocks of loads that failed in steps not committed yet (NoUnwrittenPublish)."""
+        excused: set[int] = set()
+        bsz = self.bsz
+        for st in self.steps:
+            for rid in st.failed:
+                e = st.entries[rid]
+                excused.update(e.blocks[e.start // bsz :])
+        return excused
+
+    # -- opaque hashes (checker.Checker._check_hash) --------------------------------------------
+
+    def _check_hash(self, event: Event, hash_: str, index: int) -> str | None:
+        rid, i, block = cast(int, event[1]), cast(int, event[2]), cast(int, event[3])
+        k = self._chain(self.requests[rid], i)
+        named = self.hash_key.get(hash_)
+        if named is not None and named[0] != k:
+            return self._found("HashChainConsistent", index)
+        other = self.key_hash.get(k)
+        if other is not None and other[0] != hash_:
+            return self._found("HashChainConsistent", index)
+        self._drop_hash(block)
+        self.block_hash[block] = hash_
+        named, other = self.hash_key.get(hash_), self.key_hash.get(k)
+        self.hash_key[hash_] = (k, 1 if named is None else named[1] + 1)
+        self.key_hash[k] = (hash_, 1 if other is None else other[1] + 1)
+        return None
+
+    def _drop_hash(self, block: int) -> None:
+        hash_ = self.block_hash.pop(block, None)
+        if hash_ is None:
+            return
+        k, n = self.hash_key[hash_]
+        if n == 1:
+            del self.hash_key[hash_]
+        else:
+            self.hash_key[hash_] = (k, n - 1)
+        h, m = self.key_hash[k]
+        if m == 1:
+            del self.key_hash[k]
+        else:
+            self.key_hash[k] = (h, m - 1)
+
+    # -- export -------------------------------------------------------------------------------
+
+    def to_spec(self) -> State:
+        """The spec's state this model stands for (``lost_hits`` is not tracked: 0)."""
+        seq = self.tokens_of
+        blocks = [
+            Block(
+                self.refcount[b],
+                seq(self.key[b]),
+                seq(self.written[b]),
+                [Write(st, rid, self._tokens(c), load) for st, rid, c, load in self.pending[b]],
+            )
+            for b in range(self.config.num_blocks)
+        ]
+        requests = {
+            rid: Request(
+                rid,
+                list(r.tokens),
+                r.plen,
+                r.max_tokens,
+                r.priority,
+                r.arrival,
+                STATUS[r.status],
+                list(r.table),
+                r.computed,
+                r.cached,
+                r.loading,
+            )
+            for rid, r in self.requests.items()
+        }
+        steps = []
+        for st in self.steps:
+            step = Step(st.id, PHASE[st.phase])
+            step.entries = {
+                rid: Entry(e.start, e.end, e.blocks, e.load, e.samples)
+                for rid, e in st.entries.items()
+            }
+            step.live = set(st.live)
+            step.registrations = {rid: list(ix) for rid, ix in st.registrations.items()}
+            step.failed = st.failed
+            step.budget_used, step.preempted, step.admitted = (
+                st.budget_used,
+                st.preempted,
+                st.admitted,
+            )
+            steps.append(step)
+        return State(
+            config=self.config,
+            blocks=blocks,
+            free=list(self.free),
+            index={self._tokens(k): list(v) for k, v in self.index.items()},
+            requests=requests,
+            waiting=list(self.waiting),
+            running=list(self.running),
+            steps=steps,
+            next_step=self.next_step,
+            single={rid: list(ix) for rid, ix in self.single.items()},
+            bad_reads=list(self.bad_reads),
+            commits=self.commits,
+        )

@@ -1,0 +1,378 @@
+"""The fast model (conformance/fastmodel.py) judges exactly as the spec-based Checker does.
+
+Differential (lockstep) tests, as for the reference engine: on fuzzed reference-engine traces
+(every policy, the unsafe ones included; both disciplines and preemptions; depth 1 to 3; external
+loads that fail; aborts; prefix-cache resets) the fast model must reach the spec-based Checker's
+verdict (none, or the same invariant at the same event, or the same unknown id) and, after every
+decision, stand for the spec's state field by field; so must it on traces with planted bugs and
+on corrupted files, where ``kvspec check`` must print the same through both engines. Breaking
+the fast model must make these tests fail.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_checker import _corrupt
+from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
+
+from kvspec.cli import main
+from kvspec.conformance.checker import Checker, Monitor, Violation, check_path
+from kvspec.conformance.fastmodel import FastChecker
+from kvspec.conformance.fastpath import FastPathDisagrees
+from kvspec.conformance.ids import UnknownId
+from kvspec.conformance.lockstep import Event
+from kvspec.conformance.trace import write_trace
+from kvspec.reference import Engine, EngineConfig
+from kvspec.reference.workload import shared_prefix_workload
+from kvspec.spec import ACTIONS, Config
+
+Verdict = tuple[str, object] | None
+
+
+def spec_verdict(config: Config, events: list[Event]) -> Verdict:
+    checker = Checker(config)
+    try:
+        for event in events:
+            if checker.feed(event) is not None:
+                break
+        else:
+            checker.finish()
+    except UnknownId as err:
+        return ("UnknownId", str(err))
+    found = checker.finding
+    return None if found is None else (found.invariant, found.event)
+
+
+def fast_verdict(config: Config, events: list[Event], collect: bool = False) -> Verdict:
+    fast = FastChecker(config)
+    try:
+        for event in events:
+            if collect and event[0] in ACTIONS:
+                fast._collect()
+            if fast.feed(event) is not None:
+                break
+        else:
+            fast.finish()
+    except UnknownId as err:
+        return ("UnknownId", str(err))
+    return fast.verdict
+
+
+def lockstep(config: Config, events: list[Event], collect: bool) -> Verdict:
+    """Both checkers side by side: the fast model's state, exported, must be the spec's before
+    every decision; the verdicts must be equal."""
+    spec, fast = Checker(config), FastChecker(config)
+    for event in events:
+        if event[0] in ACTIONS and not spec.expected and spec.finding is None:
+            if collect:
+                fast._collect()
+            mine, want = fast.to_spec(), spec.state
+            mine.lost_hits = want.lost_hits  # a statistic, not part of the verdict
+            assert mine == want, event
+            for a, b in zip(mine.steps, want.steps, strict=True):
+                assert list(a.entries) == list(b.entries)  # scheduling order
+        try:
+            got = spec.feed(event)
+        except UnknownId as err:
+            with pytest.raises(UnknownId, match=str(err)):
+                fast.feed(event)
+            return ("UnknownId", str(err))
+        fast.feed(event)
+        if got is not None:
+            assert fast.verdict == (got.invariant, got.event)
+            return fast.verdict
+        assert fast.verdict is None, event
+    spec.finish()
+    fast.finish()
+    want = None if spec.finding is None else (spec.finding.invariant, spec.finding.event)
+    assert fast.verdict == want
+    return want
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+@given(run=engine_runs(), collect=st.booleans())
+@example(run=SEED_RUN, collect=False)
+@example(run=CONSUMER_RUN, collect=True)
+def test_fast_model_and_spec_agree_on_engine_traces(
+    run: tuple[Config, list[Event]], collect: bool
+) -> None:
+    config, events = run
+    lockstep(config, events, collect)
+
+
+MUTATIONS = ("drop", "duplicate", "swap", "block", "token", "request", "step", "decision")
+
+
+def mutate(events: list[Event], data: st.DataObject, num_blocks: int) -> list[Event]:
+    """One or two planted bugs: an engine that skips, repeats or reorders an event, names
+    another block, request or step, samples another token, or takes another decision."""
+    events = list(events)
+    for _ in range(data.draw(st.integers(1, 2))):
+        if not events:
+            break
+        i = data.draw(st.integers(0, len(events) - 1))
+        event = list(events[i])
+        kind = event[0]
+        how = data.draw(st.sampled_from(MUTATIONS))
+        if how == "drop":
+            del events[i]
+            continue
+        if how == "duplicate":
+            events.insert(i, events[i])
+            continue
+        if how == "swap" and i + 1 < len(events):
+            events[i], events[i + 1] = events[i + 1], events[i]
+            continue
+        if how == "block" and kind in ("alloc", "publish", "free", "evict", "unpublish"):
+            event[-1] = data.draw(st.integers(0, num_blocks - 1))
+        elif how == "block" and kind == "hit" and event[2]:
+            event[2] = (data.draw(st.integers(0, num_blocks - 1)),) + tuple(event[2][1:])  # type: ignore[index]
+        elif how == "token" and kind == "commit" and event[2]:
+            (rid, token), *rest = event[2]  # type: ignore[misc]
+            event[2] = ((rid, token + data.draw(st.integers(0, 3))), *rest)
+        elif how == "token" and kind == "arrive":
+            event[2] = tuple(event[2][:-1]) + (data.draw(st.integers(0, 3)),)  # type: ignore[index]
+        elif how == "request" and len(event) > 1 and kind not in ("begin", "submit", "reset"):
+            if kind in ("execute", "commit"):
+                continue
+            event[1] = data.draw(st.integers(0, 9))
+        elif how == "step" and kind in ("begin", "submit", "execute", "commit"):
+            event[1] = event[1] + data.draw(st.sampled_from((-1, 1)))  # type: ignore[operator]
+        elif how == "decision" and kind == "schedule":
+            event[2] = event[2] + data.draw(st.sampled_from((-1, 1)))  # type: ignore[operator]
+        else:
+            continue
+        events[i] = tuple(event)
+    return events
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+@given(run=engine_runs(), data=st.data())
+def test_fast_model_and_spec_agree_on_traces_with_planted_bugs(
+    run: tuple[Config, list[Event]], data: st.DataObject
+) -> None:
+    config, events = run
+    lockstep(config, mutate(events, data, config.num_blocks), collect=False)
+
+
+def same_report(path: Path) -> None:
+    """``kvspec check`` through both engines: the same exit code, error, finding and report."""
+    fast, spec = check_path(path, engine="fast"), check_path(path, engine="spec")
+    fast.seconds = spec.seconds = 0.0
+    assert fast == spec
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(run=engine_runs(), data=st.data())
+def test_check_prints_the_same_through_both_engines(
+    run: tuple[Config, list[Event]], data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Planted bugs and corrupted lines, through the files, the readers and the hand-over."""
+    config, events = run
+    path = tmp_path_factory.getbasetemp() / "both.jsonl"
+    events = mutate(events, data, config.num_blocks) if data.draw(st.booleans()) else events
+    try:
+        write_trace(path, config, events, hashes=data.draw(st.booleans()))
+    except (KeyError, IndexError, TypeError):  # hashes of a mutant naming unknown requests
+        write_trace(path, config, events)
+    if data.draw(st.booleans()):
+        lines = _corrupt(path.read_bytes().splitlines(), data)
+        path.write_bytes(b"\n".join(lines) + b"\n")
+    same_report(path)
+
+
+def test_hash_collisions_are_found_by_both(tmp_path: Path) -> None:
+    config, events = safe_run(12)
+    path = tmp_path / "hash.jsonl"
+    write_trace(path, config, events, hashes=True)
+    lines = path.read_bytes().splitlines()
+    for i, raw in enumerate(lines):
+        if b'"publish"' in raw:
+            obj = orjson.loads(raw)
+            obj["hash"] = "same"
+            lines[i] = orjson.dumps(obj)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert check_path(path).invariant == "HashChainConsistent"
+    same_report(path)
+
+
+def test_x_fields_and_v0_files_read_the_same(tmp_path: Path) -> None:
+    from kvspec.conformance.report import write_events
+
+    config, events = safe_run(8)
+    path = tmp_path / "x.jsonl"
+    write_trace(path, config, events, hashes=True)
+    lines = path.read_bytes().splitlines()
+    lines[3] = lines[3][:-1] + b',"x_note":"engine annotation"}'
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert check_path(path).exit_code == 0
+    same_report(path)
+    write_events(tmp_path / "v0.jsonl", config, events)
+    same_report(tmp_path / "v0.jsonl")
+
+
+BROKEN = {
+    "publish-never-checked": ("_publications_hold", lambda self: True),
+    "freed-blocks-to-the-tail": ("_free_table", None),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BROKEN))
+def test_a_broken_fast_model_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The differential test can fail: a planted bug in the fast model makes it fail."""
+    name, replacement = BROKEN[bug]
+    if replacement is None:  # unreferenced uncached blocks go to the tail, not the head
+        original = FastChecker._free_table
+
+        def replacement(self: FastChecker, req: object) -> None:
+            original(self, req)  # type: ignore[arg-type]
+            for block in list(self.free):
+                if self.key[block] is None:
+                    self.free.move_to_end(block)
+
+    monkeypatch.setattr(FastChecker, name, replacement)
+    with pytest.raises(AssertionError):
+        test_fast_model_and_spec_agree_on_engine_traces()
+
+
+SAFE = dict(
+    num_blocks=24,
+    block_size=4,
+    depth=2,
+    policy="deferred",
+    discipline="vllm",
+    preemption="priority",
+    token_budget=24,
+    max_running=6,
+)
+
+
+def safe_run(requests: int = 40, seed: int = 0, **overrides: object) -> tuple[Config, list]:
+    common = {**SAFE, **overrides}
+    engine = Engine(EngineConfig(**common))  # type: ignore[arg-type]
+    for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 3, 8, 3, 5, seed):
+        engine.add_request(rid, prompt, max_tokens, priority)
+    engine.run()
+    return Config(**common), engine.events  # type: ignore[arg-type]
+
+
+def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, events = safe_run(10)
+    path = tmp_path / "good.jsonl"
+    write_trace(path, config, events)
+    monkeypatch.setattr(FastChecker, "_publications_hold", lambda self: False)
+    with pytest.raises(FastPathDisagrees, match="NoUnwrittenPublish.*spec-based checker None"):
+        check_path(path)
+    assert check_path(path, engine="spec").exit_code == 0
+    assert main(["check", str(path), "--engine", "spec"]) == 0
+
+
+def test_monitor_hands_over_from_a_checkpoint_with_bounded_memory() -> None:
+    """A long run with a violation late: the fast Monitor keeps at most two windows of events,
+    and its Violation carries the spec-based report of the same finding."""
+    config, events = safe_run(80)
+    late = next(i for i in range(len(events) - 60, 0, -1) if events[i][0] == "free")
+    events = events[:late] + [("free", 0)] + events[late + 1 :]  # an engine bug, late
+    expected = spec_verdict(config, events)
+    assert expected == ("Disagreement", late)
+    fast = Monitor(config, window=100)
+    most = 0
+    with pytest.raises(Violation) as caught:
+        for event in events:
+            run = fast.run
+            most = max(most, len(run.older_events) + len(run.newer_events))  # type: ignore[union-attr]
+            fast.feed(event)
+    assert most <= 2 * 100 + 50
+    report = caught.value.report
+    assert (report.invariant, report.line) == (expected[0], expected[1] + 1)  # type: ignore[index, operator]
+    spec = Monitor(config, engine="spec", raise_on_finding=False)
+    spec.feed_all(events)
+    assert report.message == spec.report().message
+    assert report.history and set(report.history) <= set(spec.report().history)
+
+
+def test_monitor_reports_as_the_spec_monitor_on_a_short_run() -> None:
+    config, events = SEED_RUN
+    reports = []
+    for engine in ("fast", "spec"):
+        with pytest.raises(Violation) as caught:
+            with Monitor(config, engine=engine) as monitor:
+                monitor.feed_all(events)
+        reports.append(caught.value.report)
+    assert reports[0] == reports[1]
+    with Monitor(safe_run(10)[0]) as monitor:
+        assert monitor.feed_all(safe_run(10)[1]) is None
+    unknown = Monitor(config, raise_on_finding=False)
+    found = unknown.feed(("abort", 5))
+    assert found is not None and found.invariant == "Illegal" and "never arrived" in found.message
+
+
+def test_fast_model_memory_stays_flat() -> None:
+    """Peak memory of the fast model does not grow with the stream (interned prefixes are
+    collected; finished requests dropped)."""
+    peaks = []
+    for requests in (60, 240):
+        config, events = safe_run(requests, seed=3)
+        fast = FastChecker(config)
+        fast.collect_floor = fast.collect_at = 64
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            for event in events:
+                assert fast.feed(event) is None
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+        finally:
+            tracemalloc.stop()
+        assert len(fast.node) <= 4 * 64 + 4 * len(fast.requests) * 8
+    assert peaks[1] < 1.5 * peaks[0] + 100_000, peaks
+
+
+@pytest.mark.parametrize("bug", ["engine", "hash"])
+def test_check_hands_over_from_a_checkpoint_of_a_file(
+    bug: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints every 50 events: a late finding is re-judged from a checkpoint (the state,
+    ids and opaque-hash tables exported) to the same verdict as the spec engine's from the
+    start, with a history drawn from the spec engine's."""
+    import kvspec.conformance.fastpath as fastpath
+
+    monkeypatch.setattr(fastpath, "FILE_WINDOW", 50)
+    config, events = safe_run(80)
+    path = tmp_path / "late.jsonl"
+    if bug == "engine":
+        late = next(i for i in range(len(events) - 60, 0, -1) if events[i][0] == "free")
+        events = events[:late] + [("free", 0)] + events[late + 1 :]
+    write_trace(path, config, events, hashes=True)
+    if bug == "hash":  # a late publication reuses the hash of a block published long before
+        lines = path.read_bytes().splitlines()
+        published: dict[int, tuple[int, str]] = {}  # block -> (line index, hash)
+        for i, raw in enumerate(lines[1:], 1):
+            obj = orjson.loads(raw)
+            if obj["ev"] == "publish":
+                old = [h for at, h in published.values() if at < i - 200 and h != obj["hash"]]
+                if i > len(lines) // 2 and old:
+                    obj["hash"] = old[0]
+                    lines[i] = orjson.dumps(obj)
+                    break
+                published[obj["block"]] = (i, obj["hash"])
+            elif obj["ev"] in ("unpublish", "evict"):
+                published.pop(obj["block"], None)
+        path.write_bytes(b"\n".join(lines) + b"\n")
+    fast, spec = check_path(path), check_path(path, engine="spec")
+    assert fast.exit_code == spec.exit_code == 1 and fast.line is not None
+    assert fast.line > 200
+    assert (fast.invariant, fast.line, fast.message) == (spec.invariant, spec.line, spec.message)
+    assert fast.history and set(fast.history) <= set(spec.history)
+    assert fast.invariant == ("Disagreement" if bug == "engine" else "HashChainConsistent")
+    good = tmp_path / "good.jsonl"
+    write_trace(good, *safe_run(80), hashes=True)
+    assert check_path(good).exit_code == 0
