@@ -69,6 +69,11 @@ DECISIONS = frozenset(
 PRIVATE = "tokens-private traces (block hashes only, no token ids) are not supported yet"
 
 
+MAX_BLOCKS = 1 << 24
+"""The most blocks a trace may declare (16,777,216): the checkers keep state per block, and a
+header claiming more is far more likely corrupt than an engine's real pool."""
+
+
 class TraceError(ValueError):
     """An unreadable trace: ``str`` is ``file:line: message``."""
 
@@ -170,6 +175,10 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     for name, low in (("num_blocks", 2), ("block_size", 1)):
         if not _is_int(header.get(name)) or header[name] < low:
             raise bad(f'"{name}" must be an integer >= {low}')
+    if header["num_blocks"] > MAX_BLOCKS:
+        raise bad(
+            f'"num_blocks" {header["num_blocks"]} is more than the checker keeps ({MAX_BLOCKS})'
+        )
     if header.get("null_block") != 0 or not _is_int(header.get("null_block")):
         raise bad('"null_block" must be 0')
     guarantees = header.get("guarantees")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvspec.conformance.fastmodel import FastChecker
 from kvspec.conformance.lockstep import Judge
 from kvspec.conformance.observed import ObservedJudge
 from kvspec.conformance.trace import TraceError, parse_header
@@ -134,8 +135,9 @@ def test_under_the_other_policies_an_engine_may_not_register_on_its_own() -> Non
 
 
 def test_only_the_observed_judge_takes_engine_registers() -> None:
-    with pytest.raises(ValueError, match="observed judge only"):
-        Judge(ER)
+    for strict in (Judge, FastChecker):
+        with pytest.raises(ValueError, match="observed judge only"):
+            strict(ER)
     header = (
         b'{"format":"kvspec-trace","version":1,"engine":{"name":"x","version":"1"},'
         b'"num_blocks":8,"block_size":4,"null_block":0,"guarantees":{"writes_before_reads":true,'
