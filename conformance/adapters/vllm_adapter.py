@@ -247,6 +247,7 @@ class VllmAdapter:
         self.queue: list[InFlight] = []  # EngineCore's batch queue, oldest first
         self._process_next = False  # the current step_with_batch_queue call goes on to output
         self.drop_stale = drop_stale
+        self.stale_outputs = 0  # sampled outputs of requests preempted since their step began
         self.scheduler.requires_kv_delivery = drop_stale  # vLLM's drop mode (module docstring)
         self.next_step = 0
         self.native: list[Any] = []
@@ -325,6 +326,7 @@ class VllmAdapter:
         for req_id, position in oldest.samples.items():
             request = self.scheduler.requests.get(req_id)
             stale = req_id in oldest.left
+            self.stale_outputs += stale
             if request is None or request.is_finished() or (stale and not self.drop_stale):
                 continue
             tokens[req_id] = [self.choices.pick(VOCAB, "vllm-token")]
