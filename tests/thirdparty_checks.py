@@ -6,7 +6,8 @@ by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
 preempted requests came back). ENGINE is ``vllm`` or ``nano``; CASE is ``seed`` (vLLM: the seed
 bug's shrunk counterexample), ``seed2`` (the same bug with a batch queue of 2 steps), ``stale``
 (vLLM at depth 2, default and drop mode: a request preempted while a submitted step holds it),
-``clean3`` (vLLM's drop mode at depth 3), ``cached`` (nano: a prompt cached whole), ``preempted``
+``clean3`` (vLLM's drop mode at depth 3), ``async`` (vLLM's async scheduling, whose first
+decode is scheduled before its token is known, which the spec refuses), ``cached`` (nano: a prompt cached whole), ``preempted``
 (nano: a preempted sequence left in the running queue) or ``clean`` (a shared-prefix workload the
 engine must handle without a finding).
 """
@@ -127,6 +128,8 @@ if __name__ == "__main__":
         elif case == "stale":  # vLLM's default and its drop mode, both at depth 2
             for factory in ("factory", "drop_factory"):
                 run(engine, STALE, factory, **dict(STALE_CELL, depth=2))
+        elif case == "async":  # AsyncScheduler: the spec cannot judge its placeholder decodes
+            run(engine, CLEAN, "async_factory", preemption="fcfs", depth=2, **BIG)
         elif case == "clean3":  # depth 3: vLLM's drop mode (the module docstring says why)
             run(engine, CLEAN, "drop_factory", preemption="fcfs", depth=3, **BIG)
         elif case == "cached":

@@ -13,9 +13,10 @@ events by wrapping, on each instance, the methods where the block lifecycle happ
 call for call: schedule a step and submit it, return at once while the queue has room and something
 was scheduled or is schedulable, else pop the oldest step and ``update_from_output`` it. Aborts may
 come between a step's scheduling and the processing of the oldest output (vLLM's aborts queue is
-drained just before ``update_from_output``). At D = 1 this is ``EngineCore.step``. Async scheduling
-(``AsyncScheduler``, placeholders for tokens still being sampled) is not driven: the spec cannot
-judge a decode scheduled before its token is known (``docs/adapters.md``).
+drained just before ``update_from_output``). At D = 1 this is ``EngineCore.step``. ``async_factory``
+runs async scheduling instead (``AsyncScheduler``, a queue of 2, the same loop), whose decodes
+are scheduled before their token is known (placeholders): the spec cannot judge that yet
+(``docs/adapters.md``).
 
 **Stale output.** With several steps in flight a request may be preempted while a submitted step
 still holds it. The worker still computes it; vLLM 0.33.0 by default *delivers* the token sampled
@@ -83,6 +84,7 @@ try:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import ModelRunnerOutput
@@ -144,6 +146,17 @@ def drop_factory(config: Config, choices: Choices) -> VllmAdapter:
     return VllmAdapter(config, choices, drop_stale=True)
 
 
+def async_factory(config: Config, choices: Choices) -> VllmAdapter:
+    """vLLM's async scheduling (``AsyncScheduler``, a batch queue of 2): depth 2 only. The spec
+    cannot judge its placeholder decodes yet (``docs/adapters.md``)."""
+    why = supported(config)
+    if why is None and config.depth != 2:
+        why = f"async scheduling keeps 2 steps in flight: depth 2, not {config.depth}"
+    if why is not None:
+        raise ValueError(why)
+    return VllmAdapter(config, choices, async_scheduling=True)
+
+
 @lru_cache(maxsize=1)
 def _model_folder() -> str:
     """A local folder holding only a tiny ``config.json``: all ``ModelConfig`` reads."""
@@ -167,7 +180,13 @@ def _model_folder() -> str:
 
 @lru_cache(maxsize=64)
 def _vllm_config(
-    num_blocks: int, block_size: int, budget: int, max_running: int, policy: str, depth: int
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    max_running: int,
+    policy: str,
+    depth: int,
+    async_scheduling: bool,
 ) -> VllmConfig:
     model = ModelConfig(
         model=_model_folder(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024
@@ -179,12 +198,13 @@ def _vllm_config(
         max_num_seqs=max_running,
         enable_chunked_prefill=True,
         policy=policy,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    parallel = ParallelConfig(pipeline_parallel_size=depth)  # batch queue of `depth` steps
+    # A batch queue of `depth` steps: pipeline parallelism, or async scheduling's 2.
+    parallel = ParallelConfig(pipeline_parallel_size=1 if async_scheduling else depth)
     config = VllmConfig(
         model_config=model,
         scheduler_config=scheduler,
@@ -192,6 +212,9 @@ def _vllm_config(
         kv_events_config=events,
         parallel_config=parallel,
     )
+    # vLLM's CPU platform turns async scheduling off (a GPU one keeps it); the scheduler itself
+    # does not depend on the device.
+    config.scheduler_config.async_scheduling = async_scheduling
     assert config.max_concurrent_batches == depth, config.max_concurrent_batches
     return config
 
@@ -211,7 +234,13 @@ class InFlight:
 class VllmAdapter:
     supports_loads = False
 
-    def __init__(self, config: Config, choices: Choices, drop_stale: bool = False) -> None:
+    def __init__(
+        self,
+        config: Config,
+        choices: Choices,
+        drop_stale: bool = False,
+        async_scheduling: bool = False,
+    ) -> None:
         self.config = config
         self.choices = choices
         self.events: list[Event] = []
@@ -223,6 +252,7 @@ class VllmAdapter:
             config.max_running,
             config.preemption,
             config.depth,
+            async_scheduling,
         )
         kv_cache_config = KVCacheConfig(
             num_blocks=config.num_blocks,
@@ -234,7 +264,7 @@ class VllmAdapter:
                 )
             ],
         )
-        self.scheduler = Scheduler(
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -252,6 +282,7 @@ class VllmAdapter:
         self.next_step = 0
         self.native: list[Any] = []
         self._current: int | None = None  # request whose slots are being allocated
+        self._owner: int | None = None  # request whose blocks cache_blocks registers
         self._pending: list[Event] = []  # effects recorded inside allocate_slots
         self._evicted: set[int] = set()
         self._touched: list[int] = []  # blocks vLLM touched inside the current allocate_slots
@@ -414,7 +445,14 @@ class VllmAdapter:
             pool.free_blocks,
         )
         preempt, free_request, touch = sched._preempt_request, sched._free_request, pool.touch
-        take_events = kv.take_events
+        take_events, cache_blocks = kv.take_events, kv.cache_blocks
+
+        def cache_blocks_(request: Request, num_computed_tokens: int) -> None:
+            self._owner = int(request.request_id)  # async scheduling, after the output
+            try:
+                cache_blocks(request, num_computed_tokens)
+            finally:
+                self._owner = None
 
         def take_events_() -> list[Any]:
             events = take_events()
@@ -467,7 +505,8 @@ class VllmAdapter:
             insert(key, block, num_tokens)
             if before is None and block.block_hash is not None:
                 index = (num_tokens or 0) // self.config.block_size - 1
-                self._effect(("publish", self._current, index, block.block_id))
+                owner = self._current if self._current is not None else self._owner
+                self._effect(("publish", owner, index, block.block_id))
 
         def free_blocks_(ordered_blocks: Iterable[Any]) -> None:
             blocks = list(ordered_blocks)
@@ -495,6 +534,7 @@ class VllmAdapter:
         sched._preempt_request = preempt_
         sched._free_request = free_request_
         kv.take_events = take_events_
+        kv.cache_blocks = cache_blocks_
 
     def _effect(self, event: Event) -> None:
         """Effects inside ``allocate_slots`` wait for its ``schedule`` decision."""
