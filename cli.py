@@ -58,11 +58,18 @@ def _format_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _write(args: argparse.Namespace, config: Config, events: list[tuple[object, ...]]) -> int:
+def _write(
+    args: argparse.Namespace,
+    config: Config,
+    events: list[tuple[object, ...]],
+    judging: str = "strict",
+) -> int:
     if args.format == "v1":
         from kvspec.conformance.trace import write_trace
 
-        return write_trace(args.out, config, events, hashes=True)
+        return write_trace(args.out, config, events, hashes=True, judging=judging)
+    if judging != "strict":
+        raise ValueError(f"--format v0 has no judging field for this {judging} engine; use v1")
     from kvspec.conformance.report import write_events
 
     return write_events(args.out, config, events)
@@ -183,7 +190,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.fuzz import DataChoices, run_cell
     from kvspec.conformance.report import format_counterexample
 
-    factory = reference
+    factory, judging = reference, "strict"
     if args.target:
         factory = load_factory(args.target)
         config = Config(
@@ -195,7 +202,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             preemption=args.preemption,
             stop_token=0,
         )
-        probe(factory, config, DataChoices(), args.target, args.loads)
+        adapter = probe(factory, config, DataChoices(), args.target, args.loads)
+        judging = getattr(adapter, "judging", "strict")
     result = run_cell(
         args.policy,
         args.discipline,
@@ -218,7 +226,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
     print(format_counterexample(failure.program, failure.finding, failure.config))
     if args.out:
-        count = _write(args, failure.config, failure.events)
+        count = _write(args, failure.config, failure.events, judging)
         print(f"wrote {count} events to {args.out}")
     return 1
 

@@ -56,7 +56,7 @@ from kvspec.spec import ACTIONS, Config
 from .ids import REQUEST_FIELDS, IdSet, UnknownId, check_ids
 from .lockstep import Event, Finding, Judge
 from .report import describe
-from .trace import FORMAT, TraceError, iter_trace
+from .trace import FORMAT, TraceError, iter_trace, judging_of
 
 if TYPE_CHECKING:
     from .fastpath import FastRun
@@ -228,7 +228,7 @@ class Checker(Judge):
         if kind in ("evict", "unpublish", "free"):
             self.block_rings[event[1]].append((line, event))  # type: ignore[index]
             return
-        if kind in ("alloc", "publish"):
+        if kind in ("alloc", "publish", "dedup"):
             self.block_rings[event[-1]].append((line, event))  # type: ignore[index]
         elif kind == "hit":
             for block in event[2]:  # type: ignore[attr-defined]
@@ -315,7 +315,7 @@ class Checker(Judge):
                 blocks.add(event[1])  # type: ignore[arg-type]
             elif kind in REQUEST_FIELDS or kind == "arrive":
                 reqs.add(event[1])  # type: ignore[arg-type]
-                if kind in ("alloc", "publish"):
+                if kind in ("alloc", "publish", "dedup"):
                     blocks.add(event[-1])  # type: ignore[arg-type]
         n = self.config.num_blocks
         return {b for b in blocks if 0 <= b < n}, reqs
@@ -464,7 +464,8 @@ def check_path(path: str | Path, check_every: int = 1, engine: str = "fast") -> 
     ``spec``."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
-    if engine == "fast" and check_every == 1:
+    observed = judging_of(path) == "observed"
+    if engine == "fast" and check_every == 1 and not observed:
         return _check_path_fast(path)
     started = time.perf_counter()
     name = str(path)
@@ -472,15 +473,23 @@ def check_path(path: str | Path, check_every: int = 1, engine: str = "fast") -> 
     checker: Checker | None = None
     try:
         config, events = _events(path)
-        checker = Checker(config, check_every)
+        if observed:
+            from .observed import ObservedChecker
+
+            if check_every != 1:
+                raise ValueError("an observed trace is checked after every decision")
+            checker = ObservedChecker(config)
+        else:
+            checker = Checker(config, check_every)
         for line, event, hash_ in events:
-            if checker.decisions == 0 and event[0] not in ACTIONS:
+            if checker.events_seen == 0 and event[0] not in ACTIONS:
                 raise TraceError(path, line, f"effect {event[0]!r} before any decision")
             try:
                 if checker.feed(event, line, hash_) is not None:
                     break
             except UnknownId as err:
-                raise TraceError(path, line, str(err)) from None
+                at = getattr(err, "line", line)
+                raise TraceError(path, at, str(err)) from None
         else:
             checker.finish(line + 1)
     except TraceError as err:
@@ -563,7 +572,7 @@ def report_of(checker: Checker, name: str, seconds: float = 0.0) -> Report:
             ids: Iterable[object] = (event[2],)
         elif kind in ("evict", "unpublish", "free"):
             ids = (event[1],)
-        elif kind in ("alloc", "publish"):
+        elif kind in ("alloc", "publish", "dedup"):
             ids = (event[-1],)
         elif kind == "hit":
             ids = event[2]  # type: ignore[assignment]
@@ -600,6 +609,7 @@ MARKERS = {
     "unpublish": ("x", "tab:brown", "unpublished"),
     "evict": ("X", "tab:gray", "evicted"),
     "free": ("P", "black", "freed"),
+    "dedup": ("*", "tab:pink", "deduplicated onto"),
 }
 
 

@@ -17,6 +17,7 @@ REQUEST_FIELDS = {
     "publish": 1,
     "load_failed": 1,
     "finish": 1,
+    "dedup": 1,
 }
 STEP_FIELDS = ("submit", "execute", "commit")
 

@@ -16,9 +16,20 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvspec.spec import ACTIONS, Illegal, apply, check, running_tables, tables_append_only
+from kvspec.spec import (
+    ACTIONS,
+    Config,
+    Illegal,
+    apply,
+    check,
+    running_tables,
+    tables_append_only,
+)
+from kvspec.spec.incremental import Footprint
 from kvspec.spec.observed import engine_effect, steer
 
+from .checker import Checker
+from .ids import UnknownId
 from .lockstep import Event, Finding, Judge
 
 
@@ -90,10 +101,119 @@ class ObservedJudge(Judge):
         return None
 
     def _sanction(self, effect: Event) -> None:
-        """A dedup changed a running table in place: make the snapshot agree, so TablesAppendOnly
-        judges only the rest of the change."""
-        rid, index, block = effect[1], effect[2], effect[3]
-        assert isinstance(rid, int) and isinstance(index, int) and isinstance(block, int)
-        table = self._tables.get(rid)
-        if table is not None and index < len(table):
-            self._tables[rid] = table[:index] + (block,) + table[index + 1 :]
+        sanction(self._tables, effect)
+
+
+def sanction(tables: dict[int, tuple[int, ...]], effect: Event) -> None:
+    """A dedup changed a running table in place: make the snapshot agree, so TablesAppendOnly
+    judges only the rest of the change."""
+    rid, index, block = effect[1], effect[2], effect[3]
+    assert isinstance(rid, int) and isinstance(index, int) and isinstance(block, int)
+    table = tables.get(rid)
+    if table is not None and index < len(table):
+        tables[rid] = table[:index] + (block,) + table[index + 1 :]
+
+
+class ObservedChecker(Checker):
+    """The streaming ``Checker`` judging as ``ObservedJudge`` does, for trace files whose header
+    says ``"judging": "observed"``: each decision is held until its effects are in (the next
+    decision or ``finish``), the engine's legal choices are steered into the spec, the engine's
+    own effects are applied where they come, and the invariants (full definitions) are checked
+    once the decision and all its effects are in. File lines, ids, hashes, rings and reports are
+    the ``Checker``'s. The fast model judges strict traces only, so these run on the spec."""
+
+    judges_engine_registrations = True
+
+    def __init__(self, config: Config, history: int = 50, retired_requests: int = 256) -> None:
+        super().__init__(config, 1, history, retired_requests, incremental=False)
+        self.own_effects = engine_effects(config.policy)
+        self.pending: list[tuple[Event, int, str | None]] = []
+        self._holding = False
+        self._held: Footprint | None = None
+
+    def feed(  # type: ignore[override]
+        self, event: Event, line: int | None = None, hash_: str | None = None
+    ) -> Finding | None:
+        """Hold ``event``; a decision first judges the one held before it. A finding surfaces
+        at the next decision or at ``finish``, with the line of the event that caused it.
+        ``UnknownId`` carries that event's line (``line``)."""
+        if self.finding is not None:
+            return self.finding
+        if line is None:
+            line = self.events_seen + len(self.pending) + 1
+        if event[0] in ACTIONS:
+            if self._flush() is not None:
+                return self.finding
+        elif not self.pending:
+            return super().feed(event, line, hash_)  # an effect before any decision
+        self.pending.append((event, line, hash_))
+        return None
+
+    def finish(self, line: int | None = None) -> Finding | None:
+        if self._flush() is not None:
+            return self.finding
+        return super().finish(line)
+
+    def _flush(self) -> Finding | None:
+        if self.finding is not None or not self.pending:
+            return self.finding
+        (decision, line, hash_), effects = self.pending[0], self.pending[1:]
+        self.pending = []
+        index = self.events_seen
+        try:
+            try:
+                steer(self.state, decision, [effect for effect, _, _ in effects])
+            except Illegal as err:
+                self.events_seen += 1
+                self._line, self._event = line, decision
+                return self._found("Illegal", str(err), index)
+            self._holding = True
+            super().feed(decision, line, hash_)
+            self._holding = False
+            for effect, at, effect_hash in effects:
+                if self.finding is not None:
+                    return self.finding
+                if self.expected and effect == self.expected[0]:
+                    super().feed(effect, at, effect_hash)
+                elif effect[0] in self.own_effects:
+                    self._engine_effect(effect, at, effect_hash)
+                else:
+                    super().feed(effect, at, effect_hash)  # the disagreement
+        except UnknownId as err:
+            err.line = self._line
+            raise
+        finally:
+            self._holding = False
+        if self.finding is None:
+            self._line, self._event = line, decision
+            if self.expected:
+                return self._found("Disagreement", f"missing effect {self.expected[0]}", index)
+            held, self._held = self._held, None
+            if held is not None:
+                super()._check(held, index)
+        return self.finding
+
+    def _check(self, fp: Footprint, index: int) -> Finding | None:
+        if self._holding:  # the decision's effects are not all in yet
+            self._held = fp
+            return None
+        return super()._check(fp, index)
+
+    def _engine_effect(self, effect: Event, line: int, hash_: str | None) -> Finding | None:
+        index = self.events_seen
+        self.events_seen += 1
+        self._line, self._event = line, effect
+        kind = effect[0]
+        self._check_ids(kind, effect)
+        try:
+            engine_effect(self.state, effect)
+        except Illegal as err:
+            return self._found("Illegal", str(err), index)
+        self._remember_effect(effect, kind, line)
+        if kind == "dedup":
+            sanction(self._tables, effect)
+        elif kind == "unpublish":
+            self._drop_hash(effect[1])  # type: ignore[arg-type]
+        elif hash_ is not None:
+            return self._check_hash(effect, hash_, index)
+        return None

@@ -36,6 +36,10 @@ MODEL_FIELDS = (
     "stop_token",
 )
 REASONS = ("length", "stop", "abort")
+JUDGING = ("strict", "observed")
+"""How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
+modes"): observed for engines whose pool picks other free blocks or duplicates than the spec's, or
+that register on their own (policy ``engine-registers``)."""
 
 # Field types: "id" a non-negative int (request or step id), "block" a block id in
 # 0 .. num_blocks - 1, "nat" an int >= 0, "int" any int, "tokens" a non-empty list of ints >= 0,
@@ -61,6 +65,7 @@ FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
     "free": (("block", "block"),),
     "load_failed": (("req", "id"),),
     "finish": (("req", "id"), ("reason", "reason")),
+    "dedup": (("req", "id"), ("index", "nat"), ("block", "block")),
 }
 OPTIONAL = {"publish": ("hash",)}
 DECISIONS = frozenset(
@@ -82,8 +87,10 @@ class TraceError(ValueError):
         self.path, self.line, self.message = str(path), line, message
 
 
-def header_for(config: Config, engine: tuple[str, str]) -> dict[str, object]:
-    return {
+def header_for(
+    config: Config, engine: tuple[str, str], judging: str = "strict"
+) -> dict[str, object]:
+    header: dict[str, object] = {
         "format": FORMAT,
         "version": VERSION,
         "engine": {"name": engine[0], "version": engine[1]},
@@ -93,6 +100,9 @@ def header_for(config: Config, engine: tuple[str, str]) -> dict[str, object]:
         "guarantees": {name: True for name in GUARANTEES},
         "model": {name: getattr(config, name) for name in MODEL_FIELDS},
     }
+    if judging != "strict":
+        header["judging"] = judging
+    return header
 
 
 def to_json(event: Event, hash_: str | None = None) -> dict[str, object]:
@@ -114,9 +124,11 @@ def write_trace(
     events: Iterable[Event],
     engine: tuple[str, str] | None = None,
     hashes: bool = False,
+    judging: str = "strict",
 ) -> int:
     """Write a v1 trace; return the number of events. With ``hashes``, every publish carries an
-    opaque chained hash (blake2b of the block's token prefix), as a real engine's would."""
+    opaque chained hash (blake2b of the block's token prefix), as a real engine's would.
+    ``judging``: how the trace must be judged (``JUDGING``)."""
     if engine is None:
         from kvspec import __version__
 
@@ -125,7 +137,7 @@ def write_trace(
     count = 0
     bsz = config.block_size
     with open(path, "wb") as out:
-        out.write(orjson.dumps(header_for(config, engine)) + b"\n")
+        out.write(orjson.dumps(header_for(config, engine, judging)) + b"\n")
         for event in events:
             hash_ = None
             if hashes:
@@ -199,17 +211,30 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer')
-    if model.get("policy") in OBSERVED_POLICIES:
-        raise bad(
-            f"policy {model['policy']} is judged live through an adapter only "
-            "(docs/adapters.md); kvspec check judges trace files strictly"
-        )
+    judging = header.get("judging", "strict")
+    if judging not in JUDGING:
+        raise bad(f'"judging" must be one of {", ".join(JUDGING)}, got {judging!r}')
+    if model.get("policy") in OBSERVED_POLICIES and judging != "observed":
+        raise bad(f'policy {model["policy"]} needs "judging": "observed" (docs/adapters.md)')
     if model.get("stop_token") is not None and not _is_int(model["stop_token"]):
         raise bad('"model.stop_token" must be an integer or null')
     try:
         return Config(header["num_blocks"], header["block_size"], **model)
     except (ValueError, TypeError) as err:
         raise bad(f"bad model: {err}") from None
+
+
+def judging_of(path: str | Path) -> str:
+    """The header's ``"judging"`` (``strict`` when absent or unreadable: ``parse_header``
+    reports what is wrong with a header)."""
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        header = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return "strict"
+    judging = header.get("judging", "strict") if isinstance(header, dict) else "strict"
+    return judging if judging in JUDGING else "strict"
 
 
 def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:

@@ -7,12 +7,16 @@ engine following it emits them, and the engine's own registrations at the place 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import orjson
 import pytest
 
+from kvspec.conformance.checker import Report, check_path
 from kvspec.conformance.fastmodel import FastChecker
 from kvspec.conformance.lockstep import Judge
 from kvspec.conformance.observed import ObservedJudge
-from kvspec.conformance.trace import TraceError, parse_header
+from kvspec.conformance.trace import TraceError, parse_header, write_trace
 from kvspec.spec import Config
 
 ER = Config(num_blocks=8, block_size=4, policy="engine-registers", discipline="general")
@@ -144,5 +148,70 @@ def test_only_the_observed_judge_takes_engine_registers() -> None:
         b'"steps_execute_in_order":true,"submitted_steps_write":true},'
         b'"model":{"policy":"engine-registers"}}'
     )
-    with pytest.raises(TraceError, match="judged live through an adapter only"):
+    with pytest.raises(TraceError, match='needs "judging": "observed"'):
         parse_header(header, "t.jsonl")
+
+
+# -- trace files: "judging": "observed" ---------------------------------------------------------
+
+
+def _check(
+    tmp_path: Path, events: list[tuple[object, ...]], config: Config, judging: str
+) -> Report:
+    path = tmp_path / f"{judging}.jsonl"
+    write_trace(path, config, events, hashes=True, judging=judging)
+    return check_path(path)
+
+
+def test_kvspec_check_judges_an_engine_registers_trace_as_observed(tmp_path: Path) -> None:
+    report = _check(tmp_path, BOTH_ADMITTED + INSERT_BOTH + DECODE_BOTH, ER, "observed")
+    assert report.exit_code == 0, report.text()
+    assert report.events == len(BOTH_ADMITTED + INSERT_BOTH + DECODE_BOTH)
+
+
+def test_kvspec_check_reports_an_observed_violation_at_its_decision(tmp_path: Path) -> None:
+    events = BOTH_ADMITTED[:7] + [("publish", 0, 0, 1), ("preempt", 0), ("free", 2), ("free", 1)]
+    report = _check(tmp_path, events, ER, "observed")
+    assert report.exit_code == 1 and report.invariant == "NoUnwrittenPublish"
+    assert report.line == 2 + events.index(("preempt", 0))  # line 1 is the header
+    assert (9, "publish r0[0] as block 1") in report.history
+
+
+def test_an_engine_with_its_own_pool_order_needs_observed_judging(tmp_path: Path) -> None:
+    """The engine hands out blocks 3 and 1 where the spec's queue head gives 1 and 2: strict
+    judging calls it a disagreement, observed judging accepts the legal choice."""
+    config = Config(num_blocks=6, block_size=4, policy="eager-unsafe", token_budget=16)
+    events = [("arrive", 0, (1, 2, 3, 4, 5), 2, 0), ("begin", 0), ("schedule", 0, 5, 0)]
+    events += [("hit", 0, ()), ("alloc", 0, 3), ("alloc", 0, 1), ("publish", 0, 0, 3)]
+    events += [("submit", 0), ("execute", 0, ()), ("commit", 0, ((0, 7),))]
+    strict = _check(tmp_path, events, config, "strict")
+    assert strict.exit_code == 1 and strict.invariant == "Disagreement"
+    assert _check(tmp_path, events, config, "observed").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "header_change, fragment",
+    [
+        ({"judging": "loose"}, '"judging" must be one of strict, observed'),
+        ({"judging": "strict"}, 'needs "judging": "observed"'),
+    ],
+)
+def test_bad_judging_headers_are_refused(
+    tmp_path: Path, header_change: dict[str, str], fragment: str
+) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, ER, BOTH_ADMITTED, judging="observed")
+    lines = path.read_bytes().splitlines()
+    header = orjson.loads(lines[0]) | header_change
+    path.write_bytes(b"\n".join([orjson.dumps(header), *lines[1:]]) + b"\n")
+    report = check_path(path)
+    assert report.exit_code == 2 and report.error is not None
+    assert report.error.startswith(f"{path}:1: ") and fragment in report.error
+
+
+def test_an_unknown_request_in_an_engine_effect_names_its_line(tmp_path: Path) -> None:
+    events = BOTH_ADMITTED + [("publish", 0, 0, 1), ("dedup", 7, 0, 1), ("begin", 1)]
+    report = _check(tmp_path, events, ER, "observed")
+    assert report.exit_code == 2 and report.error is not None
+    assert report.error.startswith(f"{tmp_path / 'observed.jsonl'}:{2 + len(BOTH_ADMITTED) + 1}:")
+    assert "r7 never arrived" in report.error
