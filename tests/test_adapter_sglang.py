@@ -42,7 +42,7 @@ def test_sglang_inserts_deduplicates_evicts_and_retracts_as_the_spec_allows() ->
 
 def test_kvspec_fuzz_finds_nothing_in_sglang() -> None:
     argv = ["-m", "kvspec", "fuzz", "--target", TARGET, "--policy", "engine-registers"]
-    argv += ["--discipline", "general", "--depth", "1", "--seconds", "20", "--seed", "0"]
+    argv += ["--discipline", "general", "--depth", "1", "--seconds", "10", "--seed", "0"]
     done = _run(*argv)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "no counterexample" in done.stdout
