@@ -179,6 +179,8 @@ def supported(config: Config) -> str | None:
         )
     if config.discipline != "general":
         return f"SGLang retracts the request with the fewest outputs: discipline general, not {config.discipline}"
+    if config.preemption != "fcfs":
+        return "SGLang's default scheduling and retraction ignore priorities: preemption fcfs"
     if config.depth != 1:
         return f"the adapter runs SGLang's scheduler without overlap (depth 1), not {config.depth}"
     if config.stop_token not in (None, 0):
@@ -512,6 +514,8 @@ class SglangAdapter:
             self.events.append(("finish", victim.id, "abort"))
             self._aborted = self.events[start:]
             del self.events[start:]
+        if not batch:
+            return []
         seq_lens = torch.tensor([r.kv.kv_allocated_len + 1 for r in batch], dtype=torch.int64)
         last_loc = torch.tensor([self._slot(r, r.kv.kv_allocated_len - 1) for r in batch])
         evict_from_tree_cache(self.tree, self._decode_pages(batch) * self.page_size)
