@@ -23,16 +23,19 @@ SGLang call (``sglang.srt.mem_cache``)      when (SGLang's scheduler)
 ``common.release_kv_cache(checkpoint=1)``   a request's last result (``cache_finished_req``)
 ==========================================  ====================================================
 
-Events come from wrapping methods of the real objects on the instance: ``kv_events.record_store``
-(a new tree node: ``publish`` of each of its pages, at their position in the request's key),
-``kv_events.record_remove`` (an evicted node: ``evict`` before its page is allocated again in the
-same decision, else ``unpublish``), ``tree.checkpoint`` (rows it repointed at the tree's pages:
-``dedup``, while the request runs; at finish its copies are simply freed), ``allocator.alloc_extend``
-/ ``alloc_decode`` (``alloc`` of the pages new to a row), ``tree.match_prefix`` (``hit``). Nothing
-of SGLang's logic is reimplemented: which pages are matched, allocated, evicted, inserted or
-deduplicated is SGLang's. The request record (``_Req``) is the adapter's: the fields SGLang's
-functions read from a ``Req`` (``schedule_batch.Req`` needs a server's arguments to build); its
-``kv`` is SGLang's own ``ReqKvInfo``.
+Events come from wrapping methods of the real objects on the instance: the tree's KV-event
+recorder (``record_store``: a new tree node, ``publish`` of each of its pages at their position in
+the request's key; ``record_remove``: an evicted node, ``evict`` of a page allocated again in the
+same decision, else ``unpublish``) and ``RadixCache.checkpoint`` (row positions it repointed at the
+tree's pages: ``dedup`` while the request runs; at finish its copies are simply freed). ``hit`` is
+the path ``match_kv_cache`` locked, ``alloc`` the pages SGLang's allocator wrote into a row past
+what it held, ``free`` the row's pages that ``release_kv_cache`` gave back (in reverse order, as
+the spec frees a table). Nothing of SGLang's logic is reimplemented: which pages are matched,
+allocated, evicted, inserted or deduplicated is SGLang's. ``self_check`` (run by the fuzzer after
+every rule) compares the pages the events registered with the pages in SGLang's tree. The request
+record (``_Req``) is the adapter's: the fields SGLang's functions read from a ``Req``
+(``schedule_batch.Req`` needs a server's arguments to build); its ``kv`` is SGLang's own
+``ReqKvInfo``.
 
 How SGLang maps onto the spec (``docs/adapters.md``): policy ``engine-registers`` (SGLang inserts
 into its tree after a prefill's result and at finish, and deduplicates on insert), discipline
@@ -280,6 +283,8 @@ class SglangAdapter:
         self._evicted: list[int] = []  # pages of nodes evicted, not yet reported
         self._finishing = False
         self._aborted: list[Event] = []  # an out-of-memory abort, emitted before the step
+        self._published: set[int] = set()  # for self_check: pages the events registered
+        self._seen = 0
         self._wrap()
 
     # -- the protocol ---------------------------------------------------------------------------
@@ -378,6 +383,25 @@ class SglangAdapter:
                 for page in self._row(req)[req.kv.cache_protected_len // self.page_size :]:
                     refcounts[page] += 1
         return tuple(refcounts), tuple(sorted(free))
+
+    def self_check(self) -> str | None:
+        """Cross-check the wrappers with SGLang's tree: the pages the events registered and did
+        not drop (``publish`` less ``evict``, ``unpublish``, ``reset``) are the tree's pages."""
+        for event in self.events[self._seen :]:
+            if event[0] == "publish":
+                self._published.add(event[3])  # type: ignore[arg-type]
+            elif event[0] in ("evict", "unpublish"):
+                self._published.discard(event[1])  # type: ignore[arg-type]
+            elif event[0] == "reset":
+                self._published.clear()
+        self._seen = len(self.events)
+        tree = {page for page, _ in self._tree_pages()}
+        if tree != self._published:
+            return (
+                f"SGLang's tree holds pages {sorted(tree)}; the events registered "
+                f"{sorted(self._published)}"
+            )
+        return None
 
     # -- the scheduler loop (SGLang's order) ----------------------------------------------------
 
