@@ -45,13 +45,15 @@ A page's reference count is its tree node's ``lock_ref`` (the requests whose loc
 or, for a page outside the tree, the number of requests whose row holds it; the free set is the
 allocator's free pages and the unlocked tree pages (evictable, like the spec's cached free blocks).
 
-Simplifications, each the adapter's and none SGLang's logic: admission takes a waiting request
-when its new pages fit in the free and evictable pages (SGLang's ``PrefillAdder`` also reserves
-room for decoding, which only makes retraction rarer); a request's ``max_tokens`` is clipped as
-SGLang's ``max_new_tokens_for_memory`` does at arrival (so one request alone always fits: SGLang's
-out-of-memory abort of the last decoding request cannot happen, and the spec could not express it:
-an engine abort while a step is being built); an abort of a request in the step in flight is
-refused (SGLang defers it to the step's result).
+Simplifications, each the adapter's and none SGLang's memory logic: admission follows
+``PrefillAdder``'s memory budget in a reduced form (the free and evictable tokens, less the running
+requests' remaining ``max_new_tokens`` times SGLang's initial ``new_token_ratio``, must hold the new
+request's prompt, its ``max_new_tokens`` and a page); a request's ``max_tokens`` is clipped at
+arrival as SGLang's ``max_new_tokens_for_memory`` does; an abort of a request in the step in
+flight is refused (SGLang defers it to the step's result). When even the last decoding request
+does not fit, SGLang aborts it while building the batch, which the spec cannot say (its ``abort``
+is illegal while a step is building): the adapter emits that abort just before the step's
+``begin`` (``docs/adapters.md``).
 """
 
 from __future__ import annotations
