@@ -39,8 +39,13 @@ VLLM_STAMP := $(VLLM_VENV)/.stamp
 # type of its Config), not torch; --no-deps keeps out torch and triton.
 NANO_VENV  := .venv-nano
 NANO_STAMP := $(NANO_VENV)/.stamp
+# SGLang 0.5.23: --no-deps over our CPU torch (its list pulls CUDA torch and kernels), then what
+# the import of its RadixCache, paged allocator and req-to-token pool needs on a CPU
+# (thirdparty/sglang-requirements.txt), always under the CPU torch pin.
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.stamp
 
-thirdparty: $(VLLM_STAMP) $(NANO_STAMP)
+thirdparty: $(VLLM_STAMP) $(NANO_STAMP) $(SGLANG_STAMP)
 
 $(VLLM_STAMP): thirdparty/vllm-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -61,6 +66,17 @@ $(NANO_STAMP): thirdparty/nano-requirements.txt thirdparty/kvspec-runtime.txt py
 	$(NANO_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(NANO_VENV)/bin/python -c "import kvspec.conformance.adapters.nano_vllm_adapter"
 	touch $(NANO_STAMP)
+
+$(SGLANG_STAMP): thirdparty/sglang-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+		-r thirdparty/sglang-requirements.txt -r thirdparty/kvspec-runtime.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(SGLANG_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
+	$(SGLANG_VENV)/bin/python -c "import kvspec.conformance.adapters.sglang_adapter"
+	touch $(SGLANG_STAMP)
 
 # HypoFuzz campaigns over tests/fuzz_targets.py (docs/fuzzing.md): its own venv, since
 # hypofuzz 25.11.1 needs hypothesis 6.148.2. Not part of CI.
@@ -95,5 +111,5 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) .venv-hypofuzz build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) $(SGLANG_VENV) .venv-hypofuzz build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -3,13 +3,14 @@ by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
 
 ``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
 ``none`` with the number of events and their kinds (and, for vLLM, how many stale outputs of
-preempted requests came back). ENGINE is ``vllm`` or ``nano``; CASE is ``seed`` (vLLM: the seed
-bug's shrunk counterexample), ``seed2`` (the same bug with a batch queue of 2 steps), ``stale``
-(vLLM at depth 2, default and drop mode: a request preempted while a submitted step holds it),
-``clean3`` (vLLM's drop mode at depth 3), ``async`` (vLLM's async scheduling, whose first
-decode is scheduled before its token is known, which the spec refuses), ``cached`` (nano: a prompt cached whole), ``preempted``
-(nano: a preempted sequence left in the running queue) or ``clean`` (a shared-prefix workload the
-engine must handle without a finding).
+preempted requests came back). ENGINE is ``vllm``, ``nano`` or ``sglang``; CASE is ``seed``
+(vLLM: the seed bug's shrunk counterexample), ``seed2`` (the same bug with a batch queue of 2
+steps), ``stale`` (vLLM at depth 2, default and drop mode: a request preempted while a submitted
+step holds it), ``clean3`` (vLLM's drop mode at depth 3), ``async`` (vLLM's async scheduling,
+whose first decode is scheduled before its token is known, which the spec refuses), ``cached``
+(nano: a prompt cached whole), ``preempted`` (nano: a preempted sequence left in the running
+queue), ``retract`` (SGLang: a decode batch that does not fit, so SGLang retracts a request) or
+``clean`` (a shared-prefix workload the engine must handle without a finding).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Ones:
         return self.tokens.pop(0) if self.tokens else 1
 
 
-ADAPTERS = {"vllm": "vllm_adapter", "nano": "nano_vllm_adapter"}
+ADAPTERS = {"vllm": "vllm_adapter", "nano": "nano_vllm_adapter", "sglang": "sglang_adapter"}
 
 
 def run(
@@ -44,7 +45,8 @@ def run(
     **cell: object,
 ) -> None:
     module = importlib.import_module(f"kvspec.conformance.adapters.{ADAPTERS[engine]}")
-    config = Config(policy="eager-unsafe", stop_token=0, **cell)  # type: ignore[arg-type]
+    cell = {"policy": "eager-unsafe", "stop_token": 0, **cell}
+    config = Config(**cell)  # type: ignore[arg-type]
     adapter = getattr(module, factory)(config, Ones(tokens))
     observed = getattr(adapter, "judging", "strict") == "observed"
     judge = (ObservedJudge if observed else Judge)(adapter.config)
@@ -116,6 +118,14 @@ VLLM = dict(preemption="priority", num_blocks=8, block_size=2, token_budget=6, m
 NANO = dict(discipline="general", num_blocks=8, block_size=2, token_budget=6, max_running=3)
 STALE_CELL = dict(preemption="fcfs", num_blocks=4, block_size=2, token_budget=3, max_running=2)
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
+SGLANG = dict(policy="engine-registers", discipline="general")
+RETRACT = [  # three requests in 7 pages of 2 tokens: admitted on SGLang's estimate (70% of their
+    # remaining tokens), their decode batch runs out of pages and SGLang retracts one
+    ("arrive", (0, (2, 2, 1, 1, 3, 3, 2, 3), 3, 0)),
+    ("arrive", (1, (3, 1, 3, 1, 2, 1), 3, 0)),
+    ("arrive", (2, (2, 2, 1, 1, 1), 3, 0)),
+    ("step", (60,)),
+]
 
 if __name__ == "__main__":
     engine = sys.argv[1]
@@ -136,6 +146,12 @@ if __name__ == "__main__":
             run(engine, CACHED, **NANO)
         elif case == "preempted":
             run(engine, PREEMPTED, **dict(NANO, num_blocks=4))
+        elif case == "retract":
+            run(
+                engine, RETRACT, **SGLANG, num_blocks=8, block_size=2, token_budget=6, max_running=4
+            )
+        elif engine == "sglang":
+            run(engine, CLEAN, **SGLANG, **BIG)
         elif engine == "vllm":
             run(engine, CLEAN, preemption="fcfs", **BIG)
         else:
