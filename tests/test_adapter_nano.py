@@ -34,6 +34,7 @@ def test_a_prompt_cached_whole_is_scheduled_with_nothing_to_compute() -> None:
     cached, clean = done.stdout.splitlines()
     assert cached.startswith("Illegal: schedule r1 in step 0: either compute tokens"), cached
     assert clean.startswith("none") and "unpublish" in clean, clean
+    assert clean.endswith("file 0"), clean  # the same events hold as an observed trace file
 
 
 def test_a_preempted_sequence_stays_in_the_running_queue() -> None:

@@ -36,6 +36,7 @@ def test_sglang_inserts_deduplicates_evicts_and_retracts_as_the_spec_allows() ->
     clean, retract = done.stdout.splitlines()[-2:]
     assert clean.startswith("none"), clean
     assert {"dedup", "publish", "hit"} <= set(clean.split()[2:]), clean
+    assert clean.endswith("file 0"), clean  # the same events hold as an observed trace file
     assert retract.startswith("none"), retract
     assert {"preempt", "evict", "unpublish"} <= set(retract.split()[2:]), retract
 

@@ -51,9 +51,11 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     assert seed2.startswith("NoUnwrittenPublish: block 3 is published"), seed2
     for line in (clean, clean3):
         assert line.startswith("none") and "publish" in line and "hit" in line, line
+        assert line.endswith("file 0"), line  # as a trace file, kvspec check agrees
     assert len(stale) == 2, stale
     for line in stale:
-        assert line.startswith("none") and "preempt" in line and line.endswith("stale 1"), line
+        assert line.startswith("none") and "preempt" in line, line
+        assert line.endswith("file 0 stale 1"), line
 
 
 def test_kvspec_fuzz_finds_the_seed_bug_in_vllm() -> None:

@@ -2,8 +2,9 @@
 by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
 
 ``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
-``none`` with the number of events and their kinds (and, for vLLM, how many stale outputs of
-preempted requests came back). ENGINE is ``vllm``, ``nano`` or ``sglang``; CASE is ``seed``
+``none`` with the number of events, their kinds, ``file`` and the exit code of ``kvspec check``
+on the same events written as a trace file (and, for vLLM, how many stale outputs of preempted
+requests came back). ENGINE is ``vllm``, ``nano`` or ``sglang``; CASE is ``seed``
 (vLLM: the seed bug's shrunk counterexample), ``seed2`` (the same bug with a batch queue of 2
 steps), ``stale`` (vLLM at depth 2, default and drop mode: a request preempted while a submitted
 step holds it), ``clean3`` (vLLM's drop mode at depth 3), ``async`` (vLLM's async scheduling,
@@ -17,9 +18,13 @@ from __future__ import annotations
 
 import importlib
 import sys
+import tempfile
+from pathlib import Path
 
+from kvspec.conformance.checker import check_path
 from kvspec.conformance.lockstep import Judge
 from kvspec.conformance.observed import ObservedJudge
+from kvspec.conformance.trace import write_trace
 from kvspec.spec import Config
 
 
@@ -73,7 +78,20 @@ def run(
             return
     kinds = sorted({str(e[0]) for e in adapter.events})
     stale = getattr(adapter, "stale_outputs", 0)
-    print("none", len(adapter.events), " ".join(kinds), *(["stale", stale] if stale else []))
+    # The same events as a trace file, judged by `kvspec check` (observed or strict, as above).
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.jsonl"
+        judging = "observed" if observed else "strict"
+        write_trace(path, adapter.config, adapter.events, hashes=True, judging=judging)
+        checked = check_path(path).exit_code
+    print(
+        "none",
+        len(adapter.events),
+        " ".join(kinds),
+        "file",
+        checked,
+        *(["stale", stale] if stale else []),
+    )
 
 
 SEED = [  # the shrunk counterexample kvspec fuzz found in vLLM 0.33.0 (docs/adapters.md)
