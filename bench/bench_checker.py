@@ -160,7 +160,10 @@ MONITORS: dict[str, dict[str, object] | None] = {
     "engine + Monitor (sync, engine fast)": {"engine": "fast"},
     "engine + Monitor (sync, engine spec)": {"engine": "spec"},
     "engine + Monitor (background=True)": {"background": True},
+    "engine + Monitor (background, depth 64)": {"background": True, "queue_depth": 64},
 }
+"""The last one holds the whole run in its queue: its engine-thread time is the cost of feeding
+alone (buffer, pickle, pipe), i.e. what an engine pays while the judge keeps up."""
 
 
 def child_cpu(pid: int) -> float:
@@ -174,10 +177,14 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def monitored_run(requests: int, options: dict[str, object] | None) -> tuple[float, float, float]:
+def monitored_run(
+    requests: int, options: dict[str, object] | None, step_seconds: float = 0.0
+) -> tuple[float, float, float, float]:
     """Run the engine on ``requests`` requests, feeding a Monitor (``options``) or not: (seconds
     of the engine's thread up to its last ``feed``, wall seconds up to the verdict of ``close``,
-    CPU seconds of this process and of a background judge over the run). The Monitor is made
+    CPU seconds of this process, and of this process and a background judge together). ``step_seconds``: a
+    sleep after every engine step, standing for the model's forward pass (the GPU's time, when
+    the engine's thread waits). The Monitor is made
     before the clock starts, as an engine makes it at start-up; a background judge's CPU time
     before the run (starting its interpreter) is not counted."""
     engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
@@ -193,14 +200,16 @@ def monitored_run(requests: int, options: dict[str, object] | None) -> tuple[flo
         if watch is not None:
             watch.feed_all(sink)
         sink.clear()
+        if step_seconds:
+            time.sleep(step_seconds)
     if watch is not None:
         watch.feed_all(sink)
     engine_done = time.perf_counter()
     if watch is not None:
         watch.close()
     wall = time.perf_counter() - started
-    cpu = time.process_time() - cpu + children_cpu() - judge_before
-    return engine_done - started, wall, cpu
+    cpu = time.process_time() - cpu
+    return engine_done - started, wall, cpu, cpu + children_cpu() - judge_before
 
 
 def monitor_start_seconds(rounds: int) -> float:
@@ -213,31 +222,35 @@ def monitor_start_seconds(rounds: int) -> float:
     return statistics.median(times)
 
 
-def monitor_overhead(requests: int, rounds: int) -> None:
+def monitor_overhead(requests: int, rounds: int, step_ms: float = 0.0) -> None:
     """Part 4: each Monitor mode against the engine alone, interleaved rounds, medians."""
-    runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label in MONITORS}
+    runs: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label in MONITORS}
     for _ in range(rounds):
         for label, options in MONITORS.items():
-            runs[label].append(monitored_run(requests, options))
+            runs[label].append(monitored_run(requests, options, step_ms / 1000))
     med = {
-        label: [statistics.median(r[i] for r in runs[label]) for i in range(3)] for label in runs
+        label: [statistics.median(r[i] for r in runs[label]) for i in range(4)] for label in runs
     }
     alone = med["engine alone (recording events)"]
-    events = sum(1 for _ in engine_events_of(requests))
+    events = engine_events_of(requests)
+    steps = sum(1 for event in events if event[0] == "commit")
+    model = f", a {step_ms} ms sleep per step for the model" if step_ms else ""
     print(
-        f"monitor overhead on the reference engine ({requests} requests, {events:,} events, "
+        f"monitor overhead on the reference engine ({requests} requests, {len(events):,} events, "
+        f"{steps:,} steps{model}, "
         f"median of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.2f} on "
         f"{os.cpu_count()} cores):"
     )
     print(
-        f"  {'':40s} {'engine thread':>13s} {'wall to verdict':>16s} {'overhead':>9s} "
-        f"{'CPU (all procs)':>16s} {'overhead':>9s}"
+        f"  {'':40s} {'engine thread':>13s} {'wall to verdict':>16s} {'+':>5s} "
+        f"{'CPU engine proc':>16s} {'+':>5s} {'CPU all procs':>14s} {'+':>5s}"
     )
     for label in MONITORS:
-        thread, wall, cpu = med[label]
+        thread, wall, cpu, total = med[label]
         print(
-            f"  {label:40s} {thread:11.3f} s {wall:14.3f} s {100 * (wall / alone[1] - 1):7.0f} % "
-            f"{cpu:14.3f} s {100 * (cpu / alone[2] - 1):7.0f} %"
+            f"  {label:40s} {thread:11.3f} s {wall:14.3f} s {100 * (wall / alone[1] - 1):4.0f}% "
+            f"{cpu:14.3f} s {100 * (cpu / alone[2] - 1):4.0f}% "
+            f"{total:12.3f} s {100 * (total / alone[3] - 1):4.0f}%"
         )
     print(
         f"  background Monitor: start-up and close with no events (once per engine): "
@@ -266,10 +279,13 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="reuse an existing --trace file")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--write-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="monitor part: sleep per step (the model)"
+    )
     parser.add_argument("--monitor-only", action="store_true", help="only part 4 (no trace needed)")
     args = parser.parse_args()
     if args.monitor_only:
-        monitor_overhead(args.requests, args.rounds)
+        monitor_overhead(args.requests, args.rounds, args.step_ms)
         return
     if args.memory_child:
         memory_child(Path(args.memory_child[0]), int(args.memory_child[1]), args.memory_child[2])
@@ -349,7 +365,7 @@ def main() -> None:
         if len(peaks) > 1:
             print(f"  {engine}: largest / smallest peak: {max(peaks) / min(peaks):.3f}")
 
-    monitor_overhead(args.requests, args.rounds)
+    monitor_overhead(args.requests, args.rounds, args.step_ms)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ events; a child process judges them with an ordinary synchronous ``Monitor`` (th
 its hand-over to the spec-based ``Checker`` for the report: no judging or report code here).
 
 The child is a fresh interpreter (``python -c``), started once, that reads pickled messages on
-its stdin and answers with single bytes on its stdout:
+its stdin (a reader thread takes them off the pipe at once, so the parent never waits on a full
+pipe) and answers with single bytes on its stdout:
 
 * parent -> child: the parent's ``sys.path``, then ``(config, monitor options)``, then batches
   ``(events, {index: hash})``, then ``None`` (close: give the verdict);
@@ -36,11 +37,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import select
 import subprocess
 import sys
+import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from .lockstep import Event, Finding
 
@@ -80,6 +83,7 @@ class Background:
             [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         self._finalizer = weakref.finalize(self, _kill, self.proc)
+        _widen(self.proc.stdin)
         self._in = self.proc.stdin
         self._out = self.proc.stdout.fileno()  # type: ignore[union-attr]
         self._unread = b""
@@ -184,6 +188,22 @@ class Background:
         return taken
 
 
+PIPE_BYTES = 1 << 20
+"""The pipe to the child is widened to this (Linux; at most ``/proc/sys/fs/pipe-max-size``): a
+batch of 1024 reference-engine events pickles to about 25 KB, so a full queue fits in it and a
+send does not wait for the child's reader thread, which gets the child's GIL only every few
+milliseconds while the judge runs."""
+
+
+def _widen(pipe: object) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # type: ignore[attr-defined]
+    except (ImportError, AttributeError, OSError):
+        pass  # not Linux, or a lower limit: the default pipe (64 KiB) works, more slowly
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -201,6 +221,23 @@ def _answer(out: object, tag: bytes, value: object) -> None:
     out.write(tag + len(payload).to_bytes(8, "little") + payload)  # type: ignore[attr-defined]
 
 
+_GONE = object()
+
+
+def _read(source: BinaryIO, inbox: queue.SimpleQueue[object]) -> None:
+    """The child's reader thread: take messages off the pipe as they come, so that the parent's
+    writes never wait on a full pipe while the judge is busy (the parent's queue depth bounds
+    what waits here)."""
+    try:
+        while True:
+            message = pickle.load(source)
+            inbox.put(message)
+            if message is None:
+                return
+    except Exception:  # noqa: BLE001 - end of input (or a torn message): the parent is gone
+        inbox.put(_GONE)
+
+
 def serve() -> None:
     """The child: judge batches with a synchronous ``Monitor`` until close or end of input."""
     out = os.fdopen(os.dup(1), "wb", buffering=0)
@@ -210,13 +247,14 @@ def serve() -> None:
     from .checker import Monitor
 
     monitor = Monitor(config, raise_on_finding=False, **options)
+    inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(source, inbox), daemon=True).start()
     out.write(b"s")
     finding: Finding | None = None
     try:
         while True:
-            try:
-                message = pickle.load(source)
-            except EOFError:
+            message = inbox.get()
+            if message is _GONE:
                 return  # the parent is gone
             if message is None:
                 if finding is None:
@@ -224,7 +262,7 @@ def serve() -> None:
                 _answer(out, b"r", (finding, monitor.report()))
                 return
             if finding is None:
-                events, hashes = message
+                events, hashes = message  # type: ignore[misc]
                 feed = monitor.feed
                 if hashes:
                     for i, event in enumerate(events):
