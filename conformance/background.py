@@ -103,6 +103,7 @@ class Background:
         """One batch to the child; at a finding (known from the child) the verdict instead."""
         if self.result is not None:
             return self.result[0]
+        self._alive()
         self._answers(block=False)
         while not self.found and self.sent - self.acked >= self.queue_depth:
             self._answers(block=True)
@@ -116,6 +117,7 @@ class Background:
     def finish(self, events: list[Event], hashes: dict[int, str]) -> Finding | None:
         """The last events, then the verdict (waits for the child to judge everything)."""
         if self.result is None:
+            self._alive()
             if events and not self.found:
                 self.send(events, hashes)
             if self.result is None:
@@ -130,11 +132,15 @@ class Background:
         """Kill the child (an exception in the engine's code: no verdict wanted)."""
         self._finalizer()
 
+    def _alive(self) -> None:
+        if not self._finalizer.alive:
+            raise JudgeDied("Monitor: the background judge was stopped (after an exception)")
+
     def _write(self, message: object) -> None:
         try:
             pickle.dump(message, self._in, pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
             self._in.flush()  # type: ignore[union-attr]
-        except (BrokenPipeError, OSError) as err:
+        except (OSError, ValueError) as err:  # a broken or closed pipe
             self.stop()
             raise JudgeDied(f"Monitor: the background judge died ({err}; see stderr)") from None
 

@@ -28,6 +28,7 @@ from test_checker import _corrupt
 from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
 
 from kvspec.cli import main
+from kvspec.conformance.background import JudgeDied
 from kvspec.conformance.checker import Checker, Monitor, Report, Violation, check_path
 from kvspec.conformance.fastmodel import FastChecker
 from kvspec.conformance.fastpath import FastPathDisagrees
@@ -468,6 +469,8 @@ def test_background_judge_dies_with_the_engine(tmp_path: Path) -> None:
             monitor.feed_all(events[:10])
             raise KeyError("the engine broke")
     assert monitor.background is not None and monitor.background.proc.poll() is not None
+    with pytest.raises(JudgeDied, match="stopped"):
+        monitor.close()
     script = tmp_path / "engine.py"
     script.write_text(
         "import os, signal, sys\n"
