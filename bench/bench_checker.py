@@ -19,12 +19,16 @@ judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker jud
    peak resident set size (``VmHWM``, interpreter included) and its throughput over those L
    events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
-   the engine feeding every event to a ``Monitor`` (each engine) as it runs, median of
-   ``--rounds`` rounds, interleaved.
+   the engine feeding every event to a ``Monitor`` as it runs (synchronous with each engine;
+   ``background=True``, with the default queue and with one that holds the whole run), median of
+   ``--rounds`` rounds, interleaved: the engine thread's time, the wall-clock to ``close()``'s
+   verdict, the CPU time of the engine's process and of it and the background judge together.
+   ``--step-ms`` sleeps after each engine step (a model's forward pass); ``--monitor-only`` runs
+   this part alone (no trace).
 
     .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
         [--every 16 64] [--memory 1000000 3000000 10000000] [--spec-memory 1000000]
-        [--requests 600] [--trace F --reuse]
+        [--requests 600] [--step-ms 0] [--trace F --reuse] [--monitor-only]
 """
 
 from __future__ import annotations
