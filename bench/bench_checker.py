@@ -19,12 +19,16 @@ judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker jud
    peak resident set size (``VmHWM``, interpreter included) and its throughput over those L
    events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
-   the engine feeding every event to a ``Monitor`` (each engine) as it runs, median of
-   ``--rounds`` rounds, interleaved.
+   the engine feeding every event to a ``Monitor`` as it runs (synchronous with each engine;
+   ``background=True``, with the default queue and with one that holds the whole run), median of
+   ``--rounds`` rounds, interleaved: the engine thread's time, the wall-clock to ``close()``'s
+   verdict, the CPU time of the engine's process and of it and the background judge together.
+   ``--step-ms`` sleeps after each engine step (a model's forward pass); ``--monitor-only`` runs
+   this part alone (no trace).
 
     .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
         [--every 16 64] [--memory 1000000 3000000 10000000] [--spec-memory 1000000]
-        [--requests 600] [--trace F --reuse]
+        [--requests 600] [--step-ms 0] [--trace F --reuse] [--monitor-only]
 """
 
 from __future__ import annotations
@@ -155,12 +159,44 @@ def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def monitored_run(requests: int, monitor: str | None) -> float:
-    """Seconds to run the engine on ``requests`` requests, feeding a Monitor (``monitor``: its
-    engine) or not."""
+MONITORS: dict[str, dict[str, object] | None] = {
+    "engine alone (recording events)": None,
+    "engine + Monitor (sync, engine fast)": {"engine": "fast"},
+    "engine + Monitor (sync, engine spec)": {"engine": "spec"},
+    "engine + Monitor (background=True)": {"background": True},
+    "engine + Monitor (background, depth 64)": {"background": True, "queue_depth": 64},
+}
+"""The last one holds the whole run in its queue: its engine-thread time is the cost of feeding
+alone (buffer, pickle, pipe), i.e. what an engine pays while the judge keeps up."""
+
+
+def child_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a live child process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def monitored_run(
+    requests: int, options: dict[str, object] | None, step_seconds: float = 0.0
+) -> tuple[float, float, float, float]:
+    """Run the engine on ``requests`` requests, feeding a Monitor (``options``) or not: (seconds
+    of the engine's thread up to its last ``feed``, wall seconds up to the verdict of ``close``,
+    CPU seconds of this process, and of this process and a background judge together). ``step_seconds``: a
+    sleep after every engine step, standing for the model's forward pass (the GPU's time, when
+    the engine's thread waits). The Monitor is made
+    before the clock starts, as an engine makes it at start-up; a background judge's CPU time
+    before the run (starting its interpreter) is not counted."""
     engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
-    watch = Monitor(Config(**COMMON), engine=monitor) if monitor else None  # type: ignore[arg-type]
+    watch = Monitor(Config(**COMMON), **options) if options is not None else None  # type: ignore[arg-type]
+    bg = watch.background if watch is not None else None
+    judge_before = children_cpu() + (child_cpu(bg.proc.pid) if bg is not None else 0.0)
     sink = engine.events
+    cpu = time.process_time()
     started = time.perf_counter()
     for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 4, 128, 16, 16, 7):
         engine.add_request(rid, prompt, max_tokens, priority)
@@ -168,10 +204,70 @@ def monitored_run(requests: int, monitor: str | None) -> float:
         if watch is not None:
             watch.feed_all(sink)
         sink.clear()
+        if step_seconds:
+            time.sleep(step_seconds)
     if watch is not None:
         watch.feed_all(sink)
+    engine_done = time.perf_counter()
+    if watch is not None:
         watch.close()
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu
+    return engine_done - started, wall, cpu, cpu + children_cpu() - judge_before
+
+
+def monitor_start_seconds(rounds: int) -> float:
+    """Median wall seconds to make a background Monitor and close it at once."""
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        Monitor(Config(**COMMON), background=True).close()  # type: ignore[arg-type]
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def monitor_overhead(requests: int, rounds: int, step_ms: float = 0.0) -> None:
+    """Part 4: each Monitor mode against the engine alone, interleaved rounds, medians."""
+    runs: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label in MONITORS}
+    for _ in range(rounds):
+        for label, options in MONITORS.items():
+            runs[label].append(monitored_run(requests, options, step_ms / 1000))
+    med = {
+        label: [statistics.median(r[i] for r in runs[label]) for i in range(4)] for label in runs
+    }
+    alone = med["engine alone (recording events)"]
+    events = engine_events_of(requests)
+    steps = sum(1 for event in events if event[0] == "commit")
+    model = f", a {step_ms} ms sleep per step for the model" if step_ms else ""
+    print(
+        f"monitor overhead on the reference engine ({requests} requests, {len(events):,} events, "
+        f"{steps:,} steps{model}, "
+        f"median of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.2f} on "
+        f"{os.cpu_count()} cores):"
+    )
+    print(
+        f"  {'':40s} {'engine thread':>13s} {'wall to verdict':>16s} {'+':>5s} "
+        f"{'CPU engine proc':>16s} {'+':>5s} {'CPU all procs':>14s} {'+':>5s}"
+    )
+    for label in MONITORS:
+        thread, wall, cpu, total = med[label]
+        print(
+            f"  {label:40s} {thread:11.3f} s {wall:14.3f} s {100 * (wall / alone[1] - 1):4.0f}% "
+            f"{cpu:14.3f} s {100 * (cpu / alone[2] - 1):4.0f}% "
+            f"{total:12.3f} s {100 * (total / alone[3] - 1):4.0f}%"
+        )
+    print(
+        f"  background Monitor: start-up and close with no events (once per engine): "
+        f"{monitor_start_seconds(rounds):.3f} s"
+    )
+
+
+def engine_events_of(requests: int) -> list[tuple[object, ...]]:
+    engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
+    for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 4, 128, 16, 16, 7):
+        engine.add_request(rid, prompt, max_tokens, priority)
+    engine.run()
+    return engine.events
 
 
 def main() -> None:
@@ -187,7 +283,14 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="reuse an existing --trace file")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--write-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="monitor part: sleep per step (the model)"
+    )
+    parser.add_argument("--monitor-only", action="store_true", help="only part 4 (no trace needed)")
     args = parser.parse_args()
+    if args.monitor_only:
+        monitor_overhead(args.requests, args.rounds, args.step_ms)
+        return
     if args.memory_child:
         memory_child(Path(args.memory_child[0]), int(args.memory_child[1]), args.memory_child[2])
         return
@@ -266,22 +369,7 @@ def main() -> None:
         if len(peaks) > 1:
             print(f"  {engine}: largest / smallest peak: {max(peaks) / min(peaks):.3f}")
 
-    times: dict[str | None, list[float]] = {None: [], "fast": [], "spec": []}
-    for _ in range(args.rounds):
-        for monitor in times:
-            times[monitor].append(monitored_run(args.requests, monitor))
-    alone = statistics.median(times[None])
-    print(
-        f"monitor overhead on the reference engine ({args.requests} requests, median of "
-        f"{args.rounds} interleaved rounds):"
-    )
-    print(f"  engine alone (recording events)     {alone:8.3f} s")
-    for monitor in ("fast", "spec"):
-        watched = statistics.median(times[monitor])
-        print(
-            f"  engine + Monitor (engine {monitor})      {watched:8.3f} s   overhead "
-            f"{100 * (watched / alone - 1):6,.0f} %"
-        )
+    monitor_overhead(args.requests, args.rounds, args.step_ms)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import re
 import time
 from collections import OrderedDict, deque
@@ -59,6 +60,7 @@ from .report import describe
 from .trace import FORMAT, TraceError, iter_trace, judging_of
 
 if TYPE_CHECKING:
+    from .background import Background
     from .fastpath import FastRun
 
 HASH_CHAIN = "HashChainConsistent"
@@ -727,7 +729,16 @@ class Monitor:
     events since its older checkpoint (``window`` to ``2 * window`` of them, ``fastpath.py``), and
     on a finding the spec-based ``Checker`` re-judges them from that checkpoint and makes the
     report (its minimal history reaches back at least ``window`` events). ``engine="spec"``:
-    the spec-based ``Checker`` judges every event."""
+    the spec-based ``Checker`` judges every event.
+
+    ``background=True``: the events are judged in a child process (``background.py``) by a
+    synchronous ``Monitor`` with the same options, so the report is the same; ``feed`` only
+    appends to a buffer and, every ``batch_size`` events, sends it. A finding is raised (or
+    returned) at the first ``feed`` that completes a batch, or at ``close``, after the child
+    found it: fewer than ``(queue_depth + 1) * batch_size`` events after the offending one (at
+    most ``queue_depth`` batches wait for the judge; the engine waits when they are that many).
+    ``close()`` always waits for the verdict; leaving a ``with`` block on an exception kills the
+    child. Events must not be mutated after ``feed``."""
 
     def __init__(
         self,
@@ -737,6 +748,9 @@ class Monitor:
         name: str = "<monitor>",
         engine: str = "fast",
         window: int | None = None,
+        background: bool = False,
+        batch_size: int | None = None,
+        queue_depth: int | None = None,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
@@ -745,7 +759,22 @@ class Monitor:
         self.checker: Checker | None = None
         """The spec-based checker: with ``engine="spec"``, or once the fast one handed over."""
         self.run: FastRun | None = None
-        if engine == "fast" and check_every == 1:
+        self.background: Background | None = None
+        self._buffer: list[Event] | None = None
+        """Background mode: the events not sent yet (and their hashes by index)."""
+        self._hashes: dict[int, str] = {}
+        if background:
+            from .background import BATCH_SIZE, QUEUE_DEPTH, Background
+
+            options = dict(check_every=check_every, name=name, engine=engine, window=window)
+            self.background = Background(
+                config,
+                options,
+                BATCH_SIZE if batch_size is None else batch_size,
+                QUEUE_DEPTH if queue_depth is None else queue_depth,
+            )
+            self._buffer = []
+        elif engine == "fast" and check_every == 1:
             from .fastmodel import FastChecker
             from .fastpath import MONITOR_WINDOW, FastRun
 
@@ -754,6 +783,14 @@ class Monitor:
             self.checker = Checker(config, check_every)
 
     def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
+        buffer = self._buffer
+        if buffer is not None:  # background: the judge is a child process
+            if hash_ is not None:
+                self._hashes[len(buffer)] = hash_
+            buffer.append(event)
+            if len(buffer) < self.background.batch_size:  # type: ignore[union-attr]
+                return None
+            return self._outcome(self._ship())
         run = self.run
         if run is None:
             return self._outcome(_monitor_feed(self.checker, event, hash_))  # type: ignore[arg-type]
@@ -771,6 +808,16 @@ class Monitor:
         return self._outcome(self._hand_over(finish=False))
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        if self._buffer is not None:
+            batch = self.background.batch_size  # type: ignore[union-attr]
+            rest = iter(events)
+            while True:
+                buffer = self._buffer
+                buffer.extend(itertools.islice(rest, batch - len(buffer)))
+                if len(buffer) < batch:
+                    return self.finding
+                if self._outcome(self._ship()) is not None:
+                    return self.finding
         for event in events:
             if self.feed(event) is not None:
                 break
@@ -778,13 +825,33 @@ class Monitor:
 
     @property
     def finding(self) -> Finding | None:
+        """(Background: as far as the child has told so far.)"""
+        if self.background is not None:
+            return None if self.background.result is None else self.background.result[0]
         return None if self.checker is None else self.checker.finding
 
     @property
     def events_seen(self) -> int:
+        """(Background: the events fed so far, or at a verdict the events judged.)"""
+        bg = self.background
+        if bg is not None:
+            return bg.events + len(self._buffer) if bg.result is None else bg.result[1].events  # type: ignore[arg-type]
         return self.run.fast.events_seen if self.run is not None else self.checker.events_seen  # type: ignore[union-attr]
 
+    def _ship(self) -> Finding | None:
+        """Background: send the buffer (full); the finding if the child has made one."""
+        bg = self.background
+        assert bg is not None and self._buffer is not None
+        events, hashes = self._buffer, self._hashes
+        self._buffer, self._hashes = [], {}
+        return bg.send(events, hashes)
+
     def close(self) -> Finding | None:
+        bg = self.background
+        if bg is not None:
+            events, hashes = self._buffer or [], self._hashes
+            self._buffer, self._hashes = [], {}
+            return self._outcome(bg.finish(events, hashes))
         run = self.run
         if run is None:
             return self._outcome(self.checker.finish())  # type: ignore[union-attr]
@@ -809,6 +876,8 @@ class Monitor:
         return checker.finding
 
     def report(self) -> Report:
+        if self.background is not None and self.background.result is not None:
+            return self.background.result[1]
         if self.checker is None or self.checker.finding is None:
             return Report(self.name, 0, self.events_seen)
         return report_of(self.checker, self.name)
@@ -824,6 +893,8 @@ class Monitor:
     def __exit__(self, kind: object, value: object, traceback: object) -> None:
         if kind is None:
             self.close()
+        elif self.background is not None:
+            self.background.stop()
 
 
 def _monitor_feed(checker: Checker, event: Event, hash_: str | None) -> Finding | None:

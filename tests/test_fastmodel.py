@@ -11,6 +11,12 @@ the fast model must make these tests fail.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -22,7 +28,8 @@ from test_checker import _corrupt
 from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
 
 from kvspec.cli import main
-from kvspec.conformance.checker import Checker, Monitor, Violation, check_path
+from kvspec.conformance.background import JudgeDied
+from kvspec.conformance.checker import Checker, Monitor, Report, Violation, check_path
 from kvspec.conformance.fastmodel import FastChecker
 from kvspec.conformance.fastpath import FastPathDisagrees
 from kvspec.conformance.ids import UnknownId
@@ -30,7 +37,7 @@ from kvspec.conformance.lockstep import Event
 from kvspec.conformance.trace import write_trace
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
-from kvspec.spec import ACTIONS, Config
+from kvspec.spec import ACTIONS, POLICIES, Config
 
 Verdict = tuple[str, object] | None
 
@@ -376,3 +383,126 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
     good = tmp_path / "good.jsonl"
     write_trace(good, *safe_run(80), hashes=True)
     assert check_path(good).exit_code == 0
+
+
+# -- the background Monitor (conformance/background.py) ------------------------------------------
+
+
+def background_verdict(
+    config: Config, events: list[Event], batch: int, depth: int, one_by_one: bool
+) -> tuple[Report, int | None]:
+    """The background Monitor's report, and after how many events fed its Violation came (None:
+    at close); the child must be gone afterwards, and at most ``depth`` batches waiting."""
+    monitor = Monitor(config, background=True, batch_size=batch, queue_depth=depth)
+    bg = monitor.background
+    assert bg is not None and bg.proc.poll() is None
+    fed = None
+    try:
+        with monitor:
+            if one_by_one:
+                for fed, event in enumerate(events, 1):  # noqa: B007 - read after a Violation
+                    monitor.feed(event)
+                    assert bg.sent - bg.acked <= depth
+                fed = None
+            else:
+                monitor.feed_all(events)
+        report = monitor.report()
+    except Violation as caught:
+        report = caught.report
+    assert bg.proc.poll() is not None, "the judge outlived close()"
+    return report, fed
+
+
+def sync_report(config: Config, events: list[Event]) -> Report:
+    """The synchronous Monitor's report, as its Violation carries it (or of a clean close)."""
+    try:
+        with Monitor(config) as monitor:
+            monitor.feed_all(events)
+    except Violation as caught:
+        return caught.report
+    return monitor.report()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    run=engine_runs().filter(lambda run: run[0].policy in POLICIES[:3]),
+    batch=st.integers(1, 6),
+    depth=st.integers(1, 3),
+    one_by_one=st.booleans(),
+)
+@example(run=SEED_RUN, batch=1, depth=1, one_by_one=True)
+@example(run=SEED_RUN, batch=1024, depth=8, one_by_one=False)
+def test_background_monitor_reports_as_the_synchronous_one(
+    run: tuple[Config, list[Event]], batch: int, depth: int, one_by_one: bool
+) -> None:
+    """Fuzzed reference-engine traces of the unsafe policies (and the seed): the background
+    Monitor's report equals the synchronous one's, and its Violation comes fewer than
+    (depth + 1) * batch events after the offending event."""
+    config, events = run
+    want = sync_report(config, events)
+    got, fed = background_verdict(config, events, batch, depth, one_by_one)
+    assert got == want
+    if fed is not None:
+        assert want.line is not None and fed - want.line < (depth + 1) * batch
+    elif one_by_one and want.line is not None:  # raised at close: the stream ended soon after
+        assert len(events) - want.line < (depth + 1) * batch
+
+
+def test_background_monitor_clean_run_and_a_late_bug() -> None:
+    config, events = safe_run(30)
+    report, fed = background_verdict(config, events, 64, 2, one_by_one=True)
+    assert (report.status, report.exit_code, report.events, fed) == ("holds", 0, len(events), None)
+    late = next(i for i in range(len(events) // 2, 0, -1) if events[i][0] == "free")
+    bad = events[:late] + [("free", 0)] + events[late + 1 :]
+    report, fed = background_verdict(config, bad, 16, 2, one_by_one=True)
+    assert report == sync_report(config, bad) and report.invariant == "Disagreement"
+    assert fed is not None and late < fed <= late + 3 * 16
+
+
+def test_background_judge_dies_with_the_engine(tmp_path: Path) -> None:
+    """An exception in the engine's code kills the child at the context exit; a parent killed
+    outright leaves no child either (its stdin closes)."""
+    config, events = safe_run(5)
+    monitor = Monitor(config, background=True, batch_size=4)
+    with pytest.raises(KeyError):
+        with monitor:
+            monitor.feed_all(events[:10])
+            raise KeyError("the engine broke")
+    assert monitor.background is not None and monitor.background.proc.poll() is not None
+    with pytest.raises(JudgeDied, match="stopped"):
+        monitor.close()
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from kvspec.conformance.checker import Monitor\n"
+        "from kvspec.spec import Config\n"
+        "monitor = Monitor(Config(6, 4), background=True)\n"
+        "print(monitor.background.proc.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    with open(tmp_path / "stderr", "w") as err:  # not a pipe: the judge inherits it
+        done = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err)
+    assert done.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()
+    child = int(done.stdout)
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)  # not ours: the grandchild is reaped by init
+        if _is_zombie(child):  # exited; an init that does not reap leaves it listed
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the background judge {child} outlived its killed parent")
+    with pytest.raises(ValueError, match="queue_depth must be a positive int"):
+        Monitor(config, background=True, queue_depth=0)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
