@@ -59,10 +59,7 @@ is illegal while a step is building): the adapter emits that abort just before t
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import sys
-import tempfile
 import types
 from array import array
 from contextlib import contextmanager
@@ -128,23 +125,11 @@ def _publish_server_args() -> None:
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
+    from kvspec.conformance.adapters import tiny_model_folder
+
     if runtime_context.get_context().is_config_namespace_published("spec"):
         return
-    folder = tempfile.mkdtemp(prefix="kvspec-sglang-model-")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
-        "vocab_size": 256,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "float32",
-    }
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
+    folder = tiny_model_folder("sglang")
     args = ServerArgs(model_path=folder, device="cpu", skip_tokenizer_init=True)
     runtime_context.publish(args, role="scheduler")
 

@@ -61,9 +61,7 @@ can be unhashed, so a free never holds two.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -98,6 +96,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 import torch
 
+from kvspec.conformance.adapters import tiny_model_folder
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
@@ -160,22 +159,7 @@ def async_factory(config: Config, choices: Choices) -> VllmAdapter:
 @lru_cache(maxsize=1)
 def _model_folder() -> str:
     """A local folder holding only a tiny ``config.json``: all ``ModelConfig`` reads."""
-    folder = tempfile.mkdtemp(prefix="kvspec-vllm-model-")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
-        "vocab_size": 256,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "float32",
-    }
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    return folder
+    return tiny_model_folder("vllm")
 
 
 @lru_cache(maxsize=64)
