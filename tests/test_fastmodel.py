@@ -451,3 +451,49 @@ def test_a_stale_or_missing_build_is_noted_not_silent(
             assert monitor.report().note == note
     if COMPILED is not None:
         assert check_path(path).note is None
+
+
+EDGE_LINES = [
+    b'{"ev":"free","block":3}',
+    b'{"ev":"free","block":3,"block":4}',  # duplicate keys: the last one, as orjson reads it
+    b'{"ev":"free","ev":"alloc","req":1,"block":2}',
+    b'{"ev":"fr\\u0065e","block":1}',
+    b'{"ev":"free","block":true}',
+    b'{"ev":"free","block":1.0}',
+    b'{"ev":"free","block":-0}',
+    b'{"ev":"free","block":24}',
+    b'{"ev":"schedule","req":9223372036854775807,"tokens":1,"loaded":0}',
+    b'{"ev":"schedule","req":9223372036854775808,"tokens":1,"loaded":0}',
+    b'{"ev":"schedule","req":18446744073709551615,"tokens":1,"loaded":0}',
+    b'{"ev":"schedule","req":18446744073709551616,"tokens":1,"loaded":0}',
+    b'{"ev":"arrive","req":1,"tokens":[],"max_tokens":1,"priority":-9223372036854775808}',
+    b'{"ev":"arrive","req":1,"tokens":[5],"max_tokens":1,"priority":-9223372036854775809}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":null}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":""}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":"ab"}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"x_note":1}',
+    b'{"ev":"commit","step":1,"sampled":[[1,2,3]]}',
+    b'{"ev":"commit","step":1,"sampled":[[1,2]]}',
+    b'{"ev":"finish","req":1,"reason":"done"}',
+    b'{"ev":"reset"}',
+    b'{"ev":"reset","x":1}',
+    b"[1]",
+    b"",
+]
+
+
+@pytest.mark.parametrize("raw", EDGE_LINES)
+def test_the_fast_reader_accepts_exactly_what_parse_line_accepts(raw: bytes) -> None:
+    """msgspec decodes a line to parse_line's result or refuses it (parse_line then decides)."""
+    from kvspec.conformance.fastread import Error, decoder
+    from kvspec.conformance.trace import parse_line
+
+    try:
+        want: object = parse_line(raw + b"\n", 24)
+    except ValueError:
+        want = None
+    try:
+        got: object = decoder(24)(raw + b"\n")
+    except Error:
+        return
+    assert got == want
