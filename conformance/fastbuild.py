@@ -88,13 +88,14 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
 def build(folder: Path = FOLDER) -> Path:
     """Compile the current ``fastmodel.py`` with mypyc into ``folder``; the extension's path."""
-    text = SOURCE.read_text()
+    raw = SOURCE.read_bytes()
+    text, digest = raw.decode(), hashlib.sha256(raw).hexdigest()  # the hash of what is compiled
     absolute, count = re.subn(
         r"^from \.(\w*) import", r"from kvspec.conformance.\1 import", text, flags=re.M
     )
     if count == 0 or re.search(r"^from \.", absolute, flags=re.M):
         raise SystemExit(f"{SOURCE}: expected relative imports of the form 'from .x import'")
-    absolute += f'\n\nSOURCE_SHA256 = "{source_hash()}"\n"""The hash of the source compiled."""\n'
+    absolute += f'\n\nSOURCE_SHA256 = "{digest}"\n"""The hash of the source compiled."""\n'
     with tempfile.TemporaryDirectory(prefix="kvspec-mypyc-") as work:
         (Path(work) / f"{NAME}.py").write_text(absolute)
         # mypy reads the package from the venv's link to the repository (see pyproject.toml);
