@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
+FASTMODEL := $(VENV)/kvspec-mypyc/.stamp
 
 # Local wheels (the CPU build of torch). pip is usually told about them already
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
@@ -11,7 +12,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 .PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv
 
-venv: $(STAMP)
+venv: $(STAMP) $(FASTMODEL)
 
 # Re-runs only when pyproject.toml or constraints.txt change.
 # mypy cannot follow setuptools' editable import hook (see pyproject.toml), so the
@@ -25,6 +26,13 @@ $(STAMP): pyproject.toml constraints.txt
 	mkdir -p $(VENV)/mypy-path
 	ln -sfn ../.. $(VENV)/mypy-path/kvspec
 	touch $(STAMP)
+
+# The fast model compiled with mypyc (conformance/fastbuild.py; docs/checker.md), under a name of
+# its own in $(VENV)/kvspec-mypyc: rebuilt whenever its source changes (a stale build is detected
+# at import by the source's hash, and kvspec check then judges from source, with a note).
+$(FASTMODEL): $(STAMP) conformance/fastmodel.py conformance/fastbuild.py
+	$(BIN)/python -m kvspec.conformance.fastbuild
+	touch $(FASTMODEL)
 
 # Third-party engines, each in its own virtual environment (their pins conflict with ours and
 # with each other); tests/test_adapter_*.py run their adapters when these exist, skip otherwise.

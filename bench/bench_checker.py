@@ -13,7 +13,9 @@ judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker jud
    every field; the fast reader, which falls back to it only on a bad line), the spec's actions
    alone (the floor of any checker built on the executable spec), ``kvspec check`` with each
    engine (``check_path``: reading included), and the spec engine with invariants every k
-   decisions (``--every``).
+   decisions (``--every``). The fast engine runs twice, on each build of the fast model: the
+   module mypyc compiled (``conformance/fastbuild.py``; what ``kvspec check`` uses when it is
+   built) and the source module; so does the fast model alone, on events read beforehand.
 3. Peak memory: a fresh process checks the first L events (``--memory``, default 1M, 3M, 10M)
    with the fast engine (``--spec-memory``: with the spec engine, default 1M) and reports its
    peak resident set size (``VmHWM``, interpreter included) and its throughput over those L
@@ -45,10 +47,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import orjson
 
+from kvspec.conformance import fastbuild, fastmodel
 from kvspec.conformance.checker import Checker, Monitor, _check_path_fast, check_path
+from kvspec.conformance.lockstep import Event
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
@@ -111,6 +116,32 @@ def check_file(engine: str) -> Callable[[Path, int], int]:
     return run
 
 
+def check_fast(model: ModuleType) -> Callable[[Path, int], int]:
+    """``kvspec check --engine fast`` with the fast model of ``model``."""
+
+    def run(path: Path, sample: int) -> int:
+        report = _check_path_fast(path, model=model)
+        if report.exit_code != 0:
+            raise SystemExit(f"unexpected verdict: {report.text()}")
+        return report.events
+
+    return run
+
+
+def model_only(model: ModuleType, events: list[tuple[Event, str | None]], config: Config):
+    """The fast model alone, on events read beforehand."""
+
+    def run(path: Path, sample: int) -> int:
+        fast = model.FastChecker(config)
+        feed = fast.feed
+        for event, hash_ in events:
+            if feed(event, hash_) is not None:
+                raise SystemExit(f"unexpected finding: {fast.verdict}")
+        return len(events)
+
+    return run
+
+
 def spec_only(path: Path, sample: int) -> int:
     config, lines = iter_trace(path)
     s, count = initial_state(config), 0
@@ -139,7 +170,7 @@ def memory_child(path: Path, length: int, engine: str) -> None:
     started = time.perf_counter()
     if engine == "fast":
         report = _check_path_fast(path, limit=length)
-        assert report.exit_code == 0, report.text()
+        assert report.exit_code == 0 and report.note is None, report.text()
         count = report.events
     else:
         count = checked(1)(path, length)
@@ -325,12 +356,20 @@ def main() -> None:
             if orjson.loads(raw)["ev"] in ACTIONS:
                 break
             out.write(raw)
+    compiled, why = fastbuild.compiled()
+    if compiled is None:
+        raise SystemExit(f"the compiled fast model is needed here: {why}")
+    config, lines = iter_trace(sample, fast=True)
+    read = [(event, hash_) for _, event, hash_ in lines]
     modes: list[tuple[str, Callable[[Path, int], int]]] = [
         ("reader only, validating (parse_line)", read_only),
         ("reader only, fast reader", read_fast),
         ("spec actions only (reader + apply)", spec_only),
         ("kvspec check --engine spec", check_file("spec")),
-        ("kvspec check --engine fast", check_file("fast")),
+        ("kvspec check --engine fast, compiled", check_fast(compiled)),
+        ("kvspec check --engine fast, source module", check_fast(fastmodel)),
+        ("fast model only, compiled", model_only(compiled, read, config)),
+        ("fast model only, source module", model_only(fastmodel, read, config)),
     ] + [(f"spec engine, invariants every {k} decisions", checked(k)) for k in args.every]
     rates: dict[str, list[float]] = {label: [] for label, _ in modes}
     for _ in range(args.rounds):
@@ -345,11 +384,22 @@ def main() -> None:
     for label, _ in modes:
         runs = ", ".join(f"{r:,.0f}" for r in rates[label])
         print(f"  {label:45s} {statistics.median(rates[label]):>10,.0f}   [{runs}]")
-    fast, spec = (statistics.median(rates[f"kvspec check --engine {e}"]) for e in ("fast", "spec"))
-    print(f"  {'kvspec check: fast / spec':45s} {fast / spec:10.1f} x")
+    median = {label: statistics.median(rates[label]) for label in rates}
+    fast, source, spec = (
+        median[f"kvspec check --engine {e}"]
+        for e in ("fast, compiled", "fast, source module", "spec")
+    )
+    model = median["fast model only, compiled"] / median["fast model only, source module"]
+    print(f"  {'kvspec check: fast compiled / spec':45s} {fast / spec:10.1f} x")
+    print(f"  {'kvspec check: fast compiled / source module':45s} {fast / source:10.1f} x")
+    print(f"  {'fast model only: compiled / source module':45s} {model:10.1f} x")
+    del read
     sample.unlink()
 
-    print("peak memory, a fresh process per length and engine (RSS includes the interpreter):")
+    print(
+        "peak memory, a fresh process per length and engine (RSS includes the interpreter; "
+        "fast: the compiled fast model):"
+    )
     for engine, lengths in (("fast", args.memory), ("spec", args.spec_memory)):
         peaks = []
         for length in lengths:

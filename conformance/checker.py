@@ -48,6 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import orjson
@@ -387,6 +388,8 @@ class Report:
     history: list[tuple[int, str]] = field(default_factory=list)
     timeline: list[tuple[int, int, str, int | None]] = field(default_factory=list)
     """(line, block, what, request) for the picture: the involved blocks' history."""
+    note: str | None = field(default=None, compare=False)
+    """How it was judged, when not as usual: the fast model from source (``fastbuild.py``)."""
 
     @property
     def status(self) -> str:
@@ -402,6 +405,8 @@ class Report:
         }
         if self.error is not None:
             out["error"] = self.error
+        if self.note is not None:
+            out["note"] = self.note
         if self.invariant is not None:
             out["violation"] = {
                 "line": self.line,
@@ -418,8 +423,9 @@ class Report:
     def text(self) -> str:
         if self.exit_code == 2:
             return self.error or f"{self.path}: unreadable"
+        note = "" if self.note is None else f" [note: {self.note}]"
         if self.exit_code == 0:
-            return f"{self.path}: holds ({self.events} events, {self.seconds:.2f} s)"
+            return f"{self.path}: holds ({self.events} events, {self.seconds:.2f} s){note}"
         lines = [
             f"{self.path}:{self.line}: {self.invariant}: {self.message}",
             f"  event: {self.event}",
@@ -432,6 +438,8 @@ class Report:
             )
         lines.append("  minimal history (events that touched the blocks and requests involved):")
         lines += [f"    {self.path}:{ln}: {text}" for ln, text in self.history]
+        if note:
+            lines.append(f" {note}")
         return "\n".join(lines)
 
 
@@ -509,12 +517,20 @@ def _where(err: Exception, name: str, line: int) -> str:
     return text if text.startswith(name) else f"{name}:{line}: {text}"
 
 
-def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
+def _check_path_fast(
+    path: str | Path, limit: int | None = None, model: ModuleType | None = None
+) -> Report:
     """``check_path`` on the fast model; on a finding, the spec-based Checker re-judges from the
     older checkpoint and reports (``fastpath.py``). ``limit`` (bench): stop at the first decision
-    after that many events, without the end-of-stream check."""
-    from .fastmodel import FastChecker
+    after that many events, without the end-of-stream check. ``model``: the module whose
+    ``FastChecker`` judges (default: ``fastbuild.fast_model()``, its note goes in the report)."""
+    from .fastbuild import fast_model
     from .fastpath import FILE_WINDOW, FastRun
+
+    note = None
+    if model is None:
+        model, note = fast_model()
+    FastChecker = model.FastChecker
 
     started = time.perf_counter()
     name = str(path)
@@ -543,11 +559,12 @@ def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
         else:
             fast.finish()
     except TraceError as err:
-        return Report(name, 2, run.fast.events_seen if run else 0, error=str(err))
+        return Report(name, 2, run.fast.events_seen if run else 0, error=str(err), note=note)
     except (ValueError, OSError) as err:
-        return Report(name, 2, run.fast.events_seen if run else 0, error=_where(err, name, line))
+        seen = run.fast.events_seen if run else 0
+        return Report(name, 2, seen, error=_where(err, name, line), note=note)
     if fast.verdict is None and run.crash is None:
-        return Report(name, 0, fast.events_seen, time.perf_counter() - started)
+        return Report(name, 0, fast.events_seen, time.perf_counter() - started, note=note)
     # Hand over: the spec-based Checker re-judges from the older checkpoint and reports.
     checker = run.start()
     line = run.older_line - 1
@@ -558,7 +575,9 @@ def _check_path_fast(path: str | Path, limit: int | None = None) -> Report:
     else:
         checker.finish(line + 1)
     run.agree(checker, name)
-    return report_of(checker, name, time.perf_counter() - started)
+    report = report_of(checker, name, time.perf_counter() - started)
+    report.note = note
+    return report
 
 
 def report_of(checker: Checker, name: str, seconds: float = 0.0) -> Report:
@@ -763,6 +782,8 @@ class Monitor:
         self._buffer: list[Event] | None = None
         """Background mode: the events not sent yet (and their hashes by index)."""
         self._hashes: dict[int, str] = {}
+        self.note: str | None = None
+        """Set when the fast model judges from source (``fastbuild.py``); in the report."""
         if background:
             from .background import BATCH_SIZE, QUEUE_DEPTH, Background
 
@@ -775,10 +796,12 @@ class Monitor:
             )
             self._buffer = []
         elif engine == "fast" and check_every == 1:
-            from .fastmodel import FastChecker
+            from .fastbuild import fast_model
             from .fastpath import MONITOR_WINDOW, FastRun
 
-            self.run = FastRun(FastChecker(config), window or MONITOR_WINDOW, keep_events=True)
+            model, self.note = fast_model()
+            fast = model.FastChecker(config)
+            self.run = FastRun(fast, window or MONITOR_WINDOW, keep_events=True)
         else:
             self.checker = Checker(config, check_every)
 
@@ -879,8 +902,10 @@ class Monitor:
         if self.background is not None and self.background.result is not None:
             return self.background.result[1]
         if self.checker is None or self.checker.finding is None:
-            return Report(self.name, 0, self.events_seen)
-        return report_of(self.checker, self.name)
+            return Report(self.name, 0, self.events_seen, note=self.note)
+        report = report_of(self.checker, self.name)
+        report.note = self.note
+        return report
 
     def _outcome(self, finding: Finding | None) -> Finding | None:
         if finding is not None and self.raise_on_finding:

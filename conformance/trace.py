@@ -340,8 +340,9 @@ def iter_trace(
     """Open a v1 trace: its ``Config`` now (header errors raise here), and an iterator of
     ``(line number, event tuple, publish hash or None)``, each line validated before it is
     yielded (``TraceError`` at the first bad line). The file is read one line at a time, from
-    line ``start`` (earlier lines are skipped unread). ``fast``: lines are validated by
-    ``fast_event`` first, and by ``parse_line`` (for its message) only when that fails."""
+    line ``start`` (earlier lines are skipped unread). ``fast``: lines are decoded and validated by
+    msgspec first (``fastread.py``), and by ``parse_line`` only when that fails (it accepts what
+    msgspec is stricter about, such as ``x_`` fields, and gives the message)."""
     f = open(path, "rb")  # noqa: SIM115 -- closed by the generator
     try:
         first = f.readline()
@@ -367,7 +368,9 @@ def iter_trace(
                 yield number, event, hash_
 
     def fast_lines() -> Iterator[TraceEvent]:
-        loads, decode_error, quick = orjson.loads, orjson.JSONDecodeError, fast_event
+        from .fastread import Error, decoder
+
+        decode = decoder(n)
         with f:
             number = start - 1
             for _ in itertools.islice(f, start - 2):
@@ -375,11 +378,8 @@ def iter_trace(
             for raw in f:
                 number += 1
                 try:
-                    obj = loads(raw)
-                except decode_error:
-                    obj = None
-                got = quick(obj, n) if type(obj) is dict else None
-                if got is None:
+                    got = decode(raw)
+                except Error:
                     try:
                         got = parse_line(raw, n)
                     except ValueError as err:
@@ -387,121 +387,6 @@ def iter_trace(
                 yield number, got[0], got[1]
 
     return config, fast_lines() if fast else lines()
-
-
-def _ids(value: object) -> bool:
-    """A list of ints >= 0 (no booleans)."""
-    return type(value) is list and all(type(x) is int for x in value) and min(value, default=0) >= 0
-
-
-def fast_event(obj: dict[str, object], n: int) -> tuple[Event, str | None] | None:
-    """``parse_line``'s result for a well-formed line object, or None when anything is off
-    (unknown kind, missing, extra or ``x_`` field, wrong type, out of range): then
-    ``parse_line`` decides, and says what is wrong. Accepts nothing ``parse_line`` rejects."""
-    kind = obj.get("ev")
-    size = len(obj)
-    if kind == "free" or kind == "unpublish" or kind == "evict":
-        block = obj.get("block")
-        if size == 2 and type(block) is int and 0 <= block < n:
-            return (kind, block), None
-        return None
-    if kind == "schedule":
-        req, tokens, loaded = obj.get("req"), obj.get("tokens"), obj.get("loaded")
-        if (
-            size == 4
-            and type(req) is int
-            and type(tokens) is int
-            and type(loaded) is int
-            and req >= 0
-            and tokens >= 0
-            and loaded >= 0
-        ):
-            return (kind, req, tokens, loaded), None
-        return None
-    if kind == "alloc":
-        req, block = obj.get("req"), obj.get("block")
-        if size == 3 and type(req) is int and type(block) is int and req >= 0 and 0 <= block < n:
-            return (kind, req, block), None
-        return None
-    if kind == "publish":
-        req, index, block, hash_ = (
-            obj.get("req"),
-            obj.get("index"),
-            obj.get("block"),
-            obj.get("hash"),
-        )
-        if (
-            (size == 4 or (size == 5 and type(hash_) is str and hash_))
-            and type(req) is int
-            and type(index) is int
-            and type(block) is int
-            and req >= 0
-            and index >= 0
-            and 0 <= block < n
-        ):
-            return (kind, req, index, block), hash_  # type: ignore[return-value]
-        return None
-    if kind == "begin" or kind == "submit":
-        step = obj.get("step")
-        if size == 2 and type(step) is int and step >= 0:
-            return (kind, step), None
-        return None
-    if kind == "execute":
-        step, failed = obj.get("step"), obj.get("failed")
-        if size == 3 and type(step) is int and step >= 0 and _ids(failed):
-            return (kind, step, tuple(failed)), None  # type: ignore[arg-type]
-        return None
-    if kind == "commit":
-        step, sampled = obj.get("step"), obj.get("sampled")
-        if size == 3 and type(step) is int and step >= 0 and type(sampled) is list:
-            pairs = []
-            for pair in sampled:
-                if type(pair) is not list or len(pair) != 2:
-                    return None
-                rid, token = pair
-                if type(rid) is not int or type(token) is not int or rid < 0 or token < 0:
-                    return None
-                pairs.append((rid, token))
-            return (kind, step, tuple(pairs)), None
-        return None
-    if kind == "hit":
-        req, blocks = obj.get("req"), obj.get("blocks")
-        if size == 3 and type(req) is int and req >= 0 and _ids(blocks):
-            if max(blocks, default=0) < n:  # type: ignore[type-var, call-overload]
-                return (kind, req, tuple(blocks)), None  # type: ignore[arg-type]
-        return None
-    if kind == "finish":
-        req, reason = obj.get("req"), obj.get("reason")
-        if size == 3 and type(req) is int and req >= 0 and reason in REASONS:
-            return (kind, req, reason), None
-        return None
-    if kind == "arrive":
-        req, tokens, most, priority = (
-            obj.get("req"),
-            obj.get("tokens"),
-            obj.get("max_tokens"),
-            obj.get("priority"),
-        )
-        if (
-            size == 5
-            and type(req) is int
-            and req >= 0
-            and _ids(tokens)
-            and tokens
-            and type(most) is int
-            and most >= 0
-            and type(priority) is int
-        ):
-            return (kind, req, tuple(tokens), most, priority), None  # type: ignore[arg-type]
-        return None
-    if kind == "preempt" or kind == "abort" or kind == "load_failed":
-        req = obj.get("req")
-        if size == 2 and type(req) is int and req >= 0:
-            return (kind, req), None
-        return None
-    if kind == "reset" and size == 1:
-        return ("reset",), None
-    return None
 
 
 def read_trace(path: str | Path) -> tuple[Config, list[Event]]:

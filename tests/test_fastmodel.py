@@ -7,6 +7,11 @@ verdict (none, or the same invariant at the same event, or the same unknown id) 
 decision, stand for the spec's state field by field; so must it on traces with planted bugs and
 on corrupted files, where ``kvspec check`` must print the same through both engines. Breaking
 the fast model must make these tests fail.
+
+The differential tests run on both builds of the fast model: the source module and the module
+mypyc compiled from it (``conformance/fastbuild.py``, built by ``make venv``). Planted bugs are
+monkeypatched into the source module's classes (compiled classes cannot be patched), and the
+tests that go through ``check_path`` then ask for the source module (``KVSPEC_FAST_MODEL``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
+from types import ModuleType
 
 import orjson
 import pytest
@@ -28,8 +34,16 @@ from test_checker import _corrupt
 from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
 
 from kvspec.cli import main
+from kvspec.conformance import fastbuild, fastmodel
 from kvspec.conformance.background import JudgeDied
-from kvspec.conformance.checker import Checker, Monitor, Report, Violation, check_path
+from kvspec.conformance.checker import (
+    Checker,
+    Monitor,
+    Report,
+    Violation,
+    _check_path_fast,
+    check_path,
+)
 from kvspec.conformance.fastmodel import FastChecker
 from kvspec.conformance.fastpath import FastPathDisagrees
 from kvspec.conformance.ids import UnknownId
@@ -40,6 +54,26 @@ from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import ACTIONS, POLICIES, Config
 
 Verdict = tuple[str, object] | None
+
+COMPILED, NOT_COMPILED = fastbuild.compiled()
+MODELS = [
+    pytest.param(fastmodel, id="source"),
+    pytest.param(
+        COMPILED,
+        id="compiled",
+        marks=pytest.mark.skipif(COMPILED is None, reason=str(NOT_COMPILED)),
+    ),
+]
+"""Both builds of the fast model; the compiled one is required by the next test."""
+
+
+def test_the_compiled_fast_model_is_built_from_this_source() -> None:
+    """``make venv`` compiles fastmodel.py; a missing or stale build fails here (and only slows
+    ``kvspec check`` down, with a note, elsewhere)."""
+    assert COMPILED is not None, NOT_COMPILED
+    assert COMPILED.SOURCE_SHA256 == fastbuild.source_hash()
+    assert COMPILED.FastChecker is not FastChecker
+    assert fastbuild.fast_model() == (COMPILED, None)
 
 
 def spec_verdict(config: Config, events: list[Event]) -> Verdict:
@@ -57,7 +91,7 @@ def spec_verdict(config: Config, events: list[Event]) -> Verdict:
 
 
 def fast_verdict(config: Config, events: list[Event], collect: bool = False) -> Verdict:
-    fast = FastChecker(config)
+    fast = FastChecker(config)  # the source module: the planted bugs are patched into it
     try:
         for event in events:
             if collect and event[0] in ACTIONS:
@@ -71,10 +105,12 @@ def fast_verdict(config: Config, events: list[Event], collect: bool = False) -> 
     return fast.verdict
 
 
-def lockstep(config: Config, events: list[Event], collect: bool) -> Verdict:
+def lockstep(
+    config: Config, events: list[Event], collect: bool, model: ModuleType = fastmodel
+) -> Verdict:
     """Both checkers side by side: the fast model's state, exported, must be the spec's before
     every decision; the verdicts must be equal."""
-    spec, fast = Checker(config), FastChecker(config)
+    spec, fast = Checker(config), model.FastChecker(config)
     for event in events:
         if event[0] in ACTIONS and not spec.expected and spec.finding is None:
             if collect:
@@ -102,15 +138,16 @@ def lockstep(config: Config, events: list[Event], collect: bool) -> Verdict:
     return want
 
 
+@pytest.mark.parametrize("model", MODELS)
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
 @given(run=engine_runs(), collect=st.booleans())
 @example(run=SEED_RUN, collect=False)
 @example(run=CONSUMER_RUN, collect=True)
 def test_fast_model_and_spec_agree_on_engine_traces(
-    run: tuple[Config, list[Event]], collect: bool
+    model: ModuleType, run: tuple[Config, list[Event]], collect: bool
 ) -> None:
     config, events = run
-    lockstep(config, events, collect)
+    lockstep(config, events, collect, model)
 
 
 MUTATIONS = ("drop", "duplicate", "swap", "block", "token", "request", "step", "decision")
@@ -159,26 +196,31 @@ def mutate(events: list[Event], data: st.DataObject, num_blocks: int) -> list[Ev
     return events
 
 
+@pytest.mark.parametrize("model", MODELS)
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
 @given(run=engine_runs(), data=st.data())
 def test_fast_model_and_spec_agree_on_traces_with_planted_bugs(
-    run: tuple[Config, list[Event]], data: st.DataObject
+    model: ModuleType, run: tuple[Config, list[Event]], data: st.DataObject
 ) -> None:
     config, events = run
-    lockstep(config, mutate(events, data, config.num_blocks), collect=False)
+    lockstep(config, mutate(events, data, config.num_blocks), False, model)
 
 
-def same_report(path: Path) -> None:
+def same_report(path: Path, model: ModuleType) -> None:
     """``kvspec check`` through both engines: the same exit code, error, finding and report."""
-    fast, spec = check_path(path, engine="fast"), check_path(path, engine="spec")
+    fast, spec = _check_path_fast(path, model=model), check_path(path, engine="spec")
     fast.seconds = spec.seconds = 0.0
     assert fast == spec
 
 
+@pytest.mark.parametrize("model", MODELS)
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(run=engine_runs(), data=st.data())
 def test_check_prints_the_same_through_both_engines(
-    run: tuple[Config, list[Event]], data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+    model: ModuleType,
+    run: tuple[Config, list[Event]],
+    data: st.DataObject,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Planted bugs and corrupted lines, through the files, the readers and the hand-over."""
     config, events = run
@@ -191,10 +233,11 @@ def test_check_prints_the_same_through_both_engines(
     if data.draw(st.booleans()):
         lines = _corrupt(path.read_bytes().splitlines(), data)
         path.write_bytes(b"\n".join(lines) + b"\n")
-    same_report(path)
+    same_report(path, model)
 
 
-def test_hash_collisions_are_found_by_both(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_hash_collisions_are_found_by_both(model: ModuleType, tmp_path: Path) -> None:
     config, events = safe_run(12)
     path = tmp_path / "hash.jsonl"
     write_trace(path, config, events, hashes=True)
@@ -206,10 +249,11 @@ def test_hash_collisions_are_found_by_both(tmp_path: Path) -> None:
             lines[i] = orjson.dumps(obj)
     path.write_bytes(b"\n".join(lines) + b"\n")
     assert check_path(path).invariant == "HashChainConsistent"
-    same_report(path)
+    same_report(path, model)
 
 
-def test_x_fields_and_v0_files_read_the_same(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_x_fields_and_v0_files_read_the_same(model: ModuleType, tmp_path: Path) -> None:
     from kvspec.conformance.report import write_events
 
     config, events = safe_run(8)
@@ -219,9 +263,9 @@ def test_x_fields_and_v0_files_read_the_same(tmp_path: Path) -> None:
     lines[3] = lines[3][:-1] + b',"x_note":"engine annotation"}'
     path.write_bytes(b"\n".join(lines) + b"\n")
     assert check_path(path).exit_code == 0
-    same_report(path)
+    same_report(path, model)
     write_events(tmp_path / "v0.jsonl", config, events)
-    same_report(tmp_path / "v0.jsonl")
+    same_report(tmp_path / "v0.jsonl", model)
 
 
 BROKEN = {
@@ -245,7 +289,7 @@ def test_a_broken_fast_model_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(FastChecker, name, replacement)
     with pytest.raises(AssertionError):
-        test_fast_model_and_spec_agree_on_engine_traces()
+        test_fast_model_and_spec_agree_on_engine_traces(model=fastmodel)
 
 
 SAFE = dict(
@@ -276,6 +320,7 @@ def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
     path = tmp_path / "good.jsonl"
     write_trace(path, config, events)
     monkeypatch.setattr(FastChecker, "_publications_hold", lambda self: False)
+    monkeypatch.setenv(fastbuild.ENV, "source")  # check_path judges with the patched class
     with pytest.raises(FastPathDisagrees, match="NoUnwrittenPublish.*spec-based checker None"):
         check_path(path)
     assert check_path(path, engine="spec").exit_code == 0
@@ -506,3 +551,86 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_a_stale_or_missing_build_is_noted_not_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An edited fastmodel.py (or no build at all): the source module judges, and the report
+    says so (text and --json), while an unreadable file still gets one line on stderr."""
+    config, events = safe_run(8)
+    path = tmp_path / "good.jsonl"
+    write_trace(path, config, events)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(path.read_bytes() + b"{not json\n")
+    edited = tmp_path / "fastmodel.py"
+    edited.write_bytes(fastbuild.SOURCE.read_bytes() + b"# edited\n")
+    for why, attribute, value in [
+        ("older than fastmodel.py", "SOURCE", edited),
+        ("no compiled module", "FOLDER", tmp_path),
+    ]:
+        with monkeypatch.context() as patch:
+            patch.setattr(fastbuild, attribute, value)
+            patch.setattr(fastbuild, "_compiled", None)
+            model, note = fastbuild.fast_model()
+            assert model is fastmodel and note is not None and why in note
+            report = check_path(path)
+            assert report.exit_code == 0 and report.note == note
+            assert report.text().endswith(f"[note: {note}]")
+            assert report.as_dict()["note"] == note
+            assert main(["check", str(bad)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith(f"{bad}:"), err
+            assert main(["check", "--json", str(path)]) == 0
+            assert orjson.loads(capsys.readouterr().out)["reports"][0]["note"] == note
+            with Monitor(config) as monitor:
+                monitor.feed_all(events)
+            assert monitor.report().note == note
+    if COMPILED is not None:
+        assert check_path(path).note is None
+
+
+EDGE_LINES = [
+    b'{"ev":"free","block":3}',
+    b'{"ev":"free","block":3,"block":4}',  # duplicate keys: the last one, as orjson reads it
+    b'{"ev":"free","ev":"alloc","req":1,"block":2}',
+    b'{"ev":"fr\\u0065e","block":1}',
+    b'{"ev":"free","block":true}',
+    b'{"ev":"free","block":1.0}',
+    b'{"ev":"free","block":-0}',
+    b'{"ev":"free","block":24}',
+    b'{"ev":"schedule","req":9223372036854775807,"tokens":1,"loaded":0}',
+    b'{"ev":"schedule","req":9223372036854775808,"tokens":1,"loaded":0}',
+    b'{"ev":"schedule","req":18446744073709551615,"tokens":1,"loaded":0}',
+    b'{"ev":"schedule","req":18446744073709551616,"tokens":1,"loaded":0}',
+    b'{"ev":"arrive","req":1,"tokens":[],"max_tokens":1,"priority":-9223372036854775808}',
+    b'{"ev":"arrive","req":1,"tokens":[5],"max_tokens":1,"priority":-9223372036854775809}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":null}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":""}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":"ab"}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"x_note":1}',
+    b'{"ev":"commit","step":1,"sampled":[[1,2,3]]}',
+    b'{"ev":"commit","step":1,"sampled":[[1,2]]}',
+    b'{"ev":"finish","req":1,"reason":"done"}',
+    b'{"ev":"reset"}',
+    b'{"ev":"reset","x":1}',
+    b"[1]",
+    b"",
+]
+
+
+@pytest.mark.parametrize("raw", EDGE_LINES)
+def test_the_fast_reader_accepts_exactly_what_parse_line_accepts(raw: bytes) -> None:
+    """msgspec decodes a line to parse_line's result or refuses it (parse_line then decides)."""
+    from kvspec.conformance.fastread import Error, decoder
+    from kvspec.conformance.trace import parse_line
+
+    try:
+        want: object = parse_line(raw + b"\n", 24)
+    except ValueError:
+        want = None
+    try:
+        got: object = decoder(24)(raw + b"\n")
+    except Error:
+        return
+    assert got == want
