@@ -225,14 +225,14 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
 
 
 def judging_of(path: str | Path) -> str:
-    """The header's ``"judging"`` (``strict`` when absent or unreadable: ``parse_header``
-    reports what is wrong with a header)."""
-    with open(path, "rb") as f:
-        first = f.readline()
+    """The header's ``"judging"`` (``strict`` when absent or unreadable: the reader and
+    ``parse_header`` report what is wrong with a file or a header)."""
     try:
+        with open(path, "rb") as f:
+            first = f.readline()
         header = orjson.loads(first)
-    except orjson.JSONDecodeError:
-        return "strict"
+    except (OSError, orjson.JSONDecodeError):
+        return "strict"  # the reader reports it
     judging = header.get("judging", "strict") if isinstance(header, dict) else "strict"
     return judging if judging in JUDGING else "strict"
 
