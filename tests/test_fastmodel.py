@@ -30,7 +30,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_checker import _corrupt
+from test_checker import _corrupt, safe_run
 from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
 
 from kvspec.cli import main
@@ -49,8 +49,6 @@ from kvspec.conformance.fastpath import FastPathDisagrees
 from kvspec.conformance.ids import UnknownId
 from kvspec.conformance.lockstep import Event
 from kvspec.conformance.trace import write_trace
-from kvspec.reference import Engine, EngineConfig
-from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import ACTIONS, POLICIES, Config
 
 Verdict = tuple[str, object] | None
@@ -290,27 +288,6 @@ def test_a_broken_fast_model_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(FastChecker, name, replacement)
     with pytest.raises(AssertionError):
         test_fast_model_and_spec_agree_on_engine_traces(model=fastmodel)
-
-
-SAFE = dict(
-    num_blocks=24,
-    block_size=4,
-    depth=2,
-    policy="deferred",
-    discipline="vllm",
-    preemption="priority",
-    token_budget=24,
-    max_running=6,
-)
-
-
-def safe_run(requests: int = 40, seed: int = 0, **overrides: object) -> tuple[Config, list]:
-    common = {**SAFE, **overrides}
-    engine = Engine(EngineConfig(**common))  # type: ignore[arg-type]
-    for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 3, 8, 3, 5, seed):
-        engine.add_request(rid, prompt, max_tokens, priority)
-    engine.run()
-    return Config(**common), engine.events  # type: ignore[arg-type]
 
 
 def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
