@@ -39,7 +39,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
-from kvspec.spec import OBSERVED_POLICIES, Config
+from kvspec.spec import Config
+from kvspec.spec.observed import refuse_strict
 from kvspec.spec.state import Block, Entry, Request, State, Step, Write
 
 from .ids import IdSet, check_ids
@@ -143,10 +144,7 @@ class FastChecker:
     ``HashChainConsistent`` included) or None, ``finish`` at the end of the stream."""
 
     def __init__(self, config: Config) -> None:
-        if config.policy in OBSERVED_POLICIES:
-            raise ValueError(
-                f"policy {config.policy} is judged by the observed judge only (docs/adapters.md)"
-            )
+        refuse_strict(config)
         self.config = config
         n = config.num_blocks
         self.bsz = config.block_size

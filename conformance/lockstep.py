@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from kvspec.spec import (
     ACTIONS,
     INVARIANTS,
-    OBSERVED_POLICIES,
     Config,
     Illegal,
     apply,
@@ -32,6 +31,7 @@ from kvspec.spec import (
     tables_append_only,
 )
 from kvspec.spec.incremental import Footprint, Incremental, add_effects, footprint
+from kvspec.spec.observed import refuse_strict
 
 Event = tuple[object, ...]
 
@@ -89,10 +89,8 @@ class Judge:
         illegal decisions are always findings."""
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
-        if config.policy in OBSERVED_POLICIES and not self.judges_engine_registrations:
-            raise ValueError(
-                f"policy {config.policy} is judged by the observed judge only (docs/adapters.md)"
-            )
+        if not self.judges_engine_registrations:
+            refuse_strict(config)
         self.config = config
         self.invariants = invariants
         self.check_every = check_every

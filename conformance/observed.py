@@ -88,7 +88,7 @@ class ObservedJudge(Judge):
             except Illegal as err:
                 return self._found("Illegal", str(err), at)
             if effect[0] == "dedup":
-                self._sanction(effect)
+                sanction(self._tables, effect)
         if expected:
             return self._found("Disagreement", f"missing effect {expected[0]}", index)
         violated = check(self.state, self.invariants)
@@ -99,9 +99,6 @@ class ObservedJudge(Judge):
             return self._found("TablesAppendOnly", grew, index)
         self._tables = running_tables(self.state)
         return None
-
-    def _sanction(self, effect: Event) -> None:
-        sanction(self._tables, effect)
 
 
 def sanction(tables: dict[int, tuple[int, ...]], effect: Event) -> None:
@@ -169,7 +166,7 @@ class ObservedChecker(Checker):
                 return self._found("Illegal", str(err), index)
             self._holding = True
             super().feed(decision, line, hash_)
-            self._holding = False
+            self._holding = False  # the effects below are fed with checks as usual
             for effect, at, effect_hash in effects:
                 if self.finding is not None:
                     return self.finding

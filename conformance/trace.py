@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import orjson
@@ -354,23 +354,11 @@ def iter_trace(
         raise
     n = config.num_blocks
 
-    def lines() -> Iterator[TraceEvent]:
-        with f:
-            number = start - 1
-            for _ in itertools.islice(f, start - 2):
-                pass
-            for raw in f:
-                number += 1
-                try:
-                    event, hash_ = parse_line(raw, n)
-                except ValueError as err:
-                    raise TraceError(path, number, str(err)) from None
-                yield number, event, hash_
-
-    def fast_lines() -> Iterator[TraceEvent]:
-        from .fastread import Error, decoder
-
-        decode = decoder(n)
+    def numbered(
+        decode: Callable[[bytes], object], refused: type[Exception]
+    ) -> Iterator[TraceEvent]:
+        """Lines from ``start`` on, decoded by ``decode``; a line it refuses goes to
+        ``parse_line``, which accepts it or says what is wrong."""
         with f:
             number = start - 1
             for _ in itertools.islice(f, start - 2):
@@ -379,14 +367,18 @@ def iter_trace(
                 number += 1
                 try:
                     got = decode(raw)
-                except Error:
+                except refused:
                     try:
                         got = parse_line(raw, n)
                     except ValueError as err:
                         raise TraceError(path, number, str(err)) from None
-                yield number, got[0], got[1]
+                yield number, got[0], got[1]  # type: ignore[index]
 
-    return config, fast_lines() if fast else lines()
+    if fast:
+        from .fastread import Error, decoder
+
+        return config, numbered(decoder(n), Error)
+    return config, numbered(lambda raw: parse_line(raw, n), ValueError)
 
 
 def read_trace(path: str | Path) -> tuple[Config, list[Event]]:

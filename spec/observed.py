@@ -20,7 +20,7 @@ illegal event.
 from __future__ import annotations
 
 from .pool import Event, add_key, release, unpublish
-from .state import NULL_BLOCK, Illegal, Request, State
+from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, State
 
 
 def steer(s: State, decision: Event, effects: list[Event]) -> None:
@@ -62,6 +62,15 @@ def drop(s: State, effect: Event) -> list[Event]:
     if s.blocks[block].key is None:
         raise Illegal(f"unpublish of block {block}, which is not published")
     return unpublish(s, block)
+
+
+def refuse_strict(config: Config) -> None:
+    """Raise ``ValueError`` when ``config``'s policy can only be judged observed (a strict
+    judge's constructor calls this)."""
+    if config.policy in OBSERVED_POLICIES:
+        raise ValueError(
+            f"policy {config.policy} is judged by the observed judge only (docs/adapters.md)"
+        )
 
 
 def engine_effect(s: State, effect: Event) -> list[Event]:
