@@ -102,14 +102,14 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy -p kvspec.spec -p kvspec.reference
+	$(BIN)/mypy -p kvspec.spec -p kvspec.reference -p kvspec.proofs
 
 # CrossHair over the pool contracts (docs/proofs.md, "crosshair"): about 2 minutes on 2 cores.
 # It exits 1 on a counterexample, which fails the build.
 CROSSHAIR_TIMEOUT ?= 5
 contracts: venv
 	$(BIN)/crosshair check --per_condition_timeout $(CROSSHAIR_TIMEOUT) \
-		kvspec.spec.contracts kvspec.reference.contracts
+		kvspec.proofs.contracts kvspec.reference.contracts
 
 test: lint contracts
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q

@@ -269,13 +269,13 @@ def _replay(args: argparse.Namespace) -> int:
     """Exit 0 when every step's attention matches dense attention, 1 at the first mismatch."""
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    from kvspec.impl.replay import use_interpreter_without_gpu
+    from kvspec.impl.paged.replay import use_interpreter_without_gpu
 
     if args.backend == "triton":
         use_interpreter_without_gpu()  # before anything imports triton
     from kvspec.conformance.plan import PlanError, replay_plan
-    from kvspec.impl.kv_cache import DTYPES
-    from kvspec.impl.replay import TOLERANCES, Options, replay
+    from kvspec.impl.paged.kv_cache import DTYPES
+    from kvspec.impl.paged.replay import TOLERANCES, Options, replay
 
     config, events = _read(args.trace)
     try:
@@ -328,7 +328,7 @@ def _read(path: str) -> tuple[Config, list[tuple[object, ...]]]:
 
 def _prove(args: argparse.Namespace) -> int:
     """Exit 0 bounded proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
-    from kvspec.conformance.prove import run_prove
+    from kvspec.proofs.prove import run_prove
 
     return run_prove(
         args.policy,
@@ -409,15 +409,15 @@ def _generate(args: argparse.Namespace) -> int:
     """Print each prompt followed by its completion; progress goes to stderr."""
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    from kvspec.impl.replay import use_interpreter_without_gpu
+    from kvspec.impl.paged.replay import use_interpreter_without_gpu
 
     if args.backend == "triton":
         use_interpreter_without_gpu()  # before anything imports triton
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvspec.impl.llm import LLM
-    from kvspec.impl.sampling import SamplingParams
+    from kvspec.impl.llm.engine import LLM
+    from kvspec.impl.llm.sampling import SamplingParams
 
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())  # fmt: skip

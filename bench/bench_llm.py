@@ -45,9 +45,9 @@ import time
 
 import torch
 
-from kvspec.impl.llm import LLM
-from kvspec.impl.sampling import SamplingParams
-from kvspec.impl.weights import load_weights, resolve_model
+from kvspec.impl.llm.engine import LLM
+from kvspec.impl.llm.sampling import SamplingParams
+from kvspec.impl.llm.weights import load_weights, resolve_model
 
 
 def workload(n: int, prefix: int, suffix: int, vocab: int, seed: int) -> list[list[int]]:

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.induction import prove_inductive
-from kvspec.conformance.prove import DEFAULTS, make_fragment, prove_cell
 from kvspec.conformance.report import EFFECTS
+from kvspec.proofs.induction import prove_inductive
+from kvspec.proofs.prove import DEFAULTS, make_fragment, prove_cell
 from kvspec.spec import POLICIES
 
 CELLS = (("vllm", "fcfs"), ("vllm", "priority"), ("general", "fcfs"))

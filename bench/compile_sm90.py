@@ -26,13 +26,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 try:
-    from kvspec.impl import kernels
+    from kvspec.impl.paged import kernels
 except ImportError:  # not installed: this checkout's root is the package
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_attention import _import_kvspec  # type: ignore[import-not-found]
 
     _import_kvspec()
-    from kvspec.impl import kernels
+    from kvspec.impl.paged import kernels
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FLOATS = ("scale_log2", "softcap")

@@ -47,8 +47,8 @@ def _import_kvspec() -> None:
 
 _import_kvspec()
 
-from kvspec.impl.attention_ref import paged_attention_ref  # noqa: E402
-from kvspec.impl.batch import Batch, make_batch  # noqa: E402
+from kvspec.impl.paged.attention_ref import paged_attention_ref  # noqa: E402
+from kvspec.impl.paged.batch import Batch, make_batch  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: nothing to measure (the script is ready for a GPU machine)")
         return 2
     started = time.monotonic()
-    from kvspec.impl import kernels
+    from kvspec.impl.paged import kernels
 
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")

@@ -17,10 +17,10 @@ import argparse
 
 import torch
 
-from kvspec.impl.kv_cache import KVCache
-from kvspec.impl.llama import PagedLlama
-from kvspec.impl.model_worker import ModelWorker
-from kvspec.impl.weights import load_tokenizer, load_weights
+from kvspec.impl.llm.llama import PagedLlama
+from kvspec.impl.llm.model_worker import ModelWorker
+from kvspec.impl.llm.weights import load_tokenizer, load_weights
+from kvspec.impl.paged.kv_cache import KVCache
 from kvspec.reference import Engine, EngineConfig
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     print(f"A = {tok.decode(a)!r} ({len(a)} tokens)\nC = {tok.decode(c)!r}")
     from transformers import AutoModelForCausalLM
 
-    from kvspec.impl.weights import smollm2_path
+    from kvspec.impl.llm.weights import smollm2_path
 
     path = smollm2_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)  # fmt: skip

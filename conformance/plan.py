@@ -8,7 +8,7 @@ to the judge, ``lockstep.Judge``) and yields, in trace order:
 * ``Executed(step, event_index, work)`` at every ``execute`` decision, with one ``Work`` per
   entry of the step in scheduling order, taken from the spec's state just before the execution.
 
-``impl/replay.py`` executes the plan on a paged KV cache and compares every attention output
+``impl/paged/replay.py`` executes the plan on a paged KV cache and compares every attention output
 with dense attention computed from scratch.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvspec.impl.records import Executed, Fill, Record, Work
+from kvspec.impl.paged.records import Executed, Fill, Record, Work
 from kvspec.spec import Config, Illegal, apply, initial_state
 from kvspec.spec.state import State
 

@@ -1,6 +1,6 @@
 """CrossHair contracts for the reference ``BlockPool`` (issue #3, see ``docs/proofs.md``).
 
-The same flat pool description as ``kvspec.spec.contracts`` (the reference never imports the spec,
+The same flat pool description as ``kvspec.proofs.contracts`` (the reference never imports the spec,
 so the few helpers are repeated here): ``n`` blocks counting the null block, the free queue
 ``free`` head first, ``refs`` by block id, and ``keys`` by block id (0 for no hash, ``k`` for the
 hash ``bytes([k])``; blocks sharing ``k`` share the hash, registered in id order). Each wrapper
@@ -11,7 +11,7 @@ outside it link to themselves, it holds exactly the unreferenced non-null blocks
 index agrees with the blocks' hashes.
 
 ``free_then_allocate`` is the reference half of a ``crosshair diffbehavior`` pair with
-``kvspec.spec.contracts.free_then_allocate``.
+``kvspec.proofs.contracts.free_then_allocate``.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def free_then_allocate(
     """Free ``table`` (in reverse), then allocate up to ``k`` blocks: (blocks allocated, free
     queue after, refcounts after, which blocks are cached after), or None when the input is not a
     consistent state. The reference half of a ``diffbehavior`` pair with
-    ``kvspec.spec.contracts.free_then_allocate``."""
+    ``kvspec.proofs.contracts.free_then_allocate``."""
     if not (consistent(n, free, refs, keys) and table_ok(n, refs, table) and 0 <= k <= n):
         return None
     bp = build(n, free, refs, keys)

@@ -6,7 +6,7 @@ otherwise it executes the oldest step in flight on the worker and commits its ou
 at once. With D >= 2 step N+1 is thus scheduled before step N executes (async scheduling).
 
 The worker is pluggable (``worker.Worker``): the fake one by default (no tensors), or a model
-runner (``kvspec.impl.model_worker``) that computes real K/V and samples real tokens. The
+runner (``kvspec.impl.llm.model_worker``) that computes real K/V and samples real tokens. The
 engine never needs a token that is not sampled yet: a request whose entry samples in step N
 has ``computed == len(tokens)`` until step N commits, so no later step schedules it before
 then, and every token a step computes is in ``req.tokens`` when the step executes, at any D.

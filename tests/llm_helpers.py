@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from kvspec.impl.kv_cache import KVCache
-from kvspec.impl.llama import LlamaWeights, PagedLlama
-from kvspec.impl.model_worker import ModelWorker
+from kvspec.impl.llm.llama import LlamaWeights, PagedLlama
+from kvspec.impl.llm.model_worker import ModelWorker
+from kvspec.impl.paged.kv_cache import KVCache
 from kvspec.reference import Choices, Engine, EngineConfig
 
 TINY = dict(

@@ -1,4 +1,4 @@
-"""The CrossHair contract wrappers (spec/contracts.py, reference/contracts.py): concrete runs of
+"""The CrossHair contract wrappers (proofs/contracts.py, reference/contracts.py): concrete runs of
 each wrapper with its postconditions, and CrossHair finding planted bugs."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvspec.proofs import contracts as sc
 from kvspec.reference import contracts as rc
-from kvspec.spec import contracts as sc
 
 # (n, free, refs, keys): block 1 cached and free, 2 held twice, 3 held and cached under the same
 # key as 1, 4 free and uncached.
@@ -121,7 +121,7 @@ MUTANTS = '''
 from kvspec.reference.block_pool import FreeBlockQueue
 from kvspec.reference.contracts import Pool as RPool
 from kvspec.reference.contracts import build as rbuild, consistent as rconsistent, snapshot as rsnapshot
-from kvspec.spec.contracts import Pool, build, consistent, free_table_effect, snapshot, table_ok
+from kvspec.proofs.contracts import Pool, build, consistent, free_table_effect, snapshot, table_ok
 
 
 def cached_to_head(n: int, free: list, refs: list, keys: list, table: list) -> Pool:
@@ -197,7 +197,7 @@ AGREEMENT = '''
 from itertools import permutations
 
 from kvspec.reference import contracts as rc
-from kvspec.spec import contracts as sc
+from kvspec.proofs import contracts as sc
 
 PERMS = list(permutations((1, 2, 3)))
 

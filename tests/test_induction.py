@@ -1,15 +1,15 @@
-"""Inductive proofs (conformance/induction.py, spec/lemmas.py) and enacting counterexamples on
-the reference engine (conformance/enact.py)."""
+"""Inductive proofs (proofs/induction.py, proofs/lemmas.py) and enacting counterexamples on
+the reference engine (proofs/enact.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance import induction, prove
-from kvspec.conformance.enact import EnactError, enact
+from kvspec.proofs import induction, prove
+from kvspec.proofs import lemmas as lm
+from kvspec.proofs import symbolic as sy
+from kvspec.proofs.enact import EnactError, enact
 from kvspec.spec import Config
-from kvspec.spec import lemmas as lm
-from kvspec.spec import symbolic as sy
 
 # Small sizes keep each proof to a few seconds; bench/bench_prove.py runs the default sizes.
 SMALL = dict(blocks=3, requests=2, depth=1, block_size=1, tokens=3)

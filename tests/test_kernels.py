@@ -16,14 +16,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from kvspec.impl import kernels  # noqa: E402
-from kvspec.impl.attention_ref import (  # noqa: E402
+from kvspec.impl.paged import kernels  # noqa: E402
+from kvspec.impl.paged.attention_ref import (  # noqa: E402
     dense_attention,
     gather,
     paged_attention_ref,
     write_kv_ref,
 )
-from kvspec.impl.batch import Batch, make_batch  # noqa: E402
+from kvspec.impl.paged.batch import Batch, make_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_PTXAS = (Path(kernels.triton.__file__).parent / "backends/nvidia/bin/ptxas").exists()

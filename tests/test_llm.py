@@ -19,12 +19,12 @@ if not torch.cuda.is_available():
 from llm_helpers import HFOracle, model_engine, save_tiny_llama  # noqa: E402
 
 from kvspec.cli import main  # noqa: E402
-from kvspec.impl.attention_ref import paged_attention_ref  # noqa: E402
-from kvspec.impl.attention_torch import paged_attention_torch  # noqa: E402
-from kvspec.impl.batch import make_batch  # noqa: E402
-from kvspec.impl.llm import LLM  # noqa: E402
-from kvspec.impl.sampling import SamplingParams  # noqa: E402
-from kvspec.impl.weights import load_weights, unpermute_rope_rows  # noqa: E402
+from kvspec.impl.llm.engine import LLM  # noqa: E402
+from kvspec.impl.llm.sampling import SamplingParams  # noqa: E402
+from kvspec.impl.llm.weights import load_weights, unpermute_rope_rows  # noqa: E402
+from kvspec.impl.paged.attention_ref import paged_attention_ref  # noqa: E402
+from kvspec.impl.paged.attention_torch import paged_attention_torch  # noqa: E402
+from kvspec.impl.paged.batch import make_batch  # noqa: E402
 from kvspec.reference import EngineConfig, RandomChoices  # noqa: E402
 
 MAX_NEW = 6

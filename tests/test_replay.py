@@ -21,8 +21,8 @@ from kvspec.cli import main  # noqa: E402
 from kvspec.conformance.lockstep import Event, Judge  # noqa: E402
 from kvspec.conformance.plan import PlanError, replay_plan  # noqa: E402
 from kvspec.conformance.report import read_events, write_events  # noqa: E402
-from kvspec.impl.records import Executed, Fill  # noqa: E402
-from kvspec.impl.replay import Options, Result, replay  # noqa: E402
+from kvspec.impl.paged.records import Executed, Fill  # noqa: E402
+from kvspec.impl.paged.replay import Options, Result, replay  # noqa: E402
 from kvspec.reference import Engine, EngineConfig, RandomChoices  # noqa: E402
 from kvspec.reference.workload import shared_prefix_workload  # noqa: E402
 from kvspec.spec import ACTIONS, Config, apply, initial_state  # noqa: E402

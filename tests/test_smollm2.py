@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvspec.cli import main
-from kvspec.impl.llm import LLM
-from kvspec.impl.sampling import SamplingParams
-from kvspec.impl.weights import smollm2_path
+from kvspec.impl.llm.engine import LLM
+from kvspec.impl.llm.sampling import SamplingParams
+from kvspec.impl.llm.weights import smollm2_path
 
 SYSTEM = (
     "You are a concise assistant for a school quiz. Answer every question in one short, "

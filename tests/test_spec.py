@@ -228,3 +228,27 @@ def test_each_invariant_can_fail(name: str) -> None:
     else:
         _corrupt(name, s)
     assert INVARIANTS[name](s) is not None
+
+
+def test_spec_imports_only_the_standard_library() -> None:
+    """spec/ is the definition: standard-library Python and its own modules, nothing else (the
+    Z3 model, lemmas and contracts live in kvspec.proofs, which imports the spec)."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "spec"
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue  # its own modules
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            for name in names:
+                top = name.split(".")[0]
+                assert top == "__future__" or top in sys.stdlib_module_names, (path.name, name)

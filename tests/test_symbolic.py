@@ -1,4 +1,4 @@
-"""One meaning, two forms: the Z3 model (``spec/symbolic.py``) agrees with the executable spec.
+"""One meaning, two forms: the Z3 model (``proofs/symbolic.py``) agrees with the executable spec.
 
 The agreement test walks the executable spec through random legal decision sequences (within the
 symbolic model's fragment); at every visited state it tries a batch of decisions, legal and
@@ -27,8 +27,8 @@ import z3
 
 from kvspec.conformance import prove
 from kvspec.conformance.report import read_events
+from kvspec.proofs import symbolic as sy
 from kvspec.spec import ACTIONS, INVARIANTS, Config, Illegal, State, apply, check, initial_state
-from kvspec.spec import symbolic as sy
 
 WALKS = int(
     os.environ.get(

@@ -5,7 +5,7 @@ The invariants of ``invariants.py`` are true in every reachable state, but they 
 itself unreachable (a pending write naming a request that never arrived, a free-queue position
 outside the queue's bounds, ...). A lemma rules such states out. Each lemma here is a predicate
 on a symbolic state with a name and one sentence on why it holds in every reachable state; the
-proof (``kvspec.conformance.induction``) shows that the conjunction of the invariants and the
+proof (``kvspec.proofs.induction``) shows that the conjunction of the invariants and the
 lemmas holds initially and is preserved by every action instance, which proves every one of them
 for paths of any length (for the fragment's sizes).
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import z3
 
-from .state import NULL_BLOCK, Config, State
+from kvspec.spec.state import NULL_BLOCK, Config, State
 
 Term = Any
 """A Z3 expression (z3 ships no type information)."""

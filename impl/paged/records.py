@@ -1,7 +1,7 @@
 """The records a replay consumes: what the worker must do, step by step, on real tensors.
 
 A *plan* is an iterable of these records in trace order. ``kvspec.conformance.plan`` builds one
-from an event file by running it through the spec; ``impl/replay.py`` executes it. They are plain
+from an event file by running it through the spec; ``impl/paged/replay.py`` executes it. They are plain
 frozen dataclasses so that ``impl/`` needs nothing of the spec or of the conformance layer.
 """
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvspec.conformance.adapter import ReferenceAdapter
+from kvspec.conformance.lockstep import Event, Finding, Judge
 from kvspec.reference import Engine
 from kvspec.spec import Config
-
-from .adapter import ReferenceAdapter
-from .lockstep import Event, Finding, Judge
 
 
 class EnactError(RuntimeError):
@@ -71,7 +70,7 @@ def _enact_one(engine: Engine, choices: _ScriptedLoads, decision: Event) -> None
     elif kind == "schedule":
         _, rid, tokens, loaded = decision
         step = _building(engine)
-        req = sched.requests[rid]
+        req = sched.requests[rid]  # type: ignore[index]
         if req.status == "waiting":
             hits = sched.kv.lookup(req)
             end = len(hits) * sched.kv.block_size + tokens  # type: ignore[operator]
@@ -93,19 +92,19 @@ def _enact_one(engine: Engine, choices: _ScriptedLoads, decision: Event) -> None
     elif kind == "execute":
         _, sid, failed = decision
         pending = [s for s in sched.in_flight if s.step_id not in choices.executed]
-        step = pending[0] if pending else None
-        if step is None or step.step_id != sid:
+        oldest = pending[0] if pending else None
+        if oldest is None or oldest.step_id != sid:
             raise EnactError("no such step to execute")
-        choices.failing = [1 if rid in failed else 0 for rid, e in step.entries.items() if e.load]  # type: ignore[operator]
-        got = engine.worker.execute(step, sched.requests)
-        choices.executed.add(step.step_id)
-        engine.events.append(("execute", step.step_id, got))
+        choices.failing = [1 if rid in failed else 0 for rid, e in oldest.entries.items() if e.load]  # type: ignore[operator]
+        got = engine.worker.execute(oldest, sched.requests)
+        choices.executed.add(oldest.step_id)
+        engine.events.append(("execute", oldest.step_id, got))
     elif kind == "commit":
         _, sid, sampled = decision
-        step = sched.in_flight[0] if sched.in_flight else None
-        if step is None or step.step_id != sid or sid not in choices.executed:
+        first = sched.in_flight[0] if sched.in_flight else None
+        if first is None or first.step_id != sid or sid not in choices.executed:
             raise EnactError("no such executed step to commit")
-        sched.update_from_output(step, tuple(sampled))  # type: ignore[arg-type]
+        sched.update_from_output(first, tuple(sampled))  # type: ignore[arg-type]
     elif kind == "abort":
         if not engine.abort(decision[1]):  # type: ignore[arg-type]
             raise EnactError("the engine refuses the abort")

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 
 import torch
 
+from kvspec.impl.paged.batch import make_batch
 from kvspec.reference.request import Request, Step
 
-from .batch import make_batch
 from .llama import PagedLlama, StepInput
 from .sampling import SamplingParams, sample
 

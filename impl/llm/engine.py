@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from kvspec.impl.paged.kv_cache import DTYPES, KVCache
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.request import FINISHED
 
-from .kv_cache import DTYPES, KVCache
 from .llama import BACKENDS, LlamaWeights, PagedLlama
 from .model_worker import ModelWorker
 from .sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""Bounded model checking of the symbolic model (``kvspec.spec.symbolic``), and ``kvspec prove``.
+"""Bounded model checking of the symbolic model (``kvspec.proofs.symbolic``), and ``kvspec prove``.
 
 ``kvspec prove`` first tries an inductive proof (``induction.py``: every path length, at the
 fragment's sizes); if the invariants and lemmas are not inductive for the cell, it runs bounded
@@ -25,13 +25,13 @@ from typing import Any
 
 import z3
 
+from kvspec.conformance.lockstep import Event, Finding
+from kvspec.conformance.report import describe, format_counterexample, write_events
 from kvspec.spec import Config, Illegal, apply, check, initial_state
-from kvspec.spec import symbolic as sy
 
 from . import induction
+from . import symbolic as sy
 from .enact import EnactError, enact
-from .lockstep import Event, Finding
-from .report import describe, format_counterexample, write_events
 
 DEFAULTS = {"blocks": 4, "requests": 2, "depth": 2, "bound": 8, "block_size": 1, "tokens": 3}
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .attention_ref import write_kv_ref
-from .attention_torch import paged_attention_torch
-from .batch import Batch
-from .kv_cache import KVCache
+from kvspec.impl.paged.attention_ref import write_kv_ref
+from kvspec.impl.paged.attention_torch import paged_attention_torch
+from kvspec.impl.paged.batch import Batch
+from kvspec.impl.paged.kv_cache import KVCache
 
 BACKENDS = ("triton", "torch")
 

@@ -15,7 +15,7 @@ flat ``Pool`` snapshot. ``pre:`` says the input is a consistent pool (``consiste
 action's guard; ``post:`` says the pool invariants still hold (``pool_ok``: FreeQueueExact,
 HashIndexConsistent, NullBlockPinned, refcounts >= 0) and states the action's exact effect.
 
-Run with ``crosshair check kvspec.spec.contracts`` (``make contracts``).
+Run with ``crosshair check kvspec.proofs.contracts`` (``make contracts``).
 ``free_then_allocate`` is the spec half of a ``crosshair diffbehavior`` pair with
 ``kvspec.reference.contracts.free_then_allocate``; ``diffbehavior`` ignores ``pre:``, so it checks
 its own precondition and returns None when it fails.
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import pool
-from .invariants import free_queue_exact, hash_index_consistent, null_block_pinned
-from .state import Block, Config, Key, Request, State
+from kvspec.spec import pool
+from kvspec.spec.invariants import free_queue_exact, hash_index_consistent, null_block_pinned
+from kvspec.spec.state import Block, Config, Key, Request, State
 
 MAX_BLOCKS = 5
 MAX_REF = 3

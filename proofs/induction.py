@@ -3,7 +3,7 @@
 The claim for a cell (policy, discipline, preemption) and a fragment's sizes: every state reachable
 from the initial state, by any number of decisions, satisfies every invariant of
 ``invariants.py``. The method is plain induction on an inductive strengthening: let I be the
-conjunction of the ten invariants' Z3 forms and the lemmas of ``kvspec.spec.lemmas`` stated for the
+conjunction of the ten invariants' Z3 forms and the lemmas of ``kvspec.proofs.lemmas`` stated for the
 policy. Then
 
 * **base**: the initial state satisfies I (evaluated directly: it is concrete);
@@ -28,8 +28,8 @@ from typing import Any
 
 import z3
 
-from kvspec.spec import lemmas as lm
-from kvspec.spec import symbolic as sy
+from . import lemmas as lm
+from . import symbolic as sy
 
 
 @dataclass
@@ -125,7 +125,7 @@ def prove_inductive(fragment: sy.Fragment, timeout_s: float | None = None) -> In
 
 
 def _name(inst: sy.Instance) -> str:
-    return inst[0] + "".join(f" {a}" for a in inst[1:])
+    return str(inst[0]) + "".join(f" {a}" for a in inst[1:])
 
 
 def _describe_state(model: sy.Model, S: sy.SState, mz: Any) -> dict[str, str]:
