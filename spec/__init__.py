@@ -9,7 +9,7 @@ Pure standard-library Python; it imports nothing else of kvspec.
 """
 
 from .actions import ACTIONS, apply, waiting_order
-from .invariants import INVARIANTS, check, running_tables, tables_append_only
+from .invariants import INVARIANTS, Violation, check, running_tables, tables_append_only
 from .state import (
     DISCIPLINES,
     NULL_BLOCK,
@@ -33,6 +33,7 @@ __all__ = [
     "Config",
     "Illegal",
     "State",
+    "Violation",
     "apply",
     "check",
     "initial_state",

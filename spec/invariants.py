@@ -10,9 +10,23 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from .pool import eventual_content, holds
 from .state import NULL_BLOCK, State
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A counterexample to an invariant, as data: which invariant, the blocks, requests and step
+    it is about, and one sentence saying what is wrong. Renderers (text, ``--json``, the HTML
+    picture) read the fields; nothing parses the sentence."""
+
+    invariant: str
+    sentence: str
+    blocks: tuple[int, ...] = ()
+    requests: tuple[int, ...] = ()
+    step: int | None = None
 
 
 def no_unwritten_read(s: State) -> str | None:
