@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.report import EFFECTS
 from kvspec.proofs.induction import prove_inductive
 from kvspec.proofs.prove import DEFAULTS, make_fragment, prove_cell
 from kvspec.spec import POLICIES
+from kvspec.spec.events import EFFECTS
 
 CELLS = (("vllm", "fcfs"), ("vllm", "priority"), ("general", "fcfs"))
 HEADER = [

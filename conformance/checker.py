@@ -42,7 +42,6 @@ import base64
 import html
 import io
 import itertools
-import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
@@ -54,8 +53,9 @@ from typing import TYPE_CHECKING
 import orjson
 
 from kvspec.spec import ACTIONS, Config
+from kvspec.spec.events import blocks_of, request_of, requests_of
 
-from .ids import REQUEST_FIELDS, IdSet, UnknownId, check_ids
+from .ids import IdSet, UnknownId, check_ids
 from .lockstep import Event, Finding, Judge
 from .report import describe
 from .trace import FORMAT, TraceError, iter_trace, judging_of
@@ -98,7 +98,6 @@ class Checker(Judge):
         """Every-k mode: the line of the last check that passed before the finding."""
         self.last_check_line = 0
         self._line = 0
-        self._arrivals = 0
         self._ids = IdSet()
         self._max_step = -1
         self._finished: set[int] = set()
@@ -183,8 +182,6 @@ class Checker(Judge):
             return found
         if kind == "arrive":
             rid = event[1]
-            s.requests[rid].arrival = self._arrivals  # type: ignore[index]
-            self._arrivals += 1
             self._ids.add(rid)  # type: ignore[arg-type]
             self.request_rings[rid] = deque(maxlen=self.history)  # type: ignore[index]
         self._remember(event, line)
@@ -264,6 +261,8 @@ class Checker(Judge):
                 f"0..{len(key) - 1}, but that hash names a different {len(named[0])}-token "  # type: ignore[arg-type]
                 "prefix",
                 index,
+                (block,),  # type: ignore[arg-type]
+                (rid,),  # type: ignore[arg-type]
             )
         other = self._key_hash.get(key)
         if other is not None and other[0] != hash_:
@@ -272,6 +271,8 @@ class Checker(Judge):
                 f"block {block} is published under hash {hash_!r}, but the same token prefix "
                 f"(r{rid}'s tokens 0..{len(key) - 1}) is published under {other[0]!r}",
                 index,
+                (block,),  # type: ignore[arg-type]
+                (rid,),  # type: ignore[arg-type]
             )
         self._drop_hash(block)  # type: ignore[arg-type]
         self._block_hash[block] = hash_  # type: ignore[index]
@@ -291,8 +292,15 @@ class Checker(Judge):
             if entry[1] == 0:
                 del table[k]  # type: ignore[attr-defined]
 
-    def _found(self, invariant: str, message: str, index: int) -> Finding:
-        finding = super()._found(invariant, message, index)
+    def _found(
+        self,
+        invariant: str,
+        message: str,
+        index: int,
+        blocks: tuple[int, ...] = (),
+        requests: tuple[int, ...] = (),
+    ) -> Finding:
+        finding = super()._found(invariant, message, index, blocks, requests)
         self.finding_line = self._line
         if self.check_every > 1 and invariant not in ("Illegal", "Disagreement", HASH_CHAIN):
             self.arose_after = self.last_check_line
@@ -302,26 +310,15 @@ class Checker(Judge):
 
     def involved(self) -> tuple[set[int], set[int]]:
         """(blocks, requests) named by the finding and by the violating event."""
-        blocks: set[int] = set()
-        reqs: set[int] = set()
         if self.finding is None:
-            return blocks, reqs
-        text = self.finding.message
-        blocks.update(int(b) for b in re.findall(r"\bblock (\d+)", text))
-        for listed in re.findall(r"\bblocks \[([\d, ]*)\]", text):
-            blocks.update(int(b) for b in listed.replace(",", " ").split())
-        reqs.update(int(r) for r in re.findall(r"\br(\d+)\b", text))
+            return set(), set()
+        blocks, reqs = set(self.finding.blocks), set(self.finding.requests)
         if self.last_event is not None:
             event = self.last_event[1]
-            kind = event[0]
-            if kind in ("evict", "unpublish", "free"):
-                blocks.add(event[1])  # type: ignore[arg-type]
-            elif kind in REQUEST_FIELDS or kind == "arrive":
-                reqs.add(event[1])  # type: ignore[arg-type]
-                if kind in ("alloc", "publish", "dedup"):
-                    blocks.add(event[-1])  # type: ignore[arg-type]
+            blocks.update(blocks_of(event))
+            reqs.update(requests_of(event))
         n = self.config.num_blocks
-        return {b for b in blocks if 0 <= b < n}, reqs
+        return {b for b in blocks if isinstance(b, int) and 0 <= b < n}, reqs
 
     def minimal_history(self) -> list[tuple[int, Event]]:
         """The remembered events that touched the involved blocks and requests, in file order."""
@@ -588,17 +585,8 @@ def report_of(checker: Checker, name: str, seconds: float = 0.0) -> Report:
     timeline = []
     for line, event in history:
         kind = str(event[0])
-        rid = event[1] if kind in ("wrote", "read") or kind in REQUEST_FIELDS else None
-        if kind in ("wrote", "read"):
-            ids: Iterable[object] = (event[2],)
-        elif kind in ("evict", "unpublish", "free"):
-            ids = (event[1],)
-        elif kind in ("alloc", "publish", "dedup"):
-            ids = (event[-1],)
-        elif kind == "hit":
-            ids = event[2]  # type: ignore[assignment]
-        else:
-            ids = ()
+        rid = event[1] if kind in ("wrote", "read") else request_of(event)
+        ids: Iterable[object] = (event[2],) if kind in ("wrote", "read") else blocks_of(event)
         for block in ids:
             if block in blocks:
                 timeline.append((line, block, kind, rid))  # type: ignore[arg-type]

@@ -957,4 +957,5 @@ class FastChecker:
             single={rid: list(ix) for rid, ix in self.single.items()},
             bad_reads=list(self.bad_reads),
             commits=self.commits,
+            arrivals=self.arrivals,
         )

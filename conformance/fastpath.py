@@ -59,7 +59,6 @@ def resume(fast: FastChecker) -> Checker:
     checker._ids = ids
     checker._max_step = fast.max_step
     checker._finished = set(fast.finished)
-    checker._arrivals = fast.arrivals
     checker.request_rings = {rid: deque(maxlen=checker.history) for rid in s.requests}
     seq = fast.tokens_of
     checker._block_hash = dict(fast.block_hash)

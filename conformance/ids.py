@@ -4,22 +4,7 @@ and the ``FastChecker``, so both reject the same events with the same message.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-Event = tuple[object, ...]
-
-REQUEST_FIELDS = {
-    "schedule": 1,
-    "preempt": 1,
-    "abort": 1,
-    "hit": 1,
-    "alloc": 1,
-    "publish": 1,
-    "load_failed": 1,
-    "finish": 1,
-    "dedup": 1,
-}
-STEP_FIELDS = ("submit", "execute", "commit")
+from kvspec.spec.events import Event, requests_of, step_of
 
 
 class UnknownId(ValueError):
@@ -51,19 +36,13 @@ def check_ids(kind: object, event: Event, ids: IdSet, max_step: int) -> int:
     began; return the highest step id begun so far (``begin`` raises it)."""
     if kind == "arrive":
         return max_step
-    position = REQUEST_FIELDS.get(kind)  # type: ignore[arg-type]
-    rids: Iterable[object] = ()
-    if position is not None:
-        rids = (event[position],)
-    elif kind == "execute":
-        rids = event[2]  # type: ignore[assignment]
-    elif kind == "commit":
-        rids = [pair[0] for pair in event[2]]  # type: ignore[attr-defined]
+    rids = requests_of(event)
     for rid in rids:
         if rid not in ids:
             raise UnknownId(f"{kind}: request r{rid} never arrived")
-    if kind in STEP_FIELDS and event[1] > max_step:  # type: ignore[operator]
-        raise UnknownId(f"{kind}: step {event[1]} never began")
-    if kind == "begin" and event[1] > max_step:  # type: ignore[operator]
-        return event[1]  # type: ignore[return-value]
-    return max_step
+    step = step_of(event)
+    if step is None or step <= max_step:
+        return max_step
+    if kind != "begin":
+        raise UnknownId(f"{kind}: step {step} never began")
+    return step

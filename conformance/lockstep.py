@@ -30,8 +30,11 @@ from kvspec.spec import (
     running_tables,
     tables_append_only,
 )
-from kvspec.spec.incremental import Footprint, Incremental, add_effects, footprint
+from kvspec.spec.events import blocks_of, requests_of
+from kvspec.spec.incremental import Incremental
+from kvspec.spec.invariants import Violation
 from kvspec.spec.observed import refuse_strict
+from kvspec.spec.state import Touched
 
 Event = tuple[object, ...]
 
@@ -43,6 +46,9 @@ class Finding:
     message: str
     event: int
     """Index of the event in the stream at which it was found."""
+    blocks: tuple[int, ...] = ()
+    """The blocks it is about (an invariant's ``Violation.blocks``, a disagreement's events')."""
+    requests: tuple[int, ...] = ()
 
     @property
     def explanation(self) -> str:
@@ -100,7 +106,7 @@ class Judge:
         self.decisions = 0
         self.finding: Finding | None = None
         self.incremental = Incremental(self.state) if incremental else None
-        self.footprint = Footprint()
+        self.footprint = Touched()
         """What the decisions since the last check changed."""
         self._tables = running_tables(self.state)
 
@@ -118,12 +124,11 @@ class Judge:
         if self.expected:
             return self._found("Disagreement", f"missing effect {self.expected[0]}", index)
         s = self.state
-        fp = footprint(s, event)
         try:
             effects = apply(s, event)
         except Illegal as err:
             return self._found("Illegal", str(err), index)
-        add_effects(s, fp, event, effects)
+        fp = s.touched
         self.expected.extend(effects)
         self.decisions += 1
         if self.check_every == 1:
@@ -137,31 +142,42 @@ class Judge:
         """An effect: it must be the next one the spec computed."""
         want = self.expected.popleft() if self.expected else None
         if event != want:
+            named = (event,) if want is None else (event, want)
             return self._found(
-                "Disagreement", f"engine emitted {event}, spec expects {want}", index
+                "Disagreement",
+                f"engine emitted {event}, spec expects {want}",
+                index,
+                tuple(sorted({b for e in named for b in blocks_of(e)})),
+                tuple(sorted({r for e in named for r in requests_of(e)})),
             )
         return None
 
     def check_now(self, index: int) -> Finding | None:
         """Check the invariants (and TablesAppendOnly since the last check) now."""
-        fp, self.footprint = self.footprint, Footprint()
+        fp, self.footprint = self.footprint, Touched()
         return self._check(fp, index)
 
-    def _check(self, fp: Footprint, index: int) -> Finding | None:
+    def _check(self, fp: Touched, index: int) -> Finding | None:
         s = self.state
         if self.incremental is not None:
-            violated = self.incremental.check(s, fp, self.invariants)
-            return None if violated is None else self._found(*violated, index)
+            return self._violated(self.incremental.check(s, fp, self.invariants), index)
         violated = check(s, self.invariants)
         if violated is not None:
-            return self._found(*violated, index)
+            return self._violated(violated, index)
         # Requests that left running since the snapshot may come back with another table.
         before = {r: t for r, t in self._tables.items() if r not in fp.left and r in s.requests}
         grew = tables_append_only(before, s)
         if grew is not None and (self.invariants is None or "TablesAppendOnly" in self.invariants):
-            return self._found("TablesAppendOnly", grew, index)
+            return self._violated(grew, index)
         self._tables = running_tables(s)
         return None
+
+    def _violated(self, violation: Violation | None, index: int) -> Finding | None:
+        if violation is None:
+            return None
+        return self._found(
+            violation.invariant, violation.sentence, index, violation.blocks, violation.requests
+        )
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
         for event in events:
@@ -197,6 +213,13 @@ class Judge:
             )
         return None
 
-    def _found(self, invariant: str, message: str, index: int) -> Finding:
-        self.finding = Finding(invariant, message, index)
+    def _found(
+        self,
+        invariant: str,
+        message: str,
+        index: int,
+        blocks: tuple[int, ...] = (),
+        requests: tuple[int, ...] = (),
+    ) -> Finding:
+        self.finding = Finding(invariant, message, index, blocks, requests)
         return self.finding

@@ -25,8 +25,8 @@ from kvspec.spec import (
     running_tables,
     tables_append_only,
 )
-from kvspec.spec.incremental import Footprint
 from kvspec.spec.observed import engine_effect, steer
+from kvspec.spec.state import Touched
 
 from .checker import Checker
 from .ids import UnknownId
@@ -93,10 +93,10 @@ class ObservedJudge(Judge):
             return self._found("Disagreement", f"missing effect {expected[0]}", index)
         violated = check(self.state, self.invariants)
         if violated is not None:
-            return self._found(*violated, index)
+            return self._violated(violated, index)
         grew = tables_append_only(self._tables, self.state)
         if grew is not None and (self.invariants is None or "TablesAppendOnly" in self.invariants):
-            return self._found("TablesAppendOnly", grew, index)
+            return self._violated(grew, index)
         self._tables = running_tables(self.state)
         return None
 
@@ -126,7 +126,7 @@ class ObservedChecker(Checker):
         self.own_effects = engine_effects(config.policy)
         self.pending: list[tuple[Event, int, str | None]] = []
         self._holding = False
-        self._held: Footprint | None = None
+        self._held: Touched | None = None
 
     def feed(  # type: ignore[override]
         self, event: Event, line: int | None = None, hash_: str | None = None
@@ -190,7 +190,7 @@ class ObservedChecker(Checker):
                 super()._check(held, index)
         return self.finding
 
-    def _check(self, fp: Footprint, index: int) -> Finding | None:
+    def _check(self, fp: Touched, index: int) -> Finding | None:
         if self._holding:  # the decision's effects are not all in yet
             self._held = fp
             return None

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Iterator
 
 from kvspec.impl.paged.records import Executed, Fill, Record, Work
 from kvspec.spec import Config, Illegal, apply, initial_state
+from kvspec.spec.events import EFFECTS
 from kvspec.spec.state import State
 
 from .lockstep import Event
-from .report import EFFECTS
 
 
 class PlanError(ValueError):

@@ -14,12 +14,10 @@ from pathlib import Path
 import orjson
 
 from kvspec.spec import Config
+from kvspec.spec.events import EFFECTS
 
 from .lockstep import Event, Finding
 
-EFFECTS = frozenset(
-    {"hit", "evict", "alloc", "publish", "unpublish", "free", "load_failed", "finish"}
-)
 FORMAT = "kvspec-events"
 VERSION = 0
 
@@ -36,6 +34,8 @@ def describe(event: Event) -> str:
             return f"schedule r{rid} for {tokens} tokens"
         case "schedule", (rid, 0, loaded):
             return f"schedule r{rid} to load {loaded} blocks from the external store"
+        case "schedule", (rid, tokens, loaded):
+            return f"schedule r{rid} for {tokens} tokens and to load {loaded} blocks"
         case "preempt", (rid,):
             return f"preempt r{rid}"
         case "submit", (step,):
@@ -66,6 +66,8 @@ def describe(event: Event) -> str:
             return f"r{rid}'s load failed: it recomputes"
         case "finish", (rid, reason):
             return f"r{rid} finishes ({reason})"
+        case "dedup", (rid, index, block):
+            return f"r{rid}[{index}] now names the published copy block {block}"
     return repr(event)
 
 

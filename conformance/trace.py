@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 
 from kvspec.spec import OBSERVED_POLICIES, Config
+from kvspec.spec.events import KINDS, REASONS
 
 from .lockstep import Event
 
@@ -35,42 +36,16 @@ MODEL_FIELDS = (
     "max_running",
     "stop_token",
 )
-REASONS = ("length", "stop", "abort")
 JUDGING = ("strict", "observed")
 """How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
 modes"): observed for engines whose pool picks other free blocks or duplicates than the spec's, or
 that register on their own (policy ``engine-registers``)."""
 
-# Field types: "id" a non-negative int (request or step id), "block" a block id in
-# 0 .. num_blocks - 1, "nat" an int >= 0, "int" any int, "tokens" a non-empty list of ints >= 0,
-# "blocks" a list of block ids, "ids" a list of request ids, "sampled" a list of [req, token],
-# "reason" one of REASONS, "hash" a non-empty string (optional).
-FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
-    # decisions
-    "arrive": (("req", "id"), ("tokens", "tokens"), ("max_tokens", "nat"), ("priority", "int")),
-    "begin": (("step", "id"),),
-    "schedule": (("req", "id"), ("tokens", "nat"), ("loaded", "nat")),
-    "preempt": (("req", "id"),),
-    "submit": (("step", "id"),),
-    "execute": (("step", "id"), ("failed", "ids")),
-    "commit": (("step", "id"), ("sampled", "sampled")),
-    "abort": (("req", "id"),),
-    "reset": (),
-    # effects
-    "hit": (("req", "id"), ("blocks", "blocks")),
-    "evict": (("block", "block"),),
-    "alloc": (("req", "id"), ("block", "block")),
-    "publish": (("req", "id"), ("index", "nat"), ("block", "block")),
-    "unpublish": (("block", "block"),),
-    "free": (("block", "block"),),
-    "load_failed": (("req", "id"),),
-    "finish": (("req", "id"), ("reason", "reason")),
-    "dedup": (("req", "id"), ("index", "nat"), ("block", "block")),
-}
+FIELDS: dict[str, tuple[tuple[str, str], ...]] = {name: kind.fields for name, kind in KINDS.items()}
+"""Every event kind's fields (name, type) in tuple order: ``kvspec.spec.events.KINDS``, the one
+vocabulary (its docstring says what each type admits)."""
 OPTIONAL = {"publish": ("hash",)}
-DECISIONS = frozenset(
-    ("arrive", "begin", "schedule", "preempt", "submit", "execute", "commit", "abort", "reset")
-)
+"""Optional fields of a line: a publish may carry the engine's opaque block hash."""
 PRIVATE = "tokens-private traces (block hashes only, no token ids) are not supported yet"
 
 

@@ -192,7 +192,8 @@ def replay(
                 )
         failure = check(s)
         if failure is not None:
-            return program, events, Finding(failure[0], failure[1], len(events) - 1 - len(effects))
+            at = len(events) - 1 - len(effects)
+            return program, events, Finding(failure.invariant, failure.sentence, at)
     return program, events, None
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from . import policies
 from .pool import Event, allocate, free_table, holds, lookup, touch
-from .state import Entry, Illegal, Request, State, Step, Write
+from .state import Entry, Illegal, Request, State, Step, Touched, Write
 
 
 def arrive(
@@ -35,8 +35,10 @@ def arrive(
         raise Illegal(f"arrive r{rid}: the id is taken")
     if not prompt or max_tokens < 1:
         raise Illegal(f"arrive r{rid}: empty prompt or max_tokens < 1")
-    s.requests[rid] = Request(rid, list(prompt), len(prompt), max_tokens, priority, len(s.requests))
+    s.requests[rid] = Request(rid, list(prompt), len(prompt), max_tokens, priority, s.arrivals)
+    s.arrivals += 1
     s.waiting.append(rid)
+    s.touched.requests.add(rid)
     return []
 
 
@@ -47,6 +49,7 @@ def begin(s: State, step_id: int) -> list[Event]:
     s.next_step += 1
     step = Step(step_id)
     s.steps.append(step)
+    s.touched.steps = True
     return policies.on_begin(s, step)
 
 
@@ -95,6 +98,9 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     for i in range(start // bsz, len(req.table)):
         prefix = tuple(req.tokens[: min(end, (i + 1) * bsz)])
         s.blocks[req.table[i]].pending.append(Write(step.id, rid, prefix, load))
+        s.touched.content.add(req.table[i])
+    s.touched.requests.add(rid)
+    s.touched.entries.add((step.id, rid))
     req.computed = end
     step.entries[rid] = Entry(
         start, end, tuple(req.table), load, not load and end == len(req.tokens)
@@ -119,6 +125,7 @@ def preempt(s: State, rid: int) -> list[Event]:
         if cfg.preemption == "priority" and rid != max(s.running, key=lambda r: _rank(s, r)):
             raise Illegal(f"{where}: priority preempts the max (priority, arrival)")
     step.preempted = True
+    s.touched.left.add(rid)
     events = _leave(s, req)
     s.running.remove(rid)
     s.waiting.insert(0, rid)
@@ -131,6 +138,7 @@ def submit(s: State, step_id: int) -> list[Event]:
     if step.id != step_id:
         raise Illegal(f"submit step {step_id}: step {step.id} is building")
     step.phase = "submitted"
+    s.touched.steps = True
     return []
 
 
@@ -143,8 +151,10 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
         raise Illegal(f"execute step {step_id}: only external loads can fail")
     bsz = s.config.block_size
     step.failed = tuple(failed)
+    s.touched.steps = True
     for rid, e in step.entries.items():
         for block in e.blocks[e.start // bsz :]:
+            s.touched.content.add(block)
             b = s.blocks[block]
             mine = [w for w in b.pending if w.step == step.id and w.req == rid]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == rid)]
@@ -179,6 +189,11 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
     ):
         raise Illegal(f"commit step {step_id}: not the oldest executed step, or a step is building")
     step = s.steps[0]
+    s.touched.steps = True
+    s.touched.requests.update(step.entries)
+    for rid in step.failed:  # its blocks stop being excused by NoUnwrittenPublish
+        e = step.entries[rid]
+        s.touched.content.update(e.blocks[e.start // s.config.block_size :])
     expected = [rid for rid, e in step.entries.items() if e.samples and rid in step.live]
     tokens = dict(sampled)
     if sorted(tokens) != sorted(expected) or len(tokens) != len(sampled):
@@ -192,6 +207,7 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             req.loading = None
             if rid in step.failed:  # simplification: recompute the request from scratch
                 events += _leave(s, req) + [("load_failed", rid)]
+                s.touched.left.add(rid)
                 s.running.remove(rid)
                 s.waiting.insert(0, rid)
                 req.status = "waiting"
@@ -206,6 +222,7 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             events += free_table(s, req) + [("finish", rid, reason)]
             s.running.remove(rid)
             req.status = "finished"
+            s.touched.left.add(rid)
     s.steps.pop(0)
     s.commits += 1
     return events
@@ -218,6 +235,7 @@ def abort(s: State, rid: int) -> list[Event]:
     events = _leave(s, req)
     (s.running if req.status == "running" else s.waiting).remove(rid)
     req.status = "finished"
+    s.touched.left.add(rid)
     return events + [("finish", rid, "abort")]
 
 
@@ -228,6 +246,7 @@ def reset(s: State) -> list[Event]:
     events: list[Event] = []
     for block in sorted(b for blocks in s.index.values() for b in blocks):
         s.blocks[block].key = None
+        s.touched.blocks.add(block)
         events.append(("unpublish", block))
     s.index.clear()
     return events
@@ -251,6 +270,7 @@ def apply(s: State, event: tuple[object, ...]) -> list[Event]:
     action = ACTIONS.get(str(event[0])) if event else None
     if action is None:
         raise Illegal(f"unknown decision {event!r}")
+    s.touched = Touched()
     try:
         return action(s, *event[1:])
     except TypeError as err:
@@ -284,6 +304,7 @@ def _leave(s: State, req: Request) -> list[Event]:
         for block in entry.blocks:
             b = s.blocks[block]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]
+            s.touched.content.add(block)
     for st in s.steps:
         st.live.discard(req.id)
     events = policies.on_remove(s, req)

@@ -97,6 +97,7 @@ def publish_own(s: State, effect: Event) -> list[Event]:
     if s.blocks[block].key is not None:
         raise Illegal(f"publish of block {block}, which is already published")
     add_key(s, block, s.key(req, index))
+    s.touched.requests.add(req.id)
     return [effect]
 
 
@@ -125,6 +126,9 @@ def dedup(s: State, effect: Event) -> list[Event]:
     b.refcount += 1
     req.table[index] = block
     release(s, old, req.id)
+    s.touched.blocks.add(block)
+    s.touched.requests.add(req.id)
+    s.touched.swapped.append((req.id, index, block))
     return [effect]
 
 

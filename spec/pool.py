@@ -60,6 +60,8 @@ def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
             s.free.remove(block)
         b.refcount += 1
         req.table.append(block)
+    s.touched.blocks.update(blocks)
+    s.touched.requests.add(req.id)
     return [("hit", req.id, tuple(blocks))]
 
 
@@ -75,6 +77,8 @@ def allocate(s: State, req: Request) -> list[Event]:
         events.append(("evict", block))
     b.refcount = 1
     req.table.append(block)
+    s.touched.blocks.add(block)
+    s.touched.requests.add(req.id)
     events.append(("alloc", req.id, block))
     return events
 
@@ -89,6 +93,7 @@ def free_table(s: State, req: Request) -> list[Event]:
     req.table = []
     req.computed = 0
     req.cached = 0
+    s.touched.requests.add(req.id)
     return events
 
 
@@ -99,6 +104,7 @@ def release(s: State, block: int, rid: int) -> None:
     if b.refcount <= 0:
         raise Illegal(f"free of block {block} by r{rid}: refcount is {b.refcount}")
     b.refcount -= 1
+    s.touched.blocks.add(block)
     if b.refcount == 0:
         if b.key is None:
             s.free.insert(0, block)
@@ -115,6 +121,7 @@ def publish(s: State, req: Request, index: int) -> list[Event]:
     if b.key is not None:
         return []
     add_key(s, block, s.key(req, index))
+    s.touched.requests.add(req.id)
     return [("publish", req.id, index, block)]
 
 
@@ -140,6 +147,7 @@ def count_if_lost(s: State, block: int, key: Key, leaving: Request | None) -> No
 def add_key(s: State, block: int, key: Key) -> None:
     s.blocks[block].key = key
     s.index.setdefault(key, []).append(block)
+    s.touched.blocks.add(block)
 
 
 def _drop_key(s: State, block: int) -> None:
@@ -150,3 +158,4 @@ def _drop_key(s: State, block: int) -> None:
     if not owners:
         del s.index[b.key]
     b.key = None
+    s.touched.blocks.add(block)

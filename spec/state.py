@@ -166,6 +166,39 @@ class Step:
 
 
 @dataclass(slots=True)
+class Touched:
+    """What the last decision touched (and, in observed judging, the engine's own effects after
+    it): written by the actions and the pool as they change the state, read by the incremental
+    invariant checks, which re-evaluate only what is named here. Not part of the model's meaning:
+    a record, like a TLA+ trace's annotation of each step."""
+
+    blocks: set[int] = field(default_factory=set)
+    """Refcount, hash, free-queue place or holders changed."""
+    content: set[int] = field(default_factory=set)
+    """``written`` or ``pending`` changed, or a failed load on the block stopped being excused."""
+    requests: set[int] = field(default_factory=set)
+    """Table, computed tokens, status or tokens changed."""
+    entries: set[tuple[int, int]] = field(default_factory=set)
+    """(step, request) entries created: all their reads are new."""
+    left: set[int] = field(default_factory=set)
+    """Requests that stopped running (preempted, failed load, finished, aborted)."""
+    swapped: list[tuple[int, int, int]] = field(default_factory=list)
+    """(request, table index, block): a running table changed in place by an engine's own
+    ``dedup`` (sanctioned: TablesAppendOnly judges only the rest of the change)."""
+    steps: bool = False
+    """A step began, was submitted, executed or committed."""
+
+    def merge(self, other: Touched) -> None:
+        self.blocks |= other.blocks
+        self.content |= other.content
+        self.requests |= other.requests
+        self.entries |= other.entries
+        self.left |= other.left
+        self.swapped += other.swapped
+        self.steps |= other.steps
+
+
+@dataclass(slots=True)
 class State:
     config: Config
     blocks: list[Block]
@@ -186,6 +219,10 @@ class State:
     lost_hits: int = 0
     """Valid, unreferenced cache entries dropped by a rollback (safe but wasted)."""
     commits: int = 0
+    arrivals: int = 0
+    """Requests that ever arrived: the next one's arrival order (``Request.arrival``)."""
+    touched: Touched = field(default_factory=Touched, compare=False)
+    """What the last decision touched (``Touched``); ``actions.apply`` starts a new record."""
 
     @property
     def building(self) -> Step | None:
