@@ -164,7 +164,7 @@ def field(event: Event, name: str) -> object:
 def request_of(event: Event) -> int | None:
     """The one request an event is about (its ``req`` field), or None."""
     at = _REQUEST.get(event[0])  # type: ignore[call-overload]
-    return None if at is None else event[at]  # type: ignore[return-value]
+    return None if at is None else event[at]
 
 
 def requests_of(event: Event) -> tuple[int, ...]:
@@ -173,7 +173,7 @@ def requests_of(event: Event) -> tuple[int, ...]:
     kind = event[0]
     at = _REQUEST.get(kind)  # type: ignore[call-overload]
     if at is not None:
-        return (event[at],)  # type: ignore[return-value]
+        return (event[at],)
     if kind == "execute":
         return tuple(event[2])  # type: ignore[arg-type]
     if kind == "commit":
@@ -187,12 +187,12 @@ def blocks_of(event: Event) -> tuple[int, ...]:
     kind = event[0]
     at = _BLOCK.get(kind)  # type: ignore[call-overload]
     if at is not None:
-        return (event[at],)  # type: ignore[return-value]
+        return (event[at],)
     at = _BLOCKS.get(kind)  # type: ignore[call-overload]
-    return tuple(event[at]) if at is not None else ()  # type: ignore[arg-type]
+    return tuple(event[at]) if at is not None else ()
 
 
 def step_of(event: Event) -> int | None:
     """The step a decision names (begin, submit, execute, commit), or None."""
     at = _STEP.get(event[0])  # type: ignore[call-overload]
-    return None if at is None else event[at]  # type: ignore[return-value]
+    return None if at is None else event[at]
