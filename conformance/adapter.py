@@ -83,7 +83,13 @@ class ReferenceAdapter:
 
     def __init__(self, config: Config, choices: Choices) -> None:
         self.config = config
-        fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
+        if config.async_scheduling or config.stale_output != "drop":
+            raise ValueError("the reference engine has no async scheduling or stale delivery yet")
+        fields = {
+            name: getattr(config, name)
+            for name in Config.__dataclass_fields__
+            if name in EngineConfig.__dataclass_fields__
+        }
         self.engine = Engine(EngineConfig(**fields, vocab=4), choices=choices)
         self.events = self.engine.events
 

@@ -145,6 +145,10 @@ class FastChecker:
 
     def __init__(self, config: Config) -> None:
         refuse_strict(config)
+        if config.async_scheduling or config.stale_output != "drop":
+            raise ValueError(
+                "the fast model does not judge async scheduling or delivered stale output yet"
+            )
         self.config = config
         n = config.num_blocks
         self.bsz = config.block_size

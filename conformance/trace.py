@@ -35,6 +35,8 @@ MODEL_FIELDS = (
     "token_budget",
     "max_running",
     "stop_token",
+    "async_scheduling",
+    "stale_output",
 )
 JUDGING = ("strict", "observed")
 """How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
@@ -180,9 +182,11 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     unknown = sorted(set(model) - set(MODEL_FIELDS))
     if unknown:
         raise bad(f'unknown "model" field {unknown[0]!r}')
-    for name in ("policy", "discipline", "preemption"):
+    for name in ("policy", "discipline", "preemption", "stale_output"):
         if name in model and not isinstance(model[name], str):
             raise bad(f'"model.{name}" must be a string')
+    if "async_scheduling" in model and not isinstance(model["async_scheduling"], bool):
+        raise bad('"model.async_scheduling" must be true or false')
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer')

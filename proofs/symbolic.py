@@ -1005,7 +1005,7 @@ Z3_INVARIANTS: dict[str, Callable[[Model, SState], Term]] = {
 # the bridge between the two forms: concrete states and decisions of the executable spec
 
 
-def _owner(s: State, prefix: tuple[int, ...], where: str) -> int:
+def _owner(s: State, prefix: tuple[object, ...], where: str) -> int:
     """A request whose tokens start with ``prefix`` (the reference a key or content uses)."""
     for rid in sorted(s.requests):
         if tuple(s.requests[rid].tokens[: len(prefix)]) == prefix:
@@ -1110,7 +1110,7 @@ def same(model: Model, S: SState, s: State) -> list[tuple[str, Term]]:
     def eq(key: SKey) -> None:
         out.append((key_name(key), S[key] == v[key]))
 
-    def names(req: Term, prefix: tuple[int, ...], what: str) -> None:
+    def names(req: Term, prefix: tuple[object, ...], what: str) -> None:
         for j, t in enumerate(prefix):
             out.append((f"{what}[{j}]", model.tok(S, req, j) == t))
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import policies
-from .pool import Event, allocate, free_table, holds, lookup, touch
-from .state import Entry, Illegal, Request, State, Step, Touched, Write
+from .pool import Event, allocate, free_table, holds, lookup, resolve, touch
+from .state import Entry, Illegal, Placeholder, Request, State, Step, Touched, Write
 
 
 def arrive(
@@ -56,7 +56,10 @@ def begin(s: State, step_id: int) -> list[Event]:
 def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[Event]:
     """Give a request ``num_tokens`` tokens to compute in the building step; a waiting request is
     admitted first (prefix lookup, hits touched before anything is allocated). An admission may
-    instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet."""
+    instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet.
+    With async scheduling the tokens may run past the known ones into placeholders, one per step
+    in flight that samples for the request (``State.ahead``); the step's writes there hold the
+    placeholder until its sampling step commits."""
     step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
     bsz = cfg.block_size
     where = f"schedule r{rid} in step {step.id}"
@@ -90,21 +93,21 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         start, end = req.computed, req.computed + num_tokens
         if -(-end // bsz) - len(req.table) > len(s.free):
             raise Illegal(f"{where}: not enough free blocks")
-    if end > len(req.tokens):
-        raise Illegal(f"{where}: token {end - 1} is not known yet")
+    tokens = s.ahead(req) if cfg.async_scheduling else req.tokens
+    if end > len(tokens):
+        known = "known yet" if not cfg.async_scheduling else "known nor a step's placeholder"
+        raise Illegal(f"{where}: token {end - 1} is not {known}")
     while len(req.table) * bsz < end:
         events += allocate(s, req)
     load = num_loaded > 0
     for i in range(start // bsz, len(req.table)):
-        prefix = tuple(req.tokens[: min(end, (i + 1) * bsz)])
+        prefix = tuple(tokens[: min(end, (i + 1) * bsz)])
         s.blocks[req.table[i]].pending.append(Write(step.id, rid, prefix, load))
         s.touched.content.add(req.table[i])
     s.touched.requests.add(rid)
     s.touched.entries.add((step.id, rid))
     req.computed = end
-    step.entries[rid] = Entry(
-        start, end, tuple(req.table), load, not load and end == len(req.tokens)
-    )
+    step.entries[rid] = Entry(start, end, tuple(req.table), load, not load and end == len(tokens))
     step.live.add(rid)
     step.budget_used += num_tokens
     if load:
@@ -126,7 +129,7 @@ def preempt(s: State, rid: int) -> list[Event]:
             raise Illegal(f"{where}: priority preempts the max (priority, arrival)")
     step.preempted = True
     s.touched.left.add(rid)
-    events = _leave(s, req)
+    events = _leave(s, req, stale=cfg.stale_output)
     s.running.remove(rid)
     s.waiting.insert(0, rid)
     req.status = "waiting"
@@ -163,7 +166,7 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
     for rid, e in step.entries.items():
         if e.load:  # a load reads nothing
             continue
-        tokens = tuple(s.requests[rid].tokens[: e.end])
+        tokens = tuple(s.ahead(s.requests[rid])[: e.end])
         bad = [
             block
             for i, block in enumerate(e.blocks)
@@ -215,14 +218,20 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
     for rid in expected:
         req = s.requests[rid]
         req.tokens.append(tokens[rid])
+        resolve(s, Placeholder(step.id, rid), tokens[rid])
+        running = req.status == "running"  # else preempted, its stale output delivered
+        if running:
+            events += policies.on_output(s, req, step.entries[rid])
         reason = "length" if req.output_len >= req.max_tokens else None
         if tokens[rid] == s.config.stop_token:
             reason = "stop"
         if reason:
             events += free_table(s, req) + [("finish", rid, reason)]
-            s.running.remove(rid)
+            (s.running if running else s.waiting).remove(rid)
             req.status = "finished"
             s.touched.left.add(rid)
+            for later in s.steps[1:]:  # their output for it is stale: discarded
+                later.live.discard(rid)
     s.steps.pop(0)
     s.commits += 1
     return events
@@ -278,15 +287,25 @@ def apply(s: State, event: tuple[object, ...]) -> list[Event]:
 
 
 def waiting_order(s: State) -> list[int]:
-    """The order vLLM admits waiting requests in: queue order (fcfs), or (priority, arrival)."""
+    """The order vLLM admits waiting requests in: queue order (fcfs), or (priority, arrival),
+    skipping those not admissible yet (vLLM skips them and goes on down the queue)."""
+    order = [rid for rid in s.waiting if admissible(s, rid)]
     if s.config.preemption == "priority":
-        return sorted(s.waiting, key=lambda r: _rank(s, r))
-    return list(s.waiting)
+        return sorted(order, key=lambda r: _rank(s, r))
+    return order
+
+
+def admissible(s: State, rid: int) -> bool:
+    """Whether a waiting request may be admitted: with stale output delivered, not while a step
+    in flight still holds it (its output there is yet to be appended to its tokens)."""
+    return s.config.stale_output != "deliver" or not any(rid in st.entries for st in s.steps)
 
 
 def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
     if len(s.running) >= s.config.max_running:
         raise Illegal(f"{where}: {len(s.running)} requests already running")
+    if not admissible(s, req.id):
+        raise Illegal(f"{where}: its stale output of a step in flight is still to be delivered")
     if s.config.discipline == "vllm":
         if step.preempted:
             raise Illegal(f"{where}: vllm admits nothing in a step that preempted")
@@ -294,9 +313,11 @@ def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
             raise Illegal(f"{where}: vllm admits the head of the waiting queue first")
 
 
-def _leave(s: State, req: Request) -> list[Event]:
+def _leave(s: State, req: Request, stale: str = "drop") -> list[Event]:
     """The request gives up its blocks early (preempt, abort, failed load). Its part in the
-    building step is withdrawn, so that step will not write it; submitted steps still will."""
+    building step is withdrawn, so that step will not write it; submitted steps still will, and
+    their output for it is dropped, or with ``stale="deliver"`` (a preemption, vLLM's default)
+    still used: its reads matter and its sampled token is appended when the step commits."""
     step = s.building
     if step is not None and req.id in step.entries:
         entry = step.entries.pop(req.id)
@@ -306,7 +327,8 @@ def _leave(s: State, req: Request) -> list[Event]:
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]
             s.touched.content.add(block)
     for st in s.steps:
-        st.live.discard(req.id)
+        if stale == "drop" or st is step:
+            st.live.discard(req.id)
     events = policies.on_remove(s, req)
     req.loading = None
     return events + free_table(s, req)

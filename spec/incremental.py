@@ -36,7 +36,7 @@ from collections.abc import Collection
 
 from .invariants import INVARIANTS, Violation, tables_append_only
 from .pool import eventual_content, holds
-from .state import NULL_BLOCK, State, Touched
+from .state import NULL_BLOCK, Content, State, Touched
 
 TABLES_APPEND_ONLY = "TablesAppendOnly"
 
@@ -177,6 +177,15 @@ class Incremental:
                         if not self._entry_ok(s, st.id, rid, e.start, e.blocks):
                             return True
         bsz = s.config.block_size
+        for st in steps:  # stale output still delivered: live readers that hold no blocks now
+            for rid, e in st.entries.items():
+                if rid not in st.live or e.load or s.requests[rid].status == "running":
+                    continue
+                if (st.id, rid) in fp.entries:
+                    continue
+                for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
+                    if block in fp.content and not _read_ok(s, st.id, rid, e.start, i, block):
+                        return True
         for block in fp.content:
             mine = self.holders.get(block)
             if mine is None:
@@ -201,14 +210,14 @@ class Incremental:
         """Every read of a new entry; a full block read before by the same holder, with no
         content change since and no pending write, is known to hold the prefix."""
         bsz, verified = s.config.block_size, self.verified
-        tokens: tuple[int, ...] | None = None
+        tokens: Content | None = None
         for i in range(-(-start // bsz)):
             block = blocks[i]
             stable = (i + 1) * bsz <= start and not s.blocks[block].pending
             if stable and rid in verified.get(block, ()):
                 continue
             if tokens is None:
-                tokens = tuple(s.requests[rid].tokens[:start])
+                tokens = tuple(s.ahead(s.requests[rid])[:start])
             if not holds(eventual_content(s, block, upto_step=step_id), tokens[: (i + 1) * bsz]):
                 return False
             if stable:
@@ -302,5 +311,5 @@ class Incremental:
 
 def _read_ok(s: State, step_id: int, rid: int, start: int, i: int, block: int) -> bool:
     """One conjunct of ``no_unwritten_read``: the step's read of the request's block ``i``."""
-    prefix = tuple(s.requests[rid].tokens[: min(start, (i + 1) * s.config.block_size)])
+    prefix = tuple(s.ahead(s.requests[rid])[: min(start, (i + 1) * s.config.block_size)])
     return holds(eventual_content(s, block, upto_step=step_id), prefix)

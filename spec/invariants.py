@@ -50,7 +50,7 @@ def no_unwritten_read(s: State) -> Violation | None:
         for rid, e in step.entries.items():
             if e.load or rid not in step.live:
                 continue
-            tokens = s.requests[rid].tokens
+            tokens = s.ahead(s.requests[rid])
             for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
                 prefix = tuple(tokens[: min(e.start, (i + 1) * bsz)])
                 if not holds(eventual_content(s, block, upto_step=step.id), prefix):

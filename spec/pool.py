@@ -16,12 +16,12 @@ Effect events are plain tuples (see ``docs/events.md``)::
 
 from __future__ import annotations
 
-from .state import NULL_BLOCK, Illegal, Key, Request, State
+from .state import NULL_BLOCK, Content, Illegal, Key, Placeholder, Request, State
 
 Event = tuple[object, ...]
 
 
-def eventual_content(s: State, block: int, upto_step: int | None = None) -> Key | None:
+def eventual_content(s: State, block: int, upto_step: int | None = None) -> Content | None:
     """What the block will hold once every pending write of a step <= ``upto_step`` (all steps if
     None) has run: the last such write wins, since writes only ever extend a prefix or start one
     afresh in a newly allocated block."""
@@ -33,7 +33,7 @@ def eventual_content(s: State, block: int, upto_step: int | None = None) -> Key 
     return content
 
 
-def holds(content: Key | None, prefix: Key) -> bool:
+def holds(content: Content | None, prefix: Content) -> bool:
     """True when bytes holding ``content`` are valid for a reader of ``prefix``."""
     return content is not None and content[: len(prefix)] == prefix and len(content) >= len(prefix)
 
@@ -117,6 +117,8 @@ def publish(s: State, req: Request, index: int) -> list[Event]:
     block = req.table[index]
     if block == NULL_BLOCK:
         raise Illegal("publish of the null block")
+    if (index + 1) * s.config.block_size > len(req.tokens):
+        raise Illegal(f"publish of r{req.id}'s block {index}: its tokens are not all known")
     b = s.blocks[block]
     if b.key is not None:
         return []
@@ -142,6 +144,18 @@ def count_if_lost(s: State, block: int, key: Key, leaving: Request | None) -> No
     own = 1 if leaving is not None and block in leaving.table else 0
     if s.blocks[block].refcount - own == 0 and holds(eventual_content(s, block), key):
         s.lost_hits += 1
+
+
+def resolve(s: State, placeholder: Placeholder, token: int) -> None:
+    """The sampling step committed: every byte holding ``placeholder`` now holds ``token``."""
+    for block, b in enumerate(s.blocks):
+        if b.written is not None and placeholder in b.written:
+            b.written = tuple(token if x == placeholder else x for x in b.written)
+            s.touched.content.add(block)
+        for w in b.pending:
+            if placeholder in w.prefix:
+                w.prefix = tuple(token if x == placeholder else x for x in w.prefix)
+                s.touched.content.add(block)
 
 
 def add_key(s: State, block: int, key: Key) -> None:

@@ -66,7 +66,11 @@ def test_unsafe_cells_fail_with_a_shrunk_counterexample(
 
 def drive(config: Config, workload: list[tuple], seed: int | None = None) -> Finding | None:
     """Run a fixed workload on the reference engine; judge every event and every snapshot."""
-    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+    fields = {
+        k: getattr(config, k)
+        for k in config.__dataclass_fields__
+        if k in EngineConfig.__dataclass_fields__
+    }
     choices = RandomChoices(seed) if seed is not None else None
     engine = Engine(EngineConfig(**fields, vocab=4), choices=choices)
     judge = Judge(config)
