@@ -1,0 +1,95 @@
+"""SGLang 0.5.23's scheduler and memory objects through the adapter protocol, in the order of its
+default *overlap* event loop (``kvspec fuzz --target kvspec.conformance.adapters.sglang_adapter:factory
+--depth 2``) or of its loop without overlap (``...:sync_factory``, depth 1).
+
+Importable only where SGLang 0.5.23 is installed (``make thirdparty`` builds ``.venv-sglang``).
+The adapter runs SGLang's own ``Req``, ``ScheduleBatch`` (``prepare_for_extend``,
+``prepare_for_decode``, ``check_decode_mem``, ``retract_decode``, ``filter_batch``,
+``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, ``RadixCache``,
+``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
+methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
+and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
+its objects), ``record`` (the wrappers that turn SGLang's tree operations into events),
+``scheduler`` (the scheduler's methods), ``loops`` (the two event loops and the protocol),
+``mutants`` (wrong orders the judge must catch).
+
+Where the overlap loop touches the tree and the pools (``managers/scheduler.py``, 0.5.23):
+
+* ``get_next_batch_to_run`` (3894) forms batch N+1 while N's forward may run: first the chunked
+  request's previous chunk, written by forward N, is inserted (line 3919,
+  ``stash_chunked_request`` 3772: ``checkpoint_kv_cache``); then batch N, if a prefill, is merged
+  into the running batch *before* its result is processed (3934-3961; "overlap merges a prefill's
+  requests before its result finishes them", 3963), so N+1 may decode them on the token N samples;
+* ``_get_new_batch_prefill_raw`` (4079) admits and chunks with ``PrefillAdder`` (4184, 4270) and
+  allocates in ``prepare_for_extend`` (4357); ``update_running_batch`` (4459) leaves out the
+  requests N finishes by length (``_reqs_finishing_inflight`` 4444, called at 4463), retracts when
+  the decode does not fit (``retract_decode`` 4493: ``release_req`` -> ``release_kv_cache``, pages
+  forward N may still read) and allocates each decode's slot (``prepare_for_decode`` 4551), its
+  input the future token of N;
+* ``run_batch`` (4614) launches N+1; then ``pop_and_process`` (2068, called at 2120) processes N
+  (``batch_result_processor.py``): a finished request is inserted and released
+  (``release_kv_cache(checkpoint=True)``, 387 and 1466; its row includes the slot N+1 writes), a
+  non-chunked prefill that goes on is inserted (``checkpoint_kv_cache`` 394) while N+1 already
+  decodes it, and a request finished or retracted since is skipped (1022-1027).
+
+How SGLang maps onto the spec (``docs/adapters.md``): policy ``engine-registers`` (SGLang inserts
+into its tree on its own and deduplicates on insert), discipline ``general``, preemption ``fcfs``,
+judged *observed*; the overlap loop at depth 2 with ``async_scheduling`` (placeholder tokens), the
+loop without overlap at depth 1. A page's refcount is its tree node's ``lock_ref`` or, outside the
+tree, the rows holding it; the free set is the allocator's free pages and the unlocked tree pages.
+
+Left to the adapter, none of it SGLang's memory logic: a request's ``max_tokens`` is clipped at
+arrival by SGLang's ``max_new_tokens_for_memory`` (its ``arrive`` carries the clipped value); a
+client abort of a running request finishes it at its next result, as SGLang does, but after the
+other requests of that result (the spec's ``abort`` follows the ``commit``); when even the last
+decoding request does not fit, SGLang aborts it while forming the batch, which the adapter reports
+just before that step's ``begin`` (the spec's ``abort`` is illegal while a step is building).
+"""
+
+from __future__ import annotations
+
+from kvspec.reference.choices import Choices
+from kvspec.spec import Config
+
+from .loops import SglangAdapter
+
+__all__ = ["SglangAdapter", "factory", "supported", "sync_factory"]
+
+
+def supported(config: Config, overlap: bool = True) -> str | None:
+    """Why the SGLang adapter cannot run this cell in this loop, or None."""
+    if config.policy != "engine-registers":
+        return (
+            "SGLang inserts pages into its radix tree after a prefill's result and at finish, and "
+            f"deduplicates: policy engine-registers, not {config.policy}"
+        )
+    if config.discipline != "general":
+        return f"SGLang retracts the request with the fewest outputs: discipline general, not {config.discipline}"
+    if config.preemption != "fcfs":
+        return "SGLang's default scheduling and retraction ignore priorities: preemption fcfs"
+    if config.stop_token not in (None, 0):
+        return f"the fake model runner's stop token is 0, not {config.stop_token}"
+    if overlap and config.depth != 2:
+        return (
+            "SGLang's default overlap scheduler keeps a batch in flight while it forms the next: "
+            f"depth 2, not {config.depth} (sync_factory runs it without overlap, depth 1)"
+        )
+    if not overlap and config.depth != 1:
+        return f"SGLang without overlap runs one batch at a time: depth 1, not {config.depth}"
+    return None
+
+
+def factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang as it runs by default: the overlap scheduler (depth 2, placeholder decodes)."""
+    why = supported(config)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=True)
+
+
+def sync_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang with ``--disable-overlap-schedule`` (depth 1)."""
+    why = supported(config, overlap=False)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=False)

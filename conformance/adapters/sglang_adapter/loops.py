@@ -1,0 +1,144 @@
+"""The adapter: SGLang's two event loops over ``Scheduler`` (``scheduler.py``), one loop iteration per
+``step``, and the rest of the adapter protocol (``conformance/adapter.py``).
+
+``event_loop_overlap`` (SGLang's default, ``managers/scheduler.py`` lines 2061-2134) forms batch
+N+1 and launches it, then processes batch N's result::
+
+    batch = get_next_batch_to_run()        # stash the chunk N wrote, merge N, admit or decode
+    if batch: run_batch(batch)             # spec: begin .. submit of step N+1
+    if last_batch: pop_and_process()       # spec: execute, commit of step N, then its effects
+    last_batch = batch
+
+``event_loop_normal`` (lines 2026-2059, ``--disable-overlap-schedule``) runs and processes each
+batch before forming the next. Both loops call the same ``Scheduler`` methods; only their order
+differs. Under overlap a decode of N+1 reads the token N samples (SGLang's ``FutureMap``,
+``managers/overlap_utils.py``: ``resolve_forward_inputs`` gathers ``output_tokens_buf`` at the
+request's row on the device), which the spec models as a placeholder: the cell is
+``async_scheduling=True`` at depth 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvspec.reference.choices import Choices
+from kvspec.spec import Config
+
+from .record import Event
+from .scheduler import Scheduler
+
+
+class SglangAdapter:
+    judging = "observed"
+    supports_loads = False
+
+    def __init__(self, config: Config, choices: Choices, overlap: bool = True) -> None:
+        budget = max(config.token_budget, config.max_running, config.block_size)
+        config = replace(config, token_budget=budget)
+        if overlap:
+            config = replace(config, async_scheduling=True)
+        self.config = config
+        self.overlap = overlap
+        self.scheduler = self.new_scheduler(config, choices, overlap)
+        self.events: list[Event] = self.scheduler.events
+        self._published: set[int] = set()  # for self_check: pages the events registered
+        self._seen = 0
+
+    def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
+        """The scheduler the loops drive (a mutant's subclass overrides this)."""
+        return Scheduler(config, choices, overlap)
+
+    # -- the protocol ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        rid: int,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        priority: int,
+        external: bool = False,
+    ) -> None:
+        if external:
+            raise ValueError("the SGLang adapter has no external KV loads")
+        self.scheduler.add_request(rid, prompt, max_tokens)
+
+    def step(self) -> bool:
+        """One iteration of SGLang's event loop; False when it had nothing to do."""
+        return self._overlap_iteration() if self.overlap else self._normal_iteration()
+
+    def _overlap_iteration(self) -> bool:
+        s = self.scheduler
+        batch, step = s.get_next_batch_to_run()
+        if step is not None:
+            self.events.append(("submit", step))  # run_batch
+            if batch is not None:
+                s.result_queue.append((batch.copy(), step))
+        processed = s.last_batch is not None
+        if processed:
+            s.process_batch_result(*s.result_queue.popleft())  # pop_and_process
+        elif batch is None:
+            s.on_idle()
+        if batch is None and step is not None:  # an empty step: only its effects
+            self.events += [("execute", step, ()), ("commit", step, ())]
+        s.last_batch = batch
+        return step is not None or processed
+
+    def _normal_iteration(self) -> bool:
+        s = self.scheduler
+        batch, step = s.get_next_batch_to_run()
+        if step is None:
+            s.on_idle()
+        else:
+            self.events.append(("submit", step))
+            if batch is None:
+                self.events += [("execute", step, ()), ("commit", step, ())]
+            else:
+                s.process_batch_result(batch, step)
+        s.last_batch = batch
+        return step is not None
+
+    def abort(self, rid: int) -> bool:
+        return self.scheduler.abort_request(rid)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def live_requests(self) -> list[int]:
+        s = self.scheduler
+        return [rid for rid in s.requests if rid not in s.gone]
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Refcounts: a tree page's node ``lock_ref`` (the requests whose locked path holds it),
+        a page outside the tree the rows holding it past ``cache_protected_len``. Free: the
+        allocator's free pages and the unlocked tree pages (evictable, like the spec's cached
+        free blocks)."""
+        s = self.scheduler
+        refcounts = [0] * self.config.num_blocks
+        free = set(int(p) for p in s.allocator.get_all_free_pages().tolist())
+        for page, node in s.record.tree_pages():
+            refcounts[page] = node.lock_ref
+            if node.lock_ref == 0:
+                free.add(page)
+        for req in s.holders():
+            for page in s.record.row(req)[req.kv.cache_protected_len // s.page_size :]:
+                refcounts[page] += 1
+        return tuple(refcounts), tuple(sorted(free))
+
+    def self_check(self) -> str | None:
+        """Cross-check the wrappers with SGLang's tree: the pages the events registered and did
+        not drop (``publish`` less ``evict``, ``unpublish``, ``reset``) are the tree's pages."""
+        for event in self.events[self._seen :]:
+            if event[0] == "publish":
+                self._published.add(event[3])  # type: ignore[arg-type]
+            elif event[0] in ("evict", "unpublish"):
+                self._published.discard(event[1])  # type: ignore[arg-type]
+            elif event[0] == "reset":
+                self._published.clear()
+        self._seen = len(self.events)
+        tree = {page for page, _ in self.scheduler.record.tree_pages()}
+        if tree != self._published:
+            return (
+                f"SGLang's tree holds pages {sorted(tree)}; the events registered "
+                f"{sorted(self._published)}"
+            )
+        return None

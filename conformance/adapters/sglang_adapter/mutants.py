@@ -1,0 +1,108 @@
+"""Wrong orders of SGLang's overlap scheduler that the judge must catch (``tests/test_adapter_sglang.py``).
+
+Each mutant moves one of SGLang's own memory operations to a place where it is unsafe, and is a
+``Scheduler`` subclass with a factory of its own (``--target
+kvspec.conformance.adapters.sglang_adapter.mutants:insert_known_factory``). The orders they are
+contrasted with are SGLang's, and those are safe on one GPU stream: what SGLang inserts while a
+forward may still run (the previous chunk, the slot the launched batch N+1 writes for a request
+that finished at N) is written by a forward launched before any reader of it, and what it frees
+while a forward may still read it (a retracted request's pages, the copies a deduplicating insert
+drops) is reused only by batches launched after that forward.
+
+* ``InsertKnown`` (insert before the forward that writes): a prefill that goes on is inserted up
+  to all its known tokens, the one it has just sampled included, whose K/V only the request's next
+  forward computes. Under overlap that forward is often batch N+1, launched already, and the
+  insert is then as safe as SGLang's own insert at finish; when N+1 does not decode the request
+  (a prefill batch), nothing launched writes that position: NoUnwrittenPublish at the insert, and
+  NoUnwrittenRead when another request hits the page before the write.
+* ``LateRepoint`` (a freed slot still read): a deduplicating insert frees the request's copies
+  at once, as ``RadixCache._insert_cache`` does, but rewrites the request's row only when the
+  forward in flight has returned (as one might, to keep the row still while that forward reads
+  it). Batches formed meanwhile still read the freed copies through the row, and the allocator
+  hands them out again: an allocation of a page the spec counts as the request's (``Illegal``),
+  else RefcountIsOwnership.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvspec.reference.choices import Choices
+from kvspec.spec import Config
+
+from . import supported
+from .build import Req
+from .loops import SglangAdapter
+from .record import rid
+from .scheduler import Scheduler
+
+
+class InsertKnown(Scheduler):
+    def insert_unfinished(self, req: Req) -> None:
+        req.refresh_fill_ids()
+        with self.record.acting_for(req):
+            self.tree.checkpoint(req, up_to=len(req.full_untruncated_fill_ids))
+        req.prefix_len = req.extend_end  # as checkpoint_kv_cache leaves it
+
+
+class LateRepoint(Scheduler):
+    def hook_tree(self) -> None:
+        self.deferred: list[tuple[Req, int, Any, int]] = []
+        """(request, first row position, the tree's slots, step whose result applies them)."""
+        checkpoint = self.tree.checkpoint
+
+        def checkpoint_(req: Req, *, up_to: int) -> None:
+            if req.finished():  # the final insert: the row is released right after
+                checkpoint(req, up_to=up_to)
+                return
+            row = self.pool.req_to_token[req.kv.req_pool_idx]
+            start, before = req.kv.cache_protected_len, row.clone()
+            checkpoint(req, up_to=up_to)  # frees the duplicates and repoints the row
+            end = req.kv.cache_protected_len
+            if not bool((row[start:end] != before[start:end]).any()):
+                return
+            self.deferred.append((req, start, row[start:end].clone(), self.next_step - 1))
+            row[start:end] = before[start:end]  # the row stays on the freed copies for now
+
+        self.tree.checkpoint = checkpoint_
+
+    def before_result(self, step: int) -> None:
+        due = [d for d in self.deferred if d[3] <= step]
+        self.deferred = [d for d in self.deferred if d[3] > step]
+        for req, start, slots, _ in due:
+            if not req.kv.holds_kv or req.finished():
+                continue
+            table = self.record.row(req)
+            self.pool.req_to_token[req.kv.req_pool_idx, start : start + len(slots)] = slots
+            for index, (old, new) in enumerate(zip(table, self.record.row(req), strict=True)):
+                if old != new:
+                    self.events.append(("dedup", rid(req), index, new))
+
+
+class _MutantAdapter(SglangAdapter):
+    scheduler_class: type[Scheduler] = Scheduler
+
+    def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
+        return self.scheduler_class(config, choices, overlap)
+
+
+def mutant(scheduler_class: type[Scheduler], overlap: bool = True) -> type[SglangAdapter]:
+    """An adapter class whose scheduler is ``scheduler_class``."""
+    return type(
+        f"{scheduler_class.__name__}Adapter", (_MutantAdapter,), {"scheduler_class": scheduler_class}
+    )
+
+
+def _build(scheduler_class: type[Scheduler], config: Config, choices: Choices) -> SglangAdapter:
+    why = supported(config)
+    if why is not None:
+        raise ValueError(why)
+    return mutant(scheduler_class)(config, choices, overlap=True)
+
+
+def insert_known_factory(config: Config, choices: Choices) -> SglangAdapter:
+    return _build(InsertKnown, config, choices)
+
+
+def late_repoint_factory(config: Config, choices: Choices) -> SglangAdapter:
+    return _build(LateRepoint, config, choices)

@@ -1,0 +1,450 @@
+"""SGLang 0.5.23's ``Scheduler``, the parts that decide memory, over SGLang's own objects, with the
+kvspec events each part causes.
+
+SGLang's ``Scheduler`` needs a model worker, a tokenizer process and ZMQ sockets, so this class
+holds what it holds (``waiting_queue``, ``running_batch``, ``chunked_req``, ``last_batch``,
+``result_queue``, the radix tree, the pools, its ``SchedulePolicy`` and ``NewTokenRatioTracker``)
+and runs its methods' memory path line for line, calling SGLang's objects (``Req``,
+``ScheduleBatch``, ``PrefillAdder``) and helpers (``checkpoint_kv_cache``, ``release_kv_cache``),
+which do all the deciding: admission, chunking, matching, allocation, eviction, retraction,
+insertion, deduplication. What is left out is what has no memory effect (metrics, streaming,
+grammar, logprobs, LoRA, hierarchical cache, disaggregation, speculative decoding, DP attention).
+Line numbers are those of 0.5.23's ``managers/scheduler.py`` (``S``), ``managers/schedule_batch.py``
+(``B``) and ``managers/scheduler_components/batch_result_processor.py`` (``R``).
+
+Decision events: ``begin`` when a batch starts to be formed, ``schedule`` per request of the batch
+(its ``hit`` and ``alloc`` effects read off the row after SGLang allocated it), ``preempt`` per
+request ``retract_decode`` releases, ``submit`` at ``run_batch``, ``execute`` and ``commit`` when
+the batch's result is processed, ``abort`` where SGLang aborts. The event loops that order these
+calls are ``loops.py``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from kvspec.reference.choices import Choices
+from kvspec.spec import Config
+
+from .build import (
+    FINISH_ABORT,
+    MODEL,
+    VOCAB,
+    AddReqResult,
+    NewTokenRatioTracker,
+    PrefillAdder,
+    Req,
+    ScheduleBatch,
+    SchedulePolicy,
+    SpeculativeAlgorithm,
+    checkpoint_kv_cache,
+    empty_batch,
+    memory,
+    new_request,
+    prepare_abort,
+    release_kv_cache,
+)
+from .record import Event, Recorder, rid
+
+
+class Scheduler:
+    def __init__(self, config: Config, choices: Choices, overlap: bool) -> None:
+        self.config, self.choices, self.overlap = config, choices, overlap
+        self.events: list[Event] = []
+        ps = config.block_size
+        self.page_size = ps
+        # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
+        # max_running counts the chunked request too, and so do SGLang's rows.
+        self.pool, self.allocator, self.tree = memory(ps, config.num_blocks - 1, config.max_running)
+        self.hook_tree()
+        self.record = Recorder(self.tree, self.pool, ps, self.events)
+        self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
+        self.ratio = NewTokenRatioTracker.from_config()
+        self.token_budget = config.token_budget
+        """SGLang's ``chunked_prefill_size`` and ``max_prefill_tokens``."""
+        self.requests: dict[int, Req] = {}
+        self.gone: set[int] = set()
+        """Requests SGLang no longer holds (finished or aborted)."""
+        self.waiting: list[Req] = []
+        self.running_batch: ScheduleBatch = empty_batch()
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.result_queue: deque[tuple[ScheduleBatch, int]] = deque()
+        self.pending_chunked_abort: Req | None = None
+        self.next_step = 0
+
+    def hook_tree(self) -> None:
+        """Called before the recorder wraps the tree (a mutant wraps SGLang's methods here)."""
+
+    # -- arrivals and aborts --------------------------------------------------------------------
+
+    def add_request(self, req_id: int, prompt: tuple[int, ...], max_tokens: int) -> None:
+        capacity = (self.config.num_blocks - 1) * self.page_size
+        clipped = self.allocator.max_new_tokens_for_memory(
+            len(prompt), max_tokens, token_capacity=capacity, sliding_window_size=None, chunk_size=None
+        )
+        if not clipped:
+            return  # SGLang rejects a prompt with no room to generate: no request
+        req = new_request(req_id, prompt, int(clipped))
+        self.requests[req_id] = req
+        self.events.append(("arrive", req_id, tuple(prompt), int(clipped), 0))
+        self.waiting.append(req)  # _add_request_to_queue (S 3480)
+
+    def abort_request(self, req_id: int) -> bool:
+        """``abort_request`` (S 5675): a waiting request leaves at once; the chunked request is
+        aborted at the next ``get_next_batch_to_run`` (``process_pending_chunked_abort``); a
+        request of ``running_batch`` or ``last_batch`` gets ``to_finish`` ("abort method 3": it
+        runs once more and finishes when that result is processed)."""
+        req = self.requests.get(req_id)
+        if req is None or req_id in self.gone:
+            return False
+        if self.chunked_req is req:
+            self.pending_chunked_abort = req
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._abort_now(req)
+            return True
+        inflight = self.running_batch.reqs + (self.last_batch.reqs if self.last_batch else [])
+        if req in inflight and not req.finished():
+            req.to_finish = FINISH_ABORT()
+        return True
+
+    def _abort_now(self, req: Req) -> None:
+        """An abort the spec takes between steps: release without insert, then finished."""
+        self.events.append(("abort", rid(req)))
+        if req.kv.holds_kv:
+            self._release(req, checkpoint=False)
+        self.events.append(("finish", rid(req), "abort"))
+        self.gone.add(rid(req))
+
+    def process_pending_chunked_abort(self) -> None:
+        """S 3778: the chunked request's deferred abort, before anything else is scheduled."""
+        req, self.pending_chunked_abort = self.pending_chunked_abort, None
+        if req is None:
+            return
+        if self.chunked_req is not req:
+            if not (req.finished() or not req.kv.holds_kv):
+                self.abort_request(rid(req))  # it moved on: abort it where it is now
+            return
+        prepare_abort(req, "Aborted")
+        req.to_finish = None
+        self._abort_now(req)
+        self.chunked_req = None
+
+    # -- forming a batch: get_next_batch_to_run (S 3894) ----------------------------------------
+
+    def get_next_batch_to_run(self) -> tuple[ScheduleBatch | None, int | None]:
+        """The batch to run and the spec step begun for it; (None, step) when nothing runs but
+        forming it had effects (an empty step carries them), (None, None) when nothing happened."""
+        self.process_pending_chunked_abort()
+        step, begin = self.next_step, len(self.events)
+        self.events.append(("begin", step))
+        self._before_begin: list[Event] = []
+        exclude: list[Req] = []
+        if self.chunked_req is not None:
+            exclude.append(self.chunked_req)
+            if self.chunked_req.extend_end > self.chunked_req.prefix_len:
+                self.stash_chunked_request(self.chunked_req)
+        running, last = self.running_batch, self.last_batch
+        if last is not None and last.forward_mode.is_extend():  # merge the prefill batch
+            if last.chunked_req is not None:
+                exclude.append(last.chunked_req)
+            last_bs = last.batch_size()
+            last.filter_batch(reqs_to_exclude=exclude)
+            if last.batch_size() < last_bs:
+                running.batch_is_full = False
+            if not last.is_empty() and last is not running:
+                if running.is_empty():
+                    running = last
+                else:
+                    running.merge_batch(last)
+        running_bs = running.batch_size()
+        running.filter_batch()
+        if running.batch_size() < running_bs:
+            running.batch_is_full = False
+        self.running_batch = running
+        batch = self.get_new_batch_prefill()
+        if batch is None and not running.is_empty() and not running.is_prefill_only:
+            decode = self.update_running_batch(running)
+            batch = decode if decode is not None and not decode.is_empty() else None
+        self.events[begin:begin] = self._before_begin  # see update_running_batch
+        begin += len(self._before_begin)
+        if batch is None and len(self.events) == begin + 1:
+            del self.events[begin]
+            return None, None
+        self.next_step += 1
+        return batch, step
+
+    def stash_chunked_request(self, req: Req) -> None:
+        """S 3772: insert the chunk the last prefill computed (``checkpoint_kv_cache``)."""
+        with self.record.acting_for(req):
+            checkpoint_kv_cache(req, self.tree)
+
+    def get_num_allocatable_reqs(self, running_bs: int, num_held_rows: int = 0) -> int:
+        """S 4027 (pipeline size 1: ``pp_max_micro_batch_size`` is ``max_running_requests``)."""
+        rows = max(self.pool.available_size() + num_held_rows, 0)
+        return min(self.config.max_running - running_bs, rows)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        """``_get_new_batch_prefill_raw`` (S 4079): the chunked request's next chunk, then waiting
+        requests in the policy's order, as SGLang's ``PrefillAdder`` admits and chunks them;
+        ``ScheduleBatch.prepare_for_extend`` (B 2847) matches, evicts and allocates."""
+        running = self.running_batch
+        if running.is_empty():
+            running.batch_is_full = False
+        if (running.batch_is_full or not self.waiting) and self.chunked_req is None:
+            return None
+        running_bs = len(running.reqs)
+        if self.get_num_allocatable_reqs(running_bs) <= 0 and self.chunked_req is None:
+            running.batch_is_full = True
+            return None
+        self.policy.calc_priority(self.waiting, running)
+        adder = PrefillAdder(
+            self.page_size,
+            self.tree,
+            self.allocator,
+            running,
+            self.ratio.current,
+            self.token_budget,
+            self.token_budget,
+            0,
+            0,
+            max_prefill_bs=0,
+            max_running_requests=self.config.max_running,
+            waiting_queue_len=len(self.waiting),
+        )
+        continuing = self.chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            running_bs = len(running.reqs)
+            held = sum(r.kv.holds_kv for r in adder.can_run_list)
+            if len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, held):
+                running.batch_is_full = True
+            if running.batch_is_full:
+                break
+            req.init_next_round_input(self.tree)
+            res = adder.add_one_req(
+                req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None
+            )
+            if res != AddReqResult.CONTINUE:
+                if res == AddReqResult.NO_TOKEN:
+                    running.batch_is_full = len(adder.can_run_list) > 0 or not running.is_empty()
+                break
+        can_run: list[Req] = adder.can_run_list
+        if not can_run:
+            return None
+        admitted = set(can_run) - {continuing}
+        self.waiting = [r for r in self.waiting if r not in admitted]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.inflight_middle_chunks += 1
+        batch = ScheduleBatch.init_new(
+            can_run,
+            self.pool,
+            self.allocator,
+            self.tree,
+            MODEL,
+            self.overlap,
+            SpeculativeAlgorithm.NONE,
+            chunked_req=self.chunked_req,
+        )
+        held = [self.record.pages(r.kv.kv_allocated_len) for r in can_run]
+        batch.prepare_for_extend()
+        batch.decoding_reqs = None
+        evicted, self.record.evicted = self.record.evicted, []
+        for req, before in zip(can_run, held, strict=True):
+            self.events.append(("schedule", rid(req), req.extend_end - req.prefix_len, 0))
+            row = self.record.row(req)
+            if req in admitted:
+                self.events.append(("hit", rid(req), tuple(row[: req.prefix_len // self.page_size])))
+                before = req.prefix_len // self.page_size
+            self._allocated(req, row[before:], evicted)
+        self.events += [("unpublish", page) for page in evicted]
+        return batch
+
+    def _allocated(self, req: Req, pages: list[int], evicted: list[int]) -> None:
+        """``alloc`` per new page of the row, ``evict`` first for a page SGLang evicted for it."""
+        for page in pages:
+            if page in evicted:
+                evicted.remove(page)
+                self.events.append(("evict", page))
+            self.events.append(("alloc", rid(req), page))
+
+    # -- decoding: update_running_batch (S 4459) ------------------------------------------------
+
+    def _reqs_finishing_inflight(self, batch: ScheduleBatch) -> list[Req]:
+        """S 4444: with overlap, the requests whose queued result finishes them by length."""
+        if not self.overlap or not self.result_queue:
+            return []
+        queued = set(self.result_queue[0][0].reqs)
+        return [r for r in batch.reqs if r in queued and r.next_output_finishes_by_length()]
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
+        initial_bs = batch.batch_size()
+        finishing = self._reqs_finishing_inflight(batch)
+        batch.filter_batch(reqs_to_exclude=finishing)
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        kv_full = not batch.check_decode_mem()  # evicts what the decode needs
+        self.record.report_evictions()
+        if kv_full and finishing:
+            batch.batch_is_full = False
+            return None  # the queued result frees the finishing requests' pages
+        if kv_full:
+            retracted, ratio = self._retract_decode(batch)
+            self.ratio.current = ratio
+            self.waiting += retracted  # _add_request_to_queue(req, is_retracted=True)
+        else:
+            self.ratio.decay_step()
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
+        if batch.is_empty():
+            return batch
+        held = [self.record.pages(r.kv.kv_allocated_len) for r in batch.reqs]
+        batch.prepare_for_decode()  # B 3736: alloc_for_decode evicts, allocates, writes rows
+        evicted, self.record.evicted = self.record.evicted, []
+        for req, before in zip(batch.reqs, held, strict=True):
+            self.events.append(("schedule", rid(req), 1, 0))
+            self._allocated(req, self.record.row(req)[before:], evicted)
+        self.events += [("unpublish", page) for page in evicted]
+        return batch
+
+    def _retract_decode(self, batch: ScheduleBatch) -> tuple[list[Req], float]:
+        """``ScheduleBatch.retract_decode`` (B 3451), SGLang's own, with each ``release_req``
+        (B 3582) reported as it happens: ``preempt``, the row's frees, then what
+        ``evict_from_tree_cache`` evicted. When even the last request does not fit, SGLang aborts
+        it (``release_req(..., offload_kv=False)``); the spec's ``abort`` is illegal while a step
+        is building, so those events go just before the step's ``begin`` (``docs/adapters.md``)."""
+        original = batch.release_req
+
+        def release_req(idx: int, remaining: int, offload_kv: bool = True) -> bool:
+            req = batch.reqs[idx]
+            table = self.record.row(req)
+            aborting = not offload_kv
+            events = self._before_begin if aborting else self.events
+            self.record.report_evictions()  # what check_decode_mem evicted before this
+            events.append(("abort" if aborting else "preempt", rid(req)))
+            with self.record.acting_for(req):
+                ok = original(idx, remaining, offload_kv=offload_kv)
+            events += [("free", page) for page in reversed(table)]
+            evicted, self.record.evicted = self.record.evicted, []
+            events += [("unpublish", page) for page in evicted]
+            if aborting:
+                events.append(("finish", rid(req), "abort"))
+                self.gone.add(rid(req))
+            return bool(ok)
+
+        batch.release_req = release_req  # type: ignore[method-assign]
+        try:
+            retracted, ratio, _aborted = batch.retract_decode()
+        finally:
+            del batch.release_req
+        self.record.report_evictions()
+        return retracted, ratio
+
+    # -- processing a batch's result ------------------------------------------------------------
+
+    def process_batch_result(self, batch: ScheduleBatch, step: int) -> None:
+        """The model runner (the adapter draws each sampled token from ``choices``), then
+        ``process_batch_result_prefill`` (R 258) or ``process_batch_result_decode`` (R 952):
+        each request that uses its token appends it and, finished, is released with insert
+        (``release_kv_cache``, R 387 and 1466), or, a prefill that goes on, inserted
+        (``checkpoint_kv_cache``); a chunk only counts down ``inflight_middle_chunks``.
+        A client abort (``to_finish``) finishes its request here; the spec takes it as an
+        ``abort`` after the ``commit``, so such requests are processed after the others."""
+        extend = batch.forward_mode.is_extend()
+        self.before_result(step)
+        self.events.append(("execute", step, ()))
+        users = [r for r in batch.reqs if self._uses_output(r, extend)]
+        sampled = [(r, self.choices.pick(VOCAB, "sglang-token")) for r in users]
+        self.events.append(("commit", step, tuple((rid(r), t) for r, t in sampled)))
+        self.allocator.free_group_begin()
+        for req in batch.reqs:
+            if extend and req.inflight_middle_chunks > 0 and not req.is_retracted:
+                req.inflight_middle_chunks -= 1  # a middle chunk: nothing to commit
+        aborting = [(r, t) for r, t in sampled if r.to_finish is not None and not self._ends(r, t)]
+        for req, token in sampled:
+            if (req, token) not in aborting:
+                self._commit_output(req, token, extend)
+        for req, token in aborting:
+            self.events.append(("abort", rid(req)))
+            self._commit_output(req, token, extend)
+        self.allocator.free_group_end()
+
+    def before_result(self, step: int) -> None:
+        """Called when step ``step``'s result comes back, before anything of it is processed."""
+
+    def _uses_output(self, req: Req, extend: bool) -> bool:
+        if req.finished() or req.is_retracted:
+            return False
+        return not extend or req.inflight_middle_chunks <= 0
+
+    def _ends(self, req: Req, token: int) -> bool:
+        """Whether the spec finishes the request at this commit (stop token or length)."""
+        return token == 0 or len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
+
+    def _commit_output(self, req: Req, token: int, extend: bool) -> None:
+        aborted = req.to_finish is not None and not self._ends(req, token)
+        req.output_ids.append(token)
+        req.update_finish_state()
+        if req.finished():
+            self._release(req, checkpoint=True)
+            reason = "abort" if aborted else "stop" if token == 0 else "length"
+            self.events.append(("finish", rid(req), reason))
+            self.gone.add(rid(req))
+        elif extend:
+            self.insert_unfinished(req)
+
+    def insert_unfinished(self, req: Req) -> None:
+        """R 394: a prefill that goes on is inserted up to what it computed
+        (``checkpoint_kv_cache``: ``extend_end``)."""
+        with self.record.acting_for(req):
+            checkpoint_kv_cache(req, self.tree)
+
+    def _release(self, req: Req, checkpoint: bool) -> None:
+        """``release_kv_cache``: (with ``checkpoint``) insert, then free the row and unlock. The
+        request's references drop in reverse table order (``free``), its table as it was."""
+        table = self.record.row(req)
+        with self.record.acting_for(req, finishing=True):
+            release_kv_cache(req, self.tree, checkpoint=checkpoint)
+        self.events += [("free", page) for page in reversed(table)]
+
+    # -- idle and flush -------------------------------------------------------------------------
+
+    def is_fully_idle(self) -> bool:
+        """S 5337."""
+        return (
+            self.running_batch.is_empty()
+            and self.chunked_req is None
+            and (self.last_batch is None or self.last_batch.is_empty())
+            and not self.result_queue
+        )
+
+    def on_idle(self) -> None:
+        """S 5241: the new-token ratio goes back to its initial value once fully idle."""
+        if self.is_fully_idle():
+            self.ratio.reset()
+
+    def flush_cache(self) -> bool:
+        """S 5518: only when fully idle (and nothing waits)."""
+        if self.waiting or not self.is_fully_idle():
+            return False
+        cached = sorted(page for page, _ in self.record.tree_pages())
+        self.last_batch = None
+        self.tree.reset()
+        self.pool.clear()
+        self.allocator.clear()
+        self.events.append(("reset",))
+        self.events += [("unpublish", page) for page in cached]
+        return True
+
+    def holders(self) -> list[Any]:
+        return [r for r in self.requests.values() if r.kv.holds_kv]
