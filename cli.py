@@ -18,6 +18,7 @@ from kvspec.spec import (
     OBSERVED_POLICIES,
     POLICIES,
     PREEMPTIONS,
+    STALE_OUTPUTS,
     Config,
 )
 
@@ -47,6 +48,28 @@ def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLI
     p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS)
     p.add_argument("--depth", type=_positive(int), default=None, help="steps in flight (1..)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--async",
+        dest="async_scheduling",
+        action="store_true",
+        help="async scheduling: schedule on placeholder tokens (vLLM's default; needs depth >= 2)",
+    )
+    p.add_argument(
+        "--stale-output",
+        default="drop",
+        choices=STALE_OUTPUTS,
+        help="a preempted request's output in a submitted step: drop (default) or deliver "
+        "(vLLM's default; needs depth >= 2)",
+    )
+
+
+def _depth(args: argparse.Namespace) -> int:
+    """--depth, or the smallest one at which --async / --stale-output deliver mean something;
+    ValueError (exit 2) for an explicit depth below it."""
+    overlap = args.async_scheduling or args.stale_output == "deliver"
+    if args.depth is not None and args.depth < 2 and overlap:
+        raise ValueError("--async and --stale-output deliver need --depth >= 2")
+    return args.depth or (2 if overlap else 1)
 
 
 def _format_argument(p: argparse.ArgumentParser) -> None:
@@ -191,16 +214,19 @@ def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.report import format_counterexample
 
     factory, judging = reference, "strict"
+    depth = _depth(args)
     if args.target:
         factory = load_factory(args.target)
         config = Config(
             num_blocks=8,
             block_size=4,
-            depth=args.depth or 1,
+            depth=depth,
             policy=args.policy,
             discipline=args.discipline,
             preemption=args.preemption,
             stop_token=0,
+            async_scheduling=args.async_scheduling,
+            stale_output=args.stale_output,
         )
         adapter = probe(factory, config, DataChoices(), args.target, args.loads)
         judging = getattr(adapter, "judging", "strict")
@@ -214,10 +240,14 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.seed,
         invariants=args.invariant,
         factory=factory,
+        async_scheduling=args.async_scheduling,
+        stale_output=args.stale_output,
     )
     if result.failure is None:
+        timing = ", async" if args.async_scheduling else ""
+        timing += ", stale output delivered" if args.stale_output == "deliver" else ""
         print(
-            f"no counterexample for {args.policy} ({args.discipline}/{args.preemption}) in "
+            f"no counterexample for {args.policy} ({args.discipline}/{args.preemption}{timing}) in "
             f"{result.seconds:.1f} s: {result.runs} runs, {result.commits} engine steps, "
             f"{result.lost_hits_per_1000_steps:.1f} lost hits per 1,000 steps"
         )
@@ -239,12 +269,14 @@ def _simulate(args: argparse.Namespace) -> int:
     common = dict(
         num_blocks=args.blocks,
         block_size=args.block_size,
-        depth=args.depth or 1,
+        depth=_depth(args),
         policy=args.policy,
         discipline=args.discipline,
         preemption=args.preemption,
         token_budget=max(2048, args.block_size),
         max_running=64,
+        async_scheduling=args.async_scheduling,
+        stale_output=args.stale_output,
     )
     engine = Engine(EngineConfig(**common))
     started = time.perf_counter()
@@ -368,19 +400,39 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvspec.conformance.verdicts import all_cells, print_table
+    """Exit 0 with the table; 4 when a cell's fuzzing raised (its traceback saved to a file)."""
+    import tempfile
+
+    from kvspec.conformance.verdicts import CellError, all_cells, print_table, scheduling
 
     results = []
     started = time.monotonic()
+    errors = []
     for result in all_cells(args.seconds, args.seed):
-        verdict = "FAILS" if result.failure else "holds"
+        if isinstance(result, CellError):
+            verdict = "ERROR"
+            errors.append(result)
+        else:
+            verdict = "FAILS" if result.failure else "holds"
         loads = "kv-load failures" if result.loads else "preempt/abort"
+        timing = scheduling(result.async_scheduling, result.stale_output)
         print(
-            f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} {verdict}"
+            f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
+            f"{timing:20s} {verdict}"
         )
         results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
+    if errors:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="kvspec-demo-crash-", suffix=".txt", delete=False
+        ) as crash:
+            crash.write("\n".join(e.details for e in errors))
+        sys.stderr.write(
+            f"kvspec demo: internal error in {len(errors)} cell(s), first: {errors[0].error}; "
+            f"tracebacks in {crash.name}\n"
+        )
+        return 4
     return 0
 
 

@@ -11,7 +11,7 @@ Modules: ``config`` (EngineConfig), ``choices`` (nondeterminism), ``hashing``, `
 """
 
 from .choices import Choices, DefaultChoices, RandomChoices
-from .config import DISCIPLINES, POLICIES, PREEMPTIONS, EngineConfig
+from .config import DISCIPLINES, POLICIES, PREEMPTIONS, STALE_OUTPUTS, EngineConfig
 from .engine import Engine
 from .worker import FakeWorker, Worker
 from .workload import shared_prefix_workload
@@ -20,6 +20,7 @@ __all__ = [
     "DISCIPLINES",
     "POLICIES",
     "PREEMPTIONS",
+    "STALE_OUTPUTS",
     "Choices",
     "DefaultChoices",
     "Engine",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
+from spec_workaround import work_around_the_hidden_after_finish_bug
 
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
 from kvspec.conformance.lockstep import Finding, Judge
@@ -42,6 +43,43 @@ def test_safe_cells_hold_in_lockstep(
     )
 
 
+ASYNC_SAFE_CELLS = [
+    (policy, discipline, preemption, stale)
+    for policy in ("deferred", "hide-uncommitted")
+    for discipline, preemption, stale in (
+        ("vllm", "fcfs", "deliver"),  # vLLM's defaults
+        ("vllm", "priority", "drop"),
+        ("general", "priority", None),  # stale output drawn
+    )
+] + [
+    (policy, "vllm", preemption, "deliver")
+    for policy in ("eager-rollback-single", "eager-rollback-fifo")
+    for preemption in ("fcfs", "priority")
+]
+
+
+@pytest.mark.parametrize("policy, discipline, preemption, stale", ASYNC_SAFE_CELLS)
+def test_async_safe_cells_hold_in_lockstep(
+    policy: str,
+    discipline: str,
+    preemption: str,
+    stale: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Async scheduling (depth 2 or 3 drawn), stale output dropped, delivered or drawn."""
+    if policy == "hide-uncommitted":
+        work_around_the_hidden_after_finish_bug(monkeypatch)
+    machine = lockstep_machine(
+        policy, discipline, preemption, None, False, async_scheduling=True, stale_output=stale
+    )
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            settings.default, stateful_step_count=40, suppress_health_check=list(HealthCheck)
+        ),
+    )
+
+
 @pytest.mark.parametrize(
     "policy, discipline, preemption, loads, invariants",
     [
@@ -62,6 +100,38 @@ def test_unsafe_cells_fail_with_a_shrunk_counterexample(
     # the counterexample's events, judged afresh, fail the same way
     finding = Judge(result.failure.config).feed_all(result.failure.events)
     assert finding is not None and finding.invariant == result.failure.finding.invariant
+
+
+@pytest.mark.parametrize(
+    "policy, stale, invariant",
+    [
+        ("eager-unsafe", None, "NoUnwrittenPublish"),
+        ("eager-rollback-fifo", "deliver", "NoUnwrittenRead"),
+    ],
+)
+def test_unsafe_async_cells_fail_with_a_shrunk_counterexample(
+    policy: str, stale: str | None, invariant: str
+) -> None:
+    """Under async scheduling the eager policies still fail under ``general``: the same
+    findings, judged afresh from the counterexample's events."""
+    result = run_cell(
+        policy, "general", "priority", seconds=60, seed_value=1, async_scheduling=True,
+        stale_output=stale,
+    )  # fmt: skip
+    assert result.failure is not None, f"nothing found in {result.seconds:.0f} s"
+    assert result.failure.finding.invariant == invariant
+    assert result.failure.config.async_scheduling and result.failure.config.depth >= 2
+    assert result.unshrunk_length is not None
+    assert len(result.failure.program) <= result.unshrunk_length
+    finding = Judge(result.failure.config).feed_all(result.failure.events)
+    assert finding is not None and finding.invariant == invariant
+
+
+def test_async_cells_refuse_depth_one() -> None:
+    with pytest.raises(ValueError, match="depth >= 2"):
+        lockstep_machine("deferred", depth=1, async_scheduling=True)
+    with pytest.raises(ValueError, match="depth >= 2"):
+        lockstep_machine("deferred", depth=1, stale_output="deliver")
 
 
 def drive(config: Config, workload: list[tuple], seed: int | None = None) -> Finding | None:
