@@ -91,10 +91,11 @@ def _run(job: tuple) -> CellResult | CellError:
 
 def scheduling(async_scheduling: bool | None, stale_output: str | None) -> str:
     """The scheduling column: ``sync``, or ``async, drop`` / ``async, deliver`` /
-    ``async, drop|deliver`` (drawn)."""
-    if not async_scheduling:
-        return "sync" if stale_output == "drop" else f"sync, {stale_output or 'drop|deliver'}"
-    return f"async, {stale_output or 'drop|deliver'}"
+    ``async, drop|deliver`` (``|``: drawn per example)."""
+    stale = stale_output or "drop|deliver"
+    if async_scheduling is False:
+        return "sync" if stale == "drop" else f"sync, {stale}"
+    return f"{'async' if async_scheduling else 'sync|async'}, {stale}"
 
 
 def rows(results: list[CellResult | CellError]) -> list[tuple[str, ...]]:

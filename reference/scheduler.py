@@ -160,10 +160,6 @@ class Scheduler:
             return req.computed
         return len(req.tokens) + placeholders
 
-    def admissible(self, req: Request) -> bool:
-        """A waiting request may be admitted (not held for its stale output)."""
-        return req.rid not in self.held
-
     def all_steps(self) -> list[Step]:
         """Every step in flight, oldest first, the building one last."""
         steps = list(self.in_flight)

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 from spec_workaround import work_around_the_hidden_after_finish_bug
 
+from kvspec.conformance import verdicts
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
 from kvspec.conformance.lockstep import Finding, Judge
 from kvspec.reference import Engine, EngineConfig, RandomChoices
@@ -125,6 +126,24 @@ def test_unsafe_async_cells_fail_with_a_shrunk_counterexample(
     assert len(result.failure.program) <= result.unshrunk_length
     finding = Judge(result.failure.config).feed_all(result.failure.events)
     assert finding is not None and finding.invariant == invariant
+
+
+def test_demo_rows_and_a_cell_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell whose fuzzing raises is an ERROR row with the exception, not a crash of the demo;
+    the scheduling column names the async cells."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(verdicts, "run_cell", broken)
+    error = verdicts._run(("deferred", "vllm", "fcfs", False, True, "deliver", 1.0, 0))
+    assert isinstance(error, verdicts.CellError) and "IndexError" in error.details
+    (row,) = verdicts.rows([error])
+    assert row[3:6] == ("async, deliver", "ERROR", "IndexError: list index out of range")
+    assert verdicts.scheduling(None, None) == "sync|async, drop|deliver"
+    assert verdicts.scheduling(False, "deliver") == "sync, deliver"
+    assert verdicts.scheduling(True, None) == "async, drop|deliver"
+    assert verdicts.scheduling(False, "drop") == "sync"
 
 
 def test_async_cells_refuse_depth_one() -> None:
