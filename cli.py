@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser(
         "check", help="judge trace files with the spec: 0 holds, 1 violation, 2 unreadable"
     )
-    chk.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (v1, or v0 events)")
+    chk.add_argument("traces", nargs="*", metavar="TRACE", help="trace files (v1, or v0 events)")
     chk.add_argument("--json", action="store_true", help="print a machine-readable report")
     chk.add_argument("--html", metavar="REPORT", help="write an HTML report with a picture")
     chk.add_argument(
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fast: the fast model judges, the spec reports (default); spec: the spec judges all",
     )
 
+    _kv_events_arguments(sub, chk)
     _generate_arguments(sub)
 
     demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
@@ -178,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "check": _check,
             "demo": _demo,
             "generate": _generate,
+            "watch": _watch,
         }
         return commands[args.command](args)
     except (ValueError, OSError) as err:
@@ -350,7 +352,10 @@ def _check(args: argparse.Namespace) -> int:
 
     from kvspec.conformance.checker import check_path, write_html
 
+    if not args.traces and not args.kv_events:
+        raise ValueError("name a TRACE file or --kv-events FILE")
     reports = [check_path(path, args.check_every, args.engine) for path in args.traces]
+    reports += _kv_event_reports(args)
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")
@@ -365,6 +370,69 @@ def _check(args: argparse.Namespace) -> int:
     if args.html:
         write_html(reports, args.html)
     return max(r.exit_code for r in reports)
+
+
+def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.ArgumentParser) -> None:
+    """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kv_judge.py, kv_watch.py)."""
+    from kvspec.spec.stream import STREAM_INVARIANTS
+
+    names = tuple(STREAM_INVARIANTS)
+    chk.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a capture of an engine's KV-event stream (kvspec watch --capture): judge the stream",
+    )
+    for p in (chk, watch := sub.add_parser("watch", help="judge a live KV-event stream over ZMQ")):
+        p.add_argument(
+            "--stream-invariant",
+            action="append",
+            choices=names,
+            help="judge only this stream invariant (repeatable; default: all but StoreNamesNewHash)",
+        )
+        p.add_argument(
+            "--blocks",
+            type=_positive(int),
+            help="the engine's GPU blocks: also judge ViewWithinCapacity",
+        )
+    watch.add_argument("endpoint", help="the publisher's endpoint, e.g. tcp://127.0.0.1:5557")
+    watch.add_argument("--replay", metavar="ENDPOINT", help="its replay endpoint (fills gaps)")
+    watch.add_argument("--topic", default="", help="the publisher's topic (default: all)")
+    watch.add_argument("--capture", metavar="FILE", help="write every frame received here")
+    watch.add_argument("--seconds", type=_positive(float), help="stop after this long (exit 0)")
+    watch.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _kv_event_reports(args: argparse.Namespace) -> list:
+    if not args.kv_events:
+        return []
+    from kvspec.conformance.kv_judge import check_capture
+
+    names = _stream_invariants(args)
+    return [check_capture(path, names, args.blocks) for path in args.kv_events]
+
+
+def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
+    if not args.stream_invariant:
+        return None
+    return list(args.stream_invariant) + (["ViewWithinCapacity"] if args.blocks else [])
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """Exit 0 interrupted with nothing found, 1 a violation, 2 a malformed frame."""
+    from kvspec.conformance.kv_watch import watch
+
+    return watch(
+        args.endpoint,
+        args.replay,
+        args.topic,
+        args.capture,
+        args.blocks,
+        _stream_invariants(args),
+        args.seconds,
+        args.json,
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:

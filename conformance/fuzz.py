@@ -192,6 +192,9 @@ def lockstep_machine(
                 self._raise_if(self.judge.settle())
             else:
                 self._raise_if(self.judge.compare(*snapshot))
+            check_kv_stream = getattr(self.engine, "check_kv_stream", None)
+            if check_kv_stream is not None:  # the engine's own KV-event stream (kv_stream.py)
+                self._raise_if(check_kv_stream(self.judge))
 
         def teardown(self) -> None:
             if not hasattr(self, "judge"):
