@@ -113,7 +113,8 @@ class EngineStream:
             )
         if self.violation is None:
             return None
-        return Finding(self.violation.invariant, self.violation.sentence, where)
+        violation = self.violation
+        return Finding(violation.invariant, violation.sentence, where, violation.blocks)
 
     def write_capture(self, path: str | Path) -> int:
         """This engine's frames as a capture, numbered from 0 (the publisher served other

@@ -65,7 +65,7 @@ class Subscriber:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.sub.connect(endpoint)
+        self._connect(self.sub, endpoint)
         self.dealer = None
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
@@ -78,10 +78,18 @@ class Subscriber:
         if replay is not None:
             self.dealer = self.context.socket(zmq.DEALER)
             self.dealer.setsockopt(zmq.LINGER, 0)
-            self.dealer.connect(replay)
+            self._connect(self.dealer, replay)
             self.poller.register(self.dealer, zmq.POLLIN)
             self.starting = True
             self._ask(0)
+
+    def _connect(self, socket: Any, endpoint: str) -> None:
+        """``ValueError`` (a bad argument) for an endpoint ZMQ refuses."""
+        try:
+            socket.connect(endpoint)
+        except self.zmq.ZMQError as err:
+            self.close()
+            raise ValueError(f"cannot connect to {endpoint!r}: {err.strerror}") from None
 
     def _ask(self, start: int) -> None:
         assert self.dealer is not None
@@ -169,7 +177,7 @@ class Subscriber:
 
     def close(self) -> None:
         self.sub.close(linger=0)
-        if self.dealer is not None:
+        if getattr(self, "dealer", None) is not None:
             self.dealer.close(linger=0)
 
 
@@ -221,7 +229,12 @@ def watch(
         raise ValueError(f"{endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT)")
     judge = StreamJudge(invariants, capacity)
     writer = CaptureWriter(capture, endpoint, replay) if capture else None
-    sub = Subscriber(endpoint, replay, topic, writer)
+    try:
+        sub = Subscriber(endpoint, replay, topic, writer)
+    except ValueError:
+        if writer is not None:
+            writer.close()
+        raise
     console = Console(stderr=True)
     stop = {"now": False}
 

@@ -178,7 +178,7 @@ class StandIn:
 
     def __init__(self, lose: set[int] = frozenset(), forget: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.context = zmq.Context()
-        self.pub = self.context.socket(zmq.PUB)
+        self.pub = self.context.socket(zmq.XPUB)  # a PUB that also says when a subscriber is up
         self.router = self.context.socket(zmq.ROUTER)
         self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.replay = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
@@ -188,6 +188,10 @@ class StandIn:
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.lock = threading.Lock()
         self.thread.start()
+
+    def wait_subscribed(self) -> None:
+        assert self.pub.poll(10_000), "no subscriber came"
+        self.pub.recv()  # the subscription message
 
     def send(self, batch: Batch) -> None:
         payload = encode_batch(batch)
@@ -237,15 +241,15 @@ def test_the_subscriber_recovers_gaps_through_the_replay_socket(
     from kvspec.conformance.kv_watch import Subscriber
 
     stand_in = StandIn(set(lose), set(forget))
+    for batch in (STORE, EXTEND):  # before anyone subscribed: only the replay buffer has them
+        stand_in.send(batch)
     capture = tmp_path / "live.jsonl"
     writer = CaptureWriter(capture, stand_in.endpoint, stand_in.replay)
     sub = Subscriber(stand_in.endpoint, stand_in.replay, capture=writer, replay_timeout=1.0)
     try:
-        # batches 0 and 1 go out before the subscription is up: the first replay brings them
         batches = [STORE, EXTEND] + [Batch(i, ()) for i in range(2, 5)]
-        for batch in batches[:2]:
-            stand_in.send(batch)
         got = receive(sub, 2)
+        stand_in.wait_subscribed()
         for batch in batches[2:]:
             stand_in.send(batch)
         got += receive(sub, delivered - len(got))
@@ -275,7 +279,8 @@ def test_kvspec_watch_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
         stand_in = StandIn()
 
         def feed(stand_in: StandIn = stand_in, batches: list[Batch] = batches, code: int = code) -> None:  # fmt: skip
-            time.sleep(0.5)
+            stand_in.wait_subscribed()
+            time.sleep(0.2)  # the initial replay has ended
             for batch in batches:
                 stand_in.send(batch)
             if code == 2:
@@ -296,3 +301,20 @@ def test_kvspec_watch_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
             assert captured.err.count("\n") == 1, captured.err  # one line, no summary, no traceback
             assert captured.err.startswith("kvspec watch: tcp://127.0.0.1:")
             assert "batch 1: not a KV-event batch" in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["foo"],
+        ["tcp://127.0.0.1:notaport"],
+        ["tcp://127.0.0.1:5999", "--replay", "bar"],
+        ["tcp://127.0.0.1:5999", "--capture", "/nonexistent/c.jsonl"],
+    ],
+)
+def test_kvspec_watch_refuses_bad_arguments_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["watch", *argv, "--seconds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvspec watch: error: "), err
