@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
+from kvspec import flow
 from kvspec.spec import (
     DISCIPLINES,
     INVARIANTS,
@@ -56,23 +57,6 @@ def _format_argument(p: argparse.ArgumentParser) -> None:
         choices=("v0", "v1"),
         help="--out file format: v0 event file (default) or v1 trace (docs/trace-format.md)",
     )
-
-
-def _write(
-    args: argparse.Namespace,
-    config: Config,
-    events: list[tuple[object, ...]],
-    judging: str = "strict",
-) -> int:
-    if args.format == "v1":
-        from kvspec.conformance.trace import write_trace
-
-        return write_trace(args.out, config, events, hashes=True, judging=judging)
-    if judging != "strict":
-        raise ValueError(f"--format v0 has no judging field for this {judging} engine; use v1")
-    from kvspec.conformance.report import write_events
-
-    return write_events(args.out, config, events)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,35 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from kvspec.conformance.adapter import load_factory, probe, reference
-    from kvspec.conformance.fuzz import DataChoices, run_cell
     from kvspec.conformance.report import format_counterexample
 
-    factory, judging = reference, "strict"
-    if args.target:
-        factory = load_factory(args.target)
-        config = Config(
-            num_blocks=8,
-            block_size=4,
-            depth=args.depth or 1,
-            policy=args.policy,
-            discipline=args.discipline,
-            preemption=args.preemption,
-            stop_token=0,
-        )
-        adapter = probe(factory, config, DataChoices(), args.target, args.loads)
-        judging = getattr(adapter, "judging", "strict")
-    result = run_cell(
-        args.policy,
-        args.discipline,
-        args.preemption,
-        args.depth,
-        args.loads,
-        args.seconds,
-        args.seed,
-        invariants=args.invariant,
-        factory=factory,
-    )
+    cell = flow.Cell(args.policy, args.discipline, args.preemption, args.depth, args.loads)
+    result, judging = flow.fuzz(cell, args.seconds, args.seed, args.invariant, args.target)
     if result.failure is None:
         print(
             f"no counterexample for {args.policy} ({args.discipline}/{args.preemption}) in "
@@ -228,17 +187,14 @@ def _fuzz(args: argparse.Namespace) -> int:
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
     print(format_counterexample(failure.program, failure.finding, failure.config))
     if args.out:
-        count = _write(args, failure.config, failure.events, judging)
+        version = 1 if args.format == "v1" else 0
+        count = flow.write(args.out, failure.config, failure.events, version, judging)
         print(f"wrote {count} events to {args.out}")
     return 1
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvspec.reference import Engine, EngineConfig
-    from kvspec.reference.workload import shared_prefix_workload
-    from kvspec.spec import Config
-
-    common = dict(
+    config = Config(
         num_blocks=args.blocks,
         block_size=args.block_size,
         depth=args.depth or 1,
@@ -248,17 +204,8 @@ def _simulate(args: argparse.Namespace) -> int:
         token_budget=max(2048, args.block_size),
         max_running=64,
     )
-    engine = Engine(EngineConfig(**common))
-    started = time.perf_counter()
-    prefix_len = 8 * args.block_size
-    workload = shared_prefix_workload(args.requests, 4, prefix_len, args.block_size, 8, args.seed)
-    for rid, prompt, max_tokens, priority in workload:
-        engine.add_request(rid, prompt, max_tokens, priority)
-    while engine.step():
-        pass
-    seconds = time.perf_counter() - started
-    count = _write(args, Config(**common), engine.events)
-    stats = engine.stats
+    events, stats, seconds = flow.simulate(config, args.requests, args.seed)
+    count = flow.write(args.out, config, events, 1 if args.format == "v1" else 0)
     hit_rate = stats["hit_tokens"] / max(1, stats["prompt_tokens"])
     print(
         f"{args.requests} requests, {stats['steps']} steps in {seconds:.2f} s; prefix hit rate "
@@ -275,15 +222,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     if args.backend == "triton":
         use_interpreter_without_gpu()  # before anything imports triton
-    from kvspec.conformance.plan import PlanError, replay_plan
     from kvspec.impl.paged.kv_cache import DTYPES
-    from kvspec.impl.paged.replay import TOLERANCES, Options, replay
+    from kvspec.impl.paged.replay import TOLERANCES, Options
 
-    config, events = _read(args.trace)
-    try:
-        plan = list(replay_plan(config, events))
-    except PlanError as err:
-        raise ValueError(f"{args.trace}:{err.index + 2}: {err.reason}") from None
     options = Options(
         backend=args.backend,
         dtype=DTYPES[args.dtype],
@@ -293,7 +234,7 @@ def _replay(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
     )
     started = time.perf_counter()
-    result = replay(plan, config.num_blocks, config.block_size, options)
+    config, result = flow.replay(args.trace, options)
     atol, rtol = TOLERANCES[options.dtype]
     print(
         f"{args.trace}: {config.policy}, {config.num_blocks} blocks of {config.block_size}; "
@@ -310,22 +251,6 @@ def _replay(args: argparse.Namespace) -> int:
         return 0
     print(f"MISMATCH at {result.mismatch}")
     return 1
-
-
-def _read(path: str) -> tuple[Config, list[tuple[object, ...]]]:
-    """An event file (v0) or a v1 trace, whole."""
-    import orjson
-
-    from kvspec.conformance.report import read_events
-    from kvspec.conformance.trace import FORMAT, read_trace
-
-    with open(path, "rb") as f:
-        first = f.readline()
-    try:
-        v1 = orjson.loads(first).get("format") == FORMAT
-    except (orjson.JSONDecodeError, AttributeError):
-        v1 = False
-    return read_trace(path) if v1 else read_events(path)
 
 
 def _prove(args: argparse.Namespace) -> int:
@@ -350,12 +275,10 @@ def _check(args: argparse.Namespace) -> int:
     """Exit 0 every trace holds, 1 a violation in one, 2 one is unreadable."""
     import orjson
 
-    from kvspec.conformance.checker import check_path, write_html
-
     if not args.traces and not args.kv_events:
         raise ValueError("name a TRACE file or --kv-events FILE")
-    reports = [check_path(path, args.check_every, args.engine) for path in args.traces]
-    reports += _kv_event_reports(args)
+    reports = list(flow.check(args.traces, args.check_every, args.engine))
+    reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")
@@ -368,12 +291,14 @@ def _check(args: argparse.Namespace) -> int:
             if report.exit_code != 2:
                 print(report.text())
     if args.html:
+        from kvspec.conformance.html import write_html
+
         write_html(reports, args.html)
     return max(r.exit_code for r in reports)
 
 
 def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.ArgumentParser) -> None:
-    """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kv_judge.py, kv_watch.py)."""
+    """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kvevents/)."""
     from kvspec.spec.stream import STREAM_INVARIANTS
 
     names = tuple(STREAM_INVARIANTS)
@@ -404,15 +329,6 @@ def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.Argument
     watch.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _kv_event_reports(args: argparse.Namespace) -> list:
-    if not args.kv_events:
-        return []
-    from kvspec.conformance.kv_judge import check_capture
-
-    names = _stream_invariants(args)
-    return [check_capture(path, names, args.blocks) for path in args.kv_events]
-
-
 def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
     if not args.stream_invariant:
         return None
@@ -421,7 +337,7 @@ def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
 
 def _watch(args: argparse.Namespace) -> int:
     """Exit 0 interrupted with nothing found, 1 a violation, 2 a malformed frame."""
-    from kvspec.conformance.kv_watch import watch
+    from kvspec.conformance.kvevents.watch import watch
 
     return watch(
         args.endpoint,
@@ -436,11 +352,11 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvspec.conformance.verdicts import all_cells, print_table
+    from kvspec.conformance.verdicts import print_table
 
     results = []
     started = time.monotonic()
-    for result in all_cells(args.seconds, args.seed):
+    for result in flow.demo(args.seconds, args.seed):
         verdict = "FAILS" if result.failure else "holds"
         loads = "kv-load failures" if result.loads else "preempt/abort"
         print(

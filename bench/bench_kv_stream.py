@@ -2,7 +2,7 @@
 
 1. Makes a stream: the reference engine (policy ``deferred``, depth 2, ``--blocks`` blocks of 16
    tokens) serves ``--requests`` shared-prefix requests and publishes its registrations in vLLM's
-   wire form (``conformance/reference_stream.py``), one batch per step; the engine invariants are
+   wire form (``conformance/kvevents/reference.py``), one batch per step; the engine invariants are
    judged meanwhile (not timed).
 2. Times, over that stream, median of ``--rounds`` interleaved rounds: msgspec decoding of the
    frames (``kv_events.decode_batch``), decoding plus the stream's judge (``kv_judge.StreamJudge``,
@@ -20,10 +20,10 @@ import statistics
 import time
 import tracemalloc
 
-from kvspec.conformance.kv_events import decode_batch
-from kvspec.conformance.kv_judge import StreamJudge
-from kvspec.conformance.reference_stream import ReferenceStreamAdapter
-from kvspec.conformance.router_index import RouterIndex
+from kvspec.conformance.kvevents.frames import decode_batch
+from kvspec.conformance.kvevents.reference import ReferenceStreamAdapter
+from kvspec.conformance.kvevents.router_index import RouterIndex
+from kvspec.conformance.kvevents.stream_judge import StreamJudge
 from kvspec.reference.choices import DefaultChoices
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import Config

@@ -6,7 +6,7 @@ Run in the engine's environment (``make thirdparty``)::
 
 The lockstep fuzzer drives the engine (``conformance/fuzz.py``); the adapter runs the engine's
 own publisher over loopback and, at every step boundary, judges the frames it sent with the
-stream's invariants and against the engine's cache (``conformance/kv_stream.py``). By default the
+stream's invariants and against the engine's cache (``conformance/kvevents/engine_stream.py``). By default the
 spec's two end-to-end invariants (``NoUnwrittenPublish``, ``NoUnwrittenRead``) are left out, so
 that a zombie block is found by the stream's own ``AnnouncedHoldsPrefix`` (what a router sees) and
 not earlier by the spec; ``--all-spec`` keeps them. Prints runs, engine steps (commits), stream
@@ -20,8 +20,8 @@ import argparse
 import importlib
 import time
 
-from kvspec.conformance import kv_stream
 from kvspec.conformance.fuzz import run_cell
+from kvspec.conformance.kvevents import engine_stream as kv_stream
 from kvspec.conformance.report import format_counterexample
 from kvspec.spec import INVARIANTS
 

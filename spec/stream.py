@@ -20,7 +20,7 @@ clear, and whether the view joined a running stream (then it cannot know what ca
 **Invariants**: functions returning a ``Violation`` or None; each docstring's first sentence is
 what holds. ``STREAM_INVARIANTS`` are judged from the stream alone, before each event (or batch)
 is applied; ``ENGINE_INVARIANTS`` need the engine's real cache and are judged at step boundaries
-(right after a batch was published) by whoever drives the engine (``conformance/kv_stream.py``).
+(right after a batch was published) by whoever drives the engine (``conformance/kvevents/engine_stream.py``).
 Which hold per medium and per group: ``docs/kv-events.md``.
 
 Pure standard-library Python; it imports nothing of kvspec but ``Violation``.

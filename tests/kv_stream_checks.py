@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from thirdparty_checks import ADAPTERS, CLEAN, Ones  # noqa: E402
 
-from kvspec.conformance.lockstep import Judge  # noqa: E402
-from kvspec.conformance.observed import ObservedJudge  # noqa: E402
+from kvspec.conformance.judge import Judge  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
 
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
@@ -93,7 +92,7 @@ def run(engine: str, workload: list[Any], factory: str = "factory", fault: str |
     if fault == "drop-removal":
         drop_first_removal(adapter)
     observed = getattr(adapter, "judging", "strict") == "observed"
-    judge = (ObservedJudge if observed else Judge)(adapter.config)
+    judge = Judge.spec(adapter.config, observed)
     spec = factory != "async_factory"  # the spec cannot judge async scheduling's placeholders
     finding = None
     for what, args in workload:

@@ -1,4 +1,4 @@
-"""The KV-event readers (``conformance/kv_events.py``, ``kv_watch.py``) and ``kvspec check
+"""The KV-event readers (``conformance/kvevents/frames.py``, ``kv_watch.py``) and ``kvspec check
 --kv-events``: real frames of vLLM 0.33.0 and SGLang 0.5.23, captures, gaps and the replay."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvspec.cli import main
-from kvspec.conformance.kv_events import (
+from kvspec.conformance.kvevents.frames import (
     Frame,
     FrameError,
     Sequencer,
@@ -19,7 +19,7 @@ from kvspec.conformance.kv_events import (
     encode_batch,
     write_capture,
 )
-from kvspec.conformance.kv_judge import check_capture
+from kvspec.conformance.kvevents.stream_judge import check_capture
 from kvspec.spec.stream import Batch, Cleared, Removed, Stored
 
 # vLLM 0.33.0's ZmqEventPublisher payload (msgspec.msgpack of its KVEventBatch) for a store of two
@@ -237,8 +237,8 @@ def receive(sub: object, count: int) -> list[int]:
 def test_the_subscriber_recovers_gaps_through_the_replay_socket(
     tmp_path: Path, lose: tuple[int, ...], forget: tuple[int, ...], delivered: int
 ) -> None:
-    from kvspec.conformance.kv_events import CaptureWriter
-    from kvspec.conformance.kv_watch import Subscriber
+    from kvspec.conformance.kvevents.frames import CaptureWriter
+    from kvspec.conformance.kvevents.watch import Subscriber
 
     stand_in = StandIn(set(lose), set(forget))
     for batch in (STORE, EXTEND):  # before anyone subscribed: only the replay buffer has them
@@ -269,7 +269,7 @@ def test_the_subscriber_recovers_gaps_through_the_replay_socket(
 def test_kvspec_watch_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """0 when the time is up with nothing found, 1 at a violation (its report printed), 2 with one
     line on stderr for a malformed frame."""
-    from kvspec.conformance.kv_watch import watch
+    from kvspec.conformance.kvevents.watch import watch
 
     for batches, code in (
         ([STORE, EXTEND], 0),

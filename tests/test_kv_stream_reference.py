@@ -1,15 +1,15 @@
 """The stream's engine invariants on the reference engine's own KV-event stream
-(``conformance/reference_stream.py``), driven by the lockstep fuzzer: what a router is told of a
+(``conformance/kvevents/reference.py``), driven by the lockstep fuzzer: what a router is told of a
 zombie block, a lost removal, and nothing under a safe policy."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvspec.conformance import reference_stream as rs
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.kv_events import Frame, write_capture
-from kvspec.conformance.kv_judge import check_capture
+from kvspec.conformance.kvevents import reference as rs
+from kvspec.conformance.kvevents.frames import Frame, write_capture
+from kvspec.conformance.kvevents.stream_judge import check_capture
 from kvspec.spec import INVARIANTS
 
 # the spec's end-to-end invariants off: the stream's own must find the zombie

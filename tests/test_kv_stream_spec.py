@@ -1,11 +1,11 @@
-"""The KV-event stream's spec (``spec/stream.py``) and its judge (``conformance/kv_judge.py``):
+"""The KV-event stream's spec (``spec/stream.py``) and its judge (``conformance/kvevents/stream_judge.py``):
 a clean stream holds, and each invariant names the fault planted for it."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance.kv_judge import StreamJudge
+from kvspec.conformance.kvevents.stream_judge import StreamJudge
 from kvspec.spec import stream as s
 from kvspec.spec.stream import Batch, Cleared, Removed, Stored
 

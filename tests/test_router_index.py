@@ -1,4 +1,4 @@
-"""The reference router index (``conformance/router_index.py``): longest announced prefix per
+"""The reference router index (``conformance/kvevents/router_index.py``): longest announced prefix per
 engine, and a differential test against a lookup written the slow way from the view."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvspec.conformance.router_index import RouterIndex
+from kvspec.conformance.kvevents.router_index import RouterIndex
 from kvspec.spec.stream import Batch, Cleared, Removed, Stored, View
 
 

@@ -29,9 +29,9 @@ from sglang.srt.disaggregation.kv_events import (
 )
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
-from kvspec.conformance.kv_stream import Cache, EngineStream, chosen_invariants
-from kvspec.conformance.kv_watch import Subscriber
-from kvspec.conformance.lockstep import Finding
+from kvspec.conformance.judge.findings import Finding
+from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
+from kvspec.conformance.kvevents.watch import Subscriber
 
 TOPIC = "kvspec"
 RECEIVE_TIMEOUT = 10.0

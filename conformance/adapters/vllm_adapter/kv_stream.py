@@ -3,7 +3,7 @@
 The scheduler ``build.py`` makes publishes to vLLM's ``NullEventPublisher``
 (``KVEventsConfig(publisher="null")``: events are still made, ``enable_kv_cache_events``). Here
 its ``kv_event_publisher`` is replaced by one vLLM ``ZmqEventPublisher`` per process, bound to
-127.0.0.1 on ports the system picks, with its replay socket; a ``kv_watch.Subscriber`` in the
+127.0.0.1 on ports the system picks, with its replay socket; a ``watch.Subscriber`` in the
 same process receives what it sends. One publisher serves the fuzzer's engines in turn (starting a
 publisher thread and sockets for every example would cost more than the example), so each engine's
 stream starts at the sequence number the publisher is at when the engine is built.
@@ -11,7 +11,7 @@ stream starts at the sequence number the publisher is at when the engine is buil
 vLLM publishes a batch at the end of ``Scheduler.update_from_output`` (every event queued since
 the last one: the stores and evictions of the steps scheduled meanwhile, and a reset's clear). So
 that is the step boundary: after it, the frames received are judged, and the view must equal
-``BlockPool.cached_block_hash_to_block`` (``conformance/kv_stream.py``). The wrapped method is
+``BlockPool.cached_block_hash_to_block`` (``conformance/kvevents/engine_stream.py``). The wrapped method is
 the scheduler's own, on the instance, as in ``attach.py``.
 
 ``KVSPEC_VLLM_KV_STREAM=0`` turns the stream off (the adapter then behaves as before);
@@ -27,9 +27,9 @@ from typing import Any
 from vllm.distributed.kv_events import ZmqEventPublisher
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 
-from kvspec.conformance.kv_stream import Cache, EngineStream, chosen_invariants
-from kvspec.conformance.kv_watch import Subscriber
-from kvspec.conformance.lockstep import Finding
+from kvspec.conformance.judge.findings import Finding
+from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
+from kvspec.conformance.kvevents.watch import Subscriber
 
 TOPIC = "kvspec"
 RECEIVE_TIMEOUT = 10.0

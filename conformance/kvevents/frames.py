@@ -5,8 +5,8 @@ the sequencer that puts received frames back in order.
 ``seq`` an 8-byte big-endian sequence number, ``payload`` msgpack of an ``EventBatch``, an array
 ``[ts, events, data_parallel_rank]`` whose events are maps tagged by ``"type"``
 (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). The structs below are ours, written
-from reading vLLM's ``vllm/distributed/kv_events.py`` and SGLang's
-``sglang/srt/disaggregation/kv_events.py``, in their field order; unknown fields are ignored
+from reading vLLM's ``vllm/distributed/kvevents/frames.py`` and SGLang's
+``sglang/srt/disaggregation/kvevents/frames.py``, in their field order; unknown fields are ignored
 (both engines add fields between releases), missing required ones and wrong types are not. The
 replay socket (a ROUTER) answers a request ``(b"", start_seq)`` with every buffered frame from
 there on, then an end marker whose seq is -1.

@@ -8,8 +8,8 @@ ring of the events that named it, so that a violation comes with the *minimal hi
 earlier events about the hashes involved. Memory follows the view (what the engine holds), not
 the length of the stream: rings of removed hashes are kept for a bounded number of them.
 
-``check_capture(path)`` judges a capture file (``kv_events.py``) and returns a
-``checker.Report``, so ``kvspec check``'s text, ``--json`` and ``--html`` forms print it.
+``check_capture(path)`` judges a capture file (``frames.py``) and returns a
+``report.Report``, so ``kvspec check``'s text, ``--json`` and ``--html`` forms print it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from kvspec.spec import stream as spec
 from kvspec.spec.invariants import Violation
 from kvspec.spec.stream import Batch, Cleared, Hash, Key, Removed, Stored, StreamEvent, View
 
-from .checker import Report
-from .kv_events import CaptureError, FrameError, Sequencer, decode_batch, iter_capture, read_header
+from ..report import Report
+from .frames import CaptureError, FrameError, Sequencer, decode_batch, iter_capture, read_header
 
 RETIRED = 4096
 """Rings of removed hashes kept for reports."""

@@ -7,11 +7,11 @@ engine really holds:
 * ``EngineStream.at_boundary(frames, cache)`` right after the engine published (its step
   boundary): the frames the subscriber received since, in order, and the engine's cache as
   ``{(group, hash): (block ids...)}``. The frames go through the stream's judge
-  (``kv_judge.StreamJudge``), then ``ViewEqualsCache`` compares the view with the cache.
+  (``stream_judge.StreamJudge``), then ``ViewEqualsCache`` compares the view with the cache.
 * ``EngineStream.check(judge)`` from the fuzzer after every rule (``fuzz.py`` calls an adapter's
   optional ``check_kv_stream(judge)``): the first violation found at a boundary, else
   ``AnnouncedHoldsPrefix`` over the blocks announced at the last boundary, judged on the fuzzer's
-  spec state (``spec_state_of``), as a ``lockstep.Finding`` named after the stream invariant.
+  spec state (``spec_state_of``), as a ``judge.findings.Finding`` named after the stream invariant.
 
 The frames are kept (they are few per fuzzed example) so that a counterexample's stream can be
 written as a capture file (``write_capture``) and re-judged with ``kvspec check --kv-events``.
@@ -30,9 +30,9 @@ from kvspec.spec.invariants import Violation
 from kvspec.spec.pool import eventual_content, holds
 from kvspec.spec.stream import Hash, Key
 
-from .kv_events import Frame, FrameError, decode_batch, write_capture
-from .kv_judge import StreamJudge
-from .lockstep import Finding
+from ..judge.findings import Finding
+from .frames import Frame, FrameError, decode_batch, write_capture
+from .stream_judge import StreamJudge
 
 TOTALS: Counter[str] = Counter()
 """Over every ``EngineStream`` of the process: batches and stream events judged, boundaries."""
@@ -49,9 +49,9 @@ def chosen_invariants() -> list[str] | None:
 
 
 def spec_state_of(judge: Any) -> State:
-    """The spec state of the fuzzer's judge (``lockstep.Judge`` and ``observed.ObservedJudge``
-    keep it in ``state``). The one place this module reads the judge."""
-    return judge.state  # type: ignore[no-any-return]
+    """The spec state of the fuzzer's judge (a ``judge.core.Judge`` over the spec's model keeps
+    it in ``model.state``). The one place this module reads the judge."""
+    return judge.model.state  # type: ignore[no-any-return]
 
 
 def bad_blocks_in(state: State) -> Any:

@@ -1,12 +1,12 @@
 """The reference engine with a KV-event stream of vLLM's shape, judged like a real engine's.
 
-``factory`` (``kvspec fuzz --target kvspec.conformance.reference_stream:factory``) is the reference
+``factory`` (``kvspec fuzz --target kvspec.conformance.kvevents.reference:factory``) is the reference
 adapter (``adapter.ReferenceAdapter``) whose block pool also says what it does the way vLLM's
 does: a ``BlockStored`` for every hash it registers (its chained sha256, the parent's hash, the
 block's tokens), a ``BlockRemoved`` for every hash it drops (an eviction, a rollback), an
 ``AllBlocksCleared`` at a reset, queued as they happen and sent as one batch, in vLLM's wire form,
 at the end of every ``update_from_output`` (vLLM's step boundary). The batches are judged in
-process (``kv_stream.EngineStream``: no sockets) against the pool's index, and, after every rule,
+process (``engine_stream.EngineStream``: no sockets) against the pool's index, and, after every rule,
 ``AnnouncedHoldsPrefix`` against the fuzzer's spec state. It is how the stream's engine
 invariants are tested without a third-party engine: under ``eager-unsafe`` with the ``general``
 discipline a zombie block outlives its step, and a router is told of it.
@@ -24,10 +24,10 @@ from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 from kvspec.spec.stream import Batch, Cleared, Removed, Stored, StreamEvent
 
-from .adapter import ReferenceAdapter
-from .kv_events import encode_batch
-from .kv_stream import Cache, EngineStream
-from .lockstep import Finding
+from ..adapter import ReferenceAdapter
+from ..judge.findings import Finding
+from .engine_stream import Cache, EngineStream
+from .frames import encode_batch
 
 
 class ReferenceStreamAdapter(ReferenceAdapter):
@@ -106,7 +106,7 @@ class ReferenceStreamAdapter(ReferenceAdapter):
 
 
 def factory(config: Config, choices: Choices) -> ReferenceStreamAdapter:
-    """``kvspec fuzz --target kvspec.conformance.reference_stream:factory``."""
+    """``kvspec fuzz --target kvspec.conformance.kvevents.reference:factory``."""
     return ReferenceStreamAdapter(config, choices)
 
 

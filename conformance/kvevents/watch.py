@@ -2,7 +2,7 @@
 
 ``Subscriber`` connects a ZMQ SUB socket to a publisher (vLLM's or SGLang's
 ``ZmqEventPublisher``) and, when given one, a DEALER socket to its replay endpoint. Frames go
-through a ``kv_events.Sequencer``; a gap is filled by asking the replay socket for everything from
+through a ``frames.Sequencer``; a gap is filled by asking the replay socket for everything from
 the first missing number (``(b"", start_seq)``, answered frame by frame and closed by an end
 marker); if the replay ends, or stays silent for ``replay_timeout`` seconds, without the missing
 batches, the gap is given up and the stream's judge sees the jump. At start the subscriber asks
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .kv_events import (
+from .frames import (
     END_SEQ,
     CaptureWriter,
     Frame,
@@ -32,7 +32,7 @@ from .kv_events import (
     decode_batch,
     parse_seq,
 )
-from .kv_judge import StreamJudge, ViewTooLarge
+from .stream_judge import StreamJudge, ViewTooLarge
 
 
 def _zmq() -> Any:
