@@ -30,8 +30,9 @@ from hypothesis.stateful import (
 from kvspec.spec import STALE_OUTPUTS, Config
 
 from .adapter import Factory, reference
-from .lockstep import Event, Finding, Judge
-from .observed import ObservedJudge
+from .judge import Finding, Judge
+
+Event = tuple[object, ...]
 
 PREFIXES = ((1, 2, 3, 1, 2, 3, 1, 2), (2, 2, 1, 1, 3, 3, 2, 2), (3, 1, 3, 1, 2, 1, 2, 1))
 """Shared "system prompts": requests that start with the same one share prefix blocks."""
@@ -164,9 +165,7 @@ def lockstep_machine(
                 reject()
             self.config = self.engine.config
             judging = getattr(self.engine, "judging", "strict")
-            self.judge = (ObservedJudge if judging == "observed" else Judge)(
-                self.config, invariants
-            )
+            self.judge = Judge.spec(self.config, judging == "observed", invariants)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             tally.runs += 1
@@ -230,12 +229,17 @@ def lockstep_machine(
                 self._raise_if(self.judge.settle())
             else:
                 self._raise_if(self.judge.compare(*snapshot))
+            check_kv_stream = getattr(self.engine, "check_kv_stream", None)
+            if (
+                check_kv_stream is not None
+            ):  # the engine's own KV-event stream (conformance/kvevents/engine_stream.py)
+                self._raise_if(check_kv_stream(self.judge))
 
         def teardown(self) -> None:
             if not hasattr(self, "judge"):
                 return
-            tally.commits += self.judge.state.commits
-            tally.lost_hits += self.judge.state.lost_hits
+            tally.commits += self.judge.model.state.commits
+            tally.lost_hits += self.judge.model.state.lost_hits
 
         def _run(self, action: str, call: Callable[[], object]) -> None:
             start = len(self.engine.events)

@@ -16,6 +16,9 @@ from .engine import Engine
 from .worker import FakeWorker, Worker
 from .workload import shared_prefix_workload
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 __all__ = [
     "DISCIPLINES",
     "POLICIES",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvspec.cli import main
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.report import read_events
+from kvspec.conformance.judge import Judge
+from kvspec.conformance.trace import read_events
 
 KVSPEC = [sys.executable, "-m", "kvspec"]
 
@@ -28,8 +28,20 @@ KVSPEC = [sys.executable, "-m", "kvspec"]
         (["prove", "--policy", "deferred", "--bound", "-1"], "must be > 0"),
         (["fuzz", "--policy", "deferred", "--async", "--depth", "1"], "--depth >= 2"),
         (["fuzz", "--policy", "deferred", "--stale-output", "later"], "invalid choice"),
-        (["simulate", "--policy", "deferred", "--stale-output", "deliver", "--depth", "1",
-          "--out", "x.jsonl"], "--depth >= 2"),  # fmt: skip
+        (
+            [
+                "simulate",
+                "--policy",
+                "deferred",
+                "--stale-output",
+                "deliver",
+                "--depth",
+                "1",
+                "--out",
+                "x.jsonl",
+            ],
+            "--depth >= 2",
+        ),  # fmt: skip
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> None:
@@ -53,7 +65,7 @@ def test_simulate_writes_events_the_spec_accepts(tmp_path: Path) -> None:
     assert main(argv + ["--block-size", "4", "--depth", "2", "--out", str(out)]) == 0
     config, events = read_events(out)
     assert config.depth == 2 and len(events) > 100
-    judge = Judge(config)
+    judge = Judge.spec(config)
     assert judge.feed_all(events) is None and judge.settle() is None
     finished = {e[1] for e in events if e[0] == "finish"}
     assert finished == set(range(30))
@@ -87,7 +99,7 @@ def test_fuzz_finds_the_seed_bug_and_writes_its_events(tmp_path: Path, capsys) -
     text = capsys.readouterr().out
     assert "violated: NoUnwritten" in text and "  1. " in text
     config, events = read_events(out)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     finding = judge.feed_all(events)
     assert finding is not None and finding.invariant.startswith("NoUnwritten")
 
@@ -105,5 +117,5 @@ def test_read_events_names_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad.jsonl:3: not JSON"):
         read_events(bad)
     bad.write_text('{"format": "other"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: bad header"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a kvspec trace"):
         read_events(bad)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
-from spec_workaround import work_around_the_hidden_after_finish_bug
 
 from kvspec.conformance import verdicts
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
-from kvspec.conformance.lockstep import Finding, Judge
+from kvspec.conformance.judge import Finding, Judge
 from kvspec.reference import Engine, EngineConfig, RandomChoices
 from kvspec.spec import POLICIES, Config
 
@@ -65,11 +64,8 @@ def test_async_safe_cells_hold_in_lockstep(
     discipline: str,
     preemption: str,
     stale: str | None,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Async scheduling (depth 2 or 3 drawn), stale output dropped, delivered or drawn."""
-    if policy == "hide-uncommitted":
-        work_around_the_hidden_after_finish_bug(monkeypatch)
     machine = lockstep_machine(
         policy, discipline, preemption, None, False, async_scheduling=True, stale_output=stale
     )
@@ -99,7 +95,7 @@ def test_unsafe_cells_fail_with_a_shrunk_counterexample(
     assert result.unshrunk_length is not None
     assert len(result.failure.program) <= result.unshrunk_length  # shrinking never grows it
     # the counterexample's events, judged afresh, fail the same way
-    finding = Judge(result.failure.config).feed_all(result.failure.events)
+    finding = Judge.spec(result.failure.config).feed_all(result.failure.events)
     assert finding is not None and finding.invariant == result.failure.finding.invariant
 
 
@@ -162,7 +158,7 @@ def drive(config: Config, workload: list[tuple], seed: int | None = None) -> Fin
     }
     choices = RandomChoices(seed) if seed is not None else None
     engine = Engine(EngineConfig(**fields, vocab=4), choices=choices)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     for item in workload:
         start = len(engine.events)
         if item[0] == "arrive":

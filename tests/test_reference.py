@@ -17,10 +17,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from spec_workaround import (
-    spec_has_the_hidden_after_finish_bug,
-    work_around_the_hidden_after_finish_bug,
-)
 
 from kvspec.reference import (
     DefaultChoices,
@@ -447,26 +443,13 @@ def async_run(
     seen["runs"] += 1
 
 
-@pytest.mark.xfail(
-    strict=True, reason="spec bug reported to the lead: hidden entries of a finished request"
-)
-def test_spec_drops_the_hidden_entries_of_a_request_finished_while_held() -> None:
-    """Fails while the spec bug of ``spec_workaround.py`` is there; when it passes (XPASS,
-    strict), the bug is fixed: remove this test and ``spec_workaround.py``."""
-    assert not spec_has_the_hidden_after_finish_bug()
-
-
 @pytest.mark.parametrize("discipline", ["vllm", "general"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_async_engine_conforms_to_spec(
-    policy: str, discipline: str, request: pytest.FixtureRequest
-) -> None:
+def test_async_engine_conforms_to_spec(policy: str, discipline: str) -> None:
     """Async scheduling, both stale-output modes, depths 2 and 3, both preemption modes: every
     decision legal, every effect and pool snapshot the spec's, and the runs really went through
     the async situations (decodes on placeholders, finishes while a later step held the
     request, and in deliver mode stale samples appended and held requests skipped)."""
-    if policy == "hide-uncommitted":
-        work_around_the_hidden_after_finish_bug(request.getfixturevalue("monkeypatch"))
     for stale_output in STALE_OUTPUTS:
         seen: Counter[str] = Counter()
         for depth, preemption, seed in itertools.product((2, 3), ("fcfs", "priority"), range(6)):
