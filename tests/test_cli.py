@@ -79,7 +79,7 @@ def test_simulate_async_writes_events_the_spec_accepts(tmp_path: Path) -> None:
     assert main(argv) == 0
     config, events = read_events(out)
     assert (config.async_scheduling, config.stale_output, config.depth) == (True, "deliver", 2)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     assert judge.feed_all(events) is None and judge.settle() is None
     assert {e[1] for e in events if e[0] == "finish"} == set(range(30))
     assert any(e[0] == "preempt" for e in events)  # a small pool: stale output to deliver

@@ -120,7 +120,7 @@ def test_unsafe_async_cells_fail_with_a_shrunk_counterexample(
     assert result.failure.config.async_scheduling and result.failure.config.depth >= 2
     assert result.unshrunk_length is not None
     assert len(result.failure.program) <= result.unshrunk_length
-    finding = Judge(result.failure.config).feed_all(result.failure.events)
+    finding = Judge.spec(result.failure.config).feed_all(result.failure.events)
     assert finding is not None and finding.invariant == invariant
 
 

@@ -136,6 +136,10 @@ class Judge:
         check_every: int = 1,
         unknown_ids: str = "finding",
     ) -> None:
+        if isinstance(model, Config):
+            raise TypeError("Judge takes a model: Judge.spec(config) judges with the spec itself")
+        if unknown_ids not in ("finding", "raise"):
+            raise ValueError(f"unknown_ids must be 'finding' or 'raise', not {unknown_ids!r}")
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
         if observed and check_every != 1:
