@@ -25,11 +25,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import kvspec.conformance.observed as observed_module
+import kvspec.conformance.judge.spec_model as spec_model
 
-from kvspec.conformance.checker import check_path
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.observed import ObservedJudge
+from kvspec.conformance.check import check_file
+from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import write_trace
 from kvspec.spec import INVARIANTS, Config
 
@@ -85,7 +84,7 @@ def run(
     config = Config(**cell)  # type: ignore[arg-type]
     adapter = getattr(module, factory)(config, Ones(tokens))
     observed = getattr(adapter, "judging", "strict") == "observed"
-    judge = (ObservedJudge if observed else Judge)(adapter.config, invariants)
+    judge = Judge.spec(adapter.config, observed, invariants)
     for what, args in workload:
         start = len(adapter.events)
         if what == "arrive":
@@ -114,7 +113,7 @@ def run(
         path = Path(folder) / "trace.jsonl"
         judging = "observed" if observed else "strict"
         write_trace(path, adapter.config, adapter.events, hashes=True, judging=judging)
-        checked = check_path(path).exit_code
+        checked = check_file(path).exit_code
     print(
         "none",
         len(adapter.events),
@@ -169,7 +168,7 @@ STALE_CELL = dict(preemption="fcfs", num_blocks=4, block_size=2, token_budget=3,
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
 @contextmanager
 def _unchecked_allocations() -> Iterator[None]:
-    steer = observed_module.steer
+    steer = spec_model.steer
 
     def unchecked(s: object, decision: object, effects: list[tuple]) -> None:
         for effect in effects:
@@ -177,11 +176,11 @@ def _unchecked_allocations() -> Iterator[None]:
                 s.free.append(effect[2])  # type: ignore[attr-defined]
         steer(s, decision, effects)
 
-    observed_module.steer = unchecked
+    spec_model.steer = unchecked  # type: ignore[assignment]
     try:
         yield
     finally:
-        observed_module.steer = steer
+        spec_model.steer = steer
 
 
 SGLANG = dict(policy="engine-registers", discipline="general")

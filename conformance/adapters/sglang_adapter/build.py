@@ -147,6 +147,7 @@ def memory(page_size: int, pages: int, rows: int) -> tuple[Any, Any, Any]:
             req_to_token_pool=pool,
             token_to_kv_pool_allocator=allocator,
             page_size=page_size,
+            enable_kv_cache_events=True,  # its KV events, for its publisher (kv_stream.py)
         )
     )
     return pool, allocator, tree

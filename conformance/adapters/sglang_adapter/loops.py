@@ -20,6 +20,7 @@ request's row on the device), which the spec models as a placeholder: the cell i
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
@@ -43,6 +44,9 @@ class SglangAdapter:
         self.events: list[Event] = self.scheduler.events
         self._published: set[int] = set()  # for self_check: pages the events registered
         self._seen = 0
+        from .kv_stream import attach  # SGLang's own KV-event publisher, judged
+
+        self.kv_stream = attach(self)
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""
@@ -123,6 +127,10 @@ class SglangAdapter:
             for page in s.record.row(req)[req.kv.cache_protected_len // s.page_size :]:
                 refcounts[page] += 1
         return tuple(refcounts), tuple(sorted(free))
+
+    def check_kv_stream(self, judge: Any) -> Any:
+        """The stream SGLang's publisher sent, judged (``kv_stream.py``)."""
+        return None if self.kv_stream is None else self.kv_stream.check(judge)
 
     def self_check(self) -> str | None:
         """Cross-check the wrappers with SGLang's tree: the pages the events registered and did
