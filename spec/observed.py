@@ -106,10 +106,13 @@ def dedup(s: State, effect: Event) -> list[Event]:
     """``("dedup", req, index, block)``: the running request's table position ``index`` now names
     ``block``, a block published under the request's key there, instead of its own copy; the copy
     loses the request's reference and ``block`` gains one (SGLang, on inserting a request whose
-    pages another request has inserted first). Not while a step in flight still reads or writes
-    the request's copy: its entry names the copy. TablesAppendOnly treats the swap as sanctioned
-    (the observed judge updates its snapshot); the invariants judge whether ``block`` holds what
-    the request will read from it."""
+    pages another request has inserted first). Not while the step being built uses the request's
+    copy; a submitted step keeps the copy its entry names (the worker reads what it was handed:
+    SGLang's overlap scheduler deduplicates while the batch launched next still reads the copy,
+    which keeps its bytes until a batch launched later overwrites it). TablesAppendOnly treats the
+    swap as sanctioned (the observed judge updates its snapshot); the invariants judge whether
+    ``block`` holds what the request will read from it, and the submitted step's reads of the
+    copy."""
     req, index, block = _named(s, effect)
     where = f"dedup r{req.id}'s block {index} to block {block}"
     if req.status != "running" or index >= len(req.table):
@@ -117,10 +120,10 @@ def dedup(s: State, effect: Event) -> list[Event]:
     if s.blocks[block].key != s.key(req, index) or block in req.table:
         raise Illegal(f"{where}: not a published copy of r{req.id}'s block {index}")
     old = req.table[index]
-    for step in s.steps:
-        entry = step.entries.get(req.id)
-        if entry is not None and req.id in step.live and old in entry.blocks:
-            raise Illegal(f"{where}: step {step.id} in flight still uses block {old}")
+    building = s.building
+    entry = building.entries.get(req.id) if building is not None else None
+    if building is not None and entry is not None and old in entry.blocks:
+        raise Illegal(f"{where}: step {building.id}, being built, uses block {old}")
     b = s.blocks[block]
     if b.refcount == 0:
         s.free.remove(block)

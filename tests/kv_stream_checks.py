@@ -5,7 +5,8 @@ venv by ``tests/test_kv_stream_vllm.py``.
 finding, or ``none`` with the batches and stream events judged and the step boundaries passed.
 ENGINE is ``vllm`` or ``sglang``. Cases: ``clean`` (a shared-prefix workload with evictions and a
 reset; for vLLM under every factory: ``factory`` at depths 1 and 2, ``drop_factory`` at 3,
-``async_factory`` at 2, its stream only: the spec cannot judge its placeholder decodes), ``drop-removal`` (the publisher loses
+``async_factory`` at 2, its stream only: the spec cannot judge its placeholder decodes; for SGLang
+its overlap loop, ``factory`` at depth 2, and ``sync_factory`` at depth 1), ``drop-removal`` (the publisher loses
 the first ``BlockRemoved``: ``ViewEqualsCache``), ``duplicate`` (vLLM: a block-aligned prompt
 twice, judged as a set-based router would: ``StoreNamesNewHash``).
 """
@@ -57,7 +58,7 @@ TWICE = [
 
 def drop_first_removal(adapter: Any) -> None:
     """Plant a fault in what the engine's publisher sends: the first ``BlockRemoved`` is lost."""
-    forward = adapter.scheduler.kv_event_publisher if hasattr(adapter, "scheduler") else None
+    forward = getattr(getattr(adapter, "scheduler", None), "kv_event_publisher", None)
     if forward is not None:  # vLLM: the scheduler's publisher is the adapter's forwarder
         publish = forward.publish
 
@@ -127,12 +128,13 @@ if __name__ == "__main__":
             run(engine, SHORT, preemption="fcfs", depth=2, **SMALL)
             run(engine, SHORT, "drop_factory", preemption="priority", depth=3, **SMALL)
             run(engine, WORKLOAD, "async_factory", preemption="fcfs", depth=2, **BIG)
-        elif case == "clean":
-            run(engine, WORKLOAD, **BIG)
-            run(engine, SHORT, **SMALL)
+        elif case == "clean":  # SGLang: its overlap loop (depth 2) and the loop without it
+            run(engine, WORKLOAD, depth=2, **BIG)
+            run(engine, SHORT, depth=2, **SMALL)
+            run(engine, WORKLOAD, "sync_factory", **BIG)
         elif case == "drop-removal":
-            run(engine, SHORT, fault="drop-removal", **SMALL)
+            run(engine, SHORT, fault="drop-removal", depth=2, **SMALL)
         elif case == "duplicate":
             os.environ["KVSPEC_KV_STREAM_INVARIANTS"] = "RemovalNamesAnnounced,StoreNamesNewHash"
-            run(engine, TWICE, **SMALL)
+            run(engine, TWICE, depth=2, **SMALL)
             del os.environ["KVSPEC_KV_STREAM_INVARIANTS"]

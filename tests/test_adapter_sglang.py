@@ -4,10 +4,7 @@ overlap loop (and of the loop without overlap), judged by the spec under ``engin
 
 These run in ``.venv-sglang`` (``make thirdparty``) as subprocesses, since SGLang's pins conflict
 with ours; without that environment they are skipped with the reason. All the fixed workloads run
-in one subprocess (SGLang takes seconds to import), shared by the tests below. The overlap cells
-are judged with the spec change ``tests/inflight_dedup.py`` stands in for (proposed to the lead):
-SGLang deduplicates a page while the batch in flight still reads the copy, which the spec as it
-stands refuses (``test_the_spec_as_it_stands_refuses_sglangs_dedup_while_a_step_reads_the_copy``).
+in one subprocess (SGLang takes seconds to import), shared by the tests below.
 """
 
 from __future__ import annotations
@@ -17,14 +14,11 @@ from pathlib import Path
 
 import pytest
 
-import inflight_dedup
-
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-sglang"
-TARGET = "kvspec.conformance.adapters.sglang_adapter:factory"
 CASES = (
     "clean sync retract retract-sync dedup known known-read known-none known-off known-decoded "
-    "late late-reuse late-read late-off"
+    "late late-reuse late-read late-off fuzz refused"
 ).split()
 
 needs_sglang = pytest.mark.skipif(
@@ -67,22 +61,6 @@ def test_sglang_overlap_inserts_deduplicates_and_retracts_as_the_spec_allows(
     _clean(case["dedup"], "dedup")
 
 
-def test_the_spec_as_it_stands_refuses_sglangs_dedup_while_a_step_reads_the_copy() -> None:
-    """The gap reported to the lead (``tests/inflight_dedup.py``): SGLang's own history, judged
-    by the spec as it stands. When ``spec/observed.py`` takes the proposed rule this fails: then
-    delete this test and ``tests/inflight_dedup.py``."""
-    found = inflight_dedup.finding()
-    assert found is not None and "step 2 in flight still uses block 2" in found, found
-
-
-@needs_sglang
-def test_the_spec_as_it_stands_refuses_it_in_the_adapter_too() -> None:
-    done = _run("tests/thirdparty_checks.py", "sglang", "dedup", "--spec-as-is")
-    assert done.returncode == 0, done.stderr[-2000:]
-    last = done.stdout.splitlines()[-1]
-    assert last.startswith("Illegal: dedup r2's block 0") and "in flight still uses" in last, last
-
-
 @needs_sglang
 def test_an_insert_before_the_forward_that_writes_is_caught(case: dict[str, str]) -> None:
     """``mutants.InsertKnown``: r0's prefill result is inserted with the token it sampled while
@@ -112,19 +90,14 @@ def test_a_freed_page_still_read_through_the_row_is_caught(case: dict[str, str])
 
 
 @needs_sglang
-def test_kvspec_fuzz_finds_nothing_in_sglang_overlap() -> None:
-    argv = ["--target", TARGET, "--policy", "engine-registers", "--discipline", "general"]
-    argv += ["--depth", "2", "--seconds", "10", "--seed", "0"]
-    done = _run("tests/thirdparty_checks.py", "sglang-fuzz", *argv)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "no counterexample" in done.stdout
+def test_kvspec_fuzz_finds_nothing_in_sglang_overlap(case: dict[str, str]) -> None:
+    """10 s of ``kvspec fuzz`` on the overlap factory (seed 0): no counterexample."""
+    assert case["fuzz"].startswith("exit 0 False no counterexample"), case["fuzz"]
 
 
 @needs_sglang
-def test_a_cell_sglang_does_not_run_is_refused_in_one_line() -> None:
-    argv = ["-m", "kvspec", "fuzz", "--target", TARGET, "--policy", "engine-registers"]
-    done = _run(*argv, "--discipline", "general", "--depth", "1", "--seconds", "1")
-    assert done.returncode == 2
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvspec fuzz: error: --target") and "sync_factory" in last
-    assert "Traceback" not in done.stderr
+def test_a_cell_sglang_does_not_run_is_refused_in_one_line(case: dict[str, str]) -> None:
+    """The overlap factory at depth 1: bad input, one line naming the place, no traceback."""
+    words = case["refused"].split(maxsplit=3)
+    assert words[:3] == ["exit", "2", "False"], case["refused"]
+    assert words[3].startswith("kvspec fuzz: error: --target") and "sync_factory" in words[3]

@@ -120,15 +120,80 @@ def test_engine_effects_that_name_the_wrong_things_are_illegal(
     assert fragment in judge.finding.message
 
 
-def test_no_dedup_while_a_step_in_flight_uses_the_copy() -> None:
-    config = Config(
-        num_blocks=8, block_size=4, policy="engine-registers", discipline="general", depth=2
-    )
-    # r1 is still in step 0 (submitted, not executed) when it dedups its block 3 onto block 1.
-    events = BOTH_ADMITTED[:12] + [("publish", 0, 0, 1), ("dedup", 1, 0, 1)]
-    judge = judged(events, config)
+def test_no_dedup_while_the_step_being_built_uses_the_copy() -> None:
+    # r1 decodes in step 1, being built, on its block 3 when it dedups that block onto block 1.
+    events = BOTH_ADMITTED + [("publish", 0, 0, 1), ("begin", 1), ("schedule", 1, 1, 0)]
+    judge = judged(events + [("dedup", 1, 0, 1)])
     assert judge.finding is not None and judge.finding.invariant == "Illegal"
-    assert "step 0 in flight still uses block 3" in judge.finding.message
+    assert "step 1, being built, uses block 3" in judge.finding.message
+
+
+# SGLang's overlap scheduler, the shortest history kvspec fuzz found (5 blocks of 2 tokens): r0's
+# block 1 is inserted when r0 finishes; r1, with the same two tokens, recomputes them into block 2
+# (a match leaves the last token to compute); step 2 decodes r1 on the token step 1 samples; when
+# step 1's result is processed SGLang inserts r1's block, finds block 1, frees block 2 and points
+# r1's row at block 1 (dedup) while step 2, submitted, still reads block 2.
+OVERLAP = Config(
+    num_blocks=5,
+    block_size=2,
+    depth=2,
+    policy="engine-registers",
+    discipline="general",
+    token_budget=3,
+    max_running=2,
+    stop_token=0,
+    async_scheduling=True,
+)
+DEDUP_IN_FLIGHT = [
+    ("arrive", 0, (3, 1), 1, 0),
+    ("begin", 0),
+    ("schedule", 0, 2, 0),
+    ("hit", 0, ()),
+    ("alloc", 0, 1),
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ((0, 0),)),
+    ("publish", 0, 0, 1),
+    ("free", 1),
+    ("finish", 0, "stop"),
+    ("arrive", 1, (3, 1), 2, 0),
+    ("begin", 1),
+    ("schedule", 1, 2, 0),
+    ("hit", 1, ()),
+    ("alloc", 1, 2),
+    ("submit", 1),
+    ("begin", 2),
+    ("schedule", 1, 1, 0),
+    ("alloc", 1, 3),
+    ("submit", 2),
+    ("execute", 1, ()),
+    ("commit", 1, ((1, 1),)),
+    ("dedup", 1, 0, 1),
+]
+
+
+def test_a_submitted_step_keeps_the_copy_a_dedup_drops() -> None:
+    """The copy keeps its bytes until a later step overwrites it: step 2 reads it safely."""
+    judge = judged(DEDUP_IN_FLIGHT, OVERLAP)
+    assert judge.finding is None, judge.finding
+    assert judge.model.state.blocks[2].refcount == 0  # the copy is free; step 2 still reads it
+    tail = [("execute", 2, ()), ("commit", 2, ((1, 1),)), ("free", 3), ("free", 1)]
+    judge = judged(DEDUP_IN_FLIGHT + tail + [("finish", 1, "length")], OVERLAP)
+    assert judge.finding is None, judge.finding
+
+
+def test_the_dropped_copy_may_be_handed_out_while_the_submitted_step_reads_it() -> None:
+    """Step 3 gives r2 the freed copy (block 2) while step 2 still reads it: step 2 executes
+    first, so it reads r1's bytes, and r2's prefill overwrites them after."""
+    events = DEDUP_IN_FLIGHT + [("arrive", 2, (2, 2), 1, 0), ("begin", 3), ("schedule", 2, 2, 0)]
+    events += [("hit", 2, ()), ("alloc", 2, 2), ("submit", 3), ("execute", 2, ())]
+    events += [("commit", 2, ((1, 1),)), ("free", 3), ("free", 1), ("finish", 1, "length")]
+    judge = judged(events + [("execute", 3, ())], OVERLAP)
+    assert judge.finding is None, judge.finding
+    assert judge.model.state.blocks[2].refcount == 1  # r2's now
+    events += [("execute", 3, ()), ("commit", 3, ((2, 1),)), ("free", 2), ("finish", 2, "length")]
+    judge = judged(events, OVERLAP)
+    assert judge.finding is None, judge.finding
 
 
 def test_under_the_other_policies_an_engine_may_not_register_on_its_own() -> None:

@@ -1,11 +1,11 @@
 """Fixed workloads on a third-party engine, judged event by event; run inside that engine's venv
-by ``tests/test_adapter_vllm.py`` and ``tests/test_adapter_nano.py``.
+by ``tests/test_adapter_vllm.py``, ``tests/test_adapter_nano.py`` and ``tests/test_adapter_sglang.py``.
 
 ``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
 ``none`` with the number of events, their kinds, ``file`` and the exit code of ``kvspec check``
 on the same events written as a trace file (and, for vLLM, how many stale outputs of preempted
-requests came back). ENGINE is ``vllm``, ``nano`` or ``sglang`` (its cases: ``SGLANG_CASES``);
-CASE is ``seed``
+requests came back). ENGINE is ``vllm``, ``nano`` or ``sglang`` (its cases: ``SGLANG_CASES``, and
+``SGLANG_KVSPEC``: ``kvspec`` commands run in the same process); CASE is ``seed``
 (vLLM: the seed bug's shrunk counterexample), ``seed2`` (the same bug with a batch queue of 2
 steps), ``stale`` (vLLM at depth 2, default and drop mode: a request preempted while a submitted
 step holds it), ``clean3`` (vLLM's drop mode at depth 3), ``async`` (vLLM's async scheduling,
@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import kvspec.conformance.judge.spec_model as spec_model
-
 from kvspec.conformance.check import check_file
 from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import write_trace
@@ -79,7 +78,9 @@ def run(
         with _unchecked_allocations():
             return run(engine, workload, factory, tokens, compare, invariants, True, **cell)
     module_name, _, factory = factory.rpartition(":")
-    module = importlib.import_module(module_name or f"kvspec.conformance.adapters.{ADAPTERS[engine]}")
+    module = importlib.import_module(
+        module_name or f"kvspec.conformance.adapters.{ADAPTERS[engine]}"
+    )
     cell = {"policy": "eager-unsafe", "stop_token": 0, **cell}
     config = Config(**cell)  # type: ignore[arg-type]
     adapter = getattr(module, factory)(config, Ones(tokens))
@@ -166,6 +167,8 @@ VLLM = dict(preemption="priority", num_blocks=8, block_size=2, token_budget=6, m
 NANO = dict(discipline="general", num_blocks=8, block_size=2, token_budget=6, max_running=3)
 STALE_CELL = dict(preemption="fcfs", num_blocks=4, block_size=2, token_budget=3, max_running=2)
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)
+
+
 @contextmanager
 def _unchecked_allocations() -> Iterator[None]:
     steer = spec_model.steer
@@ -244,7 +247,10 @@ SGLANG_CASES: dict[str, tuple[list[tuple[str, tuple]], str, dict[str, object]]] 
     "known-none": (
         KNOWN,
         f"{MUTANTS}:insert_known_factory",
-        dict(ROOMY, invariants=[i for i in INVARIANTS if i not in UNWRITTEN + ("SharedImpliesSamePrefix",)]),
+        dict(
+            ROOMY,
+            invariants=[i for i in INVARIANTS if i not in UNWRITTEN + ("SharedImpliesSamePrefix",)],
+        ),
     ),
     "known-off": (KNOWN, "factory", ROOMY),
     "known-decoded": (KNOWN_DECODED, f"{MUTANTS}:insert_known_factory", ROOMY),
@@ -266,19 +272,39 @@ order on the same workload, and the mutant where the launched step writes what i
 and without the legality check of allocations, NoUnwrittenRead alone) and SGLang's order on the
 same workload."""
 
+
+def kvspec(*argv: str) -> None:
+    """``kvspec ARGV`` in this process (the engine is imported once): one line with its exit
+    code, whether stderr holds a traceback, and its output's lines joined by `` | `` (and, when
+    it exits non-zero, the last line of stderr)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from kvspec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 2
+    lines = out.getvalue().splitlines()
+    if code:  # the one line of a refusal (an engine's import chatter otherwise)
+        lines += err.getvalue().strip().splitlines()[-1:]
+    print("exit", code, "traceback" in err.getvalue().lower(), " | ".join(lines))
+
+
+OVERLAP_TARGET = "kvspec.conformance.adapters.sglang_adapter:factory"
+SGLANG_CELL = ("--policy", "engine-registers", "--discipline", "general")
+SGLANG_KVSPEC = {
+    "fuzz": ("fuzz", "--target", OVERLAP_TARGET, *SGLANG_CELL, "--depth", "2", "--seconds", "10"),
+    "refused": ("fuzz", "--target", OVERLAP_TARGET, *SGLANG_CELL, "--depth", "1", "--seconds", "1"),
+}
+"""``fuzz``: 10 s of ``kvspec fuzz`` on the overlap loop (seed 0); ``refused``: the overlap
+factory at depth 1, bad input."""
+
 if __name__ == "__main__":
     engine = sys.argv[1]
-    if engine.startswith("sglang"):  # the spec change proposed for SGLang's dedup under overlap
-        import inflight_dedup
-
-        if "--spec-as-is" in sys.argv:
-            sys.argv.remove("--spec-as-is")
-        else:
-            inflight_dedup.apply()
-    if engine == "sglang-fuzz":  # kvspec fuzz, in this process (with the change above)
-        from kvspec.cli import main
-
-        sys.exit(main(["fuzz", *sys.argv[2:]]))
     for case in sys.argv[2:]:  # one line each, in one process (vLLM takes seconds to import)
         if case == "seed":
             run(engine, SEED, **VLLM)
@@ -296,6 +322,8 @@ if __name__ == "__main__":
             run(engine, CACHED, **NANO)
         elif case == "preempted":
             run(engine, PREEMPTED, **dict(NANO, num_blocks=4))
+        elif engine == "sglang" and case in SGLANG_KVSPEC:
+            kvspec(*SGLANG_KVSPEC[case], "--seed", "0")
         elif engine == "sglang":
             workload, factory, options = SGLANG_CASES[case]
             run(engine, workload, factory, **options)  # type: ignore[arg-type]

@@ -89,7 +89,9 @@ class _MutantAdapter(SglangAdapter):
 def mutant(scheduler_class: type[Scheduler], overlap: bool = True) -> type[SglangAdapter]:
     """An adapter class whose scheduler is ``scheduler_class``."""
     return type(
-        f"{scheduler_class.__name__}Adapter", (_MutantAdapter,), {"scheduler_class": scheduler_class}
+        f"{scheduler_class.__name__}Adapter",
+        (_MutantAdapter,),
+        {"scheduler_class": scheduler_class},
     )
 
 

@@ -82,7 +82,11 @@ class Scheduler:
     def add_request(self, req_id: int, prompt: tuple[int, ...], max_tokens: int) -> None:
         capacity = (self.config.num_blocks - 1) * self.page_size
         clipped = self.allocator.max_new_tokens_for_memory(
-            len(prompt), max_tokens, token_capacity=capacity, sliding_window_size=None, chunk_size=None
+            len(prompt),
+            max_tokens,
+            token_capacity=capacity,
+            sliding_window_size=None,
+            chunk_size=None,
         )
         if not clipped:
             return  # SGLang rejects a prompt with no room to generate: no request
@@ -263,7 +267,9 @@ class Scheduler:
             self.events.append(("schedule", rid(req), req.extend_end - req.prefix_len, 0))
             row = self.record.row(req)
             if req in admitted:
-                self.events.append(("hit", rid(req), tuple(row[: req.prefix_len // self.page_size])))
+                self.events.append(
+                    ("hit", rid(req), tuple(row[: req.prefix_len // self.page_size]))
+                )
                 before = req.prefix_len // self.page_size
             self._allocated(req, row[before:], evicted)
         self.events += [("unpublish", page) for page in evicted]
