@@ -1,0 +1,120 @@
+"""What ``kvspec fuzz`` makes SGLang 0.5.23's overlap scheduler do: the fuzzer run on the adapter's
+factory as usual, with every engine it builds kept, then the events of all of them counted, with
+the orders that only overlap has counted apart (``docs/adapters.md``, "SGLang 0.5.23").
+
+    .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 120 --seed 3 [--sync]
+
+Prints the fuzzer's verdict line and one line of counts. "In flight" means: while a step that
+was submitted and has not executed yet holds the request (SGLang's batch N+1, launched before
+batch N's result is processed):
+
+* ``decodes on a placeholder``: a ``schedule`` of a request that a submitted step not yet
+  committed samples (batch N+1 decoding on the token N samples);
+* ``inserts in flight``: ``publish`` of a request a submitted, unexecuted step holds;
+* ``dedups in flight``: ``dedup`` of such a request (the copy dropped while N+1 reads it);
+* ``retractions in flight``: ``preempt`` of such a request (its pages freed while N+1 reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from typing import Any
+
+from kvspec import flow
+from kvspec.conformance.adapters import sglang_adapter
+from kvspec.reference.choices import Choices
+from kvspec.spec import Config
+
+TALLY: Counter[str] = Counter()
+LAST: list[Any] = []
+"""The engine built last, counted when the next one is built (or at the end)."""
+
+
+def keep(adapter: Any) -> Any:
+    for engine in LAST:
+        count(engine.events, TALLY)
+    LAST[:] = [] if adapter is None else [adapter]
+    TALLY["engines"] += 1
+    return adapter
+
+
+def factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.factory(config, choices))
+
+
+def sync_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.sync_factory(config, choices))
+
+
+def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:
+    """Add one engine's events to ``tally``."""
+    holds: dict[object, set[object]] = {}  # step -> the requests it schedules
+    submitted: set[object] = set()  # submitted, not executed
+    uncommitted: set[object] = set()  # submitted, not committed
+    building: object = None
+    for event in events:
+        kind = event[0]
+        tally[str(kind)] += 1
+        if kind == "begin":
+            building = event[1]
+            holds[building] = set()
+        elif kind == "schedule":
+            rid = event[1]
+            if any(rid in holds[s] for s in uncommitted):
+                tally["decodes on a placeholder"] += 1
+            holds[building].add(rid)
+        elif kind == "submit":
+            submitted.add(event[1])
+            uncommitted.add(event[1])
+        elif kind == "execute":
+            submitted.discard(event[1])
+        elif kind == "commit":
+            uncommitted.discard(event[1])
+        elif kind in ("publish", "dedup", "preempt"):
+            rid = event[1]
+            if any(rid in holds[s] for s in submitted):
+                name = {"publish": "inserts", "dedup": "dedups", "preempt": "retractions"}[kind]
+                tally[f"{name} in flight"] += 1
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sync", action="store_true", help="the loop without overlap, depth 1")
+    args = parser.parse_args(argv)
+    cell = flow.Cell("engine-registers", "general", depth=1 if args.sync else 2)
+    target = f"__main__:{'sync_factory' if args.sync else 'factory'}"
+    result, _ = flow.fuzz(cell, args.seconds, args.seed, None, target)
+    keep(None)
+    tally = TALLY
+    failure = result.failure
+    verdict = "no counterexample" if failure is None else f"COUNTEREXAMPLE: {failure.finding}"
+    print(
+        f"{verdict} in {result.seconds:.0f} s, seed {args.seed}: {result.runs:,} runs, "
+        f"{result.commits:,} engine steps, {tally['engines'] - 1:,} engines built"
+    )
+    keys = [
+        "begin",
+        "schedule",
+        "decodes on a placeholder",
+        "publish",
+        "inserts in flight",
+        "dedup",
+        "dedups in flight",
+        "preempt",
+        "retractions in flight",
+        "evict",
+        "unpublish",
+        "abort",
+        "finish",
+        "reset",
+    ]
+    print(", ".join(f"{tally[k]:,} {k}" for k in keys))
+    return 0 if failure is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
