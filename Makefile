@@ -114,7 +114,7 @@ contracts: venv
 		kvspec.proofs.contracts kvspec.reference.contracts
 
 test: lint contracts
-	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15
 
 format: venv
 	$(BIN)/ruff format .

@@ -11,6 +11,8 @@ engine -> events               the engine's adapter (``conformance/adapter.py``,
                                ``conformance/adapters/``); on disk ``conformance/trace.py``
 events -> verdict              ``conformance/judge/`` (the spec, or its fast twin), reported by
                                ``conformance/report.py`` and ``conformance/html.py``
+native KV events -> verdict    ``spec/stream.py`` (what a router may be told),
+                               ``conformance/kvevents/`` (captures, live ZMQ, while fuzzing)
 events -> tensors              ``conformance/plan.py`` (the spec's plan), ``impl/paged/replay.py``
 =============================  ==============================================================
 
