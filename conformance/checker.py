@@ -58,7 +58,7 @@ from kvspec.spec.events import blocks_of, request_of, requests_of
 from .ids import IdSet, UnknownId, check_ids
 from .lockstep import Event, Finding, Judge
 from .report import describe
-from .trace import FORMAT, TraceError, iter_trace, judging_of
+from .trace import TraceError, iter_trace, judging_of
 
 if TYPE_CHECKING:
     from .background import Background
@@ -445,13 +445,9 @@ def _events(
 ) -> tuple[Config, Iterator[tuple[int, Event, str | None]]]:
     """v1 traces stream (from line ``start``; ``fast``: the fast reader); v0 event files
     (``kvspec-events``) are read whole."""
-    with open(path, "rb") as f:
-        first = f.readline()
-    try:
-        header = orjson.loads(first)
-    except orjson.JSONDecodeError:
-        header = None
-    if isinstance(header, dict) and header.get("format") != FORMAT and "config" in header:
+    from .eventfile import sniff
+
+    if sniff(path) == "v0":
         from .report import read_events
 
         config, events = read_events(path)

@@ -66,6 +66,13 @@ class Finding:
         return f"{self.invariant}: {self.message} (event {self.event})"
 
 
+def unexpected(event: Event, want: Event | None) -> str:
+    """An engine's effect that is not the one the spec computed next (``want``; None: none)."""
+    if want is None:
+        return f"engine emitted {event}, but the spec computes no further effect of the decision"
+    return f"engine emitted {event}, but the spec expects {want}"
+
+
 class Judge:
     """Feed events with ``feed``; compare observable state with ``compare``; ``settle`` at the
     end. A judge stops at its first finding and returns it from then on.
@@ -145,7 +152,7 @@ class Judge:
             named = (event,) if want is None else (event, want)
             return self._found(
                 "Disagreement",
-                f"engine emitted {event}, spec expects {want}",
+                unexpected(event, want),
                 index,
                 tuple(sorted({b for e in named for b in blocks_of(e)})),
                 tuple(sorted({r for e in named for r in requests_of(e)})),

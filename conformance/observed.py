@@ -30,7 +30,7 @@ from kvspec.spec.state import Touched
 
 from .checker import Checker
 from .ids import UnknownId
-from .lockstep import Event, Finding, Judge
+from .lockstep import Event, Finding, Judge, unexpected
 
 
 def engine_effects(policy: str) -> tuple[str, ...]:
@@ -80,9 +80,7 @@ class ObservedJudge(Judge):
                 continue
             if effect[0] not in self.own_effects:
                 want = expected[0] if expected else None
-                return self._found(
-                    "Disagreement", f"engine emitted {effect}, spec expects {want}", at
-                )
+                return self._found("Disagreement", unexpected(effect, want), at)
             try:
                 engine_effect(self.state, effect)
             except Illegal as err:

@@ -121,29 +121,8 @@ def write_events(path: str | Path, config: Config, events: Iterable[Event]) -> i
 
 
 def read_events(path: str | Path) -> tuple[Config, list[Event]]:
-    """Read an event file back; raise ValueError naming file:line on malformed input."""
-    with open(path, "rb") as f:
-        lines = f.read().splitlines()
-    if not lines:
-        raise ValueError(f"{path}:1: empty file")
-    try:
-        header = orjson.loads(lines[0])
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise ValueError("not a kvspec event file of this version")
-        config = Config(**header["config"])
-    except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError, ValueError) as err:
-        raise ValueError(f"{path}:1: bad header: {err}") from None
-    events = []
-    for number, line in enumerate(lines[1:], 2):
-        try:
-            raw = orjson.loads(line)
-        except orjson.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not JSON: {err}") from None
-        if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
-            raise ValueError(f"{path}:{number}: an event is a JSON array starting with its kind")
-        events.append(_tuples(raw))
-    return config, events
+    """Read an event file back; raise ``ValueError`` naming file:line on malformed input (the
+    v1 rules, ``eventfile.py``)."""
+    from .eventfile import read_events as read
 
-
-def _tuples(value: object) -> object:
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+    return read(path)

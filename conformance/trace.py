@@ -21,6 +21,8 @@ import orjson
 from kvspec.spec import OBSERVED_POLICIES, Config
 from kvspec.spec.events import KINDS, REASONS
 
+from . import budget
+from .jsonwords import json_error, json_type
 from .lockstep import Event
 
 FORMAT = "kvspec-trace"
@@ -145,9 +147,11 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     try:
         header = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        raise bad(f"header is not JSON ({err})") from None
+        raise bad(f"header is {json_error(raw, err)}") from None
     if not isinstance(header, dict):
         raise bad("the header must be a JSON object")
+    if header.get("format") == "kvspec-events":
+        raise bad("a kvspec event file (format v0), not a v1 trace: read it with read_events")
     if header.get("format") != FORMAT:
         raise bad(f'not a kvspec trace (header "format" is {header.get("format")!r})')
     if header.get("version") != VERSION:
@@ -163,11 +167,16 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
         raise bad('"engine" must be {"name": string, "version": string}')
     for name, low in (("num_blocks", 2), ("block_size", 1)):
         if not _is_int(header.get(name)) or header[name] < low:
-            raise bad(f'"{name}" must be an integer >= {low}')
+            got = json_type(header[name]) if name in header else "nothing"
+            raise bad(f'"{name}" must be an integer >= {low}, got {got}')
     if header["num_blocks"] > MAX_BLOCKS:
         raise bad(
             f'"num_blocks" {header["num_blocks"]} is more than the checker keeps ({MAX_BLOCKS})'
         )
+    try:
+        budget.check_header(header["num_blocks"], path)
+    except budget.OverBudget as err:
+        raise bad(err.reason) from None
     if header.get("null_block") != 0 or not _is_int(header.get("null_block")):
         raise bad('"null_block" must be 0')
     guarantees = header.get("guarantees")
@@ -189,7 +198,7 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
         raise bad('"model.async_scheduling" must be true or false')
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
-            raise bad(f'"model.{name}" must be an integer')
+            raise bad(f'"model.{name}" must be an integer, got {json_type(model[name])}')
     judging = header.get("judging", "strict")
     if judging not in JUDGING:
         raise bad(f'"judging" must be one of {", ".join(JUDGING)}, got {judging!r}')
@@ -223,7 +232,12 @@ def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:
     except orjson.JSONDecodeError as err:
         if not raw.strip():
             raise ValueError("empty line") from None
-        raise ValueError(f"not JSON (truncated line?): {err}") from None
+        raise ValueError(json_error(raw, err)) from None
+    return parse_object(obj, num_blocks)
+
+
+def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
+    """A decoded event line (``parse_line``, and a v0 event made into its v1 object)."""
     if not isinstance(obj, dict):
         raise ValueError('an event is a JSON object {"ev": KIND, ...}')
     kind = obj.get("ev")
@@ -249,7 +263,7 @@ def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:
             raise ValueError(f'{kind}: missing field "{name}"')
         values.append(_value(kind, name, type_, obj[name], num_blocks))
     hash_ = obj.get("hash")
-    if hash_ is not None and (not isinstance(hash_, str) or not hash_):
+    if "hash" in obj and (not isinstance(hash_, str) or not hash_):  # null too (the schema)
         raise ValueError(f'{kind}: "hash" must be a non-empty string')
     return tuple(values), hash_
 
@@ -262,7 +276,7 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
     where = f'{kind}: "{name}"'
     if type_ in ("id", "nat", "block"):
         if type(value) is not int:
-            raise ValueError(f"{where} must be an integer, got {_json_type(value)}")
+            raise ValueError(f"{where} must be an integer, got {json_type(value)}")
         if value < 0:
             raise ValueError(f"{where} must be >= 0, got {value}")
         if type_ == "block" and value >= num_blocks:
@@ -270,14 +284,14 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
         return value
     if type_ == "int":
         if type(value) is not int:
-            raise ValueError(f"{where} must be an integer, got {_json_type(value)}")
+            raise ValueError(f"{where} must be an integer, got {json_type(value)}")
         return value
     if type_ == "reason":
         if value not in REASONS:
             raise ValueError(f"{where} must be one of {', '.join(REASONS)}, got {value!r}")
         return value
     if not isinstance(value, list):
-        raise ValueError(f"{where} must be a list, got {_json_type(value)}")
+        raise ValueError(f"{where} must be a list, got {json_type(value)}")
     if type_ == "sampled":
         pairs = []
         for pair in value:
@@ -296,18 +310,6 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
     if type_ == "blocks" and any(x >= num_blocks for x in value):
         raise ValueError(f"{where}: a block id is out of range (num_blocks {num_blocks})")
     return tuple(value)
-
-
-def _json_type(value: object) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        float: "a number with a fraction",
-        int: "an integer",
-    }.get(type(value), "null")
 
 
 TraceEvent = tuple[int, Event, "str | None"]
