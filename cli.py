@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvspec import __version__
+from kvspec import __version__, flow
 from kvspec.conformance import budget
 from kvspec.outputs import output_path, reader_safe_stdout
 from kvspec.spec import (
@@ -32,6 +32,7 @@ from kvspec.spec import (
     OBSERVED_POLICIES,
     POLICIES,
     PREEMPTIONS,
+    STALE_OUTPUTS,
     Config,
 )
 
@@ -129,6 +130,28 @@ def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLI
         help="steps in flight (1..; default: drawn from 1..3 by fuzz, 1 for simulate)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (a run repeats from it)")
+    p.add_argument(
+        "--async",
+        dest="async_scheduling",
+        action="store_true",
+        help="async scheduling: schedule on placeholder tokens (vLLM's default; needs depth >= 2)",
+    )
+    p.add_argument(
+        "--stale-output",
+        default="drop",
+        choices=STALE_OUTPUTS,
+        help="a preempted request's output in a submitted step: drop or deliver "
+        "(vLLM's default; needs depth >= 2)",
+    )
+
+
+def _depth(args: argparse.Namespace) -> int:
+    """--depth, or the smallest one at which --async / --stale-output deliver mean something;
+    ValueError (exit 2) for an explicit depth below it."""
+    overlap = args.async_scheduling or args.stale_output == "deliver"
+    if args.depth is not None and args.depth < 2 and overlap:
+        raise ValueError("--async and --stale-output deliver need --depth >= 2")
+    return int(args.depth or (2 if overlap else 1))
 
 
 def _format_argument(p: argparse.ArgumentParser) -> None:
@@ -271,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chk = command("check", "judge trace files with the spec: 0 holds, 1 violation, 2 unreadable")
     chk.add_argument(
-        "traces", nargs="+", metavar="TRACE", type=_path, help="trace files (v1, or v0 events)"
+        "traces", nargs="*", metavar="TRACE", type=_path, help="trace files (v1, or v0 events)"
     )
     chk.add_argument("--json", action="store_true", help="print a machine-readable report")
     chk.add_argument(
@@ -300,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fast: the fast model judges, the spec reports; spec: the spec judges all",
     )
     _common(chk)
+    _kv_events_arguments(chk, command("watch", "judge a live KV-event stream over ZMQ"))
 
     _generate_arguments(
         command("generate", "generate text with a Llama model through the reference engine")
@@ -398,15 +422,7 @@ def _write(
     events: list[tuple[object, ...]],
     judging: str = "strict",
 ) -> int:
-    if args.format == "v1":
-        from kvspec.conformance.trace import write_trace
-
-        return write_trace(args.out, config, events, hashes=True, judging=judging)
-    if judging != "strict":
-        raise ValueError(f"--format v0 has no judging field for this {judging} engine; use v1")
-    from kvspec.conformance.report import write_events
-
-    return write_events(args.out, config, events)
+    return flow.write(args.out, config, events, 1 if args.format == "v1" else 0, judging)
 
 
 @contextlib.contextmanager
@@ -426,9 +442,8 @@ def _hypothesis_home() -> Iterator[None]:
 
 @_command
 def _fuzz(args: argparse.Namespace) -> int:
-    from kvspec.conformance.adapter import load_factory, probe, reference
+    from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.enginelog import engine_logs
-    from kvspec.conformance.fuzz import DataChoices, run_cell
     from kvspec.conformance.report import format_counterexample
     from kvspec.conformance.witness import extend
 
@@ -437,48 +452,39 @@ def _fuzz(args: argparse.Namespace) -> int:
             f"--policy {args.policy} needs --target: an engine that registers blocks on its own "
             "(the reference engine does not)"
         )
+    _depth(args)  # --async with --depth 1 is bad input
     database = None
     if args.db:
         from hypothesis.database import DirectoryBasedExampleDatabase
 
         database = DirectoryBasedExampleDatabase(args.db)
-    factory, judging = reference, "strict"
+    cell = flow.Cell(
+        args.policy,
+        args.discipline,
+        args.preemption,
+        args.depth,
+        args.loads,
+        args.async_scheduling,
+        args.stale_output,
+    )
     with engine_logs(shown=args.engine_log), _hypothesis_home():
-        if args.target:
-            factory = load_factory(args.target, from_cwd=True)
-            config = Config(
-                num_blocks=8,
-                block_size=4,
-                depth=args.depth or 1,
-                policy=args.policy,
-                discipline=args.discipline,
-                preemption=args.preemption,
-                stop_token=0,
-            )
-            adapter = probe(factory, config, DataChoices(), args.target, args.loads)
-            judging = getattr(adapter, "judging", "strict")
-        result = run_cell(
-            args.policy,
-            args.discipline,
-            args.preemption,
-            args.depth,
-            args.loads,
-            args.seconds,
-            args.seed,
-            invariants=args.invariant,
-            factory=factory,
-            database=database,
+        if args.target:  # imported as python -m would: the current folder first
+            load_factory(args.target, from_cwd=True)
+        result, judging = flow.fuzz(
+            cell, args.seconds, args.seed, args.invariant, args.target, database
         )
-    cell = f"{args.policy} ({args.discipline}/{args.preemption})"
+    timing = ", async" if args.async_scheduling else ""
+    timing += ", stale output delivered" if args.stale_output == "deliver" else ""
+    name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
     if result.failure is None and result.runs == 0:
         print(
-            f"nothing checked for {cell} in {result.seconds:.1f} s: no example ran (the time "
+            f"nothing checked for {name} in {result.seconds:.1f} s: no example ran (the time "
             "budget is too small, or the engine refused every configuration drawn)"
         )
         return UNDECIDED
     if result.failure is None:
         print(
-            f"no counterexample for {cell} in "
+            f"no counterexample for {name} in "
             f"{result.seconds:.1f} s: {result.runs} runs, {result.commits} engine steps, "
             f"{result.lost_hits_per_1000_steps:.1f} lost hits per 1,000 steps"
         )
@@ -487,7 +493,8 @@ def _fuzz(args: argparse.Namespace) -> int:
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
     print(format_counterexample(failure.program, failure.finding, failure.config))
     if args.out:
-        shown = extend(failure.config, failure.events, failure.finding.invariant, failure.finding.event, judging)  # fmt: skip
+        finding = failure.finding
+        shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
         count = _write(args, failure.config, shown.events, judging)
         print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
     return FINDING
@@ -495,34 +502,23 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 @_command
 def _simulate(args: argparse.Namespace) -> int:
-    from kvspec.reference import Engine, EngineConfig
-    from kvspec.reference.workload import shared_prefix_workload
-
-    common = dict(
+    config = Config(  # a bad combination is one line, before anything is allocated
         num_blocks=args.blocks,
         block_size=args.block_size,
-        depth=args.depth or 1,
+        depth=_depth(args),
         policy=args.policy,
         discipline=args.discipline,
         preemption=args.preemption,
         token_budget=max(2048, args.block_size),
         max_running=64,
+        async_scheduling=args.async_scheduling,
+        stale_output=args.stale_output,
     )
-    config = Config(**common)  # a bad combination is one line, before anything is allocated
     need = budget.simulate_need(args.requests, args.blocks, args.block_size)
     what = f"{args.requests:,} requests on {args.blocks:,} blocks of {args.block_size:,} tokens"
     budget.require(need, what)
-    engine = Engine(EngineConfig(**common))
-    started = time.perf_counter()
-    prefix_len = 8 * args.block_size
-    workload = shared_prefix_workload(args.requests, 4, prefix_len, args.block_size, 8, args.seed)
-    for rid, prompt, max_tokens, priority in workload:
-        engine.add_request(rid, prompt, max_tokens, priority)
-    while engine.step():
-        pass
-    seconds = time.perf_counter() - started
-    count = _write(args, config, engine.events)
-    stats = engine.stats
+    events, stats, seconds = flow.simulate(config, args.requests, args.seed)
+    count = _write(args, config, events)
     hit_rate = stats["hit_tokens"] / max(1, stats["prompt_tokens"])
     print(
         f"{args.requests} requests, {stats['steps']} steps in {seconds:.2f} s; prefix hit rate "
@@ -541,34 +537,12 @@ def _replay(args: argparse.Namespace) -> int:
     _requires("torch", "tensors")
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    from kvspec.conformance.plan import PlanError, replay_plan
-
-    config, events = _read(args.trace)
-    largest = 0
-    try:
-        for record in replay_plan(config, events):  # a first pass, spec only: sizes and errors
-            work = getattr(record, "work", None)
-            if work is not None:
-                largest = max(largest, sum(w.end for w in work))
-    except PlanError as err:
-        raise ValueError(f"{args.trace}:{err.index + 2}: {err.reason}") from None
-    parts = budget.replay_need(
-        config.num_blocks,
-        config.block_size,
-        args.layers,
-        args.heads,
-        args.kv_heads,
-        args.head_dim,
-        DTYPE_BYTES[args.dtype],
-        largest,
-    )
-    budget.require_all(parts, "replaying it on tensors", args.trace)
     from kvspec.impl.paged.replay import use_interpreter_without_gpu
 
     if args.backend == "triton":
         use_interpreter_without_gpu()  # before anything imports triton
     from kvspec.impl.paged.kv_cache import DTYPES
-    from kvspec.impl.paged.replay import TOLERANCES, Options, replay
+    from kvspec.impl.paged.replay import TOLERANCES, Options
 
     options = Options(
         backend=args.backend,
@@ -579,7 +553,7 @@ def _replay(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
     )
     started = time.perf_counter()
-    result = replay(replay_plan(config, events), config.num_blocks, config.block_size, options)
+    config, result = flow.replay(args.trace, options)  # every size priced before allocation
     atol, rtol = TOLERANCES[options.dtype]
     print(
         f"{args.trace}: {config.policy}, {config.num_blocks} blocks of {config.block_size}; "
@@ -603,19 +577,6 @@ def _replay(args: argparse.Namespace) -> int:
         return UNDECIDED
     print("every step matches dense attention")
     return HOLDS
-
-
-def _read(path: str) -> tuple[Config, list[tuple[object, ...]]]:
-    """An event file (v0) or a v1 trace, whole (priced against the budget first)."""
-    from kvspec.conformance.eventfile import sniff
-    from kvspec.conformance.report import read_events
-    from kvspec.conformance.trace import iter_trace
-
-    if sniff(path) == "v0":
-        return read_events(path)
-    config, lines = iter_trace(path)  # the header is priced before anything is read
-    budget.check_read_whole(path)
-    return config, [event for _, event, _ in lines]
 
 
 @_command
@@ -643,13 +604,14 @@ def _check(args: argparse.Namespace) -> int:
     """0 every trace holds, 1 a violation in one, 2 one is unreadable."""
     import orjson
 
-    from kvspec.conformance.checker import check_path, write_html
-
+    if not args.traces and not args.kv_events:
+        raise ValueError("name a TRACE file or --kv-events FILE")
     if args.html:
         _requires("matplotlib", "html", "--html")
-    if args.witness and len(args.traces) != 1:
-        raise ValueError(f"--witness takes one TRACE, got {len(args.traces)}")
-    reports = [check_path(path, args.check_every, args.engine) for path in args.traces]
+    if args.witness and (len(args.traces) != 1 or args.kv_events):
+        raise ValueError(f"--witness takes one TRACE and no --kv-events, got {len(args.traces)}")
+    reports = list(flow.check(args.traces, args.check_every, args.engine))
+    reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")
@@ -662,6 +624,8 @@ def _check(args: argparse.Namespace) -> int:
             if report.exit_code != 2:
                 print(report.text())
     if args.html:
+        from kvspec.conformance.html import write_html
+
         code = _write_late(code, lambda: write_html(reports, args.html), args.html, "kvspec check")
     if args.witness:
         from kvspec.conformance.witness import extend_file
@@ -672,24 +636,103 @@ def _check(args: argparse.Namespace) -> int:
     return code
 
 
+def _kv_events_arguments(chk: argparse.ArgumentParser, watch: argparse.ArgumentParser) -> None:
+    """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kvevents/)."""
+    from kvspec.spec.stream import STREAM_INVARIANTS
+
+    names = tuple(STREAM_INVARIANTS)
+    chk.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="FILE",
+        type=_path,
+        help="a capture of an engine's KV-event stream (kvspec watch --capture): judge the stream",
+    )
+    for p in (chk, watch):
+        p.add_argument(
+            "--stream-invariant",
+            action="append",
+            choices=names,
+            help="judge only this stream invariant (repeatable; default: all but StoreNamesNewHash)",
+        )
+        p.add_argument(
+            "--blocks",
+            type=_positive(int),
+            help="the engine's GPU blocks: also judge ViewWithinCapacity",
+        )
+    watch.add_argument("endpoint", help="the publisher's endpoint, e.g. tcp://127.0.0.1:5557")
+    watch.add_argument("--replay", metavar="ENDPOINT", help="its replay endpoint (fills gaps)")
+    watch.add_argument("--topic", default="", help="the publisher's topic (default: all)")
+    watch.add_argument(
+        "--capture", metavar="FILE", type=output_path, help="write every frame received here"
+    )
+    watch.add_argument(
+        "--seconds", type=_positive(float), help="stop after this long (default: until stopped)"
+    )
+    watch.add_argument("--json", action="store_true", help="print the report as JSON")
+    _common(watch)
+
+
+def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
+    if not args.stream_invariant:
+        return None
+    return list(args.stream_invariant) + (["ViewWithinCapacity"] if args.blocks else [])
+
+
+@_command
+def _watch(args: argparse.Namespace) -> int:
+    """0 stopped with nothing found, 1 a violation, 2 a malformed frame or a bad endpoint."""
+    from kvspec.conformance.kvevents.watch import watch
+
+    return watch(
+        args.endpoint,
+        args.replay,
+        args.topic,
+        args.capture,
+        args.blocks,
+        _stream_invariants(args),
+        args.seconds,
+        args.json,
+    )
+
+
 @_command
 def _demo(args: argparse.Namespace) -> int:
-    from kvspec.conformance.verdicts import all_cells, print_table
+    """0 with the table; 4 when a cell's fuzzing raised (its traceback in the crash report)."""
+    from kvspec.conformance.verdicts import CellError, print_table, scheduling
 
     results = []
+    errors: list[CellError] = []
     started = time.monotonic()
     with _hypothesis_home():
-        for result in all_cells(args.seconds, args.seed):
-            verdict = "FAILS" if result.failure else "holds"
+        for result in flow.demo(args.seconds, args.seed):
+            if isinstance(result, CellError):
+                verdict = "ERROR"
+                errors.append(result)
+            else:
+                verdict = "FAILS" if result.failure else "holds"
             loads = "kv-load failures" if result.loads else "preempt/abort"
+            timing = scheduling(result.async_scheduling, result.stale_output)
             print(
                 f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
-                f"{verdict}"
+                f"{timing:20s} {verdict}"
             )
             results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
+    if errors:
+        raise CellsFailed(errors)
     return HOLDS
+
+
+class CellsFailed(Exception):
+    """Fuzzing raised in some of ``demo``'s cells: an internal error (exit 4), with every
+    cell's traceback in the crash report."""
+
+    def __init__(self, errors: list) -> None:  # type: ignore[type-arg]
+        super().__init__(f"{len(errors)} cell(s) raised, first: {errors[0].error}")
+        self.details = "\n".join(e.details for e in errors)
 
 
 def _generate_arguments(gen: argparse.ArgumentParser) -> None:

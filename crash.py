@@ -51,6 +51,7 @@ def save_report(error: BaseException, argv: Sequence[str]) -> Path:
             f"platform: {platform.platform()}\n",
             f"time: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n\n",
             *traceback.format_exception(type(error), error, error.__traceback__),
+            *([f"\n{error.details}\n"] if isinstance(getattr(error, "details", None), str) else []),
         ]
     )
     last: OSError | None = None

@@ -1,8 +1,9 @@
 """The build backend's one hook beyond pyproject.toml: the fast model compiled into the wheel.
 
 setuptools reads everything else from ``pyproject.toml``. Here, a wheel build compiles the fast
-model's group with mypyc (``conformance/fastbuild.py`` owns the list of sources and the copies
-compiled; ``fastbuild.fast_model()`` finds the installed extension). The compiled extension is
+hot path (the judge's core and the fast model) with mypyc into the package ``kvspec_fast``
+(``conformance/judge/fastbuild.py`` owns the list of sources and the copies compiled;
+``fastbuild.fast_judge()`` finds the installed package). The compiled extension is
 optional: without mypyc, with ``KVSPEC_PURE_PYTHON=1``, or when the compile fails, the wheel is
 pure Python and ``kvspec check`` notes that it judges from source. Editable installs (``make
 venv``) compile nothing here: ``make venv`` builds into the virtual environment, rebuilt on edits.
@@ -33,9 +34,9 @@ class BuildPy(build_py):
 
 
 def fastbuild():  # type: ignore[no-untyped-def]
-    """``conformance/fastbuild.py``, loaded by path (kvspec is not installed yet)."""
+    """``conformance/judge/fastbuild.py``, loaded by path (kvspec is not installed yet)."""
     spec = importlib.util.spec_from_file_location(
-        "kvspec_fastbuild", ROOT / "conformance" / "fastbuild.py"
+        "kvspec_fastbuild", ROOT / "conformance" / "judge" / "fastbuild.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -61,7 +62,8 @@ def ext_modules() -> list[object]:
         warn("mypyc is not installed")
         return []
     copies, config = build.prepare(ROOT / "build" / "kvspec-mypyc")
-    paths = [str(path.relative_to(ROOT)) for path in copies]
+    package = [copies[0].parent / "__init__.py", *copies]  # compiled too: it ships no .py
+    paths = [str(path.relative_to(ROOT)) for path in package]
     try:
         extensions = mypycify([*paths, "--config-file", str(config)], opt_level="3")
     except (Exception, SystemExit) as err:  # mypy's type errors end in SystemExit

@@ -9,7 +9,7 @@ never shrunk):
   v1 with hashes, v0 event files), corrupted by one to three edits (lines deleted, duplicated,
   swapped or truncated; bytes inserted; a JSON value replaced by a hostile one such as 10^30,
   NaN, -1, 2^64, a string, a list, an object, a 10,000-element list; keys dropped or added; the
-  header's sizes and fields replaced). Each file goes through ``check_path`` with the fast model
+  header's sizes and fields replaced). Each file goes through ``check.check_file`` with the fast model
   and with the spec (the two readers: msgspec, and ``parse_line``), and through ``kvspec
   replay``'s reader and plan (without tensors).
 * **commands**: argument lists for every subcommand (options drawn from the parser, values from a
@@ -18,11 +18,11 @@ never shrunk):
 
 Every case is judged by an oracle that does not use kvspec's readers: for a trace, a format
 oracle (Python's ``json``, strict, and ``trace-v1.schema.json`` through ``jsonschema`` for v1; the
-documented v0 rules written out here) and, for a file the format oracle accepts, the lockstep
+documented v0 rules written out here) and, for a file the format oracle accepts, the spec
 ``Judge`` with the full (not incremental) invariants; for a command, the documented constraints of
 each option. Counted, and all must be 0:
 
-* tracebacks: an exception out of ``check_path`` or the replay reader other than a ``ValueError``
+* tracebacks: an exception out of ``check.check_file`` or the replay reader other than a ``ValueError``
   or ``OSError`` (bad input), exit 4, or "Traceback" in the output;
 * wrong exit codes: a code outside 0..3, exit 2 without exactly one line on stderr, the two
   readers disagreeing, a bad command line not refused with 2, a ``MemoryError`` (an estimate of
@@ -244,8 +244,7 @@ def within_64_bits(value: object) -> bool:
 
 def judge_oracle(header: dict[str, object], events: list[tuple[object, ...]], v1: bool):  # type: ignore[no-untyped-def]
     """(event index of the first finding or None) by the lockstep Judge, full invariants."""
-    from kvspec.conformance.lockstep import Judge
-    from kvspec.conformance.observed import ObservedJudge
+    from kvspec.conformance.judge import Judge
     from kvspec.spec import Config
 
     if v1:
@@ -255,7 +254,7 @@ def judge_oracle(header: dict[str, object], events: list[tuple[object, ...]], v1
     else:
         config = Config(**header["config"])  # type: ignore[arg-type]
         observed = False
-    judge = (ObservedJudge if observed else Judge)(config, incremental=False)
+    judge = Judge.spec(config, observed, incremental=False)
     finding = judge.feed_all(events)
     if finding is None:
         finding = judge.settle()
@@ -276,8 +275,7 @@ def encode(value: object) -> bytes:
 
 def base_traces(folder: Path) -> dict[str, list[bytes]]:
     """name -> lines (without newlines) of the valid traces the corruptions start from."""
-    from kvspec.conformance.report import write_events
-    from kvspec.conformance.trace import write_trace
+    from kvspec.conformance.trace import write_events, write_trace
     from kvspec.reference import Engine, EngineConfig
     from kvspec.reference.workload import shared_prefix_workload
     from kvspec.spec import Config, apply, initial_state
@@ -428,16 +426,17 @@ class Tally:
 
 
 def judge_trace(data: bytes, path: Path, tally: Tally) -> None:
-    from kvspec import cli
-    from kvspec.conformance.checker import check_path
+    from kvspec.conformance import budget
+    from kvspec.conformance.check import check_file
     from kvspec.conformance.plan import replay_plan
+    from kvspec.conformance.trace import open_trace
 
     path.write_bytes(data)
     tally.cases["trace"] += 1
     reports = {}
     for engine in ("fast", "spec"):
         try:
-            reports[engine] = check_path(path, engine=engine)
+            reports[engine] = check_file(path, engine=engine)
         except MemoryError:
             tally.fail(
                 "wrong_codes", f"{engine}: MemoryError (the budget's estimate too low)", data
@@ -454,9 +453,11 @@ def judge_trace(data: bytes, path: Path, tally: Tally) -> None:
     if fast.exit_code == 2 and (not fast.error or "\n" in fast.error or "Traceback" in fast.error):
         tally.fail("wrong_codes", f"exit 2 without one line: {fast.error!r}", data)
     try:  # replay's reader and plan (the tensors are not needed to read)
-        config, events = cli._read(str(path))
-        for _ in replay_plan(config, events):
-            pass
+        with open_trace(path) as trace:  # as flow.replay reads it
+            budget.check_read_whole(path)
+            config, judging = trace.config, trace.judging
+            events = [event for _, event, _ in trace.events()]
+        replay_plan(config, events, judging)
         replay_refused = None
     except (ValueError, OSError) as err:
         replay_refused = str(err)

@@ -33,13 +33,13 @@ ENV = "KVSPEC_MAX_MEMORY"
 # -- prices (bytes), measured with tracemalloc and rounded up by about half ----------------------
 
 SPEC_JUDGE_PER_BLOCK = 1_400
-"""The spec-based ``Checker`` (and ``ObservedChecker``): ~940 bytes per block (its state, and a
-ring for the minimal history)."""
+"""A spec judge for a report (``Judge.stream``, strict or observed): its state, and the
+recorder's ring for the minimal history."""
 FAST_JUDGE_PER_BLOCK = 450
-"""The fast model's ``FastChecker``, compiled or not: ~300 bytes per block."""
+"""A judge over the fast model (``Judge.fast``), compiled or not."""
 CHECKPOINT_COPIES = 3
-"""Spec-based checkers alive at once on the fast path of a long file: two checkpoints and the one
-being made (``fastpath.py``)."""
+"""Spec judges alive at once on the fast path of a long file: two checkpoints and the one being
+made (``judge/handover.py``)."""
 CHECKPOINT_MIN_BYTES = 100_000 * 15
 """A file shorter than this cannot reach the first checkpoint (100,000 events of >= 15 bytes)."""
 READ_WHOLE_PER_BYTE = 16
@@ -127,8 +127,8 @@ def require(need: int, what: str, where: str = "") -> None:
 
 
 def judge_need(num_blocks: int, file_bytes: int | None = None) -> int:
-    """Judging a trace of ``num_blocks`` blocks: the fast model, and the spec-based checkers of
-    its checkpoints (one when the file is too short for a checkpoint)."""
+    """Judging a trace of ``num_blocks`` blocks: the fast model, and the spec judges of its
+    checkpoints (one when the file is too short for a checkpoint)."""
     copies = 1
     if file_bytes is None or file_bytes >= CHECKPOINT_MIN_BYTES:
         copies = CHECKPOINT_COPIES

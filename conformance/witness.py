@@ -28,7 +28,7 @@ from kvspec.spec import ACTIONS, Config, Illegal, apply, initial_state
 from kvspec.spec.pool import eventual_content, holds, lookup
 from kvspec.spec.state import Key, State
 
-from .lockstep import Event
+Event = tuple[object, ...]
 
 INVARIANT = "NoUnwrittenPublish"
 
@@ -219,25 +219,23 @@ def extend_file(path: str | Path, invariant: str | None, line: int | None, out: 
     import orjson
 
     from . import budget
-    from .eventfile import sniff
-    from .report import read_events, write_events
-    from .trace import iter_trace, judging_of, write_trace
+    from .trace import TraceError, open_trace, write_events, write_trace
 
-    v1 = sniff(path) == "v1"
-    if v1:
-        config, lines = iter_trace(path)
-        budget.check_read_whole(path)
-        events = [event for _, event, _ in lines]
-    else:
-        config, events = read_events(path)
-    found = extend(config, events, invariant, line - 2, judging_of(path) if v1 else "strict")
+    with open_trace(path) as trace:
+        try:
+            budget.check_read_whole(path)
+        except budget.OverBudget as err:
+            raise TraceError(path, 1, err.reason) from None
+        config, judging, v1 = trace.config, trace.judging, trace.version == 1
+        events = [event for _, event, _ in trace.events()]
+    found = extend(config, events, invariant, line - 2, judging)
     if not found.found:
         return found.note
     if v1:
         with open(path, "rb") as f:
             engine = orjson.loads(f.readline()).get("engine", {})
         name = (str(engine.get("name", "unknown")), str(engine.get("version", "")))
-        count = write_trace(out, config, found.events, engine=name)
+        count = write_trace(out, config, found.events, engine=name, judging=judging)
     else:
         count = write_events(out, config, found.events)
     return f"wrote {count} events to {out}; {found.note}"

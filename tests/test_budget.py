@@ -13,10 +13,9 @@ import pytest
 from edges import one_line, run, seed_counterexample
 
 from kvspec.conformance import budget
-from kvspec.conformance.checker import Checker
-from kvspec.conformance.fastbuild import fast_model
-from kvspec.conformance.report import read_events, write_events
-from kvspec.conformance.trace import write_trace
+from kvspec.conformance.judge import Judge
+from kvspec.conformance.judge.fastbuild import fast_judge
+from kvspec.conformance.trace import read_events, write_events, write_trace
 from kvspec.spec import Config
 
 
@@ -73,8 +72,11 @@ def test_generate_prices_the_weights_before_loading(tmp_path: Path) -> None:
 
 def test_the_judges_cost_no_more_per_block_than_priced() -> None:
     n = 20_000
-    fast, _ = fast_model()
-    for make, price in ((Checker, budget.SPEC_JUDGE_PER_BLOCK), (fast.FastChecker, budget.FAST_JUDGE_PER_BLOCK)):  # fmt: skip
+
+    def fast(config: Config) -> Judge:
+        return fast_judge(config)[0]  # type: ignore[no-any-return]
+
+    for make, price in ((Judge.stream, budget.SPEC_JUDGE_PER_BLOCK), (fast, budget.FAST_JUDGE_PER_BLOCK)):  # fmt: skip
         tracemalloc.start()
         judge = make(Config(n, 16))
         peak = tracemalloc.get_traced_memory()[1]
@@ -119,10 +121,10 @@ def test_the_ceiling_turns_an_unforeseen_allocation_into_memory_error() -> None:
         "budget.set_limit(256 << 20)\n"
         "with budget.ceiling():\n"
         "    try:\n"
-        "        bytearray(16 << 30)\n"
+        "        bytes(16 << 30)\n"
         "    except MemoryError:\n"
         "        print('refused')\n"
-        "bytearray(16 << 30)\n"  # the limit is lifted again on exit
+        "bytes(16 << 30)\n"  # the limit is lifted again on exit (calloc: no page touched)
         "print('granted')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

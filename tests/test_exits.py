@@ -7,6 +7,7 @@ own process) unless it needs a planted fault, which only an in-process call can 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,8 +17,9 @@ from edges import KVSPEC, one_line, run, seed_counterexample
 
 from kvspec import cli
 from kvspec.cli import main
-from kvspec.conformance.report import write_events
-from kvspec.conformance.trace import write_trace
+from kvspec.conformance.kvevents.frames import Frame, encode_batch, write_capture
+from kvspec.conformance.trace import write_events, write_trace
+from kvspec.spec.stream import Batch, Removed, Stored
 
 
 @pytest.fixture
@@ -100,12 +102,12 @@ def test_check_html_into_a_folder_is_refused_before_judging(zombie: Path, tmp_pa
 def test_a_report_that_cannot_be_written_late_keeps_the_finding(
     zombie: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from kvspec.conformance import checker
+    from kvspec.conformance import html
 
     def full_disk(reports: object, path: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checker, "write_html", full_disk)
+    monkeypatch.setattr(html, "write_html", full_disk)
     assert main(["check", str(zombie), "--html", str(tmp_path / "r.html")]) == 1
     err = capsys.readouterr().err
     assert one_line(err) and "No space left" in err
@@ -176,12 +178,12 @@ def test_an_internal_error_is_never_1(
 ) -> None:
     """A fast model that disagrees with the spec (a planted bug) is kvspec's error, not a
     violation of the trace."""
-    from kvspec.conformance import fastpath
+    from kvspec.conformance.judge import handover
 
-    def disagree(self: object, checker: object, name: str) -> None:
-        raise fastpath.FastPathDisagrees(f"{name}: planted")
+    def disagree(self: object, finding: object, name: str) -> None:
+        raise handover.FastPathDisagrees(f"{name}: planted")
 
-    monkeypatch.setattr(fastpath.FastRun, "agree", disagree)
+    monkeypatch.setattr(handover.FastRun, "agree", disagree)
     monkeypatch.setenv("KVSPEC_CACHE_DIR", str(Path(str(zombie)).parent / "cache"))
     assert main(["check", str(zombie)]) == 4
     assert "FastPathDisagrees" in capsys.readouterr().err
@@ -204,3 +206,90 @@ def test_version() -> None:
 
     done = run(["--version"])
     assert done.returncode == 0 and done.stdout.startswith(f"kvspec {kvspec.__version__} ")
+
+
+# -- the commands of the KV-event streams and the async flags, under the same contract ------------
+
+STORE = Batch(0, (Stored((1, 2), None, (1, 2, 3, 4), 2, "GPU", 0),))
+ORPHAN = Batch(1, (Removed((7,), "GPU", 0),))
+
+
+def capture(path: Path, *batches: Batch) -> Path:
+    write_capture(path, [Frame("pub", b.seq, b"", encode_batch(b)) for b in batches])
+    return path
+
+
+def test_check_kv_events_follows_the_contract(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    clean = capture(tmp_path / "clean.jsonl", STORE)
+    bad = capture(tmp_path / "bad.jsonl", STORE, ORPHAN)
+    assert main(["check", "--kv-events", str(clean)]) == 0
+    assert main(["check", "--kv-events", str(bad)]) == 1
+    capsys.readouterr()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(clean.read_bytes() + b"not json\n")
+    for path, where in ((broken, f"{broken}:3:"), (tmp_path / "missing.jsonl", "missing.jsonl")):
+        assert main(["check", "--kv-events", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert one_line(err) and where in err, err
+    assert main(["check", "--kv-events", str(bad), "--html", str(tmp_path)]) == 2  # a folder
+    assert one_line(capsys.readouterr().err)
+    assert main(["check", "--kv-events", str(bad), "--witness", str(tmp_path / "w")]) == 2
+    assert one_line(capsys.readouterr().err)
+    from kvspec.conformance.kvevents import stream_judge
+
+    def broken_judge(*args: object) -> object:
+        raise KeyError("planted")
+
+    monkeypatch.setenv("KVSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(stream_judge, "check_capture", broken_judge)
+    assert main(["check", "--kv-events", str(clean)]) == 4
+    err = capsys.readouterr().err
+    assert one_line(err) and "internal error" in err and "KeyError" in err
+    assert len(list((tmp_path / "cache").glob("crash-*.txt"))) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_watch_follows_the_contract(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("zmq")
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"  # nobody publishes there
+    assert main(["watch", endpoint, "--seconds", "0.3"]) == 3  # nothing judged: undecided
+    assert "nothing received" in capsys.readouterr().out
+    for argv in (["foo"], [endpoint, "--capture", str(tmp_path)], [endpoint, "--seconds", "nan"]):
+        assert main(["watch", *argv]) == 2
+        assert one_line(capsys.readouterr().err)
+    from kvspec.conformance.kvevents import watch
+
+    def broken_judge(*args: object) -> object:
+        raise KeyError("planted")
+
+    monkeypatch.setenv("KVSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(watch, "StreamJudge", broken_judge)
+    assert main(["watch", endpoint, "--seconds", "0.3"]) == 4
+    err = capsys.readouterr().err
+    assert one_line(err) and "internal error" in err and "KeyError" in err
+
+
+def test_the_async_flags_follow_the_contract(tmp_path: Path) -> None:
+    out = tmp_path / "a.jsonl"
+    flags = ["--policy", "deferred", "--async", "--stale-output", "deliver"]
+    done = run(["simulate", *flags, "--requests", "20", "--format", "v1", "--out", str(out)])
+    assert done.returncode == 0, done.stderr
+    assert run(["check", str(out)]).returncode == 0
+    for argv, words in (
+        (["simulate", *flags, "--depth", "1", "--out", str(out)], "--depth >= 2"),
+        (["simulate", *flags, "--blocks", "1000000000", "--out", str(out)], "would take about"),
+        (["fuzz", *flags, "--seconds", "600", "--out", "/nonexistent/x"], "--out"),
+    ):
+        done = run(argv)
+        assert done.returncode == 2 and one_line(done.stderr) and words in done.stderr, argv
+    done = run(["fuzz", *flags, "--seconds", "1e-9"])
+    assert done.returncode == 3 and "nothing checked" in done.stdout, done.stdout + done.stderr

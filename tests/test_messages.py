@@ -9,7 +9,7 @@ import orjson
 import pytest
 from edges import one_line, run, seed_counterexample
 
-from kvspec.conformance.lockstep import Judge
+from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import GUARANTEES, TraceError, parse_header, parse_line
 
 V1_HEADER = {
@@ -74,7 +74,7 @@ def test_kvspecs_own_older_format_is_named_as_such(tmp_path: Path) -> None:
 
 def test_an_extra_effect_is_not_said_to_be_expected_as_none() -> None:
     config, events = seed_counterexample()
-    judge = Judge(config)
+    judge = Judge.spec(config)
     judge.feed_all(events[:2])
     finding = judge.feed(("free", 3))
     assert finding is not None and finding.invariant == "Disagreement"

@@ -10,15 +10,14 @@ import pytest
 from edges import SEED_CONFIG, SEED_UNREAD, seed_counterexample, with_effects
 
 from kvspec.cli import main
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.report import read_events, write_events
-from kvspec.conformance.trace import write_trace
+from kvspec.conformance.judge import Judge
+from kvspec.conformance.trace import read_events, write_events, write_trace
 from kvspec.conformance.witness import extend, zombies
 from kvspec.spec import ACTIONS, apply, initial_state
 
 
 def finding_of(config, events):  # type: ignore[no-untyped-def]
-    return Judge(config).feed_all(events)
+    return Judge.spec(config).feed_all(events)
 
 
 def test_the_seed_counterexample_gets_a_consumer_that_reads_its_zombie() -> None:
