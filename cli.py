@@ -1,18 +1,31 @@
 """The ``kvspec`` command line: parses arguments and calls into the subpackages, nothing more.
 
-Exit codes: 0 nothing found / success, 1 a counterexample or violation, 2 bad arguments or input
-(one line on stderr, never a traceback).
+Exit codes, the same for every command (``main`` is the one place that enforces them):
+
+  0  holds, or done
+  1  a finding: a violation, a counterexample, a replay mismatch
+  2  bad input or arguments: one line on stderr naming the place (also: a size beyond the
+     memory budget, --max-memory)
+  3  undecided: the solver gave no answer, the budget was too small to check anything, a
+     replay had nothing to compare
+  4  an internal error of kvspec: one line on stderr naming the crash report saved
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import NoReturn
 
-from kvspec import flow
+from kvspec import __version__, flow
+from kvspec.conformance import budget
+from kvspec.outputs import output_path, reader_safe_stdout
 from kvspec.spec import (
     DISCIPLINES,
     INVARIANTS,
@@ -23,32 +36,100 @@ from kvspec.spec import (
     Config,
 )
 
+HOLDS, FINDING, BAD_INPUT, UNDECIDED, INTERNAL = 0, 1, 2, 3, 4
+INTERRUPTED = 130
+DOCS = Path(__file__).resolve().parent / "docs"
+PROVE_LIMITS = {"blocks": (2, 8), "requests": (1, 3), "depth": (1, 3), "bound": (1, 40)}
+"""The sizes the symbolic model of ``kvspec prove`` is built for (``proofs/symbolic.py``)."""
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
+        sys.stderr.write(f"{self.prog}: error: {' '.join(message.split())}\n")
+        raise SystemExit(BAD_INPUT)
 
 
-def _positive(kind: type) -> object:
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help with every option's default, unless the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or "%(default)" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _number(kind: type, low: float = 0.0, high: float | None = None) -> Callable[[str], object]:
+    """An argparse type: a finite ``kind`` > ``low`` (>= when ``high`` is given), <= ``high``."""
+    noun = "an integer" if kind is int else "a number"
+
     def parse(text: str) -> object:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if high is not None:
+            if not low <= value <= high:
+                raise argparse.ArgumentTypeError(f"must be {low:g}..{high:g}, got {text!r}")
+        elif value <= low:
+            raise argparse.ArgumentTypeError(f"must be > {low:g}: {text!r}")
         return value
 
     return parse
 
 
+_positive = _number
+
+
+def _size(text: str) -> int:
+    try:
+        return budget.parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _path(text: str) -> str:
+    """An input file's path: not empty (whether it can be read is the reader's to say)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        default=None,
+        help="memory budget: every size a file or a flag claims is priced against it before "
+        f"anything is allocated, e.g. 4G, 512M (default: ${budget.ENV}, else half of the "
+        "machine's memory)",
+    )
+
+
 def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLICIES) -> None:
-    p.add_argument("--policy", required=True, choices=policies)
-    p.add_argument("--discipline", default="vllm", choices=DISCIPLINES)
-    p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS)
-    p.add_argument("--depth", type=_positive(int), default=None, help="steps in flight (1..)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", required=True, choices=policies, help="registration policy (README)")
+    p.add_argument(
+        "--discipline", default="vllm", choices=DISCIPLINES, help="scheduling discipline"
+    )
+    p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS, help="preemption order")
+    p.add_argument(
+        "--depth",
+        type=_positive(int),
+        default=None,
+        help="steps in flight (1..; default: drawn from 1..3 by fuzz, 1 for simulate)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (a run repeats from it)")
     p.add_argument(
         "--async",
         dest="async_scheduling",
@@ -59,7 +140,7 @@ def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLI
         "--stale-output",
         default="drop",
         choices=STALE_OUTPUTS,
-        help="a preempted request's output in a submitted step: drop (default) or deliver "
+        help="a preempted request's output in a submitted step: drop or deliver "
         "(vLLM's default; needs depth >= 2)",
     )
 
@@ -70,7 +151,7 @@ def _depth(args: argparse.Namespace) -> int:
     overlap = args.async_scheduling or args.stale_output == "deliver"
     if args.depth is not None and args.depth < 2 and overlap:
         raise ValueError("--async and --stale-output deliver need --depth >= 2")
-    return args.depth or (2 if overlap else 1)
+    return int(args.depth or (2 if overlap else 1))
 
 
 def _format_argument(p: argparse.ArgumentParser) -> None:
@@ -78,26 +159,48 @@ def _format_argument(p: argparse.ArgumentParser) -> None:
         "--format",
         default="v0",
         choices=("v0", "v1"),
-        help="--out file format: v0 event file (default) or v1 trace (docs/trace-format.md)",
+        help="--out file format: v0 event file or v1 trace (docs/trace-format.md)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvspec", description=__doc__)
+    parser = _Parser(
+        prog="kvspec",
+        description="kvspec: the KV-cache block lifecycle, specified, fuzzed, proved and checked."
+        + __doc__[__doc__.index("\n\nExit codes") :],
+        formatter_class=_Help,
+        epilog=f"documentation: {DOCS}",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvspec {__version__} (Python {sys.version.split()[0]})",
+        help="print kvspec's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    fuzz = sub.add_parser(
-        "fuzz", help="lockstep-fuzz an engine (default: the reference) against the spec"
-    )
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text, description=text, formatter_class=_Help)
+        return p
+
+    fuzz = command("fuzz", "lockstep-fuzz an engine (default: the reference) against the spec")
     # engine-registers: for --target engines that register on their own (observed judging).
     _cell_arguments(fuzz, POLICIES + OBSERVED_POLICIES)
     fuzz.add_argument(
         "--target",
         metavar="MODULE:FACTORY",
-        help="the engine's adapter factory (docs/adapters.md); default: the reference engine",
+        help="the engine's adapter factory, imported as python -m would (the current folder "
+        "first; docs/adapters.md); default: the reference engine",
     )
-    fuzz.add_argument("--seconds", type=_positive(float), default=60.0)
-    fuzz.add_argument("--out", help="write the counterexample's events here")
+    fuzz.add_argument(
+        "--seconds", type=_positive(float), default=60.0, help="time budget of the search"
+    )
+    fuzz.add_argument(
+        "--out",
+        type=output_path,
+        help="write the counterexample's events here (with the witness that reads a "
+        "NoUnwrittenPublish zombie)",
+    )
     _format_argument(fuzz)
     fuzz.add_argument(
         "--loads", action="store_true", help="also external KV loads, some of which fail"
@@ -108,96 +211,253 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(INVARIANTS) + ("TablesAppendOnly",),
         help="look only for violations of this invariant (repeatable; default: all)",
     )
+    fuzz.add_argument(
+        "--db",
+        metavar="DIR",
+        help="a Hypothesis example database here: failing examples are saved and tried "
+        "first next time, and --seed no longer fixes the run (default: none; Hypothesis's own "
+        "files go to the user cache folder)",
+    )
+    fuzz.add_argument(
+        "--engine-log",
+        action="store_true",
+        help="show the --target engine's own log output (default: silenced)",
+    )
+    _common(fuzz)
 
-    sim = sub.add_parser("simulate", help="run the reference engine on a shared-prefix workload")
+    sim = command("simulate", "run the reference engine on a shared-prefix workload")
     _cell_arguments(sim)
-    sim.add_argument("--requests", type=_positive(int), default=200)
-    sim.add_argument("--blocks", type=_positive(int), default=512)
-    sim.add_argument("--block-size", type=_positive(int), default=16)
-    sim.add_argument("--out", required=True, help="event file to write")
+    sim.add_argument("--requests", type=_positive(int), default=200, help="requests")
+    sim.add_argument("--blocks", type=_positive(int), default=512, help="blocks, with the null")
+    sim.add_argument("--block-size", type=_positive(int), default=16, help="tokens per block")
+    sim.add_argument("--out", type=output_path, required=True, help="event file to write")
     _format_argument(sim)
+    _common(sim)
 
-    rep = sub.add_parser(
-        "replay", help="replay an event file on a paged KV cache, compare with dense attention"
+    rep = command(
+        "replay", "replay an event file on a paged KV cache, compare with dense attention"
     )
-    rep.add_argument("trace", help="event file (kvspec fuzz --out, kvspec simulate --out)")
-    rep.add_argument("--backend", default="triton", choices=("triton", "torch"))
-    rep.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    rep.add_argument(
+        "trace", type=_path, help="event file or trace (kvspec fuzz --out, simulate --out)"
+    )
+    rep.add_argument(
+        "--backend", default="triton", choices=("triton", "torch"), help="attention kernels"
+    )
+    rep.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float16", "bfloat16"),
+        help="KV cache dtype",
+    )
     rep.add_argument("--heads", type=_positive(int), default=4, help="query heads")
-    rep.add_argument("--kv-heads", type=_positive(int), default=2)
-    rep.add_argument("--head-dim", type=_positive(int), default=16)
-    rep.add_argument("--layers", type=_positive(int), default=2)
+    rep.add_argument("--kv-heads", type=_positive(int), default=2, help="K/V heads")
+    rep.add_argument("--head-dim", type=_positive(int), default=16, help="head size")
+    rep.add_argument("--layers", type=_positive(int), default=2, help="layers")
+    _common(rep)
 
-    prove = sub.add_parser(
-        "prove", help="Z3: inductive proof, else bounded model checking (shortest cex)"
+    prove = command("prove", "Z3: inductive proof, else bounded model checking (shortest cex)")
+    prove.add_argument("--policy", required=True, choices=POLICIES, help="registration policy")
+    prove.add_argument(
+        "--discipline", default="vllm", choices=DISCIPLINES, help="scheduling discipline"
     )
-    prove.add_argument("--policy", required=True, choices=POLICIES)
-    prove.add_argument("--discipline", default="vllm", choices=DISCIPLINES)
-    prove.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS)
-    prove.add_argument("--blocks", type=_positive(int), default=4, help="N, with the null block")
-    prove.add_argument("--requests", type=_positive(int), default=2)
-    prove.add_argument("--depth", type=_positive(int), default=2, help="steps in flight")
-    prove.add_argument("--bound", type=_positive(int), default=8, help="decisions on a path")
-    prove.add_argument("--timeout", type=_positive(float), default=120.0, help="solver seconds")
-    prove.add_argument("--out", help="write the counterexample's events here")
+    prove.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS, help="preemption order")
+
+    def limited(name: str, default: int, text: str) -> None:
+        low, high = PROVE_LIMITS[name]
+        prove.add_argument(
+            f"--{name}",
+            type=_number(int, low, high),
+            default=default,
+            help=f"{text}, {low}..{high}",
+        )
+
+    limited("blocks", 4, "N, blocks with the null block")
+    limited("requests", 2, "requests")
+    limited("depth", 2, "steps in flight")
+    limited("bound", 8, "decisions on a path (bounded model checking)")
+    prove.add_argument(
+        "--timeout", type=_positive(float), default=120.0, help="solver time limit, seconds"
+    )
+    prove.add_argument(
+        "--out",
+        type=output_path,
+        help="write the counterexample's events here (with the witness that reads a "
+        "NoUnwrittenPublish zombie)",
+    )
     prove.add_argument(
         "--method",
         default="auto",
         choices=("auto", "bmc"),
         help="auto: induction first, then bounded model checking; bmc: only the latter",
     )
+    _common(prove)
 
-    chk = sub.add_parser(
-        "check", help="judge trace files with the spec: 0 holds, 1 violation, 2 unreadable"
+    chk = command("check", "judge trace files with the spec: 0 holds, 1 violation, 2 unreadable")
+    chk.add_argument(
+        "traces", nargs="*", metavar="TRACE", type=_path, help="trace files (v1, or v0 events)"
     )
-    chk.add_argument("traces", nargs="*", metavar="TRACE", help="trace files (v1, or v0 events)")
     chk.add_argument("--json", action="store_true", help="print a machine-readable report")
-    chk.add_argument("--html", metavar="REPORT", help="write an HTML report with a picture")
+    chk.add_argument(
+        "--html",
+        metavar="REPORT",
+        type=output_path,
+        help="write an HTML report with a picture (needs matplotlib: kvspec[html])",
+    )
+    chk.add_argument(
+        "--witness",
+        metavar="FILE",
+        type=output_path,
+        help="on a NoUnwrittenPublish, write the trace extended with a consumer that reads the "
+        "zombie block, for kvspec replay (one TRACE only)",
+    )
     chk.add_argument(
         "--check-every",
         type=_positive(int),
         default=1,
-        help="evaluate invariants every K decisions (default 1: every decision; see docs)",
+        help="evaluate invariants every K decisions (1: every decision; see docs)",
     )
     chk.add_argument(
         "--engine",
         choices=("fast", "spec"),
         default="fast",
-        help="fast: the fast model judges, the spec reports (default); spec: the spec judges all",
+        help="fast: the fast model judges, the spec reports; spec: the spec judges all",
+    )
+    _common(chk)
+    _kv_events_arguments(chk, command("watch", "judge a live KV-event stream over ZMQ"))
+
+    _generate_arguments(
+        command("generate", "generate text with a Llama model through the reference engine")
     )
 
-    _kv_events_arguments(sub, chk)
-    _generate_arguments(sub)
-
-    demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
+    demo = command("demo", "fuzz every policy under every discipline; print verdicts")
     demo.add_argument("--seconds", type=_positive(float), default=12.0, help="budget per cell")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="random seed")
+    _common(demo)
     return parser
 
 
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit code under the contract of the module docstring. Called
+    without ``argv`` (the console script), the process also gets the memory ceiling
+    (``budget.ceiling``)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    with reader_safe_stdout():
+        return _main(words, entry=argv is None)
+
+
+def _main(words: list[str], entry: bool) -> int:
     try:
-        commands = {
-            "fuzz": _fuzz,
-            "simulate": _simulate,
-            "replay": _replay,
-            "prove": _prove,
-            "check": _check,
-            "demo": _demo,
-            "generate": _generate,
-            "watch": _watch,
-        }
-        return commands[args.command](args)
+        args = build_parser().parse_args(words)
+    except SystemExit as done:  # --help, --version (0) or a bad argument (2, said already)
+        return done.code if isinstance(done.code, int) else BAD_INPUT
+    name = f"kvspec {args.command}"
+    previous = budget.set_limit(args.max_memory)
+    try:
+        with budget.ceiling() if entry else contextlib.nullcontext():
+            code = COMMANDS[args.command](args)
+        if code not in (HOLDS, FINDING, BAD_INPUT, UNDECIDED):
+            raise AssertionError(f"{name} returned exit code {code!r}")
+        return code
     except (ValueError, OSError) as err:
-        sys.stderr.write(f"kvspec {args.command}: error: {err}\n")
-        return 2
+        return _say(f"{name}: error: {err}", BAD_INPUT)
+    except MemoryError:
+        return _say(
+            f"{name}: error: out of memory within the budget of {budget.fmt(budget.limit())}: "
+            f"the input needs more than kvspec estimated (raise it with --max-memory)",
+            BAD_INPUT,
+        )
+    except KeyboardInterrupt:
+        return _say(f"{name}: interrupted", INTERRUPTED)
+    except Exception as err:  # an internal error of kvspec: never 1, never a bare traceback
+        return _crashed(name, err, words)
+    finally:
+        budget.set_limit(previous)
 
 
+def _say(line: str, code: int) -> int:
+    sys.stderr.write(" ".join(line.split()) + "\n")
+    return code
+
+
+def _crashed(name: str, err: BaseException, words: list[str]) -> int:
+    from kvspec.crash import save_report
+
+    what = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    try:
+        where = f"a report is saved in {save_report(err, words)}"
+    except Exception as why:  # the report is a courtesy; the one line and exit 4 are not
+        where = f"no report could be saved ({type(why).__name__}: {why})"
+    return _say(f"{name}: internal error of kvspec ({what}); {where}", INTERNAL)
+
+
+def _command(function: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    COMMANDS[function.__name__.lstrip("_")] = function
+    return function
+
+
+def _requires(module: str, extra: str, what: str = "this command") -> None:
+    """Bad input, before any work, when an optional dependency the command needs is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(
+            f"{what} needs {module}, which is not installed: pip install 'kvspec[{extra}]'"
+        )
+
+
+def _write_late(code: int, write: Callable[[], object], path: str, name: str) -> int:
+    """Write an output after the verdict: a failure is one line, and a finding stays 1."""
+    try:
+        write()
+    except OSError as err:
+        _say(f"{name}: error: could not write {path}: {err}", BAD_INPUT)
+        return code if code == FINDING else BAD_INPUT
+    return code
+
+
+def _write(
+    args: argparse.Namespace,
+    config: Config,
+    events: list[tuple[object, ...]],
+    judging: str = "strict",
+) -> int:
+    return flow.write(args.out, config, events, 1 if args.format == "v1" else 0, judging)
+
+
+@contextlib.contextmanager
+def _hypothesis_home() -> Iterator[None]:
+    """Hypothesis's own files (its constants cache) in the user cache folder, not in ``.``."""
+    from hypothesis import configuration
+
+    from kvspec.crash import cache_dir
+
+    previous = configuration.storage_directory()
+    configuration.set_hypothesis_home_dir(str(cache_dir() / "hypothesis"))
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(str(previous))
+
+
+@_command
 def _fuzz(args: argparse.Namespace) -> int:
+    from kvspec.conformance.adapter import load_factory
+    from kvspec.conformance.enginelog import engine_logs
     from kvspec.conformance.report import format_counterexample
+    from kvspec.conformance.witness import extend
 
+    if args.policy in OBSERVED_POLICIES and not args.target:
+        raise ValueError(
+            f"--policy {args.policy} needs --target: an engine that registers blocks on its own "
+            "(the reference engine does not)"
+        )
     _depth(args)  # --async with --depth 1 is bad input
+    database = None
+    if args.db:
+        from hypothesis.database import DirectoryBasedExampleDatabase
+
+        database = DirectoryBasedExampleDatabase(args.db)
     cell = flow.Cell(
         args.policy,
         args.discipline,
@@ -207,28 +467,42 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.async_scheduling,
         args.stale_output,
     )
-    result, judging = flow.fuzz(cell, args.seconds, args.seed, args.invariant, args.target)
-    if result.failure is None:
-        timing = ", async" if args.async_scheduling else ""
-        timing += ", stale output delivered" if args.stale_output == "deliver" else ""
+    with engine_logs(shown=args.engine_log), _hypothesis_home():
+        if args.target:  # imported as python -m would: the current folder first
+            load_factory(args.target, from_cwd=True)
+        result, judging = flow.fuzz(
+            cell, args.seconds, args.seed, args.invariant, args.target, database
+        )
+    timing = ", async" if args.async_scheduling else ""
+    timing += ", stale output delivered" if args.stale_output == "deliver" else ""
+    name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
+    if result.failure is None and result.runs == 0:
         print(
-            f"no counterexample for {args.policy} ({args.discipline}/{args.preemption}{timing}) in "
+            f"nothing checked for {name} in {result.seconds:.1f} s: no example ran (the time "
+            "budget is too small, or the engine refused every configuration drawn)"
+        )
+        return UNDECIDED
+    if result.failure is None:
+        print(
+            f"no counterexample for {name} in "
             f"{result.seconds:.1f} s: {result.runs} runs, {result.commits} engine steps, "
             f"{result.lost_hits_per_1000_steps:.1f} lost hits per 1,000 steps"
         )
-        return 0
+        return HOLDS
     failure = result.failure
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
     print(format_counterexample(failure.program, failure.finding, failure.config))
     if args.out:
-        version = 1 if args.format == "v1" else 0
-        count = flow.write(args.out, failure.config, failure.events, version, judging)
-        print(f"wrote {count} events to {args.out}")
-    return 1
+        finding = failure.finding
+        shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
+        count = _write(args, failure.config, shown.events, judging)
+        print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
+    return FINDING
 
 
+@_command
 def _simulate(args: argparse.Namespace) -> int:
-    config = Config(
+    config = Config(  # a bad combination is one line, before anything is allocated
         num_blocks=args.blocks,
         block_size=args.block_size,
         depth=_depth(args),
@@ -240,18 +514,27 @@ def _simulate(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling,
         stale_output=args.stale_output,
     )
+    need = budget.simulate_need(args.requests, args.blocks, args.block_size)
+    what = f"{args.requests:,} requests on {args.blocks:,} blocks of {args.block_size:,} tokens"
+    budget.require(need, what)
     events, stats, seconds = flow.simulate(config, args.requests, args.seed)
-    count = flow.write(args.out, config, events, 1 if args.format == "v1" else 0)
+    count = _write(args, config, events)
     hit_rate = stats["hit_tokens"] / max(1, stats["prompt_tokens"])
     print(
         f"{args.requests} requests, {stats['steps']} steps in {seconds:.2f} s; prefix hit rate "
         f"{hit_rate:.1%}; wrote {count} events to {args.out}"
     )
-    return 0
+    return HOLDS
 
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@_command
 def _replay(args: argparse.Namespace) -> int:
-    """Exit 0 when every step's attention matches dense attention, 1 at the first mismatch."""
+    """0 when every compared attention output matches dense attention, 1 at the first
+    mismatch, 3 when nothing was compared."""
+    _requires("torch", "tensors")
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     from kvspec.impl.paged.replay import use_interpreter_without_gpu
@@ -270,7 +553,7 @@ def _replay(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
     )
     started = time.perf_counter()
-    config, result = flow.replay(args.trace, options)
+    config, result = flow.replay(args.trace, options)  # every size priced before allocation
     atol, rtol = TOLERANCES[options.dtype]
     print(
         f"{args.trace}: {config.policy}, {config.num_blocks} blocks of {config.block_size}; "
@@ -282,15 +565,24 @@ def _replay(args: argparse.Namespace) -> int:
         f"{result.queries} queries compared with dense attention, max error "
         f"{result.max_error:.3g} (tolerance atol {atol:g}, rtol {rtol:g})"
     )
-    if result.mismatch is None:
-        print("every step matches dense attention")
-        return 0
-    print(f"MISMATCH at {result.mismatch}")
-    return 1
+    if result.mismatch is not None:
+        print(f"MISMATCH at {result.mismatch}")
+        return FINDING
+    if result.queries == 0:
+        print(
+            "nothing to compare: no executed step reads attention whose result is used "
+            "(a NoUnwrittenPublish needs its witness: kvspec fuzz --out and kvspec check "
+            "--witness write one)"
+        )
+        return UNDECIDED
+    print("every step matches dense attention")
+    return HOLDS
 
 
+@_command
 def _prove(args: argparse.Namespace) -> int:
-    """Exit 0 bounded proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
+    """0 proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
+    _requires("z3", "proofs")
     from kvspec.proofs.prove import run_prove
 
     return run_prove(
@@ -307,19 +599,24 @@ def _prove(args: argparse.Namespace) -> int:
     )
 
 
+@_command
 def _check(args: argparse.Namespace) -> int:
-    """Exit 0 every trace holds, 1 a violation in one, 2 one is unreadable."""
+    """0 every trace holds, 1 a violation in one, 2 one is unreadable."""
     import orjson
 
     if not args.traces and not args.kv_events:
         raise ValueError("name a TRACE file or --kv-events FILE")
+    if args.html:
+        _requires("matplotlib", "html", "--html")
+    if args.witness and (len(args.traces) != 1 or args.kv_events):
+        raise ValueError(f"--witness takes one TRACE and no --kv-events, got {len(args.traces)}")
     reports = list(flow.check(args.traces, args.check_every, args.engine))
     reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")
+    code = max(r.exit_code for r in reports)
     if args.json:
-        code = max(r.exit_code for r in reports)
         document = {"exit": code, "reports": [r.as_dict() for r in reports]}
         print(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -329,11 +626,17 @@ def _check(args: argparse.Namespace) -> int:
     if args.html:
         from kvspec.conformance.html import write_html
 
-        write_html(reports, args.html)
-    return max(r.exit_code for r in reports)
+        code = _write_late(code, lambda: write_html(reports, args.html), args.html, "kvspec check")
+    if args.witness:
+        from kvspec.conformance.witness import extend_file
+
+        report = reports[0]
+        if report.exit_code == 1:
+            print(extend_file(report.path, report.invariant, report.line, args.witness))
+    return code
 
 
-def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.ArgumentParser) -> None:
+def _kv_events_arguments(chk: argparse.ArgumentParser, watch: argparse.ArgumentParser) -> None:
     """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kvevents/)."""
     from kvspec.spec.stream import STREAM_INVARIANTS
 
@@ -343,9 +646,10 @@ def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.Argument
         action="append",
         default=[],
         metavar="FILE",
+        type=_path,
         help="a capture of an engine's KV-event stream (kvspec watch --capture): judge the stream",
     )
-    for p in (chk, watch := sub.add_parser("watch", help="judge a live KV-event stream over ZMQ")):
+    for p in (chk, watch):
         p.add_argument(
             "--stream-invariant",
             action="append",
@@ -360,9 +664,14 @@ def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.Argument
     watch.add_argument("endpoint", help="the publisher's endpoint, e.g. tcp://127.0.0.1:5557")
     watch.add_argument("--replay", metavar="ENDPOINT", help="its replay endpoint (fills gaps)")
     watch.add_argument("--topic", default="", help="the publisher's topic (default: all)")
-    watch.add_argument("--capture", metavar="FILE", help="write every frame received here")
-    watch.add_argument("--seconds", type=_positive(float), help="stop after this long (exit 0)")
+    watch.add_argument(
+        "--capture", metavar="FILE", type=output_path, help="write every frame received here"
+    )
+    watch.add_argument(
+        "--seconds", type=_positive(float), help="stop after this long (default: until stopped)"
+    )
     watch.add_argument("--json", action="store_true", help="print the report as JSON")
+    _common(watch)
 
 
 def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
@@ -371,8 +680,9 @@ def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
     return list(args.stream_invariant) + (["ViewWithinCapacity"] if args.blocks else [])
 
 
+@_command
 def _watch(args: argparse.Namespace) -> int:
-    """Exit 0 interrupted with nothing found, 1 a violation, 2 a malformed frame."""
+    """0 stopped with nothing found, 1 a violation, 2 a malformed frame or a bad endpoint."""
     from kvspec.conformance.kvevents.watch import watch
 
     return watch(
@@ -387,53 +697,51 @@ def _watch(args: argparse.Namespace) -> int:
     )
 
 
+@_command
 def _demo(args: argparse.Namespace) -> int:
-    """Exit 0 with the table; 4 when a cell's fuzzing raised (its traceback saved to a file)."""
-    import tempfile
-
+    """0 with the table; 4 when a cell's fuzzing raised (its traceback in the crash report)."""
     from kvspec.conformance.verdicts import CellError, print_table, scheduling
 
     results = []
+    errors: list[CellError] = []
     started = time.monotonic()
-    errors = []
-    for result in flow.demo(args.seconds, args.seed):
-        if isinstance(result, CellError):
-            verdict = "ERROR"
-            errors.append(result)
-        else:
-            verdict = "FAILS" if result.failure else "holds"
-        loads = "kv-load failures" if result.loads else "preempt/abort"
-        timing = scheduling(result.async_scheduling, result.stale_output)
-        print(
-            f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
-            f"{timing:20s} {verdict}"
-        )
-        results.append(result)
+    with _hypothesis_home():
+        for result in flow.demo(args.seconds, args.seed):
+            if isinstance(result, CellError):
+                verdict = "ERROR"
+                errors.append(result)
+            else:
+                verdict = "FAILS" if result.failure else "holds"
+            loads = "kv-load failures" if result.loads else "preempt/abort"
+            timing = scheduling(result.async_scheduling, result.stale_output)
+            print(
+                f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
+                f"{timing:20s} {verdict}"
+            )
+            results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
     if errors:
-        with tempfile.NamedTemporaryFile(
-            "w", prefix="kvspec-demo-crash-", suffix=".txt", delete=False
-        ) as crash:
-            crash.write("\n".join(e.details for e in errors))
-        sys.stderr.write(
-            f"kvspec demo: internal error in {len(errors)} cell(s), first: {errors[0].error}; "
-            f"tracebacks in {crash.name}\n"
-        )
-        return 4
-    return 0
+        raise CellsFailed(errors)
+    return HOLDS
 
 
-def _generate_arguments(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser(
-        "generate", help="generate text with a Llama model served through the reference engine"
-    )
+class CellsFailed(Exception):
+    """Fuzzing raised in some of ``demo``'s cells: an internal error (exit 4), with every
+    cell's traceback in the crash report."""
+
+    def __init__(self, errors: list) -> None:  # type: ignore[type-arg]
+        super().__init__(f"{len(errors)} cell(s) raised, first: {errors[0].error}")
+        self.details = "\n".join(e.details for e in errors)
+
+
+def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument(
         "--model", required=True, help="a Hugging Face folder, a .gguf file, or smollm2"
     )
     gen.add_argument("--prompt", required=True, action="append", help="text (repeatable)")
-    gen.add_argument("--max-tokens", type=_positive(int), default=32)
-    gen.add_argument("--policy", default="deferred", choices=POLICIES)
+    gen.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens per prompt")
+    gen.add_argument("--policy", default="deferred", choices=POLICIES, help="registration policy")
     gen.add_argument("--depth", type=_positive(int), default=1, help="steps in flight")
     gen.add_argument(
         "--backend",
@@ -441,14 +749,26 @@ def _generate_arguments(sub: argparse._SubParsersAction) -> None:
         choices=("auto", "triton", "torch"),
         help="attention: auto = triton on a GPU, torch (paged, same cache) on a CPU",
     )
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
+    gen.add_argument("--temperature", type=_number(float, 0.0, 1e6), default=0.0, help="0: greedy")
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed (with --temperature): each prompt gets its own stream from it",
+    )
+    gen.add_argument(
+        "--same-seed",
+        action="store_true",
+        help="sample every prompt with --seed itself (the same prompt gives the same text)",
+    )
+    _common(gen)
 
 
+@_command
 def _generate(args: argparse.Namespace) -> int:
     """Print each prompt followed by its completion; progress goes to stderr."""
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    _requires("torch", "tensors")
+    budget.require(budget.weights_need(args.model), f"loading {args.model} as float32", "--model")
     from kvspec.impl.paged.replay import use_interpreter_without_gpu
 
     if args.backend == "triton":
@@ -474,8 +794,11 @@ def _generate(args: argparse.Namespace) -> int:
             on_load=lambda stage: bar.update(load, completed=stages.index(stage)),
         )
         bar.update(load, completed=len(stages))
+        # seed None: the worker derives each request's seed from --seed and the request's id
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed if args.same_seed else None,
         )
         started = time.perf_counter()
         gen = bar.add_task("generating", total=args.max_tokens * len(args.prompt))
@@ -491,9 +814,11 @@ def _generate(args: argparse.Namespace) -> int:
         f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)",
         highlight=False,
     )
-    for prompt, out in zip(args.prompt, outs, strict=True):
+    for number, (prompt, out) in enumerate(zip(args.prompt, outs, strict=True), 1):
+        if len(outs) > 1:
+            print(f"=== {number}/{len(outs)} ===")
         print(f"{prompt}{out.text}")
-    return 0
+    return HOLDS
 
 
 if __name__ == "__main__":

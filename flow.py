@@ -11,6 +11,8 @@ engine -> events               the engine's adapter (``conformance/adapter.py``,
                                ``conformance/adapters/``); on disk ``conformance/trace.py``
 events -> verdict              ``conformance/judge/`` (the spec, or its fast twin), reported by
                                ``conformance/report.py`` and ``conformance/html.py``
+native KV events -> verdict    ``spec/stream.py`` (what a router may be told),
+                               ``conformance/kvevents/`` (captures, live ZMQ, while fuzzing)
 events -> tensors              ``conformance/plan.py`` (the spec's plan), ``impl/paged/replay.py``
 =============================  ==============================================================
 
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING
 from kvspec.spec import Config
 
 if TYPE_CHECKING:
+    from hypothesis.database import ExampleDatabase
+
     from kvspec.conformance.fuzz import CellResult
     from kvspec.conformance.report import Report
     from kvspec.conformance.verdicts import CellError
@@ -63,10 +67,12 @@ def fuzz(
     seed: int = 0,
     invariants: Collection[str] | None = None,
     target: str | None = None,
+    database: ExampleDatabase | None = None,
 ) -> tuple[CellResult, str]:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
-    result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed)."""
+    result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
+    ``database``: Hypothesis's example database (``fuzz.run_cell``)."""
     from kvspec.conformance.adapter import load_factory, probe, reference
     from kvspec.conformance.fuzz import DataChoices, run_cell
 
@@ -98,6 +104,7 @@ def fuzz(
         factory=factory,
         async_scheduling=cell.async_scheduling,
         stale_output=cell.stale_output,
+        database=database,
     )
     return result, judging
 
@@ -163,12 +170,19 @@ def check_kv_events(
 
 def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
     """events -> tensors: replay a trace's plan on a paged KV cache, every attention output
-    compared with dense attention (``impl/paged/replay.py``). Its config and the result."""
+    compared with dense attention (``impl/paged/replay.py``). Its config and the result. Every
+    size is priced against the memory budget before it is allocated (``budget.py``): the file
+    read whole, then the tensors of the cache and of the largest step's dense attention."""
+    from kvspec.conformance import budget
     from kvspec.conformance.plan import PlanError, replay_plan
-    from kvspec.conformance.trace import open_trace
+    from kvspec.conformance.trace import TraceError, open_trace
     from kvspec.impl.paged.replay import replay as run
 
     with open_trace(path) as trace:
+        try:
+            budget.check_read_whole(path, "reading the trace whole")
+        except budget.OverBudget as err:
+            raise TraceError(path, 1, err.reason) from None
         config = trace.config
         events = [event for _, event, _ in trace.events()]
         judging = trace.judging
@@ -176,6 +190,18 @@ def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
         plan = replay_plan(config, events, judging)
     except PlanError as err:
         raise ValueError(f"{path}:{err.index + 2}: {err.reason}") from None
+    largest = max((sum(w.end for w in getattr(r, "work", ())) for r in plan), default=0)
+    parts = budget.replay_need(
+        config.num_blocks,
+        config.block_size,
+        options.num_layers,
+        options.num_heads,
+        options.num_kv_heads,
+        options.head_dim,
+        options.dtype.itemsize,
+        largest,
+    )
+    budget.require_all(parts, "replaying it on tensors", str(path))
     return config, run(plan, config.num_blocks, config.block_size, options)
 
 

@@ -16,6 +16,8 @@ one line and exits 2. ``kvspec fuzz --target module:factory`` names a factory; t
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -123,11 +125,15 @@ def reference(config: Config, choices: Choices) -> ReferenceAdapter:
     return ReferenceAdapter(config, choices)
 
 
-def load_factory(target: str) -> Factory:
-    """Import ``module:attribute`` and return it; ``ValueError`` (one line) if that fails."""
+def load_factory(target: str, from_cwd: bool = False) -> Factory:
+    """Import ``module:attribute`` and return it; ``ValueError`` (one line) if that fails.
+    ``from_cwd``: modules are found in the current folder first, as ``python -m`` finds them
+    (the command line's ``--target``; a console script's path starts with its own folder)."""
     module_name, sep, attribute = target.partition(":")
     if not sep or not module_name or not attribute:
         raise ValueError(f"--target {target!r}: expected module:factory")
+    if from_cwd and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError (an adapter outside its venv), or the module's own bug

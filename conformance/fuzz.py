@@ -18,6 +18,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, reject, seed, settings
 from hypothesis import strategies as st
+from hypothesis.database import ExampleDatabase
+from hypothesis.errors import Unsatisfiable
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     get_state_machine_test,
@@ -332,11 +334,15 @@ def run_cell(
     factory: Factory = reference,
     async_scheduling: bool | None = False,
     stale_output: str | None = "drop",
+    database: ExampleDatabase | None = None,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk) or ``seconds`` run out.
 
     Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
-    reproducible from its seed."""
+    reproducible from its seed (``database``: Hypothesis's example database, whose saved
+    failures are tried first; default none; with one, batches are not seeded, since Hypothesis
+    uses no database under an explicit seed). A batch in which no example could run (the engine
+    refused every configuration) ends the search: ``runs`` then says how many ran."""
     machine = lockstep_machine(
         policy,
         discipline,
@@ -353,21 +359,25 @@ def run_cell(
         max_examples=chunk,
         stateful_step_count=steps,
         deadline=None,
-        database=None,
+        database=database,
         verbosity=Verbosity.quiet,
-        phases=(Phase.generate, Phase.shrink),
+        phases=(Phase.generate, Phase.shrink)
+        if database is None
+        else (Phase.reuse, Phase.generate, Phase.shrink),
         suppress_health_check=list(HealthCheck),
         report_multiple_bugs=False,
     )
     batch = 0
     while time.monotonic() - tally.started < seconds:
-        test = seed(seed_value * 1_000_003 + batch)(
-            get_state_machine_test(machine, settings=config)
-        )
+        test = get_state_machine_test(machine, settings=config)
+        if database is None:  # Hypothesis uses no database under an explicit seed
+            test = seed(seed_value * 1_000_003 + batch)(test)
         batch += 1
         try:
             test()
         except CounterexampleFound:
+            break
+        except Unsatisfiable:
             break
     return CellResult(
         policy,

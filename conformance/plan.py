@@ -89,7 +89,10 @@ def replay_plan(config: Config, events: Iterable[Event], judging: str = "strict"
     judge = Judge(SpecModel(config), judging == "observed", recorder, invariants=())
     finding = judge.feed_all(events) or judge.finish()
     if finding is not None:
-        raise PlanError(finding.event, f"{finding.invariant}: {finding.message}")
+        illegal = finding.invariant == "Illegal"  # the message says what was illegal
+        raise PlanError(
+            finding.event, finding.message if illegal else f"{finding.invariant}: {finding.message}"
+        )
     return recorder.plan()
 
 

@@ -1,12 +1,16 @@
 """Events on disk: trace format v1 (how any engine hands its block-lifecycle events to kvspec) and
-kvspec's own older event files (v0), read through one door.
+kvspec's own older event files (v0), read through one door and by the same rules.
 
 v1 is JSON Lines. Line 1 is a header object; every further line is one JSON object
 ``{"ev": KIND, ...}`` with named fields, one per kind of ``spec/events.py``.
 ``docs/trace-format.md`` documents every field; ``trace-v1.schema.json`` (shipped in this package)
 is the JSON Schema of a line. v0 event files (``kvspec fuzz --out`` and ``kvspec simulate --out``
 without ``--format v1``) are a header ``{"format": "kvspec-events", "version": 0, "config": ...}``
-then one JSON array per event tuple.
+then one JSON array per event tuple. Each v0 array is made into the v1 object of its kind and
+validated by ``parse_object``, and a v0 header's ``config`` is checked field by field against the
+same block cap and memory budget (``budget.py``) as a v1 header, so both formats accept the same
+events and refuse the same ones with the same words: an unknown kind, a missing or extra value, a
+block out of range are unreadable input (exit 2) in either, never a verdict about the engine.
 
 ``open_trace`` opens a file once, sniffs its format from the header once, and streams its events:
 it reads one line at a time and validates it completely before yielding it, so a checker's memory
@@ -29,7 +33,9 @@ from kvspec import __version__
 from kvspec.spec import OBSERVED_POLICIES, Config
 from kvspec.spec.events import KINDS, OPTIONAL, REASONS
 
+from . import budget
 from .fastread import Error, decoder
+from .jsonwords import json_error, json_type
 
 Event = tuple[object, ...]
 
@@ -153,7 +159,7 @@ def _header_object(raw: bytes, path: str | Path) -> dict[str, object]:
     try:
         header = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        raise TraceError(path, 1, f"header is not JSON ({err})") from None
+        raise TraceError(path, 1, f"header is {json_error(raw, err)}") from None
     if not isinstance(header, dict):
         raise TraceError(path, 1, "the header must be a JSON object")
     return header
@@ -165,8 +171,13 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     def bad(message: str) -> TraceError:
         return TraceError(path, 1, message)
 
+    if header.get("format") == V0_FORMAT:
+        raise bad("a kvspec event file (format v0), not a v1 trace: open it with open_trace")
     if header.get("format") != FORMAT:
-        raise bad(f'not a kvspec trace (header "format" is {header.get("format")!r})')
+        raise bad(
+            f'not a kvspec trace (header "format" is {header.get("format")!r}; kvspec reads '
+            f'"{FORMAT}", version 1, and its own event files, "{V0_FORMAT}")'
+        )
     if header.get("version") != VERSION:
         raise bad(f"unsupported trace version {header.get('version')!r} (this kvspec reads 1)")
     if header.get("tokens", "present") == "private":
@@ -180,11 +191,9 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
         raise bad('"engine" must be {"name": string, "version": string}')
     for name, low in (("num_blocks", 2), ("block_size", 1)):
         if not _is_int(header.get(name)) or header[name] < low:
-            raise bad(f'"{name}" must be an integer >= {low}')
-    if header["num_blocks"] > MAX_BLOCKS:
-        raise bad(
-            f'"num_blocks" {header["num_blocks"]} is more than the checker keeps ({MAX_BLOCKS})'
-        )
+            got = json_type(header[name]) if name in header else "nothing"
+            raise bad(f'"{name}" must be an integer >= {low}, got {got}')
+    _claim(header["num_blocks"], path)
     if header.get("null_block") != 0 or not _is_int(header.get("null_block")):
         raise bad('"null_block" must be 0')
     guarantees = header.get("guarantees")
@@ -206,7 +215,7 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
         raise bad('"model.async_scheduling" must be true or false')
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
-            raise bad(f'"model.{name}" must be an integer')
+            raise bad(f'"model.{name}" must be an integer, got {json_type(model[name])}')
     judging = header.get("judging", "strict")
     if judging not in JUDGING:
         raise bad(f'"judging" must be one of {", ".join(JUDGING)}, got {judging!r}')
@@ -220,13 +229,78 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
         raise bad(f"bad model: {err}") from None
 
 
-def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: ignore[type-arg]
-    if header.get("version") != 0:
-        raise TraceError(path, 1, f"unsupported event file version {header.get('version')!r}")
+def _claim(num_blocks: int, path: str | Path) -> None:
+    """A header's claim of ``num_blocks`` against the block cap and the memory budget (both
+    formats)."""
+    if num_blocks > MAX_BLOCKS:
+        raise TraceError(
+            path, 1, f'"num_blocks" {num_blocks} is more than the checker keeps ({MAX_BLOCKS})'
+        )
     try:
-        return Config(**header["config"]), "strict"
-    except (TypeError, KeyError, ValueError) as err:
-        raise TraceError(path, 1, f"bad header: {err}") from None
+        budget.check_header(num_blocks, path)
+    except budget.OverBudget as err:
+        raise TraceError(path, 1, err.reason) from None
+
+
+V0_CONFIG: dict[str, tuple[type, ...]] = {
+    "num_blocks": (int,),
+    "block_size": (int,),
+    "depth": (int,),
+    "policy": (str,),
+    "discipline": (str,),
+    "preemption": (str,),
+    "token_budget": (int,),
+    "max_running": (int,),
+    "stop_token": (int, type(None)),
+    "async_scheduling": (bool,),
+    "stale_output": (str,),
+}
+"""The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
+
+
+def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: ignore[type-arg]
+    """A v0 header's ``config``, checked field by field before a ``Config`` is made of it."""
+
+    def bad(message: str) -> TraceError:
+        return TraceError(path, 1, f"bad header: {message}")
+
+    if header.get("version") != 0:
+        raise TraceError(
+            path,
+            1,
+            f"unsupported event file version {header.get('version')!r} (this kvspec reads 0)",
+        )
+    config = header.get("config")
+    if not isinstance(config, dict):
+        got = json_type(config) if "config" in header else "nothing"
+        raise bad(f'"config" must be an object, got {got}')
+    for name in config:
+        if name not in V0_CONFIG:
+            raise bad(f'unknown "config" field {name!r} (known: {", ".join(V0_CONFIG)})')
+    for name in ("num_blocks", "block_size"):
+        if name not in config:
+            raise bad(f'"config" needs "{name}"')
+    for name, value in config.items():
+        types = V0_CONFIG[name]
+        if bool in types:
+            fits, want = isinstance(value, bool), "true or false"
+        else:
+            fits = not isinstance(value, bool) and isinstance(value, types)
+            want = "an integer" if int in types else "a string"
+            if type(None) in types:
+                want += " or null"
+        if not fits:
+            raise bad(f'"config.{name}" must be {want}, got {json_type(value)}')
+    if config.get("policy") in OBSERVED_POLICIES:
+        raise bad(
+            f"policy {config['policy']} is judged observed, which only a v1 trace can declare "
+            '("judging": "observed")'
+        )
+    _claim(config["num_blocks"], path)
+    try:
+        return Config(**config), "strict"
+    except (TypeError, ValueError) as err:
+        raise bad(str(err)) from None
 
 
 def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:
@@ -236,7 +310,7 @@ def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:
     except orjson.JSONDecodeError as err:
         if not raw.strip():
             raise ValueError("empty line") from None
-        raise ValueError(f"not JSON (truncated line?): {err}") from None
+        raise ValueError(json_error(raw, err)) from None
     return parse_object(obj, num_blocks)
 
 
@@ -267,7 +341,7 @@ def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
             raise ValueError(f'{kind}: missing field "{name}"')
         values.append(_value(kind, name, type_, obj[name], num_blocks))
     hash_ = obj.get("hash")
-    if hash_ is not None and (not isinstance(hash_, str) or not hash_):
+    if "hash" in obj and (not isinstance(hash_, str) or not hash_):  # null too (the schema)
         raise ValueError(f'{kind}: "hash" must be a non-empty string')
     return tuple(values), hash_
 
@@ -280,7 +354,7 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
     where = f'{kind}: "{name}"'
     if type_ in ("id", "nat", "block"):
         if type(value) is not int:
-            raise ValueError(f"{where} must be an integer, got {_json_type(value)}")
+            raise ValueError(f"{where} must be an integer, got {json_type(value)}")
         if value < 0:
             raise ValueError(f"{where} must be >= 0, got {value}")
         if type_ == "block" and value >= num_blocks:
@@ -288,14 +362,14 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
         return value
     if type_ == "int":
         if type(value) is not int:
-            raise ValueError(f"{where} must be an integer, got {_json_type(value)}")
+            raise ValueError(f"{where} must be an integer, got {json_type(value)}")
         return value
     if type_ == "reason":
         if value not in REASONS:
             raise ValueError(f"{where} must be one of {', '.join(REASONS)}, got {value!r}")
         return value
     if not isinstance(value, list):
-        raise ValueError(f"{where} must be a list, got {_json_type(value)}")
+        raise ValueError(f"{where} must be a list, got {json_type(value)}")
     if type_ == "sampled":
         pairs = []
         for pair in value:
@@ -314,18 +388,6 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
     if type_ == "blocks" and any(x >= num_blocks for x in value):
         raise ValueError(f"{where}: a block id is out of range (num_blocks {num_blocks})")
     return tuple(value)
-
-
-def _json_type(value: object) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        float: "a number with a fraction",
-        int: "an integer",
-    }.get(type(value), "null")
 
 
 TraceEvent = tuple[int, Event, "str | None"]
@@ -412,9 +474,14 @@ def iter_trace(
 
 
 def read_trace(path: str | Path) -> tuple[Config, list[Event]]:
-    """A whole trace as ``(config, events)`` (hashes dropped): for small files."""
-    config, lines = iter_trace(path)
-    return config, [event for _, event, _ in lines]
+    """A whole trace as ``(config, events)`` (hashes dropped): for small files; the file's size
+    is priced against the memory budget first (``TraceError`` at line 1 when it does not fit)."""
+    with Trace(path) as trace:
+        try:
+            budget.check_read_whole(path, "reading the trace whole")
+        except budget.OverBudget as err:
+            raise TraceError(path, 1, err.reason) from None
+        return trace.config, [event for _, event, _ in trace.events()]
 
 
 def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
@@ -425,7 +492,7 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     except orjson.JSONDecodeError as err:
         if not raw.strip():
             raise ValueError("empty line") from None
-        raise ValueError(f"not JSON (truncated line?): {err}") from None
+        raise ValueError(json_error(raw, err)) from None
     if not isinstance(value, list) or not value or not isinstance(value[0], str):
         raise ValueError("an event is a JSON array starting with its kind")
     kind = value[0]
@@ -433,7 +500,10 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     if fields is None:
         raise ValueError(f"unknown event kind {kind!r}")
     if len(value) != len(fields) + 1:
-        raise ValueError(f"{kind}: {len(fields)} fields expected, got {len(value) - 1}")
+        names = ", ".join(name for name, _ in fields) or "none"
+        raise ValueError(
+            f"{kind}: {len(fields)} values after the kind ({names}), got {len(value) - 1}"
+        )
     obj = {"ev": kind, **{name: v for (name, _), v in zip(fields, value[1:], strict=True)}}
     return parse_object(obj, num_blocks)[0], None
 

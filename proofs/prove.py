@@ -28,6 +28,7 @@ import z3
 from kvspec.conformance.judge import Finding
 from kvspec.conformance.report import describe, format_counterexample
 from kvspec.conformance.trace import write_events
+from kvspec.conformance.witness import extend
 from kvspec.spec import Config, Illegal, apply, check, initial_state
 
 from . import induction
@@ -350,8 +351,9 @@ def run_prove(
     print(format_counterexample(program, finding, fragment.config))
     print(outcome.engine)
     if out is not None:
-        n = write_events(out, fragment.config, events)
-        print(f"wrote {n} events to {out}")
+        shown = extend(fragment.config, events, finding.invariant, finding.event)
+        n = write_events(out, fragment.config, shown.events)
+        print(f"wrote {n} events to {out}" + (f"; {shown.note}" if shown.note else ""))
     return 1
 
 

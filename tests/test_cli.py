@@ -24,8 +24,8 @@ KVSPEC = [sys.executable, "-m", "kvspec"]
         (["fuzz", "--policy", "deferred", "--seconds", "soon"], "not a number"),
         (["simulate", "--policy", "deferred"], "--out"),
         (["teleport"], "invalid choice"),
-        (["prove", "--policy", "deferred", "--blocks", "99"], "blocks must be"),
-        (["prove", "--policy", "deferred", "--bound", "-1"], "must be > 0"),
+        (["prove", "--policy", "deferred", "--blocks", "99"], "--blocks: must be 2..8"),
+        (["prove", "--policy", "deferred", "--bound", "-1"], "--bound: must be 1..40"),
         (["fuzz", "--policy", "deferred", "--async", "--depth", "1"], "--depth >= 2"),
         (["fuzz", "--policy", "deferred", "--stale-output", "later"], "invalid choice"),
         (

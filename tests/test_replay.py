@@ -266,7 +266,7 @@ def test_cli_replay_exit_codes(tmp_path: Path, capsys) -> None:
     bad.write_text("\n".join(lines[:5] + ['["execute", 7, []]'] + lines[5:]) + "\n")
     assert main(["replay", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{bad}:6: execute step 7" in err
+    assert err.count("\n") == 1 and f"{bad}:6: execute: step 7 never began" in err
     bad.write_text(lines[0] + "\nnot json\n")
     assert main(["replay", str(bad)]) == 2
     assert f"{bad}:2: not JSON" in capsys.readouterr().err

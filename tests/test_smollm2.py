@@ -6,6 +6,8 @@ backend (Triton's interpreter needs seconds per step for 30 layers; docs/engine.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -61,3 +63,25 @@ def test_cli_generate_smollm2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--model", "smollm2", "--prompt", prompt, "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and prompt in out
+
+
+def test_cli_generate_samples_each_prompt_from_its_own_seed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two identical prompts sampled at temperature 1: different texts (each request's seed is
+    derived from --seed), the same text with --same-seed; each output under its own line."""
+    prompt = "Once upon a time"
+    argv = ["generate", "--model", "smollm2", "--max-tokens", "6", "--temperature", "1.5"]
+    argv += ["--prompt", prompt, "--prompt", prompt, "--backend", "torch"]
+
+    def texts(extra: list[str]) -> list[str]:
+        assert main(argv + extra) == 0
+        out = capsys.readouterr().out
+        parts = re.split(r"^=== \d/2 ===\n", out, flags=re.M)
+        assert parts[0] == "" and len(parts) == 3, out
+        return parts[1:]
+
+    first, second = texts([])
+    assert first != second
+    same = texts(["--same-seed", "--seed", "7"])
+    assert same[0] == same[1]

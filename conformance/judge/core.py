@@ -504,9 +504,13 @@ class Judge:
 
     def _mismatch(self, event: Event, want: Event | None, index: int) -> Finding:
         named = (event,) if want is None else (event, want)
-        return self._found(
-            "Disagreement", f"engine emitted {event}, spec expects {want}", index, named
-        )
+        if want is None:
+            message = (
+                f"engine emitted {event}, but the spec computes no further effect of the decision"
+            )
+        else:
+            message = f"engine emitted {event}, but the spec expects {want}"
+        return self._found("Disagreement", message, index, named)
 
     def _illegal(self, message: str, event: Event, index: int) -> Finding:
         return self._found("Illegal", message, index, (event,))

@@ -10,6 +10,16 @@ of the interpreter that built it, so another interpreter never loads it). The co
 has a name of its own, so it never shadows the source: ``fast_judge`` imports it from that folder,
 and only when its ``SOURCE_SHA256`` is the hash of the current sources.
 
+A wheel (``setup.py``, the build backend's hook) compiles the same copies (``prepare`` writes them
+and the mypy configuration both builds use) with ``mypyc.build.mypycify`` and installs the package
+``kvspec_fast`` beside ``kvspec``. Without mypyc, with ``KVSPEC_PURE_PYTHON=1``, or when the C
+compile fails, the wheel is pure Python and ``kvspec check`` notes it (without the "(run make
+venv)" that only a checkout can follow). ``fast_judge`` looks in ``<venv>/kvspec-mypyc/`` first (a
+developer's fresh build), then beside the installed package (a wheel).
+
+This file is also loaded by ``setup.py`` on its own (by path, before kvspec is installed): it
+imports only the standard library at module level.
+
 ``fast_judge(config)`` answers ``(judge, note)``: a ``Judge`` over the ``FastModel`` of the
 compiled build and no note, or of the source (``kvspec.conformance.judge``, the same verdicts,
 about half the speed) and a note saying why (not built, older than the source, not loadable, or
@@ -30,19 +40,22 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvspec.spec import Config
-
-from . import core
+if TYPE_CHECKING:
+    from kvspec.spec import Config
 
 NAME = "kvspec_fast"
 """The compiled package's own name (never ``kvspec.conformance.judge``)."""
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent
 COMPILED = ("ids.py", "fastmodel.py", "core.py")
 """The modules of the hot path, compiled together (in import order)."""
 FOLDER = Path(sys.prefix) / "kvspec-mypyc"
 """Where ``make venv`` keeps the build: in the virtual environment that built it."""
+INSTALLED = HERE.parents[2]
+"""Where a wheel installs ``kvspec_fast``: beside the ``kvspec`` package (site-packages)."""
+PURE_ENV = "KVSPEC_PURE_PYTHON"
+"""Set (to anything but empty or 0) when building a wheel: no compiled fast model."""
 ENV = "KVSPEC_FAST_MODEL"
 """``source``: judge with the source modules even when the compiled ones are current."""
 
@@ -58,6 +71,8 @@ def source_hash() -> str:
 
 def fast_judge(config: Config, unknown_ids: str = "finding") -> tuple[Any, str | None]:
     """A ``Judge`` over the fast model, and a note when it is not the compiled one."""
+    from . import core
+
     if os.environ.get(ENV) == "source":
         return core.Judge.fast(config, unknown_ids), f"fast model from source ({ENV}=source)"
     module, why = compiled()
@@ -74,8 +89,13 @@ def compiled() -> tuple[ModuleType | None, str | None]:
         _compiled = _load()
     module, why = _compiled
     if module is not None and _stamp() != source_hash():  # edited since the import
-        return None, "the compiled module is older than its source (run make venv)"
+        return None, f"the compiled module is older than its source{_how_to_build()}"
     return module, why
+
+
+def _how_to_build() -> str:
+    """In a checkout, how to rebuild; an installed package has no make."""
+    return " (run make venv)" if (HERE.parents[1] / "Makefile").is_file() else ""
 
 
 def _stamp() -> str | None:
@@ -83,14 +103,20 @@ def _stamp() -> str | None:
     return getattr(package, "SOURCE_SHA256", None)
 
 
-def _load() -> tuple[ModuleType | None, str | None]:
+def _built(folder: Path) -> bool:
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    if not (FOLDER / NAME / "__init__.py").is_file() or not list(
-        (FOLDER / NAME).glob("*" + suffix)
-    ):
-        return None, f"no compiled module in {FOLDER} (run make venv)"
-    if str(FOLDER) not in sys.path:
-        sys.path.append(str(FOLDER))
+    package = folder / NAME
+    return package.is_dir() and any(package.glob("*" + suffix))
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    folder = next((f for f in (FOLDER, INSTALLED) if _built(f)), None)
+    if folder is None:
+        if _how_to_build():
+            return None, f"no compiled module in {FOLDER}{_how_to_build()}"
+        return None, "no compiled module installed"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
     try:
         module = importlib.import_module(f"{NAME}.core")
     except Exception as err:  # a broken or foreign build: the source judges, noted
@@ -98,51 +124,66 @@ def _load() -> tuple[ModuleType | None, str | None]:
             sys.modules.pop(name, None)
         return None, f"the compiled module does not load ({type(err).__name__}: {err})"
     if _stamp() != source_hash():
-        return None, "the compiled module is older than its source (run make venv)"
+        return None, f"the compiled module is older than its source{_how_to_build()}"
     return module, None
+
+
+def prepare(work: Path) -> tuple[list[Path], Path]:
+    """Write the package ``kvspec_fast`` (the copies of ``COMPILED`` and its ``__init__.py``) and
+    a mypy configuration into ``work``; return the copies and the configuration's path.
+    ``work/path/kvspec`` links to the package, for mypy."""
+    package = work / NAME
+    package.mkdir(parents=True, exist_ok=True)
+    local = {name[:-3] for name in COMPILED}
+    copies = []
+    for name in COMPILED:
+        text = (HERE / name).read_text()
+
+        def absolute(match: re.Match[str]) -> str:
+            module = match.group(1)
+            if module in local:
+                return match.group(0)
+            return f"from kvspec.conformance.judge.{module} import"
+
+        copy = package / name
+        copy.write_text(re.sub(r"^from \.(\w+) import", absolute, text, flags=re.M))
+        copies.append(copy)
+    (package / "__init__.py").write_text(
+        f'"""The compiled hot path of kvspec (conformance/judge/fastbuild.py)."""\n\n'
+        f'SOURCE_SHA256 = "{source_hash()}"\n'
+    )
+    link = work / "path" / "kvspec"
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(HERE.parents[1], target_is_directory=True)
+    config = work / "mypy.ini"
+    # kvspec/__init__.py names the LLM engine for type checkers, which would pull in torch and
+    # transformers (minutes): the hot path needs none of it.
+    config.write_text(
+        "[mypy]\n"
+        f"mypy_path = {link.parent}\n"
+        "check_untyped_defs = True\n"
+        "strict_equality = True\n"
+        "ignore_missing_imports = True\n"
+        "[mypy-kvspec.impl,kvspec.impl.*,torch,torch.*,transformers,transformers.*]\n"
+        "follow_imports = skip\n"
+        "[mypy-kvspec.conformance.*]\n"  # as in pyproject.toml: their errors not reported
+        "follow_imports = silent\n"
+    )
+    return copies, config
 
 
 def build(folder: Path = FOLDER) -> Path:
     """Compile the current ``COMPILED`` modules with mypyc into ``folder``; the package's path."""
-    digest = source_hash()  # the hash of what is compiled
     with tempfile.TemporaryDirectory(prefix="kvspec-mypyc-") as work:
+        copies, mypy_ini = prepare(Path(work))
         package = Path(work) / NAME
-        package.mkdir()
-        local = {name[:-3] for name in COMPILED}
-        for name in COMPILED:
-            text = (HERE / name).read_text()
-
-            def absolute(match: re.Match[str]) -> str:
-                module = match.group(1)
-                if module in local:
-                    return match.group(0)
-                return f"from kvspec.conformance.judge.{module} import"
-
-            (package / name).write_text(re.sub(r"^from \.(\w+) import", absolute, text, flags=re.M))
-        (package / "__init__.py").write_text(
-            f'"""The compiled hot path of kvspec (conformance/judge/fastbuild.py)."""\n\n'
-            f'SOURCE_SHA256 = "{digest}"\n'
-        )
-        # mypy reads the package from the venv's link to the repository (see pyproject.toml);
-        # kvspec/__init__.py names the LLM engine for type checkers, which would pull in torch
-        # and transformers (minutes): the hot path needs none of it.
-        (Path(work) / "mypy.ini").write_text(
-            "[mypy]\n"
-            f"mypy_path = {Path(sys.prefix) / 'mypy-path'}\n"
-            "check_untyped_defs = True\n"
-            "strict_equality = True\n"
-            "[mypy-kvspec.impl,kvspec.impl.*,torch,torch.*,transformers,transformers.*]\n"
-            "follow_imports = skip\n"
-            "[mypy-kvspec.conformance.*]\n"  # as in pyproject.toml: their errors not reported
-            "follow_imports = silent\n"
-        )
-        config = ["--config-file", "mypy.ini", "--cache-dir", str(folder / "mypy")]
-        sources = [f"{NAME}/{name}" for name in COMPILED]
+        config = ["--config-file", mypy_ini.name, "--cache-dir", str(folder / "mypy")]
+        sources = [str(copy.relative_to(work)) for copy in copies]
         subprocess.run([sys.executable, "-m", "mypyc", *config, *sources], cwd=work, check=True)
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        built = sorted(  # in place: the package's modules, and the group's shared library
-            p for p in Path(work).rglob("*" + suffix) if "build" not in p.relative_to(work).parts
-        )
+        # in place: the package's modules, and the group's shared library
+        built = sorted([*Path(work).glob("*" + suffix), *package.glob("*" + suffix)])
         if len([p for p in built if p.parent == package]) != len(COMPILED):
             raise SystemExit(f"mypyc built {built}, expected one extension per module of {NAME}")
         folder.mkdir(parents=True, exist_ok=True)

@@ -221,7 +221,8 @@ def watch(
     out: Callable[[str], None] = print,
 ) -> int:
     """Judge a live stream until interrupted (or ``seconds``): 0 nothing found, 1 a violation
-    (its report printed), 2 a malformed frame (one line on stderr)."""
+    (its report printed), 2 a malformed frame (one line on stderr), 3 no batch received (nothing
+    was judged)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -271,6 +272,9 @@ def watch(
         sub.close()
         if writer is not None:
             writer.close()
+    if code == 0 and judge.stats.batches == 0:  # nothing was judged: undecided, not "holds"
+        out(f"{endpoint}: nothing received in {time.monotonic() - started:.1f} s: no batch judged")
+        return 3
     report = judge.report(endpoint)
     if as_json:
         import orjson
