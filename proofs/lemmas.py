@@ -47,6 +47,9 @@ from .symbolic import (
     zmin,
 )
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 
 @dataclass(frozen=True)
 class Lemma:

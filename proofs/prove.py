@@ -25,13 +25,16 @@ from typing import Any
 
 import z3
 
-from kvspec.conformance.lockstep import Event, Finding
-from kvspec.conformance.report import describe, format_counterexample, write_events
+from kvspec.conformance.judge import Finding
+from kvspec.conformance.report import describe, format_counterexample
+from kvspec.conformance.trace import write_events
 from kvspec.spec import Config, Illegal, apply, check, initial_state
 
 from . import induction
 from . import symbolic as sy
 from .enact import EnactError, enact
+
+Event = tuple[object, ...]
 
 DEFAULTS = {"blocks": 4, "requests": 2, "depth": 2, "bound": 8, "block_size": 1, "tokens": 3}
 

@@ -39,6 +39,9 @@ import z3
 
 from kvspec.spec.state import NULL_BLOCK, Config, State
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 Term = Any
 """A Z3 expression (z3 ships no type information)."""
 SKey = Any

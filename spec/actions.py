@@ -230,8 +230,9 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             (s.running if running else s.waiting).remove(rid)
             req.status = "finished"
             s.touched.left.add(rid)
-            for later in s.steps[1:]:  # their output for it is stale: discarded
-                later.live.discard(rid)
+            for later in s.steps[1:]:  # their output for it is stale: discarded, and what
+                later.live.discard(rid)  # they were to publish for it is dropped (it left)
+                later.registrations.pop(rid, None)
     s.steps.pop(0)
     s.commits += 1
     return events

@@ -17,6 +17,7 @@ of block ids, ``ids`` a tuple of request ids, ``sampled`` a tuple of ``(req, tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 Event = tuple[object, ...]
 
@@ -120,6 +121,10 @@ KINDS: dict[str, Kind] = _kinds(
     ),
 )
 
+OPTIONAL = {"publish": ("hash",)}
+"""Fields an event may carry beside its tuple: a publish the engine's opaque hash of the block
+(the trace format's ``hash``; the judge checks it against the token chain)."""
+
 DECISIONS = frozenset(name for name, kind in KINDS.items() if kind.decision)
 EFFECTS = frozenset(name for name, kind in KINDS.items() if not kind.decision)
 
@@ -162,37 +167,41 @@ def field(event: Event, name: str) -> object:
 
 
 def request_of(event: Event) -> int | None:
-    """The one request an event is about (its ``req`` field), or None."""
-    at = _REQUEST.get(event[0])  # type: ignore[call-overload]
-    return None if at is None else event[at]
+    """The one request an event is about (its ``req`` field), or None (also for an event too
+    short to have one: accessors never raise, a malformed event is the judge's to report)."""
+    at = _REQUEST.get(cast(str, event[0])) if event else None
+    return cast(int, event[at]) if at is not None and at < len(event) else None
 
 
 def requests_of(event: Event) -> tuple[int, ...]:
     """Every request an event names: its ``req``, an execute's failed loads, a commit's sampled
     requests."""
-    kind = event[0]
-    at = _REQUEST.get(kind)  # type: ignore[call-overload]
-    if at is not None:
-        return (event[at],)
-    if kind == "execute":
-        return tuple(event[2])  # type: ignore[arg-type]
-    if kind == "commit":
-        return tuple(pair[0] for pair in event[2])  # type: ignore[attr-defined]
+    rid = request_of(event)
+    if rid is not None:
+        return (rid,)
+    kind = event[0] if event else None
+    if len(event) > 2 and isinstance(event[2], tuple):
+        if kind == "execute":
+            return cast("tuple[int, ...]", event[2])
+        if kind == "commit":
+            return tuple(pair[0] for pair in event[2] if isinstance(pair, tuple) and pair)
     return ()
 
 
 def blocks_of(event: Event) -> tuple[int, ...]:
     """Every block an event names (a hit's blocks; the block of an evict, alloc, publish,
     unpublish, free or dedup)."""
-    kind = event[0]
-    at = _BLOCK.get(kind)  # type: ignore[call-overload]
+    kind = cast(str, event[0]) if event else ""
+    at = _BLOCK.get(kind)
     if at is not None:
-        return (event[at],)
-    at = _BLOCKS.get(kind)  # type: ignore[call-overload]
-    return tuple(event[at]) if at is not None else ()
+        return (cast(int, event[at]),) if at < len(event) else ()
+    at = _BLOCKS.get(kind)
+    if at is not None and at < len(event) and isinstance(event[at], tuple):
+        return cast("tuple[int, ...]", event[at])
+    return ()
 
 
 def step_of(event: Event) -> int | None:
     """The step a decision names (begin, submit, execute, commit), or None."""
-    at = _STEP.get(event[0])  # type: ignore[call-overload]
-    return None if at is None else event[at]
+    at = _STEP.get(cast(str, event[0])) if event else None
+    return cast(int, event[at]) if at is not None and at < len(event) else None

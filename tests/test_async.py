@@ -142,6 +142,33 @@ def test_a_request_finishing_while_a_later_step_holds_it_leaves_that_step() -> N
     assert check(s) is None
 
 
+def test_a_request_finishing_while_a_later_step_holds_it_drops_that_steps_hidden_entries() -> None:
+    """hide-uncommitted, depth 3 (found by the reference engine's async runs): step 3 hides r0's
+    block 3 (its token became known at step 0's commit); r0 finishes at step 1's commit while
+    steps 2 and 3 hold it. Step 3's commit must not publish from the finished request's table."""
+    decisions = (
+        ("arrive", 0, (1, 2, 3), 10, 0),
+        *(
+            d
+            for i in range(3)
+            for d in (("begin", i), ("schedule", 0, 3 if i == 0 else 1, 0), ("submit", i))
+        ),
+        ("execute", 0, ()),
+        ("commit", 0, ((0, 5),)),
+        ("begin", 3),
+        ("schedule", 0, 1, 0),
+        ("submit", 3),
+        ("execute", 1, ()),
+        ("commit", 1, ((0, 0),)),  # the stop token: r0 finishes while steps 2 and 3 hold it
+    )
+    config = cfg(num_blocks=10, block_size=1, depth=3, policy="hide-uncommitted", stop_token=0)
+    s, _ = run(config, *decisions)
+    assert s.requests[0].status == "finished"
+    assert all(0 not in st.registrations for st in s.steps)
+    _, effects = run(config, *decisions, ("execute", 2, ()), ("commit", 2, ()), ("execute", 3, ()), ("commit", 3, ()))  # fmt: skip
+    assert not any(e[0] == "publish" and e[3] == 3 for e in effects[-4:])
+
+
 def test_registration_waits_for_known_tokens_and_comes_at_commit() -> None:
     """Eager registration at schedule stops at the known tokens; the block a placeholder decode
     completes is registered when the step that wrote it commits (vLLM's post-output

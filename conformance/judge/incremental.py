@@ -34,9 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .invariants import INVARIANTS, Violation, tables_append_only
-from .pool import eventual_content, holds
-from .state import NULL_BLOCK, Content, State, Touched
+from kvspec.spec.invariants import INVARIANTS, Violation, tables_append_only
+from kvspec.spec.pool import eventual_content, holds
+from kvspec.spec.state import NULL_BLOCK, Content, State, Touched
+
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
 
 TABLES_APPEND_ONLY = "TablesAppendOnly"
 

@@ -1,14 +1,13 @@
 """Request and step ids of a stream: which were ever used, and the check that an event names only
-those (``UnknownId`` otherwise: the input is not a trace). Shared by the spec-based ``Checker``
-and the ``FastChecker``, so both reject the same events with the same message."""
+those (``UnknownId`` otherwise: the input is not a trace). The judge's core checks them for every
+model, so all judges reject the same events with the same message."""
 
 from __future__ import annotations
 
+from kvspec.conformance.judge.findings import UnknownId
 from kvspec.spec.events import Event, requests_of, step_of
 
-
-class UnknownId(ValueError):
-    """An event names a request or step that never existed: the input is not a trace."""
+__all__ = ["IdSet", "UnknownId", "check_ids"]
 
 
 class IdSet:
@@ -29,6 +28,11 @@ class IdSet:
 
     def __contains__(self, value: int) -> bool:
         return value < self.low or value in self.above
+
+    def copy(self) -> IdSet:
+        ids = IdSet()
+        ids.low, ids.above = self.low, set(self.above)
+        return ids
 
 
 def check_ids(kind: object, event: Event, ids: IdSet, max_step: int) -> int:
