@@ -50,11 +50,13 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     registration; a request aborted after a step computed a position from its discarded sample;
     the seed's workload under async scheduling, where the victim's decode is on a placeholder and
     registers nothing. And without async scheduling at depth 2, a request preempted while a
-    submitted step holds it, its stale output delivered and dropped."""
-    cases = ("seed", "seed2", "clean", "clean3", "async", "stale")
+    submitted step holds it, its stale output delivered and dropped. Last, vLLM's cap on the
+    post-output registration planted away: a block registered before a submitted step writes its
+    last slot, which the spec refuses (and ``post_output_publishes_ahead`` counts)."""
+    cases = ("seed", "seed2", "clean", "clean3", "async", "stale", "ahead")
     done = _run("tests/thirdparty_checks.py", "vllm", *cases)
     assert done.returncode == 0, done.stderr[-2000:]
-    seed, seed2, clean, clean3, *rest = done.stdout.splitlines()
+    seed, seed2, clean, clean3, *rest, ahead = done.stdout.splitlines()
     assert len(rest) == 8, rest
     *delivered_and_dropped, aborted, seed_async, stale_delivered, stale_dropped = rest
     assert seed.startswith("NoUnwrittenPublish: block 5 is published"), seed
@@ -70,10 +72,13 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
         stale = "stale_dropped" if i >= 2 else "stale_delivered"
         for situation in (stale, "placeholder_decodes", "finished_held", "post_output_publishes"):
             assert cover[situation] > 0, (situation, line)
+        assert cover["post_output_publishes_ahead"] == 0, line
     assert _cover(aborted)["unresolved_placeholders"] == 1, aborted
     assert "preempt" in seed_async and _cover(seed_async)["stale_delivered"] == 1, seed_async
     assert _cover(stale_delivered)["stale_delivered"] == 1, stale_delivered
     assert _cover(stale_dropped)["stale_dropped"] == 1, stale_dropped
+    assert ahead.startswith("Disagreement: engine emitted ('publish', 0, 1, 2)"), ahead
+    assert _cover(ahead)["post_output_publishes_ahead"] > 0, ahead
 
 
 def test_kvspec_fuzz_finds_the_seed_bug_in_vllm() -> None:

@@ -12,7 +12,9 @@ dropped: a request preempted while a submitted step holds it), ``async`` (vLLM's
 depths 2 and 3, stale output delivered and dropped: decodes on placeholders, a preempted request's
 stale token, a request finishing while the next step holds it, a post-output registration; then
 the seed's workload at depth 2, on which async scheduling registers nothing it withdraws),
-``clean3`` (vLLM's defaults at depth 3), ``fuzz`` (vLLM: ``kvspec fuzz``'s machine on vLLM's
+``clean3`` (vLLM's defaults at depth 3), ``ahead`` (vLLM's defaults at depth 2 with a planted bug:
+``update_from_output`` registers blocks past vLLM's cap, whose last slot a submitted step still
+writes), ``fuzz`` (vLLM: ``kvspec fuzz``'s machine on vLLM's
 defaults under fcfs at depths 1 to 3 for a few seconds each, then under priority without async
 scheduling at depth 2 until the seed bug, unshrunk: one line per cell, its preemption, depth,
 runs, engine steps and finding), ``cached`` (nano: a prompt cached whole), ``preempted``
@@ -27,7 +29,9 @@ import dataclasses
 import importlib
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvspec.conformance.check import check_file
 from kvspec.conformance.judge import Judge
@@ -54,12 +58,15 @@ def run(
     workload: list[tuple[str, tuple]],
     factory: str = "factory",
     tokens: tuple[int, ...] = (),
+    plant: Callable[[Any], None] | None = None,
     **cell: object,
 ) -> None:
     module = importlib.import_module(f"kvspec.conformance.adapters.{ADAPTERS[engine]}")
     cell = {"policy": "eager-unsafe", "stop_token": 0, **cell}
     config = Config(**cell)  # type: ignore[arg-type]
     adapter = getattr(module, factory)(config, Ones(tokens))
+    if plant is not None:
+        plant(adapter)
     observed = getattr(adapter, "judging", "strict") == "observed"
     judge = Judge.spec(adapter.config, observed)
     for what, args in workload:
@@ -83,13 +90,10 @@ def run(
         if finding is None and check() is not None:
             finding = check()
         if finding is not None:
-            print(finding)
+            print(finding, *(["cover", *_counts(adapter)] if plant is not None else []))
             return
     kinds = sorted({str(e[0]) for e in adapter.events})
-    coverage = getattr(adapter, "coverage", None)
-    counts = (
-        [] if coverage is None else [f"{k}={v}" for k, v in dataclasses.asdict(coverage).items()]
-    )
+    counts = _counts(adapter)
     # The same events as a trace file, judged by `kvspec check` (observed or strict, as above).
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.jsonl"
@@ -104,6 +108,20 @@ def run(
         checked,
         *(["cover", *counts] if counts else []),
     )
+
+
+def _counts(adapter: Any) -> list[str]:
+    coverage = getattr(adapter, "coverage", None)
+    return [] if coverage is None else [f"{k}={v}" for k, v in dataclasses.asdict(coverage).items()]
+
+
+def register_ahead(adapter: Any) -> None:
+    """Plant a bug in vLLM: ``update_from_output`` registers every block the request's computed
+    tokens fill, without vLLM's cap at ``num_computed_tokens - num_in_flight_tokens``: the last
+    slot of such a block is still to be written by a submitted step."""
+    manager = adapter.scheduler.kv_cache_manager
+    cache_blocks = manager.cache_blocks
+    manager.cache_blocks = lambda request, _: cache_blocks(request, request.num_computed_tokens)
 
 
 SEED = [  # the shrunk counterexample kvspec fuzz found in vLLM 0.33.0 (docs/adapters.md)
@@ -234,6 +252,8 @@ if __name__ == "__main__":
                     run(engine, ASYNC, factory, ASYNC_TOKENS, **dict(ASYNC_CELL, depth=depth))
             run(engine, ABORTED, **dict(ASYNC_CELL, depth=2))
             run(engine, SEED_ASYNC, **dict(VLLM, depth=2))
+        elif case == "ahead":  # vLLM's defaults at depth 2, its post-output cap planted away
+            run(engine, ASYNC, "factory", ASYNC_TOKENS, register_ahead, **dict(ASYNC_CELL, depth=2))
         elif case == "clean3":  # vLLM's defaults at depth 3
             run(engine, CLEAN, preemption="fcfs", depth=3, **BIG)
         elif case == "fuzz":

@@ -50,6 +50,10 @@ class Coverage:
     """Requests that finished at a commit while a later step in flight still held them."""
     post_output_publishes: int = 0
     """Blocks registered by ``update_from_output`` (``cache_blocks`` after the output)."""
+    post_output_publishes_ahead: int = 0
+    """Of those, blocks with a slot that a later submitted step still computes (a block
+    registered before its last write: vLLM's cap ``num_computed_tokens - num_in_flight_tokens``
+    is meant to keep this at 0)."""
     unresolved_placeholders: int = 0
     """Samples vLLM discarded (aborted, finished or dropped since) whose position a later
     submitted step computes: the K/V written there holds a token nobody will know."""
@@ -217,7 +221,10 @@ class VllmAdapter:
         )
         start = len(self.events)
         self.scheduler.update_from_output(oldest.output, runner)
-        self.coverage.post_output_publishes += sum(e[0] == "publish" for e in self.events[start:])
+        for event in self.events[start:]:
+            if event[0] == "publish":
+                self.coverage.post_output_publishes += 1
+                self.coverage.post_output_publishes_ahead += self._ahead(event[1], event[2])
         used = {str(rid) for rid, _ in sampled}
         for req_id, count in before.items():  # vLLM appended exactly the tokens reported used
             request = self.scheduler.requests.get(req_id)
@@ -230,6 +237,15 @@ class VllmAdapter:
             if request is None or request.is_finished():
                 held = any(req_id in later.output.num_scheduled_tokens for later in self.queue)
                 self.coverage.finished_held += held
+
+    def _ahead(self, rid: int, index: int) -> bool:
+        """Whether a submitted step still computes a slot of the request's block ``index``."""
+        slots = range(index * self.config.block_size, (index + 1) * self.config.block_size)
+        for later in self.queue:
+            held = later.computes.get(str(rid))
+            if held is not None and range(max(held.start, slots.start), min(held.stop, slots.stop)):
+                return True
+        return False
 
     def _discarded(self, req_id: str, position: int, gone: bool) -> None:
         """vLLM discards the token the oldest step sampled for the request at ``position``:
