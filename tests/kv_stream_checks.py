@@ -4,8 +4,9 @@ venv by ``tests/test_kv_stream_vllm.py``.
 ``python tests/kv_stream_checks.py ENGINE CASE...`` prints one line per case: the stream's first
 finding, or ``none`` with the batches and stream events judged and the step boundaries passed.
 ENGINE is ``vllm`` or ``sglang``. Cases: ``clean`` (a shared-prefix workload with evictions and a
-reset; for vLLM under every factory: ``factory`` at depths 1 and 2, ``drop_factory`` at 3,
-``async_factory`` at 2, its stream only: the spec cannot judge its placeholder decodes), ``drop-removal`` (the publisher loses
+reset; for vLLM under every factory: ``factory`` (vLLM's defaults: the synchronous scheduler at
+depth 1, async scheduling from 2) at depths 1 and 2, ``drop_factory`` at 3, ``sync_factory`` at 2,
+``async_drop_factory`` at 3), ``drop-removal`` (the publisher loses
 the first ``BlockRemoved``: ``ViewEqualsCache``), ``duplicate`` (vLLM: a block-aligned prompt
 twice, judged as a set-based router would: ``StoreNamesNewHash``).
 """
@@ -93,7 +94,6 @@ def run(engine: str, workload: list[Any], factory: str = "factory", fault: str |
         drop_first_removal(adapter)
     observed = getattr(adapter, "judging", "strict") == "observed"
     judge = Judge.spec(adapter.config, observed)
-    spec = factory != "async_factory"  # the spec cannot judge async scheduling's placeholders
     finding = None
     for what, args in workload:
         start = len(adapter.events)
@@ -104,10 +104,7 @@ def run(engine: str, workload: list[Any], factory: str = "factory", fault: str |
         else:
             for _ in range(args[0]):
                 adapter.step()
-        if spec:
-            finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
-        elif adapter.kv_stream.engine.violation is not None:  # the stream's own invariants
-            finding = adapter.check_kv_stream(judge)
+        finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
         if finding is not None:
             break
     stream = adapter.kv_stream.engine
@@ -126,7 +123,8 @@ if __name__ == "__main__":
             run(engine, WORKLOAD, preemption="fcfs", depth=1, **BIG)
             run(engine, SHORT, preemption="fcfs", depth=2, **SMALL)
             run(engine, SHORT, "drop_factory", preemption="priority", depth=3, **SMALL)
-            run(engine, WORKLOAD, "async_factory", preemption="fcfs", depth=2, **BIG)
+            run(engine, WORKLOAD, "sync_factory", preemption="fcfs", depth=2, **BIG)
+            run(engine, SHORT, "async_drop_factory", preemption="priority", depth=3, **SMALL)
         elif case == "clean":
             run(engine, WORKLOAD, **BIG)
             run(engine, SHORT, **SMALL)
