@@ -4,9 +4,10 @@ venv by ``tests/test_kv_stream_vllm.py``.
 ``python tests/kv_stream_checks.py ENGINE CASE...`` prints one line per case: the stream's first
 finding, or ``none`` with the batches and stream events judged and the step boundaries passed.
 ENGINE is ``vllm`` or ``sglang``. Cases: ``clean`` (a shared-prefix workload with evictions and a
-reset; for vLLM under every factory: ``factory`` at depths 1 and 2, ``drop_factory`` at 3,
-``async_factory`` at 2, its stream only: the spec cannot judge its placeholder decodes; for SGLang
-its overlap loop, ``factory`` at depth 2, and ``sync_factory`` at depth 1), ``drop-removal`` (the publisher loses
+reset; for vLLM under every factory: ``factory`` (vLLM's defaults: the synchronous scheduler at
+depth 1, async scheduling from 2) at depths 1 and 2, ``drop_factory`` at 3, ``sync_factory`` at 2,
+``async_drop_factory`` at 3; for SGLang its overlap loop, ``factory`` at depth 2, and
+``sync_factory`` at depth 1), ``drop-removal`` (the publisher loses
 the first ``BlockRemoved``: ``ViewEqualsCache``), ``duplicate`` (vLLM: a block-aligned prompt
 twice, judged as a set-based router would: ``StoreNamesNewHash``).
 """
@@ -48,6 +49,8 @@ SHORT = [  # the same for 5 blocks of 2 tokens
     ("arrive", (4, (1, 2, 3, 4, 3), 2, 0)),
     ("step", (20,)),
 ]
+DEPTH = {"vllm": 1, "sglang": 2}
+"""The depth of ``drop-removal`` and ``duplicate``: SGLang's ``factory`` is its overlap loop."""
 TWICE = [
     ("arrive", (0, (1, 2, 3, 4), 1, 0)),
     ("step", (6,)),
@@ -94,7 +97,6 @@ def run(engine: str, workload: list[Any], factory: str = "factory", fault: str |
         drop_first_removal(adapter)
     observed = getattr(adapter, "judging", "strict") == "observed"
     judge = Judge.spec(adapter.config, observed)
-    spec = factory != "async_factory"  # the spec cannot judge async scheduling's placeholders
     finding = None
     for what, args in workload:
         start = len(adapter.events)
@@ -105,10 +107,7 @@ def run(engine: str, workload: list[Any], factory: str = "factory", fault: str |
         else:
             for _ in range(args[0]):
                 adapter.step()
-        if spec:
-            finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
-        elif adapter.kv_stream.engine.violation is not None:  # the stream's own invariants
-            finding = adapter.check_kv_stream(judge)
+        finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
         if finding is not None:
             break
     stream = adapter.kv_stream.engine
@@ -127,14 +126,15 @@ if __name__ == "__main__":
             run(engine, WORKLOAD, preemption="fcfs", depth=1, **BIG)
             run(engine, SHORT, preemption="fcfs", depth=2, **SMALL)
             run(engine, SHORT, "drop_factory", preemption="priority", depth=3, **SMALL)
-            run(engine, WORKLOAD, "async_factory", preemption="fcfs", depth=2, **BIG)
+            run(engine, WORKLOAD, "sync_factory", preemption="fcfs", depth=2, **BIG)
+            run(engine, SHORT, "async_drop_factory", preemption="priority", depth=3, **SMALL)
         elif case == "clean":  # SGLang: its overlap loop (depth 2) and the loop without it
             run(engine, WORKLOAD, depth=2, **BIG)
             run(engine, SHORT, depth=2, **SMALL)
             run(engine, WORKLOAD, "sync_factory", **BIG)
         elif case == "drop-removal":
-            run(engine, SHORT, fault="drop-removal", depth=2, **SMALL)
+            run(engine, SHORT, fault="drop-removal", depth=DEPTH[engine], **SMALL)
         elif case == "duplicate":
             os.environ["KVSPEC_KV_STREAM_INVARIANTS"] = "RemovalNamesAnnounced,StoreNamesNewHash"
-            run(engine, TWICE, depth=2, **SMALL)
+            run(engine, TWICE, depth=DEPTH[engine], **SMALL)
             del os.environ["KVSPEC_KV_STREAM_INVARIANTS"]

@@ -89,7 +89,9 @@ def test_async_safe_cells_hold_in_lockstep(
 def test_unsafe_cells_fail_with_a_shrunk_counterexample(
     policy: str, discipline: str, preemption: str, loads: bool, invariants: tuple[str, ...]
 ) -> None:
-    result = run_cell(policy, discipline, preemption, None, loads, seconds=60, seed_value=1)
+    result = run_cell(
+        policy, discipline, preemption, None, loads, seconds=600, seed_value=1
+    )  # seeded batches
     assert result.failure is not None, f"nothing found in {result.seconds:.0f} s"
     assert result.failure.finding.invariant in invariants
     assert result.unshrunk_length is not None
@@ -112,7 +114,7 @@ def test_unsafe_async_cells_fail_with_a_shrunk_counterexample(
     """Under async scheduling the eager policies still fail under ``general``: the same
     findings, judged afresh from the counterexample's events."""
     result = run_cell(
-        policy, "general", "priority", seconds=60, seed_value=1, async_scheduling=True,
+        policy, "general", "priority", seconds=600, seed_value=1, async_scheduling=True,
         stale_output=stale,
     )  # fmt: skip
     assert result.failure is not None, f"nothing found in {result.seconds:.0f} s"

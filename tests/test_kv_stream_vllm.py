@@ -32,8 +32,9 @@ def _run(venv: str, *argv: str) -> list[str]:
 
 def test_vllms_stream_under_every_factory_and_with_planted_faults() -> None:
     *clean, dropped, duplicate = _run(".venv-vllm", "vllm", "clean", "drop-removal", "duplicate")
-    assert len(clean) == 4, clean
-    for line, where in zip(clean, ("factory depth 1", "factory depth 2", "drop_factory depth 3", "async_factory depth 2"), strict=True):  # fmt: skip
+    assert len(clean) == 5, clean
+    cells = ("factory depth 1", "factory depth 2", "drop_factory depth 3", "sync_factory depth 2", "async_drop_factory depth 3")  # fmt: skip
+    for line, where in zip(clean, cells, strict=True):
         words = line.split()
         assert words[0] == "none" and line.endswith(f"[{where}]"), line
         assert int(words[1]) >= 4 and int(words[3]) >= 6 and words[7] == "1", (

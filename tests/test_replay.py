@@ -216,7 +216,7 @@ def test_fuzzed_counterexample_replays_as_the_spec_reads_it(tmp_path: Path, caps
     out = tmp_path / "cex.jsonl"
     argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seed", "1"]
     done = subprocess.run(
-        [sys.executable, "-m", "kvspec", *argv, "--seconds", "60", "--out", str(out)],
+        [sys.executable, "-m", "kvspec", *argv, "--seconds", "600", "--out", str(out)],
         capture_output=True,
         text=True,
     )
@@ -281,7 +281,7 @@ def test_fuzzed_zombie_read_replays_to_a_mismatch(tmp_path: Path, capsys) -> Non
     ends in a real read of a never-written block, and the tensors show it."""
     out = tmp_path / "zombie.jsonl"
     argv = ["fuzz", "--policy", "eager-unsafe", "--discipline", "general", "--seed", "1"]
-    argv += ["--invariant", "NoUnwrittenRead", "--seconds", "60", "--out", str(out)]
+    argv += ["--invariant", "NoUnwrittenRead", "--seconds", "600", "--out", str(out)]
     assert main(argv) == 1
     assert "violated: NoUnwrittenRead" in capsys.readouterr().out
     assert main(["replay", str(out)]) == 1

@@ -3,27 +3,38 @@ by ``tests/test_adapter_vllm.py``, ``tests/test_adapter_nano.py`` and ``tests/te
 
 ``python tests/thirdparty_checks.py ENGINE CASE...`` prints, per case, the first finding, or
 ``none`` with the number of events, their kinds, ``file`` and the exit code of ``kvspec check``
-on the same events written as a trace file (and, for vLLM, how many stale outputs of preempted
-requests came back). ENGINE is ``vllm``, ``nano`` or ``sglang`` (its cases: ``SGLANG_CASES``, and
-``SGLANG_KVSPEC``: ``kvspec`` commands run in the same process); CASE is ``seed``
-(vLLM: the seed bug's shrunk counterexample), ``seed2`` (the same bug with a batch queue of 2
-steps), ``stale`` (vLLM at depth 2, default and drop mode: a request preempted while a submitted
-step holds it), ``clean3`` (vLLM's drop mode at depth 3), ``async`` (vLLM's async scheduling,
-whose first decode is scheduled before its token is known, which the spec refuses), ``cached``
-(nano: a prompt cached whole), ``preempted`` (nano: a preempted sequence left in the running
-queue), ``retract`` (SGLang: a decode batch that does not fit, so SGLang retracts a request) or
-``clean`` (a shared-prefix workload the engine must handle without a finding).
+on the same events written as a trace file (and, for vLLM, ``cover`` and the counts of
+``loop.Coverage``: the situations of async scheduling and stale output the workload went through).
+ENGINE is ``vllm``, ``nano`` or ``sglang`` (its cases: ``SGLANG_CASES``, and ``SGLANG_KVSPEC``:
+``kvspec`` commands run in the same process); CASE is ``seed`` (vLLM: the seed bug's shrunk
+counterexample, depth 1), ``seed2`` (the same bug with a batch queue of 2 steps, vLLM without
+async scheduling), ``stale`` (vLLM at depth 2 without async scheduling, stale output delivered and
+dropped: a request preempted while a submitted step holds it), ``async`` (vLLM's defaults at
+depths 2 and 3, stale output delivered and dropped: decodes on placeholders, a preempted request's
+stale token, a request finishing while the next step holds it, a post-output registration; then
+the seed's workload at depth 2, on which async scheduling registers nothing it withdraws),
+``clean3`` (vLLM's defaults at depth 3), ``ahead`` (vLLM's defaults at depth 2 with a planted bug:
+``update_from_output`` registers blocks past vLLM's cap, whose last slot a submitted step still
+writes), ``fuzz`` (vLLM: ``kvspec fuzz``'s machine on vLLM's
+defaults under fcfs at depths 1 to 3 for a few seconds each, then under priority without async
+scheduling at depth 2 until the seed bug, unshrunk: one line per cell, its preemption, depth,
+runs, engine steps and finding), ``cached`` (nano: a prompt cached whole), ``preempted``
+(nano: a preempted sequence left in the running queue), ``retract`` (SGLang: a decode batch that
+does not fit, so SGLang retracts a request) or ``clean`` (a shared-prefix workload the engine must
+handle without a finding).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import kvspec.conformance.judge.spec_model as spec_model
 from kvspec.conformance.check import check_file
@@ -51,6 +62,7 @@ def run(
     workload: list[tuple[str, tuple]],
     factory: str = "factory",
     tokens: tuple[int, ...] = (),
+    plant: Callable[[Any], None] | None = None,
     compare: bool = True,
     invariants: list[str] | None = None,
     free_check: bool = True,
@@ -62,12 +74,14 @@ def run(
     each item, ``invariants`` limits the judge to those, ``free_check=False`` lets the spec's
     pool take an allocation of a block it does not count as free (so that the spec's own
     invariants, not the observed judge's legality check, meet the engine's reuse); ``env`` sets
-    environment variables (an engine's settings) for the run."""
+    environment variables (an engine's settings) for the run; ``plant`` changes the adapter
+    before the run (a planted bug)."""
     if env:
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:
-            return run(engine, workload, factory, tokens, compare, invariants, free_check, **cell)
+            again = (compare, invariants, free_check)
+            return run(engine, workload, factory, tokens, plant, *again, **cell)
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -76,7 +90,7 @@ def run(
                     os.environ[name] = value
     if not free_check:
         with _unchecked_allocations():
-            return run(engine, workload, factory, tokens, compare, invariants, True, **cell)
+            return run(engine, workload, factory, tokens, plant, compare, invariants, True, **cell)
     module_name, _, factory = factory.rpartition(":")
     module = importlib.import_module(
         module_name or f"kvspec.conformance.adapters.{ADAPTERS[engine]}"
@@ -84,12 +98,16 @@ def run(
     cell = {"policy": "eager-unsafe", "stop_token": 0, **cell}
     config = Config(**cell)  # type: ignore[arg-type]
     adapter = getattr(module, factory)(config, Ones(tokens))
+    if plant is not None:
+        plant(adapter)
     observed = getattr(adapter, "judging", "strict") == "observed"
     judge = Judge.spec(adapter.config, observed, invariants)
     for what, args in workload:
         start = len(adapter.events)
         if what == "arrive":
             adapter.add_request(*args)
+        elif what == "abort":
+            adapter.abort(*args)
         else:
             try:
                 for _ in range(args[0]):
@@ -105,10 +123,10 @@ def run(
         if finding is None and check() is not None:
             finding = check()
         if finding is not None:
-            print(finding)
+            print(finding, *(["cover", *_counts(adapter)] if plant is not None else []))
             return
     kinds = sorted({str(e[0]) for e in adapter.events})
-    stale = getattr(adapter, "stale_outputs", 0)
+    counts = _counts(adapter)
     # The same events as a trace file, judged by `kvspec check` (observed or strict, as above).
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.jsonl"
@@ -121,8 +139,22 @@ def run(
         " ".join(kinds),
         "file",
         checked,
-        *(["stale", stale] if stale else []),
+        *(["cover", *counts] if counts else []),
     )
+
+
+def _counts(adapter: Any) -> list[str]:
+    coverage = getattr(adapter, "coverage", None)
+    return [] if coverage is None else [f"{k}={v}" for k, v in dataclasses.asdict(coverage).items()]
+
+
+def register_ahead(adapter: Any) -> None:
+    """Plant a bug in vLLM: ``update_from_output`` registers every block the request's computed
+    tokens fill, without vLLM's cap at ``num_computed_tokens - num_in_flight_tokens``: the last
+    slot of such a block is still to be written by a submitted step."""
+    manager = adapter.scheduler.kv_cache_manager
+    cache_blocks = manager.cache_blocks
+    manager.cache_blocks = lambda request, _: cache_blocks(request, request.num_computed_tokens)
 
 
 SEED = [  # the shrunk counterexample kvspec fuzz found in vLLM 0.33.0 (docs/adapters.md)
@@ -152,6 +184,33 @@ STALE = [  # depth 2: step 2 preempts r1 (fcfs: the tail) while step 1, which sa
     ("arrive", (1, (2, 2, 1), 2, 0)),
     ("step", (30,)),
 ]
+ASYNC = [  # vLLM's defaults, 4 blocks of 2 tokens (docs/adapters.md walks through it at depth 2)
+    ("arrive", (0, (1, 2, 3), 4, 0)),
+    ("arrive", (1, (2, 1), 5, 0)),
+    # Step 1 decodes both on the placeholders of step 0's samples; step 2 needs a block for r0 and
+    # preempts r1 (fcfs: the tail) while step 1 holds it: r1's token there is delivered. Step 2
+    # samples 0 for r0 (the 5th token drawn), which finishes it while step 3 holds it; r1 resumes
+    # and its last decode completes a block, registered after that step's output.
+    ("step", (60,)),
+]
+ASYNC_TOKENS = (1, 1, 1, 1, 0)
+ABORTED = [  # depth 2: step 1 decodes r0 on the placeholder of step 0's sample, then r0 is
+    # aborted before step 0's output is processed: that sample is discarded, and the K/V step 1
+    # writes for position 3 is of a token nobody will know. r1 shares r0's first block only.
+    ("arrive", (0, (1, 2, 3), 4, 0)),
+    ("step", (2,)),
+    ("abort", (0,)),
+    ("arrive", (1, (1, 2, 3, 1, 2), 2, 0)),
+    ("step", (20,)),
+]
+SEED_ASYNC = [  # the seed's workload with a longer run: step 2 preempts r0 after its decode,
+    # which under async scheduling runs on a placeholder and so registers nothing
+    *SEED[:2],
+    ("arrive", (1, (1,), 2, 0)),
+    ("arrive", (2, (1, 2), 2, 0)),
+    ("step", (8,)),
+]
+ASYNC_CELL = dict(preemption="fcfs", num_blocks=5, block_size=2, token_budget=6, max_running=2)
 
 CACHED = [  # the shrunk counterexample kvspec fuzz found in nano-vllm-fork (docs/adapters.md)
     ("arrive", (0, (2, 3), 1, 0)),
@@ -303,30 +362,71 @@ SGLANG_KVSPEC = {
 """``fuzz``: 10 s of ``kvspec fuzz`` on the overlap loop (seed 0); ``refused``: the overlap
 factory at depth 1, bad input."""
 
+
+def fuzz_vllm() -> None:
+    from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
+    from hypothesis.stateful import get_state_machine_test
+
+    from kvspec.conformance.adapters import vllm_adapter
+    from kvspec.conformance.fuzz import CounterexampleFound, lockstep_machine, run_cell
+
+    for depth in (1, 2, 3):
+        r = run_cell("eager-unsafe", "vllm", "fcfs", depth, seconds=6, factory=vllm_adapter.factory)
+        print("fcfs", depth, r.runs, r.commits, r.failure.finding.invariant if r.failure else None)
+    machine = lockstep_machine(
+        "eager-unsafe", "vllm", "priority", 2, factory=vllm_adapter.sync_factory
+    )
+    generate = settings(  # as run_cell, without shrinking: finding it is what takes little time
+        max_examples=25,
+        stateful_step_count=40,
+        deadline=None,
+        database=None,
+        verbosity=Verbosity.quiet,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )
+    tally = machine.tally  # type: ignore[attr-defined]
+    for batch in range(200):
+        try:
+            seed(batch)(get_state_machine_test(machine, settings=generate))()
+        except CounterexampleFound:
+            break
+    finding = tally.failure.finding.invariant if tally.failure else None
+    print("priority", 2, tally.runs, tally.commits, finding)
+
+
 if __name__ == "__main__":
     engine = sys.argv[1]
     for case in sys.argv[2:]:  # one line each, in one process (vLLM takes seconds to import)
-        if case == "seed":
-            run(engine, SEED, **VLLM)
-        elif case == "seed2":
-            cell = dict(VLLM, num_blocks=6, token_budget=5, max_running=2, depth=2)
-            run(engine, SEED2, tokens=(0, 0), **cell)
-        elif case == "stale":  # vLLM's default and its drop mode, both at depth 2
-            for factory in ("factory", "drop_factory"):
-                run(engine, STALE, factory, **dict(STALE_CELL, depth=2))
-        elif case == "async":  # AsyncScheduler: the spec cannot judge its placeholder decodes
-            run(engine, CLEAN, "async_factory", preemption="fcfs", depth=2, **BIG)
-        elif case == "clean3":  # depth 3: vLLM's drop mode (the module docstring says why)
-            run(engine, CLEAN, "drop_factory", preemption="fcfs", depth=3, **BIG)
-        elif case == "cached":
-            run(engine, CACHED, **NANO)
-        elif case == "preempted":
-            run(engine, PREEMPTED, **dict(NANO, num_blocks=4))
-        elif engine == "sglang" and case in SGLANG_KVSPEC:
+        if engine == "sglang" and case in SGLANG_KVSPEC:
             kvspec(*SGLANG_KVSPEC[case], "--seed", "0")
         elif engine == "sglang":
             workload, factory, options = SGLANG_CASES[case]
             run(engine, workload, factory, **options)  # type: ignore[arg-type]
+        elif case == "seed":
+            run(engine, SEED, **VLLM)
+        elif case == "seed2":
+            cell = dict(VLLM, num_blocks=6, token_budget=5, max_running=2, depth=2)
+            run(engine, SEED2, "sync_factory", tokens=(0, 0), **cell)
+        elif case == "stale":  # without async scheduling, stale output delivered and dropped
+            for factory in ("sync_factory", "drop_factory"):
+                run(engine, STALE, factory, **dict(STALE_CELL, depth=2))
+        elif case == "async":  # vLLM's defaults and their drop mode, depths 2 and 3
+            for factory in ("factory", "async_drop_factory"):
+                for depth in (2, 3):
+                    run(engine, ASYNC, factory, ASYNC_TOKENS, **dict(ASYNC_CELL, depth=depth))
+            run(engine, ABORTED, **dict(ASYNC_CELL, depth=2))
+            run(engine, SEED_ASYNC, **dict(VLLM, depth=2))
+        elif case == "ahead":  # vLLM's defaults at depth 2, its post-output cap planted away
+            run(engine, ASYNC, "factory", ASYNC_TOKENS, register_ahead, **dict(ASYNC_CELL, depth=2))
+        elif case == "clean3":  # vLLM's defaults at depth 3
+            run(engine, CLEAN, preemption="fcfs", depth=3, **BIG)
+        elif case == "fuzz":
+            fuzz_vllm()
+        elif case == "cached":
+            run(engine, CACHED, **NANO)
+        elif case == "preempted":
+            run(engine, PREEMPTED, **dict(NANO, num_blocks=4))
         elif engine == "vllm":
             run(engine, CLEAN, preemption="fcfs", **BIG)
         else:

@@ -1,35 +1,41 @@
-"""vLLM 0.33.0's real ``Scheduler``, ``KVCacheManager`` and ``BlockPool`` through the adapter
-protocol (``kvspec fuzz --target kvspec.conformance.adapters.vllm_adapter:factory``).
+"""vLLM 0.33.0's real ``Scheduler``/``AsyncScheduler``, ``KVCacheManager`` and ``BlockPool``
+through the adapter protocol (``kvspec fuzz --target kvspec.conformance.adapters.vllm_adapter:factory``).
 
 Importable only where vLLM 0.33.0 is installed (``make thirdparty`` builds ``.venv-vllm``). Nothing
 of vLLM is reimplemented here: the adapter builds vLLM's own objects (one KV-cache group, full
-attention, prefix caching on, chunked prefill, the synchronous ``Scheduler``), plays the engine
-core's loop and the model runner (one sampled token per request that reached the end of its known
-tokens, the token drawn by Hypothesis through ``choices``), and turns what vLLM does into kvspec
-events by wrapping, on each instance, the methods where the block lifecycle happens.
+attention, prefix caching on, chunked prefill), plays the engine core's loop and the model runner
+(one sampled token per request whose chunk reached the end of its tokens, the token drawn by
+Hypothesis through ``choices``), and turns what vLLM does into kvspec events by wrapping, on each
+instance, the methods where the block lifecycle happens.
 
-**Depth.** Depth D is vLLM's batch queue of D steps: ``pipeline_parallel_size = D`` (so
-``VllmConfig.max_concurrent_batches == D``) and ``step`` replays ``EngineCore.step_with_batch_queue``
-call for call: schedule a step and submit it, return at once while the queue has room and something
-was scheduled or is schedulable, else pop the oldest step and ``update_from_output`` it. Aborts may
-come between a step's scheduling and the processing of the oldest output (vLLM's aborts queue is
-drained just before ``update_from_output``). At D = 1 this is ``EngineCore.step``. ``async_factory``
-runs async scheduling instead (``AsyncScheduler``, a queue of 2, the same loop), whose decodes
-are scheduled before their token is known (placeholders): the spec cannot judge that yet
-(``docs/adapters.md``).
+**The factories.** Depth D is vLLM's batch queue of D steps (``VllmConfig.max_concurrent_batches``;
+``build.py`` says how each is configured) and ``step`` replays ``EngineCore.step_with_batch_queue``
+call for call (``EngineCore.step`` at D = 1). Each factory returns an adapter whose ``config`` is
+the spec's model of what it runs (``async_scheduling``, ``stale_output``), whatever the config it
+was given said of those two fields: the fuzzer and ``kvspec check`` judge against that.
+
+==========================  ================================================================
+``factory``                 vLLM as ``vllm serve`` runs it on a GPU: D = 1 the synchronous
+                            ``Scheduler`` (async scheduling off, as on a CPU or where it is
+                            ruled out); D >= 2 ``AsyncScheduler`` with Model Runner V2 and
+                            ``pipeline_parallel_size = D - 1`` (D = 2: the single-GPU default;
+                            V2 keeps async scheduling on with pipeline parallelism, with PP + 1
+                            steps in flight). Stale output delivered (vLLM's default).
+``sync_factory``            ``--no-async-scheduling`` (or async ruled out: Model Runner V1 with
+                            pipeline parallelism): the synchronous ``Scheduler``,
+                            ``pipeline_parallel_size = D``; stale output delivered.
+``drop_factory``            the synchronous ``Scheduler`` of ``sync_factory`` in drop mode.
+``async_drop_factory``      ``factory``'s engine in drop mode.
+==========================  ================================================================
 
 **Stale output.** With several steps in flight a request may be preempted while a submitted step
-still holds it. The worker still computes it; vLLM 0.33.0 by default *delivers* the token sampled
-there to the preempted request (``num_stale_output_tokens``) and does not re-admit the request
-until that output is in; in its *drop* mode (``requires_kv_delivery``, set by KV connectors that
-need it) it drops that output and may re-admit at once. The spec discards such a token and admits
-in queue order, which is vLLM's drop mode. ``drop_factory`` runs vLLM in drop mode (a faithful
-model runner). ``factory`` keeps vLLM's default, and its model runner *withholds* the stale token
-(an empty sample, as for a prefill chunk): the one place where the adapter departs from a real
-runner, so that the spec can judge the rest; at depth >= 3 vLLM's deferral of such a request's
-re-admission still differs from the spec's queue order (an ``Illegal`` admission, not a safety
-finding). ``self_check`` verifies that vLLM appended exactly the tokens the ``commit`` reports, each
-at the position it was sampled for.
+still holds it. The worker still computes it, and the runner returns its token as a real runner
+does. vLLM 0.33.0 by default *delivers* that token to the preempted request
+(``num_stale_output_tokens``: appended while it waits, and the request is not re-admitted until
+every such output is in); in its *drop* mode (``requires_kv_delivery``, set by KV connectors that
+need it) it drops the token and may re-admit at once. The spec models both
+(``Config.stale_output``). ``self_check`` verifies that vLLM appended exactly the tokens the
+``commit`` reports, each at the position it was sampled for.
 
 Where each event comes from: ``attach.py`` (the block lifecycle, wrapped on vLLM's own methods)
 and ``loop.py`` (the engine core's decisions, the fake model runner); ``build.py`` makes vLLM's
@@ -56,10 +62,18 @@ from kvspec.spec import Config
 
 from .loop import VOCAB, VllmAdapter
 
-__all__ = ["MAX_DEPTH", "VOCAB", "VllmAdapter", "async_factory", "drop_factory", "factory"]
+__all__ = [
+    "MAX_DEPTH",
+    "VOCAB",
+    "VllmAdapter",
+    "async_drop_factory",
+    "drop_factory",
+    "factory",
+    "sync_factory",
+]
 
 MAX_DEPTH = 4
-"""Batch queues of 1 (``EngineCore.step``) to MAX_DEPTH steps (pipeline parallelism)."""
+"""Batch queues of 1 (``EngineCore.step``) to MAX_DEPTH steps (``build.py``)."""
 
 
 def supported(config: Config) -> str | None:
@@ -75,30 +89,31 @@ def supported(config: Config) -> str | None:
     return None
 
 
-def factory(config: Config, choices: Choices) -> VllmAdapter:
-    """The adapter factory named on the command line: vLLM's defaults (stale output of a
-    preempted request is delivered; the runner withholds it)."""
+def _adapter(config: Config, choices: Choices, asynchronous: bool, drop: bool) -> VllmAdapter:
     why = supported(config)
     if why is not None:
         raise ValueError(why)
-    return VllmAdapter(config, choices)
+    return VllmAdapter(config, choices, drop_stale=drop, async_scheduling=asynchronous)
+
+
+def factory(config: Config, choices: Choices) -> VllmAdapter:
+    """The adapter factory named on the command line: vLLM's defaults on a GPU (async
+    scheduling from depth 2, stale output delivered)."""
+    return _adapter(config, choices, asynchronous=config.depth >= 2, drop=False)
+
+
+def sync_factory(config: Config, choices: Choices) -> VllmAdapter:
+    """vLLM with async scheduling off: the synchronous ``Scheduler``, a batch queue of depth
+    steps (pipeline parallelism), stale output delivered."""
+    return _adapter(config, choices, asynchronous=False, drop=False)
 
 
 def drop_factory(config: Config, choices: Choices) -> VllmAdapter:
-    """vLLM in its drop mode: the stale output of a preempted request is dropped by vLLM
-    and the request may resume at once (``requires_kv_delivery``)."""
-    why = supported(config)
-    if why is not None:
-        raise ValueError(why)
-    return VllmAdapter(config, choices, drop_stale=True)
+    """``sync_factory`` in vLLM's drop mode: the stale output of a preempted request is dropped
+    by vLLM and the request may resume at once (``requires_kv_delivery``)."""
+    return _adapter(config, choices, asynchronous=False, drop=True)
 
 
-def async_factory(config: Config, choices: Choices) -> VllmAdapter:
-    """vLLM's async scheduling (``AsyncScheduler``, a batch queue of 2): depth 2 only. The spec
-    cannot judge its placeholder decodes yet (``docs/adapters.md``)."""
-    why = supported(config)
-    if why is None and config.depth != 2:
-        why = f"async scheduling keeps 2 steps in flight: depth 2, not {config.depth}"
-    if why is not None:
-        raise ValueError(why)
-    return VllmAdapter(config, choices, async_scheduling=True)
+def async_drop_factory(config: Config, choices: Choices) -> VllmAdapter:
+    """``factory`` in vLLM's drop mode."""
+    return _adapter(config, choices, asynchronous=config.depth >= 2, drop=True)

@@ -1,10 +1,19 @@
 """Building vLLM 0.33.0's own objects for one fuzzed cell: its ``VllmConfig`` (cached per
 geometry: construction dominates a short example), the KV-cache config of one full-attention
-group, the ``Scheduler`` or ``AsyncScheduler``, and the request block hasher."""
+group, the ``Scheduler`` or ``AsyncScheduler``, and the request block hasher.
+
+A batch queue of D steps is what ``VllmConfig.max_concurrent_batches`` makes of the parallel and
+scheduler configs: the synchronous ``Scheduler`` keeps ``pipeline_parallel_size`` steps in flight;
+async scheduling with Model Runner V2 (vLLM 0.33.0's default runner on a GPU) keeps
+``pipeline_parallel_size + 1``. So a synchronous cell of depth D gets ``pipeline_parallel_size = D``
+and an async one ``D - 1``, with Model Runner V2 (whose pipeline-parallel decode cadence, one decode
+of a request every ``pipeline_parallel_size`` steps, lives in ``AsyncScheduler``)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -43,6 +52,25 @@ def _model_folder() -> str:
     return tiny_model_folder("vllm")
 
 
+@contextmanager
+def runner_v2(on: bool) -> Iterator[None]:
+    """Model Runner V2 while vLLM reads which runner it has (``VllmConfig.use_v2_model_runner``
+    reads ``VLLM_USE_V2_MODEL_RUNNER`` each time): on a GPU it is vLLM 0.33.0's default; on this
+    CPU-only build vLLM falls back to V1 for want of Triton's GPU backend, though the scheduler
+    does not depend on the device."""
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    before = os.environ.get(name)
+    if on:
+        os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 @lru_cache(maxsize=64)
 def vllm_config(
     num_blocks: int,
@@ -68,25 +96,27 @@ def vllm_config(
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    # A batch queue of `depth` steps: pipeline parallelism, or async scheduling's 2.
-    parallel = ParallelConfig(pipeline_parallel_size=1 if async_scheduling else depth)
-    config = VllmConfig(
-        model_config=model,
-        scheduler_config=scheduler,
-        cache_config=cache,
-        kv_events_config=events,
-        parallel_config=parallel,
-    )
-    # vLLM's CPU platform turns async scheduling off (a GPU one keeps it); the scheduler itself
-    # does not depend on the device.
-    config.scheduler_config.async_scheduling = async_scheduling
-    assert config.max_concurrent_batches == depth, config.max_concurrent_batches
+    # A batch queue of `depth` steps (module docstring).
+    parallel = ParallelConfig(pipeline_parallel_size=depth - 1 if async_scheduling else depth)
+    with runner_v2(async_scheduling):
+        config = VllmConfig(
+            model_config=model,
+            scheduler_config=scheduler,
+            cache_config=cache,
+            kv_events_config=events,
+            parallel_config=parallel,
+        )
+        # vLLM's CPU platform turns async scheduling off (a GPU one keeps it); the scheduler
+        # itself does not depend on the device.
+        config.scheduler_config.async_scheduling = async_scheduling
+        assert config.max_concurrent_batches == depth, config.max_concurrent_batches
     return config
 
 
 def build_scheduler(config: Config, async_scheduling: bool) -> Any:
-    """vLLM's ``Scheduler`` (or ``AsyncScheduler``) for the cell: one KV-cache group of full
-    attention over ``config.num_blocks`` blocks, prefix caching and chunked prefill on."""
+    """vLLM's ``Scheduler`` (or ``AsyncScheduler``, with Model Runner V2) for the cell: one
+    KV-cache group of full attention over ``config.num_blocks`` blocks, prefix caching and chunked
+    prefill on, a batch queue of ``config.depth`` steps."""
     bsz = config.block_size
     vconfig = vllm_config(
         config.num_blocks,
@@ -107,12 +137,15 @@ def build_scheduler(config: Config, async_scheduling: bool) -> Any:
             )
         ],
     )
-    return (AsyncScheduler if async_scheduling else Scheduler)(
-        vllm_config=vconfig,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vconfig),
-        block_size=bsz,
-    )
+    with runner_v2(async_scheduling):
+        scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
+            vllm_config=vconfig,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vconfig),
+            block_size=bsz,
+        )
+    assert scheduler.use_v2_model_runner or not async_scheduling
+    return scheduler
 
 
 def block_hasher(block_size: int) -> Any:

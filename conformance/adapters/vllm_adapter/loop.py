@@ -2,15 +2,20 @@
 
 ``VllmAdapter`` plays ``EngineCore.step_with_batch_queue`` (``EngineCore.step`` at depth 1) call
 for call over the scheduler ``build.py`` makes, with a model runner that samples one token per
-request that reached the end of its known tokens (the token drawn by Hypothesis through
-``choices``). It emits the engine-core decisions (``arrive``, ``begin``/``submit``,
-``execute``/``commit``, ``abort``, ``reset``); the block-lifecycle effects come from the
-wrappers of ``attach.py``. The package docstring says what each factory runs.
+request whose scheduled chunk reaches the end of its tokens (known ones and, under async
+scheduling, the placeholders of the steps in flight), the token drawn by Hypothesis through
+``choices``. Like a real runner it returns that token whatever became of the request since, and
+vLLM decides what to do with it: skip it (aborted or finished), drop it (stale output in drop
+mode) or deliver it (stale output by default). The ``commit`` event lists exactly the tokens vLLM
+uses. It emits the engine-core decisions (``arrive``, ``begin``/``submit``, ``execute``/``commit``,
+``abort``, ``reset``); the block-lifecycle effects come from the wrappers of ``attach.py``. The
+package docstring says what each factory runs. ``Coverage`` counts the situations of async
+scheduling and stale output the run went through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -29,6 +34,32 @@ VOCAB = 4
 
 
 @dataclass
+class Coverage:
+    """How often a run went through each situation that async scheduling and stale output add
+    (counted from what vLLM did, for the fuzzing figures of ``docs/adapters.md``)."""
+
+    placeholder_decodes: int = 0
+    """Entries scheduled over a token an in-flight step has yet to sample."""
+    preempted_in_flight: int = 0
+    """Preemptions of a request that a submitted step still holds."""
+    stale_delivered: int = 0
+    """Tokens sampled for a request preempted since, that vLLM appended (default mode)."""
+    stale_dropped: int = 0
+    """The same, dropped by vLLM (drop mode)."""
+    finished_held: int = 0
+    """Requests that finished at a commit while a later step in flight still held them."""
+    post_output_publishes: int = 0
+    """Blocks registered by ``update_from_output`` (``cache_blocks`` after the output)."""
+    post_output_publishes_ahead: int = 0
+    """Of those, blocks with a slot that a later submitted step still computes (a block
+    registered before its last write: vLLM's cap ``num_computed_tokens - num_in_flight_tokens``
+    is meant to keep this at 0)."""
+    unresolved_placeholders: int = 0
+    """Samples vLLM discarded (aborted, finished or dropped since) whose position a later
+    submitted step computes: the K/V written there holds a token nobody will know."""
+
+
+@dataclass
 class InFlight:
     """A submitted step in the batch queue: vLLM's output, the requests the model runner
     samples (their chunk reaches the last known token) and those preempted since."""
@@ -37,6 +68,8 @@ class InFlight:
     output: Any
     samples: dict[str, int]
     """Request id -> the position of the token the runner samples for it."""
+    computes: dict[str, range]
+    """Request id -> the positions the step computes for it."""
     left: set[str] = field(default_factory=set)
 
 
@@ -50,9 +83,18 @@ class VllmAdapter:
         drop_stale: bool = False,
         async_scheduling: bool = False,
     ) -> None:
-        self.config = config
+        if async_scheduling and config.depth < 2:
+            raise ValueError("async scheduling keeps at least 2 steps in flight")
+        self.config = replace(
+            config,
+            async_scheduling=async_scheduling,
+            stale_output="drop" if drop_stale else "deliver",
+        )
+        """The spec's model of what runs: vLLM's scheduling and stale-output mode, whatever the
+        config given said of them."""
         self.choices = choices
         self.events: list[Event] = []
+        self.coverage = Coverage()
         self.scheduler = build_scheduler(config, async_scheduling)
         self.hasher = block_hasher(config.block_size)
         self.pool = self.scheduler.kv_cache_manager.block_pool
@@ -60,17 +102,24 @@ class VllmAdapter:
         self.queue: list[InFlight] = []  # EngineCore's batch queue, oldest first
         self._process_next = False  # the current step_with_batch_queue call goes on to output
         self.drop_stale = drop_stale
-        self.stale_outputs = 0  # sampled outputs of requests preempted since their step began
-        self.scheduler.requires_kv_delivery = drop_stale  # vLLM's drop mode (module docstring)
+        self.scheduler.requires_kv_delivery = drop_stale  # vLLM's drop mode (package docstring)
         self.next_step = 0
         self.attachment = Attachment(self.scheduler, self.events, config.block_size, self._left)
         self.problems = self.attachment.problems
         self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if kv_stream.enabled() else None
 
+    @property
+    def stale_outputs(self) -> int:
+        """Sampled outputs of requests preempted since their step was submitted."""
+        return self.coverage.stale_delivered + self.coverage.stale_dropped
+
     def _left(self, request_id: str) -> None:
         """vLLM preempted the request: its output in every submitted step is stale."""
+        held = False
         for in_flight in self.queue:
             in_flight.left.add(request_id)
+            held = held or request_id in in_flight.output.num_scheduled_tokens
+        self.coverage.preempted_in_flight += held
 
     # -- the protocol ---------------------------------------------------------------------------
 
@@ -115,12 +164,19 @@ class VllmAdapter:
         output = self.scheduler.schedule()
         self.events.append(("submit", step))
         requests = self.scheduler.requests
-        samples = {  # the runner samples where the chunk reaches the last known token: there
-            r: requests[r].num_computed_tokens  # (the sampled token's position)
+        samples = {  # the runner samples where the chunk reaches the end of the request's
+            r: requests[r].num_computed_tokens  # tokens: there (the sampled token's position)
             for r in output.num_scheduled_tokens
             if not requests[r].is_prefill_chunk
         }
-        self.queue.append(InFlight(step, output, samples))
+        computes = {
+            r: range(requests[r].num_computed_tokens - n, requests[r].num_computed_tokens)
+            for r, n in output.num_scheduled_tokens.items()
+        }
+        self.coverage.placeholder_decodes += sum(  # entries that run past the known tokens
+            requests[r].num_computed_tokens > requests[r].num_tokens for r in computes
+        )
+        self.queue.append(InFlight(step, output, samples, computes))
         executed = output.total_num_scheduled_tokens > 0
         full = len(self.queue) >= self.config.depth
         self._process_next = full or not (executed or self.scheduler.has_requests())
@@ -128,30 +184,34 @@ class VllmAdapter:
 
     def _process_oldest(self) -> None:
         """The worker's output of the oldest step, then ``update_from_output``. The runner
-        samples a token for every request whose chunk reached its last known token; vLLM skips
-        the output of requests aborted since. A request preempted since has *stale* output:
-        with ``drop_stale`` vLLM drops it itself; otherwise the runner withholds the token, as
-        the spec discards it (vLLM would deliver it; module docstring)."""
+        samples a token for every request whose chunk reached the end of its tokens, as a real
+        runner does whatever became of the request since; the ``commit`` lists the tokens vLLM
+        uses: not those of requests aborted or finished since (vLLM skips them), nor, in drop
+        mode, those of requests preempted since (stale: vLLM drops them; by default it delivers
+        them to the waiting request)."""
         oldest = self.queue.pop(0)
         self.events.append(("execute", oldest.step, ()))
         sampled: list[tuple[int, int]] = []
         tokens: dict[str, list[int]] = {}
         before: dict[str, int] = {}
         for req_id, position in oldest.samples.items():
-            request = self.scheduler.requests.get(req_id)
-            stale = req_id in oldest.left
-            self.stale_outputs += stale
-            if request is None or request.is_finished() or (stale and not self.drop_stale):
-                continue
             tokens[req_id] = [self.choices.pick(VOCAB, "vllm-token")]
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.is_finished():
+                self._discarded(req_id, position, gone=True)
+                continue
             before[req_id] = request.num_tokens
-            if not stale:
-                sampled.append((int(req_id), tokens[req_id][0]))
-                if request.num_tokens != position:
-                    self.problems.append(
-                        f"r{req_id}'s token of step {oldest.step} was sampled for position "
-                        f"{position}, vLLM appends it at {request.num_tokens}"
-                    )
+            if req_id in oldest.left and self.drop_stale:
+                self.coverage.stale_dropped += 1
+                self._discarded(req_id, position, gone=False)
+                continue
+            self.coverage.stale_delivered += req_id in oldest.left
+            sampled.append((int(req_id), tokens[req_id][0]))
+            if request.num_tokens != position:
+                self.problems.append(
+                    f"r{req_id}'s token of step {oldest.step} was sampled for position "
+                    f"{position}, vLLM appends it at {request.num_tokens}"
+                )
         self.events.append(("commit", oldest.step, tuple(sampled)))
         req_ids = list(oldest.output.num_scheduled_tokens)
         runner = ModelRunnerOutput(
@@ -159,7 +219,12 @@ class VllmAdapter:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[tokens.get(r, []) for r in req_ids],
         )
+        start = len(self.events)
         self.scheduler.update_from_output(oldest.output, runner)
+        for event in self.events[start:]:
+            if event[0] == "publish":
+                self.coverage.post_output_publishes += 1
+                self.coverage.post_output_publishes_ahead += self._ahead(event[1], event[2])
         used = {str(rid) for rid, _ in sampled}
         for req_id, count in before.items():  # vLLM appended exactly the tokens reported used
             request = self.scheduler.requests.get(req_id)
@@ -169,6 +234,27 @@ class VllmAdapter:
                     f"step {oldest.step}: vLLM appended {grown} tokens to r{req_id}, the "
                     f"adapter reported {int(req_id in used)}"
                 )
+            if request is None or request.is_finished():
+                held = any(req_id in later.output.num_scheduled_tokens for later in self.queue)
+                self.coverage.finished_held += held
+
+    def _ahead(self, rid: int, index: int) -> bool:
+        """Whether a submitted step still computes a slot of the request's block ``index``."""
+        slots = range(index * self.config.block_size, (index + 1) * self.config.block_size)
+        for later in self.queue:
+            held = later.computes.get(str(rid))
+            if held is not None and range(max(held.start, slots.start), min(held.stop, slots.stop)):
+                return True
+        return False
+
+    def _discarded(self, req_id: str, position: int, gone: bool) -> None:
+        """vLLM discards the token the oldest step sampled for the request at ``position``:
+        count the later submitted steps that compute that position from it (all of them if the
+        request is ``gone``, aborted or finished; else those scheduled before it was preempted)."""
+        for later in self.queue:
+            held = later.computes.get(req_id)
+            if held is not None and position in held and (gone or req_id in later.left):
+                self.coverage.unresolved_placeholders += 1
 
     def abort(self, rid: int) -> bool:
         if rid not in self.live_requests():
