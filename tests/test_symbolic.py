@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import z3
 
-from kvspec.conformance import prove
+from kvspec.proofs import prove
 from kvspec.conformance.report import read_events
 from kvspec.proofs import symbolic as sy
 from kvspec.spec import ACTIONS, INVARIANTS, Config, Illegal, State, apply, check, initial_state
