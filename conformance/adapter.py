@@ -84,6 +84,9 @@ class ReferenceAdapter:
     def __init__(self, config: Config, choices: Choices) -> None:
         self.config = config
         fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
+        unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
+        if unknown:  # a spec constant the engine has no setting for: refuse, never ignore
+            raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")
         self.engine = Engine(EngineConfig(**fields, vocab=4), choices=choices)
         self.events = self.engine.events
 

@@ -1,6 +1,7 @@
-"""The background judge of ``Monitor(config, background=True)``: the engine's thread only buffers
-events; a child process judges them with an ordinary synchronous ``Monitor`` (the fast path and
-its hand-over to the spec-based ``Checker`` for the report: no judging or report code here).
+"""``BackgroundMonitor``: a ``Monitor`` whose judge runs in a child process. The engine's thread
+only buffers events; the child judges them with an ordinary synchronous ``Monitor`` (the fast path
+and its hand-over to the spec judge for the report: no judging or report code here), so the
+report is the same, field for field.
 
 The child is a fresh interpreter (``python -c``), started once, that reads pickled messages on
 its stdin (a reader thread takes them off the pipe at once, so the parent never waits on a full
@@ -35,6 +36,7 @@ as ``marshal``, with smaller messages.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import queue
@@ -43,14 +45,16 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, BinaryIO
+from collections.abc import Iterable
+from typing import BinaryIO
 
-from .lockstep import Event, Finding
+from kvspec.spec import Config
 
-if TYPE_CHECKING:
-    from kvspec.spec import Config
+from .judge import Finding
+from .monitor import Monitor, Violation
+from .report import Report
 
-    from .checker import Report
+Event = tuple[object, ...]
 
 BATCH_SIZE = 1024
 """Events per message to the child: large enough that a send costs little per event."""
@@ -68,15 +72,110 @@ class JudgeDied(RuntimeError):
     """The child process ended without a verdict (its error, if any, is on stderr)."""
 
 
-class Background:
-    """The parent's side: send batches, read acks, get the verdict."""
+class BackgroundMonitor:
+    """A ``Monitor`` judging in a child process: ``feed`` only appends to a buffer and, every
+    ``batch_size`` events, sends it. A finding is raised (or returned) at the first ``feed`` that
+    completes a batch, or at ``close``, after the child found it: fewer than
+    ``(queue_depth + 1) * batch_size`` events after the offending one (at most ``queue_depth``
+    batches wait for the judge; the engine waits when they are that many). ``close()`` always
+    waits for the verdict; leaving a ``with`` block on an exception kills the child. Events must
+    not be mutated after ``feed``. ``judging``: ``fast`` (the default), ``spec`` or ``observed``,
+    as the synchronous ``Monitor``'s named constructors."""
+
+    def __init__(
+        self,
+        config: Config,
+        judging: str = "fast",
+        check_every: int = 1,
+        raise_on_finding: bool = True,
+        name: str = "<monitor>",
+        window: int | None = None,
+        batch_size: int = BATCH_SIZE,
+        queue_depth: int = QUEUE_DEPTH,
+    ) -> None:
+        if judging not in JUDGINGS:
+            raise ValueError(f"unknown judging {judging!r}; one of {', '.join(JUDGINGS)}")
+        self.raise_on_finding = raise_on_finding
+        self.name = name
+        options = dict(judging=judging, check_every=check_every, name=name, window=window)
+        self.child = Child(config, options, batch_size, queue_depth)
+        self._buffer: list[Event] = []
+        self._hashes: dict[int, str] = {}
+
+    def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
+        buffer = self._buffer
+        if hash_ is not None:
+            self._hashes[len(buffer)] = hash_
+        buffer.append(event)
+        if len(buffer) < self.child.batch_size:
+            return None
+        return self._outcome(self._ship())
+
+    def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        batch, rest = self.child.batch_size, iter(events)
+        while True:
+            buffer = self._buffer
+            buffer.extend(itertools.islice(rest, batch - len(buffer)))
+            if len(buffer) < batch:
+                return self.finding
+            if self._outcome(self._ship()) is not None:
+                return self.finding
+
+    @property
+    def finding(self) -> Finding | None:
+        """As far as the child has told so far."""
+        result = self.child.result
+        return None if result is None else result[0]
+
+    @property
+    def events_seen(self) -> int:
+        """The events fed so far, or at a verdict the events judged."""
+        child = self.child
+        return child.events + len(self._buffer) if child.result is None else child.result[1].events
+
+    def close(self) -> Finding | None:
+        events, hashes = self._buffer, self._hashes
+        self._buffer, self._hashes = [], {}
+        return self._outcome(self.child.finish(events, hashes))
+
+    def report(self) -> Report:
+        if self.child.result is not None:
+            return self.child.result[1]
+        return Report(self.name, 0, self.events_seen)
+
+    def _ship(self) -> Finding | None:
+        """Send the buffer (full); the finding if the child has made one."""
+        events, hashes = self._buffer, self._hashes
+        self._buffer, self._hashes = [], {}
+        return self.child.send(events, hashes)
+
+    def _outcome(self, finding: Finding | None) -> Finding | None:
+        if finding is not None and self.raise_on_finding:
+            raise Violation(self.report())
+        return finding
+
+    def __enter__(self) -> BackgroundMonitor:
+        return self
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.child.stop()
+
+
+JUDGINGS = ("fast", "spec", "observed")
+
+
+class Child:
+    """The parent's side of the pipe: send batches, read acks, get the verdict."""
 
     def __init__(
         self, config: Config, options: dict[str, object], batch_size: int, queue_depth: int
     ) -> None:
         for name, value in (("batch_size", batch_size), ("queue_depth", queue_depth)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Monitor: {name} must be a positive int, not {value!r}")
+                raise ValueError(f"BackgroundMonitor: {name} must be a positive int, not {value!r}")
         self.batch_size = batch_size
         self.queue_depth = queue_depth
         self.proc = subprocess.Popen(
@@ -250,9 +349,7 @@ def serve() -> None:
     os.dup2(2, 1)  # a stray print goes to stderr, not into the answers
     source = sys.stdin.buffer
     config, options = pickle.load(source)
-    from .checker import Monitor
-
-    monitor = Monitor(config, raise_on_finding=False, **options)
+    monitor = _synchronous(config, **options)  # type: ignore[arg-type]
     inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
     threading.Thread(target=_read, args=(source, inbox), daemon=True).start()
     out.write(b"s")
@@ -289,3 +386,14 @@ def serve() -> None:
             _answer(out, b"x", err)
         except Exception:  # noqa: BLE001 - not picklable: its text then
             _answer(out, b"x", JudgeDied(f"Monitor: the background judge raised {err!r}"))
+
+
+def _synchronous(
+    config: Config, judging: str, check_every: int, name: str, window: int | None
+) -> Monitor:
+    """The child's synchronous ``Monitor`` for these options."""
+    if judging == "spec":
+        return Monitor.on_spec(config, check_every, raise_on_finding=False, name=name)
+    if judging == "observed":
+        return Monitor.observed(config, raise_on_finding=False, name=name)
+    return Monitor.fast(config, raise_on_finding=False, name=name, window=window)

@@ -1,4 +1,4 @@
-"""The fast reader's line decoder: msgspec structs made from ``trace.FIELDS``, one per event kind.
+"""The fast reader's line decoder: msgspec structs made from ``spec.events.KINDS``, one per kind.
 
 ``iter_trace(path, fast=True)`` decodes each line with ``decoder(num_blocks)``: msgspec parses
 and validates in one pass (types, ranges, required fields, no unknown field; a tagged union on
@@ -18,8 +18,7 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from .lockstep import Event
-from .trace import FIELDS, OPTIONAL, REASONS
+from kvspec.spec.events import KINDS, OPTIONAL, REASONS, Event
 
 Decoded = tuple[Event, "str | None"]
 Error = msgspec.MsgspecError
@@ -51,7 +50,8 @@ def decoder(num_blocks: int) -> Callable[[bytes], Decoded]:
     """``raw line -> (event tuple, hash or None)``; raises ``Error`` for anything else."""
     types = _types(num_blocks)
     kinds: dict[type, tuple[str, bool]] = {}
-    for kind, fields in FIELDS.items():
+    for kind, spec in KINDS.items():
+        fields = spec.fields
         spec: list[tuple[str, object] | tuple[str, object, object]] = [
             (name, types[type_]) for name, type_ in fields
         ]

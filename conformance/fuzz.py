@@ -1,11 +1,11 @@
 """Lockstep stateful fuzzing: Hypothesis generates workloads, drives an engine, the spec judges.
 
 The arrow "workload drives engine" lives here. ``lockstep_machine`` builds a Hypothesis
-``RuleBasedStateMachine`` for one cell (policy, discipline, preemption, depth): its rules are a
-workload (requests arriving with shared prefixes, engine steps, aborts, prefix-cache resets) and
-every nondeterministic choice the engine makes (which request a general scheduler admits or
-preempts, which external KV loads fail) is drawn by Hypothesis too, so failures shrink. After every
-rule, the engine's new events go through a ``Judge`` and its refcounts and free queue are compared
+``RuleBasedStateMachine`` for one cell (policy, discipline, preemption, depth, async scheduling,
+stale output): its rules are a workload (requests arriving with shared prefixes, engine steps,
+aborts, prefix-cache resets) and every nondeterministic choice the engine makes (which request a
+general scheduler admits or preempts, which external KV loads fail) is drawn by Hypothesis too,
+so failures shrink. After every rule, the engine's new events go through a ``Judge`` and its refcounts and free queue are compared
 with the spec's. ``run_cell`` runs a machine for a time budget and returns what it found.
 """
 
@@ -27,11 +27,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvspec.spec import Config
+from kvspec.spec import STALE_OUTPUTS, Config
 
 from .adapter import Factory, reference
-from .lockstep import Event, Finding, Judge
-from .observed import ObservedJudge
+from .judge import Finding, Judge
+
+Event = tuple[object, ...]
 
 PREFIXES = ((1, 2, 3, 1, 2, 3, 1, 2), (2, 2, 1, 1, 3, 3, 2, 2), (3, 1, 3, 1, 2, 1, 2, 1))
 """Shared "system prompts": requests that start with the same one share prefix blocks."""
@@ -81,6 +82,31 @@ class Tally:
     started: float = field(default_factory=time.monotonic)
 
 
+def timings(
+    depth: int | None, async_scheduling: bool | None, stale_output: str | None
+) -> st.SearchStrategy[tuple[bool, str, int]]:
+    """(async scheduling, stale output, depth) of a cell; None draws the setting. A drawn depth
+    is 1 to 3, or 2 to 3 with async scheduling or delivered stale output (at depth 1 neither
+    differs from the synchronous engine); an explicit one must be >= 2 for them (ValueError)."""
+    if depth is not None and depth < 2 and (async_scheduling or stale_output == "deliver"):
+        raise ValueError(
+            f"depth {depth}: async scheduling and delivered stale output need depth >= 2"
+        )
+
+    def depths(overlap: bool) -> st.SearchStrategy[int]:
+        return st.just(depth) if depth is not None else st.integers(2 if overlap else 1, 3)
+
+    if async_scheduling is not None and stale_output is not None:
+        return depths(async_scheduling or stale_output == "deliver").map(
+            lambda d: (async_scheduling, stale_output, d)
+        )
+    asyncs = st.booleans() if async_scheduling is None else st.just(async_scheduling)
+    stales = st.sampled_from(STALE_OUTPUTS) if stale_output is None else st.just(stale_output)
+    return st.tuples(asyncs, stales).flatmap(
+        lambda t: depths(t[0] or t[1] == "deliver").map(lambda d: (t[0], t[1], d))
+    )
+
+
 def lockstep_machine(
     policy: str,
     discipline: str = "vllm",
@@ -89,11 +115,16 @@ def lockstep_machine(
     loads: bool = False,
     invariants: Collection[str] | None = None,
     factory: Factory = reference,
+    async_scheduling: bool | None = False,
+    stale_output: str | None = "drop",
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3. With
-    ``loads``, some requests find their prompt in an external KV store and loads may fail.
-    ``factory`` builds the engine under test (``adapter.py``; default: the reference engine)."""
-    depths = st.integers(1, 3) if depth is None else st.just(depth)
+    """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3 (2 to 3
+    under async scheduling or delivered stale output). With ``loads``, some requests find their
+    prompt in an external KV store and loads may fail. ``async_scheduling`` (``Config``: the
+    engine schedules on placeholders) and ``stale_output`` (``"drop"`` or ``"deliver"``) are
+    fixed, or drawn when None. ``factory`` builds the engine under test (``adapter.py``; default:
+    the reference engine)."""
+    timing = timings(depth, async_scheduling, stale_output)
     externals = st.booleans() if loads else st.just(False)
     tally = Tally()
 
@@ -101,13 +132,19 @@ def lockstep_machine(
         @initialize(
             num_blocks=st.integers(4, 8),
             block_size=st.sampled_from((2, 4)),
-            depth=depths,
+            timing=timing,
             token_budget=st.integers(3, 12),
             max_running=st.integers(2, 4),
         )
         def configure(
-            self, num_blocks: int, block_size: int, depth: int, token_budget: int, max_running: int
+            self,
+            num_blocks: int,
+            block_size: int,
+            timing: tuple[bool, str, int],
+            token_budget: int,
+            max_running: int,
         ) -> None:
+            overlap, stale, depth = timing
             common = dict(
                 num_blocks=num_blocks,
                 block_size=block_size,
@@ -118,6 +155,8 @@ def lockstep_machine(
                 token_budget=token_budget,
                 max_running=max_running,
                 stop_token=0,
+                async_scheduling=overlap,
+                stale_output=stale,
             )
             self.choices = DataChoices()
             try:
@@ -126,9 +165,7 @@ def lockstep_machine(
                 reject()
             self.config = self.engine.config
             judging = getattr(self.engine, "judging", "strict")
-            self.judge = (ObservedJudge if judging == "observed" else Judge)(
-                self.config, invariants
-            )
+            self.judge = Judge.spec(self.config, judging == "observed", invariants)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             tally.runs += 1
@@ -192,12 +229,17 @@ def lockstep_machine(
                 self._raise_if(self.judge.settle())
             else:
                 self._raise_if(self.judge.compare(*snapshot))
+            check_kv_stream = getattr(self.engine, "check_kv_stream", None)
+            if (
+                check_kv_stream is not None
+            ):  # the engine's own KV-event stream (conformance/kvevents/engine_stream.py)
+                self._raise_if(check_kv_stream(self.judge))
 
         def teardown(self) -> None:
             if not hasattr(self, "judge"):
                 return
-            tally.commits += self.judge.state.commits
-            tally.lost_hits += self.judge.state.lost_hits
+            tally.commits += self.judge.model.state.commits
+            tally.lost_hits += self.judge.model.state.lost_hits
 
         def _run(self, action: str, call: Callable[[], object]) -> None:
             start = len(self.engine.events)
@@ -235,12 +277,22 @@ def lockstep_machine(
                 pass
 
     loads_tag = ",loads" if loads else ""
+    timing_tag = _timing_tag(async_scheduling, stale_output)
     target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
     LockstepMachine.__name__ = (
-        f"Lockstep[{target}{policy},{discipline},{preemption},{depth or 'D'}{loads_tag}]"
+        f"Lockstep[{target}{policy},{discipline},{preemption},{depth or 'D'}"
+        f"{timing_tag and ','}{timing_tag}{loads_tag}]"
     )
     LockstepMachine.tally = tally  # type: ignore[attr-defined]
     return LockstepMachine
+
+
+def _timing_tag(async_scheduling: bool | None, stale_output: str | None) -> str:
+    """'' for the synchronous drop cell, else e.g. 'async,deliver' ('?' where drawn)."""
+    if async_scheduling is False and stale_output == "drop":
+        return ""
+    overlap = {True: "async", False: "sync", None: "async?"}[async_scheduling]
+    return f"{overlap},{stale_output or 'stale?'}"
 
 
 @dataclass
@@ -257,6 +309,9 @@ class CellResult:
     runs: int
     commits: int
     lost_hits: int
+    async_scheduling: bool | None = False
+    """Fixed, or None: drawn per example."""
+    stale_output: str | None = "drop"
 
     @property
     def lost_hits_per_1000_steps(self) -> float:
@@ -275,12 +330,24 @@ def run_cell(
     steps: int = 40,
     invariants: Collection[str] | None = None,
     factory: Factory = reference,
+    async_scheduling: bool | None = False,
+    stale_output: str | None = "drop",
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk) or ``seconds`` run out.
 
     Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
     reproducible from its seed."""
-    machine = lockstep_machine(policy, discipline, preemption, depth, loads, invariants, factory)
+    machine = lockstep_machine(
+        policy,
+        discipline,
+        preemption,
+        depth,
+        loads,
+        invariants,
+        factory,
+        async_scheduling,
+        stale_output,
+    )
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
         max_examples=chunk,
@@ -315,4 +382,6 @@ def run_cell(
         tally.runs,
         tally.commits,
         tally.lost_hits,
+        async_scheduling,
+        stale_output,
     )

@@ -1,27 +1,33 @@
-"""From an event trace to a replay plan: what each executed step writes and reads, per the spec.
+"""From a trace to a replay plan: what each executed step writes and reads, per the spec (the arrow
+"the same trace replays on real tensors").
 
-The spec decides which block a step may read; ``replay_plan`` turns that into work for real
-tensors. It runs the trace's decisions through the spec (the trace's own effect events are left
-to the judge, ``lockstep.Judge``) and yields, in trace order:
+``replay_plan`` runs the trace through a spec judge (strict or observed, as its header says; no
+invariant checked: a replay shows what the bytes hold, whatever the verdict) whose recorder turns
+the spec's state into work for real tensors, in trace order:
 
 * ``Fill(block)`` for every block the spec allocates (its bytes are garbage until written);
 * ``Executed(step, event_index, work)`` at every ``execute`` decision, with one ``Work`` per
-  entry of the step in scheduling order, taken from the spec's state just before the execution.
+  entry of the step in scheduling order, read from the spec's state just before the execution.
 
-``impl/paged/replay.py`` executes the plan on a paged KV cache and compares every attention output
-with dense attention computed from scratch.
+Under async scheduling a step may compute the K/V of a position whose token is a placeholder
+(``docs/model.md``): the plan gives it the token the sampling step's commit resolves it to, or,
+when that sample is discarded, a token no real one equals (the bytes are garbage for every later
+reader). ``impl/paged/replay.py`` executes the plan on a paged KV cache and compares every
+attention output with dense attention computed from scratch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import replace
 
 from kvspec.impl.paged.records import Executed, Fill, Record, Work
-from kvspec.spec import Config, Illegal, apply, initial_state
-from kvspec.spec.state import State
+from kvspec.spec import Config, Placeholder
 
-from .lockstep import Event
-from .report import EFFECTS
+from .judge import Judge, Model
+from .judge.spec_model import SpecModel
+
+Event = tuple[object, ...]
 
 
 class PlanError(ValueError):
@@ -33,44 +39,74 @@ class PlanError(ValueError):
         self.reason = message
 
 
-def replay_plan(config: Config, events: Iterable[Event]) -> Iterator[Record]:
-    """Yield the plan of a trace; raise ``PlanError`` (a ``ValueError``) on an illegal event."""
-    s = initial_state(config)
-    for index, event in enumerate(events):
-        if event and event[0] in EFFECTS:
-            continue  # the spec computes every effect itself
-        executed = _work_of(s, index, event) if event and event[0] == "execute" else None
-        try:
-            effects = apply(s, event)
-        except Illegal as err:
-            raise PlanError(index, str(err)) from None
-        for effect in effects:
-            if effect[0] == "alloc":
-                yield Fill(int(effect[2]))  # type: ignore[call-overload]
-        if executed is not None:
-            yield executed
+class PlanRecorder:
+    """A judge's recorder that writes the replay plan."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.resolved: dict[Placeholder, int] = {}
+
+    def decision(self, line: int, event: Event, model: Model) -> None:
+        """``line``: the event's index + 1 (an in-process stream)."""
+        if event[0] == "commit":
+            for rid, token in event[2]:  # type: ignore[attr-defined]
+                self.resolved[Placeholder(event[1], rid)] = token  # type: ignore[arg-type]
+        elif event[0] == "execute":
+            s = model.export()
+            step = next((st for st in s.steps if st.phase != "executed"), None)
+            if step is not None and step.id == event[1]:
+                failed = event[2]
+                work = tuple(
+                    Work(
+                        req=rid,
+                        tokens=tuple(s.ahead(s.requests[rid])[: e.end]),  # type: ignore[arg-type]
+                        start=e.start,
+                        end=e.end,
+                        blocks=tuple(e.blocks),
+                        load=e.load,
+                        failed=rid in failed,  # type: ignore[operator]
+                        live=rid in step.live,
+                    )
+                    for rid, e in step.entries.items()
+                )
+                self.records.append(Executed(step.id, line - 1, work))
+
+    def effect(self, line: int, event: Event) -> None:
+        if event[0] == "alloc":
+            self.records.append(Fill(event[2]))  # type: ignore[arg-type]
+
+    def pruned(self, rid: int) -> None:
+        pass
+
+    def plan(self) -> list[Record]:
+        """The records, each placeholder a token: its resolution, or garbage."""
+        return [_resolved(record, self.resolved) for record in self.records]
 
 
-def _work_of(s: State, index: int, event: Event) -> Executed | None:
-    """The step an ``execute`` decision runs, read before the spec applies it (None when the
-    decision is illegal: ``apply`` then says why)."""
-    if len(event) != 3 or not isinstance(event[2], tuple):
-        return None
-    step_id, failed = event[1], event[2]
-    step = next((st for st in s.steps if st.phase != "executed"), None)
-    if step is None or step.id != step_id:
-        return None
-    work = tuple(
-        Work(
-            req=rid,
-            tokens=tuple(s.requests[rid].tokens[: e.end]),
-            start=e.start,
-            end=e.end,
-            blocks=tuple(e.blocks),
-            load=e.load,
-            failed=rid in failed,
-            live=rid in step.live,
-        )
-        for rid, e in step.entries.items()
-    )
-    return Executed(step.id, index, work)
+def replay_plan(config: Config, events: Iterable[Event], judging: str = "strict") -> list[Record]:
+    """The plan of a trace; ``PlanError`` (a ``ValueError``) where the spec does not accept it."""
+    recorder = PlanRecorder()
+    judge = Judge(SpecModel(config), judging == "observed", recorder, invariants=())
+    finding = judge.feed_all(events) or judge.finish()
+    if finding is not None:
+        raise PlanError(finding.event, f"{finding.invariant}: {finding.message}")
+    return recorder.plan()
+
+
+def _resolved(record: Record, tokens: dict[Placeholder, int]) -> Record:
+    if not isinstance(record, Executed):
+        return record
+    work = []
+    for w in record.work:
+        if any(isinstance(t, Placeholder) for t in w.tokens):
+            resolved = tuple(
+                (tokens.get(t, _garbage(t)) if isinstance(t, Placeholder) else t) for t in w.tokens
+            )
+            w = replace(w, tokens=resolved)
+        work.append(w)
+    return replace(record, work=tuple(work))
+
+
+def _garbage(placeholder: Placeholder) -> int:
+    """A token no real one equals (real tokens are >= 0), distinct per placeholder."""
+    return -1 - (placeholder.step << 32) - placeholder.req

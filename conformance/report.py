@@ -1,27 +1,96 @@
-"""Readable text for events and counterexamples, and the event file format.
+"""Reports: what a judge found, as data (``Report``), and its renderings as text and JSON; readable
+phrases for events and counterexamples.
 
-Event files are JSON Lines: a header object, then one JSON array per event exactly as the engine
-emitted it (tuples become arrays). The header records the configuration, so a file can be judged
-again on its own. (Issue #4 turns this into the documented trace format.)
+A ``Report`` is made from a stream judge (``report_of``: the finding's fields, the violating
+event and its minimal history from the judge's recorder, the timeline of the involved blocks for
+the picture) and rendered separately: ``text`` for a terminal, ``as_dict`` for ``--json`` (fields,
+not prose), ``html.write_html`` for the picture. Nothing here parses a message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
-from pathlib import Path
-
-import orjson
+from dataclasses import dataclass, field
 
 from kvspec.spec import Config
+from kvspec.spec.events import EFFECTS, blocks_of, request_of, requests_of
 
-from .lockstep import Event, Finding
+from .judge import Finding, Judge
 
-EFFECTS = frozenset(
-    {"hit", "evict", "alloc", "publish", "unpublish", "free", "load_failed", "finish"}
-)
-FORMAT = "kvspec-events"
-VERSION = 0
+Event = tuple[object, ...]
+
+
+@dataclass
+class Report:
+    path: str
+    exit_code: int
+    """0 holds, 1 violation, 2 unreadable."""
+    events: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    """For exit 2: ``file:line: message``."""
+    line: int | None = None
+    invariant: str | None = None
+    message: str | None = None
+    explanation: str | None = None
+    event: str | None = None
+    arose_after: int | None = None
+    history: list[tuple[int, str]] = field(default_factory=list)
+    timeline: list[tuple[int, int, str, int | None]] = field(default_factory=list)
+    """(line, block, what, request) for the picture: the involved blocks' history."""
+    note: str | None = field(default=None, compare=False)
+    """How it was judged, when not as usual: the fast model from source (``fastbuild.py``)."""
+
+    @property
+    def status(self) -> str:
+        return ("holds", "violation", "unreadable")[self.exit_code]
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "path": self.path,
+            "status": self.status,
+            "exit": self.exit_code,
+            "events": self.events,
+            "seconds": round(self.seconds, 3),
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.note is not None:
+            out["note"] = self.note
+        if self.invariant is not None:
+            out["violation"] = {
+                "line": self.line,
+                "where": f"{self.path}:{self.line}",
+                "invariant": self.invariant,
+                "message": self.message,
+                "explanation": self.explanation,
+                "event": self.event,
+                "arose_after_line": self.arose_after,
+                "history": [{"line": ln, "event": text} for ln, text in self.history],
+            }
+        return out
+
+    def text(self) -> str:
+        if self.exit_code == 2:
+            return self.error or f"{self.path}: unreadable"
+        note = "" if self.note is None else f" [note: {self.note}]"
+        if self.exit_code == 0:
+            return f"{self.path}: holds ({self.events} events, {self.seconds:.2f} s){note}"
+        lines = [
+            f"{self.path}:{self.line}: {self.invariant}: {self.message}",
+            f"  event: {self.event}",
+            f"  ({self.explanation})",
+        ]
+        if self.arose_after is not None:
+            lines.append(
+                f"  (incremental check: the state was fine at line {self.arose_after}; it broke "
+                f"between there and line {self.line})"
+            )
+        lines.append("  minimal history (events that touched the blocks and requests involved):")
+        lines += [f"    {self.path}:{ln}: {text}" for ln, text in self.history]
+        if note:
+            lines.append(f" {note}")
+        return "\n".join(lines)
 
 
 def describe(event: Event) -> str:
@@ -36,6 +105,8 @@ def describe(event: Event) -> str:
             return f"schedule r{rid} for {tokens} tokens"
         case "schedule", (rid, 0, loaded):
             return f"schedule r{rid} to load {loaded} blocks from the external store"
+        case "schedule", (rid, tokens, loaded):
+            return f"schedule r{rid} for {tokens} tokens and to load {loaded} blocks"
         case "preempt", (rid,):
             return f"preempt r{rid}"
         case "submit", (step,):
@@ -66,6 +137,8 @@ def describe(event: Event) -> str:
             return f"r{rid}'s load failed: it recomputes"
         case "finish", (rid, reason):
             return f"r{rid} finishes ({reason})"
+        case "dedup", (rid, index, block):
+            return f"r{rid}[{index}] now names the published copy block {block}"
     return repr(event)
 
 
@@ -106,42 +179,56 @@ def format_counterexample(
     return "\n".join(lines)
 
 
-def write_events(path: str | Path, config: Config, events: Iterable[Event]) -> int:
-    """Write an event file; return the number of events written."""
-    count = 0
-    with open(path, "wb") as out:
-        header = {"format": FORMAT, "version": VERSION, "config": asdict(config)}
-        out.write(orjson.dumps(header) + b"\n")
-        for event in events:
-            out.write(orjson.dumps(event) + b"\n")
-            count += 1
-    return count
+def describe_any(event: Event) -> str:
+    """``describe`` plus the checker's own entries (a step's writes and reads of a block)."""
+    kind = event[0]
+    if kind in ("wrote", "read"):
+        _, rid, block, step = event
+        verb = "writes" if kind == "wrote" else "reads"
+        return f"step {step} {verb} block {block} for r{rid}"
+    return describe(event)
 
 
-def read_events(path: str | Path) -> tuple[Config, list[Event]]:
-    """Read an event file back; raise ValueError naming file:line on malformed input."""
-    with open(path, "rb") as f:
-        lines = f.read().splitlines()
-    if not lines:
-        raise ValueError(f"{path}:1: empty file")
-    try:
-        header = orjson.loads(lines[0])
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise ValueError("not a kvspec event file of this version")
-        config = Config(**header["config"])
-    except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError, ValueError) as err:
-        raise ValueError(f"{path}:1: bad header: {err}") from None
-    events = []
-    for number, line in enumerate(lines[1:], 2):
-        try:
-            raw = orjson.loads(line)
-        except orjson.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not JSON: {err}") from None
-        if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
-            raise ValueError(f"{path}:{number}: an event is a JSON array starting with its kind")
-        events.append(_tuples(raw))
-    return config, events
+def involved(judge: Judge) -> tuple[set[int], set[int]]:
+    """(blocks, requests) named by the judge's finding and by the violating event."""
+    finding = judge.finding
+    if finding is None:
+        return set(), set()
+    blocks, requests = set(finding.blocks), set(finding.requests)
+    if judge.last is not None:
+        blocks.update(blocks_of(judge.last))
+        requests.update(requests_of(judge.last))
+    n = judge.config.num_blocks
+    return {b for b in blocks if isinstance(b, int) and 0 <= b < n}, requests
 
 
-def _tuples(value: object) -> object:
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+def report_of(judge: Judge, name: str, seconds: float = 0.0, note: str | None = None) -> Report:
+    """The report of a stream judge's finding (its recorder gives the minimal history)."""
+    finding = judge.finding
+    assert finding is not None and judge.recorder is not None
+    blocks, requests = involved(judge)
+    last = None if judge.last is None else (finding.line or judge.line, judge.last)
+    history = judge.recorder.minimal_history(blocks, requests, last)  # type: ignore[attr-defined]
+    timeline = []
+    for line, event in history:
+        kind = str(event[0])
+        rid = event[1] if kind in ("wrote", "read") else request_of(event)
+        ids: Iterable[object] = (event[2],) if kind in ("wrote", "read") else blocks_of(event)
+        for block in ids:
+            if block in blocks:
+                timeline.append((line, block, kind, rid))  # type: ignore[arg-type]
+    return Report(
+        name,
+        1,
+        judge.events_seen,
+        seconds,
+        line=finding.line,
+        invariant=finding.invariant,
+        message=finding.message,
+        explanation=finding.explanation,
+        event=describe_any(judge.last) if judge.last is not None else None,
+        arose_after=finding.arose_after,
+        history=[(ln, describe_any(e)) for ln, e in history],
+        timeline=timeline,  # type: ignore[arg-type]
+        note=note,
+    )

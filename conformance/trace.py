@@ -1,12 +1,18 @@
-"""Trace format v1: how any engine hands its block-lifecycle events to kvspec.
+"""Events on disk: trace format v1 (how any engine hands its block-lifecycle events to kvspec) and
+kvspec's own older event files (v0), read through one door.
 
-JSON Lines. Line 1 is a header object; every further line is one JSON object ``{"ev": KIND, ...}``
-with named fields, one per event of ``docs/events.md``. ``docs/trace-format.md`` documents every
-field; ``trace-v1.schema.json`` (shipped in this package) is the JSON Schema of a line.
+v1 is JSON Lines. Line 1 is a header object; every further line is one JSON object
+``{"ev": KIND, ...}`` with named fields, one per kind of ``spec/events.py``.
+``docs/trace-format.md`` documents every field; ``trace-v1.schema.json`` (shipped in this package)
+is the JSON Schema of a line. v0 event files (``kvspec fuzz --out`` and ``kvspec simulate --out``
+without ``--format v1``) are a header ``{"format": "kvspec-events", "version": 0, "config": ...}``
+then one JSON array per event tuple.
 
-``iter_trace`` streams: it reads one line at a time and validates it completely before yielding
-it, so a checker's memory does not grow with the file. Trace content is data: it is parsed with
-a JSON parser and checked field by field, never evaluated, unpickled or imported.
+``open_trace`` opens a file once, sniffs its format from the header once, and streams its events:
+it reads one line at a time and validates it completely before yielding it, so a checker's memory
+does not grow with the file; ``Trace.events(start)`` reads again from an earlier line (the fast
+path's hand-over) on the same open file. Trace content is data: it is parsed with a JSON parser
+and checked field by field, never evaluated, unpickled or imported.
 """
 
 from __future__ import annotations
@@ -14,16 +20,23 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import orjson
 
+from kvspec import __version__
 from kvspec.spec import OBSERVED_POLICIES, Config
+from kvspec.spec.events import KINDS, OPTIONAL, REASONS
 
-from .lockstep import Event
+from .fastread import Error, decoder
+
+Event = tuple[object, ...]
 
 FORMAT = "kvspec-trace"
 VERSION = 1
+V0_FORMAT = "kvspec-events"
+"""kvspec's own older event files (``--format v0``, the default of ``fuzz`` and ``simulate``)."""
 GUARANTEES = ("writes_before_reads", "steps_execute_in_order", "submitted_steps_write")
 """Execution guarantees the checker's model assumes; a v1 trace must declare them all true."""
 MODEL_FIELDS = (
@@ -34,43 +47,17 @@ MODEL_FIELDS = (
     "token_budget",
     "max_running",
     "stop_token",
+    "async_scheduling",
+    "stale_output",
 )
-REASONS = ("length", "stop", "abort")
 JUDGING = ("strict", "observed")
 """How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
 modes"): observed for engines whose pool picks other free blocks or duplicates than the spec's, or
 that register on their own (policy ``engine-registers``)."""
 
-# Field types: "id" a non-negative int (request or step id), "block" a block id in
-# 0 .. num_blocks - 1, "nat" an int >= 0, "int" any int, "tokens" a non-empty list of ints >= 0,
-# "blocks" a list of block ids, "ids" a list of request ids, "sampled" a list of [req, token],
-# "reason" one of REASONS, "hash" a non-empty string (optional).
-FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
-    # decisions
-    "arrive": (("req", "id"), ("tokens", "tokens"), ("max_tokens", "nat"), ("priority", "int")),
-    "begin": (("step", "id"),),
-    "schedule": (("req", "id"), ("tokens", "nat"), ("loaded", "nat")),
-    "preempt": (("req", "id"),),
-    "submit": (("step", "id"),),
-    "execute": (("step", "id"), ("failed", "ids")),
-    "commit": (("step", "id"), ("sampled", "sampled")),
-    "abort": (("req", "id"),),
-    "reset": (),
-    # effects
-    "hit": (("req", "id"), ("blocks", "blocks")),
-    "evict": (("block", "block"),),
-    "alloc": (("req", "id"), ("block", "block")),
-    "publish": (("req", "id"), ("index", "nat"), ("block", "block")),
-    "unpublish": (("block", "block"),),
-    "free": (("block", "block"),),
-    "load_failed": (("req", "id"),),
-    "finish": (("req", "id"), ("reason", "reason")),
-    "dedup": (("req", "id"), ("index", "nat"), ("block", "block")),
-}
-OPTIONAL = {"publish": ("hash",)}
-DECISIONS = frozenset(
-    ("arrive", "begin", "schedule", "preempt", "submit", "execute", "commit", "abort", "reset")
-)
+FIELDS: dict[str, tuple[tuple[str, str], ...]] = {name: kind.fields for name, kind in KINDS.items()}
+"""Every event kind's fields (name, type) in tuple order: ``kvspec.spec.events.KINDS``, the one
+vocabulary (its docstring says what each type admits)."""
 PRIVATE = "tokens-private traces (block hashes only, no token ids) are not supported yet"
 
 
@@ -130,8 +117,6 @@ def write_trace(
     opaque chained hash (blake2b of the block's token prefix), as a real engine's would.
     ``judging``: how the trace must be judged (``JUDGING``)."""
     if engine is None:
-        from kvspec import __version__
-
         engine = ("kvspec-reference", __version__)
     tokens: dict[int, list[int]] = {}
     count = 0
@@ -158,19 +143,28 @@ def write_trace(
 
 
 def parse_header(raw: bytes, path: str | Path) -> Config:
-    """The header line as the spec ``Config`` it declares, or ``TraceError`` at line 1."""
+    """A v1 header line as the spec ``Config`` it declares, or ``TraceError`` at line 1."""
+    return _v1_header(_header_object(raw, path), path)[0]
+
+
+def _header_object(raw: bytes, path: str | Path) -> dict[str, object]:
+    if not raw.strip():
+        raise TraceError(path, 1, "empty header line")
+    try:
+        header = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise TraceError(path, 1, f"header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise TraceError(path, 1, "the header must be a JSON object")
+    return header
+
+
+def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: ignore[type-arg]
+    """The v1 header's ``Config`` and how the trace is judged (``JUDGING``)."""
 
     def bad(message: str) -> TraceError:
         return TraceError(path, 1, message)
 
-    if not raw.strip():
-        raise bad("empty header line")
-    try:
-        header = orjson.loads(raw)
-    except orjson.JSONDecodeError as err:
-        raise bad(f"header is not JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise bad("the header must be a JSON object")
     if header.get("format") != FORMAT:
         raise bad(f'not a kvspec trace (header "format" is {header.get("format")!r})')
     if header.get("version") != VERSION:
@@ -205,9 +199,11 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     unknown = sorted(set(model) - set(MODEL_FIELDS))
     if unknown:
         raise bad(f'unknown "model" field {unknown[0]!r}')
-    for name in ("policy", "discipline", "preemption"):
+    for name in ("policy", "discipline", "preemption", "stale_output"):
         if name in model and not isinstance(model[name], str):
             raise bad(f'"model.{name}" must be a string')
+    if "async_scheduling" in model and not isinstance(model["async_scheduling"], bool):
+        raise bad('"model.async_scheduling" must be true or false')
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer')
@@ -219,32 +215,33 @@ def parse_header(raw: bytes, path: str | Path) -> Config:
     if model.get("stop_token") is not None and not _is_int(model["stop_token"]):
         raise bad('"model.stop_token" must be an integer or null')
     try:
-        return Config(header["num_blocks"], header["block_size"], **model)
+        return Config(header["num_blocks"], header["block_size"], **model), judging
     except (ValueError, TypeError) as err:
         raise bad(f"bad model: {err}") from None
 
 
-def judging_of(path: str | Path) -> str:
-    """The header's ``"judging"`` (``strict`` when absent or unreadable: the reader and
-    ``parse_header`` report what is wrong with a file or a header)."""
+def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: ignore[type-arg]
+    if header.get("version") != 0:
+        raise TraceError(path, 1, f"unsupported event file version {header.get('version')!r}")
     try:
-        with open(path, "rb") as f:
-            first = f.readline()
-        header = orjson.loads(first)
-    except (OSError, orjson.JSONDecodeError):
-        return "strict"  # the reader reports it
-    judging = header.get("judging", "strict") if isinstance(header, dict) else "strict"
-    return judging if judging in JUDGING else "strict"
+        return Config(**header["config"]), "strict"
+    except (TypeError, KeyError, ValueError) as err:
+        raise TraceError(path, 1, f"bad header: {err}") from None
 
 
 def parse_line(raw: bytes, num_blocks: int) -> tuple[Event, str | None]:
-    """One event line as ``(event tuple, hash or None)``; ``ValueError`` with the reason."""
+    """One v1 event line as ``(event tuple, hash or None)``; ``ValueError`` with the reason."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         if not raw.strip():
             raise ValueError("empty line") from None
         raise ValueError(f"not JSON (truncated line?): {err}") from None
+    return parse_object(obj, num_blocks)
+
+
+def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
+    """One event as a decoded JSON object ``{"ev": KIND, ...}``, checked field by field."""
     if not isinstance(obj, dict):
         raise ValueError('an event is a JSON object {"ev": KIND, ...}')
     kind = obj.get("ev")
@@ -334,54 +331,129 @@ def _json_type(value: object) -> str:
 TraceEvent = tuple[int, Event, "str | None"]
 
 
+class Trace:
+    """An open trace file (v1 or v0): its ``config``, how it is judged (``judging``), its
+    ``version``, and its events, each as ``(line number, event tuple, publish hash or None)``."""
+
+    def __init__(self, path: str | Path, fast: bool = False) -> None:
+        """Open ``path`` and read its header (``TraceError`` at line 1 when it is not one).
+        ``fast``: v1 lines are decoded and validated by msgspec first (``fastread.py``), and by
+        ``parse_line`` only when that fails (it accepts what msgspec is stricter about, such as
+        ``x_`` fields, and gives the message)."""
+        self.path = path
+        self.file = open(path, "rb")  # noqa: SIM115 -- closed by close() or the context
+        try:
+            first = self.file.readline()
+            if not first:
+                raise TraceError(path, 1, "empty file")
+            header = _header_object(first, path)
+            self.version = 0 if header.get("format") == V0_FORMAT else VERSION
+            read = _v0_header if self.version == 0 else _v1_header
+            self.config, self.judging = read(header, path)
+        except BaseException:
+            self.file.close()
+            raise
+        n = self.config.num_blocks
+        line = v0_line if self.version == 0 else parse_line
+        self._line: Callable[[bytes, int], tuple[Event, str | None]] = line
+        self._decode: Callable[[bytes], object] = (
+            decoder(n) if fast and self.version else lambda raw: line(raw, n)
+        )
+        self._refused: type[Exception] = Error if fast and self.version else ValueError
+
+    def events(self, start: int = 2) -> Iterator[TraceEvent]:
+        """The events from line ``start`` on (earlier lines are skipped unread); a line the
+        decoder refuses goes to ``parse_line``, which accepts it or says what is wrong
+        (``TraceError`` at that line)."""
+        f, path, n = self.file, self.path, self.config.num_blocks
+        decode, refused, line = self._decode, self._refused, self._line
+        f.seek(0)
+        number = start - 1
+        for _ in itertools.islice(f, start - 1):
+            pass
+        for raw in f:
+            number += 1
+            try:
+                got = decode(raw)
+            except refused:
+                try:
+                    got = line(raw, n)
+                except ValueError as err:
+                    raise TraceError(path, number, str(err)) from None
+            yield number, got[0], got[1]  # type: ignore[index]
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_trace(path: str | Path, fast: bool = False) -> Trace:
+    """Open a trace file of either format (``Trace``)."""
+    return Trace(path, fast)
+
+
 def iter_trace(
     path: str | Path, start: int = 2, fast: bool = False
 ) -> tuple[Config, Iterator[TraceEvent]]:
-    """Open a v1 trace: its ``Config`` now (header errors raise here), and an iterator of
-    ``(line number, event tuple, publish hash or None)``, each line validated before it is
-    yielded (``TraceError`` at the first bad line). The file is read one line at a time, from
-    line ``start`` (earlier lines are skipped unread). ``fast``: lines are decoded and validated by
-    msgspec first (``fastread.py``), and by ``parse_line`` only when that fails (it accepts what
-    msgspec is stricter about, such as ``x_`` fields, and gives the message)."""
-    f = open(path, "rb")  # noqa: SIM115 -- closed by the generator
-    try:
-        first = f.readline()
-        if not first:
-            raise TraceError(path, 1, "empty file")
-        config = parse_header(first, path)
-    except BaseException:
-        f.close()
-        raise
-    n = config.num_blocks
+    """A trace's ``Config`` now (header errors raise here) and its events from line ``start``
+    (the file is closed when the iterator is exhausted or collected)."""
+    trace = Trace(path, fast)
 
-    def numbered(
-        decode: Callable[[bytes], object], refused: type[Exception]
-    ) -> Iterator[TraceEvent]:
-        """Lines from ``start`` on, decoded by ``decode``; a line it refuses goes to
-        ``parse_line``, which accepts it or says what is wrong."""
-        with f:
-            number = start - 1
-            for _ in itertools.islice(f, start - 2):
-                pass
-            for raw in f:
-                number += 1
-                try:
-                    got = decode(raw)
-                except refused:
-                    try:
-                        got = parse_line(raw, n)
-                    except ValueError as err:
-                        raise TraceError(path, number, str(err)) from None
-                yield number, got[0], got[1]  # type: ignore[index]
+    def events() -> Iterator[TraceEvent]:
+        with trace:
+            yield from trace.events(start)
 
-    if fast:
-        from .fastread import Error, decoder
-
-        return config, numbered(decoder(n), Error)
-    return config, numbered(lambda raw: parse_line(raw, n), ValueError)
+    return trace.config, events()
 
 
 def read_trace(path: str | Path) -> tuple[Config, list[Event]]:
-    """A whole v1 trace as ``(config, events)`` (hashes dropped): for small files."""
+    """A whole trace as ``(config, events)`` (hashes dropped): for small files."""
     config, lines = iter_trace(path)
     return config, [event for _, event, _ in lines]
+
+
+def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
+    """A v0 line: a JSON array, the event tuple as the engine emitted it, checked field by field
+    as its v1 line would be (``ValueError`` naming what is wrong)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        if not raw.strip():
+            raise ValueError("empty line") from None
+        raise ValueError(f"not JSON (truncated line?): {err}") from None
+    if not isinstance(value, list) or not value or not isinstance(value[0], str):
+        raise ValueError("an event is a JSON array starting with its kind")
+    kind = value[0]
+    fields = FIELDS.get(kind)
+    if fields is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    if len(value) != len(fields) + 1:
+        raise ValueError(f"{kind}: {len(fields)} fields expected, got {len(value) - 1}")
+    obj = {"ev": kind, **{name: v for (name, _), v in zip(fields, value[1:], strict=True)}}
+    return parse_object(obj, num_blocks)[0], None
+
+
+def _tuples(value: object) -> object:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def write_events(path: str | Path, config: Config, events: Iterable[Event]) -> int:
+    """Write a v0 event file; return the number of events written."""
+    count = 0
+    with open(path, "wb") as out:
+        header = {"format": V0_FORMAT, "version": 0, "config": asdict(config)}
+        out.write(orjson.dumps(header) + b"\n")
+        for event in events:
+            out.write(orjson.dumps(event) + b"\n")
+            count += 1
+    return count
+
+
+def read_events(path: str | Path) -> tuple[Config, list[Event]]:
+    """A whole v0 event file as ``(config, events)``; ``ValueError`` naming file:line."""
+    return read_trace(path)

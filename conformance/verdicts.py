@@ -1,60 +1,121 @@
-"""The verdict table: every registration policy fuzzed under every scheduling discipline.
+"""The verdict table: every registration policy fuzzed under every scheduling discipline, with
+synchronous and async scheduling.
 
-Cells are (policy, discipline, preemption). Under ``general`` the victim may be any running request
-whatever the preemption setting, so ``general`` has one cell per policy. A verdict is what the
-fuzzer found within its budget: ``FAILS`` with a shrunk counterexample, or ``holds`` (no
-counterexample found, which is evidence, not proof: issue #3 adds proofs).
+Cells are (policy, discipline, preemption, workload, scheduling). Under ``general`` the victim may
+be any running request whatever the preemption setting, so ``general`` has one cell per policy
+and scheduling. Async cells schedule on placeholder tokens (``Config.async_scheduling``) at
+depth 2 or 3, with a preempted request's stale output dropped or delivered (vLLM's default);
+``general`` draws the stale-output mode per example. A verdict is what the fuzzer found within
+its budget: ``FAILS`` with a shrunk counterexample, or ``holds`` (no counterexample found, which
+is evidence, not proof: ``kvspec prove`` has the proofs). A cell whose fuzzing raised (a bug of
+kvspec, not of the engine) shows ``ERROR`` with the exception, and ``kvspec demo`` exits 4.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 from kvspec.spec import POLICIES
 
 from .fuzz import CellResult, run_cell
 
-CELLS = (
-    ("vllm", "fcfs", False),
-    ("vllm", "priority", False),
-    ("general", "priority", False),
-    ("vllm", "fcfs", True),
+CELLS: tuple[tuple[str, str, bool, bool, str | None], ...] = (
+    ("vllm", "fcfs", False, False, "drop"),
+    ("vllm", "priority", False, False, "drop"),
+    ("general", "priority", False, False, "drop"),
+    ("vllm", "fcfs", True, False, "drop"),
+    ("vllm", "fcfs", False, True, "drop"),
+    ("vllm", "priority", False, True, "drop"),
+    ("general", "priority", False, True, None),
+    ("vllm", "fcfs", False, True, "deliver"),
+    ("vllm", "priority", False, True, "deliver"),
 )
-"""(discipline, preemption, KV-load failures): the last cell adds requests whose prompt sits in an
-external KV store, and loads that fail."""
+"""(discipline, preemption, KV-load failures, async scheduling, stale output; None: drawn). The
+fourth cell adds requests whose prompt sits in an external KV store, and loads that fail."""
+
+
+@dataclass
+class CellError:
+    """A cell whose fuzzing raised instead of returning a verdict."""
+
+    policy: str
+    discipline: str
+    preemption: str
+    loads: bool
+    async_scheduling: bool | None
+    stale_output: str | None
+    error: str
+    """The exception, one line."""
+    details: str
+    """Its traceback."""
 
 
 def all_cells(
     seconds: float, seed_value: int = 0, policies: tuple[str, ...] = POLICIES, workers: int = 0
-) -> Iterator[CellResult]:
+) -> Iterator[CellResult | CellError]:
     """Fuzz every cell for ``seconds`` each, ``workers`` processes at once (0: one per core);
     results come in table order."""
     jobs = [
-        (policy, discipline, preemption, None, loads, seconds, seed_value)
+        (policy, discipline, preemption, loads, overlap, stale, seconds, seed_value)
         for policy in policies
-        for discipline, preemption, loads in CELLS
+        for discipline, preemption, loads, overlap, stale in CELLS
     ]
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         yield from pool.map(_run, jobs)
 
 
-def _run(job: tuple) -> CellResult:
-    return run_cell(*job)
+def _run(job: tuple) -> CellResult | CellError:
+    policy, discipline, preemption, loads, overlap, stale, seconds, seed_value = job
+    try:
+        return run_cell(
+            policy,
+            discipline,
+            preemption,
+            None,
+            loads,
+            seconds,
+            seed_value,
+            async_scheduling=overlap,
+            stale_output=stale,
+        )
+    except Exception as err:
+        message = " ".join(f"{type(err).__name__}: {err}".split())
+        return CellError(
+            policy, discipline, preemption, loads, overlap, stale, message, traceback.format_exc()
+        )
 
 
-def rows(results: list[CellResult]) -> list[tuple[str, ...]]:
-    """Table rows: policy, discipline, verdict, invariant, shortest counterexample (steps),
-    seconds to first failure, lost hits per 1,000 engine steps."""
+def scheduling(async_scheduling: bool | None, stale_output: str | None) -> str:
+    """The scheduling column: ``sync``, or ``async, drop`` / ``async, deliver`` /
+    ``async, drop|deliver`` (``|``: drawn per example)."""
+    stale = stale_output or "drop|deliver"
+    if async_scheduling is False:
+        return "sync" if stale == "drop" else f"sync, {stale}"
+    return f"{'async' if async_scheduling else 'sync|async'}, {stale}"
+
+
+def rows(results: list[CellResult | CellError]) -> list[tuple[str, ...]]:
+    """Table rows: policy, discipline, workload, scheduling, verdict, invariant, shortest
+    counterexample (steps), seconds to first failure, lost hits per 1,000 engine steps."""
     out = []
     for r in results:
+        cell = (
+            r.policy,
+            r.discipline if r.discipline == "general" else f"{r.discipline}/{r.preemption}",
+            "kv-load failures" if r.loads else "preempt/abort",
+            scheduling(r.async_scheduling, r.stale_output),
+        )
+        if isinstance(r, CellError):
+            out.append((*cell, "ERROR", r.error[:60], "-", "-", "-"))
+            continue
         failure = r.failure
         out.append(
             (
-                r.policy,
-                r.discipline if r.discipline == "general" else f"{r.discipline}/{r.preemption}",
-                "kv-load failures" if r.loads else "preempt/abort",
+                *cell,
                 "FAILS" if failure else "holds",
                 failure.finding.invariant if failure else "-",
                 str(len(failure.program)) if failure else "-",
@@ -69,6 +130,7 @@ HEADERS = (
     "policy",
     "discipline",
     "workload",
+    "scheduling",
     "verdict",
     "invariant broken",
     "cex steps",
@@ -77,7 +139,9 @@ HEADERS = (
 )
 
 
-def print_table(results: list[CellResult], echo: Callable[[object], None] | None = None) -> None:
+def print_table(
+    results: list[CellResult | CellError], echo: Callable[[object], None] | None = None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -85,6 +149,6 @@ def print_table(results: list[CellResult], echo: Callable[[object], None] | None
     for header in HEADERS:
         table.add_column(header)
     for row in rows(results):
-        style = "red" if row[3] == "FAILS" else "green"
+        style = {"FAILS": "red", "ERROR": "bold magenta"}.get(row[4], "green")
         table.add_row(*row, style=style)
-    (echo or Console(width=160).print)(table)
+    (echo or Console(width=180).print)(table)

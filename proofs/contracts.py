@@ -29,6 +29,9 @@ from kvspec.spec import pool
 from kvspec.spec.invariants import free_queue_exact, hash_index_consistent, null_block_pinned
 from kvspec.spec.state import Block, Config, Key, Request, State
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 MAX_BLOCKS = 5
 MAX_REF = 3
 MAX_KEY = 3

@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvspec.conformance.adapter import ReferenceAdapter
-from kvspec.conformance.lockstep import Event, Finding, Judge
+from kvspec.conformance.judge import Finding, Judge
 from kvspec.reference import Engine
 from kvspec.spec import Config
+
+Event = tuple[object, ...]
 
 
 class EnactError(RuntimeError):
@@ -53,7 +55,7 @@ def enact(config: Config, decisions: Sequence[Event]) -> tuple[list[Event], Find
             raise EnactError(
                 f"decision {number} {decision}: the engine cannot take it: {err}"
             ) from None
-    judge = Judge(config)
+    judge = Judge.spec(config)
     finding = judge.feed_all(engine.events)
     return engine.events, finding
 

@@ -34,6 +34,7 @@ sizes. ``bench/bench_prove.py`` runs it over a range of sizes.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,10 +117,10 @@ def conjuncts(model: sy.Model) -> dict[str, Callable[[sy.SState], Any]]:
     """The invariants and the policy's lemmas, each as a builder of its predicate on a state."""
     out: dict[str, Callable[[sy.SState], Any]] = {}
     for name, fn in sy.Z3_INVARIANTS.items():
-        out[name] = lambda S, fn=fn: fn(model, S)
+        out[name] = functools.partial(fn, model)
     for lem in lm.LEMMAS:
         if lem.applies(model.config.policy):
-            out[lem.name] = lambda S, fn=lem.predicate: fn(model, S)
+            out[lem.name] = functools.partial(lem.predicate, model)
     return out
 
 
@@ -128,7 +129,7 @@ def strengthening(model: sy.Model, S: sy.SState) -> dict[str, Any]:
     return {name: build(S) for name, build in conjuncts(model).items()}
 
 
-class _Reads(dict):  # type: ignore[type-arg]
+class _Reads(dict[Any, Any]):
     """A state that records which variables are read."""
 
     def __init__(self, S: sy.SState) -> None:
@@ -243,7 +244,9 @@ _PROVERS: dict[sy.Fragment, Prover] = {}
 """A worker's provers, one per cell (a worker lives for one ``Pool``)."""
 
 
-def check_obligation(fragment: sy.Fragment, i: int, c: int, deadline: float | None) -> dict:  # type: ignore[type-arg]
+def check_obligation(
+    fragment: sy.Fragment, i: int, c: int, deadline: float | None
+) -> dict[str, Any]:
     """Pooled job: one obligation of a cell, on the worker's prover for that cell."""
     if deadline is not None and time.monotonic() >= deadline:
         return {"answer": "unknown", "failing": None, "queries": [], "seconds": 0.0, "cpu": 0.0}
@@ -300,7 +303,7 @@ class CellInduction:
         self.model = sy.Model(fragment)  # no Z3 terms: instances and cases only
         self.order = obligations(self.model)
         self.index = {ob: n for n, ob in enumerate(self.order)}
-        self.answers: dict[int, dict] = {}  # type: ignore[type-arg]
+        self.answers: dict[int, dict[str, Any]] = {}
         self.base: list[str] | None = None
         self.cti: Cti | None = None
         self.cti_pending = False

@@ -48,6 +48,9 @@ from .symbolic import (
 )
 from .terms import And, If, Implies, Not, Or
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 
 @dataclass(frozen=True)
 class Lemma:

@@ -25,14 +25,17 @@ from typing import Any
 
 import z3
 
-from kvspec.conformance.lockstep import Event, Finding
-from kvspec.conformance.report import describe, format_counterexample, write_events
+from kvspec.conformance.judge import Finding
+from kvspec.conformance.report import describe, format_counterexample
+from kvspec.conformance.trace import write_events
 from kvspec.spec import Config, Illegal, apply, check, initial_state
 
 from . import induction
 from . import symbolic as sy
 from .enact import EnactError, enact
 from .parallel import Pool
+
+Event = tuple[object, ...]
 
 DEFAULTS = {"blocks": 4, "requests": 2, "depth": 2, "bound": 8, "block_size": 1, "tokens": 3}
 
@@ -193,7 +196,8 @@ def replay(
                 )
         failure = check(s)
         if failure is not None:
-            return program, events, Finding(failure[0], failure[1], len(events) - 1 - len(effects))
+            at = len(events) - 1 - len(effects)
+            return program, events, Finding(failure.invariant, failure.sentence, at)
     return program, events, None
 
 

@@ -42,6 +42,9 @@ from kvspec.spec.state import NULL_BLOCK, Config, State
 
 from .terms import And, If, Implies, Not, Or
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 Term = Any
 """A Z3 expression (z3 ships no type information)."""
 SKey = Any
@@ -85,6 +88,14 @@ class Fragment:
             (1 <= self.requests <= 3, f"requests must be 1..3 here, got {self.requests}"),
             (2 <= self.max_len <= 8, f"tokens per request must be 2..8, got {self.max_len}"),
             (self.vocab >= 1 and self.priorities >= 1, "vocab and priorities must be >= 1"),
+            (
+                not c.async_scheduling,
+                "async scheduling is not modelled by the Z3 model (synchronous steps only)",
+            ),
+            (
+                c.stale_output == "drop",
+                f"stale_output {c.stale_output!r} is not modelled by the Z3 model (only 'drop')",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -605,21 +616,25 @@ class Model:
                 block = S["tab", r, m]
                 if pol == "hide-uncommitted":
                     own_key = (r, (m + 1) * self.B)
-                    lost.append(
-                        self.count_if_lost(
-                            S, block, lambda b, k=own_key: k, lambda b, m=m: tracked[m], own=1
-                        )
-                    )
+                    live = tracked[m]
+
+                    def own_block_key(b: int, key: tuple[Any, Any] = own_key) -> tuple[Any, Any]:
+                        return key
+
+                    def kept(b: int, live: Term = live) -> Term:
+                        return live
+
+                    lost.append(self.count_if_lost(S, block, own_block_key, kept, own=1))
                 else:
-                    lost.append(
-                        self.count_if_lost(
-                            S,
-                            block,
-                            lambda b: (S["kreq", b], S["klen", b]),
-                            lambda b, m=m: And(tracked[m], S["hk", b]),
-                            own=1,
-                        )
-                    )
+                    live = tracked[m]
+
+                    def hashed(b: int) -> tuple[Any, Any]:
+                        return (S["kreq", b], S["klen", b])
+
+                    def kept_hashed(b: int, live: Term = live) -> Term:
+                        return And(live, S["hk", b])
+
+                    lost.append(self.count_if_lost(S, block, hashed, kept_hashed, own=1))
             S["lost"] = S["lost"] + total(lost)
             if pol != "hide-uncommitted":
                 for b in self.blocks:
@@ -874,10 +889,11 @@ class Model:
             for m in self.M:
                 block = S["eblk", k, r, m]
                 prefix = (r, zmin(S["ee", k, r], (m + 1) * B))
-                held = self.at_block(
-                    block,
-                    lambda b, p=prefix: self.holds(S, (S["wv", b], S["wreq", b], S["wlen", b]), p),
-                )
+
+                def holds_prefix(b: int, p: tuple[Any, Any] = prefix) -> Term:
+                    return self.holds(S, (S["wv", b], S["wreq", b], S["wlen", b]), p)
+
+                held = self.at_block(block, holds_prefix)
                 bad.append(And(nblk > m, Not(held)))
             isbad = disj(bad)
             S = dict(S)
@@ -1145,7 +1161,7 @@ Z3_INVARIANTS: dict[str, Callable[[Model, SState], Term]] = {
 # the bridge between the two forms: concrete states and decisions of the executable spec
 
 
-def _owner(s: State, prefix: tuple[int, ...], where: str) -> int:
+def _owner(s: State, prefix: tuple[object, ...], where: str) -> int:
     """A request whose tokens start with ``prefix`` (the reference a key or content uses)."""
     for rid in sorted(s.requests):
         if tuple(s.requests[rid].tokens[: len(prefix)]) == prefix:
@@ -1250,7 +1266,7 @@ def same(model: Model, S: SState, s: State) -> list[tuple[str, Term]]:
     def eq(key: SKey) -> None:
         out.append((key_name(key), S[key] == v[key]))
 
-    def names(req: Term, prefix: tuple[int, ...], what: str) -> None:
+    def names(req: Term, prefix: tuple[object, ...], what: str) -> None:
         for j, t in enumerate(prefix):
             out.append((f"{what}[{j}]", model.tok(S, req, j) == t))
 

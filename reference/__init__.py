@@ -11,15 +11,19 @@ Modules: ``config`` (EngineConfig), ``choices`` (nondeterminism), ``hashing``, `
 """
 
 from .choices import Choices, DefaultChoices, RandomChoices
-from .config import DISCIPLINES, POLICIES, PREEMPTIONS, EngineConfig
+from .config import DISCIPLINES, POLICIES, PREEMPTIONS, STALE_OUTPUTS, EngineConfig
 from .engine import Engine
 from .worker import FakeWorker, Worker
 from .workload import shared_prefix_workload
+
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
 
 __all__ = [
     "DISCIPLINES",
     "POLICIES",
     "PREEMPTIONS",
+    "STALE_OUTPUTS",
     "Choices",
     "DefaultChoices",
     "Engine",

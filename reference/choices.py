@@ -11,7 +11,8 @@ label               meaning of the answer
                     run the next running request, admit a waiting request, submit the
                     step, preempt a running request (unavailable moves are left out)
 ``general-admit``   general discipline: which waiting request to admit, in admission order,
-                    leaving out those scheduled or refused in this step
+                    leaving out those scheduled or refused in this step and those
+                    still waiting for their stale output (delivered mode)
 ``general-victim``  general discipline: a victim. For the preempt move: index into
                     ``running``. When a running request lacks blocks: index into the other
                     running requests tail first, the last option skipping the request.

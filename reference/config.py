@@ -13,6 +13,10 @@ POLICIES = (
 )
 DISCIPLINES = ("vllm", "general")
 PREEMPTIONS = ("fcfs", "priority")
+STALE_OUTPUTS = ("drop", "deliver")
+"""What becomes of the token a submitted step samples for a request preempted since: ``drop``
+(discarded; the request may be admitted again at once) or ``deliver`` (appended when that step
+commits; the request is not admitted again until every step holding it has committed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,12 @@ class EngineConfig:
     prefix_caching: bool = True
     """False: lookups find nothing (vLLM's ``enable_prefix_caching=False``), for benchmarks;
     blocks are still published. The spec does not model it: conformance runs keep True."""
+    async_scheduling: bool = False
+    """Schedule a running request on the tokens its in-flight steps will sample (placeholders,
+    vLLM's ``num_output_placeholders``): one more position per such step. False: a request
+    waits for its sampled token to commit before it is scheduled again."""
+    stale_output: str = "drop"
+    """``STALE_OUTPUTS``: what becomes of a preempted request's output in a submitted step."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -59,6 +69,11 @@ class EngineConfig:
             ),
             (_is_int(self.vocab) and self.vocab >= 1, "vocab must be an int >= 1"),
             (isinstance(self.prefix_caching, bool), "prefix_caching must be a bool"),
+            (isinstance(self.async_scheduling, bool), "async_scheduling must be a bool"),
+            (
+                self.stale_output in STALE_OUTPUTS,
+                f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",
+            ),
         )
         for ok, message in checks:
             if not ok:

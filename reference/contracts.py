@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 from .block_pool import Block, BlockPool, FreeBlockQueue
 
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
+
 MAX_BLOCKS = 5
 MAX_REF = 3
 MAX_KEY = 3

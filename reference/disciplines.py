@@ -5,13 +5,17 @@
   priority: the max ``(priority, arrival)`` over all running requests, possibly one already
   scheduled in this step) and retries; if it preempted itself, the running loop ends (as in
   vLLM). Then, only if nothing was preempted, waiting requests are admitted from the head until
-  one does not fit.
+  one does not fit, skipping (as vLLM does) those still waiting for their stale output.
+  Under async scheduling a running request is scheduled up to ``Scheduler.schedulable_end``
+  (its known tokens plus its placeholders).
 * ``schedule_general``: what a third-party scheduler may do, driven by ``Choices`` (see
   ``choices.py`` for the labels): admissions before, between and after running requests,
   admissions of any waiting request, preemption of any running request.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from .block_pool import Block
 from .choices import Choices
@@ -50,16 +54,18 @@ def schedule_vllm(sched: Scheduler, step: Step) -> None:
     token_budget = cfg.token_budget
     running = sched.running
     by_priority = cfg.preemption == "priority"
+    end_of = sched.schedulable_end
     i = 0
     while i < len(running):
         budget = token_budget - step.budget_used
         if budget <= 0:
             break
         req = running[i]
-        if req.loading is not None or req.computed >= len(req.tokens):
+        limit = end_of(req)
+        if req.loading is not None or req.computed >= limit:
             i += 1
             continue
-        num_tokens = min(len(req.tokens) - req.computed, budget)
+        num_tokens = min(limit - req.computed, budget)
         end = req.computed + num_tokens
         gave_up = False
         while kv.blocks_short(req, end):
@@ -80,12 +86,12 @@ def schedule_vllm(sched: Scheduler, step: Step) -> None:
         i += 1
     if step.preempted:
         return
-    waiting = sched.waiting
-    while waiting and len(running) < cfg.max_running:
+    waiting, held = sched.waiting, sched.held
+    while len(waiting) > len(held) and len(running) < cfg.max_running:
         budget = token_budget - step.budget_used
         if budget <= 0:
             break
-        head = waiting.head()
+        head = waiting.head() if not held else _first_admissible(waiting, held)
         assert head is not None
         hits, num_tokens, num_loaded, fits = plan_admission(sched, head, budget)
         if not fits:
@@ -96,9 +102,11 @@ def schedule_vllm(sched: Scheduler, step: Step) -> None:
 def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
     """Ask ``choices`` for moves until it submits (or a bound on the moves is reached). Each
     request is scheduled at most once per step; once an admission does not fit, no other is
-    tried until a preemption frees blocks (this keeps a step O(running) for long queues)."""
+    tried until a preemption frees blocks (this keeps a step O(running) for long queues).
+    Requests waiting for their stale output (``Scheduler.held``) are not candidates."""
     cfg, kv = sched.config, sched.kv
-    running, waiting = sched.running, sched.waiting
+    running, waiting, held = sched.running, sched.waiting, sched.held
+    end_of = sched.schedulable_end
     done: set[int] = set()  # scheduled, or given up on, in this step
     done_waiting: set[int] = set()  # those of them now waiting: not admissible in this step
     admit_blocked = False
@@ -106,10 +114,11 @@ def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
     for _ in range(limit):
         budget = cfg.token_budget - step.budget_used
         moves = []
-        nxt = _next_running(running, done) if budget > 0 else None
+        nxt = _next_running(running, done, end_of) if budget > 0 else None
         if nxt is not None:
             moves.append(RUN)
-        num_candidates = len(waiting) - len(done_waiting)
+        excluded = done_waiting | held if held else done_waiting
+        num_candidates = len(waiting) - len(excluded)
         if not admit_blocked and budget > 0 and len(running) < cfg.max_running and num_candidates:
             moves.append(ADMIT)
         moves.append(SUBMIT)
@@ -126,7 +135,7 @@ def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
         elif move == RUN:
             assert nxt is not None
             done.add(nxt.rid)
-            num_tokens = min(len(nxt.tokens) - nxt.computed, budget)
+            num_tokens = min(end_of(nxt) - nxt.computed, budget)
             end = nxt.computed + num_tokens
             while kv.blocks_short(nxt, end):
                 victims = [r for r in reversed(running) if r is not nxt]
@@ -139,7 +148,7 @@ def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
                 sched.schedule_running(step, nxt, num_tokens)
         else:
             k = _pick(choices, num_candidates, "general-admit")
-            req = _kth_candidate(waiting, done_waiting, k)
+            req = _kth_candidate(waiting, excluded, k)
             done.add(req.rid)
             while True:
                 hits, num_tokens, num_loaded, fits = plan_admission(sched, req, budget)
@@ -172,9 +181,19 @@ def _kth_candidate(waiting: WaitingQueue, excluded: set[int], k: int) -> Request
     raise IndexError(k)
 
 
-def _next_running(running: list[Request], done: set[int]) -> Request | None:
+def _first_admissible(waiting: WaitingQueue, held: set[int]) -> Request | None:
+    """The first waiting request in admission order that is not held for its stale output."""
+    for req in waiting.in_order():
+        if req.rid not in held:
+            return req
+    return None
+
+
+def _next_running(
+    running: list[Request], done: set[int], end_of: Callable[[Request], int]
+) -> Request | None:
     for req in running:
-        if req.rid not in done and req.loading is None and req.computed < len(req.tokens):
+        if req.rid not in done and req.loading is None and req.computed < end_of(req):
             return req
     return None
 

@@ -3,13 +3,19 @@
 ``step()`` does one of two things: if fewer than D steps are in flight and there is work to
 schedule, it builds one step (begin, the discipline's decisions, submit), even an empty one;
 otherwise it executes the oldest step in flight on the worker and commits its output
-at once. With D >= 2 step N+1 is thus scheduled before step N executes (async scheduling).
+at once. With D >= 2 step N+1 is thus scheduled before step N executes.
 
 The worker is pluggable (``worker.Worker``): the fake one by default (no tensors), or a model
-runner (``kvspec.impl.llm.model_worker``) that computes real K/V and samples real tokens. The
-engine never needs a token that is not sampled yet: a request whose entry samples in step N
-has ``computed == len(tokens)`` until step N commits, so no later step schedules it before
-then, and every token a step computes is in ``req.tokens`` when the step executes, at any D.
+runner (``kvspec.impl.llm.model_worker``) that computes real K/V and samples real tokens.
+Without ``EngineConfig.async_scheduling`` a request whose entry samples in step N has
+``computed == len(tokens)`` until step N commits, so no later step schedules it before then.
+With it, step N+1 may compute the position whose token step N samples (a placeholder, as vLLM's
+``AsyncScheduler`` does); since a step executes just before it commits, step N has committed
+when step N+1 executes, so every token a live entry computes is in ``req.tokens`` by then, at
+any D. Only an entry whose placeholder's sample was discarded (its request preempted with
+stale output dropped, aborted, or finished at that commit: the entry is no longer live) may
+reach past the known tokens when it executes; a worker computes garbage there, as a device
+does.
 """
 
 from __future__ import annotations
@@ -155,7 +161,9 @@ class Engine:
         ``prompt_tokens``); ``readmit_hit_tokens``: hits at re-admissions (after preemption or a
         failed load); ``lookup_tokens``: tokens of every admission's lookup; ``computed_tokens``:
         tokens computed by submitted steps; ``blocks_*``: pool operations; ``requests_finished``
-        counts aborted requests too (``aborts``)."""
+        counts aborted requests too (``aborts``); ``placeholder_tokens``: positions scheduled
+        before their token was sampled (async scheduling); ``stale_delivered``: samples of
+        preempted requests appended at commit (stale output delivered)."""
         pool = self.pool
         out = dict(self.scheduler.counters)
         out.update(

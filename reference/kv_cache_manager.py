@@ -2,7 +2,8 @@
 
 Prefix lookup over the request's chained hashes, admission (touching hits before anything is
 allocated), growing a table to cover new tokens, publishing a table block under the request's
-hash, and freeing a table in reverse order. *When* blocks are published is the registration
+hash (only a block whose tokens are all known: under async scheduling a table may cover
+placeholder positions), and freeing a table in reverse order. *When* blocks are published is the registration
 policy's business (``policies.py``).
 """
 
@@ -74,7 +75,14 @@ class KVCacheManager:
             table.append(pool.allocate(req.rid))
 
     def publish(self, req: Request, index: int) -> None:
-        """Register the request's block ``index`` under its chained hash."""
+        """Register the request's block ``index`` under its chained hash; its tokens must all be
+        known (under async scheduling a block may be computed, up to its last slot, from tokens
+        that in-flight steps have not sampled yet: it is registered once they have)."""
+        if (index + 1) * self.block_size > len(req.tokens):
+            raise RuntimeError(
+                f"publish of r{req.rid}'s block {index}: its tokens are not all known "
+                f"({len(req.tokens)} known)"
+            )
         block = req.table[index]
         if block.block_hash is None:
             self.pool.publish(block, self.block_hash(req, index), req.rid, index)

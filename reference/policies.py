@@ -9,6 +9,12 @@ Hooks, called by the scheduler at fixed points:
   step in flight, oldest first, the building one last).
 * ``on_confirmed(step)``: top of the worker output handling, before load failures.
 * ``on_written(step, requests)``: after load failures: what the step wrote may become visible.
+* ``on_output(req, entry)``: async scheduling only: the running request's token sampled by
+  ``entry``'s step was just appended; the eager policies and ``hide-uncommitted`` register what
+  that step completed (vLLM's ``cache_blocks`` in ``update_from_output``), untracked for rollback.
+
+A block is only ever registered under known tokens: registrations at schedule time stop at
+them (``known_upto``), since under async scheduling an entry may run into placeholders.
 
 The five policies: ``eager-unsafe`` (vLLM 0.33.0), ``eager-rollback-single`` (PR 43569's first
 version: one dict cleared when a step begins), ``eager-rollback-fifo`` (PR 43569: one bucket per
@@ -22,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .kv_cache_manager import KVCacheManager
-from .request import Request, Step
+from .request import FINISHED, RUNNING, Entry, Request, Step
 
 
 class Policy:
@@ -59,15 +65,33 @@ class Policy:
     def on_written(self, step: Step, requests: dict[int, Request]) -> None:
         pass
 
+    def on_output(self, req: Request, entry: Entry) -> None:
+        pass
 
-class EagerUnsafe(Policy):
+    def known_upto(self, req: Request, end: int) -> int:
+        """Leading blocks of tokens up to ``end`` that are full of known tokens."""
+        tokens = len(req.tokens)
+        return (end if end < tokens else tokens) // self.block_size
+
+
+class PostOutput(Policy):
+    """Registers, at commit under async scheduling, the blocks the committed entry completed
+    (the eager policies and ``hide-uncommitted``; ``deferred`` does it in ``on_written``)."""
+
+    __slots__ = ()
+
+    def on_output(self, req: Request, entry: Entry) -> None:
+        self.register(req, entry.end // self.block_size)
+
+
+class EagerUnsafe(PostOutput):
     __slots__ = ()
 
     def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        self.register(req, end // self.block_size)
+        self.register(req, self.known_upto(req, end))
 
 
-class EagerRollbackSingle(Policy):
+class EagerRollbackSingle(PostOutput):
     __slots__ = ("pending",)
 
     def __init__(self, kv: KVCacheManager) -> None:
@@ -78,7 +102,7 @@ class EagerRollbackSingle(Policy):
         self.pending.clear()
 
     def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        indices = self.register(req, end // self.block_size)
+        indices = self.register(req, self.known_upto(req, end))
         self.pending.setdefault(req.rid, []).extend(indices)
 
     def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
@@ -87,11 +111,11 @@ class EagerRollbackSingle(Policy):
             unpublish(table[i])
 
 
-class EagerRollbackFifo(Policy):
+class EagerRollbackFifo(PostOutput):
     __slots__ = ()
 
     def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        indices = self.register(req, end // self.block_size)
+        indices = self.register(req, self.known_upto(req, end))
         step.registrations.setdefault(req.rid, []).extend(indices)
 
     def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
@@ -104,11 +128,11 @@ class EagerRollbackFifo(Policy):
         step.registrations.clear()
 
 
-class HideUncommitted(Policy):
+class HideUncommitted(PostOutput):
     __slots__ = ()
 
     def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        upto = end // self.block_size
+        upto = self.known_upto(req, end)
         step.registrations.setdefault(req.rid, []).extend(range(req.cached, upto))
         if upto > req.cached:
             req.cached = upto
@@ -121,6 +145,8 @@ class HideUncommitted(Policy):
         publish = self.kv.publish
         for rid, indices in step.registrations.items():
             req = requests[rid]
+            if req.status == FINISHED:  # finished at an earlier commit (async): it left
+                continue
             for i in indices:
                 publish(req, i)
         step.registrations.clear()
@@ -133,7 +159,9 @@ class Deferred(Policy):
         live, failed, bsz = step.live, step.failed, self.block_size
         for rid, entry in step.entries.items():
             if rid in live and rid not in failed:
-                self.register(requests[rid], entry.end // bsz)
+                req = requests[rid]
+                if req.status == RUNNING:  # not preempted with its stale output delivered
+                    self.register(req, entry.end // bsz)
 
 
 _POLICIES: dict[str, type[Policy]] = {

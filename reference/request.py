@@ -27,6 +27,8 @@ class Request:
         "block_hashes",
         "crc",
         "admissions",
+        "placeholders",
+        "holding",
     )
 
     def __init__(
@@ -63,6 +65,13 @@ class Request:
         """crc32 of all tokens' bytes: the fake model's sample is ``crc % vocab``."""
         self.admissions = 0
         """How many times it was admitted (more than once after preemptions, failed loads)."""
+        self.placeholders = 0
+        """Async scheduling: steps in flight that sample for it and whose sample will be used
+        (vLLM's ``num_output_placeholders``); it may be scheduled up to ``len(tokens)`` plus
+        this many positions. Always 0 without async scheduling."""
+        self.holding = 0
+        """With stale output delivered: steps in flight whose output holds an entry for it; a
+        preempted request is not admitted again until this is 0. Always 0 in drop mode."""
 
     @property
     def num_output(self) -> int:
@@ -81,7 +90,12 @@ class Request:
 
 class Entry:
     """A request's part in a step: compute (or load) tokens ``start .. end - 1``; the step reads
-    and writes ``table[:num_blocks]`` (``table`` is the request's table object at the time)."""
+    and writes ``table[:num_blocks]`` (``table`` is the request's table object at the time).
+    ``samples``: it reaches the end of the request's tokens as the steps in flight see them
+    (known ones, then one placeholder per step in flight that samples for it), so it samples the
+    next one. Under async scheduling ``end`` may run past the tokens known at scheduling time;
+    they are all known when the step executes (its older steps have committed by then) unless
+    their sample was discarded, in which case the entry is no longer live."""
 
     __slots__ = ("start", "end", "table", "num_blocks", "load", "samples")
 
@@ -113,7 +127,8 @@ class Step:
         self.entries: dict[int, Entry] = {}
         """The step's output, in scheduling order."""
         self.live: set[int] = set()
-        """Requests whose results are still wanted (not preempted or aborted since)."""
+        """Requests whose results are still wanted: not aborted, finished or (with stale output
+        dropped) preempted since."""
         self.registrations: dict[int, list[int]] = {}
         """Block indices registered (or hidden) while scheduling this step, per request."""
         self.failed: tuple[int, ...] = ()

@@ -5,11 +5,22 @@ ones oldest first, plus the one being built). Each decision method appends its d
 then carries it out, the KV cache manager, block pool and registration policy appending the
 effect events in the order they happen. *Which* decisions to take is ``disciplines.py``'s job;
 ``update_from_output`` processes a step's output (the commit).
+
+Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``AsyncScheduler``): a running
+request may be scheduled up to ``schedulable_end``, its known tokens plus one placeholder per
+step in flight that samples for it (``Request.placeholders``, kept by ``_extend``, ``leave`` and
+the commit in O(1) each); the blocks a committed step completed are registered after its sampled
+token is appended (``Policy.on_output``); a request finishing at a commit leaves the later steps
+that hold it (their output for it is discarded). Stale output (``stale_output``): a request
+preempted while a submitted step holds it is dropped from those steps' results, or with
+``deliver`` stays live there (its sample is appended at commit, possibly finishing it while it
+waits) and is kept in ``held``, not admissible, until the last step holding it has committed.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 
@@ -83,6 +94,9 @@ class Scheduler:
         "building",
         "next_step_id",
         "counters",
+        "async_scheduling",
+        "deliver",
+        "held",
     )
 
     def __init__(
@@ -99,6 +113,11 @@ class Scheduler:
         """Submitted, uncommitted steps, oldest first."""
         self.building: Step | None = None
         self.next_step_id = 0
+        self.async_scheduling = config.async_scheduling
+        self.deliver = config.stale_output == "deliver"
+        self.held: set[int] = set()
+        """Waiting requests that are not admissible yet: preempted with stale output delivered
+        while a submitted step still holds them (always empty in drop mode)."""
         self.counters = dict.fromkeys(
             (
                 "steps",
@@ -112,6 +131,8 @@ class Scheduler:
                 "preemptions",
                 "aborts",
                 "load_failures",
+                "placeholder_tokens",
+                "stale_delivered",
             ),
             0,
         )
@@ -119,12 +140,25 @@ class Scheduler:
     # -- queries -------------------------------------------------------------------------------
 
     def has_schedulable_work(self) -> bool:
-        if self.waiting:
+        """A waiting request is admissible, or a running one has tokens to compute (under async
+        scheduling, placeholders included): a step built now would have something to try."""
+        if len(self.waiting) > len(self.held):
             return True
+        end_of = self.schedulable_end
         for req in self.running:
-            if req.loading is None and req.computed < len(req.tokens):
+            if req.loading is None and req.computed < end_of(req):
                 return True
         return False
+
+    def schedulable_end(self, req: Request) -> int:
+        """How far a running request may be scheduled: its known tokens, plus under async
+        scheduling one placeholder per step in flight sampling for it; none further once the
+        oldest of those samples reaches ``max_tokens`` (vLLM skips that decode: with one token
+        per step, ``num_computed_tokens + 2 - num_output_placeholders >= prompt + max_tokens``)."""
+        placeholders = req.placeholders
+        if placeholders and len(req.tokens) + 1 - req.prompt_len >= req.max_tokens:
+            return req.computed
+        return len(req.tokens) + placeholders
 
     def all_steps(self) -> list[Step]:
         """Every step in flight, oldest first, the building one last."""
@@ -196,10 +230,16 @@ class Scheduler:
         kv.grow(req, end)
         req.computed = end
         table = req.table
-        step.entries[req.rid] = Entry(
-            start, end, table, len(table), load, not load and end == len(req.tokens)
-        )
+        samples = not load and end == len(req.tokens) + req.placeholders
+        step.entries[req.rid] = Entry(start, end, table, len(table), load, samples)
         step.live.add(req.rid)
+        if self.async_scheduling:
+            if end > len(req.tokens):
+                self.counters["placeholder_tokens"] += end - max(start, len(req.tokens))
+            if samples:
+                req.placeholders += 1
+        if self.deliver:
+            req.holding += 1
         self.policy.on_schedule(req, step, end)
 
     def preempt(self, req: Request) -> None:
@@ -209,26 +249,37 @@ class Scheduler:
         if self.events is not None:
             self.events.append(("preempt", req.rid))
         step.preempted = True
-        self.leave(req)
+        self.leave(req, keep_stale=self.deliver)
         self.running.remove(req)
         self.waiting.push_front(req)
         req.status = WAITING
+        if req.holding:
+            self.held.add(req.rid)
         self.counters["preemptions"] += 1
 
-    def leave(self, req: Request) -> None:
+    def leave(self, req: Request, keep_stale: bool = False) -> None:
         """The request gives up its blocks early (preempt, abort, failed load): withdrawn from
         the building step (its budget returned), its results no longer wanted from any step in
-        flight (submitted steps still write), registrations rolled back per policy, blocks
-        freed last first."""
+        flight (submitted steps still write; with ``keep_stale``, a preemption with stale output
+        delivered, the submitted steps' results for it are still used), registrations rolled
+        back per policy, blocks freed last first."""
         rid = req.rid
         steps = self.all_steps()
         building = self.building
         if building is not None:
             entry = building.entries.pop(rid, None)
-            if entry is not None and not entry.load:
-                building.budget_used -= entry.end - entry.start
-        for step in steps:
-            step.live.discard(rid)
+            if entry is not None:
+                if not entry.load:
+                    building.budget_used -= entry.end - entry.start
+                if entry.samples and self.async_scheduling:
+                    req.placeholders -= 1
+                if self.deliver:
+                    req.holding -= 1
+            building.live.discard(rid)
+        if not keep_stale:
+            for step in steps:
+                step.live.discard(rid)
+            req.placeholders = 0
         self.policy.on_remove(req, steps)
         req.loading = None
         self.kv.free(req)
@@ -243,17 +294,24 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+            self.held.discard(req.rid)
         self._finish(req, "abort")
         self.counters["aborts"] += 1
 
     def update_from_output(self, step: Step, sampled: tuple[tuple[int, int], ...]) -> None:
-        """Commit the oldest step: load failures, then registrations, then sampled tokens."""
-        assert self.in_flight[0] is step and self.building is None
+        """Commit the oldest step: load failures, then registrations, then sampled tokens (each
+        followed, under async scheduling, by the registration of what the step completed, and
+        by the finish of its request at max_tokens or the stop token)."""
+        in_flight = self.in_flight
+        assert in_flight[0] is step and self.building is None
         if self.events is not None:
             self.events.append(("commit", step.step_id, sampled))
         requests = self.requests
-        self.policy.on_confirmed(step)
+        policy = self.policy
+        policy.on_confirmed(step)
         failed = step.failed
+        if self.deliver:
+            self._release_holds(step)
         for rid, entry in step.entries.items():
             if entry.load:
                 req = requests[rid]
@@ -268,12 +326,20 @@ class Scheduler:
                         req.status = WAITING
                         req.external = False
                         self.counters["load_failures"] += 1
-        self.policy.on_written(step, requests)
-        max_stop = self.config.stop_token
+        policy.on_written(step, requests)
+        stop = self.config.stop_token
+        async_scheduling = self.async_scheduling
         for rid, token in sampled:
             req = requests[rid]
             req.append_token(token)
-            if token == max_stop:
+            running = req.status == RUNNING  # else preempted, its stale output delivered
+            if not running:
+                self.counters["stale_delivered"] += 1
+            if async_scheduling:
+                req.placeholders -= 1
+                if running:
+                    policy.on_output(req, step.entries[rid])
+            if token == stop:
                 reason: str | None = "stop"
             elif len(req.tokens) - req.prompt_len >= req.max_tokens:
                 reason = "length"
@@ -281,10 +347,34 @@ class Scheduler:
                 reason = None
             if reason is not None:
                 self.kv.free(req)
-                self.running.remove(req)
+                if running:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
+                    self.held.discard(rid)
                 self._finish(req, reason)
-        self.in_flight.popleft()
+                if len(in_flight) > 1:
+                    self._leave_later_steps(req)
+        in_flight.popleft()
         self.counters["steps"] += 1
+
+    def _leave_later_steps(self, req: Request) -> None:
+        """The request finished at the oldest step's commit while later steps hold it (async
+        scheduling): its output there is stale, discarded."""
+        rid = req.rid
+        for later in itertools.islice(self.in_flight, 1, None):
+            later.live.discard(rid)
+        req.placeholders = 0
+
+    def _release_holds(self, step: Step) -> None:
+        """Stale output delivered: the committing step stops holding its requests; a waiting
+        request held by no step in flight any more becomes admissible."""
+        requests, held = self.requests, self.held
+        for rid in step.entries:
+            req = requests[rid]
+            req.holding -= 1
+            if not req.holding and rid in held:
+                held.discard(rid)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = FINISHED

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import policies
-from .pool import Event, allocate, free_table, holds, lookup, touch
-from .state import Entry, Illegal, Request, State, Step, Write
+from .pool import Event, allocate, free_table, holds, lookup, resolve, touch
+from .state import Entry, Illegal, Placeholder, Request, State, Step, Touched, Write
 
 
 def arrive(
@@ -35,8 +35,10 @@ def arrive(
         raise Illegal(f"arrive r{rid}: the id is taken")
     if not prompt or max_tokens < 1:
         raise Illegal(f"arrive r{rid}: empty prompt or max_tokens < 1")
-    s.requests[rid] = Request(rid, list(prompt), len(prompt), max_tokens, priority, len(s.requests))
+    s.requests[rid] = Request(rid, list(prompt), len(prompt), max_tokens, priority, s.arrivals)
+    s.arrivals += 1
     s.waiting.append(rid)
+    s.touched.requests.add(rid)
     return []
 
 
@@ -47,13 +49,17 @@ def begin(s: State, step_id: int) -> list[Event]:
     s.next_step += 1
     step = Step(step_id)
     s.steps.append(step)
+    s.touched.steps = True
     return policies.on_begin(s, step)
 
 
 def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[Event]:
     """Give a request ``num_tokens`` tokens to compute in the building step; a waiting request is
     admitted first (prefix lookup, hits touched before anything is allocated). An admission may
-    instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet."""
+    instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet.
+    With async scheduling the tokens may run past the known ones into placeholders, one per step
+    in flight that samples for the request (``State.ahead``); the step's writes there hold the
+    placeholder until its sampling step commits."""
     step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
     bsz = cfg.block_size
     where = f"schedule r{rid} in step {step.id}"
@@ -87,18 +93,21 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         start, end = req.computed, req.computed + num_tokens
         if -(-end // bsz) - len(req.table) > len(s.free):
             raise Illegal(f"{where}: not enough free blocks")
-    if end > len(req.tokens):
-        raise Illegal(f"{where}: token {end - 1} is not known yet")
+    tokens = s.ahead(req) if cfg.async_scheduling else req.tokens
+    if end > len(tokens):
+        known = "known yet" if not cfg.async_scheduling else "known nor a step's placeholder"
+        raise Illegal(f"{where}: token {end - 1} is not {known}")
     while len(req.table) * bsz < end:
         events += allocate(s, req)
     load = num_loaded > 0
     for i in range(start // bsz, len(req.table)):
-        prefix = tuple(req.tokens[: min(end, (i + 1) * bsz)])
+        prefix = tuple(tokens[: min(end, (i + 1) * bsz)])
         s.blocks[req.table[i]].pending.append(Write(step.id, rid, prefix, load))
+        s.touched.content.add(req.table[i])
+    s.touched.requests.add(rid)
+    s.touched.entries.add((step.id, rid))
     req.computed = end
-    step.entries[rid] = Entry(
-        start, end, tuple(req.table), load, not load and end == len(req.tokens)
-    )
+    step.entries[rid] = Entry(start, end, tuple(req.table), load, not load and end == len(tokens))
     step.live.add(rid)
     step.budget_used += num_tokens
     if load:
@@ -119,7 +128,8 @@ def preempt(s: State, rid: int) -> list[Event]:
         if cfg.preemption == "priority" and rid != max(s.running, key=lambda r: _rank(s, r)):
             raise Illegal(f"{where}: priority preempts the max (priority, arrival)")
     step.preempted = True
-    events = _leave(s, req)
+    s.touched.left.add(rid)
+    events = _leave(s, req, stale=cfg.stale_output)
     s.running.remove(rid)
     s.waiting.insert(0, rid)
     req.status = "waiting"
@@ -131,6 +141,7 @@ def submit(s: State, step_id: int) -> list[Event]:
     if step.id != step_id:
         raise Illegal(f"submit step {step_id}: step {step.id} is building")
     step.phase = "submitted"
+    s.touched.steps = True
     return []
 
 
@@ -143,8 +154,10 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
         raise Illegal(f"execute step {step_id}: only external loads can fail")
     bsz = s.config.block_size
     step.failed = tuple(failed)
+    s.touched.steps = True
     for rid, e in step.entries.items():
         for block in e.blocks[e.start // bsz :]:
+            s.touched.content.add(block)
             b = s.blocks[block]
             mine = [w for w in b.pending if w.step == step.id and w.req == rid]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == rid)]
@@ -153,7 +166,7 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
     for rid, e in step.entries.items():
         if e.load:  # a load reads nothing
             continue
-        tokens = tuple(s.requests[rid].tokens[: e.end])
+        tokens = tuple(s.ahead(s.requests[rid])[: e.end])
         bad = [
             block
             for i, block in enumerate(e.blocks)
@@ -179,6 +192,11 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
     ):
         raise Illegal(f"commit step {step_id}: not the oldest executed step, or a step is building")
     step = s.steps[0]
+    s.touched.steps = True
+    s.touched.requests.update(step.entries)
+    for rid in step.failed:  # its blocks stop being excused by NoUnwrittenPublish
+        e = step.entries[rid]
+        s.touched.content.update(e.blocks[e.start // s.config.block_size :])
     expected = [rid for rid, e in step.entries.items() if e.samples and rid in step.live]
     tokens = dict(sampled)
     if sorted(tokens) != sorted(expected) or len(tokens) != len(sampled):
@@ -192,6 +210,7 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             req.loading = None
             if rid in step.failed:  # simplification: recompute the request from scratch
                 events += _leave(s, req) + [("load_failed", rid)]
+                s.touched.left.add(rid)
                 s.running.remove(rid)
                 s.waiting.insert(0, rid)
                 req.status = "waiting"
@@ -199,13 +218,21 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
     for rid in expected:
         req = s.requests[rid]
         req.tokens.append(tokens[rid])
+        resolve(s, Placeholder(step.id, rid), tokens[rid])
+        running = req.status == "running"  # else preempted, its stale output delivered
+        if running:
+            events += policies.on_output(s, req, step.entries[rid])
         reason = "length" if req.output_len >= req.max_tokens else None
         if tokens[rid] == s.config.stop_token:
             reason = "stop"
         if reason:
             events += free_table(s, req) + [("finish", rid, reason)]
-            s.running.remove(rid)
+            (s.running if running else s.waiting).remove(rid)
             req.status = "finished"
+            s.touched.left.add(rid)
+            for later in s.steps[1:]:  # their output for it is stale: discarded, and what
+                later.live.discard(rid)  # they were to publish for it is dropped (it left)
+                later.registrations.pop(rid, None)
     s.steps.pop(0)
     s.commits += 1
     return events
@@ -218,6 +245,7 @@ def abort(s: State, rid: int) -> list[Event]:
     events = _leave(s, req)
     (s.running if req.status == "running" else s.waiting).remove(rid)
     req.status = "finished"
+    s.touched.left.add(rid)
     return events + [("finish", rid, "abort")]
 
 
@@ -228,6 +256,7 @@ def reset(s: State) -> list[Event]:
     events: list[Event] = []
     for block in sorted(b for blocks in s.index.values() for b in blocks):
         s.blocks[block].key = None
+        s.touched.blocks.add(block)
         events.append(("unpublish", block))
     s.index.clear()
     return events
@@ -251,6 +280,7 @@ def apply(s: State, event: tuple[object, ...]) -> list[Event]:
     action = ACTIONS.get(str(event[0])) if event else None
     if action is None:
         raise Illegal(f"unknown decision {event!r}")
+    s.touched = Touched()
     try:
         return action(s, *event[1:])
     except TypeError as err:
@@ -258,15 +288,25 @@ def apply(s: State, event: tuple[object, ...]) -> list[Event]:
 
 
 def waiting_order(s: State) -> list[int]:
-    """The order vLLM admits waiting requests in: queue order (fcfs), or (priority, arrival)."""
+    """The order vLLM admits waiting requests in: queue order (fcfs), or (priority, arrival),
+    skipping those not admissible yet (vLLM skips them and goes on down the queue)."""
+    order = [rid for rid in s.waiting if admissible(s, rid)]
     if s.config.preemption == "priority":
-        return sorted(s.waiting, key=lambda r: _rank(s, r))
-    return list(s.waiting)
+        return sorted(order, key=lambda r: _rank(s, r))
+    return order
+
+
+def admissible(s: State, rid: int) -> bool:
+    """Whether a waiting request may be admitted: with stale output delivered, not while a step
+    in flight still holds it (its output there is yet to be appended to its tokens)."""
+    return s.config.stale_output != "deliver" or not any(rid in st.entries for st in s.steps)
 
 
 def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
     if len(s.running) >= s.config.max_running:
         raise Illegal(f"{where}: {len(s.running)} requests already running")
+    if not admissible(s, req.id):
+        raise Illegal(f"{where}: its stale output of a step in flight is still to be delivered")
     if s.config.discipline == "vllm":
         if step.preempted:
             raise Illegal(f"{where}: vllm admits nothing in a step that preempted")
@@ -274,9 +314,11 @@ def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
             raise Illegal(f"{where}: vllm admits the head of the waiting queue first")
 
 
-def _leave(s: State, req: Request) -> list[Event]:
+def _leave(s: State, req: Request, stale: str = "drop") -> list[Event]:
     """The request gives up its blocks early (preempt, abort, failed load). Its part in the
-    building step is withdrawn, so that step will not write it; submitted steps still will."""
+    building step is withdrawn, so that step will not write it; submitted steps still will, and
+    their output for it is dropped, or with ``stale="deliver"`` (a preemption, vLLM's default)
+    still used: its reads matter and its sampled token is appended when the step commits."""
     step = s.building
     if step is not None and req.id in step.entries:
         entry = step.entries.pop(req.id)
@@ -284,8 +326,10 @@ def _leave(s: State, req: Request) -> list[Event]:
         for block in entry.blocks:
             b = s.blocks[block]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]
+            s.touched.content.add(block)
     for st in s.steps:
-        st.live.discard(req.id)
+        if stale == "drop" or st is step:
+            st.live.discard(req.id)
     events = policies.on_remove(s, req)
     req.loading = None
     return events + free_table(s, req)

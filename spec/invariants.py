@@ -1,9 +1,10 @@
 """The invariants: named predicates over the state that every reachable state must satisfy.
 
-Each is a function ``(state) -> str | None``: None when it holds, else a one-line description of
-the first counterexample found. ``INVARIANTS`` lists them in the order they are checked; the first
-two are the end-to-end safety properties, the rest are the bookkeeping that keeps them true.
-``tables_append_only`` is a property of a transition, so it compares two snapshots.
+Each is a function ``(state) -> Violation | None``: None when it holds, else the first
+counterexample found, as data (the blocks, requests and step it is about, and one sentence).
+``INVARIANTS`` lists them in the order they are checked; the first two are the end-to-end safety
+properties, the rest are the bookkeeping that keeps them true. ``tables_append_only`` is a
+property of a transition, so it compares two snapshots.
 """
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ class Violation:
     step: int | None = None
 
 
-def no_unwritten_read(s: State) -> str | None:
+def no_unwritten_read(s: State) -> Violation | None:
     """Every block a step reads as computed prefix holds that prefix, or will once this step's and
     earlier in-flight steps' writes have run. Guards against the zombie hit: plausible but wrong
     tokens computed from K/V that was never written (the seed bug's end-to-end symptom)."""
     if s.bad_reads:
         step_id, rid, block = s.bad_reads[0]
-        return f"step {step_id} read block {block} for r{rid} but it does not hold r{rid}'s prefix"
+        return Violation(
+            "NoUnwrittenRead",
+            f"step {step_id} read block {block} for r{rid} but it does not hold r{rid}'s prefix",
+            (block,),
+            (rid,),
+            step_id,
+        )
     bsz = s.config.block_size
     for step in s.steps:
         if step.phase == "executed":
@@ -43,18 +50,22 @@ def no_unwritten_read(s: State) -> str | None:
         for rid, e in step.entries.items():
             if e.load or rid not in step.live:
                 continue
-            tokens = s.requests[rid].tokens
+            tokens = s.ahead(s.requests[rid])
             for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
                 prefix = tuple(tokens[: min(e.start, (i + 1) * bsz)])
                 if not holds(eventual_content(s, block, upto_step=step.id), prefix):
-                    return (
+                    return Violation(
+                        "NoUnwrittenRead",
                         f"step {step.id} will read block {block} as r{rid}'s tokens "
-                        f"0..{len(prefix) - 1}, but no write that runs first puts them there"
+                        f"0..{len(prefix) - 1}, but no write that runs first puts them there",
+                        (block,),
+                        (rid,),
+                        step.id,
                     )
     return None
 
 
-def no_unwritten_publish(s: State) -> str | None:
+def no_unwritten_publish(s: State) -> Violation | None:
     """A published hash names a block that holds its prefix, or will once in-flight writes run.
     Guards against publishing memory nobody will write (a preempted or aborted writer, a failed
     load): the hit that follows reads garbage. A load that failed in an executed step the
@@ -68,27 +79,41 @@ def no_unwritten_publish(s: State) -> str | None:
     for key, blocks in s.index.items():
         for block in blocks:
             if block not in unreported and not holds(eventual_content(s, block), key):
-                return (
-                    f"block {block} is published for a {len(key)}-token prefix it will never hold"
+                return Violation(
+                    "NoUnwrittenPublish",
+                    f"block {block} is published for a {len(key)}-token prefix it will never hold",
+                    (block,),
+                    tuple(r.id for r in s.requests.values() if block in r.table),
                 )
     return None
 
 
-def refcount_is_ownership(s: State) -> str | None:
+def refcount_is_ownership(s: State) -> Violation | None:
     """A block's refcount equals the number of live requests whose table holds it. Guards against
     leaks (never freed) and early reuse (freed while still read)."""
     owners: Counter[int] = Counter()
     for req in s.requests.values():
         if len(set(req.table)) != len(req.table):
-            return f"r{req.id}'s table holds a block twice: {req.table}"
+            twice = tuple(sorted({b for b in req.table if req.table.count(b) > 1}))
+            return Violation(
+                "RefcountIsOwnership",
+                f"r{req.id}'s table holds a block twice: {req.table}",
+                twice,
+                (req.id,),
+            )
         owners.update(req.table)
     for block, b in enumerate(s.blocks):
         if block != NULL_BLOCK and b.refcount != owners[block]:
-            return f"block {block} has refcount {b.refcount} but {owners[block]} owners"
+            return Violation(
+                "RefcountIsOwnership",
+                f"block {block} has refcount {b.refcount} but {owners[block]} owners",
+                (block,),
+                tuple(r.id for r in s.requests.values() if block in r.table),
+            )
     return None
 
 
-def shared_implies_same_prefix(s: State) -> str | None:
+def shared_implies_same_prefix(s: State) -> Violation | None:
     """A block in two tables sits at the same position in both, is full and computed in both, and
     both requests' chained hashes agree there. Guards against sharing a partial block or a block
     under two different prefixes."""
@@ -103,76 +128,114 @@ def shared_implies_same_prefix(s: State) -> str | None:
             o = s.requests[other]
             full = (i + 1) * bsz <= req.computed and (j + 1) * bsz <= o.computed
             if i != j or not full or s.key(req, i) != s.key(o, j):
-                return f"block {block} is shared by r{other}[{j}] and r{req.id}[{i}] unequally"
+                return Violation(
+                    "SharedImpliesSamePrefix",
+                    f"block {block} is shared by r{other}[{j}] and r{req.id}[{i}] unequally",
+                    (block,),
+                    (other, req.id),
+                )
     return None
 
 
-def free_queue_exact(s: State) -> str | None:
+def free_queue_exact(s: State) -> Violation | None:
     """The free queue holds exactly the unreferenced blocks but the null block, each once.
     Guards against double free (a block handed out twice) and lost blocks."""
     expected = {blk for blk, b in enumerate(s.blocks) if blk != NULL_BLOCK and b.refcount == 0}
     if len(s.free) != len(set(s.free)) or set(s.free) != expected:
-        return f"free queue {s.free} but unreferenced blocks {sorted(expected)}"
+        wrong = {b for b in s.free if s.free.count(b) > 1} | (set(s.free) ^ expected)
+        return Violation(
+            "FreeQueueExact",
+            f"free queue {s.free} but unreferenced blocks {sorted(expected)}",
+            tuple(sorted(wrong)),
+        )
     return None
 
 
-def hash_index_consistent(s: State) -> str | None:
+def hash_index_consistent(s: State) -> Violation | None:
     """The index and the blocks' own hashes agree: every indexed block carries that hash, every
     hashed block is indexed once. Guards against stale entries that outlive an eviction."""
     indexed = [blk for blocks in s.index.values() for blk in blocks]
     if len(indexed) != len(set(indexed)) or any(not blocks for blocks in s.index.values()):
-        return "a block is indexed twice, or an index entry is empty"
+        twice = tuple(sorted({b for b in indexed if indexed.count(b) > 1}))
+        return Violation(
+            "HashIndexConsistent", "a block is indexed twice, or an index entry is empty", twice
+        )
     for key, blocks in s.index.items():
         for block in blocks:
             if s.blocks[block].key != key:
-                return f"block {block} is indexed under a hash it does not carry"
+                return Violation(
+                    "HashIndexConsistent",
+                    f"block {block} is indexed under a hash it does not carry",
+                    (block,),
+                )
     hashed = {blk for blk, b in enumerate(s.blocks) if b.key is not None}
     if hashed != set(indexed):
-        return f"blocks {sorted(hashed ^ set(indexed))} carry a hash but are not indexed, or vice versa"
+        wrong = sorted(hashed ^ set(indexed))
+        return Violation(
+            "HashIndexConsistent",
+            f"blocks {wrong} carry a hash but are not indexed, or vice versa",
+            tuple(wrong),
+        )
     return None
 
 
-def null_block_pinned(s: State) -> str | None:
+def null_block_pinned(s: State) -> Violation | None:
     """Block 0 is never allocated, freed, published or queued."""
     b = s.blocks[NULL_BLOCK]
     in_table = any(NULL_BLOCK in r.table for r in s.requests.values())
     if b.refcount or b.key is not None or NULL_BLOCK in s.free or in_table:
-        return "the null block was allocated, published or queued"
+        holders = tuple(r.id for r in s.requests.values() if NULL_BLOCK in r.table)
+        return Violation(
+            "NullBlockPinned",
+            "the null block was allocated, published or queued",
+            (NULL_BLOCK,),
+            holders,
+        )
     return None
 
 
-def table_matches_computed(s: State) -> str | None:
+def table_matches_computed(s: State) -> Violation | None:
     """A running request's table covers exactly its computed tokens; a waiting or finished one
     holds nothing. Guards against blocks kept past a preemption and tokens without a block."""
     bsz = s.config.block_size
     for req in s.requests.values():
         want = -(-req.computed // bsz) if req.status == "running" else 0
         if len(req.table) != want or (req.status != "running" and req.computed):
-            return f"r{req.id} ({req.status}) has {len(req.table)} blocks for {req.computed} tokens"
+            return Violation(
+                "TableMatchesComputed",
+                f"r{req.id} ({req.status}) has {len(req.table)} blocks for {req.computed} tokens",
+                tuple(req.table),
+                (req.id,),
+            )
     return None
 
 
-def steps_in_order(s: State) -> str | None:
+def steps_in_order(s: State) -> Violation | None:
     """At most D submitted steps are in flight, at most one is building and it is the newest, and
     steps execute and commit oldest first."""
     phases = [st.phase for st in s.steps]
     submitted = [p for p in phases if p != "building"]
     if len(submitted) > s.config.depth or "building" in phases[:-1]:
-        return f"steps in flight {phases} with depth {s.config.depth}"
+        return Violation("StepsInOrder", f"steps in flight {phases} with depth {s.config.depth}")
     if submitted != sorted(submitted, key=lambda p: p != "executed"):
-        return f"a step executed before an older one: {phases}"
+        return Violation("StepsInOrder", f"a step executed before an older one: {phases}")
     return None
 
 
-def no_leak_at_quiescence(s: State) -> str | None:
+def no_leak_at_quiescence(s: State) -> Violation | None:
     """With no live request and no step in flight, every block but the null block is free."""
     live = any(r.status != "finished" for r in s.requests.values())
     if not live and not s.steps and len(s.free) != len(s.blocks) - 1:
-        return f"idle, yet only {len(s.free)} of {len(s.blocks) - 1} blocks are free"
+        leaked = tuple(b for b in range(1, len(s.blocks)) if b not in s.free)
+        return Violation(
+            "NoLeakAtQuiescence",
+            f"idle, yet only {len(s.free)} of {len(s.blocks) - 1} blocks are free",
+            leaked,
+        )
     return None
 
 
-INVARIANTS: dict[str, Callable[[State], str | None]] = {
+INVARIANTS: dict[str, Callable[[State], Violation | None]] = {
     "NoUnwrittenRead": no_unwritten_read,
     "NoUnwrittenPublish": no_unwritten_publish,
     "RefcountIsOwnership": refcount_is_ownership,
@@ -186,25 +249,30 @@ INVARIANTS: dict[str, Callable[[State], str | None]] = {
 }
 
 
-def check(s: State, names: Collection[str] | None = None) -> tuple[str, str] | None:
-    """The first invariant that fails, as (name, explanation), or None; only those in ``names``
-    when given."""
+def check(s: State, names: Collection[str] | None = None) -> Violation | None:
+    """The first invariant that fails, or None; only those in ``names`` when given."""
     for name, predicate in INVARIANTS.items():
         if names is not None and name not in names:
             continue
-        message = predicate(s)
-        if message is not None:
-            return name, message
+        violation = predicate(s)
+        if violation is not None:
+            return violation
     return None
 
 
-def tables_append_only(before: dict[int, tuple[int, ...]], s: State) -> str | None:
+def tables_append_only(before: dict[int, tuple[int, ...]], s: State) -> Violation | None:
     """TablesAppendOnly: while a request stays running, its table only grows at the end.
     ``before`` maps running requests to their tables in the previous state."""
     for rid, table in before.items():
         req = s.requests[rid]
         if req.status == "running" and tuple(req.table[: len(table)]) != table:
-            return f"r{rid}'s table changed from {list(table)} to {req.table} while running"
+            changed = tuple(sorted(set(table) ^ set(req.table[: len(table)])))
+            return Violation(
+                "TablesAppendOnly",
+                f"r{rid}'s table changed from {list(table)} to {req.table} while running",
+                changed,
+                (rid,),
+            )
     return None
 
 

@@ -7,7 +7,8 @@ spec's actions will take them, after checking that they are legal (an allocated 
 hit block is registered under the request's chained hash at that position); it reorders, and
 never changes which blocks are free or registered, so every action keeps its meaning. ``drop``
 applies a registration the engine dropped on its own, which is always safe (a lost hit at worst).
-Used by ``kvspec.conformance.observed`` (docs/adapters.md, "Judging modes").
+Used by the judge's observed matching (``conformance/judge/core.py``; docs/adapters.md, "Judging
+modes").
 
 Under the policy ``engine-registers`` the engine also registers on its own, at points of its
 choosing, and may deduplicate: ``engine_effect`` applies its ``publish`` and ``dedup`` effects. Their
@@ -97,6 +98,7 @@ def publish_own(s: State, effect: Event) -> list[Event]:
     if s.blocks[block].key is not None:
         raise Illegal(f"publish of block {block}, which is already published")
     add_key(s, block, s.key(req, index))
+    s.touched.requests.add(req.id)
     return [effect]
 
 
@@ -125,6 +127,9 @@ def dedup(s: State, effect: Event) -> list[Event]:
     b.refcount += 1
     req.table[index] = block
     release(s, old, req.id)
+    s.touched.blocks.add(block)
+    s.touched.requests.add(req.id)
+    s.touched.swapped.append((req.id, index, block))
     return [effect]
 
 

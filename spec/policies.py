@@ -1,8 +1,12 @@
 """Registration policies: when a block's hash becomes visible to prefix lookups, and what is undone
 when the request that was to write it leaves (preemption, abort, failed KV load).
 
-The engine calls five hooks at fixed points; each policy is the few lines below that say what it
+The engine calls six hooks at fixed points; each policy is the few lines below that say what it
 does there. ``upto`` is a number of leading table blocks: "register blocks cached .. upto - 1".
+A block is only ever registered under known tokens: under async scheduling a step's entry may run
+into placeholders, so the registrations at schedule time stop at the known tokens, and the blocks
+such a step completes are registered when it commits (``on_output``, vLLM's ``cache_blocks`` in
+``update_from_output``: a no-op without placeholders).
 
 ============================  =================================================================
 policy                        meaning
@@ -24,7 +28,7 @@ deferred                      publish only at commit, and only what the step wro
 from __future__ import annotations
 
 from .pool import Event, count_if_lost, publish, unpublish
-from .state import Request, State, Step
+from .state import Entry, Request, State, Step
 
 EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
 
@@ -47,7 +51,7 @@ def on_begin(s: State, step: Step) -> list[Event]:
 
 def on_schedule(s: State, req: Request, step: Step, end: int) -> list[Event]:
     """The request was just given tokens up to ``end`` (computed or loaded) in ``step``."""
-    policy, upto = s.config.policy, end // s.config.block_size
+    policy, upto = s.config.policy, min(end, len(req.tokens)) // s.config.block_size
     if policy in EAGER:
         events, indices = register(s, req, upto)
         if policy == "eager-rollback-single":
@@ -96,6 +100,17 @@ def on_written(s: State, step: Step) -> list[Event]:
         step.registrations.clear()
     elif s.config.policy == "deferred":
         for rid, entry in step.entries.items():
-            if rid in step.live and rid not in step.failed:
-                events += register(s, s.requests[rid], entry.end // s.config.block_size)[0]
+            req = s.requests[rid]
+            if rid in step.live and rid not in step.failed and req.status == "running":
+                events += register(s, req, entry.end // s.config.block_size)[0]
     return events
+
+
+def on_output(s: State, req: Request, entry: Entry) -> list[Event]:
+    """Async scheduling: the running request's token sampled by ``entry``'s step was just
+    appended; what that step wrote may become visible (vLLM's post-output ``cache_blocks``,
+    capped at ``num_computed_tokens - num_in_flight_tokens``: the end of this entry). Not tracked
+    for rollback: the step has written it. ``deferred`` registered it already in ``on_written``."""
+    if not s.config.async_scheduling or s.config.policy not in EAGER + ("hide-uncommitted",):
+        return []
+    return register(s, req, entry.end // s.config.block_size)[0]

@@ -16,12 +16,12 @@ Effect events are plain tuples (see ``docs/events.md``)::
 
 from __future__ import annotations
 
-from .state import NULL_BLOCK, Illegal, Key, Request, State
+from .state import NULL_BLOCK, Content, Illegal, Key, Placeholder, Request, State
 
 Event = tuple[object, ...]
 
 
-def eventual_content(s: State, block: int, upto_step: int | None = None) -> Key | None:
+def eventual_content(s: State, block: int, upto_step: int | None = None) -> Content | None:
     """What the block will hold once every pending write of a step <= ``upto_step`` (all steps if
     None) has run: the last such write wins, since writes only ever extend a prefix or start one
     afresh in a newly allocated block."""
@@ -33,7 +33,7 @@ def eventual_content(s: State, block: int, upto_step: int | None = None) -> Key 
     return content
 
 
-def holds(content: Key | None, prefix: Key) -> bool:
+def holds(content: Content | None, prefix: Content) -> bool:
     """True when bytes holding ``content`` are valid for a reader of ``prefix``."""
     return content is not None and content[: len(prefix)] == prefix and len(content) >= len(prefix)
 
@@ -60,6 +60,8 @@ def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
             s.free.remove(block)
         b.refcount += 1
         req.table.append(block)
+    s.touched.blocks.update(blocks)
+    s.touched.requests.add(req.id)
     return [("hit", req.id, tuple(blocks))]
 
 
@@ -75,6 +77,8 @@ def allocate(s: State, req: Request) -> list[Event]:
         events.append(("evict", block))
     b.refcount = 1
     req.table.append(block)
+    s.touched.blocks.add(block)
+    s.touched.requests.add(req.id)
     events.append(("alloc", req.id, block))
     return events
 
@@ -89,6 +93,7 @@ def free_table(s: State, req: Request) -> list[Event]:
     req.table = []
     req.computed = 0
     req.cached = 0
+    s.touched.requests.add(req.id)
     return events
 
 
@@ -99,6 +104,7 @@ def release(s: State, block: int, rid: int) -> None:
     if b.refcount <= 0:
         raise Illegal(f"free of block {block} by r{rid}: refcount is {b.refcount}")
     b.refcount -= 1
+    s.touched.blocks.add(block)
     if b.refcount == 0:
         if b.key is None:
             s.free.insert(0, block)
@@ -111,10 +117,13 @@ def publish(s: State, req: Request, index: int) -> list[Event]:
     block = req.table[index]
     if block == NULL_BLOCK:
         raise Illegal("publish of the null block")
+    if (index + 1) * s.config.block_size > len(req.tokens):
+        raise Illegal(f"publish of r{req.id}'s block {index}: its tokens are not all known")
     b = s.blocks[block]
     if b.key is not None:
         return []
     add_key(s, block, s.key(req, index))
+    s.touched.requests.add(req.id)
     return [("publish", req.id, index, block)]
 
 
@@ -137,9 +146,22 @@ def count_if_lost(s: State, block: int, key: Key, leaving: Request | None) -> No
         s.lost_hits += 1
 
 
+def resolve(s: State, placeholder: Placeholder, token: int) -> None:
+    """The sampling step committed: every byte holding ``placeholder`` now holds ``token``."""
+    for block, b in enumerate(s.blocks):
+        if b.written is not None and placeholder in b.written:
+            b.written = tuple(token if x == placeholder else x for x in b.written)
+            s.touched.content.add(block)
+        for w in b.pending:
+            if placeholder in w.prefix:
+                w.prefix = tuple(token if x == placeholder else x for x in w.prefix)
+                s.touched.content.add(block)
+
+
 def add_key(s: State, block: int, key: Key) -> None:
     s.blocks[block].key = key
     s.index.setdefault(key, []).append(block)
+    s.touched.blocks.add(block)
 
 
 def _drop_key(s: State, block: int) -> None:
@@ -150,3 +172,4 @@ def _drop_key(s: State, block: int) -> None:
     if not owners:
         del s.index[b.key]
     b.key = None
+    s.touched.blocks.add(block)

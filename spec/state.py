@@ -15,6 +15,7 @@ layer maps them onto keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 POLICIES = (
     "eager-unsafe",
@@ -24,17 +25,39 @@ POLICIES = (
     "deferred",
 )
 OBSERVED_POLICIES = ("engine-registers",)
-"""Policies that only an observed judge can use (``conformance/observed.py``). Under
+"""Policies that only an observed judge can use (``conformance/judge``, observed matching). Under
 ``engine-registers`` the spec registers and rolls back nothing by itself: the engine's own
 ``publish`` and ``dedup`` effects are applied as they come (``spec/observed.py``), and the invariants
 judge them. For engines whose registration points are none of the five above (SGLang inserts into
 its radix tree after a prefill chunk's result and at finish, and deduplicates on insert)."""
 DISCIPLINES = ("vllm", "general")
 PREEMPTIONS = ("fcfs", "priority")
+STALE_OUTPUTS = ("drop", "deliver")
+"""What becomes of the token a submitted step samples for a request preempted since (its *stale*
+output): ``drop``, discarded, and the request may be re-admitted at once (vLLM's drop mode,
+``requires_kv_delivery``); ``deliver``, appended to the request's tokens when that step commits,
+and the request is not re-admitted until every step that held it has committed (vLLM's default,
+``num_stale_output_tokens``)."""
 NULL_BLOCK = 0
 
 Key = tuple[int, ...]
 """A published hash, as the chained token prefix it names (tokens 0 .. end of the block)."""
+
+
+class Placeholder(NamedTuple):
+    """The token step ``step`` samples for request ``req``, before that step commits: a value no
+    real token has. Under async scheduling a step may compute the K/V of a position whose token is
+    not known yet (the input comes from the previous step's output on the device); the bytes it
+    writes there hold this placeholder until the sampling step commits, which resolves it to the
+    sampled token, or forever (garbage for every later reader) when that sample is discarded."""
+
+    step: int
+    req: int
+
+
+Content = tuple["int | Placeholder", ...]
+"""What a write puts in a block: a request's tokens 0 .. the last slot written, placeholders
+included (a published ``Key`` never holds one)."""
 
 
 class Illegal(Exception):
@@ -60,6 +83,12 @@ class Config:
     """Most requests running at once (vLLM ``max_num_seqs``)."""
     stop_token: int | None = None
     """A sampled token equal to this finishes its request (reason ``stop``)."""
+    async_scheduling: bool = False
+    """Schedule with placeholders: a request may be scheduled for the token an in-flight step
+    samples for it before that step commits (vLLM's ``AsyncScheduler``, SGLang's overlap
+    scheduler). False: a request waits for its sampled token to commit."""
+    stale_output: str = "drop"
+    """``STALE_OUTPUTS``: what becomes of a preempted request's output in a submitted step."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -77,6 +106,10 @@ class Config:
             (self.preemption in PREEMPTIONS, f"unknown preemption {self.preemption!r}"),
             (self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}"),
             (self.max_running >= 1, f"max_running must be >= 1, got {self.max_running}"),
+            (
+                self.stale_output in STALE_OUTPUTS,
+                f"unknown stale_output {self.stale_output!r}; one of {', '.join(STALE_OUTPUTS)}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -90,7 +123,7 @@ class Write:
 
     step: int
     req: int
-    prefix: Key
+    prefix: Content
     load: bool = False
     """Written by an external KV load (a connector) rather than by the model; it may fail."""
 
@@ -100,7 +133,7 @@ class Block:
     refcount: int = 0
     key: Key | None = None
     """The published hash (visible to lookups), or None."""
-    written: Key | None = None
+    written: Content | None = None
     """Content: the prefix the block's bytes hold, or None for garbage (never written, or
     computed from wrong inputs). Freeing or reusing a block does not change its bytes."""
     pending: list[Write] = field(default_factory=list)
@@ -142,7 +175,8 @@ class Entry:
     """The table prefix the step reads and writes: blocks 0 .. ceil(end / B) - 1."""
     load: bool = False
     samples: bool = False
-    """The step reaches the end of the known tokens, so it samples the next token."""
+    """The step reaches the end of the request's tokens (known ones and placeholders), so it
+    samples the next token."""
 
 
 @dataclass(slots=True)
@@ -154,7 +188,8 @@ class Step:
     """The step's output, in scheduling order. Preempting or aborting a request while the step
     is building removes its entry; once submitted, the worker holds the batch and writes it all."""
     live: set[int] = field(default_factory=set)
-    """Requests whose results will be used at commit (not preempted or aborted since)."""
+    """Requests whose results will be used at commit: their reads matter and their sampled token
+    is appended (not aborted, finished or, with stale output dropped, preempted since)."""
     registrations: dict[int, list[int]] = field(default_factory=dict)
     """Eager registrations made while scheduling this step, as block indices per request: the
     bucket of ``eager-rollback-fifo`` and the hidden entries of ``hide-uncommitted``."""
@@ -163,6 +198,39 @@ class Step:
     budget_used: int = 0
     preempted: bool = False
     admitted: bool = False
+
+
+@dataclass(slots=True)
+class Touched:
+    """What the last decision touched (and, in observed judging, the engine's own effects after
+    it): written by the actions and the pool as they change the state, read by the incremental
+    invariant checks, which re-evaluate only what is named here. Not part of the model's meaning:
+    a record, like a TLA+ trace's annotation of each step."""
+
+    blocks: set[int] = field(default_factory=set)
+    """Refcount, hash, free-queue place or holders changed."""
+    content: set[int] = field(default_factory=set)
+    """``written`` or ``pending`` changed, or a failed load on the block stopped being excused."""
+    requests: set[int] = field(default_factory=set)
+    """Table, computed tokens, status or tokens changed."""
+    entries: set[tuple[int, int]] = field(default_factory=set)
+    """(step, request) entries created: all their reads are new."""
+    left: set[int] = field(default_factory=set)
+    """Requests that stopped running (preempted, failed load, finished, aborted)."""
+    swapped: list[tuple[int, int, int]] = field(default_factory=list)
+    """(request, table index, block): a running table changed in place by an engine's own
+    ``dedup`` (sanctioned: TablesAppendOnly judges only the rest of the change)."""
+    steps: bool = False
+    """A step began, was submitted, executed or committed."""
+
+    def merge(self, other: Touched) -> None:
+        self.blocks |= other.blocks
+        self.content |= other.content
+        self.requests |= other.requests
+        self.entries |= other.entries
+        self.left |= other.left
+        self.swapped += other.swapped
+        self.steps |= other.steps
 
 
 @dataclass(slots=True)
@@ -186,6 +254,10 @@ class State:
     lost_hits: int = 0
     """Valid, unreferenced cache entries dropped by a rollback (safe but wasted)."""
     commits: int = 0
+    arrivals: int = 0
+    """Requests that ever arrived: the next one's arrival order (``Request.arrival``)."""
+    touched: Touched = field(default_factory=Touched, compare=False)
+    """What the last decision touched (``Touched``); ``actions.apply`` starts a new record."""
 
     @property
     def building(self) -> Step | None:
@@ -194,8 +266,19 @@ class State:
         return None
 
     def key(self, req: Request, index: int) -> Key:
-        """The chained hash of the request's block ``index``."""
+        """The chained hash of the request's block ``index`` (of its known tokens)."""
         return tuple(req.tokens[: (index + 1) * self.config.block_size])
+
+    def ahead(self, req: Request) -> list[int | Placeholder]:
+        """The request's tokens as its steps in flight see them: the known ones, then one
+        placeholder per step in flight that samples for it and whose sample will be used, oldest
+        first. Without async scheduling no step is built while one samples for the request, so
+        this is its known tokens."""
+        return req.tokens + [
+            Placeholder(st.id, req.id)
+            for st in self.steps
+            if req.id in st.live and req.id in st.entries and st.entries[req.id].samples
+        ]
 
 
 def initial_state(config: Config) -> State:

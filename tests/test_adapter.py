@@ -10,8 +10,7 @@ import pytest
 
 from kvspec.conformance.adapter import Adapter, ReferenceAdapter, load_factory, probe, reference
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.observed import ObservedJudge
+from kvspec.conformance.judge import Judge
 from kvspec.reference.choices import DefaultChoices
 from kvspec.spec import Config
 
@@ -28,7 +27,7 @@ def test_the_reference_adapter_is_an_adapter_and_judged_clean() -> None:
     while adapter.step():
         pass
     assert adapter.live_requests() == []
-    judge = Judge(CONFIG)
+    judge = Judge.spec(CONFIG)
     assert judge.feed_all(adapter.events) is None
     snapshot = adapter.snapshot()
     assert snapshot is not None and judge.compare(*snapshot) is None
@@ -121,7 +120,7 @@ ADMIT_R0 = [("arrive", 0, (1, 2, 3, 4, 5), 2, 0), ("begin", 0), ("schedule", 0, 
 
 
 def _judge_both(effects: list[tuple[object, ...]]) -> tuple[object, object]:
-    strict, observed = Judge(OBSERVED), ObservedJudge(OBSERVED)
+    strict, observed = Judge.spec(OBSERVED), Judge.spec(OBSERVED, observed=True)
     for judge in (strict, observed):
         judge.feed_all(ADMIT_R0 + effects + [("submit", 0)])
         judge.settle()

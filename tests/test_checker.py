@@ -14,11 +14,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspec.cli import main
-from kvspec.conformance.checker import Checker, Monitor, Violation, check_path, tracemalloc_peak
+from kvspec.conformance.check import check_file
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.report import write_events
-from kvspec.conformance.trace import FIELDS, TraceError, iter_trace, read_trace, write_trace
+from kvspec.conformance.judge import Judge
+from kvspec.conformance.monitor import Monitor, Violation
+from kvspec.conformance.trace import (
+    FIELDS,
+    TraceError,
+    iter_trace,
+    read_trace,
+    write_events,
+    write_trace,
+)
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import Config
@@ -74,15 +81,15 @@ def test_round_trip_and_schema_ships(good_trace: Path) -> None:
 def test_safe_trace_holds_and_the_checker_agrees_with_the_judge(good_trace: Path) -> None:
     assert main(["check", str(good_trace)]) == 0
     config, events = read_trace(good_trace)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     assert judge.feed_all(events) is None and judge.settle() is None
-    assert check_path(good_trace, check_every=25).exit_code == 0
+    assert check_file(good_trace, check_every=25).exit_code == 0
 
 
 def test_v0_event_files_are_checked_too(tmp_path: Path) -> None:
     config, events = safe_run(10)
     write_events(tmp_path / "v0.jsonl", config, events)
-    assert check_path(tmp_path / "v0.jsonl").exit_code == 0
+    assert check_file(tmp_path / "v0.jsonl").exit_code == 0
 
 
 def test_eager_unsafe_counterexample_is_a_violation(
@@ -91,7 +98,7 @@ def test_eager_unsafe_counterexample_is_a_violation(
     config, events = counterexample
     path = tmp_path / "cex.jsonl"
     write_trace(path, config, events, hashes=True)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     finding = judge.feed_all(events)
     assert finding is not None
     html = tmp_path / "report.html"
@@ -106,7 +113,7 @@ def test_eager_unsafe_counterexample_is_a_violation(
     text = html.read_text()
     assert "<img" in text and "data:image/png;base64,iVBOR" in text
     # The incremental mode finds it too (possibly later).
-    report = check_path(path, check_every=7)
+    report = check_file(path, check_every=7)
     assert report.exit_code == 1 and report.line is not None and report.line >= violation["line"]
 
 
@@ -122,7 +129,7 @@ def test_monitor_in_process(counterexample: tuple[Config, list]) -> None:
 
 
 def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) -> None:
-    assert check_path(good_trace).exit_code == 0  # its hashes are consistent
+    assert check_file(good_trace).exit_code == 0  # its hashes are consistent
     lines = good_trace.read_bytes().splitlines()
     for i, raw in enumerate(lines):
         if b'"publish"' in raw:  # one hash for every prefix: a collision
@@ -131,7 +138,7 @@ def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) ->
             lines[i] = orjson.dumps(obj)
     bad = tmp_path / "hash.jsonl"
     bad.write_bytes(b"\n".join(lines) + b"\n")
-    report = check_path(bad)
+    report = check_file(bad)
     assert report.exit_code == 1 and report.invariant == "HashChainConsistent"
     assert "hash" in (report.explanation or "")
 
@@ -253,7 +260,7 @@ def test_corrupted_traces_never_crash_the_checker(
     lines = _corrupt(lines, data)
     path = tmp_path_factory.getbasetemp() / "corrupt.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    report = check_path(path)  # must not raise
+    report = check_file(path)  # must not raise
     assert report.exit_code in (0, 1, 2)
     if report.exit_code == 2:
         assert report.error is not None and report.error.startswith(f"{path}:")
@@ -263,13 +270,30 @@ def test_corrupted_traces_never_crash_the_checker(
         assert report.invariant and report.line is not None
 
 
+def tracemalloc_peak(judge: Judge, events: list[tuple[object, ...]]) -> int:
+    """Bytes allocated at peak (above what was live before) while ``judge`` judges ``events``."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for event in events:
+            if judge.feed(event) is not None:
+                break
+        judge.finish()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
 def test_memory_stays_flat() -> None:
     """Peak memory while checking a stream does not grow with its length."""
     peaks = []
     for requests in (60, 240):
         config, events = safe_run(requests, seed=3)
         # Rings of up to 16 finished requests are kept for reports (256 by default).
-        peaks.append(tracemalloc_peak(Checker(config, retired_requests=16), events))
+        peaks.append(tracemalloc_peak(Judge.stream(config, retired_requests=16), events))
     assert peaks[1] < 1.5 * peaks[0] + 200_000, peaks
 
 

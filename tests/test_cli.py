@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvspec.cli import main
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.report import read_events
+from kvspec.conformance.judge import Judge
+from kvspec.conformance.trace import read_events
 
 KVSPEC = [sys.executable, "-m", "kvspec"]
 
@@ -26,6 +26,22 @@ KVSPEC = [sys.executable, "-m", "kvspec"]
         (["teleport"], "invalid choice"),
         (["prove", "--policy", "deferred", "--blocks", "99"], "blocks must be"),
         (["prove", "--policy", "deferred", "--bound", "-1"], "must be > 0"),
+        (["fuzz", "--policy", "deferred", "--async", "--depth", "1"], "--depth >= 2"),
+        (["fuzz", "--policy", "deferred", "--stale-output", "later"], "invalid choice"),
+        (
+            [
+                "simulate",
+                "--policy",
+                "deferred",
+                "--stale-output",
+                "deliver",
+                "--depth",
+                "1",
+                "--out",
+                "x.jsonl",
+            ],
+            "--depth >= 2",
+        ),  # fmt: skip
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> None:
@@ -49,10 +65,31 @@ def test_simulate_writes_events_the_spec_accepts(tmp_path: Path) -> None:
     assert main(argv + ["--block-size", "4", "--depth", "2", "--out", str(out)]) == 0
     config, events = read_events(out)
     assert config.depth == 2 and len(events) > 100
-    judge = Judge(config)
+    judge = Judge.spec(config)
     assert judge.feed_all(events) is None and judge.settle() is None
     finished = {e[1] for e in events if e[0] == "finish"}
     assert finished == set(range(30))
+
+
+def test_simulate_async_writes_events_the_spec_accepts(tmp_path: Path) -> None:
+    """vLLM's defaults: async scheduling, stale output delivered, depth 2 unless given."""
+    out = tmp_path / "events.jsonl"
+    argv = ["simulate", "--policy", "eager-unsafe", "--requests", "30", "--blocks", "24"]
+    argv += ["--block-size", "4", "--async", "--stale-output", "deliver", "--out", str(out)]
+    assert main(argv) == 0
+    config, events = read_events(out)
+    assert (config.async_scheduling, config.stale_output, config.depth) == (True, "deliver", 2)
+    judge = Judge.spec(config)
+    assert judge.feed_all(events) is None and judge.settle() is None
+    assert {e[1] for e in events if e[0] == "finish"} == set(range(30))
+    assert any(e[0] == "preempt" for e in events)  # a small pool: stale output to deliver
+
+
+def test_fuzz_async_of_a_safe_policy_exits_0(capsys) -> None:
+    argv = ["fuzz", "--policy", "deferred", "--async", "--stale-output", "deliver"]
+    assert main(argv + ["--seconds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "no counterexample" in out and "async, stale output delivered" in out
 
 
 def test_fuzz_finds_the_seed_bug_and_writes_its_events(tmp_path: Path, capsys) -> None:
@@ -62,7 +99,7 @@ def test_fuzz_finds_the_seed_bug_and_writes_its_events(tmp_path: Path, capsys) -
     text = capsys.readouterr().out
     assert "violated: NoUnwritten" in text and "  1. " in text
     config, events = read_events(out)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     finding = judge.feed_all(events)
     assert finding is not None and finding.invariant.startswith("NoUnwritten")
 
@@ -80,5 +117,5 @@ def test_read_events_names_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad.jsonl:3: not JSON"):
         read_events(bad)
     bad.write_text('{"format": "other"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: bad header"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a kvspec trace"):
         read_events(bad)

@@ -12,10 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvspec.conformance.checker import Report, check_path
-from kvspec.conformance.fastmodel import FastChecker
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.observed import ObservedJudge
+from kvspec.conformance.check import check_file
+from kvspec.conformance.judge import Judge
+from kvspec.conformance.report import Report
 from kvspec.conformance.trace import TraceError, parse_header, write_trace
 from kvspec.spec import Config
 
@@ -59,8 +58,8 @@ DECODE_BOTH = [
 ]
 
 
-def judged(events: list[tuple[object, ...]], config: Config = ER) -> ObservedJudge:
-    judge = ObservedJudge(config)
+def judged(events: list[tuple[object, ...]], config: Config = ER) -> Judge:
+    judge = Judge.spec(config, observed=True)
     judge.feed_all(events)
     judge.settle()
     return judge
@@ -69,14 +68,14 @@ def judged(events: list[tuple[object, ...]], config: Config = ER) -> ObservedJud
 def test_an_engine_registering_after_the_write_and_deduplicating_is_judged_safe() -> None:
     judge = judged(BOTH_ADMITTED + INSERT_BOTH + DECODE_BOTH)
     assert judge.finding is None, judge.finding
-    assert judge.state.index == {(1, 2, 3, 4): [1]}
+    assert judge.model.state.index == {(1, 2, 3, 4): [1]}
 
 
 def test_a_dedup_moves_the_reference_from_the_copy_to_the_published_block() -> None:
     judge = judged(BOTH_ADMITTED + INSERT_BOTH)
     assert judge.finding is None, judge.finding
-    assert judge.state.requests[1].table == [1, 4]
-    refcounts = tuple(b.refcount for b in judge.state.blocks)
+    assert judge.model.state.requests[1].table == [1, 4]
+    refcounts = tuple(b.refcount for b in judge.model.state.blocks)
     assert refcounts == (0, 2, 1, 0, 1, 0, 0, 0)
     assert judge.compare(refcounts, (3, 5, 6, 7)) is None
 
@@ -94,7 +93,7 @@ def test_a_dedup_onto_a_block_that_will_never_hold_the_prefix_is_caught() -> Non
     # stays garbage. r1 then dedups onto it and reads it in the next step.
     events = BOTH_ADMITTED[:11] + [("publish", 0, 0, 1), ("preempt", 0), ("free", 2), ("free", 1)]
     events += [("submit", 0), ("execute", 0, ()), ("commit", 0, ((1, 7),)), ("dedup", 1, 0, 1)]
-    judge = ObservedJudge(ER, invariants=["NoUnwrittenRead"])
+    judge = Judge.spec(ER, True, ["NoUnwrittenRead"])
     judge.feed_all(events + [("begin", 1), ("schedule", 1, 1, 0), ("submit", 1)])
     judge.settle()
     assert judge.finding is not None and judge.finding.invariant == "NoUnwrittenRead"
@@ -106,7 +105,7 @@ def test_a_dedup_onto_a_block_that_will_never_hold_the_prefix_is_caught() -> Non
         (("dedup", 1, 0, 2), "not a published copy"),  # block 2 is not published
         (("dedup", 1, 1, 1), "not a published copy"),  # wrong position for block 1's key
         (("dedup", 1, 5, 1), "not running with a block 5"),
-        (("dedup", 9, 0, 1), "unknown request"),
+        (("dedup", 9, 0, 1), "never arrived"),
         (("publish", 1, 0, 1), "already published"),
         (("publish", 0, 1, 2), "not full"),
         (("publish", 0, 0, 0), "unknown request, index or block"),  # the null block
@@ -139,7 +138,7 @@ def test_under_the_other_policies_an_engine_may_not_register_on_its_own() -> Non
 
 
 def test_only_the_observed_judge_takes_engine_registers() -> None:
-    for strict in (Judge, FastChecker):
+    for strict in (Judge.spec, Judge.fast):
         with pytest.raises(ValueError, match="observed judge only"):
             strict(ER)
     header = (
@@ -160,7 +159,7 @@ def _check(
 ) -> Report:
     path = tmp_path / f"{judging}.jsonl"
     write_trace(path, config, events, hashes=True, judging=judging)
-    return check_path(path)
+    return check_file(path)
 
 
 def test_kvspec_check_judges_an_engine_registers_trace_as_observed(tmp_path: Path) -> None:
@@ -204,7 +203,7 @@ def test_bad_judging_headers_are_refused(
     lines = path.read_bytes().splitlines()
     header = orjson.loads(lines[0]) | header_change
     path.write_bytes(b"\n".join([orjson.dumps(header), *lines[1:]]) + b"\n")
-    report = check_path(path)
+    report = check_file(path)
     assert report.exit_code == 2 and report.error is not None
     assert report.error.startswith(f"{path}:1: ") and fragment in report.error
 

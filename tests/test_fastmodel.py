@@ -1,17 +1,17 @@
-"""The fast model (conformance/fastmodel.py) judges exactly as the spec-based Checker does.
+"""The fast model (conformance/judge/fastmodel.py) judges exactly as the spec does.
 
 Differential (lockstep) tests, as for the reference engine: on fuzzed reference-engine traces
 (every policy, the unsafe ones included; both disciplines and preemptions; depth 1 to 3; external
-loads that fail; aborts; prefix-cache resets) the fast model must reach the spec-based Checker's
-verdict (none, or the same invariant at the same event, or the same unknown id) and, after every
-decision, stand for the spec's state field by field; so must it on traces with planted bugs and
-on corrupted files, where ``kvspec check`` must print the same through both engines. Breaking
-the fast model must make these tests fail.
+loads that fail; aborts; prefix-cache resets) a judge over the fast model must reach the spec
+judge's verdict (none, or the same invariant at the same event, or the same unknown id) and, after
+every decision, its model must stand for the spec's state field by field; so must it on traces
+with planted bugs and on corrupted files, where ``kvspec check`` must print the same through both
+engines. Breaking the fast model must make these tests fail.
 
-The differential tests run on both builds of the fast model: the source module and the module
-mypyc compiled from it (``conformance/fastbuild.py``, built by ``make venv``). Planted bugs are
-monkeypatched into the source module's classes (compiled classes cannot be patched), and the
-tests that go through ``check_path`` then ask for the source module (``KVSPEC_FAST_MODEL``).
+The differential tests run on both builds of the hot path: the source modules and the package
+mypyc compiled from them (``conformance/judge/fastbuild.py``, built by ``make venv``). Planted
+bugs are monkeypatched into the source ``FastModel`` (compiled classes cannot be patched), and the
+tests that go through ``check_file`` then ask for the source build (``KVSPEC_FAST_MODEL``).
 """
 
 from __future__ import annotations
@@ -28,92 +28,78 @@ from types import ModuleType
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from spec_walks import spec_runs
 from test_checker import _corrupt, safe_run
 from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
 
 from kvspec.cli import main
-from kvspec.conformance import fastbuild, fastmodel
-from kvspec.conformance.background import JudgeDied
-from kvspec.conformance.checker import (
-    Checker,
-    Monitor,
-    Report,
-    Violation,
-    _check_path_fast,
-    check_path,
-)
-from kvspec.conformance.fastmodel import FastChecker
-from kvspec.conformance.fastpath import FastPathDisagrees
-from kvspec.conformance.ids import UnknownId
-from kvspec.conformance.lockstep import Event
+from kvspec.conformance.background import BackgroundMonitor, JudgeDied
+from kvspec.conformance.check import check_file
+from kvspec.conformance.judge import UnknownId, core, fastbuild, handover
+from kvspec.conformance.judge.fastmodel import FastModel
+from kvspec.conformance.judge.handover import FastPathDisagrees
+from kvspec.conformance.monitor import Monitor, Violation
+from kvspec.conformance.report import Report
 from kvspec.conformance.trace import write_trace
 from kvspec.spec import ACTIONS, POLICIES, Config
+from kvspec.spec.events import Event
 
 Verdict = tuple[str, object] | None
 
 COMPILED, NOT_COMPILED = fastbuild.compiled()
 MODELS = [
-    pytest.param(fastmodel, id="source"),
+    pytest.param(core, id="source"),
     pytest.param(
         COMPILED,
         id="compiled",
         marks=pytest.mark.skipif(COMPILED is None, reason=str(NOT_COMPILED)),
     ),
 ]
-"""Both builds of the fast model; the compiled one is required by the next test."""
+"""Both builds of the judge's core and the fast model; the compiled one is required by the next
+test."""
 
 
 def test_the_compiled_fast_model_is_built_from_this_source() -> None:
-    """``make venv`` compiles fastmodel.py; a missing or stale build fails here (and only slows
+    """``make venv`` compiles the hot path; a missing or stale build fails here (and only slows
     ``kvspec check`` down, with a note, elsewhere)."""
     assert COMPILED is not None, NOT_COMPILED
-    assert COMPILED.SOURCE_SHA256 == fastbuild.source_hash()
-    assert COMPILED.FastChecker is not FastChecker
-    assert fastbuild.fast_model() == (COMPILED, None)
+    assert sys.modules[fastbuild.NAME].SOURCE_SHA256 == fastbuild.source_hash()
+    assert COMPILED.Judge is not core.Judge
+    judge, note = fastbuild.fast_judge(Config(8, 4))
+    assert type(judge) is COMPILED.Judge and note is None
 
 
-def spec_verdict(config: Config, events: list[Event]) -> Verdict:
-    checker = Checker(config)
-    try:
-        for event in events:
-            if checker.feed(event) is not None:
-                break
-        else:
-            checker.finish()
-    except UnknownId as err:
-        return ("UnknownId", str(err))
-    found = checker.finding
+def verdict(judge: core.Judge) -> Verdict:
+    found = judge.finding
     return None if found is None else (found.invariant, found.event)
 
 
-def fast_verdict(config: Config, events: list[Event], collect: bool = False) -> Verdict:
-    fast = FastChecker(config)  # the source module: the planted bugs are patched into it
+def spec_verdict(config: Config, events: list[Event]) -> Verdict:
+    judge = core.Judge.stream(config)
     try:
         for event in events:
-            if collect and event[0] in ACTIONS:
-                fast._collect()
-            if fast.feed(event) is not None:
+            if judge.feed(event) is not None:
                 break
         else:
-            fast.finish()
+            judge.finish()
     except UnknownId as err:
         return ("UnknownId", str(err))
-    return fast.verdict
+    return verdict(judge)
 
 
 def lockstep(
-    config: Config, events: list[Event], collect: bool, model: ModuleType = fastmodel
+    config: Config, events: list[Event], collect: bool, model: ModuleType = core
 ) -> Verdict:
-    """Both checkers side by side: the fast model's state, exported, must be the spec's before
+    """Both judges side by side: the fast model's state, exported, must be the spec's before
     every decision; the verdicts must be equal."""
-    spec, fast = Checker(config), model.FastChecker(config)
+    spec, fast = core.Judge.stream(config), model.Judge.fast(config)
     for event in events:
-        if event[0] in ACTIONS and not spec.expected and spec.finding is None:
+        if event[0] in ACTIONS and spec.epos == len(spec.expected) and spec.finding is None:
             if collect:
-                fast._collect()
-            mine, want = fast.to_spec(), spec.state
+                fast.model._collect()
+            mine, want = fast.model.export(), spec.model.state
             mine.lost_hits = want.lost_hits  # a statistic, not part of the verdict
             assert mine == want, event
             for a, b in zip(mine.steps, want.steps, strict=True):
@@ -126,13 +112,13 @@ def lockstep(
             return ("UnknownId", str(err))
         fast.feed(event)
         if got is not None:
-            assert fast.verdict == (got.invariant, got.event)
-            return fast.verdict
-        assert fast.verdict is None, event
+            assert verdict(fast) == (got.invariant, got.event)
+            return verdict(fast)
+        assert fast.finding is None, event
     spec.finish()
     fast.finish()
-    want = None if spec.finding is None else (spec.finding.invariant, spec.finding.event)
-    assert fast.verdict == want
+    want = verdict(spec)
+    assert verdict(fast) == want
     return want
 
 
@@ -146,6 +132,32 @@ def test_fast_model_and_spec_agree_on_engine_traces(
 ) -> None:
     config, events = run
     lockstep(config, events, collect, model)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(run=spec_runs(), collect=st.booleans())
+def test_fast_model_and_spec_agree_on_spec_walks(
+    model: ModuleType, run: tuple[Config, list[Event]], collect: bool
+) -> None:
+    """Walks of the spec itself: every configuration, async scheduling with its placeholders and
+    delivered stale output included (no engine of kvspec's produces those traces yet)."""
+    config, events = run
+    lockstep(config, events, collect, model)
+
+
+def test_a_fast_model_that_does_not_resolve_placeholders_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(FastModel, "_resolve", lambda self, step, sampled: None)
+
+    @settings(max_examples=300, deadline=None, phases=[Phase.generate], database=None)
+    @given(run=spec_runs())
+    def lockstep_walks(run: tuple[Config, list[Event]]) -> None:
+        lockstep(*run, collect=False)
+
+    with pytest.raises(AssertionError):  # found while generating; not shrunk (it is planted)
+        lockstep_walks()
 
 
 MUTATIONS = ("drop", "duplicate", "swap", "block", "token", "request", "step", "decision")
@@ -206,7 +218,7 @@ def test_fast_model_and_spec_agree_on_traces_with_planted_bugs(
 
 def same_report(path: Path, model: ModuleType) -> None:
     """``kvspec check`` through both engines: the same exit code, error, finding and report."""
-    fast, spec = _check_path_fast(path, model=model), check_path(path, engine="spec")
+    fast, spec = check_file(path, build=model), check_file(path, engine="spec")
     fast.seconds = spec.seconds = 0.0
     assert fast == spec
 
@@ -246,13 +258,13 @@ def test_hash_collisions_are_found_by_both(model: ModuleType, tmp_path: Path) ->
             obj["hash"] = "same"
             lines[i] = orjson.dumps(obj)
     path.write_bytes(b"\n".join(lines) + b"\n")
-    assert check_path(path).invariant == "HashChainConsistent"
+    assert check_file(path).invariant == "HashChainConsistent"
     same_report(path, model)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_x_fields_and_v0_files_read_the_same(model: ModuleType, tmp_path: Path) -> None:
-    from kvspec.conformance.report import write_events
+    from kvspec.conformance.trace import write_events
 
     config, events = safe_run(8)
     path = tmp_path / "x.jsonl"
@@ -260,7 +272,7 @@ def test_x_fields_and_v0_files_read_the_same(model: ModuleType, tmp_path: Path) 
     lines = path.read_bytes().splitlines()
     lines[3] = lines[3][:-1] + b',"x_note":"engine annotation"}'
     path.write_bytes(b"\n".join(lines) + b"\n")
-    assert check_path(path).exit_code == 0
+    assert check_file(path).exit_code == 0
     same_report(path, model)
     write_events(tmp_path / "v0.jsonl", config, events)
     same_report(tmp_path / "v0.jsonl", model)
@@ -277,17 +289,17 @@ def test_a_broken_fast_model_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch
     """The differential test can fail: a planted bug in the fast model makes it fail."""
     name, replacement = BROKEN[bug]
     if replacement is None:  # unreferenced uncached blocks go to the tail, not the head
-        original = FastChecker._free_table
+        original = FastModel._free_table
 
-        def replacement(self: FastChecker, req: object) -> None:
+        def replacement(self: FastModel, req: object) -> None:
             original(self, req)  # type: ignore[arg-type]
             for block in list(self.free):
                 if self.key[block] is None:
                     self.free.move_to_end(block)
 
-    monkeypatch.setattr(FastChecker, name, replacement)
+    monkeypatch.setattr(FastModel, name, replacement)
     with pytest.raises(AssertionError):
-        test_fast_model_and_spec_agree_on_engine_traces(model=fastmodel)
+        test_fast_model_and_spec_agree_on_engine_traces(model=core)
 
 
 def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
@@ -296,11 +308,11 @@ def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
     config, events = safe_run(10)
     path = tmp_path / "good.jsonl"
     write_trace(path, config, events)
-    monkeypatch.setattr(FastChecker, "_publications_hold", lambda self: False)
-    monkeypatch.setenv(fastbuild.ENV, "source")  # check_path judges with the patched class
-    with pytest.raises(FastPathDisagrees, match="NoUnwrittenPublish.*spec-based checker None"):
-        check_path(path)
-    assert check_path(path, engine="spec").exit_code == 0
+    monkeypatch.setattr(FastModel, "_publications_hold", lambda self: False)
+    monkeypatch.setenv(fastbuild.ENV, "source")  # check_file judges with the patched class
+    with pytest.raises(FastPathDisagrees, match="NoUnwrittenPublish.*spec judge None"):
+        check_file(path)
+    assert check_file(path, engine="spec").exit_code == 0
     assert main(["check", str(path), "--engine", "spec"]) == 0
 
 
@@ -312,7 +324,7 @@ def test_monitor_hands_over_from_a_checkpoint_with_bounded_memory() -> None:
     events = events[:late] + [("free", 0)] + events[late + 1 :]  # an engine bug, late
     expected = spec_verdict(config, events)
     assert expected == ("Disagreement", late)
-    fast = Monitor(config, window=100)
+    fast = Monitor.fast(config, window=100)
     most = 0
     with pytest.raises(Violation) as caught:
         for event in events:
@@ -322,7 +334,7 @@ def test_monitor_hands_over_from_a_checkpoint_with_bounded_memory() -> None:
     assert most <= 2 * 100 + 50
     report = caught.value.report
     assert (report.invariant, report.line) == (expected[0], expected[1] + 1)  # type: ignore[index, operator]
-    spec = Monitor(config, engine="spec", raise_on_finding=False)
+    spec = Monitor.on_spec(config, raise_on_finding=False)
     spec.feed_all(events)
     assert report.message == spec.report().message
     assert report.history and set(report.history) <= set(spec.report().history)
@@ -333,7 +345,7 @@ def test_monitor_reports_as_the_spec_monitor_on_a_short_run() -> None:
     reports = []
     for engine in ("fast", "spec"):
         with pytest.raises(Violation) as caught:
-            with Monitor(config, engine=engine) as monitor:
+            with Monitor.fast(config) if engine == "fast" else Monitor.on_spec(config) as monitor:
                 monitor.feed_all(events)
         reports.append(caught.value.report)
     assert reports[0] == reports[1]
@@ -350,14 +362,15 @@ def test_fast_model_memory_stays_flat() -> None:
     peaks = []
     for requests in (60, 240):
         config, events = safe_run(requests, seed=3)
-        fast = FastChecker(config)
+        judge = core.Judge.fast(config)
+        fast = judge.model
         fast.collect_floor = fast.collect_at = 64
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
             for event in events:
-                assert fast.feed(event) is None
+                assert judge.feed(event) is None
             peaks.append(tracemalloc.get_traced_memory()[1] - base)
         finally:
             tracemalloc.stop()
@@ -372,9 +385,7 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
     """Checkpoints every 50 events: a late finding is re-judged from a checkpoint (the state,
     ids and opaque-hash tables exported) to the same verdict as the spec engine's from the
     start, with a history drawn from the spec engine's."""
-    import kvspec.conformance.fastpath as fastpath
-
-    monkeypatch.setattr(fastpath, "FILE_WINDOW", 50)
+    monkeypatch.setattr(handover, "FILE_WINDOW", 50)
     config, events = safe_run(80)
     path = tmp_path / "late.jsonl"
     if bug == "engine":
@@ -396,7 +407,7 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
             elif obj["ev"] in ("unpublish", "evict"):
                 published.pop(obj["block"], None)
         path.write_bytes(b"\n".join(lines) + b"\n")
-    fast, spec = check_path(path), check_path(path, engine="spec")
+    fast, spec = check_file(path), check_file(path, engine="spec")
     assert fast.exit_code == spec.exit_code == 1 and fast.line is not None
     assert fast.line > 200
     assert (fast.invariant, fast.line, fast.message) == (spec.invariant, spec.line, spec.message)
@@ -404,7 +415,7 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
     assert fast.invariant == ("Disagreement" if bug == "engine" else "HashChainConsistent")
     good = tmp_path / "good.jsonl"
     write_trace(good, *safe_run(80), hashes=True)
-    assert check_path(good).exit_code == 0
+    assert check_file(good).exit_code == 0
 
 
 # -- the background Monitor (conformance/background.py) ------------------------------------------
@@ -415,9 +426,9 @@ def background_verdict(
 ) -> tuple[Report, int | None]:
     """The background Monitor's report, and after how many events fed its Violation came (None:
     at close); the child must be gone afterwards, and at most ``depth`` batches waiting."""
-    monitor = Monitor(config, background=True, batch_size=batch, queue_depth=depth)
-    bg = monitor.background
-    assert bg is not None and bg.proc.poll() is None
+    monitor = BackgroundMonitor(config, batch_size=batch, queue_depth=depth)
+    bg = monitor.child
+    assert bg.proc.poll() is None
     fed = None
     try:
         with monitor:
@@ -485,21 +496,21 @@ def test_background_judge_dies_with_the_engine(tmp_path: Path) -> None:
     """An exception in the engine's code kills the child at the context exit; a parent killed
     outright leaves no child either (its stdin closes)."""
     config, events = safe_run(5)
-    monitor = Monitor(config, background=True, batch_size=4)
+    monitor = BackgroundMonitor(config, batch_size=4)
     with pytest.raises(KeyError):
         with monitor:
             monitor.feed_all(events[:10])
             raise KeyError("the engine broke")
-    assert monitor.background is not None and monitor.background.proc.poll() is not None
+    assert monitor.child.proc.poll() is not None
     with pytest.raises(JudgeDied, match="stopped"):
         monitor.close()
     script = tmp_path / "engine.py"
     script.write_text(
         "import os, signal, sys\n"
-        "from kvspec.conformance.checker import Monitor\n"
+        "from kvspec.conformance.background import BackgroundMonitor\n"
         "from kvspec.spec import Config\n"
-        "monitor = Monitor(Config(6, 4), background=True)\n"
-        "print(monitor.background.proc.pid, flush=True)\n"
+        "monitor = BackgroundMonitor(Config(6, 4))\n"
+        "print(monitor.child.proc.pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     with open(tmp_path / "stderr", "w") as err:  # not a pipe: the judge inherits it
@@ -519,7 +530,7 @@ def test_background_judge_dies_with_the_engine(tmp_path: Path) -> None:
     else:
         pytest.fail(f"the background judge {child} outlived its killed parent")
     with pytest.raises(ValueError, match="queue_depth must be a positive int"):
-        Monitor(config, background=True, queue_depth=0)
+        BackgroundMonitor(config, queue_depth=0)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -540,18 +551,22 @@ def test_a_stale_or_missing_build_is_noted_not_silent(
     write_trace(path, config, events)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(path.read_bytes() + b"{not json\n")
-    edited = tmp_path / "fastmodel.py"
-    edited.write_bytes(fastbuild.SOURCE.read_bytes() + b"# edited\n")
+    edited = tmp_path / "sources"
+    edited.mkdir()
+    for name in fastbuild.COMPILED:
+        (edited / name).write_bytes((fastbuild.HERE / name).read_bytes())
+    with open(edited / "fastmodel.py", "a") as f:
+        f.write("# edited\n")
     for why, attribute, value in [
-        ("older than fastmodel.py", "SOURCE", edited),
+        ("older than its source", "HERE", edited),
         ("no compiled module", "FOLDER", tmp_path),
     ]:
         with monkeypatch.context() as patch:
             patch.setattr(fastbuild, attribute, value)
             patch.setattr(fastbuild, "_compiled", None)
-            model, note = fastbuild.fast_model()
-            assert model is fastmodel and note is not None and why in note
-            report = check_path(path)
+            judge, note = fastbuild.fast_judge(config)
+            assert type(judge) is core.Judge and note is not None and why in note
+            report = check_file(path)
             assert report.exit_code == 0 and report.note == note
             assert report.text().endswith(f"[note: {note}]")
             assert report.as_dict()["note"] == note
@@ -564,7 +579,7 @@ def test_a_stale_or_missing_build_is_noted_not_silent(
                 monitor.feed_all(events)
             assert monitor.report().note == note
     if COMPILED is not None:
-        assert check_path(path).note is None
+        assert check_file(path).note is None
 
 
 EDGE_LINES = [

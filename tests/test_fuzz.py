@@ -7,8 +7,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvspec.conformance import verdicts
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
-from kvspec.conformance.lockstep import Finding, Judge
+from kvspec.conformance.judge import Finding, Judge
 from kvspec.reference import Engine, EngineConfig, RandomChoices
 from kvspec.spec import POLICIES, Config
 
@@ -42,6 +43,40 @@ def test_safe_cells_hold_in_lockstep(
     )
 
 
+ASYNC_SAFE_CELLS = [
+    (policy, discipline, preemption, stale)
+    for policy in ("deferred", "hide-uncommitted")
+    for discipline, preemption, stale in (
+        ("vllm", "fcfs", "deliver"),  # vLLM's defaults
+        ("vllm", "priority", "drop"),
+        ("general", "priority", None),  # stale output drawn
+    )
+] + [
+    (policy, "vllm", preemption, "deliver")
+    for policy in ("eager-rollback-single", "eager-rollback-fifo")
+    for preemption in ("fcfs", "priority")
+]
+
+
+@pytest.mark.parametrize("policy, discipline, preemption, stale", ASYNC_SAFE_CELLS)
+def test_async_safe_cells_hold_in_lockstep(
+    policy: str,
+    discipline: str,
+    preemption: str,
+    stale: str | None,
+) -> None:
+    """Async scheduling (depth 2 or 3 drawn), stale output dropped, delivered or drawn."""
+    machine = lockstep_machine(
+        policy, discipline, preemption, None, False, async_scheduling=True, stale_output=stale
+    )
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            settings.default, stateful_step_count=40, suppress_health_check=list(HealthCheck)
+        ),
+    )
+
+
 @pytest.mark.parametrize(
     "policy, discipline, preemption, loads, invariants",
     [
@@ -60,16 +95,70 @@ def test_unsafe_cells_fail_with_a_shrunk_counterexample(
     assert result.unshrunk_length is not None
     assert len(result.failure.program) <= result.unshrunk_length  # shrinking never grows it
     # the counterexample's events, judged afresh, fail the same way
-    finding = Judge(result.failure.config).feed_all(result.failure.events)
+    finding = Judge.spec(result.failure.config).feed_all(result.failure.events)
     assert finding is not None and finding.invariant == result.failure.finding.invariant
+
+
+@pytest.mark.parametrize(
+    "policy, stale, invariant",
+    [
+        ("eager-unsafe", None, "NoUnwrittenPublish"),
+        ("eager-rollback-fifo", "deliver", "NoUnwrittenRead"),
+    ],
+)
+def test_unsafe_async_cells_fail_with_a_shrunk_counterexample(
+    policy: str, stale: str | None, invariant: str
+) -> None:
+    """Under async scheduling the eager policies still fail under ``general``: the same
+    findings, judged afresh from the counterexample's events."""
+    result = run_cell(
+        policy, "general", "priority", seconds=60, seed_value=1, async_scheduling=True,
+        stale_output=stale,
+    )  # fmt: skip
+    assert result.failure is not None, f"nothing found in {result.seconds:.0f} s"
+    assert result.failure.finding.invariant == invariant
+    assert result.failure.config.async_scheduling and result.failure.config.depth >= 2
+    assert result.unshrunk_length is not None
+    assert len(result.failure.program) <= result.unshrunk_length
+    finding = Judge.spec(result.failure.config).feed_all(result.failure.events)
+    assert finding is not None and finding.invariant == invariant
+
+
+def test_demo_rows_and_a_cell_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell whose fuzzing raises is an ERROR row with the exception, not a crash of the demo;
+    the scheduling column names the async cells."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(verdicts, "run_cell", broken)
+    error = verdicts._run(("deferred", "vllm", "fcfs", False, True, "deliver", 1.0, 0))
+    assert isinstance(error, verdicts.CellError) and "IndexError" in error.details
+    (row,) = verdicts.rows([error])
+    assert row[3:6] == ("async, deliver", "ERROR", "IndexError: list index out of range")
+    assert verdicts.scheduling(None, None) == "sync|async, drop|deliver"
+    assert verdicts.scheduling(False, "deliver") == "sync, deliver"
+    assert verdicts.scheduling(True, None) == "async, drop|deliver"
+    assert verdicts.scheduling(False, "drop") == "sync"
+
+
+def test_async_cells_refuse_depth_one() -> None:
+    with pytest.raises(ValueError, match="depth >= 2"):
+        lockstep_machine("deferred", depth=1, async_scheduling=True)
+    with pytest.raises(ValueError, match="depth >= 2"):
+        lockstep_machine("deferred", depth=1, stale_output="deliver")
 
 
 def drive(config: Config, workload: list[tuple], seed: int | None = None) -> Finding | None:
     """Run a fixed workload on the reference engine; judge every event and every snapshot."""
-    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+    fields = {
+        k: getattr(config, k)
+        for k in config.__dataclass_fields__
+        if k in EngineConfig.__dataclass_fields__
+    }
     choices = RandomChoices(seed) if seed is not None else None
     engine = Engine(EngineConfig(**fields, vocab=4), choices=choices)
-    judge = Judge(config)
+    judge = Judge.spec(config)
     for item in workload:
         start = len(engine.events)
         if item[0] == "arrive":

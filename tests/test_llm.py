@@ -1,7 +1,8 @@
 """The reference LLM engine on a tiny random Llama: every request's tokens equal Hugging Face's
 dense greedy generation and its logits agree within 1e-4 (float32), while the workload forces
 preemptions (a small pool), aborts, shared prefixes and chunked prefill (a small token budget),
-at depths 1 to 3 under several policies; the seed's zombie read under ``eager-unsafe`` changes
+at depths 1 to 3 under several policies, with and without async scheduling (decodes scheduled
+on placeholder tokens, stale output dropped or delivered); the seed's zombie read under ``eager-unsafe`` changes
 the tokens a user gets. Attention runs on the Triton kernels (interpreted on a CPU)."""
 
 from __future__ import annotations
@@ -49,20 +50,21 @@ def check_against_hf(oracle: HFOracle, prompt: tuple[int, ...], tokens, logits) 
 
 
 STRESS = [
-    # policy, discipline, preemption, depth
-    ("deferred", "vllm", "fcfs", 1),
-    ("deferred", "general", "priority", 2),
-    ("hide-uncommitted", "general", "fcfs", 3),
-    ("eager-rollback-fifo", "vllm", "priority", 3),
+    # policy, discipline, preemption, depth, async scheduling with stale output (None: sync)
+    ("deferred", "vllm", "fcfs", 1, None),
+    ("deferred", "general", "priority", 2, None),
+    ("hide-uncommitted", "general", "fcfs", 3, None),
+    ("eager-rollback-fifo", "vllm", "priority", 3, None),
+    ("deferred", "vllm", "fcfs", 2, "deliver"),  # vLLM's defaults
 ]
 
 
-@pytest.mark.parametrize("policy, discipline, preemption, depth", STRESS)
+@pytest.mark.parametrize("policy, discipline, preemption, depth, stale", STRESS)
 def test_tokens_and_logits_equal_hf_under_stress(
-    tiny, policy, discipline, preemption, depth
+    tiny, policy, discipline, preemption, depth, stale
 ) -> None:  # type: ignore[no-untyped-def]
     _, weights, oracle = tiny
-    rng = random.Random(f"{policy}-{discipline}-{depth}")
+    rng = random.Random(f"{policy}-{discipline}-{depth}" + (f"-async-{stale}" if stale else ""))
     config = EngineConfig(
         num_blocks=9,  # 8 blocks of 4 tokens for up to 3 running requests of up to 20 tokens
         block_size=4,
@@ -72,6 +74,8 @@ def test_tokens_and_logits_equal_hf_under_stress(
         preemption=preemption,
         token_budget=7,  # prompts of 9 to 14 tokens are prefilled in chunks
         max_running=3,
+        async_scheduling=stale is not None,
+        stale_output=stale or "drop",
     )
     engine, worker = model_engine(weights, config, "triton", RandomChoices(rng.randrange(1 << 30)))
     prefixes = [tuple(rng.randrange(101) for _ in range(n)) for n in (8, 9)]
@@ -94,6 +98,8 @@ def test_tokens_and_logits_equal_hf_under_stress(
     stats = engine.stats
     assert not engine.has_unfinished()
     assert stats["preemptions"] > 0 and stats["hit_tokens"] > 0 and aborted
+    assert (stats["placeholder_tokens"] > 0) == (stale is not None)  # async really overlapped
+    assert (stats["stale_delivered"] > 0) == (stale == "deliver")
     assert stats["computed_tokens"] > stats["prompt_tokens"] - stats["hit_tokens"]  # recomputation
     for rid, req in engine.requests.items():
         out = req.tokens[req.prompt_len :]
@@ -164,6 +170,22 @@ def test_llm_generate_greedy_stop_and_seeded(tiny) -> None:  # type: ignore[no-u
     stop = want[2]
     (out,) = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_NEW, stop_token_ids=(stop,)))
     assert out.finish_reason == "stop" and out.token_ids == want[: want.index(stop) + 1]
+    # async scheduling (vLLM's default): decodes on placeholder tokens give the same greedy
+    # tokens, and a stop token still ends where Hugging Face has it (the abort that ends it
+    # discards the output of the later step that already holds the request)
+    overlapped = LLM(folder, tokenizer=False, backend="torch", block_size=4, num_blocks=16,
+                     token_budget=8, record_logits=True, depth=2, async_scheduling=True)  # fmt: skip
+    for prompt, out in zip(
+        prompts, overlapped.generate(prompts, SamplingParams(max_tokens=MAX_NEW)), strict=True
+    ):
+        check_against_hf(
+            oracle, tuple(prompt), out.token_ids, overlapped.worker.recorded[out.request_id]
+        )
+    (out,) = overlapped.generate(
+        [prompts[0]], SamplingParams(max_tokens=MAX_NEW, stop_token_ids=(stop,))
+    )
+    assert out.finish_reason == "stop" and out.token_ids == want[: want.index(stop) + 1]
+    assert overlapped.stats["placeholder_tokens"] > 0
     # seeded sampling: the same seed gives the same tokens whatever else runs, and in any engine
     sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_k=20, top_p=0.9, seed=7)
     alone = llm.generate([prompts[2]], sampled)[0].token_ids

@@ -18,14 +18,15 @@ if not torch.cuda.is_available():
 from scenarios import SEED, A  # noqa: E402
 
 from kvspec.cli import main  # noqa: E402
-from kvspec.conformance.lockstep import Event, Judge  # noqa: E402
+from kvspec.conformance.judge import Judge  # noqa: E402
 from kvspec.conformance.plan import PlanError, replay_plan  # noqa: E402
-from kvspec.conformance.report import read_events, write_events  # noqa: E402
+from kvspec.conformance.trace import read_events, write_events  # noqa: E402
 from kvspec.impl.paged.records import Executed, Fill  # noqa: E402
 from kvspec.impl.paged.replay import Options, Result, replay  # noqa: E402
 from kvspec.reference import Engine, EngineConfig, RandomChoices  # noqa: E402
 from kvspec.reference.workload import shared_prefix_workload  # noqa: E402
 from kvspec.spec import ACTIONS, Config, apply, initial_state  # noqa: E402
+from kvspec.spec.events import Event  # noqa: E402
 
 SEED_CONFIG = Config(
     num_blocks=6, block_size=4, policy="eager-unsafe", preemption="priority", token_budget=12
@@ -231,7 +232,7 @@ def test_fuzzed_counterexample_replays_as_the_spec_reads_it(tmp_path: Path, caps
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_holding_trace_matches_dense_attention(dtype: torch.dtype) -> None:
     config, events = holding_trace()
-    judge = Judge(config)
+    judge = Judge.spec(config)
     assert judge.feed_all(events) is None and judge.settle() is None
     assert any(e[0] == "preempt" for e in events)
     assert sum(len(e[2]) for e in events if e[0] == "hit") > 50  # prefix hits are read
@@ -286,3 +287,17 @@ def test_fuzzed_zombie_read_replays_to_a_mismatch(tmp_path: Path, capsys) -> Non
     assert main(["replay", str(out)]) == 1
     text = capsys.readouterr().out
     assert "MISMATCH" in text and "zombie" in text
+
+
+def test_an_engine_registers_trace_replays(tmp_path: Path, capsys) -> None:
+    """An observed trace of an engine that registers on its own (SGLang's shape: publishes after
+    the write, a dedup onto the other request's copy) replays: the plan follows the engine's own
+    effects through the observed judge, and every attention output matches."""
+    from test_engine_registers import BOTH_ADMITTED, DECODE_BOTH, ER, INSERT_BOTH
+
+    from kvspec.conformance.trace import write_trace
+
+    path = tmp_path / "sglang-like.jsonl"
+    write_trace(path, ER, BOTH_ADMITTED + INSERT_BOTH + DECODE_BOTH, judging="observed")
+    assert main(["replay", str(path), "--backend", "torch", "--layers", "1"]) == 0
+    assert "every step matches dense attention" in capsys.readouterr().out

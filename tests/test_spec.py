@@ -27,7 +27,7 @@ def test_seed_scenario(policy: str) -> None:
     )
     s, failure, at = run(config, SEED)
     if policy == "eager-unsafe":
-        assert failure is not None and failure[0] == "NoUnwrittenPublish"
+        assert failure is not None and failure.invariant == "NoUnwrittenPublish"
         assert SEED[at] == ("preempt", 1)
         # and carrying on, the later request reads the zombie blocks
         s = initial_state(config)
@@ -56,10 +56,13 @@ def test_consumer_scenario_under_general(policy: str) -> None:
     config = Config(num_blocks=8, block_size=4, policy=policy, discipline="general")
     s, failure, at = run(config, CONSUMER)
     if policy.startswith("eager"):
-        assert failure is not None and failure[0] in ("NoUnwrittenRead", "NoUnwrittenPublish")
+        assert failure is not None and failure.invariant in (
+            "NoUnwrittenRead",
+            "NoUnwrittenPublish",
+        )
         assert CONSUMER[at] == ("preempt", 1)
         if policy != "eager-unsafe":  # the rollback unpublished: only the consumer is hurt
-            assert failure[0] == "NoUnwrittenRead"
+            assert failure.invariant == "NoUnwrittenRead"
         # the consumer still holds A's never-written block 1, A's reference is gone
         assert s.requests[2].table[0] == 1 and s.blocks[1].refcount == 1
     else:
@@ -91,7 +94,7 @@ def test_load_failure_leaves_zombies_unless_rolled_back_at_commit() -> None:
         # PR 43569 commits its bucket at the top of update_from_output, before failures are
         # handled, so the fifo rollback finds nothing; the single dict still holds them at D=1
         if policy in ("eager-unsafe", "eager-rollback-fifo"):
-            assert failure is not None and failure[0] == "NoUnwrittenPublish"
+            assert failure is not None and failure.invariant == "NoUnwrittenPublish"
             assert events[at][0] == "commit" and zombies == [1, 2]
         else:
             assert failure is None and zombies == [], (policy, failure)
@@ -110,7 +113,9 @@ def test_single_dict_is_cleared_before_the_failure_is_reported_at_depth_2() -> N
         ("commit", 0, ()),
     ]
     _, failure, at = run(config, events)
-    assert failure is not None and failure[0] == "NoUnwrittenPublish" and at == len(events) - 1
+    assert (
+        failure is not None and failure.invariant == "NoUnwrittenPublish" and at == len(events) - 1
+    )
 
 
 def test_rollback_of_a_submitted_write_counts_a_lost_hit() -> None:

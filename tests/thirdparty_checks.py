@@ -21,9 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvspec.conformance.checker import check_path
-from kvspec.conformance.lockstep import Judge
-from kvspec.conformance.observed import ObservedJudge
+from kvspec.conformance.check import check_file
+from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import write_trace
 from kvspec.spec import Config
 
@@ -54,7 +53,7 @@ def run(
     config = Config(**cell)  # type: ignore[arg-type]
     adapter = getattr(module, factory)(config, Ones(tokens))
     observed = getattr(adapter, "judging", "strict") == "observed"
-    judge = (ObservedJudge if observed else Judge)(adapter.config)
+    judge = Judge.spec(adapter.config, observed)
     for what, args in workload:
         start = len(adapter.events)
         if what == "arrive":
@@ -83,7 +82,7 @@ def run(
         path = Path(folder) / "trace.jsonl"
         judging = "observed" if observed else "strict"
         write_trace(path, adapter.config, adapter.events, hashes=True, judging=judging)
-        checked = check_path(path).exit_code
+        checked = check_file(path).exit_code
     print(
         "none",
         len(adapter.events),

@@ -258,6 +258,7 @@ class SglangAdapter:
                 req_to_token_pool=self.pool,
                 token_to_kv_pool_allocator=self.allocator,
                 page_size=ps,
+                enable_kv_cache_events=True,  # its KV events (sglang_kv_stream.py)
             )
         )
         self.requests: dict[int, _Req] = {}
@@ -273,6 +274,9 @@ class SglangAdapter:
         self._published: set[int] = set()  # for self_check: pages the events registered
         self._seen = 0
         self._wrap()
+        from .sglang_kv_stream import attach
+
+        self.kv_stream = attach(self)
 
     # -- the protocol ---------------------------------------------------------------------------
 
@@ -389,6 +393,10 @@ class SglangAdapter:
                 f"{sorted(self._published)}"
             )
         return None
+
+    def check_kv_stream(self, judge: Any) -> Any:
+        """The stream SGLang's publisher sent, judged (``sglang_kv_stream.py``)."""
+        return None if self.kv_stream is None else self.kv_stream.check(judge)
 
     # -- the scheduler loop (SGLang's order) ----------------------------------------------------
 

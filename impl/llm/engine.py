@@ -9,8 +9,10 @@ engine, so the prefix cache carries over between calls.
 Stops: a request ends on its model's EOS (unless ``ignore_eos``) or one of its
 ``stop_token_ids`` (the token is kept), or at ``max_tokens``. The engine knows one global stop
 token at most, so ``LLM`` ends stopped requests itself, right after the commit that sampled the
-stop token (an ``abort`` of a request that is in no step in flight: its next token is not
-scheduled before that commit, see ``reference/engine.py``), and reports ``"stop"``.
+stop token (an ``abort``: without async scheduling the request is then in no step in flight,
+its next token is not scheduled before that commit, see ``reference/engine.py``; with
+``async_scheduling=True`` a later step may hold it, and the abort discards that step's output
+for it), and reports ``"stop"``.
 
 Choices: ``backend="auto"`` is ``triton`` on a CUDA device and ``torch`` on the CPU (Triton's
 interpreter needs minutes per step for a 30-layer model there); the choice is printed by the
@@ -69,6 +71,7 @@ class LLM:
         token_budget: int = 512,
         max_running: int = 16,
         prefix_caching: bool = True,
+        async_scheduling: bool = False,
         backend: str = "auto",
         dtype: str = "float32",
         device: str | None = None,
@@ -110,6 +113,7 @@ class LLM:
             token_budget=token_budget,
             max_running=max_running,
             prefix_caching=prefix_caching,
+            async_scheduling=async_scheduling,
         )
         cache = KVCache.allocate(
             cfg.num_layers,

@@ -178,7 +178,7 @@ class PagedLlama:
         self.backend = backend
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cache.device)
         if backend == "triton":
-            from .kernels import interpreting, paged_attention, write_kv
+            from ..paged.kernels import interpreting, paged_attention, write_kv
 
             if cache.device.type != "cuda" and not interpreting():
                 raise ValueError(

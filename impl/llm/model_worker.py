@@ -2,8 +2,10 @@
 
 It implements ``kvspec.reference.worker.Worker``. ``execute`` turns a submitted step into one
 forward of ``llama.PagedLlama``: every entry of the step (live or not, as a device runs what was
-submitted) contributes its tokens ``start .. end - 1`` (read from ``req.tokens``: they are all
-known when the step executes, see ``reference/engine.py``), their positions, their slots in the
+submitted) contributes its tokens ``start .. end - 1`` (read from ``req.tokens``: under async
+scheduling too, every token of a live entry is known when the step executes, see
+``reference/engine.py``; a non-live one may reach past them and computes garbage there), their
+positions, their slots in the
 entry's block table (the table object and length the scheduler recorded, so a request preempted
 since still writes where it was told to), and the logits of its last token. ``sample`` then
 turns the live sampling entries' logits into tokens with the request's ``SamplingParams`` and
@@ -28,6 +30,10 @@ from .llama import PagedLlama, StepInput
 from .sampling import SamplingParams, sample
 
 GREEDY = SamplingParams()
+GARBAGE_TOKEN = 0
+"""The input a step computes at a placeholder position whose sample was discarded (the entry is
+no longer live): on a device the previous step's output would be fed in anyway; nothing reads
+that K/V as valid, which the spec checks."""
 
 
 class ModelWorker:
@@ -65,7 +71,10 @@ class ModelWorker:
                 raise ValueError(f"request {rid}: external KV loads are not supported by a model")
             req = requests[rid]
             table = [b.block_id for b in entry.table[: entry.num_blocks]]
-            tokens.extend(req.tokens[entry.start : entry.end])
+            chunk = req.tokens[entry.start : entry.end]
+            if len(chunk) < entry.end - entry.start:  # a discarded placeholder: garbage input
+                chunk = chunk + [GARBAGE_TOKEN] * (entry.end - entry.start - len(chunk))
+            tokens.extend(chunk)
             for pos in range(entry.start, entry.end):
                 positions.append(pos)
                 slots.append(table[pos // bsz] * bsz + pos % bsz)

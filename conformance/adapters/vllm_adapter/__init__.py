@@ -33,12 +33,14 @@ at the position it was sampled for.
 
 Where each event comes from: ``attach.py`` (the block lifecycle, wrapped on vLLM's own methods)
 and ``loop.py`` (the engine core's decisions, the fake model runner); ``build.py`` makes vLLM's
-objects.
+objects; ``kv_stream.py`` runs vLLM's KV-event publisher.
 
 vLLM's native KV events (``BlockStored``/``BlockRemoved``) are kept and cross-checked:
 ``self_check`` (run by the fuzzer after every rule) says whether vLLM stored as many blocks as
 the wrappers saw ``publish`` events and removed as many as they saw ``evict`` events, and whether
-the blocks vLLM touched on each admission are the ``hit`` reported.
+the blocks vLLM touched on each admission are the ``hit`` reported. vLLM's own
+``ZmqEventPublisher`` sends them over loopback and the stream is judged against vLLM's cache at
+every ``update_from_output`` (``kv_stream.py``, ``docs/kv-events.md``).
 
 Judging is strict (``docs/adapters.md``): the spec models vLLM 0.33.0, so vLLM's effects must be
 the spec's exactly, block ids and free-queue order included. One known difference cannot show

@@ -68,9 +68,10 @@ class Attachment:
         as ``publish`` events, as many removed as ``evict`` events."""
         if self.problems:
             return self.problems[0]
-        self.native += self.pool.take_events()
-        stored = sum(len(e.block_hashes) for e in self.native if isinstance(e, BlockStored))
-        removed = sum(len(e.block_hashes) for e in self.native if isinstance(e, BlockRemoved))
+        # Peek at the events vLLM has not taken yet: taking them would keep them from its publisher.
+        native = self.native + list(self.pool.kv_event_queue)
+        stored = sum(len(e.block_hashes) for e in native if isinstance(e, BlockStored))
+        removed = sum(len(e.block_hashes) for e in native if isinstance(e, BlockRemoved))
         published = sum(1 for e in self.events if e[0] == "publish")
         dropped = sum(1 for e in self.events if e[0] == "evict")
         if stored != published or removed != dropped:

@@ -20,6 +20,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
+from . import kv_stream
 from .attach import Attachment, Event
 from .build import block_hasher, build_scheduler
 
@@ -64,6 +65,7 @@ class VllmAdapter:
         self.next_step = 0
         self.attachment = Attachment(self.scheduler, self.events, config.block_size, self._left)
         self.problems = self.attachment.problems
+        self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if kv_stream.enabled() else None
 
     def _left(self, request_id: str) -> None:
         """vLLM preempted the request: its output in every submitted step is stale."""
@@ -201,3 +203,7 @@ class VllmAdapter:
     def self_check(self) -> str | None:
         """The wrappers against vLLM's own KV events (``attach.Attachment.self_check``)."""
         return self.attachment.self_check()
+
+    def check_kv_stream(self, judge: Any) -> Any:
+        """The stream vLLM's publisher sent, judged (``kv_stream.py``); a ``Finding`` or None."""
+        return None if self.kv_stream is None else self.kv_stream.check(judge)

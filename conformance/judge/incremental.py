@@ -10,14 +10,12 @@ invariant held before it. The argument, by induction over decisions:
    queue, holders), a request (its table, computed tokens, status), a read of a block by a step
    entry, a published (hash, block) pair. If every conjunct held before a decision, only those
    whose inputs the decision changed can be false after it.
-2. ``Footprint`` names those inputs. The pool mechanisms (``pool.py``) name in their effect events
-   every block whose refcount, hash or free-queue place they change, and every request whose table
-   they change (``hit``, ``alloc``, ``evict``, ``publish``, ``unpublish``, ``free``, and
-   ``finish``/``load_failed``/the decision's own request for a freed table). A block's *content*
-   (``written``, ``pending``) changes only in ``schedule`` (the entry's write blocks), ``execute``
-   (the step's write blocks) and when a request leaves a building step (its entry's blocks); a
-   failed load stops being excused when its step is committed. ``footprint`` and ``add_effects``
-   list exactly these.
+2. ``State.touched`` (``state.Touched``) names those inputs: the pool mechanisms (``pool.py``)
+   record every block whose refcount, hash or free-queue place they change and every request whose
+   table they change; the actions record every block whose *content* (``written``, ``pending``)
+   changes (``schedule``: the entry's write blocks; ``execute``: the step's; a request leaving a
+   building step: its entry's blocks; a committed step's failed loads, no longer excused), every
+   new entry, every request that stops running, and every step transition.
 3. ``Incremental.check`` re-evaluates, invariant by invariant in ``INVARIANTS`` order, the conjuncts
    over the footprint; the rest are unchanged. Two facts of the spec make some conjuncts stable:
    a request's tokens only grow (so the prefixes read or published for its full blocks never
@@ -35,92 +33,15 @@ first violation (event and invariant) is the full check's, and that a planted bu
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
 
-from .invariants import INVARIANTS, tables_append_only
-from .pool import Event, eventual_content, holds
-from .state import NULL_BLOCK, State
+from kvspec.spec.invariants import INVARIANTS, Violation, tables_append_only
+from kvspec.spec.pool import eventual_content, holds
+from kvspec.spec.state import NULL_BLOCK, Content, State, Touched
+
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
 
 TABLES_APPEND_ONLY = "TablesAppendOnly"
-
-
-@dataclass(slots=True)
-class Footprint:
-    """What one decision (or several, merged) may have changed."""
-
-    blocks: set[int] = field(default_factory=set)
-    """Refcount, hash, free-queue place or holders changed."""
-    content: set[int] = field(default_factory=set)
-    """``written`` or ``pending`` changed, or a failed load on the block stopped being excused."""
-    requests: set[int] = field(default_factory=set)
-    """Table, computed tokens, status or tokens changed."""
-    entries: set[tuple[int, int]] = field(default_factory=set)
-    """(step, request) entries created: all their reads are new conjuncts."""
-    left: set[int] = field(default_factory=set)
-    """Requests that stopped running (preempted, failed load, finished, aborted)."""
-    steps: bool = False
-    """A step began, was submitted, executed or committed."""
-
-    def merge(self, other: Footprint) -> None:
-        self.blocks |= other.blocks
-        self.content |= other.content
-        self.requests |= other.requests
-        self.entries |= other.entries
-        self.left |= other.left
-        self.steps |= other.steps
-
-
-def footprint(s: State, decision: Event) -> Footprint:
-    """The part of a decision's footprint only the state *before* it tells."""
-    fp = Footprint()
-    kind = decision[0]
-    bsz = s.config.block_size
-    if kind in ("arrive", "schedule", "preempt", "abort"):
-        rid = decision[1]
-        fp.requests.add(rid)  # type: ignore[arg-type]
-        step = s.building
-        if kind != "schedule" and step is not None and rid in step.entries:
-            fp.content.update(step.entries[rid].blocks)  # its pending writes are withdrawn
-        if kind in ("preempt", "abort"):
-            fp.left.add(rid)  # type: ignore[arg-type]
-    elif kind in ("begin", "submit"):
-        fp.steps = True
-    elif kind == "execute":
-        fp.steps = True
-        step = next((st for st in s.steps if st.phase != "executed"), None)
-        if step is not None:
-            for e in step.entries.values():
-                fp.content.update(e.blocks[e.start // bsz :])
-    elif kind == "commit" and s.steps:
-        fp.steps = True
-        step = s.steps[0]
-        fp.requests.update(step.entries)
-        for rid in step.failed:  # its blocks stop being excused by NoUnwrittenPublish
-            e = step.entries[rid]
-            fp.content.update(e.blocks[e.start // bsz :])
-    return fp
-
-
-def add_effects(s: State, fp: Footprint, decision: Event, effects: list[Event]) -> None:
-    """Complete ``fp`` once the decision is applied: its effects and its new entry."""
-    for effect in effects:
-        kind = effect[0]
-        if kind in ("evict", "unpublish", "free"):
-            fp.blocks.add(effect[1])  # type: ignore[arg-type]
-            continue
-        fp.requests.add(effect[1])  # type: ignore[arg-type]
-        if kind == "hit":
-            fp.blocks.update(effect[2])  # type: ignore[arg-type]
-        elif kind in ("alloc", "publish"):
-            fp.blocks.add(effect[-1])  # type: ignore[arg-type]
-        else:  # load_failed, finish
-            fp.left.add(effect[1])  # type: ignore[arg-type]
-    if decision[0] == "schedule":
-        step, rid = s.building, decision[1]
-        if step is not None and rid in step.entries:
-            e = step.entries[rid]
-            fp.content.update(e.blocks[e.start // s.config.block_size :])
-            fp.entries.add((step.id, rid))
 
 
 class Incremental:
@@ -163,18 +84,19 @@ class Incremental:
         )
 
     def check(
-        self, s: State, fp: Footprint, names: Collection[str] | None = None
-    ) -> tuple[str, str] | None:
-        """The first invariant (``INVARIANTS`` order, then ``TablesAppendOnly``) that fails, as
-        (name, explanation), or None; only those in ``names`` when given. The full check's answer,
-        provided every invariant held at the previous check."""
+        self, s: State, fp: Touched, names: Collection[str] | None = None
+    ) -> Violation | None:
+        """The first invariant (``INVARIANTS`` order, then ``TablesAppendOnly``) that fails, or
+        None; only those in ``names`` when given. ``fp``: what changed since the previous check
+        (``s.touched``, or several decisions' records merged). The full check's answer, provided
+        every invariant held at the previous check."""
         self._old, self._added = self._update_tables(s, fp)
         try:
             for name, may_fail, exact in self._order:
                 if (names is None or name in names) and may_fail(s, fp):
-                    message = INVARIANTS[name](s)
-                    if message is not None:
-                        return name, message
+                    violation = INVARIANTS[name](s)
+                    if violation is not None:
+                        return violation
                     if exact:
                         raise AssertionError(f"incremental {name} disagrees with its definition")
             if self._old and (names is None or TABLES_APPEND_ONLY in names):
@@ -183,9 +105,11 @@ class Incremental:
                     for rid, table in self._old.items()
                     if rid in self.running and rid not in fp.left and rid in s.requests
                 }
-                grew = tables_append_only(before, s)
-                if grew is not None:
-                    return TABLES_APPEND_ONLY, grew
+                for rid, index, block in fp.swapped:  # an engine's sanctioned dedup
+                    table = before.get(rid)
+                    if table is not None and index < len(table):
+                        before[rid] = table[:index] + (block,) + table[index + 1 :]
+                return tables_append_only(before, s)
             return None
         finally:
             keys, blocks = self.keys, s.blocks
@@ -201,7 +125,7 @@ class Incremental:
     # -- derived state ------------------------------------------------------------------------
 
     def _update_tables(
-        self, s: State, fp: Footprint
+        self, s: State, fp: Touched
     ) -> tuple[dict[int, tuple[int, ...]], list[tuple[int, int, int]]]:
         """Bring tables and holders up to date for the footprint's requests; every block that
         gained or lost a holder joins ``fp.blocks``. Returns the changed requests' old tables and
@@ -242,7 +166,7 @@ class Incremental:
 
     # -- one method per invariant: True when a conjunct over the footprint may fail ---------------
 
-    def _reads(self, s: State, fp: Footprint) -> bool:
+    def _reads(self, s: State, fp: Touched) -> bool:
         if s.bad_reads:
             return True
         if not fp.entries and not fp.content:
@@ -256,6 +180,15 @@ class Incremental:
                         if not self._entry_ok(s, st.id, rid, e.start, e.blocks):
                             return True
         bsz = s.config.block_size
+        for st in steps:  # stale output still delivered: live readers that hold no blocks now
+            for rid, e in st.entries.items():
+                if rid not in st.live or e.load or s.requests[rid].status == "running":
+                    continue
+                if (st.id, rid) in fp.entries:
+                    continue
+                for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
+                    if block in fp.content and not _read_ok(s, st.id, rid, e.start, i, block):
+                        return True
         for block in fp.content:
             mine = self.holders.get(block)
             if mine is None:
@@ -280,21 +213,21 @@ class Incremental:
         """Every read of a new entry; a full block read before by the same holder, with no
         content change since and no pending write, is known to hold the prefix."""
         bsz, verified = s.config.block_size, self.verified
-        tokens: tuple[int, ...] | None = None
+        tokens: Content | None = None
         for i in range(-(-start // bsz)):
             block = blocks[i]
             stable = (i + 1) * bsz <= start and not s.blocks[block].pending
             if stable and rid in verified.get(block, ()):
                 continue
             if tokens is None:
-                tokens = tuple(s.requests[rid].tokens[:start])
+                tokens = tuple(s.ahead(s.requests[rid])[:start])
             if not holds(eventual_content(s, block, upto_step=step_id), tokens[: (i + 1) * bsz]):
                 return False
             if stable:
                 verified.setdefault(block, set()).add(rid)
         return True
 
-    def _published(self, s: State, fp: Footprint) -> bool:
+    def _published(self, s: State, fp: Touched) -> bool:
         if not fp.blocks and not fp.content:
             return False
         unreported: set[int] = set()
@@ -314,7 +247,7 @@ class Incremental:
                             return True
         return False
 
-    def _refcounts(self, s: State, fp: Footprint) -> bool:
+    def _refcounts(self, s: State, fp: Touched) -> bool:
         for rid in self._old:
             table = self.tables.get(rid, ())
             if len(set(table)) != len(table):
@@ -324,7 +257,7 @@ class Incremental:
             for block in fp.blocks
         )
 
-    def _shared(self, s: State, fp: Footprint) -> bool:
+    def _shared(self, s: State, fp: Touched) -> bool:
         bsz = s.config.block_size
         for block, rid, i in self._added:
             mine = self.holders.get(block, {})
@@ -337,24 +270,24 @@ class Incremental:
                 return True
         return False
 
-    def _null_block(self, s: State, fp: Footprint) -> bool:
+    def _null_block(self, s: State, fp: Touched) -> bool:
         return NULL_BLOCK in fp.blocks
 
-    def _steps(self, s: State, fp: Footprint) -> bool:
+    def _steps(self, s: State, fp: Touched) -> bool:
         return fp.steps
 
-    def _maybe_leak(self, s: State, fp: Footprint) -> bool:
+    def _maybe_leak(self, s: State, fp: Touched) -> bool:
         """``no_leak_at_quiescence``'s cheap conjuncts first; its scan of requests if needed."""
         return not s.steps and len(s.free) != len(s.blocks) - 1
 
-    def _free_queue(self, s: State, fp: Footprint) -> bool:
+    def _free_queue(self, s: State, fp: Touched) -> bool:
         for block in fp.blocks:
             want = 1 if block != NULL_BLOCK and s.blocks[block].refcount == 0 else 0
             if s.free.count(block) != want:
                 return True
         return False
 
-    def _index(self, s: State, fp: Footprint) -> bool:
+    def _index(self, s: State, fp: Touched) -> bool:
         for block in fp.blocks:
             key, before = s.blocks[block].key, self.keys[block]
             if key is not None:
@@ -367,7 +300,7 @@ class Incremental:
                     return True
         return False
 
-    def _tables_match(self, s: State, fp: Footprint) -> bool:
+    def _tables_match(self, s: State, fp: Touched) -> bool:
         bsz = s.config.block_size
         for rid in fp.requests:
             req = s.requests.get(rid)
@@ -381,5 +314,5 @@ class Incremental:
 
 def _read_ok(s: State, step_id: int, rid: int, start: int, i: int, block: int) -> bool:
     """One conjunct of ``no_unwritten_read``: the step's read of the request's block ``i``."""
-    prefix = tuple(s.requests[rid].tokens[: min(start, (i + 1) * s.config.block_size)])
+    prefix = tuple(s.ahead(s.requests[rid])[: min(start, (i + 1) * s.config.block_size)])
     return holds(eventual_content(s, block, upto_step=step_id), prefix)

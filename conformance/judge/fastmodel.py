@@ -1,13 +1,12 @@
-"""The fast model: the spec's state machine again, written for speed, used to *find* violations.
+"""The fast model: the spec's state machine again, written for speed, to *find* violations.
 
 ``spec/`` is THE definition and stays written to be read (a block's hash is its token tuple,
-actions rebuild prefixes block by block); the spec-based ``Checker`` judges about 21,000
-events/s. ``FastChecker`` judges the same events by the same rules several times faster. It is
-an optimization whose equality with the spec is tested, not argued (``tests/test_fastmodel.py``),
-the way the reference engine is kept equal to the spec: on fuzzed traces of every policy (the
-unsafe ones included) it must give the spec-based ``Checker``'s verdict (none, or the same
-invariant at the same event), and after every decision ``to_spec`` must give the spec's state,
-field by field.
+actions rebuild prefixes block by block). ``FastModel`` is a judge's model (``core.Model``) that
+decides the same things by the same rules several times faster. It is an optimization whose
+equality with the spec is tested, not argued (``tests/test_fastmodel.py``; declared in
+``kvspec/twins.py``): on fuzzed traces of every policy (the unsafe ones included) a judge over it
+must give the spec judge's verdict (none, or the same invariant at the same event), and after every
+decision ``export`` must give the spec's state, field by field.
 
 What it does differently (how, not what):
 
@@ -18,50 +17,50 @@ What it does differently (how, not what):
   kept), so memory stays flat;
 * the free queue is an ``OrderedDict`` (O(1) removal anywhere); records have slots;
 * invariants: ``NoUnwrittenRead`` and ``NoUnwrittenPublish`` are evaluated after every decision,
-  incrementally as in ``spec/incremental.py`` (the new entry's reads, the readers and the hash of
-  every block whose content or hash changed; a request's full blocks once read valid are not read
-  again until their content changes). The bookkeeping invariants (refcounts, free queue, index,
-  tables, steps, leaks, append-only tables) are not evaluated: the checker's state is the state
-  the spec's actions reach on the trace's decisions (an engine's effects are only compared), and
-  on those states they hold (proved inductive at small sizes, ``docs/proofs.md``; fuzzed in
+  incrementally as in ``incremental.py`` (the new entry's reads, the readers and the hash of every
+  block whose content or hash changed; a request's full blocks once read valid are not read again
+  until their content changes). The bookkeeping invariants (refcounts, free queue, index, tables,
+  steps, leaks, append-only tables) are not evaluated: the model's state is the state the spec's
+  actions reach on the trace's decisions (an engine's effects are only compared, by the judge),
+  and on those states they hold (proved inductive at small sizes, ``docs/proofs.md``; fuzzed in
   ``tests/test_incremental.py``). The differential tests check that claim with the rest;
-* ``Illegal`` (every guard of ``spec/actions.py`` and the checker's own), ``Disagreement`` (effects
-  compared in order, none missing) and ``HashChainConsistent`` are decided as by the ``Checker``.
+* every guard of ``spec/actions.py`` raises ``kvspec.spec.Illegal`` without a message.
 
 A finding is only ``(invariant, event index)``: the message, explanation, minimal history and
-picture are the spec-based ``Checker``'s, which ``checker.py`` hands the trace over to from a
-checkpoint (``to_spec``) when this model finds something.
+picture are the spec judge's, which the trace is handed over to from a checkpoint (``export``,
+``handover.py``) when this model finds something. Compiled with the judge's core by mypyc
+(``fastbuild.py``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from typing import cast
 
-from kvspec.spec import Config
+from kvspec.spec import Config, Illegal, Placeholder, Violation
 from kvspec.spec.observed import refuse_strict
-from kvspec.spec.state import Block, Entry, Request, State, Step, Write
+from kvspec.spec.state import Block, Content, Entry, Request, State, Step, Write
 
-from .ids import IdSet, check_ids
+TWIN_OF = "kvspec.spec"
+"""This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
 
 Event = tuple[object, ...]
-Content = "int | tuple[int, tuple[int, ...]] | None"
+FastContent = "int | tuple[int, tuple[object, ...]] | None"
 """A prefix or a block's content: a full block's interned chain id, or (parent id, tokens) for
-a partial block; None for garbage."""
+a partial block, or, under async scheduling, (parent id, tail) with the tail from the first block
+that holds a placeholder; None for garbage."""
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
 STATUS = ("waiting", "running", "finished")
 BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
 PHASE = ("building", "submitted", "executed")
 EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
-REQUEST_DECISIONS = ("schedule", "preempt", "abort")
+READ, PUBLISH = "NoUnwrittenRead", "NoUnwrittenPublish"
+OUTPUT = EAGER + ("hide-uncommitted",)
+"""Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
 ROOT = 0
 """The id of the empty prefix."""
-
-
-class Illegal(Exception):
-    """A guard of the spec failed (the fast model's twin of ``spec.Illegal``; no message)."""
 
 
 class Req:
@@ -138,14 +137,18 @@ class Stp:
         self.admitted = False
 
 
-class FastChecker:
-    """Judge a stream of events like ``checker.Checker`` (same verdicts, same ``UnknownId``s);
-    ``feed`` returns the invariant of the first finding (``Illegal``, ``Disagreement`` and
-    ``HashChainConsistent`` included) or None, ``finish`` at the end of the stream."""
+class FastModel:
+    """The spec's state machine for speed, as a judge's model (``core.Model``): ``apply`` takes a
+    decision (raising ``kvspec.spec.Illegal``, without a message, when a guard fails) and returns
+    its effects; ``check`` evaluates NoUnwrittenRead and NoUnwrittenPublish on what that decision
+    changed (a ``Violation`` with the invariant's name only: the spec-based judge writes the
+    report, ``handover.py``). Strict judging only."""
 
     def __init__(self, config: Config) -> None:
         refuse_strict(config)
         self.config = config
+        self.async_scheduling = config.async_scheduling
+        self.deliver = config.stale_output == "deliver"
         n = config.num_blocks
         self.bsz = config.block_size
         self.refcount = [0] * n
@@ -163,6 +166,8 @@ class FastChecker:
         self.single: dict[int, list[int]] = {}
         self.bad_reads: list[tuple[int, int, int]] = []
         self.commits = 0
+        self.arrivals = 0
+        self.finished: set[int] = set()
         # interned prefixes
         self.intern: dict[tuple[int, tuple[int, ...]], int] = {}
         self.node: dict[int, tuple[int, tuple[int, ...], int]] = {ROOT: (ROOT, (), 0)}
@@ -170,20 +175,14 @@ class FastChecker:
         self.collect_floor = 4096
         self.collect_at = self.collect_floor
         """Collect interned prefixes when there are more than this many (4 times the live ones)."""
-        # the checker's bookkeeping
-        self.events_seen = 0
-        self.decisions = 0
-        self.verdict: tuple[str, int] | None = None
         self.expected: list[Event] = []
-        self.epos = 0
-        self.ids = IdSet()
-        self.max_step = -1
-        self.arrivals = 0
-        self.finished: set[int] = set()
-        self.block_hash: dict[int, str] = {}
-        self.hash_key: dict[str, tuple[int, int]] = {}
-        """Opaque hash -> (prefix id, how many blocks carry it), as the Checker's tables."""
-        self.key_hash: dict[int, tuple[str, int]] = {}
+        """The effects of the decision being applied, in order."""
+        self.held: Collection[Hashable] = ()
+        """Prefix ids the judge holds (its hash-chain tables): never collected."""
+        self.placeholders: dict[int, dict[int, set[int]]] = {}
+        """Async scheduling: step -> request -> the blocks whose content (written or pending)
+        holds the placeholder of the token that step samples for that request; resolved or
+        dropped when the step commits."""
         # what the current decision changed
         self.changed: set[int] = set()
         """Blocks whose content (written or pending) changed, by a write of the building step (or
@@ -205,40 +204,14 @@ class FastChecker:
             "reset": self.reset,
         }
 
-    # -- feeding (checker.Checker.feed's rules) -----------------------------------------------
+    # -- the model's side of the judge (core.Model) ---------------------------------------------
 
-    def feed(self, event: Event, hash_: str | None = None) -> str | None:
-        if self.verdict is not None:
-            return self.verdict[0]
-        index = self.events_seen
-        self.events_seen = index + 1
-        expected, pos = self.expected, self.epos
-        if pos < len(expected) and event == expected[pos]:  # the effect the spec computed
-            self.epos = pos + 1
-            kind = event[0]
-            if hash_ is not None and kind == "publish":
-                return self._check_hash(event, hash_, index)
-            if (kind == "unpublish" or kind == "evict") and self.block_hash:
-                self._drop_hash(cast(int, event[1]))
-            return None
-        kind = event[0]
-        ids = self.ids
-        rid = event[1] if len(event) > 1 else None
-        if kind != "schedule" or not (isinstance(rid, int) and (rid < ids.low or rid in ids.above)):
-            self.max_step = check_ids(kind, event, ids, self.max_step)  # else: known, inline
+    def apply(self, decision: Event) -> list[Event]:
+        kind = decision[0]
         action = self.actions.get(kind) if isinstance(kind, str) else None
         if action is None:
-            return self._found("Disagreement", index)
-        if pos < len(expected):
-            return self._found("Disagreement", index)
-        if self.finished:
-            self._prune()
-        if kind == "arrive":
-            if cast(int, rid) in ids and rid not in self.requests:
-                return self._found("Illegal", index)
-        elif kind in REQUEST_DECISIONS and rid not in self.requests:
-            return self._found("Illegal", index)
-        self.expected, self.epos = [], 0
+            raise Illegal()
+        self.expected = []
         if self.changed:
             self.changed = set()
         if self.rewritten:
@@ -246,43 +219,60 @@ class FastChecker:
         if self.published:
             self.published = []
         self.new_entry = None
-        try:
-            action(*event[1:])
-        except (Illegal, TypeError):  # TypeError: a malformed decision, as spec.apply says
-            return self._found("Illegal", index)
-        self.decisions += 1
+        action(*decision[1:])
         if kind == "arrive":
-            self.requests[cast(int, rid)].arrival = self.arrivals
+            self.requests[cast(int, decision[1])].arrival = self.arrivals
             self.arrivals += 1
-            ids.add(cast(int, rid))
-            return None
-        if kind == "commit" or kind == "abort":
+        elif kind == "commit" or kind == "abort":
             for effect in self.expected:
                 if effect[0] == "finish":
                     self.finished.add(cast(int, effect[1]))
-        if self.bad_reads or not self._reads_hold():
-            return self._found("NoUnwrittenRead", index)
-        if (self.changed or self.published) and not self._publications_hold():
-            return self._found("NoUnwrittenPublish", index)
+        return self.expected
+
+    def check(self, names: Collection[str] | None) -> Violation | None:
+        if (names is None or READ in names) and (self.bad_reads or not self._reads_hold()):
+            return Violation(READ, "")
+        if (names is None or PUBLISH in names) and (self.changed or self.published):
+            if not self._publications_hold():
+                return Violation(PUBLISH, "")
         return None
 
-    def finish(self) -> str | None:
-        """End of the stream: no effect may be missing."""
-        if self.verdict is None and self.epos < len(self.expected):
-            self._found("Disagreement", self.events_seen)
-        return None if self.verdict is None else self.verdict[0]
+    def steer(self, decision: Event, effects: list[Event]) -> None:
+        raise ValueError("the fast model judges strict streams only")
 
-    def _found(self, invariant: str, index: int) -> str:
-        self.verdict = (invariant, index)
-        return invariant
+    def engine_effect(self, effect: Event) -> None:
+        raise ValueError("the fast model judges strict streams only")
 
-    def _prune(self) -> None:
-        """Drop finished requests no in-flight step references any more (as the Checker does)."""
+    def hold(self, keys: Collection[Hashable]) -> None:
+        self.held = keys
+
+    def has_request(self, rid: object) -> bool:
+        return rid in self.requests
+
+    def prune(self) -> list[int]:
+        """Drop finished requests no in-flight step references any more (as ``SpecModel``)."""
+        if not self.finished:
+            return []
+        gone: list[int] = []
         for rid in list(self.finished):
             if any(rid in st.entries or rid in st.registrations for st in self.steps):
                 continue
             self.finished.discard(rid)
             self.requests.pop(rid, None)
+            gone.append(rid)
+        return gone
+
+    def chain_key(self, rid: int, index: int) -> Hashable:
+        return self._chain(self.requests[rid], index)
+
+    def prefix_length(self, key: Hashable) -> int:
+        return self.node[cast(int, key)][2] * self.bsz
+
+    def spec_key(self, key: Hashable) -> tuple[int, ...]:
+        return cast("tuple[int, ...]", self._tokens(key))  # a key never holds a placeholder
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(self.refcount), tuple(self.free)
 
     # -- prefixes -----------------------------------------------------------------------------
 
@@ -306,12 +296,73 @@ class FastChecker:
         return chain[i]
 
     def _prefix(self, req: Req, length: int) -> object:
-        """The request's tokens 0 .. length - 1 (length >= 1) as a content."""
-        bsz = self.bsz
+        """The request's tokens 0 .. length - 1 (length >= 1) as a content; past its known
+        tokens, its placeholders (``spec.State.ahead``), as ``(parent id, tail)`` with the tail
+        from the first block that holds one (unique, so contents compare by equality)."""
+        bsz, known = self.bsz, len(req.tokens)
+        if length > known:
+            q = known // bsz
+            tail = (*req.tokens[q * bsz :], *self._ahead(req))
+            return (self._chain(req, q - 1) if q else ROOT, tuple(tail[: length - q * bsz]))
         i = (length - 1) // bsz
         if length == (i + 1) * bsz:
             return self._chain(req, i)
         return (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
+
+    def _ahead(self, req: Req) -> list[Placeholder]:
+        """The request's placeholders: one per step in flight that samples for it and whose
+        sample will be used, oldest first (``spec.State.ahead`` past the known tokens)."""
+        rid = req.id
+        return [
+            Placeholder(st.id, rid)
+            for st in self.steps
+            if rid in st.live and rid in st.entries and st.entries[rid].samples
+        ]
+
+    def _canonical(self, parent: int, tail: tuple[object, ...]) -> object:
+        """A content ``(parent, tail)`` after a placeholder in its tail was resolved: its leading
+        full blocks without placeholders interned into the parent chain."""
+        bsz = self.bsz
+        while len(tail) >= bsz and not any(isinstance(x, Placeholder) for x in tail[:bsz]):
+            block = cast("tuple[int, ...]", tail[:bsz])
+            k = (parent, block)
+            cid = self.intern.get(k)
+            if cid is None:
+                cid = self.next_id
+                self.next_id += 1
+                self.intern[k] = cid
+                self.node[cid] = (parent, block, self.node[parent][2] + 1)
+            parent, tail = cid, tail[bsz:]
+        return (parent, tail) if tail else parent
+
+    def _resolve(self, step: int, sampled: dict[int, int]) -> None:
+        """The step committed: its placeholders of the requests sampled become their tokens in
+        every content that holds them; the others (discarded samples) stay garbage."""
+        pending, written = self.pending, self.written
+        for rid, blocks in self.placeholders.pop(step, {}).items():
+            token = sampled.get(rid)
+            if token is None:
+                continue
+            ph = Placeholder(step, rid)
+            for block in blocks:
+                written[block] = self._substitute(written[block], ph, token)
+                pending[block] = [
+                    (s, r, self._substitute(c, ph, token), load) for s, r, c, load in pending[block]
+                ]
+                self._content_changed(block)
+
+    def _substitute(self, content: object, ph: Placeholder, token: int) -> object:
+        if not isinstance(content, tuple) or ph not in content[1]:
+            return content
+        parent, tail = cast("tuple[int, tuple[object, ...]]", content)
+        return self._canonical(parent, tuple(token if x == ph else x for x in tail))
+
+    def _track(self, block: int, content: object) -> None:
+        """A write of ``content`` is pending on ``block``: note the placeholders it holds."""
+        if isinstance(content, tuple):
+            for x in content[1]:
+                if isinstance(x, Placeholder):
+                    self.placeholders.setdefault(x.step, {}).setdefault(x.req, set()).add(block)
 
     def _holds(self, content: object, prefix: object) -> bool:
         """``spec.pool.holds``: bytes holding ``content`` are valid for a reader of ``prefix``."""
@@ -328,20 +379,20 @@ class FastChecker:
         full, want = self._tokens(content), self._tokens(prefix)
         return full[: len(want)] == want
 
-    def _split(self, content: object) -> tuple[int, tuple[int, ...]]:
+    def _split(self, content: object) -> tuple[int, tuple[object, ...]]:
         """(parent id, the block's tokens) of a content (not None)."""
         if isinstance(content, int):
             entry = self.node[content]
             return entry[0], entry[1]
-        return cast("tuple[int, tuple[int, ...]]", content)
+        return cast("tuple[int, tuple[object, ...]]", content)
 
-    def tokens_of(self, content: object) -> tuple[int, ...] | None:
+    def tokens_of(self, content: object) -> tuple[object, ...] | None:
         """A content (or None) as the spec's token tuple."""
         return None if content is None else self._tokens(content)
 
-    def _tokens(self, content: object) -> tuple[int, ...]:
+    def _tokens(self, content: object) -> tuple[object, ...]:
         parent, tail = self._split(content)
-        parts = [tail]
+        parts: list[tuple[object, ...]] = [tail]
         while parent != ROOT:
             parent, toks, _ = self.node[parent]
             parts.append(toks)
@@ -360,7 +411,7 @@ class FastChecker:
         for req in self.requests.values():
             live.update(req.chain)
         live.update(k for k in self.key if k is not None)
-        live.update(k for k in self.key_hash)
+        live.update(cast(int, k) for k in self.held)
         for content in self.written + [w[2] for ws in self.pending for w in ws]:
             if content is not None:
                 live.add(
@@ -403,7 +454,7 @@ class FastChecker:
 
     def _allocate(self, req: Req) -> None:
         if not self.free:
-            raise Illegal
+            raise Illegal()
         block = self.free.popitem(last=False)[0]
         if self.key[block] is not None:
             self._drop_key(block)
@@ -420,7 +471,7 @@ class FastChecker:
         for block in reversed(req.table):
             count = refcount[block]
             if count <= 0:
-                raise Illegal
+                raise Illegal()
             refcount[block] = count - 1
             if count == 1:
                 free[block] = None
@@ -438,7 +489,7 @@ class FastChecker:
     def _publish(self, req: Req, i: int) -> None:
         block = req.table[i]
         if block == 0:
-            raise Illegal
+            raise Illegal()
         if self.key[block] is not None:
             return
         k = self._chain(req, i)
@@ -478,7 +529,7 @@ class FastChecker:
 
     def arrive(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
         if rid in self.requests or not prompt or max_tokens < 1:
-            raise Illegal
+            raise Illegal()
         self.requests[rid] = Req(rid, prompt, max_tokens, priority)
         self.waiting.append(rid)
         if len(self.node) > self.collect_at:
@@ -491,7 +542,7 @@ class FastChecker:
             or len(steps) >= self.config.depth
             or step_id != self.next_step
         ):
-            raise Illegal
+            raise Illegal()
         self.next_step += 1
         steps.append(Stp(step_id))
         if self.config.policy == "eager-rollback-single":
@@ -500,48 +551,54 @@ class FastChecker:
     def _building(self) -> Stp:
         steps = self.steps
         if not steps or steps[-1].phase != BUILDING:
-            raise Illegal
+            raise Illegal()
         return steps[-1]
 
     def _request(self, rid: int) -> Req:
         req = self.requests.get(rid)
         if req is None:
-            raise Illegal
+            raise Illegal()
         return req
 
     def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0) -> None:
         steps, req, cfg = self.steps, self.requests.get(rid), self.config
         if not steps or steps[-1].phase != BUILDING or req is None:
-            raise Illegal
+            raise Illegal()
         step, bsz = steps[-1], self.bsz
         if rid in step.entries or req.loading is not None or req.status == FINISHED:
-            raise Illegal
+            raise Illegal()
         if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
-            raise Illegal
+            raise Illegal()
         if (num_tokens == 0) == (num_loaded == 0):
-            raise Illegal
+            raise Illegal()
         table = req.table
         if req.status == WAITING:
             if len(self.running) >= cfg.max_running:
-                raise Illegal
+                raise Illegal()
+            deliver = self.deliver
+            if deliver and not self._admissible(rid):
+                raise Illegal()
             if cfg.discipline == "vllm":
                 if step.preempted:
-                    raise Illegal
+                    raise Illegal()
+                order = (
+                    [r for r in self.waiting if self._admissible(r)] if deliver else self.waiting
+                )
                 if cfg.preemption == "priority":
-                    head = min(self.waiting, key=self._rank)
+                    head = min(order, key=self._rank)
                 else:
-                    head = self.waiting[0]
+                    head = order[0]
                 if rid != head:
-                    raise Illegal
+                    raise Illegal()
             hits = self._lookup(req)
             if len(hits) + num_loaded > (len(req.tokens) - 1) // bsz:
-                raise Illegal
+                raise Illegal()
             start = len(hits) * bsz
             end = start + num_tokens + num_loaded * bsz
             refcount = self.refcount
             held_free = sum(1 for b in hits if refcount[b] == 0)
             if -(-end // bsz) - len(hits) > len(self.free) - held_free:
-                raise Illegal
+                raise Illegal()
             free, holders = self.free, self.holders
             for block in hits:
                 if refcount[block] == 0:
@@ -557,31 +614,36 @@ class FastChecker:
             step.admitted = True
         else:
             if num_loaded:
-                raise Illegal
+                raise Illegal()
             if cfg.discipline == "vllm" and step.admitted:
-                raise Illegal
+                raise Illegal()
             start, end = req.computed, req.computed + num_tokens
             if -(-end // bsz) - len(table) > len(self.free):
-                raise Illegal
-        if end > len(req.tokens):
-            raise Illegal
+                raise Illegal()
+        known = len(req.tokens)
+        limit = known + len(self._ahead(req)) if self.async_scheduling else known
+        if end > limit:
+            raise Illegal()
         while len(table) * bsz < end:
             self._allocate(req)
         load = num_loaded > 0
         pending, sid = self.pending, step.id
         for i in range(start // bsz, len(table)):
             block = table[i]
-            pending[block].append((sid, rid, self._prefix(req, min(end, (i + 1) * bsz)), load))
+            content = self._prefix(req, min(end, (i + 1) * bsz))
+            pending[block].append((sid, rid, content, load))
+            if end > known:
+                self._track(block, content)
             self._content_changed(block)
         req.computed = end
-        step.entries[rid] = Ent(start, end, tuple(table), load, not load and end == len(req.tokens))
+        step.entries[rid] = Ent(start, end, tuple(table), load, not load and end == limit)
         step.live.add(rid)
         step.budget_used += num_tokens
         if load:
             req.loading = sid
         self.new_entry = (step, rid)
         # policies.on_schedule
-        policy, upto = cfg.policy, end // bsz
+        policy, upto = cfg.policy, min(end, known) // bsz
         if policy in EAGER:
             indices = self._register(req, upto)
             if policy == "eager-rollback-single":
@@ -593,6 +655,11 @@ class FastChecker:
             if upto > req.cached:
                 req.cached = upto
 
+    def _admissible(self, rid: int) -> bool:
+        """``spec.actions.admissible``: with stale output delivered, not while a step in flight
+        holds the request."""
+        return not self.deliver or not any(rid in st.entries for st in self.steps)
+
     def _rank(self, rid: int) -> tuple[int, int]:
         req = self.requests[rid]
         return (req.priority, req.arrival)
@@ -600,16 +667,16 @@ class FastChecker:
     def preempt(self, rid: int) -> None:
         step, req, cfg = self._building(), self._request(rid), self.config
         if req.status != RUNNING:
-            raise Illegal
+            raise Illegal()
         if cfg.discipline == "vllm":
             if step.admitted:
-                raise Illegal
+                raise Illegal()
             if cfg.preemption == "fcfs" and (rid != self.running[-1] or rid in step.entries):
-                raise Illegal
+                raise Illegal()
             if cfg.preemption == "priority" and rid != max(self.running, key=self._rank):
-                raise Illegal
+                raise Illegal()
         step.preempted = True
-        self._leave(req)
+        self._leave(req, self.deliver)
         self.running.remove(rid)
         self.waiting.insert(0, rid)
         req.status = WAITING
@@ -617,17 +684,17 @@ class FastChecker:
     def submit(self, step_id: int) -> None:
         step = self._building()
         if step.id != step_id:
-            raise Illegal
+            raise Illegal()
         step.phase = SUBMITTED
 
     def execute(self, step_id: int, failed: tuple[int, ...] = ()) -> None:
         step = next((st for st in self.steps if st.phase != EXECUTED), None)
         if step is None or step.id != step_id or step.phase != SUBMITTED:
-            raise Illegal
+            raise Illegal()
         entries = step.entries
         for rid in failed:
             if rid not in entries or not entries[rid].load:
-                raise Illegal
+                raise Illegal()
         bsz, sid = self.bsz, step.id
         pending, written = self.pending, self.written
         step.failed = tuple(failed)
@@ -676,13 +743,13 @@ class FastChecker:
             or steps[0].id != step_id
             or steps[0].phase != EXECUTED
         ):
-            raise Illegal
+            raise Illegal()
         step = steps[0]
         entries, live = step.entries, step.live
         expected = [rid for rid, e in entries.items() if e.samples and rid in live]
         tokens = dict(sampled)
         if len(tokens) != len(sampled) or sorted(tokens) != sorted(expected):
-            raise Illegal
+            raise Illegal()
         policy, requests = self.config.policy, self.requests
         if policy == "eager-rollback-fifo":  # policies.on_confirmed
             step.registrations.clear()
@@ -713,21 +780,30 @@ class FastChecker:
         elif policy == "deferred":
             bsz, failed = self.bsz, step.failed
             for rid, e in entries.items():
-                if rid in live and rid not in failed:
-                    self._register(requests[rid], e.end // bsz)
-        stop = self.config.stop_token
+                req = requests[rid]
+                if rid in live and rid not in failed and req.status == RUNNING:
+                    self._register(req, e.end // bsz)
+        if self.placeholders:
+            self._resolve(step.id, tokens)
+        stop, output = self.config.stop_token, self.async_scheduling and policy in OUTPUT
         for rid in expected:
             req = requests[rid]
             token = tokens[rid]
             req.tokens.append(token)
+            running = req.status == RUNNING  # else preempted, its stale output delivered
+            if running and output:  # policies.on_output
+                self._register(req, entries[rid].end // self.bsz)
             reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
             if token == stop:
                 reason = "stop"
             if reason:
                 self._free_table(req)
                 self.expected.append(("finish", rid, reason))
-                self.running.remove(rid)
+                (self.running if running else self.waiting).remove(rid)
                 req.status = FINISHED
+                for later in steps[1:]:  # their output for it is stale: discarded
+                    later.live.discard(rid)
+                    later.registrations.pop(rid, None)
         steps.pop(0)
         self.commits += 1
         if step.failed:  # its failed loads stop being excused by NoUnwrittenPublish
@@ -739,7 +815,7 @@ class FastChecker:
         req = self._request(rid)
         steps = self.steps
         if (steps and steps[-1].phase == BUILDING) or req.status == FINISHED:
-            raise Illegal
+            raise Illegal()
         self._leave(req)
         (self.running if req.status == RUNNING else self.waiting).remove(rid)
         req.status = FINISHED
@@ -747,14 +823,16 @@ class FastChecker:
 
     def reset(self) -> None:
         if self.steps or any(self.refcount):
-            raise Illegal
+            raise Illegal()
         key = self.key
         for block in sorted(b for blocks in self.index.values() for b in blocks):
             key[block] = None
             self.expected.append(("unpublish", block))
         self.index.clear()
 
-    def _leave(self, req: Req) -> None:
+    def _leave(self, req: Req, deliver: bool = False) -> None:
+        """``spec.actions._leave``; ``deliver``: the submitted steps' output for the request is
+        still used (a preemption with stale output delivered)."""
         steps, rid = self.steps, req.id
         if steps and steps[-1].phase == BUILDING and rid in steps[-1].entries:
             step = steps[-1]
@@ -767,7 +845,8 @@ class FastChecker:
                     pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
                 self._content_changed(block)
         for st in steps:
-            st.live.discard(rid)
+            if not deliver or st.phase == BUILDING:
+                st.live.discard(rid)
         policy = self.config.policy
         tracked: list[int] = []
         if policy == "eager-rollback-single":
@@ -796,10 +875,11 @@ class FastChecker:
             e = step.entries.get(rid)
             if e is not None and not e.load and rid in step.live:
                 req, pending, blocks = self.requests[rid], self.pending, e.blocks
-                contiguous = True
+                contiguous, known = True, len(req.tokens) // bsz
                 for i in range(req.verified, e.start // bsz):
                     block = blocks[i]
-                    if not holds(eventual(block, step.id), self._chain(req, i)):
+                    want = self._chain(req, i) if i < known else self._prefix(req, (i + 1) * bsz)
+                    if not holds(eventual(block, step.id), want):
                         return False
                     if contiguous and not pending[block]:
                         req.verified = i + 1
@@ -815,6 +895,24 @@ class FastChecker:
             steps = [st for st in self.steps if st.phase != EXECUTED]
             if steps and not self._readers_hold(self.rewritten, steps, -1):
                 return False
+            if self.deliver and not self._stale_readers_hold(self.rewritten, steps):
+                return False
+        return True
+
+    def _stale_readers_hold(self, blocks: set[int], steps: list[Stp]) -> bool:
+        """Stale output still delivered: the reads of ``blocks`` by live entries of requests
+        preempted since (they hold no blocks now, so ``holders`` does not find them)."""
+        bsz, holds, eventual, requests = self.bsz, self._holds, self._eventual, self.requests
+        for st in steps:
+            for rid, e in st.entries.items():
+                req = requests[rid]
+                if rid not in st.live or e.load or req.status == RUNNING:
+                    continue
+                for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
+                    if block in blocks and not holds(
+                        eventual(block, st.id), self._prefix(req, min(e.start, (i + 1) * bsz))
+                    ):
+                        return False
         return True
 
     def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
@@ -865,50 +963,21 @@ class FastChecker:
                 excused.update(e.blocks[e.start // bsz :])
         return excused
 
-    # -- opaque hashes (checker.Checker._check_hash) --------------------------------------------
-
-    def _check_hash(self, event: Event, hash_: str, index: int) -> str | None:
-        rid, i, block = cast(int, event[1]), cast(int, event[2]), cast(int, event[3])
-        k = self._chain(self.requests[rid], i)
-        named = self.hash_key.get(hash_)
-        if named is not None and named[0] != k:
-            return self._found("HashChainConsistent", index)
-        other = self.key_hash.get(k)
-        if other is not None and other[0] != hash_:
-            return self._found("HashChainConsistent", index)
-        self._drop_hash(block)
-        self.block_hash[block] = hash_
-        named, other = self.hash_key.get(hash_), self.key_hash.get(k)
-        self.hash_key[hash_] = (k, 1 if named is None else named[1] + 1)
-        self.key_hash[k] = (hash_, 1 if other is None else other[1] + 1)
-        return None
-
-    def _drop_hash(self, block: int) -> None:
-        hash_ = self.block_hash.pop(block, None)
-        if hash_ is None:
-            return
-        k, n = self.hash_key[hash_]
-        if n == 1:
-            del self.hash_key[hash_]
-        else:
-            self.hash_key[hash_] = (k, n - 1)
-        h, m = self.key_hash[k]
-        if m == 1:
-            del self.key_hash[k]
-        else:
-            self.key_hash[k] = (h, m - 1)
-
     # -- export -------------------------------------------------------------------------------
 
-    def to_spec(self) -> State:
+    def export(self) -> State:
         """The spec's state this model stands for (``lost_hits`` is not tracked: 0)."""
         seq = self.tokens_of
+        key = self.spec_key
         blocks = [
             Block(
                 self.refcount[b],
-                seq(self.key[b]),
-                seq(self.written[b]),
-                [Write(st, rid, self._tokens(c), load) for st, rid, c, load in self.pending[b]],
+                None if self.key[b] is None else key(self.key[b]),
+                cast("Content | None", seq(self.written[b])),
+                [
+                    Write(st, rid, cast(Content, self._tokens(c)), load)
+                    for st, rid, c, load in self.pending[b]
+                ],
             )
             for b in range(self.config.num_blocks)
         ]
@@ -948,7 +1017,7 @@ class FastChecker:
             config=self.config,
             blocks=blocks,
             free=list(self.free),
-            index={self._tokens(k): list(v) for k, v in self.index.items()},
+            index={key(k): list(v) for k, v in self.index.items()},
             requests=requests,
             waiting=list(self.waiting),
             running=list(self.running),
@@ -957,4 +1026,5 @@ class FastChecker:
             single={rid: list(ix) for rid, ix in self.single.items()},
             bad_reads=list(self.bad_reads),
             commits=self.commits,
+            arrivals=self.arrivals,
         )

@@ -1,0 +1,141 @@
+"""SGLang 0.5.23's own KV-event publisher over loopback, its stream judged against its radix tree.
+
+SGLang 0.5.23 has a publisher of its own (``sglang.srt.disaggregation.kv_events``:
+``ZmqEventPublisher``, vLLM's wire format and replay protocol) fed by its tree's
+``KVCacheEventRecorder`` (``sglang.srt.mem_cache.events``: ``BlockStored`` per new tree node,
+``BlockRemoved`` per evicted node, ``AllBlocksCleared`` at a reset). The SGLang adapter builds its
+``RadixCache`` with the recorder on (``enable_kv_cache_events``) and calls ``attach`` here, which
+publishes what the recorder took where SGLang's scheduler does: at the end of processing a
+batch's result (``report_prefill_stats`` / ``report_decode_stats`` call ``publish_kv_events``),
+and when idle (``on_idle``), i.e. after a cache flush. One publisher (bound to 127.0.0.1, a port
+the system picks) and one subscriber per process serve the fuzzer's engines in turn.
+
+The engine's cache, as the stream names it: every page of every tree node, under the hash SGLang's
+recorder publishes for it (its own ``_node_event_hash_values``, ``hash_str_to_int64`` and
+``namespaced_block_hash``). SGLang publishes no group index (None) and medium ``GPU``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from typing import Any
+
+from sglang.srt.disaggregation.kv_events import (
+    KVEventBatch,
+    ZmqEventPublisher,
+    namespaced_block_hash,
+)
+from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+from kvspec.conformance.judge.findings import Finding
+from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
+from kvspec.conformance.kvevents.watch import Subscriber
+
+TOPIC = "kvspec"
+RECEIVE_TIMEOUT = 10.0
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSPEC_SGLANG_KV_STREAM", "1") != "0"
+
+
+class Loopback:
+    """SGLang's ``ZmqEventPublisher`` and a subscriber on it, one pair per process."""
+
+    def __init__(self) -> None:
+        self.publisher = ZmqEventPublisher(
+            0,
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+            topic=TOPIC,
+            bind=True,
+        )
+        self.endpoint = self.publisher._local_pub_endpoint
+        self.replay = self.publisher._local_replay_endpoint
+        self.subscriber = Subscriber(self.endpoint, self.replay, TOPIC, replay_timeout=1.0)
+        self.published = 0
+        self.received: dict[int, bytes] = {}
+
+    def publish(self, events: list[Any]) -> int:
+        seq = self.published
+        self.published += 1
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        return seq
+
+    def receive(self, upto: int) -> list[tuple[int, bytes]]:
+        deadline = time.monotonic() + RECEIVE_TIMEOUT
+        while upto not in self.received and time.monotonic() < deadline:
+            for seq, payload in self.subscriber.poll(0.05):
+                self.received[seq] = payload
+        ready = sorted((seq, p) for seq, p in self.received.items() if seq <= upto)
+        for seq, _ in ready:
+            del self.received[seq]
+        return ready
+
+
+_loopback: Loopback | None = None
+
+
+def loopback() -> Loopback:
+    global _loopback
+    if _loopback is None:
+        _loopback = Loopback()
+        atexit.register(_loopback.subscriber.close)
+    return _loopback
+
+
+class SglangKvStream:
+    """One engine's stream: publish at SGLang's points, judge at each."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.loop = loopback()
+        self.adapter = adapter
+        self.tree = adapter.tree
+        self.first_seq = self.loop.published
+        self.engine = EngineStream(self.first_seq, "GPU", chosen_invariants())
+        finish_step, reset = adapter._finish_step, adapter.reset_prefix_cache
+
+        def finish_step_() -> None:
+            finish_step()
+            self.publish()
+
+        def reset_prefix_cache_() -> bool:
+            done = bool(reset())
+            if done:  # the engine is idle: SGLang's on_idle publishes
+                self.publish()
+            return done
+
+        adapter._finish_step = finish_step_
+        adapter.reset_prefix_cache = reset_prefix_cache_
+
+    def publish(self) -> None:
+        """``SchedulerKvEventsPublisher.publish_kv_events``, then the step boundary."""
+        events = self.tree.take_events()
+        frames = self.loop.receive(self.loop.publish(events)) if events else []
+        self.engine.at_boundary(frames, self.cache())
+
+    def cache(self) -> Cache:
+        recorder, page = self.tree.kv_events, self.adapter.page_size
+        out: dict[tuple[int | None, Any], tuple[int, ...]] = {}
+        stack = [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            stack += list(node.children.values())
+            if node is self.tree.root_node or node.value is None:
+                continue
+            values = recorder._node_event_hash_values(node)
+            seed = recorder._namespace_seed(node)
+            pages = [int(s) // page for s in node.value[::page].tolist()]
+            for value, block in zip(values, pages, strict=False):
+                name = (None, namespaced_block_hash(hash_str_to_int64(value), namespace_seed=seed))
+                out[name] = out.get(name, ()) + (block,)
+        return out
+
+    def check(self, judge: Any) -> Finding | None:
+        return self.engine.check(judge)
+
+
+def attach(adapter: Any) -> SglangKvStream | None:
+    return SglangKvStream(adapter) if enabled() else None

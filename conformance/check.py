@@ -1,0 +1,127 @@
+"""Judging a trace file (``kvspec check``): open it once, judge its events, report.
+
+``check_file`` never raises for bad content: an unreadable file or line is a ``Report`` with exit
+code 2 (``file:line: message``). A strict trace is judged by the fast model (``engine="fast"``, the
+default, with ``check_every`` 1), which hands a finding over to a spec judge from its older
+checkpoint for the report (``judge/handover.py``); an observed trace, ``engine="spec"`` or
+``check_every`` > 1 is judged by a spec judge throughout. Either way the report is made by the spec
+judge's recorder (``report.report_of``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import ModuleType
+
+from kvspec.spec.events import DECISIONS
+
+from .judge import Judge, UnknownId, handover
+from .judge.fastbuild import fast_judge
+from .report import Report, report_of
+from .trace import Trace, TraceError, open_trace
+
+ENGINES = ("fast", "spec")
+"""``fast``: the fast model judges, the spec judge reports; ``spec``: the spec judges every event."""
+
+
+def check_file(
+    path: str | Path,
+    check_every: int = 1,
+    engine: str = "fast",
+    limit: int | None = None,
+    build: ModuleType | None = None,
+) -> Report:
+    """Judge one trace file. ``limit`` (bench): stop at the first decision after that many
+    events, without the end-of-stream check. ``build``: the module whose ``Judge`` judges on the
+    fast path (default: ``fastbuild.fast_judge``'s choice, its note in the report)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+    name = str(path)
+    started = time.perf_counter()
+    try:
+        trace = open_trace(path, fast=engine == "fast")
+    except TraceError as err:
+        return Report(name, 2, error=str(err))
+    except OSError as err:
+        return Report(name, 2, error=f"{name}:1: {err}")
+    with trace:
+        if engine == "fast" and check_every == 1 and trace.judging == "strict":
+            return _fast(trace, name, started, limit, build)
+        if trace.judging == "observed" and check_every != 1:
+            return Report(
+                name, 2, error=f"{name}:1: an observed trace is checked after every decision"
+            )
+        observed = trace.judging == "observed"
+        judge = Judge.stream(trace.config, observed, check_every, unknown_ids="raise")
+        return _judged(trace, judge, name, started)
+
+
+def _judged(trace: Trace, judge: Judge, name: str, started: float, start: int = 2) -> Report:
+    """A spec judge over the trace's events from line ``start``; its report."""
+    line = start - 1
+    try:
+        for line, event, hash_ in trace.events(start):
+            if judge.events_seen == 0 and event[0] not in DECISIONS:
+                raise TraceError(name, line, f"effect {event[0]!r} before any decision")
+            try:
+                if judge.feed(event, hash_, line) is not None:
+                    break
+            except UnknownId as err:  # at its own line: observed, an effect held till now
+                raise TraceError(name, judge.line, str(err)) from None
+        else:
+            judge.finish(line + 1)
+    except (TraceError, ValueError, OSError) as err:
+        return Report(name, 2, judge.events_seen, error=_where(err, name, line))
+    seconds = time.perf_counter() - started
+    if judge.finding is None:
+        return Report(name, 0, judge.events_seen, seconds)
+    return report_of(judge, name, seconds)
+
+
+def _fast(
+    trace: Trace, name: str, started: float, limit: int | None, build: ModuleType | None
+) -> Report:
+    """The fast model judges; on a finding the spec judge re-judges from the older checkpoint
+    (the same open file, read again from that line) and reports."""
+    if build is not None:
+        fast, note = build.Judge.fast(trace.config, "raise"), None
+    else:
+        fast, note = fast_judge(trace.config, "raise")
+    run = handover.FastRun(fast, handover.FILE_WINDOW)
+    line = 1
+    try:
+        feed, due = fast.feed, run.due
+        for line, event, hash_ in trace.events():
+            if fast.events_seen >= due and event[0] in DECISIONS:
+                if limit is not None and fast.events_seen >= limit:
+                    break  # the first decision past the limit: nothing cut from a decision
+                run.checkpoint(line)
+                due = run.due
+            elif fast.decisions == 0 and event[0] not in DECISIONS:
+                raise TraceError(name, line, f"effect {event[0]!r} before any decision")
+            try:
+                if feed(event, hash_, line) is not None:
+                    break
+            except UnknownId as err:
+                raise TraceError(name, fast.line, str(err)) from None
+            except Exception as err:  # a bug in the fast model: the spec decides, loudly
+                run.crash = (repr(err), fast.events_seen - 1)
+                break
+        else:
+            fast.finish(line + 1)
+    except (TraceError, ValueError, OSError) as err:
+        return Report(name, 2, fast.events_seen, error=_where(err, name, line), note=note)
+    if fast.finding is None and run.crash is None:
+        return Report(name, 0, fast.events_seen, time.perf_counter() - started, note=note)
+    judge = run.start()
+    start = 2 if run.older_at is None else run.older_at
+    report = _judged(trace, judge, name, started, start)  # type: ignore[arg-type]
+    run.agree(judge.finding, name)
+    report.note = note
+    return report
+
+
+def _where(err: Exception, name: str, line: int) -> str:
+    text = str(err)
+    return text if text.startswith(name) else f"{name}:{line}: {text}"

@@ -1,0 +1,532 @@
+"""The judge: one core for every way kvspec judges an engine's events (the arrow "the spec judges
+the events").
+
+A ``Judge`` composes three parts, none of them a subclass of another:
+
+* a **model** of the state machine: ``SpecModel`` (the spec itself, ``spec_model.py``) or
+  ``FastModel`` (its twin written for speed, ``fastmodel.py``). The model applies each decision
+  and says which effects it causes, and checks the invariants on what the decision changed;
+* a **matching**: *strict* (the engine's effects must be exactly the model's, in order) or
+  *observed* (each decision is held until its effects are in; the engine's legal choices of
+  allocated and hit blocks are steered into the model first, and the engine's own effects beyond
+  the model's, an ``unpublish`` or under ``engine-registers`` a ``publish`` or ``dedup``, are
+  applied where they come: for engines whose pool orders its choices differently, or that register
+  on their own; ``docs/adapters.md``);
+* a **recorder** (optional): what a report needs, the last events that touched each block and
+  each request (``recorder.py``). Without one the judge keeps no history (the fast path).
+
+Beside these the core checks what any stream must satisfy: every id was introduced (``ids.py``;
+``UnknownId`` otherwise, the input is not a trace), and, when ``publish`` events carry the
+engine's opaque hashes, one hash names one token prefix and one prefix one hash
+(``HashChainConsistent``). The first problem found is kept as a ``Finding``:
+
+* an invariant's name: the engine did what the spec allows and the resulting state is unsafe (a
+  finding about its design: policy, discipline);
+* ``Disagreement``: the engine's effects or observable state differ from the model's (a bug in the
+  engine, or in the spec);
+* ``Illegal``: the engine took a decision no action of the spec allows in that state;
+* ``HashChainConsistent``: the engine's hashes disagree with its tokens.
+
+``Judge.spec``, ``Judge.stream`` and ``Judge.fast`` are the usual compositions. This module is
+compiled by mypyc together with the fast model (``fastbuild.py``): it is the hot path of
+``kvspec check``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable
+from typing import Protocol, cast
+
+from kvspec.conformance.judge.findings import HASH_CHAIN, Finding
+from kvspec.spec import Config, Illegal, Violation
+from kvspec.spec.events import DECISIONS, blocks_of, requests_of
+from kvspec.spec.observed import refuse_strict
+from kvspec.spec.state import State
+
+from .fastmodel import FastModel
+from .ids import IdSet, UnknownId, check_ids
+from .recorder import Recorder as HistoryRecorder
+from .spec_model import SpecModel
+
+Event = tuple[object, ...]
+Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class Model(Protocol):
+    """What the judge needs of a model of the state machine (``SpecModel``, ``FastModel``)."""
+
+    config: Config
+
+    def apply(self, decision: Event) -> list[Event]:
+        """Take the decision (``Illegal`` when its guard fails); the effects it causes."""
+        ...
+
+    def check(self, names: Collection[str] | None) -> Violation | None:
+        """The first invariant the decisions since the last check broke, or None."""
+        ...
+
+    def steer(self, decision: Event, effects: list[Event]) -> None:
+        """Observed matching: make the model choose what the engine chose in ``effects``."""
+        ...
+
+    def engine_effect(self, effect: Event) -> None:
+        """Observed matching: an effect of the engine's own (``Illegal`` if not legal)."""
+        ...
+
+    def hold(self, keys: Collection[Hashable]) -> None:
+        """The judge keeps these keys (a live view of its hash-chain tables): a model that
+        recycles its keys must not recycle these."""
+        ...
+
+    def has_request(self, rid: object) -> bool: ...
+
+    def prune(self) -> list[int]:
+        """Forget finished requests no step in flight references; the ones forgotten."""
+        ...
+
+    def chain_key(self, rid: int, index: int) -> Hashable:
+        """The request's chained prefix of block ``index``, comparable by equality."""
+        ...
+
+    def prefix_length(self, key: Hashable) -> int:
+        """How many tokens a ``key`` names."""
+        ...
+
+    def spec_key(self, key: Hashable) -> tuple[int, ...]:
+        """A ``key`` as the spec's token tuple."""
+        ...
+
+    def snapshot(self) -> Snapshot:
+        """(refcount of every block, the free queue head first)."""
+        ...
+
+    def export(self) -> State:
+        """The spec state the model stands for now (between decisions)."""
+        ...
+
+
+class Recorder(Protocol):
+    """What a judge tells its recorder (``recorder.Recorder``, ``plan.PlanRecorder``)."""
+
+    def decision(self, line: int, event: Event, model: Model) -> None:
+        """Before the decision is applied (the model's state is the one it acts on)."""
+        ...
+
+    def effect(self, line: int, event: Event) -> None: ...
+
+    def pruned(self, rid: int) -> None: ...
+
+
+class Judge:
+    """Feed events with ``feed``; ``finish`` (or ``settle``) at the end; ``compare`` the engine's
+    observable state. A judge stops at its first finding and returns it from then on.
+
+    ``invariants``: check only these (None: all; empty: none, only the matching and the guards);
+    ``check_every``: check the invariants every k decisions (the state at those points, not the
+    ones between; a violation found there says after which line it arose). An event naming an id
+    that never existed is an ``Illegal`` finding, or with ``unknown_ids="raise"`` (a file: the
+    input is not a trace) ``UnknownId`` is raised."""
+
+    def __init__(
+        self,
+        model: Model,
+        observed: bool = False,
+        recorder: Recorder | None = None,
+        invariants: Collection[str] | None = None,
+        check_every: int = 1,
+        unknown_ids: str = "finding",
+    ) -> None:
+        if isinstance(model, Config):
+            raise TypeError("Judge takes a model: Judge.spec(config) judges with the spec itself")
+        if unknown_ids not in ("finding", "raise"):
+            raise ValueError(f"unknown_ids must be 'finding' or 'raise', not {unknown_ids!r}")
+        if check_every < 1:
+            raise ValueError("check_every must be >= 1")
+        if observed and check_every != 1:
+            raise ValueError("observed judging checks after every decision")
+        if not observed:
+            refuse_strict(model.config)
+        self.model = model
+        self.config = model.config
+        self.raise_unknown = unknown_ids == "raise"
+        self.observed = observed
+        self.recorder = recorder
+        self.invariants: frozenset[str] | None = (
+            None if invariants is None else frozenset(invariants)
+        )
+        self.check_every = check_every
+        self.own_effects: tuple[str, ...] = (
+            ("unpublish", "publish", "dedup")
+            if model.config.policy == "engine-registers"
+            else ("unpublish",)
+        )
+        self.finding: Finding | None = None
+        self.events_seen = 0
+        self.decisions = 0
+        self.expected: list[Event] = []
+        self.epos = 0
+        self.ids = IdSet()
+        self.max_step = -1
+        self.line = 0
+        self.last: Event | None = None
+        """The last event fed (or, observed, the one being judged): the violating event."""
+        self.last_check_line = 0
+        self.held: list[tuple[Event, int, str | None, int]] = []
+        """Observed: the held decision and its effects so far, (event, line, hash, index)."""
+        self.block_hash: dict[int, str] = {}
+        self.hash_key: dict[str, tuple[Hashable, int]] = {}
+        """Opaque hash -> (the prefix key it names, how many blocks carry it)."""
+        self.key_hash: dict[Hashable, tuple[str, int]] = {}
+        model.hold(self.key_hash)
+
+    # -- compositions ---------------------------------------------------------------------------
+
+    @classmethod
+    def spec(
+        cls,
+        config: Config,
+        observed: bool = False,
+        invariants: Collection[str] | None = None,
+        check_every: int = 1,
+        incremental: bool = True,
+    ) -> Judge:
+        """The spec judging an engine's events in-process (the lockstep fuzzer, enactment)."""
+        return cls(SpecModel(config, incremental), observed, None, invariants, check_every)
+
+    @classmethod
+    def stream(
+        cls,
+        config: Config,
+        observed: bool = False,
+        check_every: int = 1,
+        history: int = 50,
+        retired_requests: int = 256,
+        incremental: bool = True,
+        unknown_ids: str = "finding",
+    ) -> Judge:
+        """The spec judging an unbounded stream (a trace file, a Monitor) for a report: the
+        recorder keeps the last ``history`` events per block and per live request, and those of
+        the last ``retired_requests`` finished ones."""
+        recorder = HistoryRecorder(config.num_blocks, history, retired_requests)
+        model = SpecModel(config, incremental)
+        return cls(model, observed, recorder, None, check_every, unknown_ids)
+
+    @classmethod
+    def fast(cls, config: Config, unknown_ids: str = "finding") -> Judge:
+        """The fast model judging a strict stream: it finds (invariant, event); the spec makes
+        the report (``handover.py``)."""
+        return cls(FastModel(config), unknown_ids=unknown_ids)
+
+    def fork(self, model: Model, recorder: Recorder | None) -> Judge:
+        """A judge over ``model`` (standing for the same state as this one's, between decisions,
+        no effect outstanding) that judges the rest of the stream as this one would: ids, step
+        numbers, hashes and counts carried over; the recorder starts afresh."""
+        unknown = "raise" if self.raise_unknown else "finding"
+        judge = Judge(model, self.observed, recorder, self.invariants, self.check_every, unknown)
+        judge.events_seen, judge.decisions = self.events_seen, self.decisions
+        judge.ids = self.ids.copy()
+        judge.max_step, judge.line = self.max_step, self.line
+        spec_key = self.model.spec_key
+        judge.block_hash = dict(self.block_hash)
+        judge.hash_key = {h: (spec_key(k), n) for h, (k, n) in self.hash_key.items()}
+        judge.key_hash = {spec_key(k): (h, n) for k, (h, n) in self.key_hash.items()}
+        model.hold(judge.key_hash)
+        return judge
+
+    # -- feeding --------------------------------------------------------------------------------
+
+    def feed(self, event: Event, hash_: str | None = None, line: int = 0) -> Finding | None:
+        """Judge one event (``line``: where it is in its file; default its index + 1; ``hash_``:
+        a publish's opaque hash)."""
+        try:
+            return self._feed(event, hash_, line)
+        except UnknownId as err:
+            return self._unknown(err)
+
+    def _feed(self, event: Event, hash_: str | None, line: int) -> Finding | None:
+        if self.finding is not None:
+            return self.finding
+        index = self.events_seen
+        self.events_seen = index + 1
+        if line == 0:
+            line = index + 1
+        self.line = line
+        self.last = event
+        if self.observed:
+            return self._hold(event, hash_, line, index)
+        expected, pos = self.expected, self.epos
+        if pos < len(expected) and event == expected[pos]:  # the effect the model computed
+            self.epos = pos + 1
+            kind = event[0]
+            if self.recorder is not None:
+                self.recorder.effect(line, event)
+            if hash_ is not None and kind == "publish":
+                return self._check_hash(event, hash_, index)
+            if (kind == "unpublish" or kind == "evict") and self.block_hash:
+                self._drop_hash(event[1])  # type: ignore[arg-type]
+            return None
+        if event and event[0] in DECISIONS:
+            return self._decide(event, index)
+        check_ids(event[0] if event else None, event, self.ids, self.max_step)
+        want = expected[pos] if pos < len(expected) else None
+        return self._mismatch(event, want, index)
+
+    def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        for event in events:
+            if self.feed(event) is not None:
+                break
+        return self.finding
+
+    def _unknown(self, err: UnknownId) -> Finding:
+        """An event named an id that never existed."""
+        if self.raise_unknown:
+            raise err
+        return self._found(
+            "Illegal", str(err), self.events_seen - 1, (self.last,) if self.last else ()
+        )
+
+    def settle(self) -> Finding | None:
+        """At a point where the engine has emitted everything so far: no effect is missing (the
+        held decision judged, observed)."""
+        if self.finding is None and self.held:
+            try:
+                self._flush()
+            except UnknownId as err:
+                self._unknown(err)
+        if self.finding is None and self.epos < len(self.expected):
+            missing = self.expected[self.epos]
+            self._found("Disagreement", f"missing effect {missing}", self.events_seen, (missing,))
+        return self.finding
+
+    def finish(self, line: int = 0) -> Finding | None:
+        """End of the stream (``line``: one past the last line): no effect may be missing; the
+        last invariant check runs."""
+        self.line = line or self.events_seen + 1
+        if self.settle() is None and self.check_every > 1:
+            self._check(self.events_seen)
+        return self.finding
+
+    def compare(self, refcounts: tuple[int, ...], free: tuple[int, ...]) -> Finding | None:
+        """Check the engine's refcounts and free queue against the model's (the free queue's
+        order too, strictly; observed, only which blocks are free)."""
+        if self.settle() is not None:
+            return self.finding
+        mine, queue = self.model.snapshot()
+        at = self.events_seen
+        if refcounts != mine:
+            return self._found("Disagreement", f"refcounts {refcounts}, spec {mine}", at)
+        if not self.observed and free != queue:
+            return self._found("Disagreement", f"free queue {free}, spec {list(queue)}", at)
+        if sorted(free) != sorted(queue) or len(set(free)) != len(free):
+            return self._found(
+                "Disagreement", f"free blocks {sorted(free)}, spec {sorted(queue)}", at
+            )
+        return None
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def _decide(self, event: Event, index: int) -> Finding | None:
+        """A decision, strictly: its effects become the expected ones; check every k."""
+        self.max_step = check_ids(event[0], event, self.ids, self.max_step)
+        if self.epos < len(self.expected):
+            missing = self.expected[self.epos]
+            return self._found("Disagreement", f"missing effect {missing}", index, (missing,))
+        effects = self._apply(event, index)
+        if effects is None:
+            return self.finding
+        self.expected, self.epos = effects, 0
+        return self._maybe_check(index)
+
+    def _apply(self, event: Event, index: int) -> list[Event] | None:
+        """The guards every stream has, then the model's (the ids checked already); None at a
+        finding."""
+        kind = event[0]
+        model = self.model
+        for rid in model.prune():
+            if self.recorder is not None:
+                self.recorder.pruned(rid)
+        if kind == "arrive":
+            if cast(int, event[1]) in self.ids and not model.has_request(event[1]):
+                self._illegal(f"arrive r{event[1]}: the id is taken", event, index)
+                return None
+        elif kind == "schedule" or kind == "preempt" or kind == "abort":
+            if not model.has_request(event[1]):
+                self._illegal(f"{kind} r{event[1]}: it has finished", event, index)
+                return None
+        if self.recorder is not None:
+            self.recorder.decision(self.line, event, model)
+        try:
+            effects = model.apply(event)
+        except Illegal as err:
+            self._illegal(str(err), event, index)
+            return None
+        except TypeError as err:  # a malformed decision, as spec.apply says
+            self._illegal(f"malformed decision {event!r}: {err}", event, index)
+            return None
+        self.decisions += 1
+        if kind == "arrive":
+            self.ids.add(event[1])  # type: ignore[arg-type]
+        return effects
+
+    def _maybe_check(self, index: int) -> Finding | None:
+        if self.invariants is not None and not self.invariants:
+            return None
+        if self.check_every == 1 or self.decisions % self.check_every == 0:
+            return self._check(index)
+        return None
+
+    def _check(self, index: int) -> Finding | None:
+        violation = self.model.check(self.invariants)
+        if violation is None:
+            self.last_check_line = self.line
+            return None
+        return self._found(
+            violation.invariant,
+            violation.sentence,
+            index,
+            violation.blocks,
+            violation.requests,
+            self.last_check_line if self.check_every > 1 else None,
+        )
+
+    # -- observed matching ------------------------------------------------------------------------
+
+    def _hold(self, event: Event, hash_: str | None, line: int, index: int) -> Finding | None:
+        if event and event[0] in DECISIONS:
+            if self.held and self._flush() is not None:
+                return self.finding
+            self.held = [(event, line, hash_, index)]
+            return None
+        if not self.held:
+            check_ids(event[0] if event else None, event, self.ids, self.max_step)
+            return self._found(
+                "Disagreement", f"effect {event} before any decision", index, blocks_of(event)
+            )
+        self.held.append((event, line, hash_, index))
+        return None
+
+    def _flush(self) -> Finding | None:
+        """Judge the held decision with its effects: the engine's legal choices steered into the
+        model, the decision applied, each effect the model's or one of the engine's own, then the
+        invariants."""
+        (decision, line, _, index), effects = self.held[0], self.held[1:]
+        self.held = []
+        self.line, self.last = line, decision
+        model = self.model
+        self.max_step = check_ids(decision[0], decision, self.ids, self.max_step)
+        try:
+            model.steer(decision, [effect for effect, _, _, _ in effects])
+        except Illegal as err:
+            return self._illegal(str(err), decision, index)
+        expected = self._apply(decision, index)
+        if expected is None:
+            return self.finding
+        pos = 0
+        for effect, at, hash_, eindex in effects:
+            self.line, self.last = at, effect
+            kind = effect[0]
+            if pos < len(expected) and effect == expected[pos]:
+                pos += 1
+            elif kind in self.own_effects:
+                check_ids(kind, effect, self.ids, self.max_step)
+                try:
+                    model.engine_effect(effect)
+                except Illegal as err:
+                    return self._illegal(str(err), effect, eindex)
+            else:
+                check_ids(kind, effect, self.ids, self.max_step)
+                return self._mismatch(
+                    effect, expected[pos] if pos < len(expected) else None, eindex
+                )
+            if self.recorder is not None:
+                self.recorder.effect(at, effect)
+            if hash_ is not None and kind == "publish":
+                if self._check_hash(effect, hash_, eindex) is not None:
+                    return self.finding
+            elif kind == "unpublish" or kind == "evict":
+                self._drop_hash(effect[1])  # type: ignore[arg-type]
+        self.line, self.last = line, decision
+        if pos < len(expected):
+            return self._found(
+                "Disagreement", f"missing effect {expected[pos]}", index, (expected[pos],)
+            )
+        return self._maybe_check(index)
+
+    # -- opaque hashes ----------------------------------------------------------------------------
+
+    def _check_hash(self, event: Event, hash_: str, index: int) -> Finding | None:
+        rid, i, block = event[1], event[2], event[3]
+        model = self.model
+        key = model.chain_key(rid, i)  # type: ignore[arg-type]
+        named = self.hash_key.get(hash_)
+        if named is not None and named[0] != key:
+            length = model.prefix_length(key)
+            return self._found(
+                HASH_CHAIN,
+                f"block {block} is published under hash {hash_!r} for r{rid}'s tokens "
+                f"0..{length - 1}, but that hash names a different "
+                f"{model.prefix_length(named[0])}-token prefix",
+                index,
+                (event,),
+            )
+        other = self.key_hash.get(key)
+        if other is not None and other[0] != hash_:
+            return self._found(
+                HASH_CHAIN,
+                f"block {block} is published under hash {hash_!r}, but the same token prefix "
+                f"(r{rid}'s tokens 0..{model.prefix_length(key) - 1}) is published under "
+                f"{other[0]!r}",
+                index,
+                (event,),
+            )
+        self._drop_hash(block)  # type: ignore[arg-type]
+        self.block_hash[block] = hash_  # type: ignore[index]
+        self.hash_key[hash_] = (key, 1 if named is None else named[1] + 1)
+        self.key_hash[key] = (hash_, 1 if other is None else other[1] + 1)
+        return None
+
+    def _drop_hash(self, block: int) -> None:
+        hash_ = self.block_hash.pop(block, None)
+        if hash_ is None:
+            return
+        key, n = self.hash_key[hash_]
+        if n == 1:
+            del self.hash_key[hash_]
+        else:
+            self.hash_key[hash_] = (key, n - 1)
+        h, m = self.key_hash[key]
+        if m == 1:
+            del self.key_hash[key]
+        else:
+            self.key_hash[key] = (h, m - 1)
+
+    # -- findings ---------------------------------------------------------------------------------
+
+    def _mismatch(self, event: Event, want: Event | None, index: int) -> Finding:
+        named = (event,) if want is None else (event, want)
+        return self._found(
+            "Disagreement", f"engine emitted {event}, spec expects {want}", index, named
+        )
+
+    def _illegal(self, message: str, event: Event, index: int) -> Finding:
+        return self._found("Illegal", message, index, (event,))
+
+    def _found(
+        self,
+        invariant: str,
+        message: str,
+        index: int,
+        about: tuple[Event, ...] | tuple[int, ...] = (),
+        requests: tuple[int, ...] = (),
+        arose_after: int | None = None,
+    ) -> Finding:
+        """Keep the finding; ``about`` is the events it is about (their blocks and requests are
+        its own), or, for an invariant, the violation's blocks."""
+        if about and isinstance(about[0], tuple):
+            events: tuple[Event, ...] = about  # type: ignore[assignment]
+            blocks = tuple(sorted({b for e in events for b in blocks_of(e)}))
+            requests = tuple(sorted({r for e in events for r in requests_of(e)}))
+        else:
+            blocks = about  # type: ignore[assignment]
+        self.finding = Finding(invariant, message, index, blocks, requests, self.line, arose_after)
+        return self.finding

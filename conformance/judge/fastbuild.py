@@ -1,0 +1,161 @@
+"""The compiled fast path: building the judge's core and the fast model with mypyc, and choosing
+which build judges.
+
+``make venv`` runs ``python -m kvspec.conformance.judge.fastbuild`` (again whenever one of
+``COMPILED`` or this file changes): it copies the modules of ``COMPILED`` into a package of their
+own, ``kvspec_fast`` (relative imports between them kept, every other relative import made
+absolute), writes the SHA-256 of their sources into its ``__init__.py`` as ``SOURCE_SHA256``,
+compiles them with mypyc as one group and keeps the result in ``<venv>/kvspec-mypyc/`` (the folder
+of the interpreter that built it, so another interpreter never loads it). The compiled package
+has a name of its own, so it never shadows the source: ``fast_judge`` imports it from that folder,
+and only when its ``SOURCE_SHA256`` is the hash of the current sources.
+
+``fast_judge(config)`` answers ``(judge, note)``: a ``Judge`` over the ``FastModel`` of the
+compiled build and no note, or of the source (``kvspec.conformance.judge``, the same verdicts,
+about half the speed) and a note saying why (not built, older than the source, not loadable, or
+``KVSPEC_FAST_MODEL=source``). The note is never silent and never on stderr (where an unreadable
+file gets exactly one line): ``kvspec check`` appends it to its report (``Report.note``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.machinery
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvspec.spec import Config
+
+from . import core
+
+NAME = "kvspec_fast"
+"""The compiled package's own name (never ``kvspec.conformance.judge``)."""
+HERE = Path(__file__).parent
+COMPILED = ("ids.py", "fastmodel.py", "core.py")
+"""The modules of the hot path, compiled together (in import order)."""
+FOLDER = Path(sys.prefix) / "kvspec-mypyc"
+"""Where ``make venv`` keeps the build: in the virtual environment that built it."""
+ENV = "KVSPEC_FAST_MODEL"
+"""``source``: judge with the source modules even when the compiled ones are current."""
+
+_compiled: tuple[ModuleType | None, str | None] | None = None
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for name in COMPILED:
+        digest.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def fast_judge(config: Config, unknown_ids: str = "finding") -> tuple[Any, str | None]:
+    """A ``Judge`` over the fast model, and a note when it is not the compiled one."""
+    if os.environ.get(ENV) == "source":
+        return core.Judge.fast(config, unknown_ids), f"fast model from source ({ENV}=source)"
+    module, why = compiled()
+    if module is None:
+        note = f"fast model from source, about half the speed: {why}"
+        return core.Judge.fast(config, unknown_ids), note
+    return module.Judge.fast(config, unknown_ids), None
+
+
+def compiled() -> tuple[ModuleType | None, str | None]:
+    """The compiled core if it is built from the current sources, else None and why not."""
+    global _compiled
+    if _compiled is None:
+        _compiled = _load()
+    module, why = _compiled
+    if module is not None and _stamp() != source_hash():  # edited since the import
+        return None, "the compiled module is older than its source (run make venv)"
+    return module, why
+
+
+def _stamp() -> str | None:
+    package = sys.modules.get(NAME)
+    return getattr(package, "SOURCE_SHA256", None)
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    if not (FOLDER / NAME / "__init__.py").is_file() or not list(
+        (FOLDER / NAME).glob("*" + suffix)
+    ):
+        return None, f"no compiled module in {FOLDER} (run make venv)"
+    if str(FOLDER) not in sys.path:
+        sys.path.append(str(FOLDER))
+    try:
+        module = importlib.import_module(f"{NAME}.core")
+    except Exception as err:  # a broken or foreign build: the source judges, noted
+        for name in [m for m in sys.modules if m == NAME or m.startswith(NAME + ".")]:
+            sys.modules.pop(name, None)
+        return None, f"the compiled module does not load ({type(err).__name__}: {err})"
+    if _stamp() != source_hash():
+        return None, "the compiled module is older than its source (run make venv)"
+    return module, None
+
+
+def build(folder: Path = FOLDER) -> Path:
+    """Compile the current ``COMPILED`` modules with mypyc into ``folder``; the package's path."""
+    digest = source_hash()  # the hash of what is compiled
+    with tempfile.TemporaryDirectory(prefix="kvspec-mypyc-") as work:
+        package = Path(work) / NAME
+        package.mkdir()
+        local = {name[:-3] for name in COMPILED}
+        for name in COMPILED:
+            text = (HERE / name).read_text()
+
+            def absolute(match: re.Match[str]) -> str:
+                module = match.group(1)
+                if module in local:
+                    return match.group(0)
+                return f"from kvspec.conformance.judge.{module} import"
+
+            (package / name).write_text(re.sub(r"^from \.(\w+) import", absolute, text, flags=re.M))
+        (package / "__init__.py").write_text(
+            f'"""The compiled hot path of kvspec (conformance/judge/fastbuild.py)."""\n\n'
+            f'SOURCE_SHA256 = "{digest}"\n'
+        )
+        # mypy reads the package from the venv's link to the repository (see pyproject.toml);
+        # kvspec/__init__.py names the LLM engine for type checkers, which would pull in torch
+        # and transformers (minutes): the hot path needs none of it.
+        (Path(work) / "mypy.ini").write_text(
+            "[mypy]\n"
+            f"mypy_path = {Path(sys.prefix) / 'mypy-path'}\n"
+            "check_untyped_defs = True\n"
+            "strict_equality = True\n"
+            "[mypy-kvspec.impl,kvspec.impl.*,torch,torch.*,transformers,transformers.*]\n"
+            "follow_imports = skip\n"
+            "[mypy-kvspec.conformance.*]\n"  # as in pyproject.toml: their errors not reported
+            "follow_imports = silent\n"
+        )
+        config = ["--config-file", "mypy.ini", "--cache-dir", str(folder / "mypy")]
+        sources = [f"{NAME}/{name}" for name in COMPILED]
+        subprocess.run([sys.executable, "-m", "mypyc", *config, *sources], cwd=work, check=True)
+        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+        built = sorted(  # in place: the package's modules, and the group's shared library
+            p for p in Path(work).rglob("*" + suffix) if "build" not in p.relative_to(work).parts
+        )
+        if len([p for p in built if p.parent == package]) != len(COMPILED):
+            raise SystemExit(f"mypyc built {built}, expected one extension per module of {NAME}")
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder / NAME, ignore_errors=True)
+        for old in [*folder.glob("*__mypyc*"), *folder.glob("kvspec_fastmodel_mypyc*")]:
+            old.unlink()
+        (folder / NAME).mkdir()
+        shutil.copyfile(package / "__init__.py", folder / NAME / "__init__.py")
+        for path in built:
+            target = folder / path.relative_to(work)
+            shutil.copyfile(path, target)
+    return folder / NAME
+
+
+if __name__ == "__main__":
+    print(f"compiled {', '.join(COMPILED)} -> {build()}")

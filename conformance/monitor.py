@@ -1,0 +1,183 @@
+"""In-process judging: an engine feeds its events to a ``Monitor`` as it emits them.
+
+>>> with Monitor.fast(config) as monitor:      # doctest: +SKIP
+...     for event in engine_events():
+...         monitor.feed(event)             # raises Violation at the first finding
+
+The named constructors say how it judges:
+
+* ``Monitor.fast(config)`` (also plain ``Monitor(config)``): the fast model judges every event,
+  keeping the events since its older checkpoint (``window`` to ``2 * window`` of them,
+  ``judge/handover.py``); on a finding a spec judge re-judges them from that checkpoint and makes
+  the report (its minimal history reaches back at least ``window`` events);
+* ``Monitor.on_spec(config, check_every=1)``: a spec judge judges every event (invariants every
+  k decisions);
+* ``Monitor.observed(config)``: a spec judge with observed matching, for engines whose pool orders
+  its choices differently or that register on their own (``docs/adapters.md``);
+* ``background.BackgroundMonitor``: the same in a child process, the engine only buffering.
+
+``raise_on_finding=False`` makes ``feed`` return the ``Finding`` (or None) instead. An id that never
+existed is an ``Illegal`` finding here (a file would be unreadable instead). ``compare`` checks
+the engine's refcounts and free queue against the spec's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvspec.spec import Config
+from kvspec.spec.events import DECISIONS
+
+from .judge import Finding, Judge
+from .judge.fastbuild import fast_judge
+from .judge.handover import MONITOR_WINDOW, FastRun
+from .report import Report, report_of
+
+Event = tuple[object, ...]
+
+
+class Violation(AssertionError):
+    """Raised by a ``Monitor`` with ``raise_on_finding`` (the report is ``.report``)."""
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(report.text())
+        self.report = report
+
+
+class Monitor:
+    def __init__(
+        self,
+        config: Config,
+        raise_on_finding: bool = True,
+        name: str = "<monitor>",
+        judge: Judge | None = None,
+        window: int | None = None,
+    ) -> None:
+        """The fast monitor, or, given ``judge`` (a stream judge: spec model and recorder), that
+        judge. Prefer the named constructors."""
+        self.config = config
+        self.raise_on_finding = raise_on_finding
+        self.name = name
+        self.note: str | None = None
+        """Set when the fast model judges from source (``judge/fastbuild.py``); in the report."""
+        self.judge = judge
+        """The spec judge: given, or once the fast one handed over."""
+        self.run: FastRun | None = None
+        if judge is None:
+            fast, self.note = fast_judge(config)
+            self.run = FastRun(fast, window or MONITOR_WINDOW)
+
+    @classmethod
+    def fast(
+        cls,
+        config: Config,
+        raise_on_finding: bool = True,
+        name: str = "<monitor>",
+        window: int | None = None,
+    ) -> Monitor:
+        return cls(config, raise_on_finding, name, window=window)
+
+    @classmethod
+    def on_spec(
+        cls,
+        config: Config,
+        check_every: int = 1,
+        raise_on_finding: bool = True,
+        name: str = "<monitor>",
+    ) -> Monitor:
+        return cls(config, raise_on_finding, name, Judge.stream(config, check_every=check_every))
+
+    @classmethod
+    def observed(
+        cls, config: Config, raise_on_finding: bool = True, name: str = "<monitor>"
+    ) -> Monitor:
+        return cls(config, raise_on_finding, name, Judge.stream(config, observed=True))
+
+    # -- feeding --------------------------------------------------------------------------------
+
+    def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
+        run = self.run
+        if run is None:
+            return self._outcome(self.judge.feed(event, hash_))  # type: ignore[union-attr]
+        fast = run.fast
+        if fast.events_seen >= run.due and event and event[0] in DECISIONS:
+            run.checkpoint()
+        run.newer_events.append((event, hash_))
+        try:
+            if fast.feed(event, hash_) is None:
+                return None
+        except Exception as err:  # a malformed event (or a bug): the spec decides
+            run.crash = (repr(err), fast.events_seen - 1)
+        return self._outcome(self._hand_over(finish=False))
+
+    def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        for event in events:
+            if self.feed(event) is not None:
+                break
+        return self.finding
+
+    def compare(self, refcounts: tuple[int, ...], free: tuple[int, ...]) -> Finding | None:
+        """The engine's refcounts and free queue against the spec's, at a point where the
+        engine has emitted everything so far."""
+        run = self.run
+        if run is None:
+            return self._outcome(self.judge.compare(refcounts, free))  # type: ignore[union-attr]
+        if run.fast.compare(refcounts, free) is None:
+            return None
+        return self._outcome(self._hand_over(finish=False, compare=(refcounts, free)))
+
+    def close(self) -> Finding | None:
+        run = self.run
+        if run is None:
+            return self._outcome(self.judge.finish())  # type: ignore[union-attr]
+        if run.fast.finish() is None:
+            return None
+        return self._outcome(self._hand_over(finish=True))
+
+    @property
+    def finding(self) -> Finding | None:
+        return None if self.judge is None else self.judge.finding
+
+    @property
+    def events_seen(self) -> int:
+        return self.run.fast.events_seen if self.run is not None else self.judge.events_seen  # type: ignore[union-attr]
+
+    def report(self) -> Report:
+        judge = self.judge
+        if judge is None or judge.finding is None:
+            return Report(self.name, 0, self.events_seen, note=self.note)
+        return report_of(judge, self.name, note=self.note)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _hand_over(
+        self, finish: bool, compare: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    ) -> Finding | None:
+        """The fast model found something: the spec judge re-judges the kept events from the
+        older checkpoint, must find the same, and takes over from here."""
+        run = self.run
+        assert run is not None
+        judge = run.start()
+        for event, hash_ in run.events():
+            if judge.feed(event, hash_) is not None:
+                break
+        else:
+            if compare is not None:
+                judge.compare(*compare)
+            elif finish:
+                judge.finish()
+        run.agree(judge.finding, self.name)
+        self.judge, self.run = judge, None
+        return judge.finding
+
+    def _outcome(self, finding: Finding | None) -> Finding | None:
+        if finding is not None and self.raise_on_finding:
+            raise Violation(self.report())
+        return finding
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        if kind is None:
+            self.close()

@@ -1,0 +1,187 @@
+"""The flow, in code: a workload drives an engine, the engine emits events, the spec judges them,
+and the same events replay on real tensors. One function per arrow; each ``kvspec`` command is one
+call here (``cli.py`` parses the arguments and prints the result).
+
+=============================  ==============================================================
+arrow                          where it lives
+=============================  ==============================================================
+workload -> engine             ``conformance/fuzz.py`` (Hypothesis drives an adapter),
+                               ``reference/workload.py`` (a fixed shared-prefix workload)
+engine -> events               the engine's adapter (``conformance/adapter.py``,
+                               ``conformance/adapters/``); on disk ``conformance/trace.py``
+events -> verdict              ``conformance/judge/`` (the spec, or its fast twin), reported by
+                               ``conformance/report.py`` and ``conformance/html.py``
+events -> tensors              ``conformance/plan.py`` (the spec's plan), ``impl/paged/replay.py``
+=============================  ==============================================================
+
+Each function imports what it uses when it is called, so that a command loads only its own arrow
+(``kvspec check`` no torch, ``kvspec fuzz`` no z3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvspec.spec import Config
+
+if TYPE_CHECKING:
+    from kvspec.conformance.fuzz import CellResult
+    from kvspec.conformance.report import Report
+    from kvspec.conformance.verdicts import CellError
+    from kvspec.impl.paged.replay import Options, Result
+
+Event = tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What is fuzzed: a registration policy, a scheduling discipline and preemption, the steps in
+    flight (None: drawn 1 to 3, or 2 to 3 when steps overlap), whether external KV loads happen
+    (some failing), async scheduling (decodes on placeholder tokens) and what becomes of a
+    preempted request's output still in flight (``docs/async.md``)."""
+
+    policy: str
+    discipline: str = "vllm"
+    preemption: str = "fcfs"
+    depth: int | None = None
+    loads: bool = False
+    async_scheduling: bool = False
+    stale_output: str = "drop"
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps in flight differ from synchronous ones (needs a depth of 2 or more)."""
+        return self.async_scheduling or self.stale_output == "deliver"
+
+
+def fuzz(
+    cell: Cell,
+    seconds: float,
+    seed: int = 0,
+    invariants: Collection[str] | None = None,
+    target: str | None = None,
+) -> tuple[CellResult, str]:
+    """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
+    ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
+    result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed)."""
+    from kvspec.conformance.adapter import load_factory, probe, reference
+    from kvspec.conformance.fuzz import DataChoices, run_cell
+
+    factory, judging = reference, "strict"
+    if target:
+        factory = load_factory(target)
+        config = Config(
+            num_blocks=8,
+            block_size=4,
+            depth=cell.depth or (2 if cell.overlaps else 1),
+            policy=cell.policy,
+            discipline=cell.discipline,
+            preemption=cell.preemption,
+            stop_token=0,
+            async_scheduling=cell.async_scheduling,
+            stale_output=cell.stale_output,
+        )
+        adapter = probe(factory, config, DataChoices(), target, cell.loads)
+        judging = getattr(adapter, "judging", "strict")
+    result = run_cell(
+        cell.policy,
+        cell.discipline,
+        cell.preemption,
+        cell.depth,
+        cell.loads,
+        seconds,
+        seed,
+        invariants=invariants,
+        factory=factory,
+        async_scheduling=cell.async_scheduling,
+        stale_output=cell.stale_output,
+    )
+    return result, judging
+
+
+def simulate(
+    config: Config, requests: int, seed: int = 0
+) -> tuple[list[Event], dict[str, int], float]:
+    """workload -> engine -> events: the reference engine on a shared-prefix workload; its events,
+    its counters and the seconds it ran."""
+    import time
+
+    from kvspec.reference import Engine, EngineConfig
+    from kvspec.reference.workload import shared_prefix_workload
+
+    fields = {
+        name: getattr(config, name)
+        for name in EngineConfig.__dataclass_fields__
+        if hasattr(config, name)
+    }
+    engine = Engine(EngineConfig(**fields))
+    started = time.perf_counter()
+    bsz = config.block_size
+    for rid, prompt, max_tokens, priority in shared_prefix_workload(
+        requests, 4, 8 * bsz, bsz, 8, seed
+    ):
+        engine.add_request(rid, prompt, max_tokens, priority)
+    while engine.step():
+        pass
+    return engine.events, engine.stats, time.perf_counter() - started
+
+
+def write(
+    path: str | Path, config: Config, events: list[Event], version: int, judging: str = "strict"
+) -> int:
+    """events -> disk: a v1 trace (with opaque hashes, as a real engine's) or a v0 event file."""
+    from kvspec.conformance.trace import write_events, write_trace
+
+    if version == 1:
+        return write_trace(path, config, events, hashes=True, judging=judging)
+    if judging != "strict":
+        raise ValueError(f"--format v0 has no judging field for this {judging} engine; use v1")
+    return write_events(path, config, events)
+
+
+def check(paths: list[str], check_every: int = 1, engine: str = "fast") -> Iterator[Report]:
+    """events -> verdict: judge each trace file; its ``report.Report``."""
+    from kvspec.conformance.check import check_file
+
+    for path in paths:
+        yield check_file(path, check_every, engine)
+
+
+def check_kv_events(
+    paths: list[str], invariants: list[str] | None = None, capacity: int | None = None
+) -> Iterator[Report]:
+    """native KV events -> verdict: judge each capture of an engine's KV-event stream (what a
+    router is told) with the stream's spec (``spec/stream.py``); its ``report.Report``."""
+    from kvspec.conformance.kvevents.stream_judge import check_capture
+
+    for path in paths:
+        yield check_capture(path, invariants, capacity)
+
+
+def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
+    """events -> tensors: replay a trace's plan on a paged KV cache, every attention output
+    compared with dense attention (``impl/paged/replay.py``). Its config and the result."""
+    from kvspec.conformance.plan import PlanError, replay_plan
+    from kvspec.conformance.trace import open_trace
+    from kvspec.impl.paged.replay import replay as run
+
+    with open_trace(path) as trace:
+        config = trace.config
+        events = [event for _, event, _ in trace.events()]
+        judging = trace.judging
+    try:
+        plan = replay_plan(config, events, judging)
+    except PlanError as err:
+        raise ValueError(f"{path}:{err.index + 2}: {err.reason}") from None
+    return config, run(plan, config.num_blocks, config.block_size, options)
+
+
+def demo(seconds: float, seed: int = 0) -> Iterator[CellResult | CellError]:
+    """Every cell of the verdict table fuzzed for ``seconds`` each (``conformance/verdicts.py``);
+    a ``CellError`` for a cell whose fuzzing raised (an internal error, not a verdict)."""
+    from kvspec.conformance.verdicts import all_cells
+
+    yield from all_cells(seconds, seed)

@@ -1,0 +1,207 @@
+"""The event vocabulary: every kind of event an engine emits, its fields by name, and the accessors
+everything else decodes events with.
+
+An event is a tuple ``(kind, field, ...)`` with its fields in the order ``KINDS`` lists them. A
+*decision* is what an engine chooses (``actions.apply`` takes one); an *effect* is what a decision
+causes, emitted right after it, in order (the spec computes every effect of a decision itself).
+The trace format (``conformance/trace.py``, ``docs/trace-format.md``) names the same fields in
+JSON; the readers, the judge's id checks, the reports and the replay plan all decode events with
+``blocks_of``, ``request_of``, ``requests_of`` and ``step_of`` below, never by position.
+
+Field types: ``id`` a request or step id (an int >= 0), ``block`` a block id (0 .. N - 1), ``nat``
+an int >= 0, ``int`` any int, ``tokens`` a non-empty tuple of token ids >= 0, ``blocks`` a tuple
+of block ids, ``ids`` a tuple of request ids, ``sampled`` a tuple of ``(req, token)`` pairs,
+``reason`` one of ``REASONS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+Event = tuple[object, ...]
+
+REASONS = ("length", "stop", "abort")
+"""Why a request finished (``finish``'s ``reason``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One kind of event: its name, whether it is a decision, its fields (name, type) in tuple
+    order, and what it means."""
+
+    name: str
+    decision: bool
+    fields: tuple[tuple[str, str], ...]
+    meaning: str
+
+    def position(self, field: str) -> int:
+        """The index of ``field`` in the event tuple (the kind is at 0)."""
+        for i, (name, _) in enumerate(self.fields, 1):
+            if name == field:
+                return i
+        raise KeyError(f"{self.name} has no field {field!r}")
+
+
+def _kinds(*kinds: Kind) -> dict[str, Kind]:
+    return {kind.name: kind for kind in kinds}
+
+
+KINDS: dict[str, Kind] = _kinds(
+    # -- decisions ----------------------------------------------------------------------------
+    Kind(
+        "arrive",
+        True,
+        (("req", "id"), ("tokens", "tokens"), ("max_tokens", "nat"), ("priority", "int")),
+        "a request arrives with its prompt; a lower priority value is more important",
+    ),
+    Kind("begin", True, (("step", "id"),), "the scheduler starts building a step"),
+    Kind(
+        "schedule",
+        True,
+        (("req", "id"), ("tokens", "nat"), ("loaded", "nat")),
+        "the request gets tokens to compute in the building step, or on admission full blocks "
+        "to load from an external store; a waiting request is admitted first",
+    ),
+    Kind("preempt", True, (("req", "id"),), "a running request loses its blocks, back to waiting"),
+    Kind("submit", True, (("step", "id"),), "the building step goes to the worker"),
+    Kind(
+        "execute",
+        True,
+        (("step", "id"), ("failed", "ids")),
+        "the worker runs the oldest submitted step (writes, then reads); listed loads fail",
+    ),
+    Kind(
+        "commit",
+        True,
+        (("step", "id"), ("sampled", "sampled")),
+        "the scheduler processes the oldest executed step's output: its sampled tokens",
+    ),
+    Kind("abort", True, (("req", "id"),), "the client aborts the request, between steps"),
+    Kind("reset", True, (), "the prefix cache is reset (nothing referenced, nothing in flight)"),
+    # -- effects ------------------------------------------------------------------------------
+    Kind(
+        "hit",
+        False,
+        (("req", "id"), ("blocks", "blocks")),
+        "an admission's lookup hits these published blocks (possibly none); they are touched",
+    ),
+    Kind(
+        "evict", False, (("block", "block"),), "a cached free block loses its hash as it is reused"
+    ),
+    Kind(
+        "alloc", False, (("req", "id"), ("block", "block")), "the free queue's head joins a table"
+    ),
+    Kind(
+        "publish",
+        False,
+        (("req", "id"), ("index", "nat"), ("block", "block")),
+        "the block is registered under the request's index-th chained hash",
+    ),
+    Kind("unpublish", False, (("block", "block"),), "a registration is rolled back or dropped"),
+    Kind("free", False, (("block", "block"),), "one reference to the block is dropped"),
+    Kind(
+        "load_failed",
+        False,
+        (("req", "id"),),
+        "the request's external load failed; it was freed and will recompute",
+    ),
+    Kind(
+        "finish",
+        False,
+        (("req", "id"), ("reason", "reason")),
+        "the request finished (length, stop or abort)",
+    ),
+    Kind(
+        "dedup",
+        False,
+        (("req", "id"), ("index", "nat"), ("block", "block")),
+        "the request's table position now names this published copy of its block, which "
+        "takes the reference (engines that register on their own: observed judging only)",
+    ),
+)
+
+OPTIONAL = {"publish": ("hash",)}
+"""Fields an event may carry beside its tuple: a publish the engine's opaque hash of the block
+(the trace format's ``hash``; the judge checks it against the token chain)."""
+
+DECISIONS = frozenset(name for name, kind in KINDS.items() if kind.decision)
+EFFECTS = frozenset(name for name, kind in KINDS.items() if not kind.decision)
+
+
+def _positions(type_: str) -> dict[str, int]:
+    return {
+        name: i
+        for name, kind in KINDS.items()
+        for i, (_, t) in enumerate(kind.fields, 1)
+        if t == type_
+    }
+
+
+_REQUEST = {
+    name: kind.position("req")
+    for name, kind in KINDS.items()
+    if kind.fields and kind.fields[0][0] == "req"
+}
+_BLOCK = _positions("block")
+_BLOCKS = _positions("blocks")
+_STEP = {
+    name: kind.position("step")
+    for name, kind in KINDS.items()
+    if kind.fields and kind.fields[0][0] == "step"
+}
+
+
+def kind_of(event: Event) -> Kind | None:
+    """The event's kind, or None for an unknown one."""
+    name = event[0] if event else None
+    return KINDS.get(name) if isinstance(name, str) else None
+
+
+def field(event: Event, name: str) -> object:
+    """The value of the named field (``KeyError`` for a field the kind does not have)."""
+    kind = kind_of(event)
+    if kind is None:
+        raise KeyError(f"unknown event kind {event[:1]!r}")
+    return event[kind.position(name)]
+
+
+def request_of(event: Event) -> int | None:
+    """The one request an event is about (its ``req`` field), or None (also for an event too
+    short to have one: accessors never raise, a malformed event is the judge's to report)."""
+    at = _REQUEST.get(cast(str, event[0])) if event else None
+    return cast(int, event[at]) if at is not None and at < len(event) else None
+
+
+def requests_of(event: Event) -> tuple[int, ...]:
+    """Every request an event names: its ``req``, an execute's failed loads, a commit's sampled
+    requests."""
+    rid = request_of(event)
+    if rid is not None:
+        return (rid,)
+    kind = event[0] if event else None
+    if len(event) > 2 and isinstance(event[2], tuple):
+        if kind == "execute":
+            return cast("tuple[int, ...]", event[2])
+        if kind == "commit":
+            return tuple(pair[0] for pair in event[2] if isinstance(pair, tuple) and pair)
+    return ()
+
+
+def blocks_of(event: Event) -> tuple[int, ...]:
+    """Every block an event names (a hit's blocks; the block of an evict, alloc, publish,
+    unpublish, free or dedup)."""
+    kind = cast(str, event[0]) if event else ""
+    at = _BLOCK.get(kind)
+    if at is not None:
+        return (cast(int, event[at]),) if at < len(event) else ()
+    at = _BLOCKS.get(kind)
+    if at is not None and at < len(event) and isinstance(event[at], tuple):
+        return cast("tuple[int, ...]", event[at])
+    return ()
+
+
+def step_of(event: Event) -> int | None:
+    """The step a decision names (begin, submit, execute, commit), or None."""
+    at = _STEP.get(cast(str, event[0])) if event else None
+    return cast(int, event[at]) if at is not None and at < len(event) else None

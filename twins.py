@@ -1,0 +1,97 @@
+"""The declared twins: every other executable form of the spec, what it must equal, and the tests
+that show it, the way a TLA+ module says which module ``INSTANCE``s which and states the
+``THEOREM`` that one refines the other.
+
+``kvspec.spec`` is the definition. Every module below restates some of it in another form (for
+speed, for a solver, for an engine) and would be worthless if it drifted; each declares
+``TWIN_OF = "kvspec.spec"`` so that ``tests/test_twins.py`` can check that no form goes
+unregistered and that every test named here exists. ``docs/architecture.md`` draws them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Twin:
+    form: str
+    """The module (or package) that restates the spec."""
+    what: str
+    equals: str
+    """What it must equal: the theorem its tests check."""
+    shown_by: tuple[str, ...]
+    """The tests that show it (``tests/file.py::test_name``)."""
+
+
+TWINS: tuple[Twin, ...] = (
+    Twin(
+        "kvspec.reference",
+        "the reference engine: an independent, fast implementation of every policy",
+        "its events are the spec's effects of its decisions, event by event, and its refcounts "
+        "and free queue are the spec's after every workload step (lockstep fuzzing), under "
+        "every policy, discipline, preemption and depth",
+        (
+            "tests/test_reference.py::test_engine_conforms_to_spec",
+            "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
+        ),
+    ),
+    Twin(
+        "kvspec.conformance.judge.fastmodel",
+        "the fast model: the state machine for speed, interned prefixes",
+        "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
+        "same event) and its state, exported, is the spec's before every decision",
+        (
+            "tests/test_fastmodel.py::test_fast_model_and_spec_agree_on_engine_traces",
+            "tests/test_fastmodel.py::test_fast_model_and_spec_agree_on_traces_with_planted_bugs",
+            "tests/test_fastmodel.py::test_check_prints_the_same_through_both_engines",
+        ),
+    ),
+    Twin(
+        "kvspec.conformance.judge.incremental",
+        "the incremental invariants: each evaluated only where a decision changed the state",
+        "the full definitions of spec/invariants.py: the same first violation on every trace, "
+        "and the same answer on every corrupted state",
+        (
+            "tests/test_incremental.py::test_incremental_and_full_checks_report_the_same_first_violation",
+            "tests/test_incremental.py::test_corrupting_a_changed_item_is_found_as_by_the_full_check",
+        ),
+    ),
+    Twin(
+        "kvspec.proofs.symbolic",
+        "the Z3 model: actions and invariants as Z3 terms at fixed sizes",
+        "it admits exactly the executable spec's successor of every (state, decision) pair "
+        "the walks reach, and its invariants are the spec's there",
+        (
+            "tests/test_symbolic.py::test_z3_relation_admits_exactly_the_spec_successor",
+            "tests/test_symbolic.py::test_agreement_covers_invariant_violations",
+        ),
+    ),
+    Twin(
+        "kvspec.proofs.lemmas",
+        "the strengthening lemmas of the inductive proofs",
+        "with the invariants, inductive for the safe cells (so true on every reachable state), "
+        "and a counterexample to induction when one is removed",
+        (
+            "tests/test_induction.py::test_safe_cells_are_inductive",
+            "tests/test_induction.py::test_a_missing_lemma_leaves_a_counterexample_to_induction",
+        ),
+    ),
+    Twin(
+        "kvspec.proofs.contracts",
+        "CrossHair contracts: the spec's pool mechanisms as pure functions of a flat pool",
+        "the spec's pool functions, and the pool invariants preserved by each",
+        (
+            "tests/test_contracts.py::test_free_then_allocate_agree",
+            "tests/test_contracts.py::test_crosshair_finds_planted_bugs",
+            "tests/test_contracts.py::test_crosshair_spec_and_reference_agree",
+        ),
+    ),
+    Twin(
+        "kvspec.reference.contracts",
+        "CrossHair contracts: the reference engine's pool as pure functions of the same flat pool",
+        "the spec's contracts, function by function (CrossHair's diffbehavior)",
+        ("tests/test_contracts.py::test_crosshair_spec_and_reference_agree",),
+    ),
+)
+"""Every form, in the order of ``docs/architecture.md``."""
