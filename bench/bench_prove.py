@@ -1,35 +1,60 @@
-"""Z3 verdicts of every cell beside the fuzzer's, and how proof time grows with the sizes.
+"""How long the Z3 proofs take, before and after (issue #15), and Z3's verdicts beside the fuzzer's.
 
-For each cell (policy, discipline, preemption), ``kvspec prove``'s verdict at the given sizes:
-``PROVED`` (the invariants and lemmas are inductive: every path length), ``FAILS`` with the
-invariant and the length in decisions of Z3's shortest counterexample (confirmed by the executable
-spec, and ``engine`` says whether the reference engine forced through it violates the same
-invariant), ``holds<=K`` (bounded proof only) or ``unknown``. Beside it, the fuzzer's result on
-the same cell (``kvspec fuzz``, seed 0, a time budget): its shrunk counterexample's length in
-decisions (the fuzzer also picks pool sizes and block sizes, so the lengths are not of the same
-model) and the time to its first failure.
+**Speed (the default).** Every cell (policy, discipline, preemption) is proved as ``kvspec
+prove`` does it (induction; bounded model checking if that fails; the counterexample confirmed
+by the spec and the engine), at the default sizes, by two builds of kvspec in interleaved
+rounds, each round in fresh processes:
 
-``--readme README.md`` rewrites the table between the ``<!-- prove-table -->`` markers there.
-Then a scaling table: the time of the inductive proof of ``deferred`` vllm/fcfs against the
-number of blocks N and the depth D.
+* *before*: the code of ``--baseline`` (a git revision, by default the commit this work started
+  from; ``git archive`` unpacks it under ``--cache``), which proves the cells one after the other
+  on one core;
+* *after*: this tree, which proves all cells on one pool of ``--workers`` processes.
 
-    .venv/bin/python bench/bench_prove.py [--bound 8] [--blocks 4] [--requests 2] [--depth 2]
-        [--tokens 3] [--timeout 300] [--fuzz-seconds 20] [--readme README.md] [--skip-scaling]
+The table gives each cell's verdicts side by side (they must agree: same verdict, same invariant,
+same counterexample length; a difference is printed as such and makes the run exit 1) and the
+medians of wall and CPU time (CPU of all processes). Then ``--profile``: where the after-build's
+solver spent its time (per action instance, per conjunct: invariant or lemma), and the larger
+sizes (``--large``: N=6, R=3, D=3 by default; ``--large-baseline`` runs the before-build there
+too, with ``--large-timeout``). The machine is shared: the run prints the load average before and
+after, and figures measured under load are noisy.
+
+**The README table** (``--table``, or ``--readme README.md`` to rewrite it between the
+``<!-- prove-table -->`` markers): Z3's verdict of each cell beside the fuzzer's (``kvspec fuzz``,
+seed 0, ``--fuzz-seconds``), then the scaling of the inductive proof of ``deferred`` vllm/fcfs
+with N and D (``--skip-scaling`` leaves it out).
+
+    .venv/bin/python bench/bench_prove.py [--rounds 3] [--workers 2] [--baseline REV] [--profile]
+        [--large] [--large-sizes 6,3,3] [--large-baseline] [--large-timeout 900]
+    .venv/bin/python bench/bench_prove.py --table [--readme README.md] [--fuzz-seconds 20]
+
+``--emit`` is the worker mode the speed runs use (one build, all cells, one JSON line each).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from kvspec.conformance.fuzz import run_cell
-from kvspec.proofs.induction import prove_inductive
-from kvspec.proofs.prove import DEFAULTS, make_fragment, prove_cell
-from kvspec.spec import POLICIES
-from kvspec.spec.events import EFFECTS
-
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "91e8406"
+"""The integration branch (ref-async) this work was merged onto (issue #15)."""
 CELLS = (("vllm", "fcfs"), ("vllm", "priority"), ("general", "fcfs"))
+POLICY_ORDER = (
+    "eager-unsafe",
+    "eager-rollback-single",
+    "eager-rollback-fifo",
+    "hide-uncommitted",
+    "deferred",
+)
 HEADER = [
     "policy",
     "cell",
@@ -45,8 +70,250 @@ HEADER = [
 MARK = "<!-- prove-table -->"
 
 
+def cpu_seconds() -> float:
+    """CPU of this process and of its children that have ended."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# -- worker mode: one build of kvspec proves the cells -------------------------------------------
+
+
+def emit(args: argparse.Namespace) -> None:
+    """Prove every cell with whichever kvspec is importable, print one JSON line per cell
+    and one for the run."""
+    from kvspec.proofs import prove
+
+    sizes = dict(zip(("blocks", "requests", "depth"), args.sizes, strict=True))
+    sizes |= {"block_size": 1, "tokens": args.tokens}
+    cells = [(p, d, q) for p in args.policies for d, q in CELLS]
+    fragments = [prove.make_fragment(p, d, q, **sizes) for p, d, q in cells]
+    started, cpu = time.monotonic(), cpu_seconds()
+    if hasattr(prove, "prove_cells"):
+        outcomes = prove.prove_cells(fragments, args.bound, args.timeout, workers=args.workers)
+    else:  # the build before: one cell after the other, in this process
+        outcomes = [prove.prove_cell(f, args.bound, args.timeout) for f in fragments]
+    wall, cpu = time.monotonic() - started, cpu_seconds() - cpu
+    for (policy, discipline, preemption), out in zip(cells, outcomes, strict=True):
+        row: dict[str, Any] = {
+            "policy": policy,
+            "cell": f"{discipline}/{preemption}",
+            "verdict": out.verdict,
+            "invariant": out.bmc.invariant if out.bmc is not None else None,
+            "length": len(out.bmc.decisions) if out.bmc and out.bmc.decisions else None,
+            "engine": out.engine_confirms if out.verdict == "counterexample" else None,
+            "seconds": getattr(out, "work_seconds", out.seconds),
+            "cti": list(out.induction.cti.broken) if out.induction and out.induction.cti else None,
+        }
+        if args.profile and out.induction is not None and hasattr(out.induction, "queries"):
+            per_instance: Counter[str] = Counter()
+            per_conjunct: Counter[str] = Counter()
+            for q in out.induction.queries:
+                per_instance[q.instance.split(" ")[0]] += q.cpu
+                per_conjunct[q.conjunct] += q.cpu
+            row["profile"] = {
+                "instance": dict(per_instance),
+                "conjunct": dict(per_conjunct),
+                "build": out.induction.build_cpu,
+                "cpu": out.induction.work_cpu,
+                "queries": len(out.induction.queries),
+                "obligations": out.induction.obligations,
+                "bmc": out.bmc.seconds if out.bmc is not None else 0.0,
+            }
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"total": True, "wall": wall, "cpu": cpu}), flush=True)
+
+
+# -- the speed comparison ------------------------------------------------------------------------
+
+
+def baseline_tree(rev: str, cache: Path) -> Path:
+    """A directory holding ``kvspec`` as of ``rev`` (unpacked once with ``git archive``)."""
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short=12", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    where = cache / f"kvspec-{sha}"
+    package = where / "kvspec"
+    if not (package / "proofs" / "prove.py").exists():
+        package.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", sha], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+    return where
+
+
+def run_build(
+    path: Path | None, args: argparse.Namespace, sizes: tuple[int, int, int], timeout: float
+) -> dict[str, Any]:
+    """One run of ``--emit`` in a fresh process: this tree (path None) or the baseline's."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = str(path) + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, str(Path(__file__).resolve()), "--emit"]
+    command += ["--sizes", ",".join(map(str, sizes)), "--tokens", str(args.tokens)]
+    command += ["--bound", str(args.bound), "--timeout", str(args.timeout)]
+    command += ["--workers", str(args.workers), "--policies", *args.policies]
+    if args.profile:
+        command.append("--profile")
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout, cwd="/"
+        )
+    except subprocess.TimeoutExpired:
+        return {"timeout": True, "wall": time.monotonic() - started, "rows": []}
+    if done.returncode != 0:
+        raise SystemExit(
+            f"bench_prove: the {'baseline' if path else 'new'} run failed:\n{done.stderr[-3000:]}"
+        )
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    total = rows.pop()
+    return {"timeout": False, "wall": total["wall"], "cpu": total["cpu"], "rows": rows}
+
+
+def same_result(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    keys = ("verdict", "invariant", "length", "engine")
+    return all(a[k] == b[k] for k in keys)
+
+
+def verdict_text(row: dict[str, Any]) -> str:
+    if row["verdict"] == "proved":
+        return "PROVED"
+    if row["verdict"] == "counterexample":
+        engine = "engine confirms" if row["engine"] else "engine NO"
+        return f"FAILS {row['invariant']} in {row['length']} ({engine})"
+    return row["verdict"]
+
+
+def speed(args: argparse.Namespace) -> int:
+    sizes = tuple(args.sizes)
+    print(f"load average before: {load()} (on {os.cpu_count()} cores)")
+    base = None if args.no_baseline else baseline_tree(args.baseline, args.cache)
+    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    for n in range(args.rounds):
+        for label, path in (("before", base), ("after", None)):
+            if label == "before" and base is None:
+                continue
+            result = run_build(path, args, sizes, args.round_timeout)
+            runs[label].append(result)
+            print(
+                f"round {n + 1} {label}: wall {result['wall']:.1f} s, cpu "
+                f"{result.get('cpu', float('nan')):.1f} s (load {load()})",
+                flush=True,
+            )
+    differs = report(runs, args)
+    if args.profile and runs["after"]:
+        profile(runs["after"][-1]["rows"])
+    if args.large:
+        large(args, base)
+    print(f"load average after: {load()}")
+    return 1 if differs else 0
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> bool:
+    after = runs["after"]
+    before = [r for r in runs["before"] if not r["timeout"]]
+    print(
+        f"\nall cells at N,R,D = {tuple(args.sizes)}, T={args.tokens}, bound {args.bound}; "
+        f"medians of {len(after)} interleaved rounds; after: {args.workers} workers"
+    )
+    print("policy | cell | before | after | same | before s | after s (work)")
+    differs = False
+    for i, row in enumerate(after[0]["rows"]):
+        mine = [r["rows"][i] for r in after]
+        old = [r["rows"][i] for r in before]
+        same = all(same_result(o, m) for o in old for m in mine) if old else None
+        consistent = all(same_result(mine[0], m) for m in mine)
+        differs |= same is False or not consistent
+        cells = [
+            row["policy"],
+            row["cell"],
+            verdict_text(old[0]) if old else "-",
+            verdict_text(row),
+            {True: "yes", False: "NO", None: "-"}[same] + ("" if consistent else " (runs differ)"),
+            f"{median([o['seconds'] for o in old]):.1f}" if old else "-",
+            f"{median([m['seconds'] for m in mine]):.1f}",
+        ]
+        print(" | ".join(cells))
+    for what in ("wall", "cpu"):
+        b = median([r[what] for r in before])
+        a = median([r[what] for r in after])
+        print(
+            f"total {what}: before {b:.1f} s, after {a:.1f} s, ratio {b / a:.2f}x "
+            f"(before runs {[round(r[what], 1) for r in before]}, after "
+            f"{[round(r[what], 1) for r in after]})"
+        )
+    return differs
+
+
+def profile(rows: list[dict[str, Any]]) -> None:
+    """Where the after-build's solver time went, summed over the cells."""
+    instance: Counter[str] = Counter()
+    conjunct: Counter[str] = Counter()
+    build = cpu = bmc = 0.0
+    queries = 0
+    for row in rows:
+        p = row.get("profile")
+        if p is None:
+            continue
+        instance.update(p["instance"])
+        conjunct.update(p["conjunct"])
+        build += p["build"]
+        cpu += p["cpu"]
+        bmc += p["bmc"]
+        queries += p["queries"]
+    solve = sum(instance.values())
+    print(
+        f"\nprofile (after, last round, CPU s): induction {cpu:.1f} = building terms "
+        f"{build:.1f} + {queries} solver queries {solve:.1f} + other {cpu - build - solve:.1f}; "
+        f"bounded model checking {bmc:.1f} (wall)"
+    )
+    print("per action: " + ", ".join(f"{k} {v:.1f}" for k, v in instance.most_common()))
+    print("per conjunct: " + ", ".join(f"{k} {v:.1f}" for k, v in conjunct.most_common(12)))
+
+
+def large(args: argparse.Namespace, base: Path | None) -> None:
+    sizes = tuple(args.large_sizes)
+    print(f"\nlarger sizes N,R,D = {sizes}, T={args.tokens}: all cells (after)")
+    result = run_build(None, args, sizes, args.large_timeout)
+    label = "after"
+    show(label, result, args.large_timeout)
+    if args.large_baseline and base is not None:
+        show("before", run_build(base, args, sizes, args.large_timeout), args.large_timeout)
+
+
+def show(label: str, result: dict[str, Any], timeout: float) -> None:
+    if result["timeout"]:
+        print(f"{label}: did not finish within {timeout:.0f} s (load {load()})")
+        return
+    for row in result["rows"]:
+        print(
+            f"{label} | {row['policy']} | {row['cell']} | {verdict_text(row)} | "
+            f"{row['seconds']:.1f} s"
+        )
+    print(f"{label}: wall {result['wall']:.1f} s, cpu {result['cpu']:.1f} s (load {load()})")
+
+
+# -- the README table ----------------------------------------------------------------------------
+
+
 def fuzz_length(result) -> str:  # type: ignore[no-untyped-def]
     """Decisions in the fuzzer's shrunk counterexample, up to the violating one."""
+    from kvspec.spec.events import EFFECTS
+
     failure = result.failure
     if failure is None:
         return "-"
@@ -54,95 +321,80 @@ def fuzz_length(result) -> str:  # type: ignore[no-untyped-def]
     return str(sum(1 for e in events if e[0] not in EFFECTS))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bound", type=int, default=DEFAULTS["bound"])
-    ap.add_argument("--blocks", type=int, default=DEFAULTS["blocks"])
-    ap.add_argument("--requests", type=int, default=DEFAULTS["requests"])
-    ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
-    ap.add_argument("--tokens", type=int, default=DEFAULTS["tokens"])
-    ap.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--fuzz-seconds", type=float, default=20.0)
-    ap.add_argument("--readme", type=Path)
-    ap.add_argument("--skip-scaling", action="store_true")
-    ap.add_argument("--policies", nargs="*", default=list(POLICIES))
-    args = ap.parse_args()
+def table(args: argparse.Namespace) -> None:
+    from kvspec.conformance.fuzz import run_cell
+    from kvspec.proofs.induction import prove_inductive
+    from kvspec.proofs.prove import make_fragment, prove_cells
 
-    sizes = dict(
-        blocks=args.blocks,
-        requests=args.requests,
-        depth=args.depth,
-        block_size=args.block_size,
-        tokens=args.tokens,
-    )
-    fragment = make_fragment(POLICIES[0], "vllm", "fcfs", **sizes)
+    blocks, requests, depth = args.sizes
+    sizes = dict(blocks=blocks, requests=requests, depth=depth, block_size=1, tokens=args.tokens)
+    fragment = make_fragment(POLICY_ORDER[0], "vllm", "fcfs", **sizes)
     title = f"Z3 at {fragment.describe()}; BMC bound K={args.bound}; fuzzer {args.fuzz_seconds:g} s"
     print(title)
+    cells = [(p, d, q) for p in args.policies for d, q in CELLS]
+    started = time.monotonic()
+    outcomes = prove_cells(
+        [make_fragment(p, d, q, **sizes) for p, d, q in cells],
+        args.bound,
+        args.timeout,
+        workers=args.workers,
+    )
+    z3_wall = time.monotonic() - started
     print(" | ".join(HEADER), flush=True)
-    rows, z3_total, proved_total = [], 0.0, 0.0
-    for policy in args.policies:
-        for discipline, preemption in CELLS:
-            f = make_fragment(policy, discipline, preemption, **sizes)
-            out = prove_cell(f, args.bound, args.timeout)
-            z3_total += out.seconds
-            if out.verdict == "proved":
-                proved_total += out.seconds
-            verdict, invariant, length, engine = {
-                "proved": ("PROVED (inductive)", "-", "-", "-"),
-                "bounded-proof": (f"holds<={args.bound} (bounded)", "-", "-", "-"),
-                "unknown": ("unknown", "-", "-", "-"),
-                "counterexample": ("FAILS", "", "", "confirms" if out.engine_confirms else "NO"),
-            }[out.verdict]
-            if out.verdict == "counterexample":
-                assert out.bmc is not None
-                invariant = out.bmc.invariant or "?"
-                length = str(len(out.bmc.decisions))
-            fz = run_cell(policy, discipline, preemption, seconds=args.fuzz_seconds)
-            fverdict = f"FAILS ({fz.failure.finding.invariant})" if fz.failure else "holds"
-            first = f"{fz.seconds_to_failure:.1f}" if fz.seconds_to_failure is not None else "-"
-            row = [
-                policy,
-                f"{discipline}/{preemption}",
-                verdict,
-                invariant,
-                length,
-                f"{out.seconds:.1f}",
-                engine,
-                fverdict,
-                fuzz_length(fz),
-                first,
-            ]
-            rows.append(row)
-            print(" | ".join(row), flush=True)
-    print(f"Z3 total {z3_total:.1f} s, of which inductive proofs {proved_total:.1f} s")
+    rows = []
+    for (policy, discipline, preemption), out in zip(cells, outcomes, strict=True):
+        verdict, invariant, length, engine = {
+            "proved": ("PROVED (inductive)", "-", "-", "-"),
+            "bounded-proof": (f"holds<={args.bound} (bounded)", "-", "-", "-"),
+            "unknown": ("unknown", "-", "-", "-"),
+            "counterexample": ("FAILS", "", "", "confirms" if out.engine_confirms else "NO"),
+        }[out.verdict]
+        if out.verdict == "counterexample":
+            assert out.bmc is not None
+            invariant = out.bmc.invariant or "?"
+            length = str(len(out.bmc.decisions))
+        fz = run_cell(policy, discipline, preemption, seconds=args.fuzz_seconds)
+        fverdict = f"FAILS ({fz.failure.finding.invariant})" if fz.failure else "holds"
+        first = f"{fz.seconds_to_failure:.1f}" if fz.seconds_to_failure is not None else "-"
+        row = [
+            policy,
+            f"{discipline}/{preemption}",
+            verdict,
+            invariant,
+            length,
+            f"{out.work_seconds:.1f}",
+            engine,
+            fverdict,
+            fuzz_length(fz),
+            first,
+        ]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    work = sum(o.work_seconds for o in outcomes)
+    print(f"Z3 wall {z3_wall:.1f} s on {args.workers} workers; work of all cells {work:.1f} s")
     if args.readme is not None:
-        write_readme(args.readme, title, rows, z3_total, proved_total)
+        write_readme(args.readme, title, rows, z3_wall, args.workers)
     if args.skip_scaling:
         return
-    print(f"\nscaling: inductive proof of deferred, vllm/fcfs, R={args.requests}, T={args.tokens}")
+    print(f"\nscaling: inductive proof of deferred, vllm/fcfs, R={requests}, T={args.tokens}")
     depths = (1, 2, 3)
     print("N \\ D | " + " | ".join(f"D={d}" for d in depths))
-    for n in (3, 4, 5):
-        cells = [f"N={n}"]
+    for n in (3, 4, 5, 6):
+        row = [f"N={n}"]
         for d in depths:
-            f = make_fragment(
-                "deferred", "vllm", "fcfs", n, args.requests, d, args.block_size, args.tokens
-            )
-            started = time.monotonic()
-            r = prove_inductive(f, args.timeout)
-            took = time.monotonic() - started
-            cells.append(f"{took:.1f}" if r.verdict == "inductive" else r.verdict)
-        print(" | ".join(cells), flush=True)
+            f = make_fragment("deferred", "vllm", "fcfs", n, requests, d, 1, args.tokens)
+            t0 = time.monotonic()
+            r = prove_inductive(f, args.timeout, workers=args.workers)
+            took = time.monotonic() - t0
+            row.append(f"{took:.1f}" if r.verdict == "inductive" else r.verdict)
+        print(" | ".join(row), flush=True)
 
 
-def write_readme(
-    path: Path, title: str, rows: list[list[str]], z3_total: float, proved: float
-) -> None:
+def write_readme(path: Path, title: str, rows: list[list[str]], wall: float, workers: int) -> None:
     text = path.read_text()
     if text.count(MARK) != 2:
         raise SystemExit(f"{path}: expected two {MARK} markers around the table")
-    table = [
+    table_lines = [
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
         *("| " + " | ".join(row) + " |" for row in rows),
@@ -150,10 +402,11 @@ def write_readme(
     body = "\n".join(
         [
             MARK,
-            f"Made by `python bench/bench_prove.py --readme README.md` ({title}; Z3 total "
-            f"{z3_total:.0f} s, inductive proofs {proved:.0f} s):",
+            f"Made by `python bench/bench_prove.py --readme README.md` ({title}; Z3 "
+            f'{wall:.0f} s wall for all cells on {workers} processes; "Z3 s" is each cell\'s '
+            "work):",
             "",
-            *table,
+            *table_lines,
             MARK,
         ]
     )
@@ -163,5 +416,48 @@ def write_readme(
     print(f"wrote the table to {path}")
 
 
+# -- arguments -----------------------------------------------------------------------------------
+
+
+def sizes_arg(text: str) -> list[int]:
+    parts = [int(x) for x in text.split(",")]
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError("sizes are N,R,D (blocks, requests, depth)")
+    return parts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=sizes_arg, default=[4, 2, 2], help="N,R,D (default 4,2,2)")
+    ap.add_argument("--tokens", type=int, default=3, help="T, tokens per request")
+    ap.add_argument("--bound", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per cell, solver seconds")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--policies", nargs="*", default=list(POLICY_ORDER))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--round-timeout", type=float, default=3600.0)
+    ap.add_argument("--baseline", default=BASELINE, help="git revision of the before-build")
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/kvspec-bench-prove"))
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--large", action="store_true")
+    ap.add_argument("--large-sizes", type=sizes_arg, default=[6, 3, 3])
+    ap.add_argument("--large-baseline", action="store_true")
+    ap.add_argument("--large-timeout", type=float, default=900.0)
+    ap.add_argument("--table", action="store_true", help="the README table (with the fuzzer)")
+    ap.add_argument("--readme", type=Path)
+    ap.add_argument("--fuzz-seconds", type=float, default=20.0)
+    ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.emit:
+        emit(args)
+        return 0
+    if args.table or args.readme is not None:
+        table(args)
+        return 0
+    return speed(args)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

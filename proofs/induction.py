@@ -9,12 +9,24 @@ policy. Then
 * **base**: the initial state satisfies I (evaluated directly: it is concrete);
 * **step**: for every action instance, I(S) and the instance's guard imply I(successor), for a
   fully symbolic pre-state S and symbolic parameters (any prompt tokens, priorities, sampled
-  tokens, token counts). One solver per instance; ``unsat`` of "guard and not I(successor)" is the
-  proof, ``sat`` a *counterexample to induction* (CTI): a state satisfying I that steps out of it.
+  tokens, token counts). ``unsat`` of "guard and not I(successor)" is the proof, ``sat`` a
+  *counterexample to induction* (CTI): a state satisfying I that steps out of it.
 
 A CTI is not a bug report: its pre-state may be unreachable, and then a lemma is missing. This is
 why ``kvspec prove`` runs bounded model checking after a failed induction: the shortest real
 counterexample, or a bounded proof. A solver ``unknown`` is never a proof.
+
+**How the step is checked.** The work is split into *obligations*, one per action instance and
+case (``Model.cases``: execute and commit get one case per scheduling order of their step, whose
+guards together cover the instance's guard), in a fixed canonical order. Each obligation asks,
+per conjunct of I that the step can change, whether the successor can break it: one query each,
+pushed and popped over a solver that holds I(S) once (a worker keeps that solver for all its
+obligations of the cell). A conjunct is not rebuilt for the successor unless it reads a variable
+the step changed (its read set is traced once on the pre-state), and it is skipped when its term
+is literally the pre-state's (then the step leaves what it reads alone). Obligations run in
+parallel processes (``parallel.Pool``); the verdict is that of the first obligation in canonical
+order that is not unsat, so it does not depend on the number of workers or their timing, and the
+CTI is then recomputed alone in a fresh process, so that its values do not either.
 
 Sizes are fixed (N, R, D, T, B of the fragment): the proof is unbounded in path length, not in the
 sizes. ``bench/bench_prove.py`` runs it over a range of sizes.
@@ -22,7 +34,9 @@ sizes. ``bench/bench_prove.py`` runs it over a range of sizes.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +44,17 @@ import z3
 
 from . import lemmas as lm
 from . import symbolic as sy
+from .parallel import Pool
+
+SOLVER_PARAMS: dict[str, Any] = {"arith.solver": 2}
+"""Z3 settings of every proof solver: the older arithmetic solver (``arith.solver=2``) decides
+this model's linear integer queries about a third faster than the default (bench_prove.py)."""
+
+
+def new_solver() -> Any:
+    solver = z3.Solver()
+    solver.set(**SOLVER_PARAMS)
+    return solver
 
 
 @dataclass
@@ -41,6 +66,21 @@ class Cti:
     """The conjuncts (invariants or lemmas) false after the step."""
     pre: dict[str, str]
     """The pre-state's non-default variables, for a reader."""
+    case: sy.Case = ()
+    """The case of the instance (``Model.cases``) the step was checked in."""
+
+
+@dataclass
+class QueryTime:
+    """One solver query of the step: which instance, case and conjunct, its answer, its time."""
+
+    instance: str
+    case: str
+    conjunct: str
+    answer: str
+    seconds: float
+    cpu: float
+    """CPU seconds of the worker (on a loaded machine, wall ``seconds`` can be far more)."""
 
 
 @dataclass
@@ -51,77 +91,374 @@ class InductionResult:
     invariants: list[str]
     lemmas: list[str]
     instances: int = 0
+    """Instances checked, up to and including the one that decided a failure."""
     cti: Cti | None = None
     seconds: float = 0.0
+    """Wall time from the start to the verdict."""
     per_instance: list[tuple[str, str, float]] = field(default_factory=list)
+    """Per instance checked: its name, its answer, and the solver time of its queries."""
+    queries: list[QueryTime] = field(default_factory=list)
+    """Every query of the obligations checked (in canonical order), for profiling."""
+    obligations: int = 0
+    """Obligations (instance, case) checked."""
+    work_seconds: float = 0.0
+    """Time the workers spent on this cell's obligations (build and solve), all workers added."""
+    work_cpu: float = 0.0
+    """CPU seconds of the same."""
+    build_cpu: float = 0.0
+    """Of which building the successors' terms (Python)."""
+    workers: int = 1
+
+
+# -- the strengthening ---------------------------------------------------------------------------
+
+
+def conjuncts(model: sy.Model) -> dict[str, Callable[[sy.SState], Any]]:
+    """The invariants and the policy's lemmas, each as a builder of its predicate on a state."""
+    out: dict[str, Callable[[sy.SState], Any]] = {}
+    for name, fn in sy.Z3_INVARIANTS.items():
+        out[name] = functools.partial(fn, model)
+    for lem in lm.LEMMAS:
+        if lem.applies(model.config.policy):
+            out[lem.name] = functools.partial(lem.predicate, model)
+    return out
 
 
 def strengthening(model: sy.Model, S: sy.SState) -> dict[str, Any]:
     """The invariants and the policy's lemmas as named predicates on S."""
-    out = dict(model.invariants(S))
-    out.update(lm.lemmas(model, S))
-    return out
+    return {name: build(S) for name, build in conjuncts(model).items()}
 
 
-def prove_inductive(fragment: sy.Fragment, timeout_s: float | None = None) -> InductionResult:
-    """Base case and one inductive step per action instance."""
-    started = time.monotonic()
-    model = sy.Model(fragment)
-    S = model.fresh("pre")
-    pre = strengthening(model, S)
-    lemma_names = [name for name in pre if name not in sy.Z3_INVARIANTS]
-    result = InductionResult("inductive", fragment, list(sy.Z3_INVARIANTS), lemma_names)
-    initial = strengthening(model, model.initial())
-    false_at_start = [n for n, c in initial.items() if not z3.is_true(z3.simplify(c))]
-    if false_at_start:
-        result.verdict = "base-fails"
-        result.cti = Cti(("initial",), false_at_start, {})
-        result.seconds = time.monotonic() - started
-        return result
-    solver = z3.Solver()
-    solver.add(*pre.values())
-    for i, inst in enumerate(model.instances):
-        t0 = time.monotonic()
-        if timeout_s is not None:
-            left = timeout_s - (t0 - started)
-            if left <= 0:
-                result.verdict = "unknown"
-                break
-            solver.set("timeout", max(1, int(left * 1000)))
-        params = model.fresh_params(inst, f"p{i}")
-        guard, succ = model.apply(inst, S, params)
-        post = strengthening(model, succ)
+class _Reads(dict[Any, Any]):
+    """A state that records which variables are read."""
+
+    def __init__(self, S: sy.SState) -> None:
+        super().__init__(S)
+        self.seen: set[sy.SKey] = set()
+
+    def __getitem__(self, key: sy.SKey) -> Any:
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+
+def read_sets(
+    builders: dict[str, Callable[[sy.SState], Any]], S: sy.SState
+) -> tuple[dict[str, Any], dict[str, frozenset[sy.SKey]]]:
+    """Each conjunct's predicate on the symbolic state S, and the variables it reads (on a
+    state of variables every branch on a term's value reads the most, so the set covers the
+    successor's reads too)."""
+    terms, reads = {}, {}
+    for name, build in builders.items():
+        traced = _Reads(S)
+        terms[name] = build(traced)
+        reads[name] = frozenset(traced.seen)
+    return terms, reads
+
+
+# -- obligations (run in the workers) ------------------------------------------------------------
+
+
+def obligations(model: sy.Model) -> list[tuple[int, int]]:
+    """(instance index, case index) in canonical order."""
+    return [(i, c) for i, inst in enumerate(model.instances) for c in range(len(model.cases(inst)))]
+
+
+def case_name(case: sy.Case) -> str:
+    return " ".join(f"{point[0]}={','.join(map(str, choice))}" for point, choice in case)
+
+
+class Prover:
+    """One cell's strengthening over a symbolic pre-state, asserted once in a solver."""
+
+    def __init__(self, fragment: sy.Fragment) -> None:
+        self.model = m = sy.Model(fragment)
+        self.S = m.fresh("pre")
+        self.builders = conjuncts(m)
+        self.pre, self.reads = read_sets(self.builders, self.S)
+        self.solver = new_solver()
+        self.solver.add(*self.pre.values())
+
+    def step(self, i: int, c: int) -> tuple[Any, sy.SState, set[sy.SKey]]:
+        m = self.model
+        inst = m.instances[i]
+        params = m.fresh_params(inst, f"p{i}")
+        guard, succ = m.apply(inst, self.S, params, m.cases(inst)[c])
+        changed = {key for key, _ in m.schema if succ[key] is not self.S[key]}
+        return guard, succ, changed
+
+    def changed_conjuncts(self, succ: sy.SState, changed: set[sy.SKey]) -> list[tuple[str, Any]]:
+        """The conjuncts on the successor that the step may have changed, in order."""
+        out = []
+        for name, build in self.builders.items():
+            if not self.reads[name] & changed:
+                continue  # reads nothing the step changed: the very term of the pre-state
+            cond = build(succ)
+            if not cond.eq(self.pre[name]):
+                out.append((name, cond))
+        return out
+
+    def check(self, i: int, c: int, deadline: float | None) -> dict[str, Any]:
+        """Check one obligation: its answer (``unsat`` proves it), the conjunct that is not
+        unsat if any, and the time of every query."""
+        started, cpu = time.monotonic(), time.process_time()
+        inst = self.model.instances[i]
+        where = (_name(inst), case_name(self.model.cases(inst)[c]))
+        answer, failing, times = "unsat", None, []
+        guard, succ, changed = self.step(i, c)
+        todo = self.changed_conjuncts(succ, changed)
+        built = time.process_time() - cpu
+        solver = self.solver
         solver.push()
         solver.add(guard)
-        # One query per conjunct the step can change; a conjunct whose term is the very term it
-        # was before the step (the action leaves everything it reads alone) is assumed, hence true.
-        answer, broken, mz = z3.unsat, [], None
-        for name, cond in post.items():
-            if cond.eq(pre[name]):
-                continue
+        for name, cond in todo:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    answer, failing = "unknown", name
+                    break
+                solver.set("timeout", max(1, int(left * 1000)))
             solver.push()
             solver.add(z3.Not(cond))
+            t0, c0 = time.monotonic(), time.process_time()
             verdict = solver.check()
-            if verdict == z3.sat:
-                mz = solver.model()
-                broken = [n for n, c in post.items() if z3.is_false(mz.eval(c, True))]
+            t1, c1 = time.monotonic(), time.process_time()
+            times.append(QueryTime(*where, name, str(verdict), t1 - t0, c1 - c0))
             solver.pop()
             if verdict != z3.unsat:
-                answer = verdict
+                answer, failing = str(verdict), name
                 break
         solver.pop()
-        result.instances += 1
-        result.per_instance.append((_name(inst), str(answer), time.monotonic() - t0))
-        if answer == z3.unsat:
-            continue
-        if answer == z3.unknown or mz is None:
-            result.verdict = "unknown"
-            break
-        result.verdict = "cti"
-        result.cti = Cti(inst, broken, _describe_state(model, S, mz))
-        break
-    result.seconds = time.monotonic() - started
-    return result
+        if deadline is not None:
+            solver.set("timeout", 0)
+        return {
+            "answer": answer,
+            "failing": failing,
+            "queries": times,
+            "seconds": time.monotonic() - started,
+            "cpu": time.process_time() - cpu,
+            "build_cpu": built,
+        }
+
+
+_PROVERS: dict[sy.Fragment, Prover] = {}
+"""A worker's provers, one per cell (a worker lives for one ``Pool``)."""
+
+
+def check_obligation(
+    fragment: sy.Fragment, i: int, c: int, deadline: float | None
+) -> dict[str, Any]:
+    """Pooled job: one obligation of a cell, on the worker's prover for that cell."""
+    if deadline is not None and time.monotonic() >= deadline:
+        return {"answer": "unknown", "failing": None, "queries": [], "seconds": 0.0, "cpu": 0.0}
+    prover = _PROVERS.get(fragment)
+    if prover is None:
+        prover = _PROVERS[fragment] = Prover(fragment)
+    return prover.check(i, c, deadline)
+
+
+def base_case(fragment: sy.Fragment) -> list[str]:
+    """Pooled job: the conjuncts false in the initial state (a concrete state)."""
+    model = sy.Model(fragment)
+    initial = strengthening(model, model.initial())
+    return [n for n, c in initial.items() if not z3.is_true(z3.simplify(c))]
+
+
+def counterexample_to_induction(
+    fragment: sy.Fragment, i: int, c: int, conjunct: str, timeout_s: float | None
+) -> Cti | None:
+    """Fresh job: the CTI of obligation (i, c) breaking ``conjunct``, solved alone in a fresh
+    solver (so its values are the same for any workers); None if Z3 gives no model."""
+    prover = Prover(fragment)
+    guard, succ, _ = prover.step(i, c)
+    solver = new_solver()
+    if timeout_s is not None:
+        solver.set("timeout", max(1, int(timeout_s * 1000)))
+    solver.add(*prover.pre.values())
+    solver.add(guard, z3.Not(prover.builders[conjunct](succ)))
+    if solver.check() != z3.sat:
+        return None
+    mz = solver.model()
+    post = strengthening(prover.model, succ)
+    broken = [n for n, cond in post.items() if z3.is_false(mz.eval(cond, True))]
+    inst = prover.model.instances[i]
+    return Cti(
+        inst, broken, _describe_state(prover.model, prover.S, mz), prover.model.cases(inst)[c]
+    )
+
+
+# -- one cell's induction, driven from the caller ------------------------------------------------
+
+
+class CellInduction:
+    """The obligations of one cell and the verdict they give, for a ``Pool`` shared by cells.
+
+    ``submit`` queues the base case and the obligations; ``take`` records a finished job (and
+    queues the CTI's fresh job, or cancels obligations past a failure); ``done`` says whether the
+    verdict is known; ``result`` gives it."""
+
+    def __init__(
+        self, fragment: sy.Fragment, tag: Any, timeout_s: float | None, workers: int
+    ) -> None:
+        self.fragment, self.tag, self.timeout_s = fragment, tag, timeout_s
+        self.model = sy.Model(fragment)  # no Z3 terms: instances and cases only
+        self.order = obligations(self.model)
+        self.index = {ob: n for n, ob in enumerate(self.order)}
+        self.answers: dict[int, dict[str, Any]] = {}
+        self.base: list[str] | None = None
+        self.cti: Cti | None = None
+        self.cti_pending = False
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.deadline = None if timeout_s is None else self.started + timeout_s
+        self.workers = workers
+        self._cti_asked = False
+
+    def submit(self, pool: Pool, rank: Any = 0) -> None:
+        pool.submit((self.tag, "base"), base_case, self.fragment, priority=(rank, -1))
+        for n, (i, c) in enumerate(self.order):
+            pool.submit(
+                (self.tag, "ob", n),
+                check_obligation,
+                self.fragment,
+                i,
+                c,
+                self.deadline,
+                priority=(rank, n),
+            )
+
+    def owns(self, key: Any) -> bool:
+        return isinstance(key, tuple) and key[0] == self.tag
+
+    def take(self, pool: Pool, key: Any, value: Any) -> None:
+        kind = key[1]
+        if kind == "base":
+            self.base = value
+            if value:
+                pool.cancel(lambda k: self.owns(k) and k[1] == "ob")
+        elif kind == "ob":
+            self.answers[key[2]] = value
+            if value["answer"] != "unsat":
+                n = key[2]
+                pool.cancel(lambda k: self.owns(k) and k[1] == "ob" and k[2] > n)
+        elif kind == "cti":
+            self.cti, self.cti_pending = value, False
+        first = self._first_failure()
+        if first is not None and self.base == [] and not self.cti_pending and self.cti is None:
+            answer = self.answers[first]
+            if answer["answer"] == "sat" and not self._cti_asked:
+                self._cti_asked = True
+                self.cti_pending = True
+                i, c = self.order[first]
+                left = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
+                pool.submit(
+                    (self.tag, "cti"),
+                    counterexample_to_induction,
+                    self.fragment,
+                    i,
+                    c,
+                    answer["failing"],
+                    left,
+                    priority=(-1, 0),
+                    fresh=True,
+                )
+        if self.finished is None and self.done():
+            self.finished = time.monotonic()
+
+    def _first_failure(self) -> int | None:
+        """The first obligation in canonical order that is not unsat, once all before it are
+        in; None while undecided or if all are unsat."""
+        for n in range(len(self.order)):
+            answer = self.answers.get(n)
+            if answer is None:
+                return None
+            if answer["answer"] != "unsat":
+                return n
+        return None
+
+    def failed(self) -> bool:
+        """Known not to be inductive (or unknown), even before the verdict is complete."""
+        return bool(self.base) or any(a["answer"] != "unsat" for a in self.answers.values())
+
+    def done(self) -> bool:
+        if self.base is None:
+            return False
+        if self.base:
+            return True
+        first = self._first_failure()
+        if first is None:
+            return len(self.answers) == len(self.order)
+        return not self.cti_pending and (self.answers[first]["answer"] != "sat" or self._cti_asked)
+
+    def result(self) -> InductionResult:
+        model = self.model
+        names = list(conjunct_names(model))
+        lemma_names = [n for n in names if n not in sy.Z3_INVARIANTS]
+        out = InductionResult("inductive", self.fragment, list(sy.Z3_INVARIANTS), lemma_names)
+        out.workers = self.workers
+        out.seconds = (self.finished or time.monotonic()) - self.started
+        if self.base:
+            out.verdict = "base-fails"
+            out.cti = Cti(("initial",), list(self.base), {})
+            return out
+        first = self._first_failure()
+        last = len(self.order) - 1 if first is None else first
+        per: dict[int, list[Any]] = {}
+        for n in range(last + 1):
+            answer = self.answers[n]
+            i, _ = self.order[n]
+            out.obligations += 1
+            out.work_seconds += answer["seconds"]
+            out.work_cpu += answer["cpu"]
+            out.build_cpu += answer.get("build_cpu", 0.0)
+            out.queries += answer["queries"]
+            entry = per.setdefault(i, [answer["answer"], 0.0])
+            if entry[0] == "unsat":
+                entry[0] = answer["answer"]
+            entry[1] += sum(q.seconds for q in answer["queries"])
+        out.instances = len(per)
+        out.per_instance = [(_name(model.instances[i]), a, s) for i, (a, s) in per.items()]
+        if first is None:
+            return out
+        answer = self.answers[first]
+        if answer["answer"] == "sat" and self.cti is not None:
+            out.verdict = "cti"
+            out.cti = self.cti
+        else:
+            out.verdict = "unknown"
+        return out
+
+
+def conjunct_names(model: sy.Model) -> list[str]:
+    names = list(sy.Z3_INVARIANTS)
+    names += [lem.name for lem in lm.LEMMAS if lem.applies(model.config.policy)]
+    return names
+
+
+def run_cells(
+    cells: list[CellInduction], pool: Pool, on_result: Callable[[Any, Any], None] | None = None
+) -> None:
+    """Run the cells' jobs (and any the callback submits) until the pool is empty; results of
+    jobs no cell owns go to ``on_result``."""
+    for key, value in pool.results():
+        for cell in cells:
+            if cell.owns(key):
+                cell.take(pool, key, value)
+                break
+        else:
+            if on_result is not None:
+                on_result(key, value)
+
+
+def prove_inductive(
+    fragment: sy.Fragment, timeout_s: float | None = None, workers: int | None = None
+) -> InductionResult:
+    """Base case and one inductive step per action instance (and case), on ``workers``
+    processes (default: the cores available; 0 runs in this process)."""
+    with Pool(workers) as pool:
+        cell = CellInduction(fragment, "cell", timeout_s, pool.slots)
+        cell.submit(pool)
+        run_cells([cell], pool)
+    return cell.result()
 
 
 def _name(inst: sy.Instance) -> str:

@@ -46,6 +46,7 @@ from .symbolic import (
     reads_hold,
     zmin,
 )
+from .terms import And, If, Implies, Not, Or
 
 TWIN_OF = "kvspec.spec"
 """This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
@@ -87,7 +88,7 @@ def lemmas(m: Model, S: SState, names: list[str] | None = None) -> dict[str, Ter
 
 def _in(term: Term, lo: int, hi: int) -> Term:
     """lo <= term <= hi."""
-    return z3.And(term >= lo, term <= hi)
+    return And(term >= lo, term <= hi)
 
 
 def _live_after(m: Model, S: SState, k: int, r: int) -> Term:
@@ -99,7 +100,7 @@ def _fills(m: Model, S: SState, k: int, r: int, lo: Term, hi: Term) -> Term:
     """Table indices [lo, hi) are blocks that r's entry in slot k fills to their end, from the
     block the entry starts in (or the range is empty)."""
     es, ee = S["es", k, r], S["ee", k, r]
-    return z3.Implies(lo < hi, conj([m.floor_blocks(es) <= lo, hi <= m.floor_blocks(ee), lo >= 0]))
+    return Implies(lo < hi, conj([m.floor_blocks(es) <= lo, hi <= m.floor_blocks(ee), lo >= 0]))
 
 
 # -- globals and step slots -----------------------------------------------------------------------
@@ -117,22 +118,22 @@ def slots_bounded(m: Model, S: SState) -> Term:
 def blank_slots(m: Model, S: SState) -> Term:
     parts = []
     for k in range(m.D):
-        empty = [z3.Not(S[name, k, r]) for r in m.R for name in ("ea", "elive", "ra")]
-        empty += [z3.Not(S["pa", b, k]) for b in m.blocks]
-        parts.append(z3.Implies(S["nst"] <= k, conj(empty)))
+        empty = [Not(S[name, k, r]) for r in m.R for name in ("ea", "elive", "ra")]
+        empty += [Not(S["pa", b, k]) for b in m.blocks]
+        parts.append(Implies(S["nst"] <= k, conj(empty)))
     return conj(parts)
 
 
 @lemma("phases are only ever set to building, submitted or executed.")
 def phase_domain(m: Model, S: SState) -> Term:
-    return conj([z3.Implies(S["nst"] > k, _in(S["ph", k], BUILDING, EXECUTED)) for k in range(m.D)])
+    return conj([Implies(S["nst"] > k, _in(S["ph", k], BUILDING, EXECUTED)) for k in range(m.D)])
 
 
 @lemma("execute turns every pending write of its step into written content.")
 def executed_has_no_pending(m: Model, S: SState) -> Term:
     return conj(
         [
-            z3.Implies(z3.And(S["nst"] > k, S["ph", k] == EXECUTED), z3.Not(S["pa", b, k]))
+            Implies(And(S["nst"] > k, S["ph", k] == EXECUTED), Not(S["pa", b, k]))
             for k in range(m.D)
             for b in m.blocks
         ]
@@ -149,9 +150,7 @@ def status_domain(m: Model, S: SState) -> Term:
 
 @lemma("the fragment's requests arrive in id order.")
 def arrival_order(m: Model, S: SState) -> Term:
-    return conj(
-        [z3.Implies(S["st", r] == NONE, S["st", r + 1] == NONE) for r in m.R if r + 1 in m.R]
-    )
+    return conj([Implies(S["st", r] == NONE, S["st", r + 1] == NONE) for r in m.R if r + 1 in m.R])
 
 
 @lemma(
@@ -162,9 +161,9 @@ def unarrived_is_empty(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         empty = [S["len", r] == 0, S["ntab", r] == 0, S["comp", r] == 0, S["cach", r] == 0]
-        empty += [z3.Not(S["son", r])]
-        empty += [z3.Not(S[name, k, r]) for k in range(m.D) for name in ("ea", "elive", "ra")]
-        parts.append(z3.Implies(S["st", r] == NONE, conj(empty)))
+        empty += [Not(S["son", r])]
+        empty += [Not(S[name, k, r]) for k in range(m.D) for name in ("ea", "elive", "ra")]
+        parts.append(Implies(S["st", r] == NONE, conj(empty)))
     return conj(parts)
 
 
@@ -179,7 +178,7 @@ def lengths(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         parts.append(
-            z3.Implies(
+            Implies(
                 S["st", r] != NONE,
                 conj(
                     [
@@ -192,13 +191,11 @@ def lengths(m: Model, S: SState) -> Term:
                 ),
             )
         )
-        unfinished = z3.Or(S["st", r] == WAITING, S["st", r] == RUNNING)
-        parts.append(z3.Implies(unfinished, S["len", r] < S["plen", r] + S["maxt", r]))
+        unfinished = Or(S["st", r] == WAITING, S["st", r] == RUNNING)
+        parts.append(Implies(unfinished, S["len", r] < S["plen", r] + S["maxt", r]))
         for k in range(m.D):
             ea, ee = S["ea", k, r], S["ee", k, r]
-            parts.append(
-                z3.Implies(ea, z3.If(S["esam", k, r], ee == S["len", r], ee < S["len", r]))
-            )
+            parts.append(Implies(ea, If(S["esam", k, r], ee == S["len", r], ee < S["len", r])))
     return conj(parts)
 
 
@@ -212,7 +209,7 @@ def progress_bounds(m: Model, S: SState) -> Term:
         parts += [S["comp", r] >= 0, S["comp", r] <= S["len", r], S["cach", r] >= 0]
         parts.append(S["cach", r] <= S["ntab", r])
         parts.append(_in(S["ntab", r], 0, len(m.M)))
-        parts += [z3.Implies(S["ntab", r] > i, _in(S["tab", r, i], 1, m.blocks[-1])) for i in m.M]
+        parts += [Implies(S["ntab", r] > i, _in(S["tab", r, i], 1, m.blocks[-1])) for i in m.M]
     return conj(parts)
 
 
@@ -221,7 +218,7 @@ def progress_bounds(m: Model, S: SState) -> Term:
     "and a request that leaves is no longer running."
 )
 def running_computed_something(m: Model, S: SState) -> Term:
-    return conj([z3.Implies(S["st", r] == RUNNING, S["comp", r] >= 1) for r in m.R])
+    return conj([Implies(S["st", r] == RUNNING, S["comp", r] >= 1) for r in m.R])
 
 
 # -- blocks: keys, contents, queue positions ------------------------------------------------------
@@ -232,7 +229,7 @@ def _names_prefix(m: Model, S: SState, req: Term, length: Term, least: int) -> T
     return conj(
         [
             disj([req == r for r in m.R]),
-            disj([z3.And(req == r, S["st", r] != NONE, S["len", r] >= length) for r in m.R]),
+            disj([And(req == r, S["st", r] != NONE, S["len", r] >= length) for r in m.R]),
             length >= least,
         ]
     )
@@ -252,11 +249,11 @@ def references_valid(m: Model, S: SState) -> Term:
                 disj([S["klen", b] == (i + 1) * m.B for i in m.M]),
             ]
         )
-        parts.append(z3.Implies(S["hk", b], key))
-        parts.append(z3.Implies(S["wv", b], _names_prefix(m, S, S["wreq", b], S["wlen", b], 1)))
+        parts.append(Implies(S["hk", b], key))
+        parts.append(Implies(S["wv", b], _names_prefix(m, S, S["wreq", b], S["wlen", b], 1)))
         for k in range(m.D):
             parts.append(
-                z3.Implies(S["pa", b, k], _names_prefix(m, S, S["preq", b, k], S["pl", b, k], 1))
+                Implies(S["pa", b, k], _names_prefix(m, S, S["preq", b, k], S["pl", b, k], 1))
             )
     return conj(parts)
 
@@ -268,10 +265,8 @@ def references_valid(m: Model, S: SState) -> Term:
 def counters_bound_positions(m: Model, S: SState) -> Term:
     parts = [S["qlo"] <= S["qhi"] + 1, S["pubc"] >= 0]
     for b in m.blocks:
-        parts.append(
-            z3.Implies(S["inq", b], z3.And(S["qlo"] <= S["qpos", b], S["qpos", b] <= S["qhi"]))
-        )
-        parts.append(z3.Implies(S["hk", b], z3.And(S["pub", b] >= 0, S["pub", b] < S["pubc"])))
+        parts.append(Implies(S["inq", b], And(S["qlo"] <= S["qpos", b], S["qpos", b] <= S["qhi"])))
+        parts.append(Implies(S["hk", b], And(S["pub", b] >= 0, S["pub", b] < S["pubc"])))
     return conj(parts)
 
 
@@ -289,15 +284,14 @@ def entries_match_tables(m: Model, S: SState) -> Term:
         for r in m.R:
             ea, es, ee = S["ea", k, r], S["es", k, r], S["ee", k, r]
             shape = conj([S["st", r] != NONE, es >= 0, es < ee, ee <= S["len", r]])
-            parts.append(z3.Implies(ea, shape))
-            parts.append(z3.Implies(S["elive", k, r], ea))
+            parts.append(Implies(ea, shape))
+            parts.append(Implies(S["elive", k, r], ea))
             nblk = m.ceil_blocks(ee)
-            same = [z3.Implies(nblk > i, S["eblk", k, r, i] == S["tab", r, i]) for i in m.M]
+            same = [Implies(nblk > i, S["eblk", k, r, i] == S["tab", r, i]) for i in m.M]
             live = conj([S["st", r] == RUNNING, S["comp", r] >= ee] + same)
-            parts.append(z3.Implies(S["elive", k, r], live))
+            parts.append(Implies(S["elive", k, r], live))
             parts += [
-                z3.Implies(z3.And(ea, nblk > i), _in(S["eblk", k, r, i], 1, m.blocks[-1]))
-                for i in m.M
+                Implies(And(ea, nblk > i), _in(S["eblk", k, r, i], 1, m.blocks[-1])) for i in m.M
             ]
     return conj(parts)
 
@@ -311,7 +305,7 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
     parts = []
     B = m.B
     for k in range(m.D):
-        open_ = z3.And(S["nst"] > k, S["ph", k] != EXECUTED)
+        open_ = And(S["nst"] > k, S["ph", k] != EXECUTED)
         for r in m.R:
             first = m.floor_blocks(S["es", k, r])
             nblk = m.ceil_blocks(S["ee", k, r])
@@ -320,7 +314,7 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
                 block = S["eblk", k, r, i]
                 has = disj(
                     [
-                        z3.And(
+                        And(
                             block == b,
                             S["pa", b, k],
                             S["preq", b, k] == r,
@@ -329,7 +323,7 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
                         for b in m.blocks
                     ]
                 )
-                parts.append(z3.Implies(writes, has))
+                parts.append(Implies(writes, has))
         for b in m.blocks:
             owner = disj(
                 [
@@ -346,7 +340,7 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
                     for i in m.M
                 ]
             )
-            parts.append(z3.Implies(S["pa", b, k], z3.And(open_, owner)))
+            parts.append(Implies(S["pa", b, k], And(open_, owner)))
     return conj(parts)
 
 
@@ -357,7 +351,7 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
 def building_entries_live(m: Model, S: SState) -> Term:
     return conj(
         [
-            z3.Implies(z3.And(m.building(S, k), S["ea", k, r]), S["elive", k, r])
+            Implies(And(m.building(S, k), S["ea", k, r]), S["elive", k, r])
             for k in range(m.D)
             for r in m.R
         ]
@@ -371,7 +365,7 @@ def building_entries_live(m: Model, S: SState) -> Term:
 def liveness_monotone(m: Model, S: SState) -> Term:
     return conj(
         [
-            z3.Implies(z3.And(S["elive", k, r], S["ea", kk, r]), S["elive", kk, r])
+            Implies(And(S["elive", k, r], S["ea", kk, r]), S["elive", kk, r])
             for r in m.R
             for k in range(m.D)
             for kk in range(k + 1, m.D)
@@ -387,8 +381,8 @@ def readmitted_in_newer_step(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         for k in range(m.D):
-            dead = conj([S["ea", k, r], z3.Not(S["elive", k, r]), S["st", r] == RUNNING])
-            parts.append(z3.Implies(dead, _live_after(m, S, k, r)))
+            dead = conj([S["ea", k, r], Not(S["elive", k, r]), S["st", r] == RUNNING])
+            parts.append(Implies(dead, _live_after(m, S, k, r)))
     return conj(parts)
 
 
@@ -400,7 +394,7 @@ def readmitted_in_newer_step(m: Model, S: SState) -> Term:
 def live_chunks_in_order(m: Model, S: SState) -> Term:
     return conj(
         [
-            z3.Implies(z3.And(S["elive", k, r], S["elive", kk, r]), S["ee", k, r] <= S["es", kk, r])
+            Implies(And(S["elive", k, r], S["elive", kk, r]), S["ee", k, r] <= S["es", kk, r])
             for r in m.R
             for k in range(m.D)
             for kk in range(k + 1, m.D)
@@ -416,8 +410,8 @@ def newest_entry_ends_at_computed(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         for k in range(m.D):
-            newest = z3.And(S["elive", k, r], z3.Not(_live_after(m, S, k, r)))
-            parts.append(z3.Implies(newest, S["ee", k, r] == S["comp", r]))
+            newest = And(S["elive", k, r], Not(_live_after(m, S, k, r)))
+            parts.append(Implies(newest, S["ee", k, r] == S["comp", r]))
     return conj(parts)
 
 
@@ -437,7 +431,7 @@ def tables_eventually_hold(m: Model, S: SState) -> Term:
             block = S["tab", r, i]
             held = conj([S["st", r] == RUNNING, S["ntab", r] > i])
             prefix = (r, zmin(S["comp", r], (i + 1) * m.B))
-            parts.append(z3.Implies(held, m.holds(S, m.eventual_of(S, block), prefix)))
+            parts.append(Implies(held, m.holds_eventually(S, block, prefix)))
     return conj(parts)
 
 
@@ -452,8 +446,8 @@ def held_keys_match(m: Model, S: SState) -> Term:
         for i in m.M:
             held = conj([S["ntab", r] > i])
             for b in m.blocks:
-                cond = z3.And(held, S["tab", r, i] == b, S["hk", b])
-                parts.append(z3.Implies(cond, m.key_matches(S, b, r, i)))
+                cond = And(held, S["tab", r, i] == b, S["hk", b])
+                parts.append(Implies(cond, m.key_matches(S, b, r, i)))
     return conj(parts)
 
 
@@ -479,9 +473,7 @@ _DEFERRING = ("deferred", "hide-uncommitted")
     policies=_DEFERRING,
 )
 def pending_blocks_unpublished(m: Model, S: SState) -> Term:
-    return conj(
-        [z3.Implies(S["pa", b, k], z3.Not(S["hk", b])) for b in m.blocks for k in range(m.D)]
-    )
+    return conj([Implies(S["pa", b, k], Not(S["hk", b])) for b in m.blocks for k in range(m.D)])
 
 
 @lemma(
@@ -492,13 +484,15 @@ def pending_blocks_unpublished(m: Model, S: SState) -> Term:
 def written_blocks_unshared(m: Model, S: SState) -> Term:
     parts = []
     for k in range(m.D):
-        open_ = z3.And(S["nst"] > k, S["ph", k] != EXECUTED)
+        open_ = And(S["nst"] > k, S["ph", k] != EXECUTED)
         for r in m.R:
             first = m.floor_blocks(S["es", k, r])
             nblk = m.ceil_blocks(S["ee", k, r])
             for i in m.M:
                 writes = conj([open_, S["elive", k, r], first <= i, nblk > i])
-                parts.append(z3.Implies(writes, m.blk(S, "ref", S["eblk", k, r, i]) == 1))
+                parts.append(
+                    Implies(writes, m.at_block(S["eblk", k, r, i], lambda b: S["ref", b] == 1))
+                )
     return conj(parts)
 
 
@@ -512,10 +506,10 @@ def dead_writes_overwritten(m: Model, S: SState) -> Term:
     parts = []
     for b in m.blocks:
         for k in range(m.D):
-            live_writer = disj([z3.And(S["preq", b, k] == r, S["elive", k, r]) for r in m.R])
+            live_writer = disj([And(S["preq", b, k] == r, S["elive", k, r]) for r in m.R])
             newer = disj([S["pa", b, kk] for kk in range(k + 1, m.D)])
-            cond = conj([S["pa", b, k], z3.Not(live_writer), S["ref", b] >= 1])
-            parts.append(z3.Implies(cond, newer))
+            cond = conj([S["pa", b, k], Not(live_writer), S["ref", b] >= 1])
+            parts.append(Implies(cond, newer))
     return conj(parts)
 
 
@@ -533,7 +527,7 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     for k in range(m.D):
         for r in m.R:
             span = _fills(m, S, k, r, S["rlo", k, r], S["rhi", k, r])
-            parts.append(z3.Implies(S["ra", k, r], z3.And(S["elive", k, r], span)))
+            parts.append(Implies(S["ra", k, r], And(S["elive", k, r], span)))
     return conj(parts)
 
 
@@ -544,10 +538,7 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
 )
 def cached_tracks_computed(m: Model, S: SState) -> Term:
     return conj(
-        [
-            z3.Implies(S["st", r] == RUNNING, S["cach", r] == m.floor_blocks(S["comp", r]))
-            for r in m.R
-        ]
+        [Implies(S["st", r] == RUNNING, S["cach", r] == m.floor_blocks(S["comp", r])) for r in m.R]
     )
 
 
@@ -562,13 +553,15 @@ def building_writes_unshared_until_admission(m: Model, S: SState) -> Term:
         return z3.BoolVal(True)
     parts = []
     for k in range(m.D):
-        quiet = z3.And(m.building(S, k), z3.Not(S["adm", k]))
+        quiet = And(m.building(S, k), Not(S["adm", k]))
         for r in m.R:
             first = m.floor_blocks(S["es", k, r])
             nblk = m.ceil_blocks(S["ee", k, r])
             for i in m.M:
                 writes = conj([quiet, S["elive", k, r], first <= i, nblk > i])
-                parts.append(z3.Implies(writes, m.blk(S, "ref", S["eblk", k, r, i]) == 1))
+                parts.append(
+                    Implies(writes, m.at_block(S["eblk", k, r, i], lambda b: S["ref", b] == 1))
+                )
     return conj(parts)
 
 
@@ -592,9 +585,9 @@ def building_publications_recorded(m: Model, S: SState) -> Term:
                 lo, hi, on = S["rlo", k, r], S["rhi", k, r], S["ra", k, r]
             for i in m.M:
                 writes = conj([m.building(S, k), S["elive", k, r], first <= i, nblk > i])
-                published = m.blk(S, "hk", S["eblk", k, r, i])
+                published = m.at_block(S["eblk", k, r, i], lambda b: S["hk", b])
                 recorded = conj([on, lo <= i, hi > i])
-                parts.append(z3.Implies(z3.And(writes, published), recorded))
+                parts.append(Implies(And(writes, published), recorded))
     return conj(parts)
 
 
@@ -612,6 +605,6 @@ def single_record_is_newest_step(m: Model, S: SState) -> Term:
         for k in range(m.D):
             span = _fills(m, S, k, r, lo, hi)
             options.append(conj([S["nst"] == k + 1, S["elive", k, r], span]))
-        in_flight = z3.And(S["son", r], S["nst"] > 0)
-        parts.append(z3.Implies(in_flight, z3.And(S["st", r] == RUNNING, disj(options))))
+        in_flight = And(S["son", r], S["nst"] > 0)
+        parts.append(Implies(in_flight, And(S["st", r] == RUNNING, disj(options))))
     return conj(parts)

@@ -34,6 +34,7 @@ from kvspec.spec import Config, Illegal, apply, check, initial_state
 from . import induction
 from . import symbolic as sy
 from .enact import EnactError, enact
+from .parallel import Pool
 
 Event = tuple[object, ...]
 
@@ -374,27 +375,80 @@ class ProveOutcome:
     def seconds(self) -> float:
         return sum(r.seconds for r in (self.induction, self.bmc) if r is not None)
 
+    @property
+    def work_seconds(self) -> float:
+        """Time the workers spent on this cell: its obligations, and the bounded model
+        checking (in a multi-cell run, ``seconds`` includes waiting for other cells' jobs)."""
+        ind = self.induction.work_seconds if self.induction is not None else 0.0
+        return ind + (self.bmc.seconds if self.bmc is not None else 0.0)
+
 
 def prove_cell(
-    fragment: sy.Fragment, bound: int, timeout_s: float | None, method: str = "auto"
+    fragment: sy.Fragment,
+    bound: int,
+    timeout_s: float | None,
+    method: str = "auto",
+    workers: int | None = None,
 ) -> ProveOutcome:
     """Induction first (``auto``), then bounded model checking if the cell is not proved; a
     counterexample is confirmed by the executable spec (``bmc``) and enacted on the engine."""
-    ind = None
-    why = "induction not tried (--method bmc)"
-    if method == "auto":
-        ind = induction.prove_inductive(fragment, timeout_s)
-        if ind.verdict == "inductive":
-            return ProveOutcome("proved", ind, None, "")
-        why = induction.describe(ind)
-    result = bmc(fragment, bound, timeout_s)
-    outcome = ProveOutcome(result.verdict, ind, result, why)
-    if result.verdict == "counterexample":
-        assert result.invariant is not None
-        outcome.engine, outcome.engine_confirms = confirm_on_engine(
-            fragment, result.decisions, result.invariant
-        )
-    return outcome
+    return prove_cells([fragment], bound, timeout_s, method, workers)[0]
+
+
+def prove_cells(
+    fragments: list[sy.Fragment],
+    bound: int,
+    timeout_s: float | None,
+    method: str = "auto",
+    workers: int | None = None,
+) -> list[ProveOutcome]:
+    """``prove_cell`` for several cells on one pool of ``workers`` processes (default: the
+    cores available): every cell's obligations are queued in cell order, and a cell's bounded
+    model checking starts, ahead of the queue, as soon as one of its obligations fails. Each
+    cell's timeout counts from the start."""
+    inductions: list[induction.CellInduction] = []
+    bmcs: dict[int, BmcResult] = {}
+    with Pool(workers) as pool:
+
+        def start_bmc(n: int) -> None:
+            bmcs[n] = None  # type: ignore[assignment]
+            pool.submit(
+                ("bmc", n), bmc, fragments[n], bound, timeout_s, priority=(-1, n), fresh=True
+            )
+
+        if method == "auto":
+            for n, fragment in enumerate(fragments):
+                cell = induction.CellInduction(fragment, ("ind", n), timeout_s, pool.slots)
+                cell.submit(pool, rank=n)
+                inductions.append(cell)
+        else:
+            for n in range(len(fragments)):
+                start_bmc(n)
+        for key, value in pool.results():
+            if key[0] == "bmc":
+                bmcs[key[1]] = value
+                continue
+            n = key[0][1]
+            cell = inductions[n]
+            cell.take(pool, key, value)
+            if n not in bmcs and cell.failed():
+                start_bmc(n)
+    outcomes = []
+    for n, fragment in enumerate(fragments):
+        ind = inductions[n].result() if inductions else None
+        if ind is not None and ind.verdict == "inductive":
+            outcomes.append(ProveOutcome("proved", ind, None, ""))
+            continue
+        why = induction.describe(ind) if ind is not None else "induction not tried (--method bmc)"
+        result = bmcs[n]
+        outcome = ProveOutcome(result.verdict, ind, result, why)
+        if result.verdict == "counterexample":
+            assert result.invariant is not None
+            outcome.engine, outcome.engine_confirms = confirm_on_engine(
+                fragment, result.decisions, result.invariant
+            )
+        outcomes.append(outcome)
+    return outcomes
 
 
 def confirm_on_engine(

@@ -31,6 +31,7 @@ guard and successor; ``Model.invariants`` the invariants as predicates.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from typing import Any
 import z3
 
 from kvspec.spec.state import NULL_BLOCK, Config, State
+
+from .terms import And, If, Implies, Not, Or
 
 TWIN_OF = "kvspec.spec"
 """This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
@@ -48,6 +51,8 @@ SKey = Any
 """A state variable's key: a name (global) or a tuple such as ``("ref", b)``."""
 SState = dict[SKey, Term]
 Instance = tuple[Any, ...]
+Case = tuple[tuple[Any, Any], ...]
+"""Choices at named decision points of an instance (``Model.cases``): (point, choice) pairs."""
 Params = dict[str, Any]
 
 NONE, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
@@ -83,6 +88,14 @@ class Fragment:
             (1 <= self.requests <= 3, f"requests must be 1..3 here, got {self.requests}"),
             (2 <= self.max_len <= 8, f"tokens per request must be 2..8, got {self.max_len}"),
             (self.vocab >= 1 and self.priorities >= 1, "vocab and priorities must be >= 1"),
+            (
+                not c.async_scheduling,
+                "async scheduling is not modelled by the Z3 model (synchronous steps only)",
+            ),
+            (
+                c.stale_output == "drop",
+                f"stale_output {c.stale_output!r} is not modelled by the Z3 model (only 'drop')",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -117,7 +130,7 @@ def conj(parts: list[Term]) -> Term:
         return z3.BoolVal(False)
     if not parts:
         return z3.BoolVal(True)
-    return parts[0] if len(parts) == 1 else z3.And(*parts)
+    return parts[0] if len(parts) == 1 else And(*parts)
 
 
 def disj(parts: list[Term]) -> Term:
@@ -126,7 +139,7 @@ def disj(parts: list[Term]) -> Term:
         return z3.BoolVal(True)
     if not parts:
         return z3.BoolVal(False)
-    return parts[0] if len(parts) == 1 else z3.Or(*parts)
+    return parts[0] if len(parts) == 1 else Or(*parts)
 
 
 def total(parts: list[Term]) -> Term:
@@ -134,7 +147,7 @@ def total(parts: list[Term]) -> Term:
 
 
 def count(conds: list[Term]) -> Term:
-    return total([z3.If(c, 1, 0) for c in conds])
+    return total([If(c, 1, 0) for c in conds])
 
 
 def ite_state(cond: Term, then: SState, other: SState) -> SState:
@@ -142,16 +155,27 @@ def ite_state(cond: Term, then: SState, other: SState) -> SState:
     out = dict(other)
     for key, value in then.items():
         if value is not other[key]:
-            out[key] = z3.If(cond, value, other[key])
+            out[key] = If(cond, value, other[key])
     return out
 
 
+def _ids(terms: Any) -> tuple[int, ...]:
+    """Z3 term ids of a flat or nested list of terms."""
+    out: list[int] = []
+    for t in terms:
+        if isinstance(t, tuple):
+            out += [x.get_id() for x in t]
+        else:
+            out.append(t.get_id())
+    return tuple(out)
+
+
 def zmax(a: Term, b: Term) -> Term:
-    return z3.If(a >= b, a, b)
+    return If(a >= b, a, b)
 
 
 def zmin(a: Term, b: Term) -> Term:
-    return z3.If(a <= b, a, b)
+    return If(a <= b, a, b)
 
 
 class Model:
@@ -168,6 +192,9 @@ class Model:
         self.blocks = range(1, c.num_blocks)
         self.schema = self._schema()
         self.instances = self._instances()
+        self._case: dict[Any, Any] = {}
+        self._case_guards: list[Term] = []
+        self._terms: dict[Any, tuple[Term, Any]] = {}
 
     # -- state --------------------------------------------------------------------------------
 
@@ -240,7 +267,7 @@ class Model:
             return S["tok", req, j]
         out = S["tok", self.R[-1], j]
         for r in reversed(self.R[:-1]):
-            out = z3.If(req == r, S["tok", r, j], out)
+            out = If(req == r, S["tok", r, j], out)
         return out
 
     def blk(self, S: SState, name: str, block: Any) -> Term:
@@ -249,22 +276,65 @@ class Model:
             return S[name, block]
         out = S[name, self.blocks[-1]]
         for b in reversed(self.blocks[:-1]):
-            out = z3.If(block == b, S[name, b], out)
+            out = If(block == b, S[name, b], out)
+        return out
+
+    def at_req(self, req: Any, fn: Callable[[int], Term]) -> Term:
+        """``fn`` of the request ``req`` names (an int or a term): an ``If`` over the requests
+        with the last as the default, the same choice as ``tok``'s."""
+        if isinstance(req, int):
+            return fn(req)
+        if z3.is_int_value(req) and req.as_long() in self.R:
+            return fn(req.as_long())
+        out = fn(self.R[-1])
+        for r in reversed(self.R[:-1]):
+            out = If(req == r, fn(r), out)
+        return out
+
+    def at_block(self, block: Any, fn: Callable[[int], Term]) -> Term:
+        """``fn`` of the block ``block`` names (an int or a term): an ``If`` over the blocks
+        with the last as the default, the same choice as ``blk``'s and ``pick``'s."""
+        if isinstance(block, int):
+            return fn(block)
+        if z3.is_int_value(block) and block.as_long() in self.blocks:
+            return fn(block.as_long())
+        out = fn(self.blocks[-1])
+        for b in reversed(self.blocks[:-1]):
+            out = If(block == b, fn(b), out)
         return out
 
     def same_prefix(self, S: SState, req_a: Any, req_b: Any, length: Any) -> Term:
-        """Requests' tokens agree on their first ``length`` positions."""
-        if isinstance(req_a, int) and isinstance(req_b, int) and req_a == req_b:
+        """Requests' tokens agree on their first ``length`` positions. A request given as a
+        term is a case split over the requests (each case compares tokens directly)."""
+        if not isinstance(req_a, int) and not isinstance(req_b, int) and req_a.eq(req_b):
             return z3.BoolVal(True)
+        if not isinstance(req_a, int):
+            return self.at_req(req_a, lambda a: self.same_prefix(S, a, req_b, length))
+        if not isinstance(req_b, int):
+            return self.at_req(req_b, lambda b: self.same_prefix(S, req_a, b, length))
+        if req_a == req_b:
+            return z3.BoolVal(True)
+        toks = [(S["tok", req_a, j], S["tok", req_b, j]) for j in self.T]
+        key = ("prefix", _ids(toks), length if isinstance(length, int) else length.get_id())
+        return self._memo(key, (toks, length), lambda: self._same_prefix(toks, length))
+
+    def _same_prefix(self, toks: list[tuple[Term, Term]], length: Any) -> Term:
         parts = []
-        for j in self.T:
-            eq = self.tok(S, req_a, j) == self.tok(S, req_b, j)
+        for j, (a, b) in enumerate(toks):
             if isinstance(length, int):
                 if j < length:
-                    parts.append(eq)
+                    parts.append(a == b)
             else:
-                parts.append(z3.Implies(length > j, eq))
+                parts.append(Implies(length > j, a == b))
         return conj(parts)
+
+    def _memo(self, key: Any, keep: Any, build: Callable[[], Term]) -> Term:
+        """A term built once per key of Z3 term ids; ``keep`` holds the terms the ids are of
+        (so that no id is reused while the entry lives)."""
+        hit = self._terms.get(key)
+        if hit is None:
+            hit = self._terms[key] = (build(), keep)
+        return hit[0]
 
     def holds(self, S: SState, content: tuple[Term, Any, Any], prefix: tuple[Any, Any]) -> Term:
         """``pool.holds``: bytes holding ``content`` (valid, req, len) are valid for ``prefix``
@@ -273,15 +343,40 @@ class Model:
         preq, plen = prefix
         return conj([valid, clen >= plen, self.same_prefix(S, creq, preq, plen)])
 
+    def holds_eventually(
+        self, S: SState, block: Any, prefix: tuple[Any, Any], upto: int | None = None
+    ) -> Term:
+        """``holds(eventual(block, upto), prefix)`` for a block given as an int or a term, as a
+        case split: over the blocks, then over the pending writes (the newest one wins)."""
+
+        slots = range(self.D if upto is None else upto + 1)
+        toks = [S["tok", r, j] for r in self.R for j in self.T]
+
+        def at(b: int) -> Term:
+            written = (S["wv", b], S["wreq", b], S["wlen", b])
+            pending = [(S["pa", b, k], S["preq", b, k], S["pl", b, k]) for k in slots]
+            terms = [*written, *(t for p in pending for t in p), *toks]
+            terms += [t for t in prefix if not isinstance(t, int)]
+            key = ("holds", _ids(terms), tuple(t for t in prefix if isinstance(t, int)))
+            return self._memo(key, terms, lambda: built(written, pending))
+
+        def built(written: tuple[Term, Term, Term], pending: list[tuple[Term, ...]]) -> Term:
+            out = self.holds(S, written, prefix)
+            for a, req, length in pending:
+                out = If(a, self.holds(S, (z3.BoolVal(True), req, length), prefix), out)
+            return out
+
+        return self.at_block(block, at)
+
     def eventual(self, S: SState, b: int, upto: int | None = None) -> tuple[Term, Term, Term]:
         """``pool.eventual_content`` for block b: written, then pending writes of step slots
         0 .. upto in order (all slots if None); the last one wins."""
         valid, req, length = S["wv", b], S["wreq", b], S["wlen", b]
         for k in range(self.D if upto is None else upto + 1):
             a = S["pa", b, k]
-            valid = z3.Or(a, valid)
-            req = z3.If(a, S["preq", b, k], req)
-            length = z3.If(a, S["pl", b, k], length)
+            valid = Or(a, valid)
+            req = If(a, S["preq", b, k], req)
+            length = If(a, S["pl", b, k], length)
         return valid, req, length
 
     def eventual_of(self, S: SState, block: Any) -> tuple[Term, Term, Term]:
@@ -297,9 +392,9 @@ class Model:
         for b in reversed(self.blocks[:-1]):
             c = block == b
             out = (
-                z3.If(c, per_block[b][0], out[0]),
-                z3.If(c, per_block[b][1], out[1]),
-                z3.If(c, per_block[b][2], out[2]),
+                If(c, per_block[b][0], out[0]),
+                If(c, per_block[b][1], out[1]),
+                If(c, per_block[b][2], out[2]),
             )
         return out
 
@@ -330,13 +425,9 @@ class Model:
             for b in reversed(self.blocks):
                 oldest = conj(
                     [match[b]]
-                    + [
-                        z3.Implies(match[o], S["pub", b] < S["pub", o])
-                        for o in self.blocks
-                        if o != b
-                    ]
+                    + [Implies(match[o], S["pub", b] < S["pub", o]) for o in self.blocks if o != b]
                 )
-                chosen = z3.If(oldest, b, chosen)
+                chosen = If(oldest, b, chosen)
             hit.append(still)
             block.append(chosen)
         return hit, block, count(hit)
@@ -349,30 +440,76 @@ class Model:
         return conj([S["nst"] == k + 1, S["ph", k] == BUILDING])
 
     def no_building(self, S: SState) -> Term:
-        return conj([z3.Implies(S["nst"] > k, S["ph", k] != BUILDING) for k in range(self.D)])
+        return conj([Implies(S["nst"] > k, S["ph", k] != BUILDING) for k in range(self.D)])
 
     def rank_lt(self, S: SState, a: int, b: int) -> Term:
         """(priority, arrival) of a is smaller than b's; arrival is the request id."""
-        return z3.Or(
-            S["prio", a] < S["prio", b], z3.And(S["prio", a] == S["prio", b], z3.BoolVal(a < b))
-        )
+        return Or(S["prio", a] < S["prio", b], And(S["prio", a] == S["prio", b], z3.BoolVal(a < b)))
 
     def entry_rank(self, S: SState, k: int, r: int) -> Term:
-        """Position of request r's entry in step slot k's scheduling order."""
+        """Position of request r's entry in step slot k's scheduling order (ties, which no
+        reachable state has, broken by request id, so positions are always distinct)."""
         return count(
-            [z3.And(S["ea", k, o], S["eo", k, o] < S["eo", k, r]) for o in self.R if o != r]
+            [
+                And(S["ea", k, o], S["eo", k, o] <= S["eo", k, r])
+                if o < r
+                else And(S["ea", k, o], S["eo", k, o] < S["eo", k, r])
+                for o in self.R
+                if o != r
+            ]
         )
 
     def in_order(
         self, S: SState, k: int, which: Callable[[int], Term], body: Callable[[SState, int], SState]
     ) -> SState:
-        """Run ``body`` for each request r with ``which(r)`` in slot k's scheduling order."""
+        """Run ``body`` for each request r with ``which(r)`` in slot k's scheduling order: at
+        position p, the one request whose entry is p-th (positions are distinct). Under a case
+        that fixes slot k's order (``cases``), the bodies run one after the other in it."""
+        order = self._case.get(("order", k))
+        if order is not None:
+            return self._in_fixed_order(S, k, order, which, body)
         ranks = {r: self.entry_rank(S, k, r) for r in self.R}
         pre = S
         for p in self.R:
-            for r in self.R:
-                S = ite_state(z3.And(pre["ea", k, r], which(r), ranks[r] == p), body(S, r), S)
+            at = S
+            for r in reversed(self.R):
+                S = ite_state(And(pre["ea", k, r], which(r), ranks[r] == p), body(at, r), S)
         return S
+
+    def _in_fixed_order(
+        self,
+        S: SState,
+        k: int,
+        order: tuple[int, ...],
+        which: Callable[[int], Term],
+        body: Callable[[SState, int], SState],
+    ) -> SState:
+        """``in_order`` for the states whose slot-k entries are scheduled in ``order`` (the
+        case's condition joins the guard: ``precedes`` for every pair of entries)."""
+        pre = S
+        for i, a in enumerate(order):
+            for b in order[i + 1 :]:
+                both = And(pre["ea", k, a], pre["ea", k, b])
+                self._case_guards.append(Implies(both, self.precedes(pre, k, a, b)))
+        for r in order:
+            S = ite_state(And(pre["ea", k, r], which(r)), body(S, r), S)
+        return S
+
+    def precedes(self, S: SState, k: int, a: int, b: int) -> Term:
+        """a's entry comes before b's in slot k's order (``entry_rank``'s tie-break)."""
+        if a < b:
+            return S["eo", k, a] <= S["eo", k, b]
+        return S["eo", k, a] < S["eo", k, b]
+
+    def cases(self, inst: Instance) -> list[Case]:
+        """A split of the instance into cases whose guards cover its guard, for the proofs:
+        execute and commit run their step's entries in its scheduling order, which a case fixes
+        (one case per permutation of the requests), so that a case's successor has no branch on
+        the order. (Splitting commit further, on which requests finish, was measured slower.)"""
+        if inst[0] in ("execute", "commit"):
+            k = inst[1] if inst[0] == "execute" else 0
+            return [((("order", k), o),) for o in itertools.permutations(self.R)]
+        return [()]
 
     # -- pool mechanisms ----------------------------------------------------------------------
 
@@ -380,29 +517,37 @@ class Model:
         """``policies.register``: publish table indices cached .. upto - 1 in order."""
         cached = S["cach", r]
         for i in self.M:
-            cond = z3.And(cached <= i, upto > i)
+            cond = And(cached <= i, upto > i)
             before = S
             S = dict(S)
             block = before["tab", r, i]
             any_new = []
             for b in self.blocks:
-                go = z3.And(cond, block == b, z3.Not(before["hk", b]))
+                go = And(cond, block == b, Not(before["hk", b]))
                 any_new.append(go)
-                S["hk", b] = z3.Or(before["hk", b], go)
-                S["kreq", b] = z3.If(go, r, before["kreq", b])
-                S["klen", b] = z3.If(go, (i + 1) * self.B, before["klen", b])
-                S["pub", b] = z3.If(go, before["pubc"], before["pub", b])
-            S["pubc"] = z3.If(disj(any_new), before["pubc"] + 1, before["pubc"])
+                S["hk", b] = Or(before["hk", b], go)
+                S["kreq", b] = If(go, r, before["kreq", b])
+                S["klen", b] = If(go, (i + 1) * self.B, before["klen", b])
+                S["pub", b] = If(go, before["pubc"], before["pub", b])
+            S["pubc"] = If(disj(any_new), before["pubc"] + 1, before["pubc"])
         S["cach", r] = zmax(cached, upto)
         return S
 
     def count_if_lost(
-        self, S: SState, block: Term, key: tuple[Any, Any], cond: Term, own: int
+        self,
+        S: SState,
+        block: Term,
+        key: Callable[[int], tuple[Any, Any]],
+        cond: Callable[[int], Term],
+        own: int,
     ) -> Term:
-        """1 when ``pool.count_if_lost`` counts a lost hit, else 0."""
-        refs = self.blk(S, "ref", block)
-        ok = z3.And(cond, refs - own == 0, self.holds(S, self.eventual_of(S, block), key))
-        return z3.If(ok, 1, 0)
+        """1 when ``pool.count_if_lost`` counts a lost hit, else 0; ``key`` and ``cond`` are of
+        the block (a case split over the blocks)."""
+
+        def lost(b: int) -> Term:
+            return And(cond(b), S["ref", b] - own == 0, self.holds_eventually(S, b, key(b)))
+
+        return If(self.at_block(block, lost), 1, 0)
 
     def free_table(self, S: SState, r: int) -> SState:
         """``pool.free_table``: reverse table order; unhashed to the head, cached to the tail."""
@@ -413,18 +558,18 @@ class Model:
             to_head, to_tail = [], []
             lo, hi = S["qlo"], S["qhi"]
             for b in self.blocks:
-                hit = z3.And(active, block == b)
-                ref = z3.If(hit, S["ref", b] - 1, S["ref", b])
-                zero = z3.And(hit, ref == 0)
-                head = z3.And(zero, z3.Not(S["hk", b]))
-                tail = z3.And(zero, S["hk", b])
+                hit = And(active, block == b)
+                ref = If(hit, S["ref", b] - 1, S["ref", b])
+                zero = And(hit, ref == 0)
+                head = And(zero, Not(S["hk", b]))
+                tail = And(zero, S["hk", b])
                 to_head.append(head)
                 to_tail.append(tail)
                 S["ref", b] = ref
-                S["qpos", b] = z3.If(head, lo - 1, z3.If(tail, hi + 1, S["qpos", b]))
-                S["inq", b] = z3.Or(S["inq", b], zero)
-            S["qlo"] = z3.If(disj(to_head), lo - 1, lo)
-            S["qhi"] = z3.If(disj(to_tail), hi + 1, hi)
+                S["qpos", b] = If(head, lo - 1, If(tail, hi + 1, S["qpos", b]))
+                S["inq", b] = Or(S["inq", b], zero)
+            S["qlo"] = If(disj(to_head), lo - 1, lo)
+            S["qhi"] = If(disj(to_tail), hi + 1, hi)
         for m in self.M:
             S["tab", r, m] = z3.IntVal(0)
         S["ntab", r] = S["comp", r] = S["cach", r] = z3.IntVal(0)
@@ -437,25 +582,25 @@ class Model:
         pol = self.config.policy
         if k is not None:
             was = S["ea", k, r]
-            S["bud", k] = z3.If(was, S["bud", k] - (S["ee", k, r] - S["es", k, r]), S["bud", k])
+            S["bud", k] = If(was, S["bud", k] - (S["ee", k, r] - S["es", k, r]), S["bud", k])
             nblk = self.ceil_blocks(S["ee", k, r])
             for b in self.blocks:
-                listed = disj([z3.And(nblk > m, S["eblk", k, r, m] == b) for m in self.M])
-                drop = z3.And(was, listed, S["pa", b, k], S["preq", b, k] == r)
-                S["pa", b, k] = z3.And(S["pa", b, k], z3.Not(drop))
+                listed = disj([And(nblk > m, S["eblk", k, r, m] == b) for m in self.M])
+                drop = And(was, listed, S["pa", b, k], S["preq", b, k] == r)
+                S["pa", b, k] = And(S["pa", b, k], Not(drop))
             S["ea", k, r] = z3.BoolVal(False)
         for kk in range(self.D):
             S["elive", kk, r] = z3.BoolVal(False)
         # on_remove: which table indices the policy tracks for r
         tracked: list[Term] = []
         if pol == "eager-rollback-single":
-            tracked = [z3.And(S["son", r], S["slo", r] <= m, S["shi", r] > m) for m in self.M]
+            tracked = [And(S["son", r], S["slo", r] <= m, S["shi", r] > m) for m in self.M]
             S["son", r] = z3.BoolVal(False)
         elif pol in ("eager-rollback-fifo", "hide-uncommitted"):
             tracked = [
                 disj(
                     [
-                        z3.And(
+                        And(
                             S["nst"] > kk, S["ra", kk, r], S["rlo", kk, r] <= m, S["rhi", kk, r] > m
                         )
                         for kk in range(self.D)
@@ -470,17 +615,31 @@ class Model:
             for m in self.M:
                 block = S["tab", r, m]
                 if pol == "hide-uncommitted":
-                    key = (r, (m + 1) * self.B)
-                    lost.append(self.count_if_lost(S, block, key, tracked[m], own=1))
+                    own_key = (r, (m + 1) * self.B)
+                    live = tracked[m]
+
+                    def own_block_key(b: int, key: tuple[Any, Any] = own_key) -> tuple[Any, Any]:
+                        return key
+
+                    def kept(b: int, live: Term = live) -> Term:
+                        return live
+
+                    lost.append(self.count_if_lost(S, block, own_block_key, kept, own=1))
                 else:
-                    key = (self.blk(S, "kreq", block), self.blk(S, "klen", block))
-                    has = z3.And(tracked[m], self.blk(S, "hk", block))
-                    lost.append(self.count_if_lost(S, block, key, has, own=1))
+                    live = tracked[m]
+
+                    def hashed(b: int) -> tuple[Any, Any]:
+                        return (S["kreq", b], S["klen", b])
+
+                    def kept_hashed(b: int, live: Term = live) -> Term:
+                        return And(live, S["hk", b])
+
+                    lost.append(self.count_if_lost(S, block, hashed, kept_hashed, own=1))
             S["lost"] = S["lost"] + total(lost)
             if pol != "hide-uncommitted":
                 for b in self.blocks:
-                    dropped = disj([z3.And(tracked[m], S["tab", r, m] == b) for m in self.M])
-                    S["hk", b] = z3.And(S["hk", b], z3.Not(dropped))
+                    dropped = disj([And(tracked[m], S["tab", r, m] == b) for m in self.M])
+                    S["hk", b] = And(S["hk", b], Not(dropped))
         return self.free_table(S, r)
 
     # -- actions ------------------------------------------------------------------------------
@@ -520,11 +679,16 @@ class Model:
             }
         return {}
 
-    def apply(self, inst: Instance, S: SState, p: Params) -> tuple[Term, SState]:
-        """The instance's guard and successor state."""
+    def apply(self, inst: Instance, S: SState, p: Params, case: Case = ()) -> tuple[Term, SState]:
+        """The instance's guard and successor state; under a case (``cases``), the guard
+        includes the case's condition."""
         guards: list[Term] = []
         handler = getattr(self, "_" + inst[0])
-        succ = handler(S, guards, p, *inst[1:])
+        self._case, self._case_guards = dict(case), guards
+        try:
+            succ = handler(S, guards, p, *inst[1:])
+        finally:
+            self._case, self._case_guards = {}, []
         return conj(guards), succ
 
     def _arrive(self, S: SState, g: list[Term], p: Params, r: int) -> SState:
@@ -533,7 +697,7 @@ class Model:
         g.append(p["plen"] + p["maxt"] <= len(self.T))  # fragment: at most T tokens
         S = dict(S)
         for j in self.T:
-            S["tok", r, j] = z3.If(p["plen"] > j, p["ptok"][j], 0)
+            S["tok", r, j] = If(p["plen"] > j, p["ptok"][j], 0)
         S["len", r] = S["plen", r] = p["plen"]
         S["maxt", r], S["prio", r] = p["maxt"], p["prio"]
         S["st", r] = z3.IntVal(WAITING)
@@ -564,59 +728,60 @@ class Model:
         vllm = c.discipline == "vllm"
         waiting = S["st", r] == WAITING
         g += [self.building(S, k), S["st", r] != NONE, S["st", r] != FINISHED]
-        g += [z3.Not(S["ea", k, r]), n > 0, S["bud", k] + n <= c.token_budget]
+        g += [Not(S["ea", k, r]), n > 0, S["bud", k] + n <= c.token_budget]
         # admission branch
         hit, hblock, nh = self.lookup(S, r)
         running = count([S["st", o] == RUNNING for o in self.R])
         adm = [running < c.max_running]
         if vllm:
-            adm += [z3.Not(S["pre", k]), self.is_waiting_head(S, r)]
+            adm += [Not(S["pre", k]), self.is_waiting_head(S, r)]
         held_free = count(
-            [z3.And(hit[i], self.blk(S, "ref", hblock[i]) == 0) for i in range(len(hit))]
+            [
+                And(hit[i], self.at_block(hblock[i], lambda b: S["ref", b] == 0))
+                for i in range(len(hit))
+            ]
         )
         end_w = nh * B + n
         adm.append(self.ceil_blocks(end_w) - nh <= self.free_count(S) - held_free)
         W = dict(S)
         for b in self.blocks:
-            touched = disj([z3.And(hit[i], hblock[i] == b) for i in range(len(hit))])
-            W["ref", b] = z3.If(touched, S["ref", b] + 1, S["ref", b])
-            W["inq", b] = z3.And(S["inq", b], z3.Not(touched))
+            touched = disj([And(hit[i], hblock[i] == b) for i in range(len(hit))])
+            W["ref", b] = If(touched, S["ref", b] + 1, S["ref", b])
+            W["inq", b] = And(S["inq", b], Not(touched))
         for i in range(len(hit)):
-            W["tab", r, i] = z3.If(hit[i], hblock[i], S["tab", r, i])
+            W["tab", r, i] = If(hit[i], hblock[i], S["tab", r, i])
         W["ntab", r] = W["cach", r] = nh
         W["st", r] = z3.IntVal(RUNNING)
         W["rpos", r] = S["rhi"] + 1
         W["rhi"] = S["rhi"] + 1
         W["adm", k] = z3.BoolVal(True)
         # running branch
-        run = [z3.Not(S["adm", k])] if vllm else []
+        run = [Not(S["adm", k])] if vllm else []
         end_r = S["comp", r] + n
         run.append(self.ceil_blocks(end_r) - S["ntab", r] <= self.free_count(S))
-        g.append(z3.If(waiting, conj(adm), conj(run)))
-        start = z3.If(waiting, nh * B, S["comp", r])
-        end = z3.If(waiting, end_w, end_r)
+        g.append(If(waiting, conj(adm), conj(run)))
+        start = If(waiting, nh * B, S["comp", r])
+        end = If(waiting, end_w, end_r)
         g.append(end <= S["len", r])
         S = ite_state(waiting, W, S)
         # allocate: the free queue's head, need times
         ntab = S["ntab", r]
         need = self.ceil_blocks(end) - ntab
         rank = {
-            b: count(
-                [z3.And(S["inq", o], S["qpos", o] < S["qpos", b]) for o in self.blocks if o != b]
-            )
+            b: count([And(S["inq", o], S["qpos", o] < S["qpos", b]) for o in self.blocks if o != b])
             for b in self.blocks
         }
         A = dict(S)
         for b in self.blocks:
-            taken = z3.And(S["inq", b], rank[b] < need)
-            A["ref", b] = z3.If(taken, 1, S["ref", b])
-            A["inq", b] = z3.And(S["inq", b], z3.Not(taken))
-            A["hk", b] = z3.And(S["hk", b], z3.Not(taken))  # evict
+            taken = And(S["inq", b], rank[b] < need)
+            A["ref", b] = If(taken, 1, S["ref", b])
+            A["inq", b] = And(S["inq", b], Not(taken))
+            A["hk", b] = And(S["hk", b], Not(taken))  # evict
         for m in self.M:
             chosen: Term = S["tab", r, m]
             for b in self.blocks:
-                fresh = z3.And(S["inq", b], rank[b] == m - ntab, ntab <= m, m < ntab + need)
-                chosen = z3.If(fresh, b, chosen)
+                fresh = And(S["inq", b], rank[b] == m - ntab, ntab <= m, m < ntab + need)
+                chosen = If(fresh, b, chosen)
             A["tab", r, m] = chosen
         A["ntab", r] = ntab + need
         S = A
@@ -624,10 +789,10 @@ class Model:
         first = self.floor_blocks(start)
         for b in self.blocks:
             for m in self.M:
-                w = z3.And(first <= m, S["ntab", r] > m, S["tab", r, m] == b)
-                S["pa", b, k] = z3.Or(S["pa", b, k], w)
-                S["preq", b, k] = z3.If(w, r, S["preq", b, k])
-                S["pl", b, k] = z3.If(w, zmin(end, (m + 1) * B), S["pl", b, k])
+                w = And(first <= m, S["ntab", r] > m, S["tab", r, m] == b)
+                S["pa", b, k] = Or(S["pa", b, k], w)
+                S["preq", b, k] = If(w, r, S["preq", b, k])
+                S["pl", b, k] = If(w, zmin(end, (m + 1) * B), S["pl", b, k])
         S["comp", r] = end
         S["ea", k, r] = S["elive", k, r] = z3.BoolVal(True)
         S["es", k, r], S["ee", k, r] = start, end
@@ -645,14 +810,12 @@ class Model:
         if pol in ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo"):
             S = self.register(S, r, upto)
         if pol == "eager-rollback-single":
-            S["slo", r] = z3.If(S["son", r], S["slo", r], cached)
-            S["shi", r] = z3.If(upto > cached, upto, z3.If(S["son", r], S["shi", r], cached))
+            S["slo", r] = If(S["son", r], S["slo", r], cached)
+            S["shi", r] = If(upto > cached, upto, If(S["son", r], S["shi", r], cached))
             S["son", r] = z3.BoolVal(True)
         elif pol in ("eager-rollback-fifo", "hide-uncommitted"):
-            S["rlo", k, r] = z3.If(S["ra", k, r], S["rlo", k, r], cached)
-            S["rhi", k, r] = z3.If(
-                upto > cached, upto, z3.If(S["ra", k, r], S["rhi", k, r], cached)
-            )
+            S["rlo", k, r] = If(S["ra", k, r], S["rlo", k, r], cached)
+            S["rhi", k, r] = If(upto > cached, upto, If(S["ra", k, r], S["rhi", k, r], cached))
             S["ra", k, r] = z3.BoolVal(True)
             if pol == "hide-uncommitted":
                 S["cach", r] = zmax(cached, upto)
@@ -668,22 +831,20 @@ class Model:
                 better = self.rank_lt(S, r, o)
             else:
                 better = S["wpos", r] < S["wpos", o]
-            parts.append(z3.Implies(S["st", o] == WAITING, better))
+            parts.append(Implies(S["st", o] == WAITING, better))
         return conj(parts)
 
     def _preempt(self, S: SState, g: list[Term], p: Params, r: int, k: int) -> SState:
         c = self.config
         g += [self.building(S, k), S["st", r] == RUNNING]
         if c.discipline == "vllm":
-            g.append(z3.Not(S["adm", k]))
+            g.append(Not(S["adm", k]))
             others = [o for o in self.R if o != r]
             if c.preemption == "fcfs":
-                g.append(z3.Not(S["ea", k, r]))
-                g += [
-                    z3.Implies(S["st", o] == RUNNING, S["rpos", o] < S["rpos", r]) for o in others
-                ]
+                g.append(Not(S["ea", k, r]))
+                g += [Implies(S["st", o] == RUNNING, S["rpos", o] < S["rpos", r]) for o in others]
             else:
-                g += [z3.Implies(S["st", o] == RUNNING, self.rank_lt(S, o, r)) for o in others]
+                g += [Implies(S["st", o] == RUNNING, self.rank_lt(S, o, r)) for o in others]
         S = dict(S)
         S["pre", k] = z3.BoolVal(True)
         S = self.leave(S, r, k)
@@ -711,16 +872,14 @@ class Model:
                 first = self.floor_blocks(pre["es", k, r])
                 nblk = self.ceil_blocks(pre["ee", k, r])
                 listed = disj(
-                    [z3.And(first <= m, nblk > m, pre["eblk", k, r, m] == b) for m in self.M]
+                    [And(first <= m, nblk > m, pre["eblk", k, r, m] == b) for m in self.M]
                 )
-                mine.append(
-                    z3.And(pre["ea", k, r], listed, pre["pa", b, k], pre["preq", b, k] == r)
-                )
+                mine.append(And(pre["ea", k, r], listed, pre["pa", b, k], pre["preq", b, k] == r))
             w = disj(mine)
-            S["wv", b] = z3.Or(pre["wv", b], w)
-            S["wreq", b] = z3.If(w, pre["preq", b, k], pre["wreq", b])
-            S["wlen", b] = z3.If(w, pre["pl", b, k], pre["wlen", b])
-            S["pa", b, k] = z3.And(pre["pa", b, k], z3.Not(w))
+            S["wv", b] = Or(pre["wv", b], w)
+            S["wreq", b] = If(w, pre["preq", b, k], pre["wreq", b])
+            S["wlen", b] = If(w, pre["pl", b, k], pre["wlen", b])
+            S["pa", b, k] = And(pre["pa", b, k], Not(w))
 
         # reads, entry by entry in scheduling order; a bad read garbles what the entry wrote
         def read(S: SState, r: int) -> SState:
@@ -729,19 +888,19 @@ class Model:
             bad = []
             for m in self.M:
                 block = S["eblk", k, r, m]
-                written = (
-                    self.blk(S, "wv", block),
-                    self.blk(S, "wreq", block),
-                    self.blk(S, "wlen", block),
-                )
                 prefix = (r, zmin(S["ee", k, r], (m + 1) * B))
-                bad.append(z3.And(nblk > m, z3.Not(self.holds(S, written, prefix))))
+
+                def holds_prefix(b: int, p: tuple[Any, Any] = prefix) -> Term:
+                    return self.holds(S, (S["wv", b], S["wreq", b], S["wlen", b]), p)
+
+                held = self.at_block(block, holds_prefix)
+                bad.append(And(nblk > m, Not(held)))
             isbad = disj(bad)
             S = dict(S)
-            S["bad"] = z3.Or(S["bad"], z3.And(isbad, S["elive", k, r]))
+            S["bad"] = Or(S["bad"], And(isbad, S["elive", k, r]))
             for b in self.blocks:
-                mine = disj([z3.And(first <= m, nblk > m, S["eblk", k, r, m] == b) for m in self.M])
-                S["wv", b] = z3.And(S["wv", b], z3.Not(z3.And(isbad, mine)))
+                mine = disj([And(first <= m, nblk > m, S["eblk", k, r, m] == b) for m in self.M])
+                S["wv", b] = And(S["wv", b], Not(And(isbad, mine)))
             return S
 
         S = self.in_order(S, k, lambda r: z3.BoolVal(True), read)
@@ -752,7 +911,7 @@ class Model:
         c = self.config
         pol = c.policy
         g += [S["nst"] >= 1, self.no_building(S), S["ph", 0] == EXECUTED, S["sid", 0] == p["sid"]]
-        expected = {r: z3.And(S["ea", 0, r], S["esam", 0, r], S["elive", 0, r]) for r in self.R}
+        expected = {r: And(S["ea", 0, r], S["esam", 0, r], S["elive", 0, r]) for r in self.R}
         g += [p["has"][r] == expected[r] for r in self.R]
         S = dict(S)
         if pol == "eager-rollback-fifo":  # on_confirmed
@@ -765,17 +924,17 @@ class Model:
                 for i in self.M:
                     before = S
                     S = dict(S)
-                    cond = z3.And(lo <= i, hi > i)
+                    cond = And(lo <= i, hi > i)
                     block = before["tab", r, i]
                     news = []
                     for b in self.blocks:
-                        go = z3.And(cond, block == b, z3.Not(before["hk", b]))
+                        go = And(cond, block == b, Not(before["hk", b]))
                         news.append(go)
-                        S["hk", b] = z3.Or(before["hk", b], go)
-                        S["kreq", b] = z3.If(go, r, before["kreq", b])
-                        S["klen", b] = z3.If(go, (i + 1) * self.B, before["klen", b])
-                        S["pub", b] = z3.If(go, before["pubc"], before["pub", b])
-                    S["pubc"] = z3.If(disj(news), before["pubc"] + 1, before["pubc"])
+                        S["hk", b] = Or(before["hk", b], go)
+                        S["kreq", b] = If(go, r, before["kreq", b])
+                        S["klen", b] = If(go, (i + 1) * self.B, before["klen", b])
+                        S["pub", b] = If(go, before["pubc"], before["pub", b])
+                    S["pubc"] = If(disj(news), before["pubc"] + 1, before["pubc"])
                 return S
 
             S = self.in_order(S, 0, lambda r: S["ra", 0, r], reveal)
@@ -795,11 +954,11 @@ class Model:
             tok = p["smp"][r]
             length = S["len", r]
             for j in self.T:
-                S["tok", r, j] = z3.If(length == j, tok, S["tok", r, j])
+                S["tok", r, j] = If(length == j, tok, S["tok", r, j])
             S["len", r] = length + 1
             done = length + 1 - S["plen", r] >= S["maxt", r]
             if stop is not None:
-                done = z3.Or(done, tok == stop)
+                done = Or(done, tok == stop)
             F = self.free_table(S, r)
             F["st", r] = z3.IntVal(FINISHED)
             return ite_state(done, F, S)
@@ -862,7 +1021,6 @@ def reads_hold(m: Model, S: SState, live_only: bool = True) -> list[Term]:
     writes of that step and older ones have run; only live entries' reads if ``live_only``."""
     parts = []
     for k in range(m.D):
-        ev = {b: m.eventual(S, b, upto=k) for b in m.blocks}
         for r in m.R:
             started = S["es", k, r]
             reads = m.ceil_blocks(started)  # indices 0 .. ceil(start / B) - 1 are read
@@ -870,21 +1028,20 @@ def reads_hold(m: Model, S: SState, live_only: bool = True) -> list[Term]:
             if live_only:
                 active.append(S["elive", k, r])
             for i in m.M:
-                content = m.pick(S["eblk", k, r, i], ev)
                 prefix = (r, zmin(started, (i + 1) * m.B))
-                held = m.holds(S, content, prefix)
-                parts.append(z3.Implies(z3.And(conj(active), reads > i), held))
+                held = m.holds_eventually(S, S["eblk", k, r, i], prefix, upto=k)
+                parts.append(Implies(And(conj(active), reads > i), held))
     return parts
 
 
 def z_no_unwritten_read(m: Model, S: SState) -> Term:
-    return conj([z3.Not(S["bad"]), *reads_hold(m, S)])
+    return conj([Not(S["bad"]), *reads_hold(m, S)])
 
 
 def z_no_unwritten_publish(m: Model, S: SState) -> Term:
     return conj(
         [
-            z3.Implies(S["hk", b], m.holds(S, m.eventual(S, b), (S["kreq", b], S["klen", b])))
+            Implies(S["hk", b], m.holds_eventually(S, b, (S["kreq", b], S["klen", b])))
             for b in m.blocks
         ]
     )
@@ -896,10 +1053,10 @@ def z_refcount_is_ownership(m: Model, S: SState) -> Term:
         for i in m.M:
             for j in m.M:
                 if i < j:
-                    both = z3.And(S["ntab", r] > j)
-                    parts.append(z3.Implies(both, S["tab", r, i] != S["tab", r, j]))
+                    both = And(S["ntab", r] > j)
+                    parts.append(Implies(both, S["tab", r, i] != S["tab", r, j]))
     for b in m.blocks:
-        owners = count([z3.And(S["ntab", r] > i, S["tab", r, i] == b) for r in m.R for i in m.M])
+        owners = count([And(S["ntab", r] > i, S["tab", r, i] == b) for r in m.R for i in m.M])
         parts.append(S["ref", b] == owners)
     return conj(parts)
 
@@ -919,15 +1076,15 @@ def z_shared_implies_same_prefix(m: Model, S: SState) -> Term:
                         [S["ntab", r] > i, S["ntab", o] > j, S["tab", r, i] == S["tab", o, j]]
                     )
                     if i != j:
-                        parts.append(z3.Not(shared))
+                        parts.append(Not(shared))
                         continue
-                    full = z3.And(S["comp", r] >= (i + 1) * B, S["comp", o] >= (j + 1) * B)
+                    full = And(S["comp", r] >= (i + 1) * B, S["comp", o] >= (j + 1) * B)
                     # keys: tokens 0 .. (i+1)B - 1 of both, and both requests hold that many
                     keys = conj(
                         [S["len", r] >= (i + 1) * B, S["len", o] >= (i + 1) * B]
                         + [m.same_prefix(S, r, o, (i + 1) * B)]
                     )
-                    parts.append(z3.Implies(shared, z3.And(full, keys)))
+                    parts.append(Implies(shared, And(full, keys)))
     return conj(parts)
 
 
@@ -936,9 +1093,7 @@ def z_free_queue_exact(m: Model, S: SState) -> Term:
     for b in m.blocks:
         for o in m.blocks:
             if o > b:
-                parts.append(
-                    z3.Implies(z3.And(S["inq", b], S["inq", o]), S["qpos", b] != S["qpos", o])
-                )
+                parts.append(Implies(And(S["inq", b], S["inq", o]), S["qpos", b] != S["qpos", o]))
     return conj(parts)
 
 
@@ -948,17 +1103,15 @@ def z_hash_index_consistent(m: Model, S: SState) -> Term:
     publication times) and that every key names a whole number of blocks."""
     parts = []
     for b in m.blocks:
-        parts.append(z3.Implies(S["hk", b], z3.And(S["klen", b] >= m.B, S["klen", b] <= len(m.T))))
+        parts.append(Implies(S["hk", b], And(S["klen", b] >= m.B, S["klen", b] <= len(m.T))))
         for o in m.blocks:
             if o > b:
-                parts.append(z3.Implies(z3.And(S["hk", b], S["hk", o]), S["pub", b] != S["pub", o]))
+                parts.append(Implies(And(S["hk", b], S["hk", o]), S["pub", b] != S["pub", o]))
     return conj(parts)
 
 
 def z_null_block_pinned(m: Model, S: SState) -> Term:
-    return conj(
-        [z3.Implies(S["ntab", r] > i, S["tab", r, i] != NULL_BLOCK) for r in m.R for i in m.M]
-    )
+    return conj([Implies(S["ntab", r] > i, S["tab", r, i] != NULL_BLOCK) for r in m.R for i in m.M])
 
 
 def z_table_matches_computed(m: Model, S: SState) -> Term:
@@ -966,10 +1119,10 @@ def z_table_matches_computed(m: Model, S: SState) -> Term:
     for r in m.R:
         running = S["st", r] == RUNNING
         parts.append(
-            z3.If(
+            If(
                 running,
                 S["ntab", r] == m.ceil_blocks(S["comp", r]),
-                z3.And(S["ntab", r] == 0, S["comp", r] == 0),
+                And(S["ntab", r] == 0, S["comp", r] == 0),
             )
         )
     return conj(parts)
@@ -979,15 +1132,15 @@ def z_steps_in_order(m: Model, S: SState) -> Term:
     parts = [S["nst"] <= m.D]
     for k in range(m.D):
         for kk in range(k + 1, m.D):
-            parts.append(z3.Implies(S["nst"] > kk, S["ph", k] != BUILDING))
-            later_done = z3.And(S["nst"] > kk, S["ph", kk] == EXECUTED)
-            parts.append(z3.Implies(later_done, S["ph", k] == EXECUTED))
+            parts.append(Implies(S["nst"] > kk, S["ph", k] != BUILDING))
+            later_done = And(S["nst"] > kk, S["ph", kk] == EXECUTED)
+            parts.append(Implies(later_done, S["ph", k] == EXECUTED))
     return conj(parts)
 
 
 def z_no_leak_at_quiescence(m: Model, S: SState) -> Term:
-    idle = conj([S["nst"] == 0] + [z3.Or(S["st", r] == NONE, S["st", r] == FINISHED) for r in m.R])
-    return z3.Implies(idle, conj([S["inq", b] for b in m.blocks]))
+    idle = conj([S["nst"] == 0] + [Or(S["st", r] == NONE, S["st", r] == FINISHED) for r in m.R])
+    return Implies(idle, conj([S["inq", b] for b in m.blocks]))
 
 
 Z3_INVARIANTS: dict[str, Callable[[Model, SState], Term]] = {
@@ -1173,7 +1326,7 @@ def _same_range(S: SState, v: dict[SKey, int | bool], lo: SKey, hi: SKey) -> Ter
     """Index ranges [lo, hi) are the same set."""
     if v[hi] <= v[lo]:
         return S[hi] <= S[lo]
-    return z3.And(S[lo] == v[lo], S[hi] == v[hi])
+    return And(S[lo] == v[lo], S[hi] == v[hi])
 
 
 def instances_for(model: Model, decision: tuple[Any, ...]) -> tuple[list[Instance], Params]:

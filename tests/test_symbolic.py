@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import os
 import random
 from dataclasses import dataclass, field
@@ -350,3 +351,14 @@ def test_run_prove_exit_codes(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     assert "PROVED (deferred, vllm/fcfs): INDUCTIVE" in capsys.readouterr().out
     assert prove.run_prove("deferred", **small, method="nope") == 2  # type: ignore[arg-type]
     assert prove.run_prove("deferred", requests=3, depth=3, bound=12, timeout_s=0.5) == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("async_scheduling", True), ("stale_output", "deliver")]
+)
+def test_the_z3_model_refuses_async_configs(name: str, value: object) -> None:
+    """The Z3 model is of synchronous steps that drop stale output: a config it does not model
+    is refused up front, never proved."""
+    config = prove.make_fragment("deferred", "vllm", "fcfs", 4, 2, 2, 1, 3).config
+    with pytest.raises(ValueError, match="not modelled by the Z3 model"):
+        sy.Fragment(dataclasses.replace(config, **{name: value}), requests=2, max_len=3)
