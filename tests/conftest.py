@@ -1,4 +1,4 @@
-"""Shared pytest setup: Hypothesis profiles.
+"""Shared pytest setup: Hypothesis profiles, and the fuzzer's counterexample of the seed bug.
 
 Pick one with the HYPOTHESIS_PROFILE environment variable (default: ``dev``):
 
@@ -7,8 +7,15 @@ Pick one with the HYPOTHESIS_PROFILE environment variable (default: ``dev``):
 * ``fuzz`` -- long runs to hunt for bugs (100k examples per test).
 """
 
+import json
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
+from filelock import FileLock
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", deadline=None)
@@ -24,3 +31,36 @@ settings.register_profile(
 settings.register_profile("fuzz", max_examples=100_000, deadline=None)
 
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@dataclass(frozen=True)
+class SeedBugRun:
+    """``kvspec fuzz --policy eager-unsafe --preemption priority --seed 1 --out PATH``, as the
+    command line runs it, in its own process."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    path: Path
+
+
+@pytest.fixture(scope="session")
+def seed_bug_run(tmp_path_factory: pytest.TempPathFactory) -> SeedBugRun:
+    """The fuzzer's counterexample of the seed bug, found once per test session and shared by the
+    tests that read it (and by pytest-xdist's workers, through a file lock): the search is seeded,
+    so it finds the bug at the same example on any machine, and its budget only bounds a run that
+    would fail."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's
+    path, record = root / "seed-bug.jsonl", root / "seed-bug.json"
+    with FileLock(str(root / "seed-bug.lock")):
+        if not record.exists():
+            argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seed", "1"]
+            done = subprocess.run(
+                [sys.executable, "-m", "kvspec", *argv, "--seconds", "600", "--out", str(path)],
+                capture_output=True,
+                text=True,
+            )
+            record.write_text(json.dumps([done.returncode, done.stdout, done.stderr]))
+    returncode, stdout, stderr = json.loads(record.read_text())
+    return SeedBugRun(returncode, stdout, stderr, path)

@@ -92,13 +92,11 @@ def test_fuzz_async_of_a_safe_policy_exits_0(capsys) -> None:
     assert "no counterexample" in out and "async, stale output delivered" in out
 
 
-def test_fuzz_finds_the_seed_bug_and_writes_its_events(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "cex.jsonl"
-    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seed", "1"]
-    assert (
-        main(argv + ["--seconds", "600", "--out", str(out)]) == 1
-    )  # seeded: 600 s only bounds a failing run
-    text = capsys.readouterr().out
+def test_fuzz_finds_the_seed_bug_and_writes_its_events(seed_bug_run) -> None:  # type: ignore[no-untyped-def]
+    """``kvspec fuzz --policy eager-unsafe --preemption priority --seed 1 --out F`` (run once
+    per session: ``conftest.seed_bug_run``): exit 1, the shrunk program printed, F re-judged."""
+    assert seed_bug_run.returncode == 1, seed_bug_run.stderr
+    text, out = seed_bug_run.stdout, seed_bug_run.path
     assert "violated: NoUnwritten" in text and "  1. " in text
     config, events = read_events(out)
     judge = Judge.spec(config)

@@ -31,7 +31,10 @@ def test_a_router_is_told_of_a_zombie_block() -> None:
 def test_a_lost_removal_is_caught_against_the_engines_cache() -> None:
     r = run_cell("deferred", "vllm", "fcfs", 1, seconds=120, factory=rs.dropping_factory)
     assert r.failure is not None and r.failure.finding.invariant == "ViewEqualsCache"
-    assert "no longer holds" in r.failure.finding.message
+    message = r.failure.finding.message  # the view keeps what the engine dropped: a hash it no
+    assert (
+        "no longer holds" in message or "the engine holds" in message
+    )  # longer holds, or more copies
 
 
 def test_a_safe_policy_streams_what_it_caches(tmp_path: Path) -> None:

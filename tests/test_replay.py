@@ -5,8 +5,6 @@ scenario from the reference engine), holding traces within tolerance, and ``kvsp
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -207,19 +205,13 @@ def test_consumer_zombie_from_the_reference_engine() -> None:
     assert all(b.zombie for b in m.blocks) and m.blocks
 
 
-def test_fuzzed_counterexample_replays_as_the_spec_reads_it(tmp_path: Path, capsys) -> None:
+def test_fuzzed_counterexample_replays_as_the_spec_reads_it(seed_bug_run, capsys) -> None:  # type: ignore[no-untyped-def]
     """``kvspec fuzz --out`` then ``kvspec replay``. The fuzzer stops at the first broken
     invariant: for eager-unsafe under priority preemption that is NoUnwrittenPublish, and in
     the shrunk run the zombie is evicted and rewritten before anyone reads it. The replay
     agrees with the spec: a wrong number exactly when the spec has a bad read. (The fuzzer
-    runs as the command line does, in its own process, outside this test's Hypothesis profile.)"""
-    out = tmp_path / "cex.jsonl"
-    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seed", "1"]
-    done = subprocess.run(
-        [sys.executable, "-m", "kvspec", *argv, "--seconds", "600", "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    runs as the command line does, in its own process: ``conftest.seed_bug_run``.)"""
+    done, out = seed_bug_run, seed_bug_run.path
     assert done.returncode == 1 and "violated: NoUnwritten" in done.stdout, done.stderr
     config, events = read_events(out)
     code = main(["replay", str(out)])

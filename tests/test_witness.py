@@ -68,14 +68,14 @@ def test_check_witness_writes_the_extended_trace(
 
 
 def test_the_fuzzers_counterexample_of_the_seed_bug_replays_to_a_mismatch(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    seed_bug_run,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture,
 ) -> None:
-    """The issue's case: fuzz --policy eager-unsafe --preemption priority --out F; replay F."""
-    out = tmp_path / "F.jsonl"
-    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seed", "0"]
-    assert main(argv + ["--seconds", "120", "--out", str(out)]) == 1
-    assert "witness: r" in capsys.readouterr().out
-    assert main(["replay", str(out), "--backend", "torch"]) == 1
+    """The issue's case: fuzz --policy eager-unsafe --preemption priority --out F; replay F
+    (the fuzzer's run is shared with other tests: ``conftest.seed_bug_run``)."""
+    assert seed_bug_run.returncode == 1, seed_bug_run.stderr
+    assert "witness: r" in seed_bug_run.stdout
+    assert main(["replay", str(seed_bug_run.path), "--backend", "torch"]) == 1
     assert "is a zombie" in capsys.readouterr().out
 
 
