@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="look only for violations of this invariant (repeatable; default: all)",
     )
     fuzz.add_argument(
+        "--no-shrink",
+        dest="shrink",
+        action="store_false",
+        help="report the first counterexample as found, unshrunk (faster, longer)",
+    )
+    fuzz.add_argument(
         "--db",
         metavar="DIR",
         help="a Hypothesis example database here: failing examples are saved and tried "
@@ -471,7 +477,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         if args.target:  # imported as python -m would: the current folder first
             load_factory(args.target, from_cwd=True)
         result, judging = flow.fuzz(
-            cell, args.seconds, args.seed, args.invariant, args.target, database
+            cell, args.seconds, args.seed, args.invariant, args.target, database, args.shrink
         )
     timing = ", async" if args.async_scheduling else ""
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""

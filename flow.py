@@ -68,11 +68,13 @@ def fuzz(
     invariants: Collection[str] | None = None,
     target: str | None = None,
     database: ExampleDatabase | None = None,
+    shrink: bool = True,
 ) -> tuple[CellResult, str]:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
     result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
-    ``database``: Hypothesis's example database (``fuzz.run_cell``)."""
+    ``database``: Hypothesis's example database; ``shrink=False`` reports the first
+    counterexample as found (``fuzz.run_cell``)."""
     from kvspec.conformance.adapter import load_factory, probe, reference
     from kvspec.conformance.fuzz import DataChoices, run_cell
 
@@ -105,6 +107,7 @@ def fuzz(
         async_scheduling=cell.async_scheduling,
         stale_output=cell.stale_output,
         database=database,
+        shrink=shrink,
     )
     return result, judging
 

@@ -335,8 +335,10 @@ def run_cell(
     async_scheduling: bool | None = False,
     stale_output: str | None = "drop",
     database: ExampleDatabase | None = None,
+    shrink: bool = True,
 ) -> CellResult:
-    """Fuzz one cell until a counterexample is found (and shrunk) or ``seconds`` run out.
+    """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
+    or ``seconds`` run out.
 
     Runs batches of ``chunk`` examples, each batch seeded ``seed_value + batch``, so a run is
     reproducible from its seed (``database``: Hypothesis's example database, whose saved
@@ -361,9 +363,9 @@ def run_cell(
         deadline=None,
         database=database,
         verbosity=Verbosity.quiet,
-        phases=(Phase.generate, Phase.shrink)
-        if database is None
-        else (Phase.reuse, Phase.generate, Phase.shrink),
+        phases=((Phase.reuse,) if database is not None else ())
+        + (Phase.generate,)
+        + ((Phase.shrink,) if shrink else ()),
         suppress_health_check=list(HealthCheck),
         report_multiple_bugs=False,
     )
