@@ -283,3 +283,38 @@ def watch(
     elif code:
         out(report.text())
     return code
+
+
+class Loopback:
+    """An engine's own publisher and a ``Subscriber`` on it in this process: what an adapter
+    publishes comes back as a router would receive it (``adapters/*/kv_stream.py`` build the
+    publisher, bound to ports the system picks, and say where it listens)."""
+
+    RECEIVE_TIMEOUT = 10.0
+    """Seconds to wait for a published batch to come back before giving it up."""
+
+    def __init__(self, publisher: Any, endpoint: str, replay: str, topic: str) -> None:
+        self.publisher = publisher
+        self.endpoint, self.replay = endpoint, replay
+        self.subscriber = Subscriber(endpoint, replay, topic, replay_timeout=1.0)
+        self.published = 0
+        """Batches handed to the publisher: the sequence number of the next one."""
+        self.received: dict[int, bytes] = {}
+
+    def publish(self, batch: Any) -> int:
+        seq = self.published
+        self.published += 1
+        self.publisher.publish(batch)
+        return seq
+
+    def receive(self, upto: int) -> list[tuple[int, bytes]]:
+        """The frames from the oldest not yet taken to ``upto``, in order (fewer if the publisher
+        and its replay socket lost some: the stream's judge sees the gap)."""
+        deadline = time.monotonic() + self.RECEIVE_TIMEOUT
+        while upto not in self.received and time.monotonic() < deadline:
+            for seq, payload in self.subscriber.poll(0.05):
+                self.received[seq] = payload
+        ready = sorted((seq, p) for seq, p in self.received.items() if seq <= upto)
+        for seq, _ in ready:
+            del self.received[seq]
+        return ready

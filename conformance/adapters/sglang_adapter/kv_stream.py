@@ -33,48 +33,31 @@ from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from kvspec.conformance.judge.findings import Finding
 from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
-from kvspec.conformance.kvevents.watch import Subscriber
+from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
 
 TOPIC = "kvspec"
-RECEIVE_TIMEOUT = 10.0
 
 
 def enabled() -> bool:
     return os.environ.get("KVSPEC_SGLANG_KV_STREAM", "1") != "0"
 
 
-class Loopback:
+class Loopback(SharedLoopback):
     """SGLang's ``ZmqEventPublisher`` and a subscriber on it, one pair per process."""
 
     def __init__(self) -> None:
-        self.publisher = ZmqEventPublisher(
+        publisher = ZmqEventPublisher(
             0,
             endpoint="tcp://127.0.0.1:*",
             replay_endpoint="tcp://127.0.0.1:*",
             topic=TOPIC,
             bind=True,
         )
-        self.endpoint = self.publisher._local_pub_endpoint
-        self.replay = self.publisher._local_replay_endpoint
-        self.subscriber = Subscriber(self.endpoint, self.replay, TOPIC, replay_timeout=1.0)
-        self.published = 0
-        self.received: dict[int, bytes] = {}
+        endpoint, replay = publisher._local_pub_endpoint, publisher._local_replay_endpoint
+        super().__init__(publisher, endpoint, replay, TOPIC)
 
-    def publish(self, events: list[Any]) -> int:
-        seq = self.published
-        self.published += 1
-        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
-        return seq
-
-    def receive(self, upto: int) -> list[tuple[int, bytes]]:
-        deadline = time.monotonic() + RECEIVE_TIMEOUT
-        while upto not in self.received and time.monotonic() < deadline:
-            for seq, payload in self.subscriber.poll(0.05):
-                self.received[seq] = payload
-        ready = sorted((seq, p) for seq, p in self.received.items() if seq <= upto)
-        for seq, _ in ready:
-            del self.received[seq]
-        return ready
+    def publish(self, events: list[Any]) -> int:  # type: ignore[override]
+        return super().publish(KVEventBatch(ts=time.time(), events=events))
 
 
 _loopback: Loopback | None = None

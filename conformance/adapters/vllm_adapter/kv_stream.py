@@ -29,56 +29,28 @@ from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_conv
 
 from kvspec.conformance.judge.findings import Finding
 from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
-from kvspec.conformance.kvevents.watch import Subscriber
+from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
 
 TOPIC = "kvspec"
-RECEIVE_TIMEOUT = 10.0
-"""Seconds to wait for a published batch to come back over loopback before giving it up."""
 
 
 def enabled() -> bool:
     return os.environ.get("KVSPEC_VLLM_KV_STREAM", "1") != "0"
 
 
-class Loopback:
+class Loopback(SharedLoopback):
     """vLLM's ``ZmqEventPublisher`` and a subscriber on it, one pair per process."""
 
     def __init__(self) -> None:
         import zmq
 
-        self.publisher = ZmqEventPublisher(
-            0,
-            endpoint="tcp://127.0.0.1:*",
-            replay_endpoint="tcp://127.0.0.1:*",
-            topic=TOPIC,
+        publisher = ZmqEventPublisher(
+            0, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic=TOPIC
         )
         # ``tcp://127.0.0.1:*`` binds a port the system picks; the sockets say which.
-        self.endpoint = self.publisher._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay = self.publisher._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.subscriber = Subscriber(self.endpoint, self.replay, TOPIC, replay_timeout=1.0)
-        self.published = 0
-        """Batches handed to the publisher: the sequence number of the next one."""
-        self.received: dict[int, bytes] = {}
-
-    def publish(self, batch: Any) -> int:
-        seq = self.published
-        self.published += 1
-        self.publisher.publish(batch)
-        return seq
-
-    def receive(self, upto: int) -> list[tuple[int, bytes]]:
-        """The frames from the oldest not yet taken to ``upto``, in order (fewer if the publisher
-        and its replay socket lost some: the stream's judge sees the gap)."""
-        import time
-
-        deadline = time.monotonic() + RECEIVE_TIMEOUT
-        while upto not in self.received and time.monotonic() < deadline:
-            for seq, payload in self.subscriber.poll(0.05):
-                self.received[seq] = payload
-        ready = sorted((seq, p) for seq, p in self.received.items() if seq <= upto)
-        for seq, _ in ready:
-            del self.received[seq]
-        return ready
+        endpoint = publisher._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        replay = publisher._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        super().__init__(publisher, endpoint, replay, TOPIC)
 
     def close(self) -> None:
         self.subscriber.close()
