@@ -438,12 +438,17 @@ def _hypothesis_home() -> Iterator[None]:
 
     from kvspec.crash import cache_dir
 
-    previous = configuration.storage_directory()
+    # Older Hypothesis returns a Path, newer a StorageDirectory whose home is the folder itself.
+    try:
+        previous = configuration.storage_directory(intent_to_write=False)
+    except TypeError:
+        previous = configuration.storage_directory()
+    home = getattr(previous, "home_directory", previous)
     configuration.set_hypothesis_home_dir(str(cache_dir() / "hypothesis"))
     try:
         yield
     finally:
-        configuration.set_hypothesis_home_dir(str(previous))
+        configuration.set_hypothesis_home_dir(str(home))
 
 
 @_command

@@ -109,6 +109,28 @@ def test_fuzz_of_a_safe_policy_exits_0(capsys) -> None:
     assert "no counterexample" in capsys.readouterr().out
 
 
+def test_fuzz_writes_hypothesis_files_under_the_cache_and_restores_its_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing lands in the current folder (a stringified ``StorageDirectory`` once made a folder
+    named ``<hypothesis.configuration.StorageDirectory object at 0x...>`` there)."""
+    from hypothesis import configuration
+
+    def home() -> Path:
+        where = configuration.storage_directory()
+        return Path(getattr(where, "home_directory", where))
+
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("KVSPEC_CACHE_DIR", str(cache))
+    before = home()
+    assert main(["fuzz", "--policy", "deferred", "--seconds", "1"]) == 0
+    assert "no counterexample" in capsys.readouterr().out
+    assert sorted(p.name for p in work.iterdir()) == []
+    assert home() == before
+
+
 def test_read_events_names_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
