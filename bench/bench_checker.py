@@ -201,6 +201,8 @@ CHECK_CHILD = """
 import json, sys, time
 from pathlib import Path
 path, folder = Path(sys.argv[1]), Path(sys.argv[2])
+if len(sys.argv) > 3:  # mypy reads the package from sys.prefix/mypy-path (this tree's, not the venv's)
+    sys.prefix = sys.argv[3]
 try:  # this layout: the judge's hot path compiled as a group
     from kvspec.conformance.judge import fastbuild
     from kvspec.conformance.check import check_file as check
@@ -229,12 +231,14 @@ def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
     folder); its ``took`` is the child's own timing of the check, start-up excluded."""
     link = Path(tempfile.mkdtemp(prefix="kvspec-tree-"))
     (link / "kvspec").symlink_to(tree)
+    (link / "mypy-path").mkdir()
+    (link / "mypy-path" / "kvspec").symlink_to(tree)
     folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
-    env = {**os.environ, "PYTHONPATH": str(link)}
+    env = {**os.environ, "PYTHONPATH": str(link), "MYPYPATH": str(link / "mypy-path")}
 
     def run(path: Path, sample_size: int) -> int:
         done = subprocess.run(
-            [sys.executable, "-c", CHECK_CHILD, str(path), str(folder)],
+            [sys.executable, "-c", CHECK_CHILD, str(path), str(folder), str(link)],
             capture_output=True,
             text=True,
             env=env,
@@ -247,6 +251,21 @@ def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
         return got["events"]
 
     return run
+
+
+ASYNC_DEFAULTS = {"async_scheduling": False, "stale_output": "drop"}
+"""Header fields a trace of a synchronous engine may leave out (the format's defaults)."""
+
+
+def older_header(raw: bytes) -> bytes:
+    """The sample's header without the async fields at their defaults, so that a baseline from
+    before async scheduling (which refuses fields it does not know) reads the same file."""
+    header = orjson.loads(raw)
+    model = header.get("model", {})
+    for name, default in ASYNC_DEFAULTS.items():
+        if name in model and model[name] == default:
+            del model[name]
+    return orjson.dumps(header) + b"\n"
 
 
 def baseline(ref: str, sample: Path) -> Callable[[Path, int], int]:
@@ -398,6 +417,11 @@ def main() -> None:
     )
     parser.add_argument("--monitor-only", action="store_true", help="only part 4 (no trace needed)")
     parser.add_argument("--baseline", metavar="REF", help="also kvspec check of git revision REF")
+    parser.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="with --baseline: only kvspec check (fast, compiled) of this tree and of REF",
+    )
     args = parser.parse_args()
     if args.monitor_only:
         monitor_overhead(args.requests, args.rounds, args.step_ms)
@@ -431,7 +455,8 @@ def main() -> None:
 
     sample = path.with_name(path.stem + f"-first{args.sample}.jsonl")
     with open(path, "rb") as src, open(sample, "wb") as out:
-        out.writelines(itertools.islice(src, args.sample + 1))  # the header and the events
+        out.write(older_header(next(src)))
+        out.writelines(itertools.islice(src, args.sample))  # the events
         for raw in src:  # up to the next decision: no effect cut from its decision
             if orjson.loads(raw)["ev"] in ACTIONS:
                 break
@@ -451,6 +476,10 @@ def main() -> None:
         ("fast model only, compiled", model_only(compiled, read, config)),
         ("fast model only, source module", model_only(core, read, config)),
     ] + [(f"spec engine, invariants every {k} decisions", checked(k)) for k in args.every]
+    if args.compare_only:
+        if not args.baseline:
+            raise SystemExit("--compare-only needs --baseline REF")
+        modes = [modes[4]]
     if args.baseline:
         modes += [
             ("kvspec check fast, this tree, fresh process", worker(ROOT, sample)),
@@ -471,6 +500,11 @@ def main() -> None:
         runs = ", ".join(f"{r:,.0f}" for r in rates[label])
         print(f"  {label:45s} {statistics.median(rates[label]):>10,.0f}   [{runs}]")
     median = {label: statistics.median(rates[label]) for label in rates}
+    if args.compare_only:
+        this, then = (median[label] for label, _ in modes[-2:])
+        print(f"  {'this tree / ' + args.baseline:45s} {this / then:10.2f} x")
+        sample.unlink()
+        return
     fast, source, spec = (
         median[f"kvspec check --engine {e}"]
         for e in ("fast, compiled", "fast, source module", "spec")

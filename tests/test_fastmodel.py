@@ -38,7 +38,7 @@ from kvspec.cli import main
 from kvspec.conformance.background import BackgroundMonitor, JudgeDied
 from kvspec.conformance.check import check_file
 from kvspec.conformance.judge import UnknownId, core, fastbuild, handover
-from kvspec.conformance.judge.fastmodel import FastModel
+from kvspec.conformance.judge.fastmodel import FastModel, spec_placeholder
 from kvspec.conformance.judge.handover import FastPathDisagrees
 from kvspec.conformance.monitor import Monitor, Violation
 from kvspec.conformance.report import Report
@@ -104,6 +104,11 @@ def lockstep(
             assert mine == want, event
             for a, b in zip(mine.steps, want.steps, strict=True):
                 assert list(a.entries) == list(b.entries)  # scheduling order
+            for rid, req in fast.model.requests.items() if config.async_scheduling else ():
+                # placeholders, kept incrementally (the synchronous fast model keeps none)
+                spec_req = want.requests[rid]
+                ahead = want.ahead(spec_req)[len(spec_req.tokens) :]
+                assert [spec_placeholder(x) for x in req.ahead] == ahead, (event, rid)
         try:
             got = spec.feed(event)
         except UnknownId as err:
@@ -626,3 +631,22 @@ def test_the_fast_reader_accepts_exactly_what_parse_line_accepts(raw: bytes) -> 
     except Error:
         return
     assert got == want
+
+
+@given(step=st.integers(0, 2**40), rid=st.integers(0, 2**40))
+def test_a_placeholder_is_a_negative_int_that_maps_back(step: int, rid: int) -> None:
+    """The fast model's placeholders are negative ints (token ids are >= 0): one per
+    ``spec.Placeholder``, and back."""
+    from kvspec.conformance.judge.fastmodel import placeholder
+    from kvspec.spec import Placeholder
+
+    code = placeholder(step, rid)
+    assert code < 0 and spec_placeholder(code) == Placeholder(step, rid)
+    assert placeholder(step + 1, rid) != code != placeholder(step, rid + 1)
+
+
+def test_the_fast_model_refuses_negative_token_ids() -> None:
+    """They would read as placeholders; the trace format has none (its readers refuse them)."""
+    model = FastModel(Config(8, 4))
+    with pytest.raises(ValueError, match="token ids must be >= 0"):
+        model.arrive(0, (1, -2), 1, 0)

@@ -34,6 +34,7 @@ picture are the spec judge's, which the trace is handed over to from a checkpoin
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
 from typing import cast
@@ -46,10 +47,11 @@ TWIN_OF = "kvspec.spec"
 """This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
 
 Event = tuple[object, ...]
-FastContent = "int | tuple[int, tuple[object, ...]] | None"
+FastContent = "int | tuple[int, tuple[int, ...]] | None"
 """A prefix or a block's content: a full block's interned chain id, or (parent id, tokens) for
 a partial block, or, under async scheduling, (parent id, tail) with the tail from the first block
-that holds a placeholder; None for garbage."""
+that holds a placeholder; None for garbage. A placeholder is a negative int (``placeholder``):
+token ids are >= 0, so tails stay tuples of ints and compare in C."""
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
 STATUS = ("waiting", "running", "finished")
@@ -61,6 +63,21 @@ OUTPUT = EAGER + ("hide-uncommitted",)
 """Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
 ROOT = 0
 """The id of the empty prefix."""
+
+
+def placeholder(step: int, rid: int) -> int:
+    """``spec.Placeholder(step, rid)`` as a negative int: -1 minus the Cantor pairing of the two
+    (one-to-one, no bound on either, and never a token id, which is >= 0)."""
+    w = step + rid
+    return -1 - (w * (w + 1) // 2 + rid)
+
+
+def spec_placeholder(code: int) -> Placeholder:
+    """The inverse of ``placeholder``."""
+    k = -1 - code
+    w = (math.isqrt(8 * k + 1) - 1) // 2
+    rid = k - w * (w + 1) // 2
+    return Placeholder(w - rid, rid)
 
 
 class Req:
@@ -78,6 +95,7 @@ class Req:
         "loading",
         "chain",
         "verified",
+        "ahead",
     )
 
     def __init__(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
@@ -97,12 +115,18 @@ class Req:
         self.verified = 0
         """Table positions below this were read valid as full blocks with no pending write, and
         their content has not changed since (reset when the table is freed)."""
+        self.ahead: list[int] = []
+        """Async scheduling: the placeholders of the steps in flight that sample for the request
+        and whose sample will be used, oldest first (``spec.State.ahead`` past the known tokens),
+        kept as entries are scheduled, withdrawn, committed and discarded."""
 
 
 class Ent:
-    __slots__ = ("start", "end", "blocks", "load", "samples")
+    __slots__ = ("start", "end", "blocks", "load", "samples", "ph")
 
-    def __init__(self, start: int, end: int, blocks: tuple[int, ...], load: bool, samples: bool):
+    def __init__(
+        self, start: int, end: int, blocks: tuple[int, ...], load: bool, samples: bool, ph: int
+    ):
         self.start, self.end, self.blocks, self.load, self.samples = (
             start,
             end,
@@ -110,6 +134,8 @@ class Ent:
             load,
             samples,
         )
+        self.ph = ph
+        """The placeholder of the token this entry samples (``placeholder``); 0 if none."""
 
 
 class Stp:
@@ -179,10 +205,9 @@ class FastModel:
         """The effects of the decision being applied, in order."""
         self.held: Collection[Hashable] = ()
         """Prefix ids the judge holds (its hash-chain tables): never collected."""
-        self.placeholders: dict[int, dict[int, set[int]]] = {}
-        """Async scheduling: step -> request -> the blocks whose content (written or pending)
-        holds the placeholder of the token that step samples for that request; resolved or
-        dropped when the step commits."""
+        self.placeholders: dict[int, set[int]] = {}
+        """Async scheduling: placeholder -> the blocks whose content (written or pending) holds
+        it; resolved or dropped when the step that samples it commits."""
         # what the current decision changed
         self.changed: set[int] = set()
         """Blocks whose content (written or pending) changed, by a write of the building step (or
@@ -302,29 +327,19 @@ class FastModel:
         bsz, known = self.bsz, len(req.tokens)
         if length > known:
             q = known // bsz
-            tail = (*req.tokens[q * bsz :], *self._ahead(req))
+            tail = (*req.tokens[q * bsz :], *req.ahead)
             return (self._chain(req, q - 1) if q else ROOT, tuple(tail[: length - q * bsz]))
         i = (length - 1) // bsz
         if length == (i + 1) * bsz:
             return self._chain(req, i)
         return (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
 
-    def _ahead(self, req: Req) -> list[Placeholder]:
-        """The request's placeholders: one per step in flight that samples for it and whose
-        sample will be used, oldest first (``spec.State.ahead`` past the known tokens)."""
-        rid = req.id
-        return [
-            Placeholder(st.id, rid)
-            for st in self.steps
-            if rid in st.live and rid in st.entries and st.entries[rid].samples
-        ]
-
-    def _canonical(self, parent: int, tail: tuple[object, ...]) -> object:
+    def _canonical(self, parent: int, tail: tuple[int, ...]) -> object:
         """A content ``(parent, tail)`` after a placeholder in its tail was resolved: its leading
         full blocks without placeholders interned into the parent chain."""
         bsz = self.bsz
-        while len(tail) >= bsz and not any(isinstance(x, Placeholder) for x in tail[:bsz]):
-            block = cast("tuple[int, ...]", tail[:bsz])
+        while len(tail) >= bsz and min(tail[:bsz]) >= 0:
+            block = tail[:bsz]
             k = (parent, block)
             cid = self.intern.get(k)
             if cid is None:
@@ -335,34 +350,50 @@ class FastModel:
             parent, tail = cid, tail[bsz:]
         return (parent, tail) if tail else parent
 
-    def _resolve(self, step: int, sampled: dict[int, int]) -> None:
+    def _resolve(self, step: Stp, sampled: dict[int, int]) -> None:
         """The step committed: its placeholders of the requests sampled become their tokens in
         every content that holds them; the others (discarded samples) stay garbage."""
-        pending, written = self.pending, self.written
-        for rid, blocks in self.placeholders.pop(step, {}).items():
-            token = sampled.get(rid)
-            if token is None:
+        pending, written, placeholders = self.pending, self.written, self.placeholders
+        for rid, e in step.entries.items():
+            ph = e.ph
+            if not ph:
                 continue
-            ph = Placeholder(step, rid)
-            for block in blocks:
-                written[block] = self._substitute(written[block], ph, token)
-                pending[block] = [
-                    (s, r, self._substitute(c, ph, token), load) for s, r, c, load in pending[block]
-                ]
-                self._content_changed(block)
+            blocks = placeholders.pop(ph, None)
+            token = sampled.get(rid)
+            if blocks is None or token is None:
+                continue
+            substitute = self._substitute
+            for block in blocks:  # some may no longer hold it (withdrawn, overwritten)
+                content = written[block]
+                resolved = substitute(content, ph, token)
+                changed = resolved is not content
+                written[block] = resolved
+                writes = pending[block]
+                for j, (s, r, c, load) in enumerate(writes):
+                    resolved = substitute(c, ph, token)
+                    if resolved is not c:
+                        writes[j] = (s, r, resolved, load)
+                        changed = True
+                if changed:
+                    self._content_changed(block)
 
-    def _substitute(self, content: object, ph: Placeholder, token: int) -> object:
+    def _substitute(self, content: object, ph: int, token: int) -> object:
         if not isinstance(content, tuple) or ph not in content[1]:
             return content
-        parent, tail = cast("tuple[int, tuple[object, ...]]", content)
+        parent, tail = cast("tuple[int, tuple[int, ...]]", content)
         return self._canonical(parent, tuple(token if x == ph else x for x in tail))
 
-    def _track(self, block: int, content: object) -> None:
-        """A write of ``content`` is pending on ``block``: note the placeholders it holds."""
-        if isinstance(content, tuple):
-            for x in content[1]:
-                if isinstance(x, Placeholder):
-                    self.placeholders.setdefault(x.step, {}).setdefault(x.req, set()).add(block)
+    def _track(self, block: int, ahead: list[int], count: int) -> None:
+        """A write pending on ``block`` holds the first ``count`` placeholders of ``ahead`` (the
+        positions past the known tokens): note them."""
+        placeholders = self.placeholders
+        for j in range(count):
+            ph = ahead[j]
+            blocks = placeholders.get(ph)
+            if blocks is None:
+                placeholders[ph] = {block}
+            else:
+                blocks.add(block)
 
     def _holds(self, content: object, prefix: object) -> bool:
         """``spec.pool.holds``: bytes holding ``content`` are valid for a reader of ``prefix``."""
@@ -387,8 +418,13 @@ class FastModel:
         return cast("tuple[int, tuple[object, ...]]", content)
 
     def tokens_of(self, content: object) -> tuple[object, ...] | None:
-        """A content (or None) as the spec's token tuple."""
-        return None if content is None else self._tokens(content)
+        """A content (or None) as the spec's token tuple (placeholders as ``spec.Placeholder``)."""
+        if content is None:
+            return None
+        return tuple(
+            spec_placeholder(x) if x < 0 else x
+            for x in cast("tuple[int, ...]", self._tokens(content))
+        )
 
     def _tokens(self, content: object) -> tuple[object, ...]:
         parent, tail = self._split(content)
@@ -530,6 +566,8 @@ class FastModel:
     def arrive(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
         if rid in self.requests or not prompt or max_tokens < 1:
             raise Illegal()
+        if min(prompt) < 0:
+            raise ValueError(f"token ids must be >= 0, got {min(prompt)} in request {rid}'s prompt")
         self.requests[rid] = Req(rid, prompt, max_tokens, priority)
         self.waiting.append(rid)
         if len(self.node) > self.collect_at:
@@ -581,13 +619,19 @@ class FastModel:
             if cfg.discipline == "vllm":
                 if step.preempted:
                     raise Illegal()
-                order = (
-                    [r for r in self.waiting if self._admissible(r)] if deliver else self.waiting
-                )
                 if cfg.preemption == "priority":
+                    order = (
+                        [r for r in self.waiting if self._admissible(r)]
+                        if deliver
+                        else self.waiting
+                    )
                     head = min(order, key=self._rank)
-                else:
-                    head = order[0]
+                else:  # the first admissible one (we know rid is)
+                    head = rid
+                    for r in self.waiting:
+                        if not deliver or self._admissible(r):
+                            head = r
+                            break
                 if rid != head:
                     raise Illegal()
             hits = self._lookup(req)
@@ -621,7 +665,7 @@ class FastModel:
             if -(-end // bsz) - len(table) > len(self.free):
                 raise Illegal()
         known = len(req.tokens)
-        limit = known + len(self._ahead(req)) if self.async_scheduling else known
+        limit = known + len(req.ahead) if self.async_scheduling else known
         if end > limit:
             raise Illegal()
         while len(table) * bsz < end:
@@ -632,11 +676,17 @@ class FastModel:
             block = table[i]
             content = self._prefix(req, min(end, (i + 1) * bsz))
             pending[block].append((sid, rid, content, load))
-            if end > known:
-                self._track(block, content)
+            last = min(end, (i + 1) * bsz)
+            if last > known:
+                self._track(block, req.ahead, last - known)
             self._content_changed(block)
         req.computed = end
-        step.entries[rid] = Ent(start, end, tuple(table), load, not load and end == limit)
+        samples = not load and end == limit
+        ph = 0
+        if samples and self.async_scheduling:
+            ph = placeholder(sid, rid)
+            req.ahead.append(ph)
+        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph)
         step.live.add(rid)
         step.budget_used += num_tokens
         if load:
@@ -658,7 +708,11 @@ class FastModel:
     def _admissible(self, rid: int) -> bool:
         """``spec.actions.admissible``: with stale output delivered, not while a step in flight
         holds the request."""
-        return not self.deliver or not any(rid in st.entries for st in self.steps)
+        if self.deliver:
+            for st in self.steps:
+                if rid in st.entries:
+                    return False
+        return True
 
     def _rank(self, rid: int) -> tuple[int, int]:
         req = self.requests[rid]
@@ -784,11 +838,18 @@ class FastModel:
                 if rid in live and rid not in failed and req.status == RUNNING:
                     self._register(req, e.end // bsz)
         if self.placeholders:
-            self._resolve(step.id, tokens)
+            self._resolve(step, tokens)
         stop, output = self.config.stop_token, self.async_scheduling and policy in OUTPUT
         for rid in expected:
             req = requests[rid]
             token = tokens[rid]
+            if token < 0:
+                raise ValueError(f"token ids must be >= 0, got {token} for request {rid}")
+            ph = entries[rid].ph
+            if ph:  # this step's placeholder, the oldest, is now the token
+                if not req.ahead or req.ahead[0] != ph:
+                    raise RuntimeError(f"fast model: request {rid}'s placeholders out of order")
+                del req.ahead[0]
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output
@@ -804,6 +865,7 @@ class FastModel:
                 for later in steps[1:]:  # their output for it is stale: discarded
                     later.live.discard(rid)
                     later.registrations.pop(rid, None)
+                req.ahead = []
         steps.pop(0)
         self.commits += 1
         if step.failed:  # its failed loads stop being excused by NoUnwrittenPublish
@@ -837,6 +899,8 @@ class FastModel:
         if steps and steps[-1].phase == BUILDING and rid in steps[-1].entries:
             step = steps[-1]
             entry = step.entries.pop(rid)
+            if entry.ph and rid in step.live:
+                req.ahead.pop()  # the building step's placeholder is the newest
             step.budget_used -= entry.end - entry.start if not entry.load else 0
             sid, pending = step.id, self.pending
             for block in entry.blocks:
@@ -847,6 +911,8 @@ class FastModel:
         for st in steps:
             if not deliver or st.phase == BUILDING:
                 st.live.discard(rid)
+        if not deliver:
+            req.ahead = []
         policy = self.config.policy
         tracked: list[int] = []
         if policy == "eager-rollback-single":
@@ -975,7 +1041,7 @@ class FastModel:
                 None if self.key[b] is None else key(self.key[b]),
                 cast("Content | None", seq(self.written[b])),
                 [
-                    Write(st, rid, cast(Content, self._tokens(c)), load)
+                    Write(st, rid, cast(Content, seq(c)), load)
                     for st, rid, c, load in self.pending[b]
                 ],
             )
