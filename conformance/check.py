@@ -6,11 +6,21 @@ default, with ``check_every`` 1), which hands a finding over to a spec judge fro
 checkpoint for the report (``judge/handover.py``); an observed trace, ``engine="spec"`` or
 ``check_every`` > 1 is judged by a spec judge throughout. Either way the report is made by the spec
 judge's recorder (``report.report_of``).
+
+The judge's state lives as long as the file is read, and it grows with the requests alive (a
+trace whose arrivals come first holds them all). Python's cyclic garbage collector would scan all
+of it again and again as allocation goes on, a cost that grows with the state, not with the event.
+So the fast path freezes what is alive every ``FREEZE_EVERY`` events (``gc.freeze``: later
+collections skip it; reference counting still frees it) and unfreezes it at the end
+(``long_lived``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +30,9 @@ from .judge import Judge, UnknownId, handover
 from .judge.fastbuild import fast_judge
 from .report import Report, report_of
 from .trace import Trace, TraceError, open_trace
+
+FREEZE_EVERY = 16_384
+"""Events between two ``gc.freeze`` calls of the fast path (each is O(1))."""
 
 ENGINES = ("fast", "spec")
 """``fast``: the fast model judges, the spec judge reports; ``spec``: the spec judges every event."""
@@ -79,7 +92,25 @@ def _judged(trace: Trace, judge: Judge, name: str, started: float, start: int = 
     return report_of(judge, name, seconds)
 
 
+@contextlib.contextmanager
+def long_lived() -> Iterator[None]:
+    """Objects frozen inside (``gc.freeze``) are unfrozen at the end, unless they were before."""
+    frozen = gc.get_freeze_count()
+    try:
+        yield
+    finally:
+        if frozen == 0:
+            gc.unfreeze()
+
+
 def _fast(
+    trace: Trace, name: str, started: float, limit: int | None, build: ModuleType | None
+) -> Report:
+    with long_lived():
+        return _fast_run(trace, name, started, limit, build)
+
+
+def _fast_run(
     trace: Trace, name: str, started: float, limit: int | None, build: ModuleType | None
 ) -> Report:
     """The fast model judges; on a finding the spec judge re-judges from the older checkpoint
@@ -91,8 +122,11 @@ def _fast(
     run = handover.FastRun(fast, handover.FILE_WINDOW)
     line = 1
     try:
-        feed, due = fast.feed, run.due
+        feed, due, frozen_at = fast.feed, run.due, FREEZE_EVERY
         for line, event, hash_ in trace.events():
+            if fast.events_seen >= frozen_at:  # the judge's state so far: long-lived
+                gc.freeze()
+                frozen_at = fast.events_seen + FREEZE_EVERY
             if fast.events_seen >= due and event[0] in DECISIONS:
                 if limit is not None and fast.events_seen >= limit:
                     break  # the first decision past the limit: nothing cut from a decision

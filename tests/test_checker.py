@@ -304,3 +304,23 @@ def test_simulate_writes_v1_that_check_and_replay_read(tmp_path: Path) -> None:
     assert orjson.loads(out.read_bytes().splitlines()[0])["format"] == "kvspec-trace"
     assert main(["check", str(out)]) == 0
     assert main(["replay", str(out), "--backend", "torch", "--layers", "1"]) == 0
+
+
+def test_the_fast_path_freezes_the_judges_state_and_unfreezes_it_at_the_end(
+    good_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``check.long_lived``: the collector skips the long-lived state while a file is judged
+    (``gc.freeze`` every ``FREEZE_EVERY`` events), and nothing stays frozen after."""
+    import gc
+
+    from kvspec.conformance import check
+
+    calls: list[int] = []
+    freeze = gc.freeze
+    monkeypatch.setattr(check, "FREEZE_EVERY", 50)
+    monkeypatch.setattr(check.gc, "freeze", lambda: calls.append(1) or freeze())
+    assert gc.get_freeze_count() == 0
+    report = check_file(good_trace)
+    assert report.exit_code == 0 and report.events > 200
+    assert len(calls) >= report.events // 50 - 1
+    assert gc.get_freeze_count() == 0
