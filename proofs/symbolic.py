@@ -100,13 +100,14 @@ class Fragment:
 
     def describe(self) -> str:
         c = self.config
+        timing = ", async scheduling" if c.async_scheduling else ""
+        if c.async_scheduling or c.stale_output == "deliver":
+            timing += f", stale output {c.stale_output}"
         return (
             f"N={c.num_blocks} blocks (incl. null) of B={c.block_size}, depth D={c.depth}, "
             f"R={self.requests} requests of <= {self.max_len} tokens (prompt + generated), "
             f"tokens 1..{self.vocab}, priorities 0..{self.priorities - 1}, "
-            f"budget {c.token_budget}, max running {c.max_running}, no external loads"
-            + (", async scheduling" if c.async_scheduling else "")
-            + (f", stale output {c.stale_output}" if c.depth > 1 else "")
+            f"budget {c.token_budget}, max running {c.max_running}, no external loads{timing}"
         )
 
 
