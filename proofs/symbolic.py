@@ -8,7 +8,9 @@ z3: the executable spec stays standard-library Python.
 
 The fragment (``Fragment``): N <= 8 blocks counting the null block, block size 1 or 2, depth
 <= 3, R <= 3 requests arriving in id order (request r is the r-th to arrive), at most T tokens per
-request (prompt + generated), no external KV loads. Everything has a static size:
+request (prompt + generated), no external KV loads; synchronous or async scheduling (placeholders:
+a content's known tokens, then one cell per placeholder naming its sampling step), stale output
+dropped or delivered. Everything has a static size:
 
 * a state is a dict from a key such as ``("ref", b)`` or ``("tok", r, j)`` to a Z3 term;
 * token sequences live once, in the requests (``tok``, padded with 0); a block's published hash and
