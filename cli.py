@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "bmc"),
         help="auto: induction first, then bounded model checking; bmc: only the latter",
     )
+    _prove_scheduling(prove)
     _common(prove)
 
     chk = command("check", "judge trace files with the spec: 0 holds, 1 violation, 2 unreadable")
@@ -590,6 +591,23 @@ def _replay(args: argparse.Namespace) -> int:
     return HOLDS
 
 
+def _prove_scheduling(prove: argparse.ArgumentParser) -> None:
+    """``kvspec prove --async / --stale-output``, as ``kvspec fuzz``'s (they need --depth >= 2:
+    exit 2 below it)."""
+    prove.add_argument(
+        "--async",
+        dest="async_scheduling",
+        action="store_true",
+        help="async scheduling: schedule on placeholder tokens (needs depth >= 2)",
+    )
+    prove.add_argument(
+        "--stale-output",
+        default="drop",
+        choices=STALE_OUTPUTS,
+        help="a preempted request's output in a submitted step: drop or deliver (needs depth >= 2)",
+    )
+
+
 @_command
 def _prove(args: argparse.Namespace) -> int:
     """0 proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
@@ -607,6 +625,8 @@ def _prove(args: argparse.Namespace) -> int:
         args.out,
         args.timeout,
         method=args.method,
+        async_scheduling=args.async_scheduling,
+        stale_output=args.stale_output,
     )
 
 

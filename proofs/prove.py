@@ -262,8 +262,13 @@ def make_fragment(
     depth: int,
     block_size: int = 1,
     tokens: int = 4,
+    async_scheduling: bool = False,
+    stale_output: str = "drop",
 ) -> sy.Fragment:
-    """The fragment for a cell; raises ValueError on bad arguments."""
+    """The fragment for a cell; raises ValueError on bad arguments (async scheduling or
+    delivered stale output at depth 1, where they mean nothing, included)."""
+    if depth < 2 and (async_scheduling or stale_output == "deliver"):
+        raise ValueError("async scheduling and stale output deliver need depth >= 2")
     config = Config(
         num_blocks=blocks,
         block_size=block_size,
@@ -273,6 +278,8 @@ def make_fragment(
         preemption=preemption,
         token_budget=tokens * requests,
         max_running=requests,
+        async_scheduling=async_scheduling,
+        stale_output=stale_output,
     )
     return sy.Fragment(config, requests=requests, max_len=tokens)
 
@@ -291,6 +298,8 @@ def run_prove(
     block_size: int = DEFAULTS["block_size"],
     tokens: int = DEFAULTS["tokens"],
     method: str = "auto",
+    async_scheduling: bool = False,
+    stale_output: str = "drop",
 ) -> int:
     """``kvspec prove``: 0 proof (inductive, or bounded when induction fails), 1 counterexample
     (printed; events written to ``out``), 2 bad arguments, 3 unknown (solver timeout).
@@ -301,13 +310,24 @@ def run_prove(
         if method not in ("auto", "bmc"):
             raise ValueError(f"method must be auto or bmc, got {method!r}")
         fragment = make_fragment(
-            policy, discipline, preemption, blocks, requests, depth, block_size, tokens
+            policy,
+            discipline,
+            preemption,
+            blocks,
+            requests,
+            depth,
+            block_size,
+            tokens,
+            async_scheduling,
+            stale_output,
         )
     except ValueError as err:
         sys.stderr.write(f"kvspec prove: error: {err}\n")
         return 2
     outcome = prove_cell(fragment, bound, timeout_s, method)
     cell = f"{policy}, {discipline}/{preemption}"
+    cell += ", async" if async_scheduling else ""
+    cell += ", stale output delivered" if stale_output == "deliver" else ""
     where = f"fragment: {fragment.describe()}"
     if outcome.verdict == "proved":
         assert outcome.induction is not None

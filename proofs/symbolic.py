@@ -8,7 +8,9 @@ z3: the executable spec stays standard-library Python.
 
 The fragment (``Fragment``): N <= 8 blocks counting the null block, block size 1 or 2, depth
 <= 3, R <= 3 requests arriving in id order (request r is the r-th to arrive), at most T tokens per
-request (prompt + generated), no external KV loads. Everything has a static size:
+request (prompt + generated), no external KV loads; synchronous or async scheduling (placeholders:
+a content's known tokens, then one cell per placeholder naming its sampling step), stale output
+dropped or delivered. Everything has a static size:
 
 * a state is a dict from a key such as ``("ref", b)`` or ``("tok", r, j)`` to a Z3 term;
 * token sequences live once, in the requests (``tok``, padded with 0); a block's published hash and
@@ -38,7 +40,7 @@ from typing import Any
 
 import z3
 
-from kvspec.spec.state import NULL_BLOCK, Config, State
+from kvspec.spec.state import NULL_BLOCK, Config, Placeholder, State
 
 from .terms import And, If, Implies, Not, Or
 
@@ -88,14 +90,6 @@ class Fragment:
             (1 <= self.requests <= 3, f"requests must be 1..3 here, got {self.requests}"),
             (2 <= self.max_len <= 8, f"tokens per request must be 2..8, got {self.max_len}"),
             (self.vocab >= 1 and self.priorities >= 1, "vocab and priorities must be >= 1"),
-            (
-                not c.async_scheduling,
-                "async scheduling is not modelled by the Z3 model (synchronous steps only)",
-            ),
-            (
-                c.stale_output == "drop",
-                f"stale_output {c.stale_output!r} is not modelled by the Z3 model (only 'drop')",
-            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -108,11 +102,14 @@ class Fragment:
 
     def describe(self) -> str:
         c = self.config
+        timing = ", async scheduling" if c.async_scheduling else ""
+        if c.async_scheduling or c.stale_output == "deliver":
+            timing += f", stale output {c.stale_output}"
         return (
             f"N={c.num_blocks} blocks (incl. null) of B={c.block_size}, depth D={c.depth}, "
             f"R={self.requests} requests of <= {self.max_len} tokens (prompt + generated), "
             f"tokens 1..{self.vocab}, priorities 0..{self.priorities - 1}, "
-            f"budget {c.token_budget}, max running {c.max_running}, no external loads"
+            f"budget {c.token_budget}, max running {c.max_running}, no external loads{timing}"
         )
 
 
@@ -159,6 +156,21 @@ def ite_state(cond: Term, then: SState, other: SState) -> SState:
     return out
 
 
+def _flat(x: Any) -> list[Any]:
+    """Terms and ints of nested tuples and lists, in order."""
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _flat(item)]
+    return [x]
+
+
+def _cell(cells: tuple[Term, ...] | list[Term], d: Term) -> Term:
+    """``cells[d]`` for an index given as a term (the last cell beyond the end)."""
+    out = cells[-1]
+    for i in reversed(range(len(cells) - 1)):
+        out = If(d == i, cells[i], out)
+    return out
+
+
 def _ids(terms: Any) -> tuple[int, ...]:
     """Z3 term ids of a flat or nested list of terms."""
     out: list[int] = []
@@ -190,6 +202,12 @@ class Model:
         self.T = range(fragment.max_len)
         self.M = range(fragment.slots)
         self.blocks = range(1, c.num_blocks)
+        self.async_ = c.async_scheduling and c.depth >= 2
+        """Placeholders exist (async scheduling with a step that can be in flight while another
+        is built): contents then carry their placeholders (``wk``/``wc``, ``pk``/``pc``)."""
+        self.G = c.depth - 1 if self.async_ else 0
+        """Most placeholders in one content: one per other step in flight that samples."""
+        self.deliver = c.stale_output == "deliver"
         self.schema = self._schema()
         self.instances = self._instances()
         self._case: dict[Any, Any] = {}
@@ -219,6 +237,14 @@ class Model:
                 out.append(((name, b), True))
             for k in range(self.D):
                 out += [(("pa", b, k), True), (("preq", b, k), False), (("pl", b, k), False)]
+            if self.async_:
+                # a content is its request's known tokens 0 .. known - 1, then placeholders,
+                # one cell each (the sampling step's id); see ``content``
+                out.append((("wk", b), False))
+                out += [(("wc", b, i), False) for i in range(self.G)]
+                for k in range(self.D):
+                    out.append((("pk", b, k), False))
+                    out += [(("pc", b, k, i), False) for i in range(self.G)]
         for k in range(self.D):
             for name in ("sid", "ph", "bud", "eoc"):
                 out.append(((name, k), False))
@@ -336,12 +362,79 @@ class Model:
             hit = self._terms[key] = (build(), keep)
         return hit[0]
 
-    def holds(self, S: SState, content: tuple[Term, Any, Any], prefix: tuple[Any, Any]) -> Term:
+    def holds(self, S: SState, content: tuple[Any, ...], prefix: tuple[Any, ...]) -> Term:
         """``pool.holds``: bytes holding ``content`` (valid, req, len) are valid for ``prefix``
-        (req, len)."""
-        valid, creq, clen = content
-        preq, plen = prefix
-        return conj([valid, clen >= plen, self.same_prefix(S, creq, preq, plen)])
+        (req, len). Under async scheduling either may also carry (known, cells): its request's
+        tokens 0 .. known - 1, then placeholders (``content``)."""
+        valid, creq, clen = content[:3]
+        preq, plen = prefix[:2]
+        if len(content) == 3 and len(prefix) == 2:
+            return conj([valid, clen >= plen, self.same_prefix(S, creq, preq, plen)])
+        a, b = (creq, *content[3:]), (preq, *prefix[2:])
+        return conj([valid, clen >= plen, self.seq_agree(S, a, b, plen)])
+
+    def seq_agree(self, S: SState, a: tuple[Any, ...], b: tuple[Any, ...], length: Any) -> Term:
+        """Two sequences agree on their first ``length`` positions. A sequence is (req,): that
+        request's tokens, or (req, known, cells): its tokens 0 .. known - 1, then at position
+        j >= known the placeholder ``cells[j - known]`` (a step id) of that request. A token is
+        never a placeholder; two placeholders are equal when their step and request are."""
+        if len(a) == 1 and len(b) == 1:
+            return self.same_prefix(S, a[0], b[0], length)
+        if len(a) == 1:
+            a, b = b, a
+        parts = []
+        for j in self.T:
+            ta, tb = self.tok(S, a[0], j), self.tok(S, b[0], j)
+            ra, ka, ca = a
+            if len(b) == 1:
+                eq = And(ka > j, ta == tb)
+            else:
+                rb, kb, cb = b
+                same_ph = And(a[0] == rb, _cell(ca, j - ka) == _cell(cb, j - kb))
+                eq = If(ka > j, And(kb > j, ta == tb), And(Not(kb > j), same_ph))
+            if isinstance(length, int):
+                if j < length:
+                    parts.append(eq)
+            else:
+                parts.append(Implies(length > j, eq))
+        return conj(parts)
+
+    def written(self, S: SState, b: int) -> tuple[Any, ...]:
+        """Block b's written content: (valid, req, len), and (known, cells) under async."""
+        out: tuple[Any, ...] = (S["wv", b], S["wreq", b], S["wlen", b])
+        if self.async_:
+            out += (S["wk", b], tuple(S["wc", b, i] for i in range(self.G)))
+        return out
+
+    def pending(self, S: SState, b: int, k: int) -> tuple[Any, ...]:
+        """Block b's pending write of slot k: (active, req, len), and (known, cells) under async."""
+        out: tuple[Any, ...] = (S["pa", b, k], S["preq", b, k], S["pl", b, k])
+        if self.async_:
+            out += (S["pk", b, k], tuple(S["pc", b, k, i] for i in range(self.G)))
+        return out
+
+    def ahead(self, S: SState, r: int) -> tuple[Term, list[Term]]:
+        """``State.ahead`` beyond the known tokens: how many placeholders, and their step ids,
+        oldest first (one per slot in flight whose live entry for r samples)."""
+        active = [
+            conj([S["nst"] > k, S["ea", k, r], S["esam", k, r], S["elive", k, r]])
+            for k in range(self.D)
+        ]
+        cells = []
+        for i in range(self.D):
+            out: Term = z3.IntVal(-1)
+            for k in reversed(range(self.D)):
+                pos = count(active[:k])
+                out = If(And(active[k], pos == i), S["sid", k], out)
+            cells.append(out)
+        return count(active), cells
+
+    def reader_prefix(self, S: SState, r: int, length: Term) -> tuple[Any, ...]:
+        """The prefix ``ahead(r)[:length]`` as a holds() prefix (capped at ahead's length)."""
+        if not self.async_:
+            return (r, length)
+        n, cells = self.ahead(S, r)
+        return (r, zmin(length, S["len", r] + n), S["len", r], tuple(cells))
 
     def holds_eventually(
         self, S: SState, block: Any, prefix: tuple[Any, Any], upto: int | None = None
@@ -353,17 +446,17 @@ class Model:
         toks = [S["tok", r, j] for r in self.R for j in self.T]
 
         def at(b: int) -> Term:
-            written = (S["wv", b], S["wreq", b], S["wlen", b])
-            pending = [(S["pa", b, k], S["preq", b, k], S["pl", b, k]) for k in slots]
-            terms = [*written, *(t for p in pending for t in p), *toks]
-            terms += [t for t in prefix if not isinstance(t, int)]
-            key = ("holds", _ids(terms), tuple(t for t in prefix if isinstance(t, int)))
+            written = self.written(S, b)
+            pending = [self.pending(S, b, k) for k in slots]
+            terms = [t for t in _flat([written, pending, toks, prefix]) if not isinstance(t, int)]
+            shape = tuple(t if isinstance(t, int) else -1 for t in _flat(prefix))
+            key = ("holds", _ids(terms), shape, len(prefix))
             return self._memo(key, terms, lambda: built(written, pending))
 
-        def built(written: tuple[Term, Term, Term], pending: list[tuple[Term, ...]]) -> Term:
+        def built(written: tuple[Any, ...], pending: list[tuple[Any, ...]]) -> Term:
             out = self.holds(S, written, prefix)
-            for a, req, length in pending:
-                out = If(a, self.holds(S, (z3.BoolVal(True), req, length), prefix), out)
+            for p in pending:
+                out = If(p[0], self.holds(S, (z3.BoolVal(True), *p[1:]), prefix), out)
             return out
 
         return self.at_block(block, at)
@@ -575,9 +668,10 @@ class Model:
         S["ntab", r] = S["comp", r] = S["cach", r] = z3.IntVal(0)
         return S
 
-    def leave(self, S: SState, r: int, k: int | None) -> SState:
-        """``actions._leave``: withdraw from the building step (slot k), drop liveness, the
-        policy's rollback, then free the table."""
+    def leave(self, S: SState, r: int, k: int | None, stale: str = "drop") -> SState:
+        """``actions._leave``: withdraw from the building step (slot k), drop liveness (only in
+        the building step when stale output is delivered), the policy's rollback, then free the
+        table."""
         S = dict(S)
         pol = self.config.policy
         if k is not None:
@@ -590,7 +684,8 @@ class Model:
                 S["pa", b, k] = And(S["pa", b, k], Not(drop))
             S["ea", k, r] = z3.BoolVal(False)
         for kk in range(self.D):
-            S["elive", kk, r] = z3.BoolVal(False)
+            if stale == "drop" or kk == k:
+                S["elive", kk, r] = z3.BoolVal(False)
         # on_remove: which table indices the policy tracks for r
         tracked: list[Term] = []
         if pol == "eager-rollback-single":
@@ -729,10 +824,14 @@ class Model:
         waiting = S["st", r] == WAITING
         g += [self.building(S, k), S["st", r] != NONE, S["st", r] != FINISHED]
         g += [Not(S["ea", k, r]), n > 0, S["bud", k] + n <= c.token_budget]
+        known = S["len", r]
+        n_ahead, cells = self.ahead(S, r) if self.async_ else (z3.IntVal(0), [])
         # admission branch
         hit, hblock, nh = self.lookup(S, r)
         running = count([S["st", o] == RUNNING for o in self.R])
         adm = [running < c.max_running]
+        if self.deliver:
+            adm.append(self.admissible(S, r))
         if vllm:
             adm += [Not(S["pre", k]), self.is_waiting_head(S, r)]
         held_free = count(
@@ -762,7 +861,7 @@ class Model:
         g.append(If(waiting, conj(adm), conj(run)))
         start = If(waiting, nh * B, S["comp", r])
         end = If(waiting, end_w, end_r)
-        g.append(end <= S["len", r])
+        g.append(end <= known + n_ahead if self.async_ else end <= known)
         S = ite_state(waiting, W, S)
         # allocate: the free queue's head, need times
         ntab = S["ntab", r]
@@ -793,16 +892,22 @@ class Model:
                 S["pa", b, k] = Or(S["pa", b, k], w)
                 S["preq", b, k] = If(w, r, S["preq", b, k])
                 S["pl", b, k] = If(w, zmin(end, (m + 1) * B), S["pl", b, k])
+                if self.async_:
+                    S["pk", b, k] = If(w, zmin(zmin(end, (m + 1) * B), known), S["pk", b, k])
+                    for i in range(self.G):
+                        S["pc", b, k, i] = If(w, cells[i], S["pc", b, k, i])
         S["comp", r] = end
         S["ea", k, r] = S["elive", k, r] = z3.BoolVal(True)
         S["es", k, r], S["ee", k, r] = start, end
         for m in self.M:
             S["eblk", k, r, m] = S["tab", r, m]
-        S["esam", k, r] = end == S["len", r]
+        S["esam", k, r] = end == known + n_ahead if self.async_ else end == known
         S["eo", k, r] = S["eoc", k]
         S["eoc", k] = S["eoc", k] + 1
         S["bud", k] = S["bud", k] + n
-        return self.on_schedule(S, r, k, self.floor_blocks(end))
+        # registration at schedule stops at the known tokens
+        upto = self.floor_blocks(zmin(end, known) if self.async_ else end)
+        return self.on_schedule(S, r, k, upto)
 
     def on_schedule(self, S: SState, r: int, k: int, upto: Term) -> SState:
         pol = self.config.policy
@@ -822,7 +927,8 @@ class Model:
         return S
 
     def is_waiting_head(self, S: SState, r: int) -> Term:
-        """r is the head of ``waiting_order`` (queue order, or (priority, arrival))."""
+        """r is the head of ``waiting_order`` (queue order, or (priority, arrival)), which
+        skips the requests not admissible yet."""
         parts = []
         for o in self.R:
             if o == r:
@@ -831,8 +937,15 @@ class Model:
                 better = self.rank_lt(S, r, o)
             else:
                 better = S["wpos", r] < S["wpos", o]
-            parts.append(Implies(S["st", o] == WAITING, better))
+            waiting = S["st", o] == WAITING
+            if self.deliver:
+                waiting = And(waiting, self.admissible(S, o))
+            parts.append(Implies(waiting, better))
         return conj(parts)
+
+    def admissible(self, S: SState, r: int) -> Term:
+        """``actions.admissible`` with stale output delivered: no step in flight holds r."""
+        return conj([Not(And(S["nst"] > k, S["ea", k, r])) for k in range(self.D)])
 
     def _preempt(self, S: SState, g: list[Term], p: Params, r: int, k: int) -> SState:
         c = self.config
@@ -847,7 +960,7 @@ class Model:
                 g += [Implies(S["st", o] == RUNNING, self.rank_lt(S, o, r)) for o in others]
         S = dict(S)
         S["pre", k] = z3.BoolVal(True)
-        S = self.leave(S, r, k)
+        S = self.leave(S, r, k, c.stale_output)
         S["st", r] = z3.IntVal(WAITING)
         S["wpos", r] = S["wlo"] - 1
         S["wlo"] = S["wlo"] - 1
@@ -879,6 +992,10 @@ class Model:
             S["wv", b] = Or(pre["wv", b], w)
             S["wreq", b] = If(w, pre["preq", b, k], pre["wreq", b])
             S["wlen", b] = If(w, pre["pl", b, k], pre["wlen", b])
+            if self.async_:
+                S["wk", b] = If(w, pre["pk", b, k], pre["wk", b])
+                for i in range(self.G):
+                    S["wc", b, i] = If(w, pre["pc", b, k, i], pre["wc", b, i])
             S["pa", b, k] = And(pre["pa", b, k], Not(w))
 
         # reads, entry by entry in scheduling order; a bad read garbles what the entry wrote
@@ -888,10 +1005,10 @@ class Model:
             bad = []
             for m in self.M:
                 block = S["eblk", k, r, m]
-                prefix = (r, zmin(S["ee", k, r], (m + 1) * B))
+                prefix = self.reader_prefix(S, r, zmin(S["ee", k, r], (m + 1) * B))
 
-                def holds_prefix(b: int, p: tuple[Any, Any] = prefix) -> Term:
-                    return self.holds(S, (S["wv", b], S["wreq", b], S["wlen", b]), p)
+                def holds_prefix(b: int, p: tuple[Any, ...] = prefix) -> Term:
+                    return self.holds(S, self.written(S, b), p)
 
                 held = self.at_block(block, holds_prefix)
                 bad.append(And(nblk > m, Not(held)))
@@ -941,13 +1058,22 @@ class Model:
             for r in self.R:
                 S["ra", 0, r] = z3.BoolVal(False)
         elif pol == "deferred":
+            pre = S
+
+            def registers(r: int) -> Term:
+                if self.deliver:  # a preempted request's delivered output registers nothing
+                    return And(pre["elive", 0, r], pre["st", r] == RUNNING)
+                return pre["elive", 0, r]
+
             S = self.in_order(
                 S,
                 0,
-                lambda r: S["elive", 0, r],
+                registers,
                 lambda S, r: self.register(S, r, self.floor_blocks(S["ee", 0, r])),
             )
         stop = c.stop_token
+        sid0 = S["sid", 0]
+        post_output = self.async_ and pol != "deferred"
 
         def sample(S: SState, r: int) -> SState:
             S = dict(S)
@@ -956,11 +1082,20 @@ class Model:
             for j in self.T:
                 S["tok", r, j] = If(length == j, tok, S["tok", r, j])
             S["len", r] = length + 1
+            if self.async_:
+                S = self.resolve(S, r, sid0)
+            if post_output:  # on_output: what this step completed, if r still runs
+                R = self.register(S, r, self.floor_blocks(S["ee", 0, r]))
+                S = ite_state(S["st", r] == RUNNING, R, S)
             done = length + 1 - S["plen", r] >= S["maxt", r]
             if stop is not None:
                 done = Or(done, tok == stop)
             F = self.free_table(S, r)
             F["st", r] = z3.IntVal(FINISHED)
+            if self.async_ or self.deliver:  # later steps' output for it is stale
+                for kk in range(1, self.D):
+                    F["elive", kk, r] = z3.BoolVal(False)
+                    F["ra", kk, r] = z3.BoolVal(False)
             return ite_state(done, F, S)
 
         S = self.in_order(S, 0, lambda r: expected[r], sample)
@@ -974,8 +1109,34 @@ class Model:
                     S[key] = S[(key[0], src) + key[2:]] if src < self.D else _blank(key)
                 elif len(key) == 3 and key[0] in _SLOT_LAST and key[2] == k:
                     S[key] = S[(key[0], key[1], src)] if src < self.D else _blank(key)
+                elif key[0] == "pc" and key[2] == k:
+                    S[key] = S["pc", key[1], src, key[3]] if src < self.D else _blank(key)
         S["nst"] = S["nst"] - 1
         S["commits"] = S["commits"] + 1
+        return S
+
+    def resolve(self, S: SState, r: int, sid: Term) -> SState:
+        """``pool.resolve``: step ``sid``'s placeholder for r becomes r's token just appended,
+        in written contents and pending writes. It is a content's first placeholder (a
+        request's placeholders resolve oldest first, and a discarded one is never followed by
+        one that resolves), so its known tokens grow by one and its cells shift."""
+        S = dict(S)
+        contents: list[tuple[SKey, list[SKey], int, int | None]] = [
+            (("wk", b), [("wc", b, i) for i in range(self.G)], b, None) for b in self.blocks
+        ]
+        contents += [
+            (("pk", b, k), [("pc", b, k, i) for i in range(self.G)], b, k)
+            for b in self.blocks
+            for k in range(self.D)
+        ]
+        for known, cells, b, k in contents:
+            req, length = (
+                (("wreq", b), ("wlen", b)) if k is None else (("preq", b, k), ("pl", b, k))
+            )
+            go = conj([S[req] == r, S[length] > S[known], S[cells[0]] == sid])
+            S[known] = If(go, S[known] + 1, S[known])
+            for i in range(self.G - 1):
+                S[cells[i]] = If(go, S[cells[i + 1]], S[cells[i]])
         return S
 
     def _abort(self, S: SState, g: list[Term], p: Params, r: int) -> SState:
@@ -1003,7 +1164,7 @@ _SLOT_FIRST = frozenset(
     | {"rlo", "rhi", "eblk"}
 )
 """Per-step-slot variables keyed (name, k, ...)."""
-_SLOT_LAST = frozenset({"pa", "preq", "pl"})
+_SLOT_LAST = frozenset({"pa", "preq", "pl", "pk"})
 """Per-block pending-write variables keyed (name, b, k)."""
 _BOOLS = frozenset({"pre", "adm", "ea", "esam", "elive", "ra", "pa"})
 
@@ -1028,7 +1189,7 @@ def reads_hold(m: Model, S: SState, live_only: bool = True) -> list[Term]:
             if live_only:
                 active.append(S["elive", k, r])
             for i in m.M:
-                prefix = (r, zmin(started, (i + 1) * m.B))
+                prefix = m.reader_prefix(S, r, zmin(started, (i + 1) * m.B))
                 held = m.holds_eventually(S, S["eblk", k, r, i], prefix, upto=k)
                 parts.append(Implies(And(conj(active), reads > i), held))
     return parts
@@ -1169,6 +1330,30 @@ def _owner(s: State, prefix: tuple[object, ...], where: str) -> int:
     raise OutsideFragment(f"{where}: prefix {prefix} is no request's")
 
 
+def _content(
+    model: Model, s: State, content: tuple[object, ...], writer: int | None, where: str
+) -> tuple[int, int, list[int]]:
+    """(request, known, cells) of a content: its request's known tokens, then placeholders of
+    that request, one cell (the sampling step's id) each. ``writer``: the request it must be."""
+    known = next((j for j, x in enumerate(content) if isinstance(x, Placeholder)), len(content))
+    tail = content[known:]
+    if not tail:
+        req = writer if writer is not None else _owner(s, content, where)
+        if tuple(s.requests[req].tokens[:known]) != content:
+            raise OutsideFragment(f"{where} is not r{req}'s prefix")
+        return req, known, []
+    owners = {x.req for x in tail if isinstance(x, Placeholder)}
+    if not model.async_ or len(tail) > model.G or len(owners) != 1:
+        raise OutsideFragment(f"{where}: placeholders {tail} are outside the model")
+    if not all(isinstance(x, Placeholder) for x in tail):
+        raise OutsideFragment(f"{where}: a resolved token after a placeholder: {content}")
+    (req,) = owners
+    known_part = tuple(s.requests[req].tokens[:known])
+    if (writer is not None and writer != req) or known_part != content[:known]:
+        raise OutsideFragment(f"{where} is not r{req}'s tokens then its placeholders")
+    return req, known, [x.step for x in tail if isinstance(x, Placeholder)]
+
+
 def _range(indices: list[int], where: str) -> tuple[int, int]:
     if not indices:
         return 0, 0
@@ -1226,15 +1411,23 @@ def encode(model: Model, s: State) -> dict[SKey, int | bool]:
             v["hk", b], v["klen", b] = True, len(blk.key)
             v["kreq", b] = _owner(s, blk.key, f"key of block {b}")
         if blk.written is not None:
-            v["wv", b], v["wlen", b] = True, len(blk.written)
-            v["wreq", b] = _owner(s, blk.written, f"content of block {b}")
+            where = f"content of block {b}"
+            owner, known, cells = _content(model, s, blk.written, None, where)
+            v["wv", b], v["wlen", b], v["wreq", b] = True, len(blk.written), owner
+            if model.async_:
+                v["wk", b] = known
+                for i, cell in enumerate(cells):
+                    v["wc", b, i] = cell
         for w in blk.pending:
             k = slot.get(w.step)
             if k is None or v["pa", b, k] or w.load:
                 raise OutsideFragment(f"block {b}: pending writes {blk.pending}")
-            if tuple(s.requests[w.req].tokens[: len(w.prefix)]) != w.prefix:
-                raise OutsideFragment(f"block {b}: a pending write is not r{w.req}'s prefix")
-            v["pa", b, k], v["preq", b, k], v["pl", b, k] = True, w.req, len(w.prefix)
+            owner, known, cells = _content(model, s, w.prefix, w.req, f"block {b}: a pending write")
+            v["pa", b, k], v["preq", b, k], v["pl", b, k] = True, owner, len(w.prefix)
+            if model.async_:
+                v["pk", b, k] = known
+                for i, cell in enumerate(cells):
+                    v["pc", b, k, i] = cell
     for k, st in enumerate(s.steps):
         if st.failed:
             raise OutsideFragment("failed loads are outside the fragment")
@@ -1270,6 +1463,16 @@ def same(model: Model, S: SState, s: State) -> list[tuple[str, Term]]:
         for j, t in enumerate(prefix):
             out.append((f"{what}[{j}]", model.tok(S, req, j) == t))
 
+    def content(
+        req: SKey, known: SKey, cells: tuple[Any, ...], spec: tuple[object, ...], what: str
+    ) -> None:
+        """Known tokens by the tokens they name, then the placeholders' request and steps."""
+        eq(known)
+        names(S[req], spec[: int(v[known])], what)
+        for i in range(len(spec) - int(v[known])):
+            eq(req)
+            eq((*cells, i))
+
     def ordered(keys: list[SKey], what: str) -> None:
         for a, b in zip(keys, keys[1:], strict=False):
             out.append((f"{what}: {a} before {b}", S[a] < S[b]))
@@ -1299,12 +1502,18 @@ def same(model: Model, S: SState, s: State) -> list[tuple[str, Term]]:
             names(S["kreq", b], blk.key, f"key of block {b}")
         if blk.written is not None:
             eq(("wlen", b))
-            names(S["wreq", b], blk.written, f"content of block {b}")
+            if model.async_:
+                content(("wreq", b), ("wk", b), ("wc", b), blk.written, f"content of block {b}")
+            else:
+                names(S["wreq", b], blk.written, f"content of block {b}")
         for k in range(len(s.steps)):
             eq(("pa", b, k))
             if v["pa", b, k]:
                 eq(("preq", b, k))
                 eq(("pl", b, k))
+                if model.async_:
+                    w = next(w for w in blk.pending if w.step == s.steps[k].id)
+                    content(("preq", b, k), ("pk", b, k), ("pc", b, k), w.prefix, "pending")
     for k, st in enumerate(s.steps):
         for name in ("sid", "ph", "bud", "pre", "adm"):
             eq((name, k))
