@@ -90,6 +90,9 @@ def _number(kind: type, low: float = 0.0, high: float | None = None) -> Callable
 
 _positive = _number
 
+MAX_DEPTH = 64
+"""The most steps in flight a command takes (engines run 1 to 3; more only costs memory)."""
+
 
 def _size(text: str) -> int:
     try:
@@ -125,9 +128,9 @@ def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLI
     p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS, help="preemption order")
     p.add_argument(
         "--depth",
-        type=_positive(int),
+        type=_number(int, 1, MAX_DEPTH),
         default=None,
-        help="steps in flight (1..; default: drawn from 1..3 by fuzz, 1 for simulate)",
+        help=f"steps in flight (1..{MAX_DEPTH}; default: drawn from 1..3 by fuzz, 1 for simulate)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (a run repeats from it)")
     p.add_argument(
@@ -773,7 +776,12 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", required=True, action="append", help="text (repeatable)")
     gen.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens per prompt")
     gen.add_argument("--policy", default="deferred", choices=POLICIES, help="registration policy")
-    gen.add_argument("--depth", type=_positive(int), default=1, help="steps in flight")
+    gen.add_argument(
+        "--depth",
+        type=_number(int, 1, MAX_DEPTH),
+        default=1,
+        help=f"steps in flight (1..{MAX_DEPTH})",
+    )
     gen.add_argument(
         "--backend",
         default="auto",

@@ -178,7 +178,7 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
             f'not a kvspec trace (header "format" is {header.get("format")!r}; kvspec reads '
             f'"{FORMAT}", version 1, and its own event files, "{V0_FORMAT}")'
         )
-    if header.get("version") != VERSION:
+    if type(header.get("version")) is not int or header.get("version") != VERSION:  # true == 1
         raise bad(f"unsupported trace version {header.get('version')!r} (this kvspec reads 1)")
     if header.get("tokens", "present") == "private":
         raise bad(PRIVATE)
@@ -264,7 +264,7 @@ def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     def bad(message: str) -> TraceError:
         return TraceError(path, 1, f"bad header: {message}")
 
-    if header.get("version") != 0:
+    if type(header.get("version")) is not int or header.get("version") != 0:  # false == 0
         raise TraceError(
             path,
             1,

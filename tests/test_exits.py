@@ -7,6 +7,7 @@ own process) unless it needs a planted fault, which only an in-process call can 
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
@@ -293,3 +294,33 @@ def test_the_async_flags_follow_the_contract(tmp_path: Path) -> None:
         assert done.returncode == 2 and one_line(done.stderr) and words in done.stderr, argv
     done = run(["fuzz", *flags, "--seconds", "1e-9"])
     assert done.returncode == 3 and "nothing checked" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("fmt", ["v0", "v1"])
+def test_a_boolean_version_is_bad_input_not_version_0_or_1(zombie: Path, fmt: str) -> None:
+    """Found by ``bench/hostile.py`` (101,000 cases): JSON ``true`` == 1 and ``false`` == 0 in
+    Python, so a header claiming ``"version": true`` was read as version 1 (47 silent
+    acceptances)."""
+    config, events = seed_counterexample()
+    path = zombie.with_name(f"bool-{fmt}.jsonl")
+    (write_trace if fmt == "v1" else write_events)(path, config, events)
+    head, rest = path.read_text().split("\n", 1)
+    header = json.loads(head)
+    header["version"] = header["version"] == 1  # the same value, as a boolean
+    path.write_text(json.dumps(header) + "\n" + rest)
+    for engine in ("fast", "spec"):
+        done = run(["check", str(path), "--engine", engine])
+        assert done.returncode == 2 and one_line(done.stderr), (engine, done.stderr)
+        assert done.stderr.startswith(f"{path}:1: unsupported"), done.stderr
+
+
+def test_a_depth_past_the_limit_is_bad_input_not_an_internal_error() -> None:
+    """Found by ``bench/hostile.py``: ``fuzz --depth 10**30`` ended in Hypothesis's
+    FlakyStrategyDefinition (exit 4)."""
+    for argv in (
+        ["fuzz", "--policy", "deferred"],
+        ["simulate", "--policy", "deferred", "--out", "x"],
+    ):
+        done = run([*argv, "--depth", str(10**30)])
+        assert done.returncode == 2 and one_line(done.stderr), done.stderr
+        assert f"must be 1..{cli.MAX_DEPTH}" in done.stderr
