@@ -200,7 +200,13 @@ def summary(rounds: list[dict], profiled: dict) -> dict[str, float]:
         "steps/run p90": med(lambda r: percentile(r["steps"], 0.9)),
         "steps/run max": med(lambda r: max(r["steps"], default=0)),
     }
-    for name in ("preempt_building", "hit_same_step", "hit_in_flight", "unwritten_reads"):
+    for name in (
+        "preempt_building",
+        "hit_same_step",
+        "hit_in_flight",
+        "zombie_hits",
+        "unwritten_reads",
+    ):
         row[name] = med(lambda r, n=name: r["coverage"][n])
     row["load_failures"] = med(lambda r: r["coverage"]["load_failures"])
     for depth in range(4):
