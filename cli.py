@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from kvspec import __version__, flow
 from kvspec.conformance import budget
@@ -35,6 +35,9 @@ from kvspec.spec import (
     STALE_OUTPUTS,
     Config,
 )
+
+if TYPE_CHECKING:
+    from kvspec.conformance.fuzz import CellResult
 
 HOLDS, FINDING, BAD_INPUT, UNDECIDED, INTERNAL = 0, 1, 2, 3, 4
 INTERRUPTED = 130
@@ -503,6 +506,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             f"{result.seconds:.1f} s: {result.runs} runs, {result.commits} engine steps, "
             f"{result.lost_hits_per_1000_steps:.1f} lost hits per 1,000 steps"
         )
+        _fuzz_depth(result)
         return HOLDS
     failure = result.failure
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
@@ -513,6 +517,15 @@ def _fuzz(args: argparse.Namespace) -> int:
         count = _write(args, failure.config, shown.events, judging)
         print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
     return FINDING
+
+
+def _fuzz_depth(result: CellResult) -> None:
+    """Two lines after a fuzzing verdict: how deep the runs went and what they reached."""
+    steps = sorted(result.steps_per_run)
+    if steps:
+        p90 = steps[min(len(steps) - 1, int(0.9 * len(steps)))]
+        print(f"engine steps per run: median {steps[len(steps) // 2]}, p90 {p90}, max {steps[-1]}")
+    print(result.coverage.line())
 
 
 @_command

@@ -2,11 +2,37 @@
 
 The arrow "workload drives engine" lives here. ``lockstep_machine`` builds a Hypothesis
 ``RuleBasedStateMachine`` for one cell (policy, discipline, preemption, depth, async scheduling,
-stale output): its rules are a workload (requests arriving with shared prefixes, engine steps,
-aborts, prefix-cache resets) and every nondeterministic choice the engine makes (which request a
-general scheduler admits or preempts, which external KV loads fail) is drawn by Hypothesis too,
-so failures shrink. After every rule, the engine's new events go through a ``Judge`` and its refcounts and free queue are compared
-with the spec's. ``run_cell`` runs a machine for a time budget and returns what it found.
+stale output): a workload (requests arriving with shared prefixes, engine steps, aborts,
+prefix-cache resets) and every nondeterministic choice the engine makes (which request a general
+scheduler admits or preempts, which external KV loads fail) are drawn by Hypothesis, so failures
+shrink. After every action, the engine's new events go through a ``Judge`` and its refcounts and
+free queue are compared with the spec's. ``run_cell`` runs a machine for a time budget and
+returns what it found, how many engine steps each run took and what the runs reached
+(``fuzz_coverage.py``).
+
+The machine is built so that Hypothesis draws little per engine decision (its drawing machinery
+used to take most of the time, and runs were a few engine steps long):
+
+* one rule, ``act``, always enabled: the kind of action is one integer choice into the run's mix
+  (``MIXES``, drawn once per run: swarm testing by table, instead of Hypothesis's feature flags
+  and preconditions, which cost draws and ``_rule_is_enabled`` calls per rule and disabled the
+  ``step`` or ``arrive`` rule in many runs, which then did nothing);
+* every choice is one integer straight from the choice sequence (``_draw_integer``): no
+  ``.filter``, no lists (a suffix is a length and an index into ``SUFFIXES``), no strategy per
+  draw; the engine's own choices (``DataChoices.pick``) too;
+* a ``step`` action runs up to 8 engine steps (``STEP_COUNTS``) and stops when the engine is idle
+  (an idle step is not recorded: counterexamples are no longer padded with them); the snapshot
+  comparison runs once per action, the judge's invariant checks after every decision as before.
+
+A counterexample of an eager policy is usually found as ``NoUnwrittenPublish`` (the zombie's
+publication), before any request reads it. To see the read itself (``NoUnwrittenRead``: the
+wrong K/V a model would attend to), judge with the publish invariant off, ``kvspec fuzz
+--invariant NoUnwrittenRead``, so that the fuzzer must drive on to a reader. We chose that over
+a targeting score (``hypothesis.target``): ``run_cell`` runs short seeded batches of examples,
+which leave Hypothesis's target phase nothing to climb, while an invariant left out costs
+nothing and keeps the search seeded; ``fuzz_coverage.RunCoverage`` counts the zombie hits the
+runs reach. (Arrivals that copy an earlier request's prompt, to make such a reader likelier,
+were tried: they make one action depend on another, and counterexamples shrank worse.)
 """
 
 from __future__ import annotations
@@ -25,19 +51,51 @@ from hypothesis.stateful import (
     get_state_machine_test,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 
 from kvspec.spec import STALE_OUTPUTS, Config
 
 from .adapter import Factory, reference
+from .fuzz_coverage import Coverage, RunCoverage
 from .judge import Finding, Judge
 
 Event = tuple[object, ...]
 
 PREFIXES = ((1, 2, 3, 1, 2, 3, 1, 2), (2, 2, 1, 1, 3, 3, 2, 2), (3, 1, 3, 1, 2, 1, 2, 1))
 """Shared "system prompts": requests that start with the same one share prefix blocks."""
+
+MAX_NEW_TOKENS = 6
+"""The most tokens a request may generate (capped so that it fits the pool). 12 doubles the
+preemptions from the step being built, but the seed bug's counterexamples then shrink worse."""
+
+SUFFIX_TOKENS = 5
+"""The longest own suffix of a prompt, after its shared prefix."""
+
+SUFFIXES = tuple(
+    tuple(tuple(1 + (i // 3**k) % 3 for k in range(n)) for i in range(3**n))
+    for n in range(SUFFIX_TOKENS + 1)
+)
+"""``SUFFIXES[n]``: every suffix of ``n`` tokens from 1..3, all ones first (the simplest): a
+suffix is two integer choices (length, which), not a list of drawn tokens."""
+
+STEP_COUNTS = tuple(range(1, 9))
+"""How many engine steps one ``step`` action runs (at most: an idle engine ends them). Every
+count, not a coarse table (1, 2, 4, ... 16 ran more steps per draw, but the shrinker could then
+not drop a single step, and counterexamples stayed several times longer)."""
+
+MIXES = (
+    ("step", "arrive", "step", "arrive", "step", "arrive", "abort", "reset"),
+    ("step", "arrive", "arrive", "step", "arrive", "arrive", "step", "abort"),
+    ("step", "arrive", "abort", "step", "arrive", "abort", "step", "reset"),
+    ("step", "arrive", "step", "step", "arrive", "step", "arrive", "reset"),
+)
+"""The kinds of action a run draws from, one mix per run (drawn first): balanced, arrival-heavy
+(memory pressure, preemptions), abort-heavy, step-heavy (long requests run to the end). Swarm
+testing by table: one choice per action picks the kind, and no rule is ever disabled. Every mix
+starts with ``step``: the shrinker lowers a kind to the first, and a step of an idle engine does
+nothing (it is not even recorded), whereas an arrival it cannot delete would stay in the
+counterexample."""
 
 
 class CounterexampleFound(AssertionError):
@@ -48,16 +106,33 @@ class CounterexampleFound(AssertionError):
         self.finding = finding
 
 
+def _draw_integer(data: Any) -> Callable[[int, int], int]:
+    """``draw(lo, hi)``: one integer choice of Hypothesis, ``lo`` the simplest. Straight from the
+    choice sequence under the ``st.data()`` object where this Hypothesis exposes it (one choice, no
+    strategy machinery: the fuzzer's hot path), else through ``st.integers``."""
+    conjecture = getattr(data, "conjecture_data", None)
+    direct = getattr(conjecture, "draw_integer", None)
+    if direct is not None:
+        return lambda lo, hi: int(direct(lo, hi, shrink_towards=lo))
+    return lambda lo, hi: int(data.draw(st.integers(lo, hi)))
+
+
 class DataChoices:
     """The engine's nondeterministic choices, drawn by Hypothesis (0 is the simplest)."""
 
     def __init__(self) -> None:
         self.data: Any = None
+        self.draw: Callable[[int, int], int] | None = None
 
     def pick(self, n: int, label: str) -> int:
-        if n <= 1 or self.data is None:
+        if n <= 1 or self.draw is None:
             return 0
-        return int(self.data.draw(st.integers(0, n - 1), label=label))
+        return self.draw(0, n - 1)
+
+    def attach(self, data: Any) -> None:
+        """Draw from ``data`` (an ``st.data()`` object), or, with None, answer 0."""
+        self.data = data
+        self.draw = None if data is None else _draw_integer(data)
 
 
 @dataclass
@@ -82,6 +157,9 @@ class Tally:
     first_failure_length: int | None = None
     """Workload steps of the first failing run, before shrinking."""
     started: float = field(default_factory=time.monotonic)
+    steps_per_run: list[int] = field(default_factory=list)
+    """Engine steps (commits) of each run, in order."""
+    coverage: Coverage = field(default_factory=Coverage)
 
 
 def timings(
@@ -127,7 +205,6 @@ def lockstep_machine(
     fixed, or drawn when None. ``factory`` builds the engine under test (``adapter.py``; default:
     the reference engine)."""
     timing = timings(depth, async_scheduling, stale_output)
-    externals = st.booleans() if loads else st.just(False)
     tally = Tally()
 
     class LockstepMachine(RuleBasedStateMachine):
@@ -137,6 +214,7 @@ def lockstep_machine(
             timing=timing,
             token_budget=st.integers(3, 12),
             max_running=st.integers(2, 4),
+            mix=st.integers(0, len(MIXES) - 1),
         )
         def configure(
             self,
@@ -145,6 +223,7 @@ def lockstep_machine(
             timing: tuple[bool, str, int],
             token_budget: int,
             max_running: int,
+            mix: int,
         ) -> None:
             overlap, stale, depth = timing
             common = dict(
@@ -170,28 +249,35 @@ def lockstep_machine(
             self.judge = Judge.spec(self.config, judging == "observed", invariants)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
+            self.mix = MIXES[mix]
+            self.loads = loads
+            self.coverage = RunCoverage()
             tally.runs += 1
 
-        @rule(
-            prefix=st.integers(0, len(PREFIXES) - 1),
-            shared=st.integers(0, 8),
-            suffix=st.lists(st.integers(1, 3), max_size=5),
-            max_tokens=st.integers(1, 6),
-            priority=st.integers(0, 3),
-            external=externals,
-        )
-        def arrive(
-            self,
-            prefix: int,
-            shared: int,
-            suffix: list[int],
-            max_tokens: int,
-            priority: int,
-            external: bool,
-        ) -> None:
+        @rule(data=st.data())
+        def act(self, data: Any) -> None:
+            """One action of the workload, its kind from the run's mix: all the choices are
+            made here, from one ``st.data()``, so that no rule needs a precondition."""
+            draw = _draw_integer(data)
+            kind = self.mix[draw(0, len(self.mix) - 1)]
+            if kind == "step":
+                self._steps(data, STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)])
+            elif kind == "arrive":
+                self._arrive(draw)
+            elif kind == "abort":
+                self._abort(draw(0, 7))
+            elif not self.engine.live_requests():
+                self._run("reset the prefix cache", self.engine.reset_prefix_cache)
+
+        def _arrive(self, draw: Callable[[int, int], int]) -> None:
+            prefix, shared = PREFIXES[draw(0, len(PREFIXES) - 1)], draw(0, 8)
+            length = draw(0, SUFFIX_TOKENS)
+            suffix = SUFFIXES[length][draw(0, len(SUFFIXES[length]) - 1)]
+            max_tokens, priority = draw(1, MAX_NEW_TOKENS), draw(0, 3)
+            external = self.loads and draw(0, 1) == 1
             capacity = (self.config.num_blocks - 1) * self.config.block_size
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
-            prompt = (PREFIXES[prefix][:shared] + tuple(suffix))[: capacity - max_tokens] or (1,)
+            prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
             rid, self.next_id = self.next_id, self.next_id + 1
             self._run(
                 f"r{rid} arrives: prompt {list(prompt)}, max {max_tokens} new tokens, "
@@ -199,24 +285,19 @@ def lockstep_machine(
                 lambda: self.engine.add_request(rid, prompt, max_tokens, priority, external),
             )
 
-        @rule(data=st.data(), count=st.integers(1, 6))
-        def step(self, data: Any, count: int) -> None:
-            self.choices.data = data
+        def _steps(self, data: Any, count: int) -> None:
+            """Up to ``count`` engine steps; an idle engine ends them (and is not recorded)."""
+            self.choices.attach(data)
             for _ in range(count):
-                self._run("engine step", self.engine.step)
-            self.choices.data = None
+                if not self._run("engine step", self.engine.step, idle=False):
+                    break
+            self.choices.attach(None)
 
-        @rule(which=st.integers(0, 7))
-        def abort(self, which: int) -> None:
+        def _abort(self, which: int) -> None:
             live = self.engine.live_requests()
             if live:
                 rid = live[which % len(live)]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
-
-        @precondition(lambda self: not self.engine.live_requests())
-        @rule()
-        def reset_prefix_cache(self) -> None:
-            self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
         @invariant()
         def observables_agree(self) -> None:
@@ -240,20 +321,34 @@ def lockstep_machine(
         def teardown(self) -> None:
             if not hasattr(self, "judge"):
                 return
-            tally.commits += self.judge.model.state.commits
-            tally.lost_hits += self.judge.model.state.lost_hits
+            state = self.judge.model.state
+            tally.commits += state.commits
+            tally.lost_hits += state.lost_hits
+            tally.steps_per_run.append(state.commits)
+            self.coverage.unwritten_reads = len(state.bad_reads)
+            tally.coverage.add(self.coverage)
 
-        def _run(self, action: str, call: Callable[[], object]) -> None:
-            start = len(self.engine.events)
+        def _run(self, action: str, call: Callable[[], object], idle: object = None) -> object:
+            """Run one engine call, record it with its events, judge them; what it returned.
+            A call that returns ``idle`` and emits nothing (a step of an idle engine) is not
+            recorded."""
+            events = self.engine.events
+            start = len(events)
             try:
-                call()
+                result = call()
             except Exception as err:  # an engine that crashes is a finding, not a fuzzer crash
-                self.program.append((action, self.engine.events[start:]))
+                self.program.append((action, events[start:]))
                 where = self.judge.events_seen
                 self._raise_if(Finding("EngineError", f"{type(err).__name__}: {err}", where))
-            new = self.engine.events[start:]
+            if len(events) == start:
+                if result is not idle:
+                    self.program.append((action, []))
+                return result
+            new = events[start:]
             self.program.append((action, new))
+            self.coverage.observe(new)
             self._raise_if(self.judge.feed_all(new))
+            return result
 
         def _raise_if(self, finding: Finding | None) -> None:
             if finding is None:
@@ -270,7 +365,7 @@ def lockstep_machine(
             """Run the engine on (with its default choices) until idle, so that the event file
             also holds the executions of the steps in flight: a replay on tensors then performs
             the reads the finding is about. The judged prefix of the events is unchanged."""
-            self.choices.data = None
+            self.choices.attach(None)
             try:
                 for _ in range(500):
                     if not self.engine.step():
@@ -314,6 +409,10 @@ class CellResult:
     async_scheduling: bool | None = False
     """Fixed, or None: drawn per example."""
     stale_output: str | None = "drop"
+    steps_per_run: list[int] = field(default_factory=list)
+    """Engine steps (commits) of each run."""
+    coverage: Coverage = field(default_factory=Coverage)
+    """The rare situations the runs reached (``fuzz_coverage.py``)."""
 
     @property
     def lost_hits_per_1000_steps(self) -> float:
@@ -328,7 +427,7 @@ def run_cell(
     loads: bool = False,
     seconds: float = 10.0,
     seed_value: int = 0,
-    chunk: int = 25,
+    chunk: int = 10,
     steps: int = 40,
     invariants: Collection[str] | None = None,
     factory: Factory = reference,
@@ -396,4 +495,6 @@ def run_cell(
         tally.lost_hits,
         async_scheduling,
         stale_output,
+        tally.steps_per_run,
+        tally.coverage,
     )

@@ -1,0 +1,147 @@
+"""What a lockstep fuzzing run reached: the rare situations the unsafe policies fail in, counted.
+
+A fuzzer that runs many engine steps but never preempts a request out of the step being built,
+never hits a block whose write has not run yet, or never fails a load, has not tested what the
+safe policies exist for. ``RunCoverage`` watches one run's event stream (the decisions and
+effects of ``docs/events.md``, in order) and counts those situations; ``Coverage`` sums them over
+the runs of a machine (``fuzz.Tally.coverage``, printed by ``kvspec fuzz`` and
+``bench/bench_fuzz.py``). The counters read the events alone, so any engine's stream can be
+counted, and the benchmark counts an older fuzzer's runs the same way.
+
+Counters:
+
+* ``preempt_building``: a ``preempt`` of a request that the step being built has scheduled
+  (its entry is withdrawn: under eager policies, the blocks it published will not be written);
+* ``hit_same_step``: a ``hit`` of a block allocated by the step being built (its write runs only
+  when that step executes); ``hit_in_flight``: of a block allocated by a submitted step that has
+  not executed yet;
+* ``zombie_hits``: a ``hit`` of a block allocated or published for an entry that was then
+  withdrawn from the step being built (its write never runs; an eager policy published it);
+* ``unwritten_reads``: reads of the wrong bytes when a step executed (the spec's ``bad_reads``,
+  added by the caller from the model's state at the end of the run: a zombie read);
+* ``load_failures``: ``load_failed`` effects (an external KV load that failed);
+* ``preempt_at_depth``: preemptions by the number of submitted steps in flight at that moment
+  (0: none, as in a synchronous engine between steps; up to the cell's depth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+Event = tuple[object, ...]
+
+WITHDRAWN = -1
+"""The writer of a block whose allocating entry left the step being built."""
+
+MAX_DEPTH = 3
+"""The deepest cell the fuzzer draws; deeper preemptions count in the last bucket."""
+
+
+@dataclass
+class Coverage:
+    """Counts summed over runs (``add``)."""
+
+    preempt_building: int = 0
+    hit_same_step: int = 0
+    hit_in_flight: int = 0
+    zombie_hits: int = 0
+    unwritten_reads: int = 0
+    load_failures: int = 0
+    preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
+
+    def add(self, other: Coverage) -> None:
+        self.preempt_building += other.preempt_building
+        self.hit_same_step += other.hit_same_step
+        self.hit_in_flight += other.hit_in_flight
+        self.zombie_hits += other.zombie_hits
+        self.unwritten_reads += other.unwritten_reads
+        self.load_failures += other.load_failures
+        for depth, count in enumerate(other.preempt_at_depth):
+            self.preempt_at_depth[depth] += count
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "preempt_building": self.preempt_building,
+            "hit_same_step": self.hit_same_step,
+            "hit_in_flight": self.hit_in_flight,
+            "zombie_hits": self.zombie_hits,
+            "unwritten_reads": self.unwritten_reads,
+            "load_failures": self.load_failures,
+            "preempt_at_depth": list(self.preempt_at_depth),
+        }
+
+    def line(self) -> str:
+        """One line for ``kvspec fuzz``."""
+        depths = "/".join(str(n) for n in self.preempt_at_depth)
+        return (
+            f"coverage: {self.preempt_building} preemptions from the step being built, "
+            f"{self.hit_same_step} same-step and {self.hit_in_flight} in-flight hits of unwritten "
+            f"blocks, {self.zombie_hits} zombie hits, {self.unwritten_reads} unwritten reads, {self.load_failures} load failures; "
+            f"preemptions with 0/1/2/3 steps in flight: {depths}"
+        )
+
+
+class RunCoverage(Coverage):
+    """One run's counts, and what it needs to know of the stream so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.building: int | None = None
+        self.scheduled: dict[int, list[int]] = {}
+        """Requests the step being built has scheduled -> the blocks it allocated or published
+        for them (the blocks their entries would write)."""
+        self.writer: dict[int, int] = {}
+        """Block -> the step that allocated it and has not executed yet (``WITHDRAWN``: its
+        entry was withdrawn, nothing will write it until it is allocated again)."""
+        self.in_flight = 0
+
+    def observe(self, events: Iterable[Event]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "alloc":
+                block = event[2]
+                if self.building is not None:
+                    self.writer[block] = self.building  # type: ignore[index]
+                    self.scheduled.setdefault(event[1], []).append(block)  # type: ignore[arg-type]
+                else:
+                    self.writer.pop(block, None)  # type: ignore[call-overload]
+            elif kind == "hit":
+                for block in event[2]:  # type: ignore[attr-defined]
+                    step = self.writer.get(block)
+                    if step is None:
+                        continue
+                    if step == WITHDRAWN:
+                        self.zombie_hits += 1
+                    elif step == self.building:
+                        self.hit_same_step += 1
+                    else:
+                        self.hit_in_flight += 1
+            elif kind == "publish":
+                if self.building is not None and event[1] in self.scheduled:
+                    self.scheduled[event[1]].append(event[3])  # type: ignore[index,arg-type]
+            elif kind == "schedule":
+                self.scheduled.setdefault(event[1], [])  # type: ignore[arg-type]
+            elif kind == "preempt":
+                withdrawn = self.scheduled.pop(event[1], None)  # type: ignore[call-overload]
+                if withdrawn is not None:
+                    self.preempt_building += 1
+                    for block in withdrawn:
+                        self.writer[block] = WITHDRAWN
+                self.preempt_at_depth[min(self.in_flight, MAX_DEPTH)] += 1
+            elif kind == "begin":
+                self.building = event[1]  # type: ignore[assignment]
+                self.scheduled = {}
+            elif kind == "submit":
+                self.building = None
+                self.scheduled = {}
+                self.in_flight += 1
+            elif kind == "execute":
+                step = event[1]
+                self.writer = {b: s for b, s in self.writer.items() if s != step}
+            elif kind == "commit":
+                self.in_flight -= 1
+            elif kind == "evict":
+                self.writer.pop(event[1], None)  # type: ignore[call-overload]
+            elif kind == "load_failed":
+                self.load_failures += 1
