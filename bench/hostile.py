@@ -753,18 +753,25 @@ def _in_process(argv: list[str], folder: Path, limit: float) -> tuple[int | None
 
 
 def _subprocess(argv: list[str], folder: Path, limit: float) -> tuple[int | None, str, str]:
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "kvspec", *argv],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=limit,
-            errors="replace",
-        )
-    except subprocess.TimeoutExpired:
-        return None, "", ""
-    return done.returncode, done.stdout, done.stderr
+    # A session of its own, killed whole at the limit: a command's own children (the demo's
+    # workers) would otherwise outlive it and keep running.
+    with subprocess.Popen(
+        [sys.executable, "-m", "kvspec", *argv],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return None, "", ""
+        return proc.returncode, out, err
 
 
 # -- the campaign ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ KVSPEC = [sys.executable, "-m", "kvspec"]
     [
         (["fuzz"], "--policy"),
         (["fuzz", "--policy", "nope"], "invalid choice"),
-        (["fuzz", "--policy", "deferred", "--depth", "0"], "must be > 0"),
+        (["fuzz", "--policy", "deferred", "--depth", "0"], "must be 1..64"),
         (["fuzz", "--policy", "deferred", "--seconds", "soon"], "not a number"),
         (["simulate", "--policy", "deferred"], "--out"),
         (["teleport"], "invalid choice"),
