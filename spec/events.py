@@ -138,18 +138,20 @@ def _positions(type_: str) -> dict[str, int]:
     }
 
 
-_REQUEST = {
+REQUEST_AT = {
     name: kind.position("req")
     for name, kind in KINDS.items()
     if kind.fields and kind.fields[0][0] == "req"
 }
 _BLOCK = _positions("block")
 _BLOCKS = _positions("blocks")
-_STEP = {
+STEP_AT = {
     name: kind.position("step")
     for name, kind in KINDS.items()
     if kind.fields and kind.fields[0][0] == "step"
 }
+"""Where an event of each kind holds its one request (``REQUEST_AT``) or step (``STEP_AT``): the
+tables ``request_of`` and ``step_of`` read, public for compiled readers (``judge/ids.py``)."""
 
 
 def kind_of(event: Event) -> Kind | None:
@@ -169,7 +171,7 @@ def field(event: Event, name: str) -> object:
 def request_of(event: Event) -> int | None:
     """The one request an event is about (its ``req`` field), or None (also for an event too
     short to have one: accessors never raise, a malformed event is the judge's to report)."""
-    at = _REQUEST.get(cast(str, event[0])) if event else None
+    at = REQUEST_AT.get(cast(str, event[0])) if event else None
     return cast(int, event[at]) if at is not None and at < len(event) else None
 
 
@@ -203,5 +205,5 @@ def blocks_of(event: Event) -> tuple[int, ...]:
 
 def step_of(event: Event) -> int | None:
     """The step a decision names (begin, submit, execute, commit), or None."""
-    at = _STEP.get(cast(str, event[0])) if event else None
+    at = STEP_AT.get(cast(str, event[0])) if event else None
     return cast(int, event[at]) if at is not None and at < len(event) else None
