@@ -40,6 +40,7 @@ judges everything).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -255,8 +256,12 @@ def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
     return run
 
 
-ASYNC_DEFAULTS = {"async_scheduling": False, "stale_output": "drop"}
-"""Header fields a trace of a synchronous engine may leave out (the format's defaults)."""
+ASYNC_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(Config)
+    if f.name in ("async_scheduling", "stale_output")
+}
+"""Header fields a trace of a synchronous engine may leave out (``Config``'s defaults)."""
 
 
 def older_header(raw: bytes) -> bytes:

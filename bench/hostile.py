@@ -637,7 +637,9 @@ def expect_refused(argv: list[str]) -> str | None:
                 PROVE_RANGES.get(option, (1, math.inf)) if name == "prove" else (1, math.inf)
             )
             if option == "--depth" and name != "prove":
-                high = 64  # cli.MAX_DEPTH
+                from kvspec.cli import MAX_DEPTH
+
+                high = MAX_DEPTH
             if not low <= number <= high:
                 return f"{option} {number}"
         elif option in POSITIVE_FLOAT:

@@ -27,7 +27,7 @@ Counters:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 Event = tuple[object, ...]
 
@@ -51,12 +51,8 @@ class Coverage:
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
     def add(self, other: Coverage) -> None:
-        self.preempt_building += other.preempt_building
-        self.hit_same_step += other.hit_same_step
-        self.hit_in_flight += other.hit_in_flight
-        self.zombie_hits += other.zombie_hits
-        self.unwritten_reads += other.unwritten_reads
-        self.load_failures += other.load_failures
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         for depth, count in enumerate(other.preempt_at_depth):
             self.preempt_at_depth[depth] += count
 
@@ -80,6 +76,10 @@ class Coverage:
             f"blocks, {self.zombie_hits} zombie hits, {self.unwritten_reads} unwritten reads, {self.load_failures} load failures; "
             f"preemptions with 0/1/2/3 steps in flight: {depths}"
         )
+
+
+COUNTERS = tuple(f.name for f in fields(Coverage) if f.name != "preempt_at_depth")
+"""The scalar counts of ``Coverage``, summed field by field."""
 
 
 class RunCoverage(Coverage):

@@ -59,13 +59,8 @@ def test_kvspec_watch_judges_vllms_publisher(tmp_path: Path) -> None:
             endpoint, replay = words[1], words[3]
             capture = tmp_path / f"{fault or 'clean'}.jsonl"
             argv = [*KVSPEC, "watch", endpoint, "--replay", replay, "--capture", str(capture)]
-            watch = subprocess.Popen(  # SIGINT as a terminal sends it, even where the test
-                # runner ignores it (xdist workers do, and a child inherits an ignored signal)
-                [*argv, "--blocks", "7"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            watch = subprocess.Popen(
+                [*argv, "--blocks", "7"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
             deadline = time.monotonic() + 120
             while not capture.exists() and time.monotonic() < deadline:
