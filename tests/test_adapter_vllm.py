@@ -52,11 +52,16 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     registers nothing. And without async scheduling at depth 2, a request preempted while a
     submitted step holds it, its stale output delivered and dropped. Last, vLLM's cap on the
     post-output registration planted away: a block registered before a submitted step writes its
-    last slot, which the spec refuses (and ``post_output_publishes_ahead`` counts)."""
-    cases = ("seed", "seed2", "clean", "clean3", "async", "stale", "ahead")
+    last slot, which the spec refuses (and ``post_output_publishes_ahead`` counts). And the
+    finding of ``docs/findings/vllm_async_chunked_prefill_zombie.py`` at small sizes: vLLM's
+    defaults with ``long_prefill_token_threshold`` on publish a chunk's block and preempt its
+    writer in the same call; with the threshold at 0 the same arrivals run clean."""
+    cases = ("seed", "seed2", "clean", "clean3", "async", "stale", "ahead", "chunked")
     done = _run("tests/thirdparty_checks.py", "vllm", *cases)
     assert done.returncode == 0, done.stderr[-2000:]
-    seed, seed2, clean, clean3, *rest, ahead = done.stdout.splitlines()
+    seed, seed2, clean, clean3, *rest, ahead, chunked, unchunked = done.stdout.splitlines()
+    assert chunked.startswith("NoUnwrittenPublish: block 8 is published"), chunked
+    assert unchunked.startswith("none") and " file 0 " in unchunked, unchunked
     assert len(rest) == 8, rest
     *delivered_and_dropped, aborted, seed_async, stale_delivered, stale_dropped = rest
     assert seed.startswith("NoUnwrittenPublish: block 5 is published"), seed

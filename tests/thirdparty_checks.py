@@ -210,6 +210,20 @@ SEED_ASYNC = [  # the seed's workload with a longer run: step 2 preempts r0 afte
     ("arrive", (2, (1, 2), 2, 0)),
     ("step", (8,)),
 ]
+R0 = tuple(i % 7 + 1 for i in range(36))
+CHUNKED = [  # docs/findings/vllm_async_chunked_prefill_zombie.py at a quarter of its sizes
+    ("arrive", (0, R0, 2, 1)),  # 9 of the 9 usable blocks, least important; step 0: 16 tokens
+    ("step", (1,)),
+    ("arrive", (1, (9, 9, 9, 9), 4, 0)),
+    # step 1: r0's chunk is capped at the threshold (8), r1 is admitted behind it; step 2 publishes
+    # r0's blocks for tokens 24..32, then r1's decode needs a block and PRIORITY preempts r0
+    ("step", (2,)),
+    ("arrive", (2, R0[:32], 2, 0)),  # hits block 8, which no step writes
+    ("step", (10,)),
+]
+CHUNKED_CELL = dict(
+    preemption="priority", num_blocks=10, block_size=4, token_budget=16, max_running=3, depth=2
+)
 ASYNC_CELL = dict(preemption="fcfs", num_blocks=5, block_size=2, token_budget=6, max_running=2)
 
 CACHED = [  # the shrunk counterexample kvspec fuzz found in nano-vllm-fork (docs/adapters.md)
@@ -419,6 +433,9 @@ if __name__ == "__main__":
             run(engine, SEED_ASYNC, **dict(VLLM, depth=2))
         elif case == "ahead":  # vLLM's defaults at depth 2, its post-output cap planted away
             run(engine, ASYNC, "factory", ASYNC_TOKENS, register_ahead, **dict(ASYNC_CELL, depth=2))
+        elif case == "chunked":  # the threshold on (the finding), then vLLM's default 0
+            for factory in ("long_prefill_factory", "factory"):
+                run(engine, CHUNKED, factory, **CHUNKED_CELL)
         elif case == "clean3":  # vLLM's defaults at depth 3
             run(engine, CLEAN, preemption="fcfs", depth=3, **BIG)
         elif case == "fuzz":

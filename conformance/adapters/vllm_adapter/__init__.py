@@ -26,6 +26,11 @@ was given said of those two fields: the fuzzer and ``kvspec check`` judge agains
                             ``pipeline_parallel_size = D``; stale output delivered.
 ``drop_factory``            the synchronous ``Scheduler`` of ``sync_factory`` in drop mode.
 ``async_drop_factory``      ``factory``'s engine in drop mode.
+``long_prefill_factory``    ``factory`` with ``--long-prefill-token-threshold`` at half the
+                            token budget (at least 1): prefill chunks capped once two requests
+                            are eligible. Not vLLM's default (0), but a documented serving
+                            option, and the one setting under which the fuzzer reaches
+                            ``docs/findings/vllm_async_chunked_prefill_zombie.py``.
 ==========================  ================================================================
 
 **Stale output.** With several steps in flight a request may be preempted while a submitted step
@@ -69,6 +74,7 @@ __all__ = [
     "async_drop_factory",
     "drop_factory",
     "factory",
+    "long_prefill_factory",
     "sync_factory",
 ]
 
@@ -89,11 +95,19 @@ def supported(config: Config) -> str | None:
     return None
 
 
-def _adapter(config: Config, choices: Choices, asynchronous: bool, drop: bool) -> VllmAdapter:
+def _adapter(
+    config: Config, choices: Choices, asynchronous: bool, drop: bool, threshold: int = 0
+) -> VllmAdapter:
     why = supported(config)
     if why is not None:
         raise ValueError(why)
-    return VllmAdapter(config, choices, drop_stale=drop, async_scheduling=asynchronous)
+    return VllmAdapter(
+        config,
+        choices,
+        drop_stale=drop,
+        async_scheduling=asynchronous,
+        long_prefill_token_threshold=threshold,
+    )
 
 
 def factory(config: Config, choices: Choices) -> VllmAdapter:
@@ -117,3 +131,11 @@ def drop_factory(config: Config, choices: Choices) -> VllmAdapter:
 def async_drop_factory(config: Config, choices: Choices) -> VllmAdapter:
     """``factory`` in vLLM's drop mode."""
     return _adapter(config, choices, asynchronous=config.depth >= 2, drop=True)
+
+
+def long_prefill_factory(config: Config, choices: Choices) -> VllmAdapter:
+    """``factory`` with ``long_prefill_token_threshold`` at half the token budget (at least 1):
+    a running request's prefill is cut into chunks of that size while another request waits or
+    runs, so a request can sit mid-prefill ahead of one that fails to allocate."""
+    threshold = max(1, config.token_budget // 2)
+    return _adapter(config, choices, config.depth >= 2, drop=False, threshold=threshold)

@@ -80,6 +80,7 @@ def vllm_config(
     policy: str,
     depth: int,
     async_scheduling: bool,
+    long_prefill_token_threshold: int = 0,
 ) -> VllmConfig:
     model = ModelConfig(
         model=_model_folder(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024
@@ -92,6 +93,7 @@ def vllm_config(
         enable_chunked_prefill=True,
         policy=policy,
         async_scheduling=async_scheduling,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
@@ -113,10 +115,14 @@ def vllm_config(
     return config
 
 
-def build_scheduler(config: Config, async_scheduling: bool) -> Any:
+def build_scheduler(
+    config: Config, async_scheduling: bool, long_prefill_token_threshold: int = 0
+) -> Any:
     """vLLM's ``Scheduler`` (or ``AsyncScheduler``, with Model Runner V2) for the cell: one
     KV-cache group of full attention over ``config.num_blocks`` blocks, prefix caching and chunked
-    prefill on, a batch queue of ``config.depth`` steps."""
+    prefill on, a batch queue of ``config.depth`` steps; prefill chunks capped at
+    ``long_prefill_token_threshold`` tokens once two requests are eligible (0, vLLM's default:
+    no cap)."""
     bsz = config.block_size
     vconfig = vllm_config(
         config.num_blocks,
@@ -126,6 +132,7 @@ def build_scheduler(config: Config, async_scheduling: bool) -> Any:
         config.preemption,
         config.depth,
         async_scheduling,
+        long_prefill_token_threshold,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=config.num_blocks,

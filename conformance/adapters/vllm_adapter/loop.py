@@ -82,6 +82,7 @@ class VllmAdapter:
         choices: Choices,
         drop_stale: bool = False,
         async_scheduling: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if async_scheduling and config.depth < 2:
             raise ValueError("async scheduling keeps at least 2 steps in flight")
@@ -95,7 +96,7 @@ class VllmAdapter:
         self.choices = choices
         self.events: list[Event] = []
         self.coverage = Coverage()
-        self.scheduler = build_scheduler(config, async_scheduling)
+        self.scheduler = build_scheduler(config, async_scheduling, long_prefill_token_threshold)
         self.hasher = block_hasher(config.block_size)
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self.arrived: list[int] = []
