@@ -242,33 +242,38 @@ def watch(
     def interrupted(signum: int, frame: object) -> None:
         stop["now"] = True
 
-    previous = signal.signal(signal.SIGTERM, interrupted)
+    # SIGINT and SIGTERM only set a flag that the loop reads between polls: a KeyboardInterrupt
+    # raised at an arbitrary point could leave a lock of the live display taken (a `with lock:`
+    # interrupted between the acquire and the block) and hang the exit.
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     code = 0
     try:
         table = summary_table(judge, endpoint, sub)
-        with Live(table, console=console, refresh_per_second=4, transient=True) as live:
-            try:
-                while not stop["now"]:
-                    if seconds is not None and time.monotonic() - started >= seconds:
+        # Refreshed by this loop (no refresh thread of rich's own to join at the end).
+        with Live(table, console=console, auto_refresh=False, transient=True) as live:
+            shown = 0.0
+            while not stop["now"]:
+                if seconds is not None and time.monotonic() - started >= seconds:
+                    break
+                for seq, payload in sub.poll(0.1):
+                    judge.take_up(sub.sequencer.origin)
+                    if judge.feed(decode_batch(seq, payload)) is not None:
+                        code = 1
                         break
-                    for seq, payload in sub.poll(0.1):
-                        judge.take_up(sub.sequencer.origin)
-                        if judge.feed(decode_batch(seq, payload)) is not None:
-                            code = 1
-                            break
-                    live.update(summary_table(judge, endpoint, sub))
-                    if code:
-                        break
-            except KeyboardInterrupt:
-                pass
-            live.update(summary_table(judge, endpoint, sub))
+                if code:
+                    break
+                if time.monotonic() - shown >= 0.25:
+                    live.update(summary_table(judge, endpoint, sub), refresh=True)
+                    shown = time.monotonic()
+            live.update(summary_table(judge, endpoint, sub), refresh=True)
         console.print(summary_table(judge, endpoint, sub))  # the final summary stays
     except (FrameError, ViewTooLarge) as err:
         sys.stderr.write(f"kvspec watch: {endpoint}: {err}\n")
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sub.close()
         if writer is not None:
             writer.close()
