@@ -194,6 +194,8 @@ class FastModel:
         self.commits = 0
         self.arrivals = 0
         self.finished: set[int] = set()
+        self.prunable = False
+        """A commit, abort or preemption since the last ``prune``."""
         # interned prefixes
         self.intern: dict[tuple[int, tuple[int, ...]], int] = {}
         self.node: dict[int, tuple[int, tuple[int, ...], int]] = {ROOT: (ROOT, (), 0)}
@@ -205,7 +207,7 @@ class FastModel:
         """The effects of the decision being applied, in order."""
         self.held: Collection[Hashable] = ()
         """Prefix ids the judge holds (its hash-chain tables): never collected."""
-        self.placeholders: dict[int, set[int]] = {}
+        self.placeholders: dict[int, list[int]] = {}
         """Async scheduling: placeholder -> the blocks whose content (written or pending) holds
         it; resolved or dropped when the step that samples it commits."""
         # what the current decision changed
@@ -249,9 +251,12 @@ class FastModel:
             self.requests[cast(int, decision[1])].arrival = self.arrivals
             self.arrivals += 1
         elif kind == "commit" or kind == "abort":
+            self.prunable = True
             for effect in self.expected:
                 if effect[0] == "finish":
                     self.finished.add(cast(int, effect[1]))
+        elif kind == "preempt":
+            self.prunable = True
         return self.expected
 
     def check(self, names: Collection[str] | None) -> Violation | None:
@@ -275,9 +280,12 @@ class FastModel:
         return rid in self.requests
 
     def prune(self) -> list[int]:
-        """Drop finished requests no in-flight step references any more (as ``SpecModel``)."""
-        if not self.finished:
+        """Drop finished requests no in-flight step references any more (as ``SpecModel``).
+        Only a commit, an abort or a preemption finishes a request or drops a step's reference
+        to one, so between them there is nothing new to drop."""
+        if not self.finished or not self.prunable:
             return []
+        self.prunable = False
         gone: list[int] = []
         for rid in list(self.finished):
             if any(rid in st.entries or rid in st.registrations for st in self.steps):
@@ -327,8 +335,9 @@ class FastModel:
         bsz, known = self.bsz, len(req.tokens)
         if length > known:
             q = known // bsz
-            tail = (*req.tokens[q * bsz :], *req.ahead)
-            return (self._chain(req, q - 1) if q else ROOT, tuple(tail[: length - q * bsz]))
+            base = q * bsz
+            tail = (*req.tokens[base:], *req.ahead[: length - known])
+            return (self._chain(req, q - 1) if q else ROOT, tail)
         i = (length - 1) // bsz
         if length == (i + 1) * bsz:
             return self._chain(req, i)
@@ -352,7 +361,14 @@ class FastModel:
 
     def _resolve(self, step: Stp, sampled: dict[int, int]) -> None:
         """The step committed: its placeholders of the requests sampled become their tokens in
-        every content that holds them; the others (discarded samples) stay garbage."""
+        every content that holds them; the others (discarded samples) stay garbage.
+
+        A resolution does not count as a content change (``_content_changed``): it renames one
+        placeholder to its token in every content and, through ``Req.tokens``, in every reader's
+        prefix at once. A renaming keeps every equality and every prefix relation, so each
+        ``holds`` of NoUnwrittenRead and NoUnwrittenPublish that was true stays true (it may
+        make a false one true: the token can equal a real token elsewhere), and the reads
+        verified before stay verified."""
         pending, written, placeholders = self.pending, self.written, self.placeholders
         for rid, e in step.entries.items():
             ph = e.ph
@@ -364,24 +380,26 @@ class FastModel:
                 continue
             substitute = self._substitute
             for block in blocks:  # some may no longer hold it (withdrawn, overwritten)
-                content = written[block]
-                resolved = substitute(content, ph, token)
-                changed = resolved is not content
-                written[block] = resolved
+                written[block] = substitute(written[block], ph, token)
                 writes = pending[block]
                 for j, (s, r, c, load) in enumerate(writes):
                     resolved = substitute(c, ph, token)
                     if resolved is not c:
                         writes[j] = (s, r, resolved, load)
-                        changed = True
-                if changed:
-                    self._content_changed(block)
 
     def _substitute(self, content: object, ph: int, token: int) -> object:
-        if not isinstance(content, tuple) or ph not in content[1]:
+        """``content`` with placeholder ``ph`` (at most once in it: one position) as ``token``."""
+        if not isinstance(content, tuple):
             return content
         parent, tail = cast("tuple[int, tuple[int, ...]]", content)
-        return self._canonical(parent, tuple(token if x == ph else x for x in tail))
+        if ph not in tail:
+            return content
+        if tail[-1] == ph:  # the usual case: the last position written is the sampled one
+            tail = tail[:-1] + (token,)
+        else:
+            at = tail.index(ph)
+            tail = tail[:at] + (token,) + tail[at + 1 :]
+        return self._canonical(parent, tail) if len(tail) >= self.bsz else (parent, tail)
 
     def _track(self, block: int, ahead: list[int], count: int) -> None:
         """A write pending on ``block`` holds the first ``count`` placeholders of ``ahead`` (the
@@ -391,9 +409,9 @@ class FastModel:
             ph = ahead[j]
             blocks = placeholders.get(ph)
             if blocks is None:
-                placeholders[ph] = {block}
-            else:
-                blocks.add(block)
+                placeholders[ph] = [block]
+            elif block not in blocks:
+                blocks.append(block)
 
     def _holds(self, content: object, prefix: object) -> bool:
         """``spec.pool.holds``: bytes holding ``content`` are valid for a reader of ``prefix``."""
@@ -755,11 +773,15 @@ class FastModel:
         for rid, e in entries.items():
             for block in e.blocks[e.start // bsz :]:
                 writes = pending[block]
-                mine = [w for w in writes if w[0] == sid and w[1] == rid]
-                if len(mine) != len(writes):
-                    pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
+                head = writes[0]
+                if head[0] == sid and head[1] == rid and (
+                    len(writes) == 1 or writes[1][0] != sid
+                ):  # the usual case: this write first (the oldest step's), the only one of it
+                    mine = [head]
+                    pending[block] = writes[1:]
                 else:
-                    pending[block] = []
+                    mine = [w for w in writes if w[0] == sid and w[1] == rid]
+                    pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
                 if rid not in failed:
                     # What was pending lands: no step's eventual content changes (this step is
                     # the oldest in flight, its write the first pending), and no holder had

@@ -31,6 +31,10 @@ from .incremental import TABLES_APPEND_ONLY, Incremental
 Event = tuple[object, ...]
 
 
+LEAVING = frozenset({"commit", "abort", "preempt"})
+"""The decisions after which ``prune`` may find a finished request no step references."""
+
+
 class SpecModel:
     def __init__(self, config: Config, incremental: bool = True, state: State | None = None):
         """``state``: start from this spec state (between decisions) instead of the initial one."""
@@ -42,6 +46,9 @@ class SpecModel:
         self.tables = running_tables(self.state)
         """Full-definition mode: the running tables at the last check (TablesAppendOnly)."""
         self.finished = {rid for rid, r in self.state.requests.items() if r.status == "finished"}
+        self.prunable = True
+        """A decision since the last ``prune`` that may finish a request or drop a step's
+        reference to one (``LEAVING``), or an engine's effect."""
 
     def apply(self, decision: Event) -> list[Event]:
         s = self.state
@@ -49,13 +56,16 @@ class SpecModel:
         effects = apply(s, decision)
         if decision[0] == "commit" or decision[0] == "abort":
             self.finished.update(e[1] for e in effects if e[0] == "finish")  # type: ignore[misc]
+        self.prunable = self.prunable or decision[0] in LEAVING
         return effects
 
     def steer(self, decision: Event, effects: list[Event]) -> None:
         steer(self.state, decision, effects)
+        self.prunable = self.prunable or decision[0] in LEAVING
 
     def engine_effect(self, effect: Event) -> None:
         engine_effect(self.state, effect)  # recorded in the decision's State.touched
+        self.prunable = True
 
     def check(self, names: Collection[str] | None) -> Violation | None:
         s = self.state
@@ -87,8 +97,9 @@ class SpecModel:
         return rid in self.state.requests
 
     def prune(self) -> list[int]:
-        if not self.finished:
+        if not self.finished or not self.prunable:  # nothing new to drop since the last call
             return []
+        self.prunable = False
         s, gone = self.state, []
         for rid in list(self.finished):
             if any(rid in st.entries or rid in st.registrations for st in s.steps):
