@@ -774,8 +774,8 @@ class FastModel:
             for block in e.blocks[e.start // bsz :]:
                 writes = pending[block]
                 head = writes[0]
-                if head[0] == sid and head[1] == rid and (
-                    len(writes) == 1 or writes[1][0] != sid
+                if (
+                    head[0] == sid and head[1] == rid and (len(writes) == 1 or writes[1][0] != sid)
                 ):  # the usual case: this write first (the oldest step's), the only one of it
                     mine = [head]
                     pending[block] = writes[1:]
