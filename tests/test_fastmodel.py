@@ -165,6 +165,50 @@ def test_a_fast_model_that_does_not_resolve_placeholders_is_caught(
         lockstep_walks()
 
 
+def leftovers(config: Config, events: list[Event], model: ModuleType) -> list[tuple[str, int]]:
+    """Finished requests a judge still holds although no step in flight references them, just
+    before a decision would prune (each judge prunes before it applies a decision), for the spec
+    judge and the fast one; the definition of pruning, restated from the states."""
+    found: list[tuple[str, int]] = []
+    judges = {"spec": core.Judge.stream(config), "fast": model.Judge.fast(config)}
+    end: Event = ("end of trace",)
+    for event in [*events, end]:
+        for name, judge in judges.items():
+            if (event is end or event[0] in ACTIONS) and judge.finding is None:
+                judge.model.prune()
+                s = judge.model.state if name == "spec" else judge.model.export()
+                for rid, req in s.requests.items():
+                    held = any(rid in st.entries or rid in st.registrations for st in s.steps)
+                    if req.status == "finished" and not held:
+                        found.append((name, rid))
+            if event is not end:
+                judge.feed(event)
+    return found
+
+
+@pytest.mark.parametrize("model", MODELS)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(run=spec_runs())
+def test_finished_requests_are_pruned_once_no_step_holds_them(
+    model: ModuleType, run: tuple[Config, list[Event]]
+) -> None:
+    """Both judges forget a finished request before the first decision after the last step that
+    referenced it left (``prune``, skipped between commits, aborts and preemptions)."""
+    assert leftovers(*run, model) == []
+
+
+def test_a_judge_that_skips_pruning_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FastModel, "prune", lambda self: [])
+
+    @settings(max_examples=200, deadline=None, phases=[Phase.generate], database=None)
+    @given(run=spec_runs())
+    def pruned(run: tuple[Config, list[Event]]) -> None:
+        assert leftovers(*run, core) == []
+
+    with pytest.raises(AssertionError):  # found while generating; not shrunk (it is planted)
+        pruned()
+
+
 MUTATIONS = ("drop", "duplicate", "swap", "block", "token", "request", "step", "decision")
 
 
