@@ -40,11 +40,13 @@ judges everything).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import itertools
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -233,10 +235,12 @@ def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
     """``kvspec check`` of ``tree`` in a fresh process (its own compiled build, in a temporary
     folder); its ``took`` is the child's own timing of the check, start-up excluded."""
     link = Path(tempfile.mkdtemp(prefix="kvspec-tree-"))
+    atexit.register(shutil.rmtree, link, True)
     (link / "kvspec").symlink_to(tree)
     (link / "mypy-path").mkdir()
     (link / "mypy-path" / "kvspec").symlink_to(tree)
     folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
+    atexit.register(shutil.rmtree, folder, True)
     env = {**os.environ, "PYTHONPATH": str(link), "MYPYPATH": str(link / "mypy-path")}
 
     def run(path: Path, sample_size: int) -> int:
@@ -277,12 +281,20 @@ def older_header(raw: bytes) -> bytes:
 
 def baseline(ref: str, sample: Path) -> Callable[[Path, int], int]:
     """``worker`` on git revision ``ref`` of this repository, checked out in a temporary folder."""
-    tree = Path(tempfile.mkdtemp(prefix="kvspec-baseline-")) / "tree"
+    folder = Path(tempfile.mkdtemp(prefix="kvspec-baseline-"))
+    tree = folder / "tree"
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref],
         check=True,
         capture_output=True,
     )
+
+    def remove() -> None:  # the checkout and git's record of it: nothing left behind
+        git = ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)]
+        subprocess.run(git, capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(remove)
     return worker(tree, sample)
 
 
