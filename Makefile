@@ -10,7 +10,7 @@ FASTMODEL := $(VENV)/kvspec-mypyc/.stamp
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv
+.PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
 
 venv: $(STAMP) $(FASTMODEL)
 
@@ -88,6 +88,28 @@ $(SGLANG_STAMP): thirdparty/sglang-requirements.txt thirdparty/kvspec-runtime.tx
 	$(SGLANG_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
 	$(SGLANG_VENV)/bin/python -c "import kvspec.conformance.adapters.sglang_adapter"
 	touch $(SGLANG_STAMP)
+
+# vLLM 0.33.0's own tests under kvspec's judge (thirdparty/vllm_suite.py, docs/vllm-suite.md):
+# the sdist's tests/ in $(VLLM_SUITE), what they import (thirdparty/vllm-suite-requirements.txt),
+# model folders of one config.json each; then tests/v1/core without and with kvspec's pytest
+# plugin, and the table (exit 1 if an outcome differs or a violation is found). vllm-suite-ci:
+# the subset CI runs (test_scheduler.py, test_prefix_caching.py, test_async_scheduler.py), both
+# passes at once.
+VLLM_SUITE       := $(VLLM_VENV)/vllm-0.33.0
+VLLM_SUITE_STAMP := $(VLLM_SUITE)/.stamp
+
+$(VLLM_SUITE_STAMP): $(VLLM_STAMP) thirdparty/vllm-suite-requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+		-r thirdparty/vllm-suite-requirements.txt
+	$(VLLM_VENV)/bin/python thirdparty/vllm_suite.py fetch --suite $(VLLM_SUITE)
+	touch $(VLLM_SUITE_STAMP)
+
+vllm-suite: $(VLLM_SUITE_STAMP)
+	$(VLLM_VENV)/bin/python thirdparty/vllm_suite.py run --suite $(VLLM_SUITE) tests/v1/core
+
+vllm-suite-ci: $(VLLM_SUITE_STAMP)
+	$(VLLM_VENV)/bin/python thirdparty/vllm_suite.py run --suite $(VLLM_SUITE) --ci --parallel \
+		--out $(VLLM_SUITE)/run-ci
 
 # HypoFuzz campaigns over tests/fuzz_targets.py (docs/fuzzing.md): its own venv, since
 # hypofuzz 25.11.1 needs hypothesis 6.148.2. Not part of CI.

@@ -42,9 +42,13 @@ need it) it drops the token and may re-admit at once. The spec models both
 (``Config.stale_output``). ``self_check`` verifies that vLLM appended exactly the tokens the
 ``commit`` reports, each at the position it was sampled for.
 
-Where each event comes from: ``attach.py`` (the block lifecycle, wrapped on vLLM's own methods)
-and ``loop.py`` (the engine core's decisions, the fake model runner); ``build.py`` makes vLLM's
-objects; ``kv_stream.py`` runs vLLM's KV-event publisher.
+Where each event comes from: ``attach.py``, whose public ``attach(scheduler)`` derives every event
+(the engine core's decisions and the block lifecycle) from vLLM's own entry points on a scheduler
+the caller built, and refuses, by feature name, what the spec does not model (``features.py``);
+``loop.py`` only drives (the engine core's loop, the fake model runner); ``build.py`` makes vLLM's
+objects; ``kv_stream.py`` runs vLLM's KV-event publisher. ``pool_attach.attach_pool`` does the same for a bare ``KVCacheManager`` or ``BlockPool``,
+in the pool machine's vocabulary (``kvspec.spec.pool_machine``). kvspec's pytest plugin
+(``kvspec/pytest_plugin.py``) attaches both to whatever a vLLM test builds.
 
 vLLM's native KV events (``BlockStored``/``BlockRemoved``) are kept and cross-checked:
 ``self_check`` (run by the fuzzer after every rule) says whether vLLM stored as many blocks as
@@ -65,13 +69,21 @@ from __future__ import annotations
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
+from .attach import Attachment, Refusal, attach, config_of
 from .loop import VOCAB, VllmAdapter
+from .pool_attach import PoolAttachment, attach_pool
 
 __all__ = [
     "MAX_DEPTH",
     "VOCAB",
+    "Attachment",
+    "PoolAttachment",
+    "Refusal",
     "VllmAdapter",
     "async_drop_factory",
+    "attach",
+    "attach_pool",
+    "config_of",
     "drop_factory",
     "factory",
     "long_prefill_factory",

@@ -1,73 +1,165 @@
-"""vLLM's block lifecycle as kvspec events: wrappers on one ``Scheduler``'s own methods.
+"""vLLM's scheduler as kvspec events: ``attach(scheduler)``, from vLLM's own entry points.
 
-``Attachment(scheduler, events, block_size, on_preempt)`` wraps, on that instance only, the
-methods where the block lifecycle happens and appends the events they cause to ``events``:
+``attach(scheduler)`` takes a ``Scheduler`` the caller built (the fuzzer's loop, a vLLM test) and
+wraps, on that instance only, the methods where the engine core's decisions and the block
+lifecycle happen; every call then appends kvspec events (``docs/events.md``) to ``events``:
 
 ==================================  ==========================================================
 vLLM method                         events
 ==================================  ==========================================================
+``Scheduler.add_request``           ``arrive`` (the request's id mapped to the next integer)
+``Scheduler.schedule``              ``begin``, the effects inside, ``submit``
 ``KVCacheManager.allocate_slots``   ``schedule`` (and ``hit`` on admission) when it succeeds,
                                     then the effects recorded inside it
-``BlockPool.touch``                 (cross-checks ``hit``: the blocks vLLM touched)
 ``BlockPool.get_new_blocks``        ``evict`` (from ``_maybe_evict_cached_block``), ``alloc``
-``BlockPool._insert_block_hash``    ``publish`` (hash insertion)
+``BlockPool._insert_block_hash``    ``publish``
 ``Scheduler._preempt_request``      ``preempt``
 ``BlockPool.free_blocks``           ``free``, one per block, in the order vLLM frees them
-``Scheduler._free_request``         ``finish`` with vLLM's own finish reason
-``KVCacheManager.cache_blocks``     (names the request whose blocks a post-output registration
-                                    publishes)
+``Scheduler._free_request``         ``finish`` (and ``abort`` first, under ``finish_requests``)
+``Scheduler.update_from_output``    ``execute`` and ``commit``: the tokens read from the
+                                    caller's ``ModelRunnerOutput`` by vLLM's rules (below)
+``Scheduler.finish_requests``       ``abort`` per live request, its frees, ``finish ... abort``
+``KVCacheManager.reset_prefix_cache``  ``reset`` and an ``unpublish`` per cached block
 ==================================  ==========================================================
+
+**Outputs.** ``update_from_output`` must get the ``SchedulerOutput`` of the oldest step in
+flight. Its ``commit`` lists ``(request, token)`` for the requests vLLM will append a token to:
+those still live (vLLM skips finished and aborted ones) whose output is not *stale*. A request
+preempted while a submitted step held it has stale output there: vLLM drops it in its drop mode
+(``drop_stale_output``); by default it would deliver it, which the spec (vLLM's drop mode) cannot
+follow, so a delivered stale token is refused and an empty one (the fuzzer's runner withholds it)
+is simply not listed. A token at which vLLM stops the request (EOS, a stop token, repetition) is
+reported as the configuration's ``stop_token``: the spec knows one stop token, vLLM decides per
+request, and the token never enters a hash (the request finishes with it).
+
+**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: prefix
+caching off, a KV connector, speculative decoding, async scheduling, hybrid groups, sliding
+window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no
+engine core does (edits vLLM's state between calls, drives the KV-cache manager directly, patches
+a wrapped method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time,
+with the feature's name. The events go on being recorded (the fuzzer's loop drives
+``async_factory`` through the same wrappers); a judge must not judge what comes after a refusal.
+``listener(attachment)`` is called whenever an outermost entry point returns: a consistent point,
+where the events so far can be judged and the pool compared with the spec's (``snapshot``).
 
 vLLM's native KV events (``BlockStored``/``BlockRemoved``, from ``take_events``) are kept in
 ``native`` and cross-checked by ``self_check``; disagreements between the wrappers land in
-``problems``. The engine-core decisions around these (``arrive``, ``begin``/``submit``,
-``execute``/``commit``, ``abort``, ``reset``) are the driving loop's (``loop.py``).
+``problems``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
+from kvspec.spec import Config
+
+from .features import Feature, pending_features, request_features, scheduler_features
+from .methods import Method, Wrappers
+
 Event = tuple[object, ...]
+
+STOP = -1
+"""The stop token of ``config_of``'s configuration: no vLLM token id is negative."""
+UNBOUNDED = 1 << 30
+"""``schedule()`` bounds no steps in flight (the engine core's batch queue does)."""
 
 REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_REPETITION: "stop",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why an attachment stopped being judgeable: a feature's name and what was seen."""
+
+    feature: str
+    detail: str
+    at: str
+    """``construction`` (seen when attaching) or ``run`` (seen while the caller drove it)."""
+
+    def __str__(self) -> str:
+        return f"{self.feature}: {self.detail}" if self.detail else self.feature
+
+
+@dataclass
+class InFlight:
+    step: int
+    output: Any
+    samples: dict[str, bool]
+    """Request id -> whether its chunk reached the end of its known tokens (it samples)."""
+
+
+@dataclass
 class Attachment:
-    def __init__(
-        self,
-        scheduler: Any,
-        events: list[Event],
-        block_size: int,
-        on_preempt: Callable[[str], None] = lambda request_id: None,
-    ) -> None:
-        self.scheduler = scheduler
-        self.pool = scheduler.kv_cache_manager.block_pool
-        self.events = events
-        self.block_size = block_size
-        self.on_preempt = on_preempt
-        self.native: list[Any] = []
+    scheduler: Any
+    config: Config
+    on_preempt: Callable[[str], None] = lambda request_id: None
+    listener: Callable[[Attachment], None] | None = None
+    events: list[Event] = field(default_factory=list)
+    native: list[Any] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    refusal: Refusal | None = None
+    error: str | None = None
+    """A bug of kvspec met inside a wrapper (the wrapped call itself went on)."""
+    ids: dict[str, int] = field(default_factory=dict)
+    """vLLM request id -> the event stream's integer id, assigned at arrival."""
+
+    def __post_init__(self) -> None:
+        self.kv = self.scheduler.kv_cache_manager
+        self.pool = self.kv.block_pool
+        self.block_size = self.config.block_size
+        self.in_flight: list[InFlight] = []
+        self.next_step = 0
+        self.depth = 0
+        self.entry: str | None = None
         self._current: int | None = None  # request whose slots are being allocated
-        self._owner: int | None = None  # request whose blocks cache_blocks registers
+        self._current_request: Any = None
+        self._owner: Any = None  # request whose blocks cache_blocks registers
         self._pending: list[Event] = []  # effects recorded inside allocate_slots
         self._evicted: set[int] = set()
         self._touched: list[int] = []  # blocks vLLM touched inside the current allocate_slots
-        self.problems: list[str] = []  # disagreements between the wrappers, for self_check
+        self._aborting: set[str] = set()
+        self._finishing: dict[int, str] = {}
+        self._links: dict[object, object] = {}  # (parent hash, block tokens) -> hash
+        self._hashes: dict[object, object] = {}  # hash -> (parent hash, block tokens)
+        self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
+        self._latest: dict[int, float] = {}  # priority -> latest arrival time seen
+        self.wrappers = Wrappers()
         self._wrap()
+        for feature in scheduler_features(self.scheduler):
+            self.refuse(*feature, at="construction")
+            break
+        self._fingerprint = self.fingerprint()
+
+    # -- public -------------------------------------------------------------------------------
+
+    def refuse(self, feature: str, detail: str = "", at: str = "run") -> None:
+        """Stop being judgeable (the first refusal is kept)."""
+        if self.refusal is None:
+            self.refusal = Refusal(feature, detail, at)
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(refcount of every block, null block as 0; the free queue head first)."""
+        refcounts = (0,) + tuple(b.ref_cnt for b in self.pool.blocks[1:])
+        free = tuple(b.block_id for b in self.pool.free_block_queue.get_all_free_blocks())
+        return refcounts, free
 
     def self_check(self) -> str | None:
         """Cross-check the wrapped methods against vLLM's own KV events: as many blocks stored
         as ``publish`` events, as many removed as ``evict`` events."""
         if self.problems:
             return self.problems[0]
+        if not self.pool.enable_kv_cache_events:
+            return None  # vLLM records no KV events to compare with
         # Peek at the events vLLM has not taken yet: taking them would keep them from its publisher.
         native = self.native + list(self.pool.kv_event_queue)
         stored = sum(len(e.block_hashes) for e in native if isinstance(e, BlockStored))
@@ -81,40 +173,398 @@ class Attachment:
             )
         return None
 
-    def _wrap(self) -> None:
-        sched, kv, pool = self.scheduler, self.scheduler.kv_cache_manager, self.pool
-        allocate_slots, get_new_blocks = kv.allocate_slots, pool.get_new_blocks
-        evict, insert, free_blocks = (
-            pool._maybe_evict_cached_block,
-            pool._insert_block_hash,
-            pool.free_blocks,
-        )
-        preempt, free_request, touch = sched._preempt_request, sched._free_request, pool.touch
-        take_events, cache_blocks = kv.take_events, kv.cache_blocks
+    def detach(self) -> None:
+        self.wrappers.uninstall()
 
-        def cache_blocks_(request: Request, num_computed_tokens: int) -> None:
-            self._owner = int(request.request_id)  # async scheduling, after the output
+    def fingerprint(self) -> tuple[object, ...]:
+        """What the spec models of vLLM's state, to tell whether the caller changed it between
+        two entry points."""
+        sched, pool = self.scheduler, self.pool
+        requests = tuple(
+            (
+                rid,
+                r.status,
+                r.num_computed_tokens,
+                r.num_tokens,
+                r.max_tokens,
+                r.priority,
+                r.num_output_placeholders,
+                r.num_stale_output_tokens,
+            )
+            for rid, r in sched.requests.items()
+        )
+        tables = tuple(
+            (rid, tuple(b.block_id for b in blocks))
+            for manager in self.kv.coordinator.single_type_managers
+            for rid, blocks in manager.req_to_blocks.items()
+        )
+        queue = pool.free_block_queue
+        free: tuple[int, ...] | int = queue.num_free_blocks
+        if len(pool.blocks) <= 4096:
+            free = tuple(b.block_id for b in queue.get_all_free_blocks())
+        return (
+            requests,
+            tuple(r.request_id for r in sched.running),
+            len(sched.waiting),
+            tables,
+            tuple(b.ref_cnt for b in pool.blocks),
+            free,
+            len(pool.cached_block_hash_to_block),
+        )
+
+    # -- entry points -------------------------------------------------------------------------
+
+    def _enter(self, name: str) -> None:
+        """An outermost entry point begins: refuse what changed since the last one returned."""
+        self.depth, self.entry = 1, name
+        if self.refusal is not None:
+            return
+        why = self.wrappers.tampered()
+        if why is not None:
+            return self.refuse("vLLM method patched by the test", why)
+        if self.scheduler.kv_cache_manager is not self.kv or self.kv.block_pool is not self.pool:
+            return self.refuse("KV cache manager replaced", "after construction")
+        if self.fingerprint() != self._fingerprint:
+            return self.refuse("state edited between calls", f"before {name}()")
+        for feature in scheduler_features(self.scheduler) + pending_features(
+            self.scheduler, scheduling=name == "schedule"
+        ):
+            return self.refuse(*feature)
+        drift = _drift(self.config, config_of(self.scheduler))
+        if drift:
+            self.refuse("scheduler limits changed", drift)
+
+    def _exit(self) -> None:
+        self.depth, self.entry = 0, None
+        if self.refusal is None:
+            self._fingerprint = self.fingerprint()
+        if self.listener is not None:
+            self.listener(self)
+
+    def _outermost(self, name: str, body: Callable[[], Any]) -> Any:
+        """Run an entry point's ``body`` with the checks around it; vLLM's exceptions pass
+        through (and refuse: its state is then whatever vLLM left)."""
+        if self.depth:
+            return body()
+        self._safe(self._enter, name)
+        try:
+            result = body()
+        except BaseException as err:
+            self.refuse("vLLM raised", f"{type(err).__name__} in {name}()")
+            self.depth, self.entry = 0, None
+            raise
+        self._safe(self._exit)
+        return result
+
+    def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run kvspec's own bookkeeping; a bug there is recorded, never raised into vLLM."""
+        try:
+            return fn(*args)
+        except Exception as err:  # kvspec's bug: the test must not see it
+            if self.error is None:
+                self.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
+            self.refuse("kvspec internal error", self.error)
+            return None
+
+    def _inner(self, what: str) -> None:
+        """A wrapped method below the entry points, called outside them."""
+        if self.depth == 0:
+            self.refuse("KV cache manager driven directly", f"{what} outside the scheduler")
+
+    # -- the wrappers -------------------------------------------------------------------------
+
+    def _wrap(self) -> None:
+        sched, kv, pool, w = self.scheduler, self.kv, self.pool, self.wrappers
+        for obj, name, make in (
+            (sched, "add_request", self._add_request),
+            (sched, "schedule", self._schedule),
+            (sched, "update_from_output", self._update_from_output),
+            (sched, "finish_requests", self._finish_requests),
+            (sched, "reset_prefix_cache", self._scheduler_reset),
+            (sched, "_preempt_request", self._preempt_request),
+            (sched, "_free_request", self._free_request),
+            (kv, "allocate_slots", self._allocate_slots),
+            (kv, "cache_blocks", self._cache_blocks),
+            (kv, "take_events", self._take_events),
+            (kv, "reset_prefix_cache", self._kv_reset),
+            (pool, "get_new_blocks", self._get_new_blocks),
+            (pool, "touch", self._touch),
+            (pool, "_maybe_evict_cached_block", self._evict),
+            (pool, "_insert_block_hash", self._insert),
+            (pool, "free_blocks", self._free_blocks),
+        ):
+            w.install(obj, name, make)
+        for obj, name, feature in (
+            (kv, "pop_blocks_for_free", "deferred block free"),
+            (kv, "evict_blocks", "eviction by block id"),
+            (pool, "evict_blocks", "eviction by block id"),
+            (pool, "cache_partial_block", "partial prefix-cache hits"),
+            (pool, "move_block_hashes", "hashes moved between blocks"),
+            (pool, "unpin_blocks", "blocks released while read"),
+        ):
+            w.install(obj, name, self._refusing(feature, name))
+
+    def _refusing(self, feature: str, name: str) -> Callable[[Method], Method]:
+        def make(original: Method) -> Method:
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                self.refuse(feature, f"{name}()")
+                return original(*args, **kw)
+
+            return wrapper
+
+        return make
+
+    def _add_request(self, original: Method) -> Method:
+        def add_request(request: Request) -> None:
+            self._outermost(
+                "add_request", lambda: (self._safe(self._arrive, request), original(request))[1]
+            )
+
+        return add_request
+
+    def _arrive(self, request: Request) -> None:
+        for feature in request_features(self.scheduler, request):
+            self.refuse(*feature)
+            if feature[0] == "streaming input" or request.prompt_token_ids is None:
+                return
+            break
+        if self.config.preemption == "priority":
+            latest = self._latest.get(request.priority)
+            if latest is not None and request.arrival_time <= latest:
+                self.refuse(
+                    "arrival times out of order",
+                    f"{request.request_id} arrives at {request.arrival_time}, after one at {latest}",
+                )
+            t = request.arrival_time
+            self._latest[request.priority] = t if latest is None else max(latest, t)
+        rid = self.ids.setdefault(request.request_id, len(self.ids))
+        self._check_hashes(request, len(request.block_hashes))
+        room = self.scheduler.max_model_len - request.num_prompt_tokens
+        max_tokens = min(request.max_tokens, room)
+        prompt = tuple(request.prompt_token_ids)
+        self.events.append(("arrive", rid, prompt, max_tokens, request.priority))
+
+    def _schedule(self, original: Method) -> Method:
+        def schedule(*args: Any, **kw: Any) -> Any:
+            def body() -> Any:
+                step = self.next_step
+                self.next_step += 1
+                self.events.append(("begin", step))
+                output = original(*args, **kw)
+                self.events.append(("submit", step))
+                self._safe(self._submitted, step, output)
+                return output
+
+            return self._outermost("schedule", body)
+
+        return schedule
+
+    def _submitted(self, step: int, output: Any) -> None:
+        requests = self.scheduler.requests
+        samples = {r: not requests[r].is_prefill_chunk for r in output.num_scheduled_tokens}
+        self.in_flight.append(InFlight(step, output, samples))
+        if output.scheduled_spec_decode_tokens:
+            self.refuse("speculative decoding", "draft tokens scheduled")
+        if output.scheduled_encoder_inputs:
+            self.refuse("multimodal", "encoder inputs scheduled")
+
+    def _update_from_output(self, original: Method) -> Method:
+        def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
+            def body() -> Any:
+                at = self._safe(self._commit, scheduler_output, model_runner_output)
+                self._finishing = {}
+                result = original(scheduler_output, model_runner_output)
+                if at is not None:
+                    self._safe(self._stops, at)
+                return result
+
+            return self._outermost("update_from_output", body)
+
+        return update_from_output
+
+    def _commit(self, output: Any, runner: Any) -> int | None:
+        """Append ``execute`` and ``commit`` for the oldest step; return the commit's index."""
+        found = next((i for i, f in enumerate(self.in_flight) if f.output is output), None)
+        if found is None:
+            self.refuse("an output schedule() did not make", "update_from_output")
+            return None
+        if found != 0:
+            self.refuse("outputs processed out of order", f"step {self.in_flight[found].step}")
+        oldest = self.in_flight.pop(found)
+        sampled: list[tuple[int, int]] = []
+        requests = self.scheduler.requests
+        tokens_of = runner.sampled_token_ids or []
+        index = runner.req_id_to_index or {}
+        failures = runner.kv_connector_output
+        if failures is not None and (failures.failed_recving or failures.invalid_block_ids):
+            self.refuse("KV connector", "KV load failures")
+        if runner.pooler_output:
+            self.refuse("pooling", "pooler output")
+        for req_id in output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # vLLM skips requests finished or aborted since
+            got = (
+                tokens_of[index[req_id]]
+                if req_id in index and index[req_id] < len(tokens_of)
+                else []
+            )
+            got = list(got) if got is not None else []
+            if request.num_stale_output_tokens > 0:  # preempted while this step held it
+                if got and not request.drop_stale_output:
+                    self.refuse("stale output delivery", f"{req_id} gets a token from before")
+                continue
+            wants = oldest.samples.get(req_id, False)
+            if len(got) > 1:
+                self.refuse("speculative decoding", f"{len(got)} tokens for {req_id} in a step")
+            elif got and not wants:
+                self.refuse("a token sampled mid-prefill", f"{req_id} (a real runner samples none)")
+            elif wants and not got:
+                self.refuse("no token sampled", f"{req_id} reached the end of its tokens")
+            if got:
+                sampled.append((self.ids[req_id], int(got[0])))
+        self.events.append(("execute", oldest.step, ()))
+        self.events.append(("commit", oldest.step, tuple(sampled)))
+        return len(self.events) - 1
+
+    def _stops(self, at: int) -> None:
+        """A token at which vLLM stopped its request is the spec's stop token."""
+        kind, step, sampled = self.events[at]
+        fixed = []
+        for rid, token in sampled:  # type: ignore[attr-defined]
+            stopped = self._finishing.get(rid) == "stop"
+            if stopped and token != self.config.stop_token:
+                if self.config.stop_token is None:
+                    self.refuse("a stop the spec cannot express", f"r{rid} stops at {token}")
+                else:
+                    token = self.config.stop_token
+            elif not stopped and token == self.config.stop_token:
+                self.refuse("a stop token that does not stop", f"r{rid} samples {token}")
+            fixed.append((rid, token))
+        self.events[at] = (kind, step, tuple(fixed))
+
+    def _finish_requests(self, original: Method) -> Method:
+        def finish_requests(request_ids: Any, finished_status: Any) -> Any:
+            if self.depth:  # inside update_from_output: vLLM's own error path
+                self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
+                return original(request_ids, finished_status)
+
+            def body() -> Any:
+                self._safe(self._mark_aborts, request_ids)
+                try:
+                    return original(request_ids, finished_status)
+                finally:
+                    self._aborting = set()
+
+            return self._outermost("finish_requests", body)
+
+        return finish_requests
+
+    def _mark_aborts(self, request_ids: Any) -> None:
+        requests = self.scheduler.requests
+        if request_ids is None:
+            ids: Iterable[str] = list(requests)
+        elif isinstance(request_ids, str):
+            ids = (request_ids,)
+        else:
+            ids = list(request_ids)
+        self._aborting = {
+            r for r in ids if r in requests and not requests[r].is_finished() and r in self.ids
+        }
+
+    def _scheduler_reset(self, original: Method) -> Method:
+        def reset_prefix_cache(*args: Any, **kw: Any) -> Any:
+            running = kw.get("reset_running_requests", args[0] if args else False)
+            if running and self.scheduler.running:
+                self.refuse("reset preempting running requests", "reset_running_requests=True")
+            return self._outermost("reset_prefix_cache", lambda: original(*args, **kw))
+
+        return reset_prefix_cache
+
+    def _kv_reset(self, original: Method) -> Method:
+        def reset_prefix_cache() -> bool:
+            def body() -> bool:
+                cached = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
+                done = bool(original())
+                if done:
+                    if self.in_flight:
+                        self.refuse("reset with steps in flight", f"{len(self.in_flight)} steps")
+                    self.events.append(("reset",))
+                    self.events.extend(("unpublish", block) for block in cached)
+                return done
+
+            return self._outermost("reset_prefix_cache", body)  # type: ignore[no-any-return]
+
+        return reset_prefix_cache
+
+    def _preempt_request(self, original: Method) -> Method:
+        def preempt(request: Request, *args: Any, **kw: Any) -> None:
+            if self.entry != "schedule":
+                self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
+            rid = self.ids.get(request.request_id)
+            self.events.append(("preempt", rid))
+            self.on_preempt(request.request_id)
+            original(request, *args, **kw)
+
+        return preempt
+
+    def _free_request(self, original: Method) -> Method:
+        def free_request(request: Request, *args: Any, **kw: Any) -> Any:
+            rid = self.ids.get(request.request_id)
+            aborted = request.request_id in self._aborting
+            if aborted:
+                self._aborting.discard(request.request_id)
+                self.events.append(("abort", rid))
+            result = original(request, *args, **kw)
+            if request.request_id in self.scheduler.requests:
+                self.refuse("delayed block free", f"{request.request_id} keeps its blocks")
+            reason = "abort" if aborted else REASONS.get(request.status)
+            if reason is None:
+                self.refuse(f"finish {request.status}", "a finish the spec does not have")
+                reason = str(request.status)
+            if rid is not None:
+                self._finishing[rid] = reason
+            self.events.append(("finish", rid, reason))
+            return result
+
+        return free_request
+
+    def _cache_blocks(self, original: Method) -> Method:
+        def cache_blocks(request: Request, num_computed_tokens: int) -> None:
+            self._inner("cache_blocks")
+            self._owner = request  # async scheduling, after the output
             try:
-                cache_blocks(request, num_computed_tokens)
+                original(request, num_computed_tokens)
             finally:
                 self._owner = None
 
-        def take_events_() -> list[Any]:
-            events = take_events()
-            self.native += events
-            return events
+        return cache_blocks
 
-        def allocate_slots_(request: Request, num_new_tokens: int, *args: Any, **kw: Any) -> Any:
+    def _take_events(self, original: Method) -> Method:
+        def take_events() -> list[Any]:
+            events = original()
+            self.native += events
+            return events  # type: ignore[no-any-return]
+
+        return take_events
+
+    def _allocate_slots(self, original: Method) -> Method:
+        def allocate_slots(request: Request, num_new_tokens: int, *args: Any, **kw: Any) -> Any:
+            self._inner("allocate_slots")
             admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            self._current, self._pending, self._touched = int(request.request_id), [], []
+            self._safe(self._slots_features, args, kw)
+            rid = self.ids.get(request.request_id)
+            self._current, self._current_request = rid, request
+            self._pending, self._touched = [], []
             try:
-                result = allocate_slots(request, num_new_tokens, *args, **kw)
+                result = original(request, num_new_tokens, *args, **kw)
             finally:
-                rid, pending, self._current, self._pending = self._current, self._pending, None, []
+                pending, self._current, self._current_request = self._pending, None, None
+                self._pending = []
             if result is None:
                 if pending:
-                    raise AssertionError(f"allocate_slots failed after effects {pending}")
+                    self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
             self.events.append(("schedule", rid, num_new_tokens, 0))
             if admission:
@@ -123,62 +573,98 @@ class Attachment:
                 self.events.append(("hit", rid, hit))
                 if tuple(self._touched) != hit:
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
+                self._safe(self._check_hashes, request, len(hit))
             self.events.extend(pending)
             return result
 
-        def get_new_blocks_(num_blocks: int) -> list[Any]:
+        return allocate_slots
+
+    def _slots_features(self, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        names = (
+            "num_new_computed_tokens",
+            "new_computed_blocks",
+            "num_lookahead_tokens",
+            "num_external_computed_tokens",
+            "delay_cache_blocks",
+            "num_encoder_tokens",
+        )
+        given = dict(zip(names, args, strict=False)) | kw
+        for name, feature in (
+            ("num_lookahead_tokens", "speculative decoding"),
+            ("num_external_computed_tokens", "KV connector"),
+            ("delay_cache_blocks", "KV connector"),
+            ("num_encoder_tokens", "encoder-decoder model"),
+        ):
+            if given.get(name):
+                self.refuse(feature, f"allocate_slots({name}={given[name]})")
+
+    def _get_new_blocks(self, original: Method) -> Method:
+        def get_new_blocks(num_blocks: int) -> list[Any]:
+            self._inner("get_new_blocks")
             self._evicted = set()
-            blocks = get_new_blocks(num_blocks)
+            blocks = original(num_blocks)
             for block in blocks:
                 if block.block_id in self._evicted:
                     self._effect(("evict", block.block_id))
                 self._effect(("alloc", self._current, block.block_id))
-            return blocks
+            return blocks  # type: ignore[no-any-return]
 
-        def touch_(blocks: Any) -> None:
+        return get_new_blocks
+
+    def _touch(self, original: Method) -> Method:
+        def touch(blocks: Any) -> None:
+            self._inner("touch")
             self._touched += [b.block_id for b in blocks if not b.is_null]
-            touch(blocks)
+            original(blocks)
 
-        def evict_(block: Any) -> bool:
-            evicted = evict(block)
+        return touch
+
+    def _evict(self, original: Method) -> Method:
+        def evict(block: Any) -> bool:
+            evicted = original(block)
             if evicted:
                 self._evicted.add(block.block_id)
-            return evicted
+            return evicted  # type: ignore[no-any-return]
 
-        def insert_(key: Any, block: Any, num_tokens: int | None) -> None:
+        return evict
+
+    def _insert(self, original: Method) -> Method:
+        def insert(key: Any, block: Any, num_tokens: int | None) -> None:
+            self._inner("_insert_block_hash")
             before = block.block_hash
-            insert(key, block, num_tokens)
+            original(key, block, num_tokens)
+            if before is not None and before != key:
+                self.refuse("partial prefix-cache hits", f"a second hash on block {block.block_id}")
             if before is None and block.block_hash is not None:
                 index = (num_tokens or 0) // self.block_size - 1
-                owner = self._current if self._current is not None else self._owner
-                self._effect(("publish", owner, index, block.block_id))
+                owner = self._current_request if self._current is not None else self._owner
+                rid = self.ids.get(owner.request_id) if owner is not None else None
+                if owner is not None:
+                    self._safe(self._check_hashes, owner, index + 1)
+                self._effect(("publish", rid, index, block.block_id))
 
-        def free_blocks_(ordered_blocks: Iterable[Any]) -> None:
+        return insert
+
+    def _free_blocks(self, original: Method) -> Method:
+        def free_blocks(ordered_blocks: Iterable[Any]) -> None:
+            self._inner("free_blocks")
             blocks = list(ordered_blocks)
+            self._safe(self._free_features, blocks)
             self.events.extend(("free", b.block_id) for b in blocks if not b.is_null)
-            free_blocks(blocks)
+            original(blocks)
 
-        def preempt_(request: Request, *args: Any, **kw: Any) -> None:
-            self.events.append(("preempt", int(request.request_id)))
-            self.on_preempt(request.request_id)
-            preempt(request, *args, **kw)
+        return free_blocks
 
-        def free_request_(request: Request, *args: Any, **kw: Any) -> Any:
-            result = free_request(request, *args, **kw)
-            reason = REASONS.get(request.status, str(request.status))
-            self.events.append(("finish", int(request.request_id), reason))
-            return result
-
-        kv.allocate_slots = allocate_slots_
-        pool.get_new_blocks = get_new_blocks_
-        pool.touch = touch_
-        pool._maybe_evict_cached_block = evict_
-        pool._insert_block_hash = insert_
-        pool.free_blocks = free_blocks_
-        sched._preempt_request = preempt_
-        sched._free_request = free_request_
-        kv.take_events = take_events_
-        kv.cache_blocks = cache_blocks_
+    def _free_features(self, blocks: list[Any]) -> None:
+        pool = self.pool.blocks
+        if any(not 0 <= b.block_id < len(pool) or pool[b.block_id] is not b for b in blocks):
+            self.refuse("blocks that are not the pool's", "free_blocks")
+        unhashed = [b for b in blocks if not b.is_null and b.ref_cnt == 1 and b.block_hash is None]
+        if len(unhashed) > 1:
+            self.refuse(
+                "a batch of unhashed blocks freed",
+                "vLLM keeps their order at the queue's head, the spec reverses it",
+            )
 
     def _effect(self, event: Event) -> None:
         """Effects inside ``allocate_slots`` wait for its ``schedule`` decision."""
@@ -186,3 +672,60 @@ class Attachment:
             self.events.append(event)
         else:
             self._pending.append(event)
+
+    def _check_hashes(self, request: Request, upto: int) -> None:
+        """Block hashes must be a function of the token prefix, and a prefix's alone: a hash
+        collision (two prefixes, one hash) or a hash that is not (one prefix, two hashes) is
+        a hashing the spec's keys cannot follow."""
+        hashes, tokens, bsz = request.block_hashes, request.all_token_ids, self.block_size
+        start = self._checked.get(request.request_id, 0)
+        for i in range(start, min(upto, len(hashes))):
+            link = (hashes[i - 1] if i else None, tuple(tokens[i * bsz : (i + 1) * bsz]))
+            known = self._links.setdefault(link, hashes[i])
+            if known != hashes[i]:
+                self.refuse("block hashes not a function of the tokens", f"{request.request_id}")
+            if self._hashes.setdefault(hashes[i], link) != link:
+                self.refuse("block hash collision", f"{request.request_id}'s block {i}")
+        self._checked[request.request_id] = max(start, min(upto, len(hashes)))
+
+
+def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = STOP) -> Config:
+    """The spec configuration a vLLM ``Scheduler`` claims to implement: its pool, block size,
+    preemption policy, token budget and admission limit; vLLM 0.33.0 registers eagerly."""
+    priority = scheduler.policy == SchedulingPolicy.PRIORITY
+    return Config(
+        num_blocks=scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+        block_size=scheduler.block_size,
+        depth=depth,
+        policy="eager-unsafe",
+        discipline="vllm",
+        preemption="priority" if priority else "fcfs",
+        token_budget=scheduler.max_num_scheduled_tokens,
+        max_running=scheduler.max_num_active_reqs,
+        stop_token=stop_token,
+    )
+
+
+def attach(
+    scheduler: Any,
+    config: Config | None = None,
+    on_preempt: Callable[[str], None] = lambda request_id: None,
+    listener: Callable[[Attachment], None] | None = None,
+) -> Attachment:
+    """Attach to a ``Scheduler`` the caller built: events from now on (``Attachment``).
+    ``config`` defaults to ``config_of(scheduler)``; ``on_preempt`` hears of each preemption
+    (the fuzzer's runner marks that request's in-flight output stale)."""
+    return Attachment(scheduler, config or config_of(scheduler), on_preempt, listener)
+
+
+def _drift(claimed: Config, now: Config) -> str:
+    """Which of the scheduler's limits differ from the configuration judged against."""
+    names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
+    return ", ".join(
+        f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
+        for n in names
+        if getattr(claimed, n) != getattr(now, n)
+    )
+
+
+__all__ = ["Attachment", "Event", "Feature", "Refusal", "STOP", "attach", "config_of"]

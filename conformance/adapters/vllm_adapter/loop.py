@@ -26,7 +26,7 @@ from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
 from . import kv_stream
-from .attach import Attachment, Event
+from .attach import Event, attach
 from .build import block_hasher, build_scheduler
 
 VOCAB = 4
@@ -94,7 +94,6 @@ class VllmAdapter:
         """The spec's model of what runs: vLLM's scheduling and stale-output mode, whatever the
         config given said of them."""
         self.choices = choices
-        self.events: list[Event] = []
         self.coverage = Coverage()
         self.scheduler = build_scheduler(config, async_scheduling, long_prefill_token_threshold)
         self.hasher = block_hasher(config.block_size)
@@ -105,9 +104,13 @@ class VllmAdapter:
         self.drop_stale = drop_stale
         self.scheduler.requires_kv_delivery = drop_stale  # vLLM's drop mode (package docstring)
         self.next_step = 0
-        self.attachment = Attachment(self.scheduler, self.events, config.block_size, self._left)
-        self.problems = self.attachment.problems
+        # Before attaching: the stream wraps update_from_output on the instance too, and the
+        # attachment takes a wrapper it finds there for the scheduler's own.
         self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if kv_stream.enabled() else None
+        # Refusals are not the fuzzer's business: it runs only cells the spec models.
+        self.attachment = attach(self.scheduler, self.config, on_preempt=self._left)
+        self.events: list[Event] = self.attachment.events
+        self.problems = self.attachment.problems
 
     @property
     def stale_outputs(self) -> int:
@@ -144,9 +147,10 @@ class VllmAdapter:
             priority=priority,
             block_hasher=self.hasher,
         )
-        self.events.append(("arrive", rid, tuple(prompt), max_tokens, priority))
         self.arrived.append(rid)
         self.scheduler.add_request(request)
+        if self.attachment.ids.get(str(rid)) != rid:
+            self.problems.append(f"the attachment maps r{rid} to {self.attachment.ids}")
 
     def step(self) -> bool:
         """Half of one ``EngineCore.step_with_batch_queue`` call (``step`` at depth 1, whose
@@ -161,9 +165,7 @@ class VllmAdapter:
             return False
         step = self.next_step
         self.next_step += 1
-        self.events.append(("begin", step))
         output = self.scheduler.schedule()
-        self.events.append(("submit", step))
         requests = self.scheduler.requests
         samples = {  # the runner samples where the chunk reaches the end of the request's
             r: requests[r].num_computed_tokens  # tokens: there (the sampled token's position)
@@ -191,7 +193,6 @@ class VllmAdapter:
         mode, those of requests preempted since (stale: vLLM drops them; by default it delivers
         them to the waiting request)."""
         oldest = self.queue.pop(0)
-        self.events.append(("execute", oldest.step, ()))
         sampled: list[tuple[int, int]] = []
         tokens: dict[str, list[int]] = {}
         before: dict[str, int] = {}
@@ -213,7 +214,6 @@ class VllmAdapter:
                     f"r{req_id}'s token of step {oldest.step} was sampled for position "
                     f"{position}, vLLM appends it at {request.num_tokens}"
                 )
-        self.events.append(("commit", oldest.step, tuple(sampled)))
         req_ids = list(oldest.output.num_scheduled_tokens)
         runner = ModelRunnerOutput(
             req_ids=req_ids,
@@ -260,19 +260,13 @@ class VllmAdapter:
     def abort(self, rid: int) -> bool:
         if rid not in self.live_requests():
             return False
-        self.events.append(("abort", rid))
         self.scheduler.finish_requests(str(rid), RequestStatus.FINISHED_ABORTED)
         return True
 
     def reset_prefix_cache(self) -> bool:
         if self.queue:
             return False
-        cached = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
-        if not self.scheduler.kv_cache_manager.reset_prefix_cache():
-            return False
-        self.events.append(("reset",))
-        self.events.extend(("unpublish", block) for block in cached)
-        return True
+        return bool(self.scheduler.kv_cache_manager.reset_prefix_cache())
 
     def live_requests(self) -> list[int]:
         requests = self.scheduler.requests
@@ -283,9 +277,7 @@ class VllmAdapter:
         ]
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        refcounts = (0,) + tuple(b.ref_cnt for b in self.pool.blocks[1:])
-        free = tuple(b.block_id for b in self.pool.free_block_queue.get_all_free_blocks())
-        return refcounts, free
+        return self.attachment.snapshot()
 
     def self_check(self) -> str | None:
         """The wrappers against vLLM's own KV events (``attach.Attachment.self_check``)."""

@@ -1,0 +1,184 @@
+"""What the spec does not model, read from vLLM's own state: each check names a feature.
+
+The attachments (``attach.py``, ``pool_attach.py``) *refuse* to judge where one of these shows,
+instead of judging it wrongly (a feature the spec does not know becomes a false alarm, or a
+silent pass). ``scheduler_features`` reads a ``Scheduler`` (at attach time and again at every
+entry point, since tests change settings after construction), ``request_features`` a request as it
+arrives, ``pending_features`` what a waiting or running request carries into ``schedule()``.
+Every function returns ``(feature, detail)`` pairs; the feature is a short stable name (the
+summary counts by it), the detail says what was seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import RequestStatus
+
+try:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+except ImportError:  # pragma: no cover - an older vLLM
+    AsyncScheduler = None  # type: ignore[assignment,misc]
+
+Feature = tuple[str, str]
+
+BLOCKED = (
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+    RequestStatus.WAITING_FOR_STREAMING_REQ,
+)
+
+
+def scheduler_features(sched: Any) -> list[Feature]:
+    """Settings of the scheduler, its KV-cache manager and its pool that the spec does not model."""
+    found: list[Feature] = []
+    config = sched.vllm_config
+    kv = sched.kv_cache_manager
+    groups = sched.kv_cache_config.kv_cache_groups
+
+    def need(cond: object, feature: str, detail: str) -> None:
+        if cond:
+            found.append((feature, detail))
+
+    need(
+        not getattr(kv, "enable_caching", True), "prefix caching off", "enable_prefix_caching=False"
+    )
+    need(sched.connector is not None, "KV connector", type(sched.connector).__name__)
+    need(getattr(sched, "ec_connector", None) is not None, "EC connector", "ec_transfer_config")
+    need(
+        AsyncScheduler is not None
+        and isinstance(sched, AsyncScheduler)
+        or getattr(sched.scheduler_config, "async_scheduling", False),
+        "async scheduling",
+        "output placeholders: decodes scheduled before their token is known",
+    )
+    need(
+        config.speculative_config is not None
+        or getattr(sched, "num_spec_tokens", 0)
+        or getattr(sched, "num_lookahead_tokens", 0),
+        "speculative decoding",
+        f"{getattr(sched, 'num_spec_tokens', 0)} speculative tokens",
+    )
+    need(len(groups) != 1, "hybrid KV-cache groups", f"{len(groups)} KV-cache groups")
+    for group in groups:
+        spec = group.kv_cache_spec
+        if getattr(spec, "sliding_window", None):
+            found.append(("sliding window", f"{type(spec).__name__}({spec.sliding_window})"))
+        elif getattr(spec, "attention_chunk_size", None):
+            found.append(("chunked local attention", type(spec).__name__))
+        elif type(spec) is not FullAttentionSpec:
+            found.append((f"KV-cache spec {type(spec).__name__}", "not plain full attention"))
+    need(getattr(sched, "defer_block_free", False), "defer_block_free", "frees wait for steps")
+    need(
+        getattr(sched, "num_hash_lookahead_tokens", 0),
+        "lookahead hashing",
+        f"{getattr(sched, 'num_hash_lookahead_tokens', 0)} tokens after each block in its hash",
+    )
+    need(
+        getattr(sched, "hash_block_size", sched.block_size) != sched.block_size,
+        "hash block size",
+        f"hashes of {getattr(sched, 'hash_block_size', None)} tokens, blocks of {sched.block_size}",
+    )
+    need(
+        getattr(kv.coordinator, "enable_partial_hash_hits", False),
+        "partial prefix-cache hits",
+        "hits inside a block",
+    )
+    need(getattr(sched, "is_encoder_decoder", False), "encoder-decoder model", "cross-attention")
+    need(getattr(sched, "is_mm_encoder_only", False), "multimodal encoder-only", "no sampling")
+    need(getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "pooling or diffusion model", "")
+    need(getattr(sched, "prefix_replay_tokens", 0), "prefix replay", "recomputed hit tails")
+    need(getattr(sched, "num_prefill_lookahead", 0), "prefill lookahead (MTP)", "")
+    need(
+        getattr(sched, "dcp_world_size", 1) > 1 or getattr(sched, "pcp_world_size", 1) > 1,
+        "context parallelism",
+        "",
+    )
+    need(getattr(sched, "aux_output_connector", None) is not None, "aux output connector", "")
+    need(getattr(sched.kv_cache_config, "has_mamba_layers", False), "Mamba layers", "")
+    need(
+        getattr(sched.kv_cache_config, "hisparse_host_num_blocks", None) is not None,
+        "HiSparse",
+        "",
+    )
+    need(
+        type(sched) is not Scheduler and not (AsyncScheduler and type(sched) is AsyncScheduler),
+        f"Scheduler subclass {type(sched).__name__}",
+        "its overrides are not vLLM's scheduler",
+    )
+    return found
+
+
+def request_features(sched: Any, request: Any) -> list[Feature]:
+    """What a request arriving at ``add_request`` carries that the spec does not model."""
+    found: list[Feature] = []
+
+    def need(cond: object, feature: str, detail: str) -> None:
+        if cond:
+            found.append((feature, detail))
+
+    params = request.sampling_params
+    need(request.request_id in sched.requests, "streaming input", "a request id added twice")
+    need(getattr(request, "resumable", False), "streaming input", "a resumable request")
+    need(getattr(request, "mm_features", None), "multimodal", "multimodal inputs in the hash")
+    need(getattr(request, "lora_request", None) is not None, "LoRA", "the adapter in the hash")
+    need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
+    need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
+    need(request.pooling_params is not None or params is None, "pooling", "no sampling")
+    need(
+        getattr(request, "skip_reading_prefix_cache", False),
+        "prefix-cache read skipped",
+        "prompt logprobs or all-token pooling",
+    )
+    need(getattr(request, "use_structured_output", False), "structured output", "grammar waits")
+    need(getattr(request, "kv_transfer_params", None), "KV connector", "kv_transfer_params")
+    need(
+        request.status != RequestStatus.WAITING or request.num_computed_tokens,
+        "a request added mid-flight",
+        f"{request.status} with {request.num_computed_tokens} computed tokens",
+    )
+    if request.prompt_token_ids is not None:
+        bsz = sched.block_size
+        full = request.num_tokens // bsz
+        need(
+            len(request.block_hashes) != full,
+            "no block hasher",
+            f"{len(request.block_hashes)} block hashes for {full} full blocks",
+        )
+        need(
+            request.num_prompt_tokens >= sched.max_model_len,
+            "prompt at max_model_len",
+            f"{request.num_prompt_tokens} tokens, max_model_len {sched.max_model_len}",
+        )
+    return found
+
+
+def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
+    """What vLLM's requests show at an entry point that the spec does not model: blocked
+    waiting states, drafts set on a request, requests that hold blocks while waiting, and (when
+    ``scheduling``: at ``schedule()``) stale output that makes vLLM defer a re-admission."""
+    found: list[Feature] = []
+    for request in sched.requests.values():
+        if request.status in BLOCKED:
+            found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
+        if request.spec_token_ids and not request.is_finished():
+            found.append(("speculative decoding", f"draft tokens on {request.request_id}"))
+        if (
+            scheduling
+            and request.status == RequestStatus.PREEMPTED
+            and request.num_stale_output_tokens
+            and not request.drop_stale_output
+        ):
+            found.append(
+                (
+                    "stale output deferral",
+                    f"{request.request_id} waits for its stale output before re-admission",
+                )
+            )
+    if len(getattr(sched, "kv_holding_waiting", ())):
+        found.append(("blocks held while waiting", "kv_holding_waiting is not empty"))
+    if getattr(sched, "num_waiting_for_streaming_input", 0):
+        found.append(("streaming input", "a session waits for input"))
+    return found

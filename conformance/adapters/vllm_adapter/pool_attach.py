@@ -1,0 +1,401 @@
+"""A bare vLLM ``KVCacheManager`` or ``BlockPool`` as pool events (``kvspec.spec.pool_machine``).
+
+For code that drives the pool layer directly, with no scheduler (vLLM's own
+``test_prefix_caching.py`` and friends): ``attach_pool(manager_or_pool)`` wraps, on the instance,
+the pool's state-changing methods and the manager's entry points, and appends the pool
+vocabulary (``spec/pool_machine.py``) to ``events``:
+
+========================================  ===================================================
+vLLM method                               events
+========================================  ===================================================
+``KVCacheManager.get_computed_blocks``    ``lookup`` (the request's capped block hashes as
+                                          keys), then ``hit``
+``KVCacheManager.allocate_slots``         ``slots`` with the hits it is handed, the pool
+                                          events inside, ``slots_done``
+``BlockPool.touch``                       ``touch``
+``BlockPool.get_new_blocks``              ``allocate``, then ``evicted``/``alloc`` per block
+``BlockPool.free_blocks``                 ``free``
+``BlockPool._insert_block_hash``          ``publish`` (``cache_full_blocks`` inserts each)
+``BlockPool._maybe_evict_cached_block``   ``evict`` (outside an allocation: ``evict_blocks``)
+``BlockPool.reset_prefix_cache``          ``reset`` when it succeeds
+========================================  ===================================================
+
+Holders: under a manager, the request a manager method works for (its id mapped to the next
+integer at first sight); a bare pool's caller is the anonymous holder ``None``. Keys: vLLM's
+``BlockHashWithGroupId`` values, mapped to small integers at first sight. Lookups are judged where
+they are plain prefix lookups (one full-attention group, hashes of the block size, no EAGLE
+drop); elsewhere the manager's lookups are not reported and only the pool's actions are judged.
+
+Refusals (``refusal``, as in ``attach.py``): a second hash on a block (partial prefix-cache hits),
+``cache_partial_block``, ``move_block_hashes``, ``unpin_blocks``, ``pop_blocks_for_free``, blocks of
+another pool, a stale hit handed to ``allocate_slots``, a request's block freed beneath its
+manager, state edited between calls, a wrapped method patched. ``listener(attachment)`` is called
+whenever an outermost call returns; ``snapshot`` gives what a ``PoolJudge.compare`` takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from .attach import Refusal
+from .methods import Method, Wrappers
+
+Event = tuple[object, ...]
+
+
+@dataclass
+class PoolAttachment:
+    target: Any
+    listener: Callable[[PoolAttachment], None] | None = None
+    events: list[Event] = field(default_factory=list)
+    refusal: Refusal | None = None
+    error: str | None = None
+    ids: dict[str, int] = field(default_factory=dict)
+    keys: dict[Hashable, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.manager = self.target if hasattr(self.target, "block_pool") else None
+        self.pool = self.manager.block_pool if self.manager is not None else self.target
+        self.num_blocks = self.pool.num_gpu_blocks
+        self.caching = bool(self.pool.enable_caching)
+        self.depth = 0
+        self.holder: int | None = None
+        self._allocating = False
+        self._evicted: list[int] = []
+        self.lookups = self.manager is not None and _plain_lookups(self.manager)
+        self.wrappers = Wrappers()
+        self._wrap()
+        config = getattr(self.manager, "kv_cache_config", None)
+        if getattr(config, "hisparse_host_num_blocks", None) is not None:
+            self.refuse("HiSparse", "host-backed pages move beneath the manager", "construction")
+        self._last = self.snapshot()
+
+    def refuse(self, feature: str, detail: str = "", at: str = "run") -> None:
+        if self.refusal is None:
+            self.refusal = Refusal(feature, detail, at)
+
+    def detach(self) -> None:
+        self.wrappers.uninstall()
+
+    def key(self, value: Hashable) -> int:
+        return self.keys.setdefault(value, len(self.keys))
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, Hashable]]:
+        """(refcounts with the null block as 0, the free queue head first, block -> key of the
+        cached blocks as vLLM's hash map holds them)."""
+        pool = self.pool
+        refcounts = (0,) + tuple(b.ref_cnt for b in pool.blocks[1:])
+        free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+        cached: dict[int, Hashable] = {}
+        for value, blocks in pool.cached_block_hash_to_block._cache.items():
+            for block in blocks.values() if isinstance(blocks, dict) else (blocks,):
+                cached[block.block_id] = self.key(value)
+        return refcounts, free, cached
+
+    def self_check(self) -> str | None:
+        """vLLM's blocks carry the hashes its map indexes them under."""
+        own = {b.block_id: self.key(b.block_hash) for b in self.pool.blocks if b.block_hash}
+        mapped = self.snapshot()[2]
+        if own != mapped:
+            odd = sorted(set(own.items()) ^ set(mapped.items()))[:4]
+            return f"vLLM's blocks and its hash map disagree: {odd}"
+        return None
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def _call(self, name: str, holder: Any, body: Callable[[], Any]) -> Any:
+        """An outermost call: check nothing changed since the last, run, tell the listener."""
+        outer = self.depth == 0
+        if outer:
+            self._safe(self._enter, name)
+        saved = self.holder
+        if holder is not None:
+            self.holder = self._safe(self._holder, holder)
+        self.depth += 1
+        try:
+            return body()
+        except BaseException as err:
+            self.refuse("vLLM raised", f"{type(err).__name__} in {name}()")
+            raise
+        finally:
+            self.depth -= 1
+            self.holder = saved
+            if outer:
+                self._safe(self._exit)
+
+    def _enter(self, name: str) -> None:
+        if self.refusal is not None:
+            return
+        why = self.wrappers.tampered()
+        if why is not None:
+            self.refuse("vLLM method patched by the test", why)
+        elif self.manager is not None and self.manager.block_pool is not self.pool:
+            self.refuse("block pool replaced", "after construction")
+        elif self.snapshot() != self._last:
+            self.refuse("state edited between calls", f"before {name}()")
+
+    def _exit(self) -> None:
+        if self.refusal is None:
+            self._last = self.snapshot()
+        if self.listener is not None:
+            self.listener(self)
+
+    def _holder(self, request: Any) -> int:
+        request_id = request if isinstance(request, str) else request.request_id
+        return self.ids.setdefault(request_id, len(self.ids))
+
+    def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as err:  # kvspec's bug: the test must not see it
+            if self.error is None:
+                self.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
+            self.refuse("kvspec internal error", self.error)
+            return None
+
+    # -- wrappers -----------------------------------------------------------------------------
+
+    def _wrap(self) -> None:
+        pool, w = self.pool, self.wrappers
+        for name, make in (
+            ("get_new_blocks", self._get_new_blocks),
+            ("touch", self._touch),
+            ("free_blocks", self._free_blocks),
+            ("_insert_block_hash", self._insert),
+            ("_maybe_evict_cached_block", self._evict),
+            ("reset_prefix_cache", self._reset),
+            ("cache_full_blocks", self._passing("cache_full_blocks")),
+            ("evict_blocks", self._passing("evict_blocks")),
+        ):
+            w.install(pool, name, make)
+        for name, feature in (
+            ("cache_partial_block", "partial prefix-cache hits"),
+            ("move_block_hashes", "hashes moved between blocks"),
+            ("unpin_blocks", "blocks released while read"),
+        ):
+            w.install(pool, name, self._refusing(feature, name))
+        manager = self.manager
+        if manager is None:
+            return
+        w.install(manager, "get_computed_blocks", self._get_computed_blocks)
+        w.install(manager, "allocate_slots", self._allocate_slots)
+        for name in ("free", "cache_blocks", "remove_skipped_blocks"):
+            w.install(manager, name, self._for_request(name))
+        w.install(manager, "pop_blocks_for_free", self._refusing("deferred block free", "pop"))
+
+    def _refusing(self, feature: str, name: str) -> Callable[[Method], Method]:
+        def make(original: Method) -> Method:
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                self.refuse(feature, f"{name}()")
+                return original(*args, **kw)
+
+            return wrapper
+
+        return make
+
+    def _passing(self, name: str) -> Callable[[Method], Method]:
+        """A pool method whose effects the wrapped methods below it report: only an outermost
+        call's boundaries."""
+
+        def make(original: Method) -> Method:
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                return self._call(name, None, lambda: original(*args, **kw))
+
+            return wrapper
+
+        return make
+
+    def _for_request(self, name: str) -> Callable[[Method], Method]:
+        def make(original: Method) -> Method:
+            def wrapper(request: Any, *args: Any, **kw: Any) -> Any:
+                return self._call(name, request, lambda: original(request, *args, **kw))
+
+            return wrapper
+
+        return make
+
+    def _get_computed_blocks(self, original: Method) -> Method:
+        def get_computed_blocks(request: Any, *args: Any, **kw: Any) -> Any:
+            def body() -> Any:
+                result = original(request, *args, **kw)
+                if self.lookups:
+                    self._safe(self._lookup, request, result, args, kw)
+                return result
+
+            return self._call("get_computed_blocks", request, body)
+
+        return get_computed_blocks
+
+    def _lookup(self, request: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        manager = self.manager
+        cap = kw.get("max_cache_hit_length", args[0] if args else None)
+        if cap is None:
+            cap = request.num_tokens - 1
+        block_size = manager.coordinator.single_type_managers[0].block_size
+        keys: tuple[int, ...] = ()
+        if manager.prefix_cache_lookup_enabled(request):
+            hashes = request.block_hashes[: cap // block_size]
+            keys = tuple(self.key(make_block_hash_with_group_id(h, 0)) for h in hashes)
+        hits = tuple(b.block_id for b in result[0].blocks[0]) if result[0].blocks else ()
+        self.events.append(("lookup", self.holder, keys))
+        self.events.append(("hit", self.holder, hits))
+
+    def _allocate_slots(self, original: Method) -> Method:
+        def allocate_slots(request: Any, *args: Any, **kw: Any) -> Any:
+            names = ("num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")
+            given = dict(zip(names, args, strict=False)) | kw
+            hits = given.get("new_computed_blocks")
+
+            def body() -> Any:
+                self._safe(self._slots, hits)
+                try:
+                    return original(request, *args, **kw)
+                finally:
+                    self.events.append(("slots_done", self.holder))
+
+            return self._call("allocate_slots", request, body)
+
+        return allocate_slots
+
+    def _slots(self, hits: Any) -> None:
+        blocks = [b for group in (hits.blocks if hits is not None else ()) for b in group]
+        blocks = [b for b in blocks if not b.is_null]
+        if any(b.block_hash is None for b in blocks):
+            self.refuse("a stale hit handed to allocate_slots", "a hit block is not cached")
+        self.events.append(("slots", self.holder, tuple(b.block_id for b in blocks)))
+
+    def _get_new_blocks(self, original: Method) -> Method:
+        def get_new_blocks(num_blocks: int) -> Any:
+            def body() -> Any:
+                self._allocating, self._evicted = True, []
+                try:
+                    blocks = original(num_blocks)
+                finally:
+                    self._allocating = False
+                self.events.append(("allocate", self.holder, num_blocks))
+                evicted = set(self._evicted)
+                for block in blocks:
+                    if block.block_id in evicted:
+                        self.events.append(("evicted", block.block_id))
+                    self.events.append(("alloc", self.holder, block.block_id))
+                return blocks
+
+            return self._call("get_new_blocks", None, body)
+
+        return get_new_blocks
+
+    def _touch(self, original: Method) -> Method:
+        def touch(blocks: Any) -> None:
+            def body() -> None:
+                blocks_ = list(blocks)
+                self._safe(self._foreign, blocks_, "touch")
+                original(blocks_)
+                ids = tuple(b.block_id for b in blocks_ if not b.is_null)
+                self.events.append(("touch", self.holder, ids))
+
+            return self._call("touch", None, body)  # type: ignore[no-any-return]
+
+        return touch
+
+    def _free_blocks(self, original: Method) -> Method:
+        def free_blocks(ordered_blocks: Iterable[Any]) -> None:
+            def body() -> None:
+                blocks = list(ordered_blocks)
+                self._safe(self._free_features, blocks)
+                ids = tuple(b.block_id for b in blocks if not b.is_null)
+                self.events.append(("free", self.holder, ids))
+                original(blocks)
+
+            return self._call("free_blocks", None, body)  # type: ignore[no-any-return]
+
+        return free_blocks
+
+    def _foreign(self, blocks: Iterable[Any], where: str) -> None:
+        """Blocks that are not this pool's own objects (another pool's, or built by the test)."""
+        pool = self.pool.blocks
+        for b in blocks:
+            if not (0 <= b.block_id < len(pool)) or pool[b.block_id] is not b:
+                self.refuse("blocks that are not the pool's", f"block {b.block_id} in {where}")
+                return
+
+    def _free_features(self, blocks: list[Any]) -> None:
+        self._foreign(blocks, "free_blocks")
+        if self.manager is not None and self.depth == 1:  # a direct call on a manager's pool
+            held = {
+                b.block_id
+                for m in self.manager.coordinator.single_type_managers
+                for table in m.req_to_blocks.values()
+                for b in table
+            }
+            if any(b.block_id in held for b in blocks):
+                self.refuse("pool driven beneath its manager", "a request's block freed")
+
+    def _insert(self, original: Method) -> Method:
+        def insert(key: Any, block: Any, num_tokens: int | None) -> None:
+            def body() -> None:
+                self._safe(self._foreign, (block,), "_insert_block_hash")
+                before = block.block_hash
+                original(key, block, num_tokens)
+                if before is not None and before != key:
+                    self.refuse("partial prefix-cache hits", f"a second hash on {block.block_id}")
+                elif before is None and block.block_hash is not None:
+                    self.events.append(("publish", self.holder, block.block_id, self.key(key)))
+
+            return self._call("_insert_block_hash", None, body)  # type: ignore[no-any-return]
+
+        return insert
+
+    def _evict(self, original: Method) -> Method:
+        def evict(block: Any) -> bool:
+            def body() -> bool:
+                evicted = bool(original(block))
+                if evicted and self._allocating:
+                    self._evicted.append(block.block_id)
+                elif evicted:
+                    self.events.append(("evict", block.block_id))
+                return evicted
+
+            return self._call("_maybe_evict_cached_block", None, body)  # type: ignore[no-any-return]
+
+        return evict
+
+    def _reset(self, original: Method) -> Method:
+        def reset_prefix_cache() -> bool:
+            def body() -> bool:
+                done = bool(original())
+                if done:
+                    self.events.append(("reset",))
+                return done
+
+            return self._call("reset_prefix_cache", None, body)  # type: ignore[no-any-return]
+
+        return reset_prefix_cache
+
+
+def _plain_lookups(manager: Any) -> bool:
+    """Whether the manager's lookups are the pool machine's: a prefix run over one group."""
+    coordinator = manager.coordinator
+    if not isinstance(coordinator, UnitaryKVCacheCoordinator):
+        return False
+    single = coordinator.single_type_managers[0]
+    return (
+        type(single.kv_cache_spec) is FullAttentionSpec
+        and manager.block_pool.hash_block_size == single.block_size
+        and not getattr(coordinator, "drop_eagle_group_ids", ())
+        and not getattr(coordinator, "enable_partial_hash_hits", False)
+        and getattr(coordinator, "dcp_world_size", 1) == 1
+        and not getattr(manager.block_pool, "num_hash_lookahead_tokens", 0)
+    )
+
+
+def attach_pool(
+    target: Any, listener: Callable[[PoolAttachment], None] | None = None
+) -> PoolAttachment:
+    """Attach to a ``KVCacheManager`` or a ``BlockPool`` the caller built."""
+    return PoolAttachment(target, listener)

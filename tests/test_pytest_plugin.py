@@ -1,0 +1,100 @@
+"""kvspec's pytest plugin on vLLM-style tests (``tests/vllm_cases``, vLLM's objects only), run in
+``.venv-vllm`` with and without the plugin: the seed's scenario fails with NoUnwrittenPublish,
+a planted pool bug (touch after allocate) with TouchBeforeAllocate, the correct tests pass, a
+feature the spec does not model is refused (listed, never failed), and without the plugin
+every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-vllm"
+CASES = ROOT / "tests" / "vllm_cases"
+
+needs_vllm = pytest.mark.skipif(
+    not (VENV / ".stamp").exists(), reason="no .venv-vllm: run `make thirdparty` to build it"
+)
+
+
+def _pytest(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    report = tmp_path / "report.json"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    redirect = tmp_path / "redirect.json"
+    model = tmp_path / "opt"
+    model.mkdir(exist_ok=True)
+    config = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64}
+    config |= {"ffn_dim": 128, "num_attention_heads": 2, "num_hidden_layers": 1}
+    config |= {"vocab_size": 50272, "max_position_embeddings": 2048}
+    (model / "config.json").write_text(json.dumps(config))
+    redirect.write_text(json.dumps({"facebook/opt-125m": str(model)}))
+    env["VLLM_MODEL_REDIRECT_PATH"] = str(redirect)
+    if "no:kvspec.pytest_plugin" not in argv:
+        argv += (f"--kvspec-report={report}",)
+    done = subprocess.run(
+        [str(VENV / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv]
+        + ["--rootdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    tests = json.loads(report.read_text())["tests"] if report.exists() else {}
+    return done, {name.split("::")[-1]: entry for name, entry in tests.items()}
+
+
+@needs_vllm
+def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
+    done, tests = _pytest(
+        tmp_path,
+        str(CASES / "case_seed.py"),
+        str(CASES / "case_pool.py"),
+        str(CASES / "case_refused.py"),
+        "-p",
+        "kvspec.pytest_plugin",
+    )
+    out = done.stdout
+    assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
+    assert "2 failed" in out and "5 passed" in out, out[-3000:]
+    seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
+    assert seed["outcome"] == "violation" and seed["finding"].startswith(
+        "kvspec: NoUnwrittenPublish: block 5 is published"
+    ), seed
+    planted = tests["test_touch_after_allocate"]
+    assert planted["outcome"] == "violation", planted
+    assert planted["finding"].startswith("kvspec: TouchBeforeAllocate: block 2"), planted
+    assert tests["test_fcfs_shared_prefixes_hold"]["outcome"] == "judged"
+    assert tests["test_fcfs_shared_prefixes_hold"]["events"] > 50
+    assert tests["test_a_shared_prefix_is_hit_after_its_request_leaves"]["outcome"] == "pool"
+    off = tests["test_prefix_caching_off_is_refused"]
+    assert off["outcome"] == "construction" and off["features"] == ["prefix caching off"], off
+    edited = tests["test_a_test_that_edits_vllm_state_is_refused"]
+    assert edited["outcome"] == "run" and edited["features"] == ["state edited between calls"]
+    assert tests["test_nothing_built"]["outcome"] == "none"
+    summary = out[out.index("= kvspec =") :]
+    assert "2  violations" in summary and "1  judged and holding" in summary, summary
+    assert "prefix caching off" in summary and "state edited between calls" in summary
+
+
+@needs_vllm
+def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
+    cases = [str(CASES / f) for f in ("case_seed.py", "case_pool.py", "case_refused.py")]
+    done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "7 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert tests == {}
+
+
+def test_installing_kvspec_registers_the_plugin() -> None:
+    (entry,) = [
+        e for e in importlib.metadata.entry_points(group="pytest11") if e.value.startswith("kvspec")
+    ]
+    assert entry.name == entry.value == "kvspec.pytest_plugin"
+    assert entry.load().judge_for.__doc__

@@ -1,0 +1,366 @@
+"""vLLM 0.33.0's own tests under kvspec's judge (``make vllm-suite``, ``make vllm-suite-ci``).
+
+Run with ``.venv-vllm/bin/python`` (standard library only here; pytest and vLLM are that venv's).
+
+``fetch``: vLLM's sdist has the ``tests/`` its wheel lacks. ``pip download --no-binary :all:
+--no-deps vllm==0.33.0`` fetches it and unpacks it, then fails building it (the build needs CUDA
+torch); with ``--no-clean`` and a temporary folder of ours, the unpacked tree stays, and its
+``tests/`` and ``pyproject.toml`` (vLLM's pytest settings) are moved to the suite folder.
+
+``models``: the model folders the tests name, each a small ``config.json`` (no weights, no
+tokenizer: the tests build schedulers and pools, never a model), and ``redirect.json``, which
+``VLLM_MODEL_REDIRECT_PATH`` points vLLM at, with ``HF_HUB_OFFLINE=1``.
+
+``run``: pytest over the given test paths twice, without kvspec's plugin (``-p
+no:kvspec.pytest_plugin``, since the installed entry point loads it) and with it, each writing a
+JUnit file; with the plugin also its per-test report (``--kvspec-report``). Then the table: the
+baseline (items, passing without the plugin), whether every test's outcome is the same with the
+plugin, and the plugin's outcome per test (``pytest_plugin.py``: no Scheduler built, a bare
+KVCacheManager or BlockPool judged, refused at construction, stopped mid-run, judged and holding,
+violations), with the refusals counted by feature. Exit 1 when an outcome differs or a violation
+is found, else 0. ``--parallel`` runs the two passes at the same time (the CI subset on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+VLLM = "vllm==0.33.0"
+
+OPT = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "word_embed_proj_dim": 64,
+    "ffn_dim": 128,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
+}
+QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "max_window_layers": 1,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "torch_dtype": "bfloat16",
+}
+QWEN3 = dict(
+    QWEN2,
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    head_dim=32,
+    max_position_embeddings=40960,
+    eos_token_id=151645,
+)
+QWEN3_NEXT = dict(
+    QWEN3,
+    architectures=["Qwen3NextForCausalLM"],
+    model_type="qwen3_next",
+    num_hidden_layers=4,
+    full_attention_interval=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    head_dim=64,
+    partial_rotary_factor=0.25,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+    max_position_embeddings=262144,
+)
+CLIP = {
+    "model_type": "clip_vision_model",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "image_size": 336,
+    "patch_size": 14,
+    "projection_dim": 64,
+}
+LLAVA = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "image_token_index": 32000,
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "text_config": dict(LLAMA, vocab_size=32064, architectures=None),
+    "vision_config": CLIP,
+    "torch_dtype": "float16",
+}
+QWEN25_VL = dict(
+    QWEN2,
+    architectures=["Qwen2_5_VLForConditionalGeneration"],
+    model_type="qwen2_5_vl",
+    max_position_embeddings=128000,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_config={
+        "model_type": "qwen2_5_vl",
+        "depth": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [0],
+        "in_chans": 3,
+    },
+    rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+)
+MODELS = {
+    "facebook/opt-125m": OPT,
+    "facebook/opt-350m": dict(OPT, hidden_size=128, word_embed_proj_dim=64),
+    "hmellor/tiny-random-LlamaForCausalLM": LLAMA,
+    "llava-hf/llava-1.5-7b-hf": LLAVA,
+    "Qwen/Qwen1.5-7B": QWEN2,
+    "Qwen/Qwen3-0.6B": QWEN3,
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": QWEN3_NEXT,
+    "Qwen/Qwen2.5-VL-3B-Instruct": QWEN25_VL,
+    "Qwen/Qwen3.5-0.8B": QWEN3,
+}
+"""The models ``tests/v1/core`` names; only the settings the scheduler and its configs read are
+real (context lengths, vocabulary, architecture, attention layout), the sizes are tiny."""
+
+CI_TESTS = (
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/core/test_async_scheduler.py",
+)
+OUTCOMES = (
+    ("none", "no Scheduler built"),
+    ("pool", "a bare KVCacheManager / BlockPool, judged and holding"),
+    ("pool-refused", "a bare KVCacheManager / BlockPool, refused"),
+    ("construction", "refused at construction (a feature the spec cannot express)"),
+    ("run", "stopped mid-run (a feature seen only at run time)"),
+    ("judged", "judged and holding"),
+    ("violation", "violations"),
+    ("error", "kvspec internal errors (the test ran unjudged)"),
+)
+
+
+def fetch(suite: Path) -> None:
+    if (suite / "tests" / "v1" / "core").is_dir():
+        return
+    suite.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=suite) as tmp:
+        env = dict(os.environ, TMPDIR=tmp, PIP_NO_INPUT="1")
+        argv = [sys.executable, "-m", "pip", "download", "--no-clean", "--no-binary", ":all:"]
+        argv += ["--no-deps", "-d", tmp, VLLM]
+        subprocess.run(argv, env=env, capture_output=True, text=True)  # fails at the build
+        found = sorted(Path(tmp).glob("*/*/tests/v1/core")) + sorted(
+            Path(tmp).glob("*/tests/v1/core")
+        )
+        if not found:
+            sys.exit(f"vllm_suite: pip left no unpacked {VLLM} with tests/ in {tmp}")
+        source = found[0].parents[2]
+        shutil.move(str(source / "tests"), str(suite / "tests"))
+        shutil.copy(source / "pyproject.toml", suite / "pyproject.toml")
+
+
+def models(suite: Path) -> Path:
+    root = suite / "models"
+    redirect = {}
+    for name, config in MODELS.items():
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        redirect[name] = str(folder)
+    path = root / "redirect.json"
+    path.write_text(json.dumps(redirect, indent=1) + "\n")
+    return path
+
+
+def environment(suite: Path) -> dict[str, str]:
+    return dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HOME=str(suite / "hf-home"),
+        VLLM_MODEL_REDIRECT_PATH=str(models(suite)),
+    )
+
+
+def pytest_argv(paths: list[str], junit: Path, plugin: bool, report: Path) -> list[str]:
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    argv += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    if plugin:
+        argv += ["-p", "kvspec.pytest_plugin", f"--kvspec-report={report}"]
+    else:
+        argv += ["-p", "no:kvspec.pytest_plugin"]
+    return argv
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """Test id (file::name) -> passed, failed, error or skipped, from a JUnit file."""
+    result: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        file = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        name = f"{file}::{case.get('name')}"
+        kinds = [child.tag for child in case]
+        result[name] = next(
+            (
+                k if k != "failure" else "failed"
+                for k in ("failure", "error", "skipped")
+                if k in kinds
+            ),
+            "passed",
+        )
+    return result
+
+
+def run(suite: Path, paths: list[str], out: Path, parallel: bool) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(suite)
+    runs = {
+        plugin: (out / f"junit-{'plugin' if plugin else 'bare'}.xml", out / "kvspec-report.json")
+        for plugin in (False, True)
+    }
+    started = time.monotonic()
+    procs = []
+    times: dict[bool, float] = {}
+    for plugin, (junit, report) in runs.items():
+        log = open(out / f"pytest-{'plugin' if plugin else 'bare'}.log", "w")
+        argv = pytest_argv(paths, junit, plugin, report)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=suite, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((plugin, proc, t0))
+        if not parallel:
+            proc.wait()
+            times[plugin] = time.monotonic() - t0
+    for plugin, proc, t0 in procs:
+        proc.wait()
+        times.setdefault(plugin, time.monotonic() - t0)
+    wall = time.monotonic() - started
+    for junit, _ in runs.values():
+        if not junit.exists():
+            sys.exit(f"vllm_suite: pytest wrote no {junit} (see {out})")
+    bare, judged = outcomes(runs[False][0]), outcomes(runs[True][0])
+    report = json.loads(runs[True][1].read_text()) if runs[True][1].exists() else {}
+    return table(bare, judged, report, times, wall)
+
+
+def table(
+    bare: dict[str, str],
+    judged: dict[str, str],
+    report: dict[str, dict[str, object]],
+    times: dict[bool, float],
+    wall: float,
+) -> int:
+    passing = sum(1 for o in bare.values() if o == "passed")
+    print(f"items: {len(bare)}; passing without the plugin: {passing}")
+    print(
+        f"time: {times[False]:.0f} s without the plugin, {times[True]:.0f} s with it "
+        f"({wall:.0f} s wall clock)"
+    )
+    tests = report.get("tests", {})
+    kinds: Counter[str] = Counter()
+    features: Counter[str] = Counter()
+    only: Counter[str] = Counter()
+    for name in bare:
+        entry = tests.get(name) or tests.get(_short(name)) or {"outcome": "none"}
+        kinds[str(entry["outcome"])] += 1
+        seen = [str(f) for f in entry.get("features", [])]  # type: ignore[union-attr]
+        for feature in set(seen):
+            features[feature] += 1
+        if len(set(seen)) == 1:
+            only[seen[0]] += 1
+    differ = [n for n in bare if judged.get(n) != bare[n]]
+    print("\n| outcome | tests |\n|---|---|")
+    for key, label in OUTCOMES:
+        print(f"| {label} | {kinds[key]} |")
+    built = len(bare) - kinds["none"]
+    held = kinds["pool"] + kinds["judged"]
+    if built:
+        print(f"\njudged and holding: {held} of {built} items that build one ({held / built:.0%})")
+    print("\nrefusals by feature (tests using it; in brackets, tests where it is the only one):")
+    for feature, n in features.most_common():
+        print(f"  {feature}: {n} ({only[feature]})")
+    violations = [n for n in bare if (tests.get(n) or {}).get("outcome") == "violation"]
+    for name in violations:
+        print(f"VIOLATION {name}: {tests[name].get('finding')}")
+    changed = [n for n in differ if n not in violations]
+    print(f"\noutcomes that differ with the plugin (violations aside): {len(changed)}")
+    for name in changed[:40]:
+        print(f"  {name}: {bare[name]} -> {judged.get(name)}")
+    return 1 if changed or violations else 0
+
+
+def _short(name: str) -> str:
+    return name.split("/", 1)[-1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="vllm_suite")
+    parser.add_argument("command", choices=("fetch", "run"))
+    parser.add_argument("--suite", type=Path, required=True, help="the suite folder")
+    parser.add_argument("--out", type=Path, help="where the run's files go (default SUITE/run)")
+    parser.add_argument("--ci", action="store_true", help=f"only {', '.join(CI_TESTS)}")
+    parser.add_argument("--parallel", action="store_true", help="both passes at once")
+    parser.add_argument("paths", nargs="*", default=["tests/v1/core"])
+    args = parser.parse_args()
+    suite = args.suite.resolve()
+    fetch(suite)
+    if args.command == "fetch":
+        return 0
+    paths = list(CI_TESTS) if args.ci else args.paths
+    return run(suite, paths, (args.out or suite / "run").resolve(), args.parallel)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
