@@ -54,11 +54,11 @@ class KvspecViolation(AssertionError):
 
 
 def judge_for(config: Any) -> Any:
-    """The judge of a scheduler's events: kvspec's lockstep judge over the spec. (The one call
-    site of the judge's constructor.)"""
-    from kvspec.conformance.lockstep import Judge
+    """The judge of a scheduler's events: the spec itself, strict, in-process
+    (``Judge.spec``). (The one call site of the judge's constructor.)"""
+    from kvspec.conformance.judge.core import Judge
 
-    return Judge(config)
+    return Judge.spec(config)
 
 
 @dataclass

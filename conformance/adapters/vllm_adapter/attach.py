@@ -59,7 +59,13 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvspec.spec import Config
 
-from .features import Feature, pending_features, request_features, scheduler_features
+from .features import (
+    AsyncScheduler,
+    Feature,
+    pending_features,
+    request_features,
+    scheduler_features,
+)
 from .methods import Method, Wrappers
 
 Event = tuple[object, ...]
@@ -410,9 +416,9 @@ class Attachment:
                 else []
             )
             got = list(got) if got is not None else []
-            if request.num_stale_output_tokens > 0:  # preempted while this step held it
-                if got and not request.drop_stale_output:
-                    self.refuse("stale output delivery", f"{req_id} gets a token from before")
+            # Preempted while this step held it: vLLM drops the output in drop mode, else
+            # delivers it to the waiting request (the spec's two stale-output modes).
+            if request.num_stale_output_tokens > 0 and request.drop_stale_output:
                 continue
             wants = oldest.samples.get(req_id, False)
             if len(got) > 1:
@@ -693,6 +699,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
     """The spec configuration a vLLM ``Scheduler`` claims to implement: its pool, block size,
     preemption policy, token budget and admission limit; vLLM 0.33.0 registers eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
+    asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
     return Config(
         num_blocks=scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         block_size=scheduler.block_size,
@@ -703,6 +710,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         token_budget=scheduler.max_num_scheduled_tokens,
         max_running=scheduler.max_num_active_reqs,
         stop_token=stop_token,
+        async_scheduling=asynchronous,
+        stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
     )
 
 
@@ -721,6 +730,7 @@ def attach(
 def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
+    names += ("stale_output",)
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

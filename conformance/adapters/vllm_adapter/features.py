@@ -48,11 +48,10 @@ def scheduler_features(sched: Any) -> list[Feature]:
     need(sched.connector is not None, "KV connector", type(sched.connector).__name__)
     need(getattr(sched, "ec_connector", None) is not None, "EC connector", "ec_transfer_config")
     need(
-        AsyncScheduler is not None
-        and isinstance(sched, AsyncScheduler)
-        or getattr(sched.scheduler_config, "async_scheduling", False),
-        "async scheduling",
-        "output placeholders: decodes scheduled before their token is known",
+        getattr(sched.scheduler_config, "async_scheduling", False)
+        and not (AsyncScheduler is not None and isinstance(sched, AsyncScheduler)),
+        "async scheduling without AsyncScheduler",
+        "scheduler_config.async_scheduling on a synchronous Scheduler",
     )
     need(
         config.speculative_config is not None
@@ -157,8 +156,10 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
 
 def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
-    waiting states, drafts set on a request, requests that hold blocks while waiting, and (when
-    ``scheduling``: at ``schedule()``) stale output that makes vLLM defer a re-admission."""
+    waiting states, drafts set on a request, requests that hold blocks while waiting, and stale
+    output whose mode (drop or deliver) is not the scheduler's (``reset_prefix_cache`` with
+    running requests and resumable requests drop it; the spec has one mode per configuration).
+    ``scheduling``: the entry point is ``schedule()``."""
     found: list[Feature] = []
     for request in sched.requests.values():
         if request.status in BLOCKED:
@@ -166,17 +167,12 @@ def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
         if request.spec_token_ids and not request.is_finished():
             found.append(("speculative decoding", f"draft tokens on {request.request_id}"))
         if (
-            scheduling
-            and request.status == RequestStatus.PREEMPTED
-            and request.num_stale_output_tokens
-            and not request.drop_stale_output
+            request.num_stale_output_tokens
+            and not request.is_finished()
+            and bool(request.drop_stale_output) != bool(sched.requires_kv_delivery)
         ):
-            found.append(
-                (
-                    "stale output deferral",
-                    f"{request.request_id} waits for its stale output before re-admission",
-                )
-            )
+            mode = "drop" if request.drop_stale_output else "deliver"
+            found.append(("stale output mode per request", f"{request.request_id}: {mode}"))
     if len(getattr(sched, "kv_holding_waiting", ())):
         found.append(("blocks held while waiting", "kv_holding_waiting is not empty"))
     if getattr(sched, "num_waiting_for_streaming_input", 0):

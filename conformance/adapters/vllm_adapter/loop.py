@@ -111,6 +111,11 @@ class VllmAdapter:
         self.attachment = attach(self.scheduler, self.config, on_preempt=self._left)
         self.events: list[Event] = self.attachment.events
         self.problems = self.attachment.problems
+        self.decisions: list[tuple[int, Event]] = []
+        """The engine core's decisions as this loop takes them, each with the index in ``events``
+        where it emitted it before ``attach`` derived them from vLLM's entry points;
+        ``self_check`` holds the attachment's events to them."""
+        self._decisions_checked = 0
 
     @property
     def stale_outputs(self) -> int:
@@ -148,6 +153,9 @@ class VllmAdapter:
             block_hasher=self.hasher,
         )
         self.arrived.append(rid)
+        self.decisions.append(
+            (len(self.events), ("arrive", rid, tuple(prompt), max_tokens, priority))
+        )
         self.scheduler.add_request(request)
         if self.attachment.ids.get(str(rid)) != rid:
             self.problems.append(f"the attachment maps r{rid} to {self.attachment.ids}")
@@ -165,7 +173,9 @@ class VllmAdapter:
             return False
         step = self.next_step
         self.next_step += 1
+        self.decisions.append((len(self.events), ("begin", step)))
         output = self.scheduler.schedule()
+        self.decisions.append((len(self.events) - 1, ("submit", step)))
         requests = self.scheduler.requests
         samples = {  # the runner samples where the chunk reaches the end of the request's
             r: requests[r].num_computed_tokens  # tokens: there (the sampled token's position)
@@ -221,6 +231,8 @@ class VllmAdapter:
             sampled_token_ids=[tokens.get(r, []) for r in req_ids],
         )
         start = len(self.events)
+        self.decisions.append((start, ("execute", oldest.step, ())))
+        self.decisions.append((start + 1, ("commit", oldest.step, tuple(sampled))))
         self.scheduler.update_from_output(oldest.output, runner)
         for event in self.events[start:]:
             if event[0] == "publish":
@@ -260,13 +272,20 @@ class VllmAdapter:
     def abort(self, rid: int) -> bool:
         if rid not in self.live_requests():
             return False
+        self.decisions.append((len(self.events), ("abort", rid)))
         self.scheduler.finish_requests(str(rid), RequestStatus.FINISHED_ABORTED)
         return True
 
     def reset_prefix_cache(self) -> bool:
         if self.queue:
             return False
-        return bool(self.scheduler.kv_cache_manager.reset_prefix_cache())
+        cached = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
+        at = len(self.events)
+        if not self.scheduler.kv_cache_manager.reset_prefix_cache():
+            return False
+        self.decisions.append((at, ("reset",)))
+        self.decisions += [(at + 1 + i, ("unpublish", block)) for i, block in enumerate(cached)]
+        return True
 
     def live_requests(self) -> list[int]:
         requests = self.scheduler.requests
@@ -280,7 +299,13 @@ class VllmAdapter:
         return self.attachment.snapshot()
 
     def self_check(self) -> str | None:
-        """The wrappers against vLLM's own KV events (``attach.Attachment.self_check``)."""
+        """The attachment's events against the loop's decisions (``decisions``), then the
+        wrappers against vLLM's own KV events (``attach.Attachment.self_check``)."""
+        for at, decision in self.decisions[self._decisions_checked :]:
+            got = self.events[at] if at < len(self.events) else None
+            if got != decision:
+                return f"the loop took {decision} as event {at}; the attachment emitted {got}"
+        self._decisions_checked = len(self.decisions)
         return self.attachment.self_check()
 
     def check_kv_stream(self, judge: Any) -> Any:
