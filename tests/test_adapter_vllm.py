@@ -55,11 +55,15 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     last slot, which the spec refuses (and ``post_output_publishes_ahead`` counts). And the
     finding of ``docs/findings/vllm_async_chunked_prefill_zombie.py`` at small sizes: vLLM's
     defaults with ``long_prefill_token_threshold`` on publish a chunk's block and preempt its
-    writer in the same call; with the threshold at 0 the same arrivals run clean."""
-    cases = ("seed", "seed2", "clean", "clean3", "async", "stale", "ahead", "chunked")
+    writer in the same call; with the threshold at 0 the same arrivals run clean. And the events
+    ``attach`` derives from vLLM's entry points held to the loop's own record of the engine core's
+    decisions: an attachment whose ``commit`` loses its tokens is caught."""
+    cases = ("seed", "seed2", "clean", "clean3", "async", "stale", "ahead", "chunked", "decisions")
     done = _run("tests/thirdparty_checks.py", "vllm", *cases)
     assert done.returncode == 0, done.stderr[-2000:]
-    seed, seed2, clean, clean3, *rest, ahead, chunked, unchunked = done.stdout.splitlines()
+    seed, seed2, clean, clean3, *rest, ahead, chunked, unchunked, decisions = (
+        done.stdout.splitlines()
+    )
     assert chunked.startswith("NoUnwrittenPublish: block 8 is published"), chunked
     assert unchunked.startswith("none") and " file 0 " in unchunked, unchunked
     assert len(rest) == 8, rest
@@ -84,6 +88,11 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     assert _cover(stale_dropped)["stale_dropped"] == 1, stale_dropped
     assert ahead.startswith("Disagreement: engine emitted ('publish', 0, 1, 2)"), ahead
     assert _cover(ahead)["post_output_publishes_ahead"] > 0, ahead
+    faithful, planted = decisions.split(" | ")
+    assert faithful.endswith(" events: None"), decisions
+    assert " events: the loop took ('commit', 0, ((0, 1), (1, 1))) as event 19" in planted, (
+        decisions
+    )
 
 
 def test_kvspec_fuzz_finds_the_seed_bug_in_vllm() -> None:

@@ -13,7 +13,8 @@ dropped: a request preempted while a submitted step holds it), ``async`` (vLLM's
 depths 2 and 3, stale output delivered and dropped: decodes on placeholders, a preempted request's
 stale token, a request finishing while the next step holds it, a post-output registration; then
 the seed's workload at depth 2, on which async scheduling registers nothing it withdraws),
-``clean3`` (vLLM's defaults at depth 3), ``ahead`` (vLLM's defaults at depth 2 with a planted bug:
+``clean3`` (vLLM's defaults at depth 3), ``decisions`` (vLLM's defaults at depth 2, the
+attachment's ``commit`` planted empty: the loop's record of its decisions catches it), ``ahead`` (vLLM's defaults at depth 2 with a planted bug:
 ``update_from_output`` registers blocks past vLLM's cap, whose last slot a submitted step still
 writes), ``fuzz`` (vLLM: ``kvspec fuzz``'s machine on vLLM's
 defaults under fcfs at depths 1 to 3 for a few seconds each, then under priority without async
@@ -141,6 +142,43 @@ def run(
         checked,
         *(["cover", *counts] if counts else []),
     )
+
+
+def commit_loses_tokens(adapter: Any) -> None:
+    """A planted bug in the attachment: every ``commit`` it derives from the runner's output
+    lists no token (the loop's own record of its decisions must catch it, ``self_check``)."""
+    attachment = adapter.attachment
+
+    def stops(at: int) -> None:
+        kind, step, _ = attachment.events[at]
+        attachment.events[at] = (kind, step, ())
+
+    attachment._stops = stops
+
+
+def decisions_check(
+    workload: list[tuple[str, tuple]], tokens: tuple[int, ...], **cell: Any
+) -> None:
+    """The workload on vLLM's defaults, unjudged, with and without ``commit_loses_tokens``:
+    what ``self_check`` says of each (``None`` for the faithful attachment)."""
+    from kvspec.conformance.adapters import vllm_adapter
+
+    config = Config(**{"policy": "eager-unsafe", "stop_token": 0, **cell})
+    said = []
+    for plant in (None, commit_loses_tokens):
+        adapter = vllm_adapter.factory(config, Ones(tokens))
+        if plant is not None:
+            plant(adapter)
+        for what, args in workload:
+            if what == "arrive":
+                adapter.add_request(*args)
+            elif what == "abort":
+                adapter.abort(*args)
+            else:
+                for _ in range(args[0]):
+                    adapter.step()
+        said.append(f"{len(adapter.events)} events: {adapter.self_check()}")
+    print(" | ".join(said))
 
 
 def _counts(adapter: Any) -> list[str]:
@@ -436,6 +474,8 @@ if __name__ == "__main__":
         elif case == "chunked":  # the threshold on (the finding), then vLLM's default 0
             for factory in ("long_prefill_factory", "factory"):
                 run(engine, CHUNKED, factory, **CHUNKED_CELL)
+        elif case == "decisions":  # the attachment's commit planted empty, vLLM's defaults
+            decisions_check(ASYNC, ASYNC_TOKENS, **dict(ASYNC_CELL, depth=2))
         elif case == "clean3":  # vLLM's defaults at depth 3
             run(engine, CLEAN, preemption="fcfs", depth=3, **BIG)
         elif case == "fuzz":
