@@ -1,6 +1,8 @@
 """kvspec's pytest plugin on vLLM-style tests (``tests/vllm_cases``, vLLM's objects only), run in
 ``.venv-vllm`` with and without the plugin: the seed's scenario fails with NoUnwrittenPublish,
-a planted pool bug (touch after allocate) with TouchBeforeAllocate, the correct tests pass, a
+a planted pool bug (touch after allocate) with TouchBeforeAllocate, the seed's scenario under
+async scheduling (``AsyncScheduler``, two steps in flight) with NoUnwrittenPublish, the correct
+tests (synchronous and async) pass, a
 feature the spec does not model is refused (listed, never failed), and without the plugin
 every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
@@ -57,12 +59,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_seed.py"),
         str(CASES / "case_pool.py"),
         str(CASES / "case_refused.py"),
+        str(CASES / "case_async.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "2 failed" in out and "5 passed" in out, out[-3000:]
+    assert "3 failed" in out and "6 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -72,6 +75,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert planted["finding"].startswith("kvspec: TouchBeforeAllocate: block 2"), planted
     assert tests["test_fcfs_shared_prefixes_hold"]["outcome"] == "judged"
     assert tests["test_fcfs_shared_prefixes_hold"]["events"] > 50
+    async_seed = tests["test_async_chunked_prefill_preempted_in_flight"]
+    assert async_seed["outcome"] == "violation", async_seed
+    assert async_seed["finding"].startswith(
+        "kvspec: NoUnwrittenPublish: block 8 is published for a 112-token prefix"
+    ), async_seed
+    async_holds = tests["test_async_shared_prefixes_hold"]
+    assert async_holds["outcome"] == "judged" and async_holds["events"] > 50, async_holds
     assert tests["test_a_shared_prefix_is_hit_after_its_request_leaves"]["outcome"] == "pool"
     off = tests["test_prefix_caching_off_is_refused"]
     assert off["outcome"] == "construction" and off["features"] == ["prefix caching off"], off
@@ -79,16 +89,17 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert edited["outcome"] == "run" and edited["features"] == ["state edited between calls"]
     assert tests["test_nothing_built"]["outcome"] == "none"
     summary = out[out.index("= kvspec =") :]
-    assert "2  violations" in summary and "1  judged and holding" in summary, summary
+    assert "3  violations" in summary and "2  judged and holding" in summary, summary
     assert "prefix caching off" in summary and "state edited between calls" in summary
 
 
 @needs_vllm
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
-    cases = [str(CASES / f) for f in ("case_seed.py", "case_pool.py", "case_refused.py")]
+    names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
+    cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "7 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "9 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 
