@@ -353,7 +353,7 @@ def main() -> int:
     parser.add_argument("--ci", action="store_true", help=f"only {', '.join(CI_TESTS)}")
     parser.add_argument("--parallel", action="store_true", help="both passes at once")
     parser.add_argument("paths", nargs="*", default=["tests/v1/core"])
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     suite = args.suite.resolve()
     fetch(suite)
     if args.command == "fetch":

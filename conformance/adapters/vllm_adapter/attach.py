@@ -22,23 +22,22 @@ vLLM method                         events
 ``KVCacheManager.reset_prefix_cache``  ``reset`` and an ``unpublish`` per cached block
 ==================================  ==========================================================
 
-**Outputs.** ``update_from_output`` must get the ``SchedulerOutput`` of the oldest step in
-flight. Its ``commit`` lists ``(request, token)`` for the requests vLLM will append a token to:
-those still live (vLLM skips finished and aborted ones) whose output is not *stale*. A request
-preempted while a submitted step held it has stale output there: vLLM drops it in its drop mode
-(``drop_stale_output``); by default it would deliver it, which the spec (vLLM's drop mode) cannot
-follow, so a delivered stale token is refused and an empty one (the fuzzer's runner withholds it)
-is simply not listed. A token at which vLLM stops the request (EOS, a stop token, repetition) is
-reported as the configuration's ``stop_token``: the spec knows one stop token, vLLM decides per
-request, and the token never enters a hash (the request finishes with it).
+**Outputs.** ``update_from_output`` must get the ``SchedulerOutput`` of the oldest step in flight.
+Its ``commit`` lists ``(request, token)`` for the requests vLLM will append a token to: those still
+live (vLLM skips finished and aborted ones), and of those preempted while a submitted step held
+them (*stale* output, ``num_stale_output_tokens``) only in vLLM's default mode, which delivers it
+to the waiting request; its drop mode (``requires_kv_delivery``) drops it. The spec models both
+(``Config.stale_output``, read by ``config_of``), and ``AsyncScheduler``'s decodes on placeholders
+(``Config.async_scheduling``). A token at which vLLM stops the request (EOS, a stop token,
+repetition) is reported as the configuration's ``stop_token``: the spec knows one stop token, vLLM
+decides per request, and the token never enters a hash (the request finishes with it).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: prefix
-caching off, a KV connector, speculative decoding, async scheduling, hybrid groups, sliding
-window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no
-engine core does (edits vLLM's state between calls, drives the KV-cache manager directly, patches
-a wrapped method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time,
-with the feature's name. The events go on being recorded (the fuzzer's loop drives
-``async_factory`` through the same wrappers); a judge must not judge what comes after a refusal.
+caching off, a KV connector, speculative decoding, hybrid groups, sliding window, LoRA,
+``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
+does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
+method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
+feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
 ``listener(attachment)`` is called whenever an outermost entry point returns: a consistent point,
 where the events so far can be judged and the pool compared with the spec's (``snapshot``).
 
@@ -697,7 +696,9 @@ class Attachment:
 
 def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = STOP) -> Config:
     """The spec configuration a vLLM ``Scheduler`` claims to implement: its pool, block size,
-    preemption policy, token budget and admission limit; vLLM 0.33.0 registers eagerly."""
+    preemption policy, token budget and admission limit, async scheduling (an
+    ``AsyncScheduler``) and what becomes of stale output (dropped where ``requires_kv_delivery``,
+    else delivered); vLLM 0.33.0 registers eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
     asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
     return Config(
