@@ -65,7 +65,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "3 failed" in out and "6 passed" in out, out[-3000:]
+    assert "3 failed" in out and "7 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -80,6 +80,8 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert async_seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 8 is published for a 112-token prefix"
     ), async_seed
+    reused = tests["test_a_request_id_reused_after_its_request_finished_holds"]
+    assert reused["outcome"] == "judged", reused  # a new request under a finished one's id
     async_holds = tests["test_async_shared_prefixes_hold"]
     assert async_holds["outcome"] == "judged" and async_holds["events"] > 50, async_holds
     assert tests["test_a_shared_prefix_is_hit_after_its_request_leaves"]["outcome"] == "pool"
@@ -89,7 +91,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert edited["outcome"] == "run" and edited["features"] == ["state edited between calls"]
     assert tests["test_nothing_built"]["outcome"] == "none"
     summary = out[out.index("= kvspec =") :]
-    assert "3  violations" in summary and "2  judged and holding" in summary, summary
+    assert "3  violations" in summary and "3  judged and holding" in summary, summary
     assert "prefix caching off" in summary and "state edited between calls" in summary
 
 
@@ -99,7 +101,7 @@ def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "9 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "10 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

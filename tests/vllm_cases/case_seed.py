@@ -100,3 +100,14 @@ def test_fcfs_shared_prefixes_hold():
     while scheduler.has_requests():
         step(scheduler)
     assert scheduler.kv_cache_manager.reset_prefix_cache()
+
+
+def test_a_request_id_reused_after_its_request_finished_holds():
+    """vLLM forgets a finished request's id; a test (multi-turn) may add a new request under it."""
+    scheduler = make_scheduler(policy="fcfs", num_blocks=12)
+    for turn in range(3):
+        prompt = [1, 2, 3, 4, 5] + [6] * turn
+        scheduler.add_request(make_request("chat", prompt, priority=0, arrival=float(turn)))
+        while scheduler.has_requests():
+            step(scheduler)
+    assert "chat" not in scheduler.requests

@@ -138,6 +138,7 @@ class Attachment:
         self._hashes: dict[object, object] = {}  # hash -> (parent hash, block tokens)
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
         self._latest: dict[int, float] = {}  # priority -> latest arrival time seen
+        self._next_id = 0  # the event stream's next request id
         self.wrappers = Wrappers()
         self._wrap()
         for feature in scheduler_features(self.scheduler):
@@ -342,7 +343,11 @@ class Attachment:
                 )
             t = request.arrival_time
             self._latest[request.priority] = t if latest is None else max(latest, t)
-        rid = self.ids.setdefault(request.request_id, len(self.ids))
+        # An id vLLM has forgotten (its request finished) may come back: a new request to the
+        # spec, so a new integer (the mapping names the latest).
+        rid = self._next_id
+        self._next_id += 1
+        self.ids[request.request_id] = rid
         self._check_hashes(request, len(request.block_hashes))
         room = self.scheduler.max_model_len - request.num_prompt_tokens
         max_tokens = min(request.max_tokens, room)
