@@ -46,8 +46,8 @@ Where each event comes from: ``attach.py``, whose public ``attach(scheduler)`` d
 (the engine core's decisions and the block lifecycle) from vLLM's own entry points on a scheduler
 the caller built, and refuses, by feature name, what the spec does not model (``features.py``);
 ``loop.py`` only drives (the engine core's loop, the fake model runner); ``build.py`` makes vLLM's
-objects; ``kv_stream.py`` runs vLLM's KV-event publisher. ``pool_attach.attach_pool`` does the same for a bare ``KVCacheManager`` or ``BlockPool``,
-in the pool machine's vocabulary (``kvspec.spec.pool_machine``). kvspec's pytest plugin
+objects; ``kv_stream.py`` runs vLLM's KV-event publisher. ``pool_attach.attach_pool`` does the
+same for a bare ``KVCacheManager`` or ``BlockPool``, in the pool machine's vocabulary (``kvspec.spec.pool_machine``). kvspec's pytest plugin
 (``kvspec/pytest_plugin.py``) attaches both to whatever a vLLM test builds.
 
 vLLM's native KV events (``BlockStored``/``BlockRemoved``) are kept and cross-checked:
