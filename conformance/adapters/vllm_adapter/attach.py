@@ -82,6 +82,18 @@ REASONS = {
 }
 
 
+def guarded(owner: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run kvspec's own bookkeeping for an attachment (``owner``: its ``error`` and ``refuse``);
+    a bug there is recorded and refused as an internal error, never raised into vLLM."""
+    try:
+        return fn(*args)
+    except Exception as err:  # kvspec's bug: the test must not see it
+        if owner.error is None:
+            owner.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
+        owner.refuse("kvspec internal error", owner.error)
+        return None
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why an attachment stopped being judgeable: a feature's name and what was seen."""
@@ -263,14 +275,7 @@ class Attachment:
         return result
 
     def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run kvspec's own bookkeeping; a bug there is recorded, never raised into vLLM."""
-        try:
-            return fn(*args)
-        except Exception as err:  # kvspec's bug: the test must not see it
-            if self.error is None:
-                self.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
-            self.refuse("kvspec internal error", self.error)
-            return None
+        return guarded(self, fn, *args)
 
     def _inner(self, what: str) -> None:
         """A wrapped method below the entry points, called outside them."""

@@ -43,7 +43,7 @@ from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .attach import Refusal
+from .attach import Refusal, guarded
 from .methods import Method, Wrappers
 
 Event = tuple[object, ...]
@@ -151,13 +151,7 @@ class PoolAttachment:
         return self.ids.setdefault(request_id, len(self.ids))
 
     def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as err:  # kvspec's bug: the test must not see it
-            if self.error is None:
-                self.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
-            self.refuse("kvspec internal error", self.error)
-            return None
+        return guarded(self, fn, *args)
 
     # -- wrappers -----------------------------------------------------------------------------
 
