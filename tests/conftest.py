@@ -32,6 +32,13 @@ settings.register_profile("fuzz", max_examples=100_000, deadline=None)
 
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Converted GGUF models (impl/llm/model_cache.py) go in the checkout, not the user's home: shared
+# by the pytest workers and the commands they start, kept between runs.
+os.environ.setdefault(
+    "KVSPEC_MODEL_CACHE",
+    str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "kvspec-models"),
+)
+
 
 @dataclass(frozen=True)
 class SeedBugRun:

