@@ -15,7 +15,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 # lock in turn (flock, from util-linux; without it, build them one at a time).
 EDITABLE_LOCK := $(if $(shell command -v flock),flock .editable-install.lock)
 
-.PHONY: venv demo test lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
+.PHONY: venv demo test pytest lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
 
 venv: $(STAMP) $(FASTMODEL)
 
@@ -141,7 +141,12 @@ contracts: venv
 	$(BIN)/crosshair check --per_condition_timeout $(CROSSHAIR_TIMEOUT) \
 		kvspec.proofs.contracts kvspec.reference.contracts
 
-test: lint contracts
+# lint, CrossHair and pytest side by side: CrossHair and mypy each run on one core, and pytest's
+# workers would otherwise wait for them (CI has two cores). Each one's output comes in one piece.
+test: venv
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint contracts pytest
+
+pytest: venv
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15
 
 format: venv
