@@ -55,6 +55,7 @@ MODEL_FIELDS = (
     "stop_token",
     "async_scheduling",
     "stale_output",
+    "prefix_caching",
 )
 JUDGING = ("strict", "observed")
 """How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
@@ -211,8 +212,9 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     for name in ("policy", "discipline", "preemption", "stale_output"):
         if name in model and not isinstance(model[name], str):
             raise bad(f'"model.{name}" must be a string')
-    if "async_scheduling" in model and not isinstance(model["async_scheduling"], bool):
-        raise bad('"model.async_scheduling" must be true or false')
+    for name in ("async_scheduling", "prefix_caching"):
+        if name in model and not isinstance(model[name], bool):
+            raise bad(f'"model.{name}" must be true or false')
     for name in ("depth", "token_budget", "max_running"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer, got {json_type(model[name])}')
@@ -254,6 +256,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "stop_token": (int, type(None)),
     "async_scheduling": (bool,),
     "stale_output": (str,),
+    "prefix_caching": (bool,),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 

@@ -157,6 +157,22 @@ class BlockPool:
                 events.append(("free", block.block_id))
         self.n_freed += len(blocks)
 
+    def free_batch(self, blocks: list[Block]) -> None:
+        """Without prefix caching (vLLM's ``free_blocks`` with ``enable_caching`` off): drop one
+        reference on each block, last first, and put those left unreferenced at the queue's head
+        as one batch in that order, so the table's last block ends up first (``prepend_n``)."""
+        queue, events = self.free_queue, self.events
+        for block in reversed(blocks):
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if events is not None:
+                events.append(("free", block.block_id))
+        for block in blocks:  # the first pushed to the head ends up last of the batch
+            if block.ref_cnt == 0:
+                queue.appendleft(block)
+        self.n_freed += len(blocks)
+
     def publish(self, block: Block, block_hash: bytes, rid: int, index: int) -> None:
         """Register the block under ``block_hash`` unless it already carries a hash."""
         if block.block_hash is not None:

@@ -38,8 +38,9 @@ class EngineConfig:
     vocab: int = 8
     """The fake model samples tokens in [0, vocab)."""
     prefix_caching: bool = True
-    """False: lookups find nothing (vLLM's ``enable_prefix_caching=False``), for benchmarks;
-    blocks are still published. The spec does not model it: conformance runs keep True."""
+    """False: a pool without prefix caching (vLLM's ``enable_prefix_caching=False``, the
+    spec's ``Config.prefix_caching``): lookups find nothing, no policy publishes anything, and a
+    table is freed as one batch at the free queue's head (``BlockPool.free_batch``)."""
     async_scheduling: bool = False
     """Schedule a running request on the tokens its in-flight steps will sample (placeholders,
     vLLM's ``num_output_placeholders``): one more position per such step. False: a request

@@ -26,7 +26,7 @@ from .config import EngineConfig
 from .disciplines import schedule_general, schedule_vllm
 from .hashing import pack_tokens
 from .kv_cache_manager import KVCacheManager
-from .policies import make_policy
+from .policies import Policy, make_policy
 from .request import FINISHED, Request
 from .scheduler import Scheduler
 from .worker import FakeWorker, StepLog, Worker
@@ -47,7 +47,8 @@ class Engine:
         sink = self.events if record else None
         self.pool = BlockPool(config.num_blocks, sink)
         self.kv = KVCacheManager(self.pool, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, make_policy(config.policy, self.kv), sink)
+        policy = make_policy(config.policy, self.kv) if config.prefix_caching else Policy(self.kv)
+        self.scheduler = Scheduler(config, self.kv, policy, sink)
         self.worker: Worker = (
             FakeWorker(self.choices, config.block_size, config.vocab, record)
             if worker is None

@@ -88,8 +88,12 @@ class KVCacheManager:
             self.pool.publish(block, self.block_hash(req, index), req.rid, index)
 
     def free(self, req: Request) -> None:
-        """Drop the request's blocks (last first; hashes kept) and forget what it computed."""
-        self.pool.free_reversed(req.table)
+        """Drop the request's blocks (last first; hashes kept) and forget what it computed;
+        without prefix caching as one batch (``BlockPool.free_batch``)."""
+        if self.prefix_caching:
+            self.pool.free_reversed(req.table)
+        else:
+            self.pool.free_batch(req.table)
         req.table = []
         req.computed = 0
         req.cached = 0

@@ -93,6 +93,8 @@ def publish_own(s: State, effect: Event) -> list[Event]:
     blocks as it releases them); that it holds, or will hold, that prefix is NoUnwrittenPublish's
     to judge."""
     req, index, block = _named(s, effect)
+    if not s.config.prefix_caching:
+        raise Illegal(f"publish of block {block}: prefix caching is off")
     if (index + 1) * s.config.block_size > len(req.tokens):
         raise Illegal(f"publish r{req.id}'s block {index}: that block of its tokens is not full")
     if s.blocks[block].key is not None:

@@ -6,7 +6,10 @@ does there. ``upto`` is a number of leading table blocks: "register blocks cache
 A block is only ever registered under known tokens: under async scheduling a step's entry may run
 into placeholders, so the registrations at schedule time stop at the known tokens, and the blocks
 such a step completes are registered when it commits (``on_output``, vLLM's ``cache_blocks`` in
-``update_from_output``: a no-op without placeholders).
+``update_from_output``: a no-op without placeholders). Without prefix caching
+(``Config.prefix_caching`` off) every policy is the same: nothing is registered, tracked or
+rolled back (``on_schedule``, ``on_written`` and ``on_output`` do nothing, so ``on_remove`` finds
+nothing), and ``Request.cached`` stays 0, as vLLM's ``num_cached_block`` does.
 
 ============================  =================================================================
 policy                        meaning
@@ -51,6 +54,8 @@ def on_begin(s: State, step: Step) -> list[Event]:
 
 def on_schedule(s: State, req: Request, step: Step, end: int) -> list[Event]:
     """The request was just given tokens up to ``end`` (computed or loaded) in ``step``."""
+    if not s.config.prefix_caching:
+        return []
     policy, upto = s.config.policy, min(end, len(req.tokens)) // s.config.block_size
     if policy in EAGER:
         events, indices = register(s, req, upto)
@@ -91,6 +96,8 @@ def on_confirmed(s: State, step: Step) -> list[Event]:
 
 def on_written(s: State, step: Step) -> list[Event]:
     """After load failures are handled: what the step really wrote may become visible."""
+    if not s.config.prefix_caching:
+        return []
     events: list[Event] = []
     if s.config.policy == "hide-uncommitted":
         for rid, indices in step.registrations.items():
@@ -111,6 +118,8 @@ def on_output(s: State, req: Request, entry: Entry) -> list[Event]:
     appended; what that step wrote may become visible (vLLM's post-output ``cache_blocks``,
     capped at ``num_computed_tokens - num_in_flight_tokens``: the end of this entry). Not tracked
     for rollback: the step has written it. ``deferred`` registered it already in ``on_written``."""
-    if not s.config.async_scheduling or s.config.policy not in EAGER + ("hide-uncommitted",):
+    if not s.config.prefix_caching or not s.config.async_scheduling:
+        return []
+    if s.config.policy not in EAGER + ("hide-uncommitted",):
         return []
     return register(s, req, entry.end // s.config.block_size)[0]

@@ -40,7 +40,10 @@ def holds(content: Content | None, prefix: Content) -> bool:
 
 def lookup(s: State, req: Request) -> list[int]:
     """The longest run of published blocks for the request's hashes, from its first block,
-    stopping at the first miss and capped so the last known token is always recomputed."""
+    stopping at the first miss and capped so the last known token is always recomputed. None
+    without prefix caching."""
+    if not s.config.prefix_caching:
+        return []
     cap = (len(req.tokens) - 1) // s.config.block_size
     hits: list[int] = []
     for i in range(cap):
@@ -85,11 +88,13 @@ def allocate(s: State, req: Request) -> list[Event]:
 
 def free_table(s: State, req: Request) -> list[Event]:
     """Drop the request's references in reverse table order, so a chain's tail is evicted before
-    its ancestors."""
-    events: list[Event] = []
-    for block in reversed(req.table):
-        release(s, block, req.id)
-        events.append(("free", block))
+    its ancestors. Without prefix caching the table is freed as one batch (``free_batch``)."""
+    if s.config.prefix_caching:
+        for block in reversed(req.table):
+            release(s, block, req.id)
+    else:
+        free_batch(s, req)
+    events: list[Event] = [("free", block) for block in reversed(req.table)]
     req.table = []
     req.computed = 0
     req.cached = 0
@@ -112,8 +117,31 @@ def release(s: State, block: int, rid: int) -> None:
             s.free.append(block)
 
 
+def free_batch(s: State, req: Request) -> None:
+    """Without prefix caching, vLLM 0.33.0 frees a table as one batch: ``single_type_kv_cache_
+    manager.free`` hands ``BlockPool.free_blocks`` the table reversed, which drops a reference on
+    each, collects the blocks reaching 0 in that order and puts the whole list at the queue's
+    head at once (``prepend_n``, every block counting as unhashed when caching is off). So the
+    head becomes the table's *last* block, then the one before it, down to its first, ahead of
+    the old head; ``release`` one block at a time would leave the table's first block at the
+    head instead. Nothing is cached, so no block goes to the tail."""
+    batch: list[int] = []
+    for block in reversed(req.table):
+        b = s.blocks[block]
+        if b.refcount <= 0:
+            raise Illegal(f"free of block {block} by r{req.id}: refcount is {b.refcount}")
+        b.refcount -= 1
+        s.touched.blocks.add(block)
+        if b.refcount == 0:
+            batch.append(block)
+    s.free[0:0] = batch
+
+
 def publish(s: State, req: Request, index: int) -> list[Event]:
-    """Register the request's block ``index`` under its hash (several blocks may share one)."""
+    """Register the request's block ``index`` under its hash (several blocks may share one).
+    Illegal without prefix caching: such a pool publishes nothing."""
+    if not s.config.prefix_caching:
+        raise Illegal(f"publish of r{req.id}'s block {index}: prefix caching is off")
     block = req.table[index]
     if block == NULL_BLOCK:
         raise Illegal("publish of the null block")

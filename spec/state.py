@@ -89,6 +89,9 @@ class Config:
     scheduler). False: a request waits for its sampled token to commit."""
     stale_output: str = "drop"
     """``STALE_OUTPUTS``: what becomes of a preempted request's output in a submitted step."""
+    prefix_caching: bool = True
+    """False: a pool without prefix caching (vLLM's ``enable_prefix_caching=False``): nothing is
+    ever published, no lookup hits, and a table is freed as one batch (``pool.free_table``)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -109,6 +112,10 @@ class Config:
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"unknown stale_output {self.stale_output!r}; one of {', '.join(STALE_OUTPUTS)}",
+            ),
+            (
+                isinstance(self.prefix_caching, bool),
+                f"prefix_caching must be a bool, got {self.prefix_caching!r}",
             ),
         ]
         for ok, message in checks:

@@ -46,6 +46,7 @@ def spec_configs(draw: st.DrawFn) -> Config:
         stop_token=0,
         async_scheduling=async_scheduling,
         stale_output=draw(st.sampled_from(("drop", "deliver"))) if depth > 1 else "drop",
+        prefix_caching=draw(st.sampled_from((True, True, True, False))),
     )
 
 

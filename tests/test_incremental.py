@@ -54,6 +54,7 @@ def engine_runs(draw: st.DrawFn) -> tuple[Config, list[Event]]:
         token_budget=draw(st.integers(3, 12)),
         max_running=draw(st.integers(2, 4)),
         stop_token=0,
+        prefix_caching=draw(st.sampled_from((True, True, True, False))),
     )
     choices = RandomChoices(draw(st.integers(0, 2**16)), draw(st.sampled_from((0.0, 0.3, 0.6))))
     engine = Engine(EngineConfig(**common, vocab=4), choices=choices)  # type: ignore[arg-type]

@@ -2,9 +2,10 @@
 ``.venv-vllm`` with and without the plugin: the seed's scenario fails with NoUnwrittenPublish,
 a planted pool bug (touch after allocate) with TouchBeforeAllocate, the seed's scenario under
 async scheduling (``AsyncScheduler``, two steps in flight) with NoUnwrittenPublish, the correct
-tests (synchronous and async) pass, a
-feature the spec does not model is refused (listed, never failed), and without the plugin
-every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+tests (synchronous and async, and a scheduler without prefix caching) pass, a planted bug in
+the free order without prefix caching (one block at a time instead of vLLM's batch) fails with
+a Disagreement on the free queue, a feature the spec does not model is refused (listed, never
+failed), and without the plugin every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
 from __future__ import annotations
 
@@ -60,12 +61,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_pool.py"),
         str(CASES / "case_refused.py"),
         str(CASES / "case_async.py"),
+        str(CASES / "case_no_caching.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "3 failed" in out and "7 passed" in out, out[-3000:]
+    assert "4 failed" in out and "8 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -85,23 +87,30 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     async_holds = tests["test_async_shared_prefixes_hold"]
     assert async_holds["outcome"] == "judged" and async_holds["events"] > 50, async_holds
     assert tests["test_a_shared_prefix_is_hit_after_its_request_leaves"]["outcome"] == "pool"
-    off = tests["test_prefix_caching_off_is_refused"]
-    assert off["outcome"] == "construction" and off["features"] == ["prefix caching off"], off
+    sub = tests["test_a_scheduler_subclass_is_refused"]
+    assert sub["outcome"] == "construction", sub
+    assert sub["features"] == ["Scheduler subclass CustomScheduler"], sub
+    off = tests["test_caching_off_shared_prefixes_hold"]
+    assert off["outcome"] == "judged" and off["events"] > 100, off  # prefix caching off
+    order = tests["test_caching_off_freed_one_block_at_a_time"]
+    assert order["outcome"] == "violation", order
+    assert order["finding"].startswith("kvspec: Disagreement: free queue (1, 2, 3, 4, 9)"), order
     edited = tests["test_a_test_that_edits_vllm_state_is_refused"]
     assert edited["outcome"] == "run" and edited["features"] == ["state edited between calls"]
     assert tests["test_nothing_built"]["outcome"] == "none"
     summary = out[out.index("= kvspec =") :]
-    assert "3  violations" in summary and "3  judged and holding" in summary, summary
-    assert "prefix caching off" in summary and "state edited between calls" in summary
+    assert "4  violations" in summary and "4  judged and holding" in summary, summary
+    assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
 @needs_vllm
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
+    names += ("case_no_caching.py",)
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "10 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "12 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

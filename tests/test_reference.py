@@ -304,6 +304,7 @@ def replay(
         stop_token=cfg.stop_token,
         async_scheduling=cfg.async_scheduling,
         stale_output=cfg.stale_output,
+        prefix_caching=cfg.prefix_caching,
     )
     s = initial_state(spec_cfg)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]

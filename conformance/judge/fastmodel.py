@@ -175,6 +175,10 @@ class FastModel:
         self.config = config
         self.async_scheduling = config.async_scheduling
         self.deliver = config.stale_output == "deliver"
+        self.caching = config.prefix_caching
+        self.policy = config.policy if config.prefix_caching else ""
+        """The registration policy; none without prefix caching (``spec.policies``: nothing is
+        registered, tracked or rolled back)."""
         n = config.num_blocks
         self.bsz = config.block_size
         self.refcount = [0] * n
@@ -496,6 +500,8 @@ class FastModel:
                     req.verified = i
 
     def _lookup(self, req: Req) -> list[int]:
+        if not self.caching:
+            return []
         cap = (len(req.tokens) - 1) // self.bsz
         hits: list[int] = []
         index = self.index
@@ -521,7 +527,7 @@ class FastModel:
     def _free_table(self, req: Req) -> None:
         refcount, key, free, holders = self.refcount, self.key, self.free, self.holders
         expected = self.expected
-        rid = req.id
+        rid, caching = req.id, self.caching
         for block in reversed(req.table):
             count = refcount[block]
             if count <= 0:
@@ -529,12 +535,16 @@ class FastModel:
             refcount[block] = count - 1
             if count == 1:
                 free[block] = None
-                if key[block] is None:
+                if key[block] is None and caching:
                     free.move_to_end(block, last=False)
             mine = holders[block]
             if mine.get(rid) is not None:
                 del mine[rid]
             expected.append(("free", block))
+        if not caching:  # spec.pool.free_batch: the batch at the head, the table's last first
+            for block in req.table:
+                if refcount[block] == 0:
+                    free.move_to_end(block, last=False)
         req.table = []
         req.computed = 0
         req.cached = 0
@@ -601,7 +611,7 @@ class FastModel:
             raise Illegal()
         self.next_step += 1
         steps.append(Stp(step_id))
-        if self.config.policy == "eager-rollback-single":
+        if self.policy == "eager-rollback-single":
             self.single.clear()
 
     def _building(self) -> Stp:
@@ -711,7 +721,7 @@ class FastModel:
             req.loading = sid
         self.new_entry = (step, rid)
         # policies.on_schedule
-        policy, upto = cfg.policy, min(end, known) // bsz
+        policy, upto = self.policy, min(end, known) // bsz
         if policy in EAGER:
             indices = self._register(req, upto)
             if policy == "eager-rollback-single":
@@ -826,7 +836,7 @@ class FastModel:
         tokens = dict(sampled)
         if len(tokens) != len(sampled) or sorted(tokens) != sorted(expected):
             raise Illegal()
-        policy, requests = self.config.policy, self.requests
+        policy, requests = self.policy, self.requests
         if policy == "eager-rollback-fifo":  # policies.on_confirmed
             step.registrations.clear()
         if step.failed:
@@ -935,7 +945,7 @@ class FastModel:
                 st.live.discard(rid)
         if not deliver:
             req.ahead = []
-        policy = self.config.policy
+        policy = self.policy
         tracked: list[int] = []
         if policy == "eager-rollback-single":
             tracked = self.single.pop(rid, [])

@@ -1,18 +1,18 @@
 """vLLM-style tests the plugin must refuse, not judge (run by tests/test_pytest_plugin.py): a
-feature the spec does not model (prefix caching off) and a test that edits vLLM's state between
-calls. Both pass, with and without the plugin."""
+scheduler the spec does not model (a ``Scheduler`` subclass: its overrides are not vLLM's) and a
+test that edits vLLM's state between calls. Both pass, with and without the plugin."""
 
+import case_seed
 from case_seed import make_request, make_scheduler, runner_output, step
-from vllm.config import CacheConfig
+from vllm.v1.core.sched.scheduler import Scheduler
 
 
-def test_prefix_caching_off_is_refused(monkeypatch):
-    original = CacheConfig.__init__
+class CustomScheduler(Scheduler):
+    pass
 
-    def caching_off(self, *args, **kwargs):
-        original(self, *args, **dict(kwargs, enable_prefix_caching=False))
 
-    monkeypatch.setattr(CacheConfig, "__init__", caching_off)
+def test_a_scheduler_subclass_is_refused(monkeypatch):
+    monkeypatch.setattr(case_seed, "Scheduler", CustomScheduler)
     scheduler = make_scheduler(policy="fcfs", num_blocks=12)
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], priority=0, arrival=0.0))
     while scheduler.has_requests():

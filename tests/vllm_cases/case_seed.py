@@ -16,7 +16,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 BLOCK = 2
 
 
-def make_scheduler(policy="priority", num_blocks=8):
+def make_scheduler(policy="priority", num_blocks=8, caching=True):
     model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=1024)
     sched = SchedulerConfig(
         max_model_len=1024,
@@ -27,7 +27,7 @@ def make_scheduler(policy="priority", num_blocks=8):
         policy=policy,
         watermark=0.0,
     )
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=caching)
     cache.num_gpu_blocks = num_blocks
     config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
     spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)

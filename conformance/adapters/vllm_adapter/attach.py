@@ -28,13 +28,14 @@ live (vLLM skips finished and aborted ones), and of those preempted while a subm
 them (*stale* output, ``num_stale_output_tokens``) only in vLLM's default mode, which delivers it
 to the waiting request; its drop mode (``requires_kv_delivery``) drops it. The spec models both
 (``Config.stale_output``, read by ``config_of``), and ``AsyncScheduler``'s decodes on placeholders
-(``Config.async_scheduling``). A token at which vLLM stops the request (EOS, a stop token,
-repetition) is reported as the configuration's ``stop_token``: the spec knows one stop token, vLLM
-decides per request, and the token never enters a hash (the request finishes with it).
+(``Config.async_scheduling``), and a pool without prefix caching (``Config.prefix_caching``,
+read from ``enable_caching``: nothing published, no hits, a table freed as one batch). A token at
+which vLLM stops the request (EOS, a stop token, repetition) is reported as the configuration's
+``stop_token``: the spec knows one stop token, vLLM decides per request, and the token never
+enters a hash (the request finishes with it).
 
-**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: prefix
-caching off, a KV connector, speculative decoding, hybrid groups, sliding window, LoRA,
-``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
+**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: a KV
+connector, speculative decoding, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
@@ -675,7 +676,7 @@ class Attachment:
         if any(not 0 <= b.block_id < len(pool) or pool[b.block_id] is not b for b in blocks):
             self.refuse("blocks that are not the pool's", "free_blocks")
         unhashed = [b for b in blocks if not b.is_null and b.ref_cnt == 1 and b.block_hash is None]
-        if len(unhashed) > 1:
+        if len(unhashed) > 1 and self.config.prefix_caching:
             self.refuse(
                 "a batch of unhashed blocks freed",
                 "vLLM keeps their order at the queue's head, the spec reverses it",
@@ -723,6 +724,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         stop_token=stop_token,
         async_scheduling=asynchronous,
         stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
+        prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
     )
 
 
@@ -741,7 +743,7 @@ def attach(
 def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
-    names += ("stale_output",)
+    names += ("stale_output", "prefix_caching")
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

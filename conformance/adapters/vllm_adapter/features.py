@@ -42,9 +42,6 @@ def scheduler_features(sched: Any) -> list[Feature]:
         if cond:
             found.append((feature, detail))
 
-    need(
-        not getattr(kv, "enable_caching", True), "prefix caching off", "enable_prefix_caching=False"
-    )
     need(sched.connector is not None, "KV connector", type(sched.connector).__name__)
     need(getattr(sched, "ec_connector", None) is not None, "EC connector", "ec_transfer_config")
     need(
@@ -126,8 +123,9 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
-    need(
-        getattr(request, "skip_reading_prefix_cache", False),
+    caching = bool(getattr(sched.kv_cache_manager, "enable_caching", True))
+    need(  # without prefix caching nothing is read anyway
+        caching and getattr(request, "skip_reading_prefix_cache", False),
         "prefix-cache read skipped",
         "prompt logprobs or all-token pooling",
     )
@@ -141,8 +139,8 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     if request.prompt_token_ids is not None:
         bsz = sched.block_size
         full = request.num_tokens // bsz
-        need(
-            len(request.block_hashes) != full,
+        need(  # without prefix caching no hash is ever read
+            caching and len(request.block_hashes) != full,
             "no block hasher",
             f"{len(request.block_hashes)} block hashes for {full} full blocks",
         )
