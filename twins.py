@@ -30,15 +30,17 @@ TWINS: tuple[Twin, ...] = (
         "the reference engine: an independent, fast implementation of every policy",
         "its events are the spec's effects of its decisions, event by event, and its refcounts "
         "and free queue are the spec's after every workload step (lockstep fuzzing), under "
-        "every policy, discipline, preemption and depth",
+        "every policy, discipline, preemption and depth, with prefix caching on and off",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
+            "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
         ),
     ),
     Twin(
         "kvspec.conformance.judge.fastmodel",
-        "the fast model: the state machine for speed, interned prefixes",
+        "the fast model: the state machine for speed, interned prefixes, prefix caching on "
+        "and off (the reference traces and spec walks its tests draw include caching off)",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",
         (
@@ -49,7 +51,8 @@ TWINS: tuple[Twin, ...] = (
     ),
     Twin(
         "kvspec.conformance.judge.incremental",
-        "the incremental invariants: each evaluated only where a decision changed the state",
+        "the incremental invariants: each evaluated only where a decision changed the state "
+        "(prefix caching on and off: the traces and walks its tests draw include both)",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "
         "and the same answer on every corrupted state",
         (
@@ -60,7 +63,10 @@ TWINS: tuple[Twin, ...] = (
     Twin(
         "kvspec.proofs.symbolic",
         "the Z3 model: actions and invariants as Z3 terms at fixed sizes, synchronous and "
-        "async scheduling (placeholders), stale output dropped or delivered",
+        "async scheduling (placeholders), stale output dropped or delivered; prefix caching on "
+        "only (``Config.prefix_caching`` off is refused by ``Fragment``: a pool that publishes "
+        "nothing has none of the registration races the proofs are about, and its batch free "
+        "order would need its own free-queue terms)",
         "it admits exactly the executable spec's successor of every (state, decision) pair "
         "the walks reach, and its invariants are the spec's there",
         (
@@ -81,7 +87,9 @@ TWINS: tuple[Twin, ...] = (
     ),
     Twin(
         "kvspec.proofs.contracts",
-        "CrossHair contracts: the spec's pool mechanisms as pure functions of a flat pool",
+        "CrossHair contracts: the spec's pool mechanisms as pure functions of a flat pool, "
+        "with prefix caching on (``pool.free_batch``, the free without it, is not among them: "
+        "the reference lockstep test shows it)",
         "the spec's pool functions, and the pool invariants preserved by each",
         (
             "tests/test_contracts.py::test_free_then_allocate_agree",

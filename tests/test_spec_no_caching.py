@@ -17,6 +17,7 @@ from kvspec.conformance.trace import read_trace, write_trace
 from kvspec.reference import EngineConfig
 from kvspec.spec import INVARIANTS, POLICIES, Config, Illegal, apply, initial_state
 from kvspec.spec.observed import engine_effect, steer
+from kvspec.spec.pool import add_key, lookup
 from kvspec.spec.state import State
 
 PROMPT = (1, 2, 3, 4, 5, 6, 7)
@@ -54,6 +55,12 @@ def test_nothing_is_published_and_nothing_is_hit(policy: str) -> None:
     assert all(req.cached == 0 for req in s.requests.values())
     on, effects_on = admitted(Config(12, 2, policy=policy), last=1)
     assert effects_on[0] == ("hit", 1, (1, 2, 3))  # caching on: the three full blocks
+
+
+def test_a_lookup_hits_nothing_even_on_a_corrupted_index() -> None:
+    s, _ = admitted(Config(12, 2, prefix_caching=False))
+    add_key(s, 4, PROMPT[:2])  # no action publishes without caching; planted by hand
+    assert lookup(s, s.requests[1]) == []
 
 
 def test_a_table_is_freed_as_one_batch_with_its_last_block_first() -> None:
@@ -146,3 +153,12 @@ def test_the_trace_header_carries_the_switch(tmp_path: Path) -> None:
     path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     with pytest.raises(Exception, match="prefix_caching"):
         read_trace(path)
+
+
+def test_the_z3_model_refuses_prefix_caching_off() -> None:
+    """Declared out of its scope (kvspec/twins.py): refused, not modelled as caching on."""
+    from kvspec.proofs.symbolic import Fragment
+
+    with pytest.raises(ValueError, match="prefix caching off is not in the Z3 model"):
+        Fragment(Config(4, 1, prefix_caching=False))
+    assert Fragment(Config(4, 1)).config.prefix_caching
