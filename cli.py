@@ -149,6 +149,13 @@ def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLI
         help="a preempted request's output in a submitted step: drop or deliver "
         "(vLLM's default; needs depth >= 2)",
     )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="a pool without prefix caching (vLLM's enable_prefix_caching=False): nothing is "
+        "published and nothing hits",
+    )
 
 
 def _depth(args: argparse.Namespace) -> int:
@@ -484,6 +491,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.loads,
         args.async_scheduling,
         args.stale_output,
+        args.prefix_caching,
     )
     with engine_logs(shown=args.engine_log), _hypothesis_home():
         if args.target:  # imported as python -m would: the current folder first
@@ -493,6 +501,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         )
     timing = ", async" if args.async_scheduling else ""
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""
+    timing += "" if args.prefix_caching else ", no prefix caching"
     name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
     if result.failure is None and result.runs == 0:
         print(
@@ -541,6 +550,7 @@ def _simulate(args: argparse.Namespace) -> int:
         max_running=64,
         async_scheduling=args.async_scheduling,
         stale_output=args.stale_output,
+        prefix_caching=args.prefix_caching,
     )
     need = budget.simulate_need(args.requests, args.blocks, args.block_size)
     what = f"{args.requests:,} requests on {args.blocks:,} blocks of {args.block_size:,} tokens"

@@ -44,8 +44,9 @@ Event = tuple[object, ...]
 class Cell:
     """What is fuzzed: a registration policy, a scheduling discipline and preemption, the steps in
     flight (None: drawn 1 to 3, or 2 to 3 when steps overlap), whether external KV loads happen
-    (some failing), async scheduling (decodes on placeholder tokens) and what becomes of a
-    preempted request's output still in flight (``docs/async.md``)."""
+    (some failing), async scheduling (decodes on placeholder tokens), what becomes of a
+    preempted request's output still in flight (``docs/async.md``) and whether the pool caches
+    prefixes at all (``Config.prefix_caching``)."""
 
     policy: str
     discipline: str = "vllm"
@@ -54,6 +55,7 @@ class Cell:
     loads: bool = False
     async_scheduling: bool = False
     stale_output: str = "drop"
+    prefix_caching: bool = True
 
     @property
     def overlaps(self) -> bool:
@@ -91,6 +93,7 @@ def fuzz(
             stop_token=0,
             async_scheduling=cell.async_scheduling,
             stale_output=cell.stale_output,
+            prefix_caching=cell.prefix_caching,
         )
         adapter = probe(factory, config, DataChoices(), target, cell.loads)
         judging = getattr(adapter, "judging", "strict")
@@ -106,6 +109,7 @@ def fuzz(
         factory=factory,
         async_scheduling=cell.async_scheduling,
         stale_output=cell.stale_output,
+        prefix_caching=cell.prefix_caching,
         database=database,
         shrink=shrink,
     )

@@ -197,12 +197,14 @@ def lockstep_machine(
     factory: Factory = reference,
     async_scheduling: bool | None = False,
     stale_output: str | None = "drop",
+    prefix_caching: bool = True,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3 (2 to 3
     under async scheduling or delivered stale output). With ``loads``, some requests find their
     prompt in an external KV store and loads may fail. ``async_scheduling`` (``Config``: the
     engine schedules on placeholders) and ``stale_output`` (``"drop"`` or ``"deliver"``) are
-    fixed, or drawn when None. ``factory`` builds the engine under test (``adapter.py``; default:
+    fixed, or drawn when None; ``prefix_caching`` False: a pool without prefix caching
+    (``Config.prefix_caching``). ``factory`` builds the engine under test (``adapter.py``; default:
     the reference engine)."""
     timing = timings(depth, async_scheduling, stale_output)
     tally = Tally()
@@ -238,6 +240,7 @@ def lockstep_machine(
                 stop_token=0,
                 async_scheduling=overlap,
                 stale_output=stale,
+                prefix_caching=prefix_caching,
             )
             self.choices = DataChoices()
             try:
@@ -373,7 +376,7 @@ def lockstep_machine(
             except Exception:  # the finding stands; a crashed engine just stops the tail
                 pass
 
-    loads_tag = ",loads" if loads else ""
+    loads_tag = (",loads" if loads else "") + ("" if prefix_caching else ",no-caching")
     timing_tag = _timing_tag(async_scheduling, stale_output)
     target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
     LockstepMachine.__name__ = (
@@ -433,6 +436,7 @@ def run_cell(
     factory: Factory = reference,
     async_scheduling: bool | None = False,
     stale_output: str | None = "drop",
+    prefix_caching: bool = True,
     database: ExampleDatabase | None = None,
     shrink: bool = True,
 ) -> CellResult:
@@ -454,6 +458,7 @@ def run_cell(
         factory,
         async_scheduling,
         stale_output,
+        prefix_caching,
     )
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(

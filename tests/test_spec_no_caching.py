@@ -162,3 +162,28 @@ def test_the_z3_model_refuses_prefix_caching_off() -> None:
     with pytest.raises(ValueError, match="prefix caching off is not in the Z3 model"):
         Fragment(Config(4, 1, prefix_caching=False))
     assert Fragment(Config(4, 1)).config.prefix_caching
+
+
+def test_kvspec_fuzz_and_simulate_without_prefix_caching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--no-prefix-caching`` reaches the engine and the judge: the seed bug's cell
+    (eager-unsafe, vllm/priority; found within a second with caching on) finds nothing, since a
+    pool that publishes nothing has no zombie to hit; ``kvspec simulate`` writes a trace that says
+    so in its header, publishes and hits nothing, and ``kvspec check`` holds it."""
+    from kvspec.cli import main
+
+    argv = ["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seconds", "3"]
+    argv += ["--seed", "1"]  # with caching on, this seed finds the seed bug in under a second
+    assert main([*argv, "--no-prefix-caching"]) == 0
+    out = capsys.readouterr().out
+    assert "no counterexample for eager-unsafe (vllm/priority, no prefix caching)" in out, out
+    trace = tmp_path / "t.jsonl"
+    sim = ["simulate", "--policy", "deferred", "--requests", "30", "--no-prefix-caching"]
+    assert main([*sim, "--out", str(trace)]) == 0
+    config, events = read_trace(trace)[:2]
+    assert config.prefix_caching is False
+    kinds = {e[0] for e in events}
+    assert "free" in kinds and not kinds & {"publish", "evict"}
+    assert all(e[2] == () for e in events if e[0] == "hit")
+    assert main(["check", str(trace)]) == 0

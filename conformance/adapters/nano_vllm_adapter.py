@@ -70,6 +70,8 @@ def factory(config: Config, choices: Choices) -> NanoVllmAdapter:
         raise ValueError(f"nano-vllm runs one step at a time: depth 1, not {config.depth}")
     if config.stop_token not in (None, 0):
         raise ValueError(f"the fake model runner's eos is 0, not {config.stop_token}")
+    if not config.prefix_caching:
+        raise ValueError("nano-vllm always caches prefixes: prefix caching on")
     return NanoVllmAdapter(config, choices)
 
 

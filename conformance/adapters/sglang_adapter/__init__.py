@@ -69,6 +69,8 @@ def supported(config: Config, overlap: bool = True) -> str | None:
         return "SGLang's default scheduling and retraction ignore priorities: preemption fcfs"
     if config.stop_token not in (None, 0):
         return f"the fake model runner's stop token is 0, not {config.stop_token}"
+    if not config.prefix_caching:
+        return "the SGLang adapter drives a RadixCache: prefix caching on"
     if overlap and config.depth != 2:
         return (
             "SGLang's default overlap scheduler keeps a batch in flight while it forms the next: "

@@ -81,6 +81,7 @@ def vllm_config(
     depth: int,
     async_scheduling: bool,
     long_prefill_token_threshold: int = 0,
+    prefix_caching: bool = True,
 ) -> VllmConfig:
     model = ModelConfig(
         model=_model_folder(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024
@@ -95,7 +96,7 @@ def vllm_config(
         async_scheduling=async_scheduling,
         long_prefill_token_threshold=long_prefill_token_threshold,
     )
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     cache.num_gpu_blocks = num_blocks
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     # A batch queue of `depth` steps (module docstring).
@@ -119,8 +120,8 @@ def build_scheduler(
     config: Config, async_scheduling: bool, long_prefill_token_threshold: int = 0
 ) -> Any:
     """vLLM's ``Scheduler`` (or ``AsyncScheduler``, with Model Runner V2) for the cell: one
-    KV-cache group of full attention over ``config.num_blocks`` blocks, prefix caching and chunked
-    prefill on, a batch queue of ``config.depth`` steps; prefill chunks capped at
+    KV-cache group of full attention over ``config.num_blocks`` blocks, prefix caching as
+    ``config.prefix_caching`` says (on by default, as in vLLM), chunked prefill on, a batch queue of ``config.depth`` steps; prefill chunks capped at
     ``long_prefill_token_threshold`` tokens once two requests are eligible (0, vLLM's default:
     no cap)."""
     bsz = config.block_size
@@ -133,6 +134,7 @@ def build_scheduler(
         config.depth,
         async_scheduling,
         long_prefill_token_threshold,
+        config.prefix_caching,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=config.num_blocks,
