@@ -105,16 +105,21 @@ def free_table(s: State, req: Request) -> list[Event]:
 def release(s: State, block: int, rid: int) -> None:
     """Request ``rid`` drops its reference; an unreferenced block goes to the queue's head when it
     has no hash (reused first) and to its tail when it is cached (least recently used last)."""
+    if drop_reference(s, block, rid):
+        if s.blocks[block].key is None:
+            s.free.insert(0, block)
+        else:
+            s.free.append(block)
+
+
+def drop_reference(s: State, block: int, rid: int) -> bool:
+    """Request ``rid`` drops its reference on ``block``; whether that was the last one."""
     b = s.blocks[block]
     if b.refcount <= 0:
         raise Illegal(f"free of block {block} by r{rid}: refcount is {b.refcount}")
     b.refcount -= 1
     s.touched.blocks.add(block)
-    if b.refcount == 0:
-        if b.key is None:
-            s.free.insert(0, block)
-        else:
-            s.free.append(block)
+    return b.refcount == 0
 
 
 def free_batch(s: State, req: Request) -> None:
@@ -125,15 +130,7 @@ def free_batch(s: State, req: Request) -> None:
     head becomes the table's *last* block, then the one before it, down to its first, ahead of
     the old head; ``release`` one block at a time would leave the table's first block at the
     head instead. Nothing is cached, so no block goes to the tail."""
-    batch: list[int] = []
-    for block in reversed(req.table):
-        b = s.blocks[block]
-        if b.refcount <= 0:
-            raise Illegal(f"free of block {block} by r{req.id}: refcount is {b.refcount}")
-        b.refcount -= 1
-        s.touched.blocks.add(block)
-        if b.refcount == 0:
-            batch.append(block)
+    batch = [block for block in reversed(req.table) if drop_reference(s, block, req.id)]
     s.free[0:0] = batch
 
 
