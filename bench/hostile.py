@@ -203,7 +203,7 @@ def v0_oracle(lines: list[bytes]) -> tuple[dict[str, object], list[tuple[object,
         elif name == "stop_token":
             if value is not None and not _int(value):
                 raise Invalid(1, name)
-        elif name == "async_scheduling":
+        elif name in ("async_scheduling", "prefix_caching"):
             if not isinstance(value, bool):
                 raise Invalid(1, name)
         elif name == "stale_output":

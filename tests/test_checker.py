@@ -20,6 +20,7 @@ from kvspec.conformance.judge import Judge
 from kvspec.conformance.monitor import Monitor, Violation
 from kvspec.conformance.trace import (
     FIELDS,
+    MODEL_FIELDS,
     TraceError,
     iter_trace,
     read_trace,
@@ -76,6 +77,9 @@ def test_round_trip_and_schema_ships(good_trace: Path) -> None:
     assert set(FIELDS) <= set(schema["$defs"])
     for kind, fields in FIELDS.items():
         assert schema["$defs"][kind]["required"] == ["ev"] + [name for name, _ in fields]
+    # every header model field the reader takes, the schema allows (its model is closed)
+    model = schema["$defs"]["header"]["properties"]["model"]
+    assert model["additionalProperties"] is False and set(MODEL_FIELDS) <= set(model["properties"])
 
 
 def test_safe_trace_holds_and_the_checker_agrees_with_the_judge(good_trace: Path) -> None:
