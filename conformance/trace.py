@@ -57,6 +57,10 @@ MODEL_FIELDS = (
     "stale_output",
     "prefix_caching",
 )
+WRITTEN_IF_NOT = {"prefix_caching": True}
+"""Model fields added after older kvspec versions shipped, written only when they differ from this
+default: a trace of a default configuration still reads in those versions (a reader takes a
+missing field as its default)."""
 JUDGING = ("strict", "observed")
 """How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
 modes"): observed for engines whose pool picks other free blocks or duplicates than the spec's, or
@@ -81,6 +85,12 @@ class TraceError(ValueError):
         self.path, self.line, self.message = str(path), line, message
 
 
+def _written(config: Config, names: Iterable[str]) -> dict[str, object]:
+    """``config``'s fields ``names``, less those at their ``WRITTEN_IF_NOT`` default."""
+    fields = {name: getattr(config, name) for name in names}
+    return {k: v for k, v in fields.items() if k not in WRITTEN_IF_NOT or v != WRITTEN_IF_NOT[k]}
+
+
 def header_for(
     config: Config, engine: tuple[str, str], judging: str = "strict"
 ) -> dict[str, object]:
@@ -92,7 +102,7 @@ def header_for(
         "block_size": config.block_size,
         "null_block": 0,
         "guarantees": {name: True for name in GUARANTEES},
-        "model": {name: getattr(config, name) for name in MODEL_FIELDS},
+        "model": _written(config, MODEL_FIELDS),
     }
     if judging != "strict":
         header["judging"] = judging
@@ -519,7 +529,7 @@ def write_events(path: str | Path, config: Config, events: Iterable[Event]) -> i
     """Write a v0 event file; return the number of events written."""
     count = 0
     with open(path, "wb") as out:
-        header = {"format": V0_FORMAT, "version": 0, "config": asdict(config)}
+        header = {"format": V0_FORMAT, "version": 0, "config": _written(config, asdict(config))}
         out.write(orjson.dumps(header) + b"\n")
         for event in events:
             out.write(orjson.dumps(event) + b"\n")

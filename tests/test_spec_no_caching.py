@@ -13,7 +13,7 @@ import pytest
 from scenarios import SEED
 from test_reference import BOOKKEEPING, drive, recording_engine, replay
 
-from kvspec.conformance.trace import read_trace, write_trace
+from kvspec.conformance.trace import read_trace, write_events, write_trace
 from kvspec.reference import EngineConfig
 from kvspec.spec import INVARIANTS, POLICIES, Config, Illegal, apply, initial_state
 from kvspec.spec.observed import engine_effect, steer
@@ -153,6 +153,17 @@ def test_the_trace_header_carries_the_switch(tmp_path: Path) -> None:
     path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     with pytest.raises(Exception, match="prefix_caching"):
         read_trace(path)
+    # at its default the field is not written (both formats), so older kvspec reads the file
+    arrive = [("arrive", 0, (1, 2, 3), 1, 0)]
+    for config in (Config(8, 2), Config(8, 2, prefix_caching=False)):
+        v1, v0 = tmp_path / "v1.jsonl", tmp_path / "v0.jsonl"
+        write_trace(v1, config, arrive, engine=("test", "0"))
+        write_events(v0, config, arrive)
+        model = json.loads(v1.read_text().splitlines()[0])["model"]
+        v0_config = json.loads(v0.read_text().splitlines()[0])["config"]
+        for fields in (model, v0_config):
+            assert ("prefix_caching" in fields) == (not config.prefix_caching), fields
+        assert read_trace(v1)[0] == config and read_trace(v0)[0] == config
 
 
 def test_the_z3_model_refuses_prefix_caching_off() -> None:
