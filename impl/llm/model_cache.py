@@ -6,13 +6,15 @@ Reading a GGUF file is slow where it should not matter: ``GGUFReader`` parses ev
 transformers rebuilds the tokenizer from the vocabulary. A second ``kvspec generate`` (or test)
 on the same file then reads the converted copy instead.
 
-Where: ``models/`` in kvspec's cache folder (``kvspec.crash.cache_dir``: ``$KVSPEC_CACHE_DIR``, else
-the user cache folder), or ``$KVSPEC_MODEL_CACHE`` if set (``off`` turns the cache off). The key is the file's BLAKE2b digest plus ``FORMAT`` (bumped whenever
-what is stored changes), so an edited or replaced file, or a new conversion, never reads a stale
-copy; nothing depends on paths or modification times. A copy is written to a temporary folder and
-renamed into place, so a reader never sees half of one; a lock beside it makes a second process
-wanting the same copy (a pytest worker) wait for the first one's instead of converting again. A cache that cannot be written (read-only home, full disk) is skipped: the
-model still loads, converted afresh.
+Where: ``models/`` in kvspec's cache folder (``kvspec.crash.cache_dir``: ``$KVSPEC_CACHE_DIR``,
+else the user cache folder), or ``$KVSPEC_MODEL_CACHE`` if set (``off`` turns the cache off). The
+key is the file's BLAKE2b digest plus ``FORMAT`` (bumped whenever what is stored changes), so an
+edited or replaced file, or a new conversion, never reads a stale copy; the key depends on no path
+or modification time (those only spare a process hashing the same file twice). A copy is written
+to a temporary folder and renamed into place, so a reader never sees half of one; a lock beside it
+makes a second process wanting the same copy (a pytest worker) wait for the first one's instead of
+converting again. A cache that cannot be written (read-only home, full disk) is skipped: the model
+still loads, converted afresh.
 """
 
 from __future__ import annotations
