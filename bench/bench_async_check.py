@@ -1,30 +1,48 @@
 """``kvspec check`` on async traces against synchronous ones (issue #12's target: async traces
 judged at no less than 90% of the synchronous events/s).
 
-Two v1 traces of the same workload from the reference engine (waves of shared-prefix requests,
-policy ``deferred``, vLLM discipline, depth 2, 64 blocks of 16 tokens so that requests are
-preempted): one synchronous (``async_scheduling=False``, stale output dropped), one with vLLM's
-defaults (async scheduling, stale output delivered). Each run of ``check_file`` judges one whole
-trace; the modes run interleaved in every round, so a load on the machine hits them alike; the
-medians of ``--rounds`` rounds and their ratios are printed. Engines: ``fast`` (the compiled fast
-model, what ``kvspec check`` uses; ``source`` when it is not built) and ``spec``.
+Three v1 traces of the same workload from the reference engine (waves of shared-prefix requests,
+policy ``deferred``, vLLM discipline, 64 blocks of 16 tokens so that requests are preempted):
 
-    .venv/bin/python bench/bench_async_check.py [--events 200000] [--rounds 5] [--spec-events 30000]
+* ``sync-d1``: synchronous, one step in flight: vLLM's ``Scheduler`` as ``vllm serve`` runs it
+  with async scheduling off (no pipeline parallelism, so one batch at a time);
+* ``sync-d2``: synchronous, two steps in flight (a pipelined batch queue). A step built while
+  the one before is in flight can only take new prefill chunks (every running request waits for
+  its token), so about every other step is nearly empty and cheap to judge;
+* ``async-d2``: vLLM's defaults: async scheduling, two steps in flight, stale output delivered.
+
+Each check runs in a fresh process (``check_file``, timed in CPU seconds inside it, start-up
+excluded): judged in one long-lived process, the checks' speeds depended on what that process
+had judged before (the spec engine's garbage), by up to 25%. The modes run interleaved in every
+round; each round's async speed is divided by the same round's synchronous speeds, and the
+median of those ratios is printed beside the medians of the speeds, with every round's ratio,
+since on these machines one round differs from the next by up to 30%; so is the best round of
+each mode and their ratio, since interference here only ever slows a run down. Engines: ``fast`` (the
+compiled fast model, what ``kvspec check`` uses; ``source`` when it is not built) and ``spec``.
+
+Then the fast judge alone (``fastbuild.fast_judge``; events read beforehand), each synchronous
+trace in lockstep with the async one: one event to each judge in turn, each feed timed, so a slow
+spell of the machine falls on both alike (the rounds above differ by up to 30%; these by a few
+percent). This isolates what async judging costs from the reading of the file.
+
+    .venv/bin/python bench/bench_async_check.py [--events 200000] [--rounds 7] [--spec-events 30000]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvspec.conformance.check import check_file
 from kvspec.conformance.judge import fastbuild
-from kvspec.conformance.trace import write_trace
+from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import Config
@@ -32,14 +50,29 @@ from kvspec.spec import Config
 COMMON = dict(
     num_blocks=64,
     block_size=16,
-    depth=2,
     policy="deferred",
     discipline="vllm",
     preemption="fcfs",
     token_budget=1024,
     max_running=16,
 )
-MODES = {"sync": dict(), "async": dict(async_scheduling=True, stale_output="deliver")}
+MODES: dict[str, dict[str, object]] = {
+    "sync-d1": dict(depth=1),
+    "sync-d2": dict(depth=2),
+    "async-d2": dict(depth=2, async_scheduling=True, stale_output="deliver"),
+}
+ASYNC = "async-d2"
+CHILD = """
+import json, sys, time
+from kvspec.conformance.check import check_file
+started = time.process_time()
+report = check_file(sys.argv[1], engine=sys.argv[2])
+seconds = time.process_time() - started
+if report.exit_code != 0:
+    sys.exit(report.text())
+print(json.dumps({"events": report.events, "seconds": seconds}))
+"""
+"""A fresh process: ``kvspec check`` of one trace, its CPU seconds (start-up excluded)."""
 
 
 def events(extra: dict[str, object], limit: int) -> Iterator[tuple[object, ...]]:
@@ -59,8 +92,6 @@ def events(extra: dict[str, object], limit: int) -> Iterator[tuple[object, ...]]
 
 
 def counts(path: Path) -> dict[str, int]:
-    from kvspec.conformance.trace import iter_trace
-
     _, lines = iter_trace(path)
     kinds: dict[str, int] = {}
     for _, event, _ in lines:
@@ -68,11 +99,45 @@ def counts(path: Path) -> dict[str, int]:
     return kinds
 
 
+def rate(path: Path, engine: str) -> float:
+    """Events/s of ``kvspec check --engine ENGINE`` on ``path``, in a fresh process."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), engine], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{path.name} ({engine}): {done.stderr.strip()[-2000:]}")
+    got = json.loads(done.stdout.splitlines()[-1])
+    return float(got["events"]) / float(got["seconds"])
+
+
+def lockstep(sync: Path, asyn: Path) -> tuple[float, float]:
+    """CPU seconds of the fast judge alone on each trace, fed in lockstep (one event each)."""
+    judges, lists = [], []
+    for path in (sync, asyn):
+        config, lines = iter_trace(path, fast=True)
+        lists.append([(event, hash_, line) for line, event, hash_ in lines])
+        judges.append(fastbuild.fast_judge(config, "raise")[0])
+    (feed_s, feed_a), clock = [judge.feed for judge in judges], time.process_time_ns
+    spent = [0, 0]
+    for (es, hs, ls), (ea, ha, la) in zip(*lists, strict=False):
+        t0 = clock()
+        feed_s(es, hs, ls)
+        t1 = clock()
+        feed_a(ea, ha, la)
+        t2 = clock()
+        spent[0] += t1 - t0
+        spent[1] += t2 - t1
+    for path, judge in zip((sync, asyn), judges, strict=True):
+        if judge.finding is not None:
+            raise SystemExit(f"{path.name}: unexpected finding: {judge.finding}")
+    return spent[0] / 1e9, spent[1] / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=200_000, help="events per trace (fast)")
     parser.add_argument("--spec-events", type=int, default=30_000, help="events per trace (spec)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="kvspec-async-bench-"))
     traces: dict[tuple[str, str], Path] = {}
@@ -84,27 +149,53 @@ def main() -> None:
             traces[mode, engine] = path
     for mode in MODES:
         kinds = counts(traces[mode, "fast"])
+        steps = kinds.get("commit", 0)
         print(
-            f"{mode:5s} trace: {sum(kinds.values()):,} events, {kinds.get('preempt', 0):,} preemptions,"
-            f" {kinds.get('finish', 0):,} finishes, {kinds.get('publish', 0):,} publishes"
+            f"{mode:8s} trace: {sum(kinds.values()):,} events, {steps:,} steps"
+            f" ({kinds.get('schedule', 0) / max(steps, 1):.1f} entries each),"
+            f" {kinds.get('preempt', 0):,} preemptions, {kinds.get('finish', 0):,} finishes,"
+            f" {kinds.get('publish', 0):,} publishes"
         )
     built = fastbuild.compiled()[0] is not None
     print(f"fast engine: {'compiled (mypyc)' if built else 'from source (not built)'}")
     rates: dict[tuple[str, str], list[float]] = {key: [] for key in traces}
     for _ in range(args.rounds):
         for key, path in traces.items():
-            started = time.process_time()  # CPU time: wall time varies 2x on these machines
-            report = check_file(path, engine=key[1])
-            seconds = time.process_time() - started
-            if report.exit_code != 0:
-                raise SystemExit(f"{key}: unexpected verdict: {report.text()}")
-            rates[key].append(report.events / seconds)
-    print(f"\nkvspec check, CPU events/s, median of {args.rounds} interleaved rounds")
-    print(f"{'engine':8s} {'sync':>12s} {'async':>12s} {'async/sync':>11s}")
+            rates[key].append(rate(path, key[1]))
+    print(f"\nkvspec check, CPU events/s, fresh processes, {args.rounds} interleaved rounds:")
+    print("the median of the rounds, and in brackets the best round (interference only slows)")
+    syncs = [mode for mode in MODES if mode != ASYNC]
+    print(f"{'engine':7s}" + "".join(f"{mode:>20s}" for mode in MODES))
     for engine in ("fast", "spec"):
-        sync = statistics.median(rates["sync", engine])
-        asyn = statistics.median(rates["async", engine])
-        print(f"{engine:8s} {sync:12,.0f} {asyn:12,.0f} {asyn / sync:10.0%}")
+        print(
+            f"{engine:7s}"
+            + "".join(
+                f"{statistics.median(rates[mode, engine]):11,.0f} [{max(rates[mode, engine]):6,.0f}]"
+                for mode in MODES
+            )
+        )
+    print("\nasync/sync: the median of the rounds' ratios, and in brackets best against best")
+    for engine in ("fast", "spec"):
+        line = f"{engine:7s}"
+        for mode in syncs:
+            ratios = [a / s for a, s in zip(rates[ASYNC, engine], rates[mode, engine], strict=True)]
+            best = max(rates[ASYNC, engine]) / max(rates[mode, engine])
+            line += f"   async/{mode} {statistics.median(ratios):4.0%} [{best:4.0%}]"
+        print(line)
+    print("\nevery round's ratio (fast):")
+    for mode in syncs:
+        ratios = [a / s for a, s in zip(rates[ASYNC, "fast"], rates[mode, "fast"], strict=True)]
+        print(f"  async/{mode:8s} " + " ".join(f"{r:.0%}" for r in ratios))
+    print(f"\nthe fast judge alone, in lockstep, {args.rounds} rounds: async/sync speed per round")
+    for mode in syncs:
+        ratios = []
+        for _ in range(args.rounds):
+            sync_s, async_s = lockstep(traces[mode, "fast"], traces[ASYNC, "fast"])
+            ratios.append(sync_s / async_s)  # the traces are cut to the same number of events
+        print(
+            f"  async/{mode:8s} median {statistics.median(ratios):4.0%}   "
+            + " ".join(f"{r:.0%}" for r in ratios)
+        )
 
 
 if __name__ == "__main__":

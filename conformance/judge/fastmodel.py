@@ -211,9 +211,6 @@ class FastModel:
         """The effects of the decision being applied, in order."""
         self.held: Collection[Hashable] = ()
         """Prefix ids the judge holds (its hash-chain tables): never collected."""
-        self.placeholders: dict[int, list[int]] = {}
-        """Async scheduling: placeholder -> the blocks whose content (written or pending) holds
-        it; resolved or dropped when the step that samples it commits."""
         # what the current decision changed
         self.changed: set[int] = set()
         """Blocks whose content (written or pending) changed, by a write of the building step (or
@@ -340,7 +337,7 @@ class FastModel:
         if length > known:
             q = known // bsz
             base = q * bsz
-            tail = (*req.tokens[base:], *req.ahead[: length - known])
+            tail = tuple(req.tokens[base:] + req.ahead[: length - known])
             return (self._chain(req, q - 1) if q else ROOT, tail)
         i = (length - 1) // bsz
         if length == (i + 1) * bsz:
@@ -363,9 +360,16 @@ class FastModel:
             parent, tail = cid, tail[bsz:]
         return (parent, tail) if tail else parent
 
-    def _resolve(self, step: Stp, sampled: dict[int, int]) -> None:
-        """The step committed: its placeholders of the requests sampled become their tokens in
-        every content that holds them; the others (discarded samples) stay garbage.
+    def _resolve(self, rid: int, ph: int, token: int, later: list[Stp]) -> None:
+        """A step committed the sample ``token`` of request ``rid``: its placeholder ``ph``
+        becomes the token in every content that holds it (a sample discarded stays garbage:
+        nothing calls this for it).
+
+        Where it is: a placeholder of a request enters a content only through the request's own
+        entries scheduled after the step that samples it (``_prefix`` past the known tokens), so
+        only in the blocks those entries write. Those entries are in the steps still in flight
+        (``later``: every later step commits after this one; an entry withdrawn from the building
+        step took its write with it), so their blocks are searched, nothing is tracked.
 
         A resolution does not count as a content change (``_content_changed``): it renames one
         placeholder to its token in every content and, through ``Req.tokens``, in every reader's
@@ -373,49 +377,38 @@ class FastModel:
         ``holds`` of NoUnwrittenRead and NoUnwrittenPublish that was true stays true (it may
         make a false one true: the token can equal a real token elsewhere), and the reads
         verified before stay verified."""
-        pending, written, placeholders = self.pending, self.written, self.placeholders
-        for rid, e in step.entries.items():
-            ph = e.ph
-            if not ph:
+        pending, written, bsz, substitute = self.pending, self.written, self.bsz, self._substitute
+        for st in later:
+            w = st.entries.get(rid)
+            if w is None:
                 continue
-            blocks = placeholders.pop(ph, None)
-            token = sampled.get(rid)
-            if blocks is None or token is None:
+            blocks, sid = w.blocks, st.id
+            if st.phase == EXECUTED:  # its writes are the blocks' contents, unless overwritten
+                for i in range(w.start // bsz, len(blocks)):
+                    block = blocks[i]
+                    written[block] = substitute(written[block], ph, token)
                 continue
-            substitute = self._substitute
-            for block in blocks:  # some may no longer hold it (withdrawn, overwritten)
-                written[block] = substitute(written[block], ph, token)
-                writes = pending[block]
-                for j, (s, r, c, load) in enumerate(writes):
-                    resolved = substitute(c, ph, token)
-                    if resolved is not c:
-                        writes[j] = (s, r, resolved, load)
+            for i in range(w.start // bsz, len(blocks)):
+                writes = pending[blocks[i]]
+                for j in range(len(writes) - 1, -1, -1):  # its write, usually the newest
+                    s, r, c, load = writes[j]
+                    if s == sid and r == rid:
+                        writes[j] = (s, r, substitute(c, ph, token), load)
+                        break
 
     def _substitute(self, content: object, ph: int, token: int) -> object:
         """``content`` with placeholder ``ph`` (at most once in it: one position) as ``token``."""
         if not isinstance(content, tuple):
             return content
         parent, tail = cast("tuple[int, tuple[int, ...]]", content)
-        if ph not in tail:
-            return content
-        if tail[-1] == ph:  # the usual case: the last position written is the sampled one
+        if tail and tail[-1] == ph:  # the usual case: the last position written is the sampled one
             tail = tail[:-1] + (token,)
-        else:
+        elif ph in tail:
             at = tail.index(ph)
             tail = tail[:at] + (token,) + tail[at + 1 :]
+        else:
+            return content
         return self._canonical(parent, tail) if len(tail) >= self.bsz else (parent, tail)
-
-    def _track(self, block: int, ahead: list[int], count: int) -> None:
-        """A write pending on ``block`` holds the first ``count`` placeholders of ``ahead`` (the
-        positions past the known tokens): note them."""
-        placeholders = self.placeholders
-        for j in range(count):
-            ph = ahead[j]
-            blocks = placeholders.get(ph)
-            if blocks is None:
-                placeholders[ph] = [block]
-            elif block not in blocks:
-                blocks.append(block)
 
     def _holds(self, content: object, prefix: object) -> bool:
         """``spec.pool.holds``: bytes holding ``content`` are valid for a reader of ``prefix``."""
@@ -704,9 +697,6 @@ class FastModel:
             block = table[i]
             content = self._prefix(req, min(end, (i + 1) * bsz))
             pending[block].append((sid, rid, content, load))
-            last = min(end, (i + 1) * bsz)
-            if last > known:
-                self._track(block, req.ahead, last - known)
             self._content_changed(block)
         req.computed = end
         samples = not load and end == limit
@@ -869,9 +859,8 @@ class FastModel:
                 req = requests[rid]
                 if rid in live and rid not in failed and req.status == RUNNING:
                     self._register(req, e.end // bsz)
-        if self.placeholders:
-            self._resolve(step, tokens)
         stop, output = self.config.stop_token, self.async_scheduling and policy in OUTPUT
+        in_flight = steps[1:]  # the steps after this one
         for rid in expected:
             req = requests[rid]
             token = tokens[rid]
@@ -882,6 +871,8 @@ class FastModel:
                 if not req.ahead or req.ahead[0] != ph:
                     raise RuntimeError(f"fast model: request {rid}'s placeholders out of order")
                 del req.ahead[0]
+                if in_flight:
+                    self._resolve(rid, ph, token, in_flight)
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output
