@@ -76,9 +76,14 @@ class Record:
         if not states:
             return entry
         entry["events"] = sum(len(s.attachment.events) for s in schedulers or pools)
-        entry["features"] = [
-            str(s.attachment.refusal.feature) for s in self.sessions if s.attachment.refusal
-        ]
+        entry["features"] = list(
+            dict.fromkeys(
+                str(feature)
+                for s in self.sessions
+                if s.attachment.refusal
+                for feature in s.attachment.refusal.features
+            )
+        )
         entry["refusals"] = [
             str(s.attachment.refusal) for s in self.sessions if s.attachment.refusal
         ]

@@ -5,7 +5,8 @@ async scheduling (``AsyncScheduler``, two steps in flight) with NoUnwrittenPubli
 tests (synchronous and async, and a scheduler without prefix caching) pass, a planted bug in
 the free order without prefix caching (one block at a time instead of vLLM's batch) fails with
 a Disagreement on the free queue, a feature the spec does not model is refused (listed, never
-failed), and without the plugin every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+failed; every one seen at construction, not only the first), and without the plugin every case
+passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "4 failed" in out and "8 passed" in out, out[-3000:]
+    assert "4 failed" in out and "9 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -90,6 +91,12 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     sub = tests["test_a_scheduler_subclass_is_refused"]
     assert sub["outcome"] == "construction", sub
     assert sub["features"] == ["Scheduler subclass CustomScheduler"], sub
+    both = tests["test_every_feature_seen_at_construction_is_listed"]
+    assert both["outcome"] == "construction", both
+    assert both["features"] == [
+        "async scheduling without AsyncScheduler",
+        "Scheduler subclass CustomScheduler",
+    ], both
     off = tests["test_caching_off_shared_prefixes_hold"]
     assert off["outcome"] == "judged" and off["events"] > 100, off  # prefix caching off
     order = tests["test_caching_off_freed_one_block_at_a_time"]
@@ -110,7 +117,7 @@ def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "12 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "13 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

@@ -1,9 +1,11 @@
 """vLLM-style tests the plugin must refuse, not judge (run by tests/test_pytest_plugin.py): a
-scheduler the spec does not model (a ``Scheduler`` subclass: its overrides are not vLLM's) and a
-test that edits vLLM's state between calls. Both pass, with and without the plugin."""
+scheduler the spec does not model (a ``Scheduler`` subclass: its overrides are not vLLM's), one
+with two such features at once (both must be listed, not only the first), and a test that edits
+vLLM's state between calls. All pass, with and without the plugin."""
 
 import case_seed
 from case_seed import make_request, make_scheduler, runner_output, step
+from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 
 
@@ -17,6 +19,18 @@ def test_a_scheduler_subclass_is_refused(monkeypatch):
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], priority=0, arrival=0.0))
     while scheduler.has_requests():
         step(scheduler)
+
+
+def test_every_feature_seen_at_construction_is_listed(monkeypatch):
+    def async_config(**kwargs):
+        config = VllmConfig(**kwargs)
+        config.scheduler_config.async_scheduling = True  # and not an AsyncScheduler
+        return config
+
+    monkeypatch.setattr(case_seed, "Scheduler", CustomScheduler)
+    monkeypatch.setattr(case_seed, "VllmConfig", async_config)
+    scheduler = make_scheduler(policy="fcfs", num_blocks=12)
+    assert type(scheduler) is CustomScheduler and scheduler.scheduler_config.async_scheduling
 
 
 def test_a_test_that_edits_vllm_state_is_refused():

@@ -103,6 +103,14 @@ class Refusal:
     detail: str
     at: str
     """``construction`` (seen when attaching) or ``run`` (seen while the caller drove it)."""
+    also: tuple[str, ...] = ()
+    """At construction, every other feature seen then (``features.scheduler_features`` checks
+    them all): what else a test would need before it could be judged."""
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Every feature this refusal names, the one it stopped at first."""
+        return (self.feature, *self.also)
 
     def __str__(self) -> str:
         return f"{self.feature}: {self.detail}" if self.detail else self.feature
@@ -154,17 +162,20 @@ class Attachment:
         self._next_id = 0  # the event stream's next request id
         self.wrappers = Wrappers()
         self._wrap()
-        for feature in scheduler_features(self.scheduler):
-            self.refuse(*feature, at="construction")
-            break
+        found = scheduler_features(self.scheduler)
+        if found:
+            (feature, detail), others = found[0], [name for name, _ in found[1:]]
+            self.refuse(feature, detail, at="construction", also=tuple(dict.fromkeys(others)))
         self._fingerprint = self.fingerprint()
 
     # -- public -------------------------------------------------------------------------------
 
-    def refuse(self, feature: str, detail: str = "", at: str = "run") -> None:
+    def refuse(
+        self, feature: str, detail: str = "", at: str = "run", also: tuple[str, ...] = ()
+    ) -> None:
         """Stop being judgeable (the first refusal is kept)."""
         if self.refusal is None:
-            self.refusal = Refusal(feature, detail, at)
+            self.refusal = Refusal(feature, detail, at, tuple(f for f in also if f != feature))
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(refcount of every block, null block as 0; the free queue head first)."""
