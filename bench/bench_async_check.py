@@ -20,10 +20,11 @@ since on these machines one round differs from the next by up to 30%; so is the 
 each mode and their ratio, since interference here only ever slows a run down. Engines: ``fast`` (the
 compiled fast model, what ``kvspec check`` uses; ``source`` when it is not built) and ``spec``.
 
-Then the fast judge alone (``fastbuild.fast_judge``; events read beforehand), each synchronous
-trace in lockstep with the async one: one event to each judge in turn, each feed timed, so a slow
-spell of the machine falls on both alike (the rounds above differ by up to 30%; these by a few
-percent). This isolates what async judging costs from the reading of the file.
+Then the fast judge (``fastbuild.fast_judge``) on each synchronous trace in lockstep with the
+async one: one event to each judge in turn, each timed, so a slow spell of the machine falls on
+both alike (the rounds above differ by up to 30%; these by a few percent). Twice: reading each
+event from its file as ``kvspec check`` does (what a check costs, less its report and its
+checkpoints), and judging alone on events read beforehand (what async judging costs).
 
     .venv/bin/python bench/bench_async_check.py [--events 200000] [--rounds 7] [--spec-events 30000]
 """
@@ -31,6 +32,7 @@ percent). This isolates what async judging costs from the reading of the file.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import statistics
@@ -41,6 +43,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvspec.conformance.check import FREEZE_EVERY
 from kvspec.conformance.judge import fastbuild
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.reference import Engine, EngineConfig
@@ -110,23 +113,36 @@ def rate(path: Path, engine: str) -> float:
     return float(got["events"]) / float(got["seconds"])
 
 
-def lockstep(sync: Path, asyn: Path) -> tuple[float, float]:
-    """CPU seconds of the fast judge alone on each trace, fed in lockstep (one event each)."""
-    judges, lists = [], []
+def lockstep(sync: Path, asyn: Path, reading: bool) -> tuple[float, float]:
+    """CPU seconds of the fast judge on each trace, fed in lockstep (one event each in turn),
+    with the reading of each event (``reading``: the file parsed as ``kvspec check`` does) or
+    alone (events read beforehand). As in ``kvspec check``, what the judges hold is frozen out
+    of the collector every ``FREEZE_EVERY`` events (outside the timing)."""
+    judges, streams = [], []
     for path in (sync, asyn):
         config, lines = iter_trace(path, fast=True)
-        lists.append([(event, hash_, line) for line, event, hash_ in lines])
+        streams.append(lines if reading else iter(list(lines)))
         judges.append(fastbuild.fast_judge(config, "raise")[0])
-    (feed_s, feed_a), clock = [judge.feed for judge in judges], time.process_time_ns
-    spent = [0, 0]
-    for (es, hs, ls), (ea, ha, la) in zip(*lists, strict=False):
-        t0 = clock()
-        feed_s(es, hs, ls)
-        t1 = clock()
-        feed_a(ea, ha, la)
-        t2 = clock()
-        spent[0] += t1 - t0
-        spent[1] += t2 - t1
+    (feed_s, feed_a), (next_s, next_a) = [j.feed for j in judges], [s.__next__ for s in streams]
+    clock, spent, count = time.process_time_ns, [0, 0], 0
+    try:
+        while True:
+            if count % FREEZE_EVERY == 0:
+                gc.freeze()
+            count += 1
+            t0 = clock()
+            ls, es, hs = next_s()
+            feed_s(es, hs, ls)
+            t1 = clock()
+            la, ea, ha = next_a()
+            feed_a(ea, ha, la)
+            t2 = clock()
+            spent[0] += t1 - t0
+            spent[1] += t2 - t1
+    except StopIteration:  # the shorter trace ended (the last pair is not counted)
+        pass
+    finally:
+        gc.unfreeze()
     for path, judge in zip((sync, asyn), judges, strict=True):
         if judge.finding is not None:
             raise SystemExit(f"{path.name}: unexpected finding: {judge.finding}")
@@ -186,16 +202,20 @@ def main() -> None:
     for mode in syncs:
         ratios = [a / s for a, s in zip(rates[ASYNC, "fast"], rates[mode, "fast"], strict=True)]
         print(f"  async/{mode:8s} " + " ".join(f"{r:.0%}" for r in ratios))
-    print(f"\nthe fast judge alone, in lockstep, {args.rounds} rounds: async/sync speed per round")
-    for mode in syncs:
-        ratios = []
-        for _ in range(args.rounds):
-            sync_s, async_s = lockstep(traces[mode, "fast"], traces[ASYNC, "fast"])
-            ratios.append(sync_s / async_s)  # the traces are cut to the same number of events
-        print(
-            f"  async/{mode:8s} median {statistics.median(ratios):4.0%}   "
-            + " ".join(f"{r:.0%}" for r in ratios)
-        )
+    print(
+        f"\nthe fast judge in lockstep, {args.rounds} rounds: async/sync speed, median and per round"
+    )
+    for reading in (True, False):
+        what = "reading and judging" if reading else "judging alone      "
+        for mode in syncs:
+            ratios = []
+            for _ in range(args.rounds):
+                sync_s, async_s = lockstep(traces[mode, "fast"], traces[ASYNC, "fast"], reading)
+                ratios.append(sync_s / async_s)  # as many events of each
+            print(
+                f"  {what} async/{mode:8s} {statistics.median(ratios):4.0%}   "
+                + " ".join(f"{r:.0%}" for r in ratios)
+            )
 
 
 if __name__ == "__main__":
