@@ -12,17 +12,17 @@ policy ``deferred``, vLLM discipline, 64 blocks of 16 tokens so that requests ar
 * ``async-d2``: vLLM's defaults: async scheduling, two steps in flight, stale output delivered.
 
 Each check runs in a fresh process (``check_file``, timed in CPU seconds inside it, start-up
-excluded): judged in one long-lived process, the checks' speeds depended on what that process
-had judged before (the spec engine's garbage), by up to 25%. The modes run interleaved in every
+excluded): judged in one long-lived process, a check's speed depended on what that process had
+judged before (the spec engine's garbage). The modes run interleaved in every
 round; each round's async speed is divided by the same round's synchronous speeds, and the
-median of those ratios is printed beside the medians of the speeds, with every round's ratio,
-since on these machines one round differs from the next by up to 30%; so is the best round of
-each mode and their ratio, since interference here only ever slows a run down. Engines: ``fast`` (the
+median of those ratios is printed beside the medians of the speeds, with every round's ratio
+(on a shared machine one round can differ widely from the next), and so are the best round of
+each mode and their ratio, since interference only ever slows a run down. Engines: ``fast`` (the
 compiled fast model, what ``kvspec check`` uses; ``source`` when it is not built) and ``spec``.
 
 Then the fast judge (``fastbuild.fast_judge``) on each synchronous trace in lockstep with the
 async one: one event to each judge in turn, each timed, so a slow spell of the machine falls on
-both alike (the rounds above differ by up to 30%; these by a few percent). Twice: reading each
+both alike, and the rounds agree far more closely than those above. Twice: reading each
 event from its file as ``kvspec check`` does (what a check costs, less its report and its
 checkpoints), and judging alone on events read beforehand (what async judging costs).
 

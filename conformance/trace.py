@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 import orjson
@@ -529,7 +529,11 @@ def write_events(path: str | Path, config: Config, events: Iterable[Event]) -> i
     """Write a v0 event file; return the number of events written."""
     count = 0
     with open(path, "wb") as out:
-        header = {"format": V0_FORMAT, "version": 0, "config": _written(config, asdict(config))}
+        header = {
+            "format": V0_FORMAT,
+            "version": 0,
+            "config": _written(config, (f.name for f in fields(config))),
+        }
         out.write(orjson.dumps(header) + b"\n")
         for event in events:
             out.write(orjson.dumps(event) + b"\n")

@@ -360,7 +360,7 @@ class FastModel:
             parent, tail = cid, tail[bsz:]
         return (parent, tail) if tail else parent
 
-    def _resolve(self, rid: int, ph: int, token: int, later: list[Stp]) -> None:
+    def _resolve(self, rid: int, ph: int, token: int) -> None:
         """A step committed the sample ``token`` of request ``rid``: its placeholder ``ph``
         becomes the token in every content that holds it (a sample discarded stays garbage:
         nothing calls this for it).
@@ -368,8 +368,9 @@ class FastModel:
         Where it is: a placeholder of a request enters a content only through the request's own
         entries scheduled after the step that samples it (``_prefix`` past the known tokens), so
         only in the blocks those entries write. Those entries are in the steps still in flight
-        (``later``: every later step commits after this one; an entry withdrawn from the building
-        step took its write with it), so their blocks are searched, nothing is tracked.
+        after the committing one (``steps[1:]``: every later step commits after it; an entry
+        withdrawn from the building step took its write with it), so their blocks are searched,
+        nothing is tracked.
 
         A resolution does not count as a content change (``_content_changed``): it renames one
         placeholder to its token in every content and, through ``Req.tokens``, in every reader's
@@ -378,7 +379,9 @@ class FastModel:
         make a false one true: the token can equal a real token elsewhere), and the reads
         verified before stay verified."""
         pending, written, bsz, substitute = self.pending, self.written, self.bsz, self._substitute
-        for st in later:
+        steps = self.steps
+        for k in range(1, len(steps)):
+            st = steps[k]
             w = st.entries.get(rid)
             if w is None:
                 continue
@@ -860,7 +863,6 @@ class FastModel:
                 if rid in live and rid not in failed and req.status == RUNNING:
                     self._register(req, e.end // bsz)
         stop, output = self.config.stop_token, self.async_scheduling and policy in OUTPUT
-        in_flight = steps[1:]  # the steps after this one
         for rid in expected:
             req = requests[rid]
             token = tokens[rid]
@@ -871,8 +873,8 @@ class FastModel:
                 if not req.ahead or req.ahead[0] != ph:
                     raise RuntimeError(f"fast model: request {rid}'s placeholders out of order")
                 del req.ahead[0]
-                if in_flight:
-                    self._resolve(rid, ph, token, in_flight)
+                if len(steps) > 1:  # later steps in flight may hold the placeholder
+                    self._resolve(rid, ph, token)
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output

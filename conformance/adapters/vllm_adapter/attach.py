@@ -164,8 +164,8 @@ class Attachment:
         self._wrap()
         found = scheduler_features(self.scheduler)
         if found:
-            (feature, detail), others = found[0], [name for name, _ in found[1:]]
-            self.refuse(feature, detail, at="construction", also=tuple(dict.fromkeys(others)))
+            (feature, detail), others = found[0], tuple(name for name, _ in found[1:])
+            self.refuse(feature, detail, at="construction", also=others)
         self._fingerprint = self.fingerprint()
 
     # -- public -------------------------------------------------------------------------------
@@ -175,7 +175,8 @@ class Attachment:
     ) -> None:
         """Stop being judgeable (the first refusal is kept)."""
         if self.refusal is None:
-            self.refusal = Refusal(feature, detail, at, tuple(f for f in also if f != feature))
+            others = tuple(dict.fromkeys(f for f in also if f != feature))
+            self.refusal = Refusal(feature, detail, at, others)
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(refcount of every block, null block as 0; the free queue head first)."""

@@ -121,9 +121,9 @@ def build_scheduler(
 ) -> Any:
     """vLLM's ``Scheduler`` (or ``AsyncScheduler``, with Model Runner V2) for the cell: one
     KV-cache group of full attention over ``config.num_blocks`` blocks, prefix caching as
-    ``config.prefix_caching`` says (on by default, as in vLLM), chunked prefill on, a batch queue of ``config.depth`` steps; prefill chunks capped at
-    ``long_prefill_token_threshold`` tokens once two requests are eligible (0, vLLM's default:
-    no cap)."""
+    ``config.prefix_caching`` says (on by default, as in vLLM), chunked prefill on, a batch
+    queue of ``config.depth`` steps; prefill chunks capped at ``long_prefill_token_threshold``
+    tokens once two requests are eligible (0, vLLM's default: no cap)."""
     bsz = config.block_size
     vconfig = vllm_config(
         config.num_blocks,
