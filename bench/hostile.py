@@ -591,6 +591,18 @@ def command_line(draw, pool: dict[str, list[str]]):  # type: ignore[no-untyped-d
     return argv
 
 
+def _options_of(name: str) -> tuple[set[str], set[str]]:
+    """The subcommand's flags (options without a value) and all its options, from the parser:
+    a list written out here went stale as flags were added (``--no-prefix-caching``)."""
+    from kvspec import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = [a for a in sub.choices[name]._actions if a.option_strings]
+    flags = {o for a in actions if a.nargs == 0 for o in a.option_strings}
+    return flags, {o for a in actions for o in a.option_strings}
+
+
 def expect_refused(argv: list[str]) -> str | None:
     """Why the documented constraints refuse ``argv`` (then kvspec must exit 2), else None."""
     if not argv or argv[0] not in ("fuzz", "simulate", "replay", "prove", "check", "generate", "demo"):  # fmt: skip
@@ -601,11 +613,15 @@ def expect_refused(argv: list[str]) -> str | None:
     pairs: dict[str, str] = {}
     positional = []
     i = 0
-    flags = ("--loads", "--json", "--engine-log", "--same-seed")
+    flags, known = _options_of(name)
     while i < len(rest):
         word = rest[i]
         if word in flags:
             pairs[word] = ""
+            i += 1
+        elif word.startswith("--") and word.split("=", 1)[0] in known - flags and "=" in word:
+            option, value = word.split("=", 1)  # --option=value, as argparse reads it
+            pairs[option] = value
             i += 1
         elif (
             word.startswith("--")

@@ -6,7 +6,8 @@ stale output): a workload (requests arriving with shared prefixes, engine steps,
 prefix-cache resets) and every nondeterministic choice the engine makes (which request a general
 scheduler admits or preempts, which external KV loads fail) are drawn by Hypothesis, so failures
 shrink. After every action, the engine's new events go through a ``Judge`` and its refcounts and
-free queue are compared with the spec's. ``run_cell`` runs a machine for a time budget and
+free queue are compared with the spec's (by the fast model, whose findings the spec judge
+re-judges and reports, ``run_judge``). ``run_cell`` runs a machine for a time budget and
 returns what it found, how many engine steps each run took and what the runs reached
 (``fuzz_coverage.py``).
 
@@ -59,6 +60,8 @@ from kvspec.spec import STALE_OUTPUTS, Config
 from .adapter import Factory, reference
 from .fuzz_coverage import Coverage, RunCoverage
 from .judge import Finding, Judge
+from .judge.core import FAST_INVARIANTS
+from .monitor import Monitor
 
 Event = tuple[object, ...]
 
@@ -187,6 +190,28 @@ def timings(
     )
 
 
+ENGINES = ("fast", "spec")
+
+
+def run_judge(engine: Any, invariants: Collection[str] | None, how: str = "fast") -> Any:
+    """The judge of one run: the arrow "the spec judges the events" for the fuzzer.
+
+    ``how="fast"`` (the default) judges with the fast model, as ``kvspec check`` does: a
+    ``Monitor.fast`` (``monitor.py``), whose finding is the spec judge's, re-judging the run's
+    events (a run is far shorter than the Monitor's window, so from its first event) and agreeing
+    on the invariant and the event, or ``FastPathDisagrees`` is raised. The spec judges the run
+    itself (``Judge.spec``) where the fast model cannot: with ``how="spec"``, observed judging (an
+    engine that registers on its own), an invariant the fast model does not evaluate (the
+    bookkeeping ones, ``judge.core.FAST_INVARIANTS``), and an engine whose native KV-event stream
+    is judged against the spec's state as it runs (``check_kv_stream``)."""
+    config: Config = engine.config
+    observed = getattr(engine, "judging", "strict") == "observed"
+    fast_only = invariants is None or FAST_INVARIANTS.issuperset(invariants)
+    if how == "spec" or observed or not fast_only or hasattr(engine, "check_kv_stream"):
+        return Judge.spec(config, observed, invariants)
+    return Monitor.fast(config, raise_on_finding=False, name="<fuzz>", invariants=invariants)
+
+
 def lockstep_machine(
     policy: str,
     discipline: str = "vllm",
@@ -198,6 +223,7 @@ def lockstep_machine(
     async_scheduling: bool | None = False,
     stale_output: str | None = "drop",
     prefix_caching: bool = True,
+    engine: str = "fast",
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3 (2 to 3
     under async scheduling or delivered stale output). With ``loads``, some requests find their
@@ -205,7 +231,9 @@ def lockstep_machine(
     engine schedules on placeholders) and ``stale_output`` (``"drop"`` or ``"deliver"``) are
     fixed, or drawn when None; ``prefix_caching`` False: a pool without prefix caching
     (``Config.prefix_caching``). ``factory`` builds the engine under test (``adapter.py``; default:
-    the reference engine)."""
+    the reference engine). ``engine``: how the runs are judged (``run_judge``)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     timing = timings(depth, async_scheduling, stale_output)
     tally = Tally()
 
@@ -248,8 +276,7 @@ def lockstep_machine(
             except ValueError:  # a geometry or depth this engine does not run: not a finding
                 reject()
             self.config = self.engine.config
-            judging = getattr(self.engine, "judging", "strict")
-            self.judge = Judge.spec(self.config, judging == "observed", invariants)
+            self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             self.mix = MIXES[mix]
@@ -324,7 +351,8 @@ def lockstep_machine(
         def teardown(self) -> None:
             if not hasattr(self, "judge"):
                 return
-            state = self.judge.model.state
+            model = self.judge.model
+            state = getattr(model, "state", model)  # the fast model names its counts as State
             tally.commits += state.commits
             tally.lost_hits += state.lost_hits
             tally.steps_per_run.append(state.commits)
@@ -439,6 +467,7 @@ def run_cell(
     prefix_caching: bool = True,
     database: ExampleDatabase | None = None,
     shrink: bool = True,
+    engine: str = "fast",
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
     or ``seconds`` run out.
@@ -447,7 +476,12 @@ def run_cell(
     reproducible from its seed (``database``: Hypothesis's example database, whose saved
     failures are tried first; default none; with one, batches are not seeded, since Hypothesis
     uses no database under an explicit seed). A batch in which no example could run (the engine
-    refused every configuration) ends the search: ``runs`` then says how many ran."""
+    refused every configuration) ends the search: ``runs`` then says how many ran. ``engine``:
+    how the runs are judged (``run_judge``).
+
+    The batches run one test function, re-seeded (``seed`` sets an attribute of the function),
+    not one built per batch: building it hashes the machine's source (Hypothesis's database key),
+    which took more than a tenth of a short run's time."""
     machine = lockstep_machine(
         policy,
         discipline,
@@ -459,6 +493,7 @@ def run_cell(
         async_scheduling,
         stale_output,
         prefix_caching,
+        engine,
     )
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
@@ -474,8 +509,8 @@ def run_cell(
         report_multiple_bugs=False,
     )
     batch = 0
+    test = get_state_machine_test(machine, settings=config)
     while time.monotonic() - tally.started < seconds:
-        test = get_state_machine_test(machine, settings=config)
         if database is None:  # Hypothesis uses no database under an explicit seed
             test = seed(seed_value * 1_000_003 + batch)(test)
         batch += 1

@@ -18,12 +18,13 @@ The named constructors say how it judges:
 
 ``raise_on_finding=False`` makes ``feed`` return the ``Finding`` (or None) instead. An id that never
 existed is an ``Illegal`` finding here (a file would be unreadable instead). ``compare`` checks
-the engine's refcounts and free queue against the spec's.
+the engine's refcounts and free queue against the spec's; ``settle`` that no effect is missing at a
+point where the engine has emitted everything (the lockstep fuzzer judges each run this way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from kvspec.spec import Config
 from kvspec.spec.events import DECISIONS
@@ -52,9 +53,11 @@ class Monitor:
         name: str = "<monitor>",
         judge: Judge | None = None,
         window: int | None = None,
+        invariants: Collection[str] | None = None,
     ) -> None:
         """The fast monitor, or, given ``judge`` (a stream judge: spec model and recorder), that
-        judge. Prefer the named constructors."""
+        judge. Prefer the named constructors. ``invariants``: the fast monitor checks only these
+        (a subset of the fast model's, ``judge.core.FAST_INVARIANTS``; None: all)."""
         self.config = config
         self.raise_on_finding = raise_on_finding
         self.name = name
@@ -64,7 +67,7 @@ class Monitor:
         """The spec judge: given, or once the fast one handed over."""
         self.run: FastRun | None = None
         if judge is None:
-            fast, self.note = fast_judge(config)
+            fast, self.note = fast_judge(config, invariants=invariants)
             self.run = FastRun(fast, window or MONITOR_WINDOW)
 
     @classmethod
@@ -74,8 +77,9 @@ class Monitor:
         raise_on_finding: bool = True,
         name: str = "<monitor>",
         window: int | None = None,
+        invariants: Collection[str] | None = None,
     ) -> Monitor:
-        return cls(config, raise_on_finding, name, window=window)
+        return cls(config, raise_on_finding, name, window=window, invariants=invariants)
 
     @classmethod
     def on_spec(
@@ -108,7 +112,7 @@ class Monitor:
                 return None
         except Exception as err:  # a malformed event (or a bug): the spec decides
             run.crash = (repr(err), fast.events_seen - 1)
-        return self._outcome(self._hand_over(finish=False))
+        return self._outcome(self._hand_over(None))
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
         for event in events:
@@ -124,7 +128,16 @@ class Monitor:
             return self._outcome(self.judge.compare(refcounts, free))  # type: ignore[union-attr]
         if run.fast.compare(refcounts, free) is None:
             return None
-        return self._outcome(self._hand_over(finish=False, compare=(refcounts, free)))
+        return self._outcome(self._hand_over(lambda judge: judge.compare(refcounts, free)))
+
+    def settle(self) -> Finding | None:
+        """At a point where the engine has emitted everything so far: no effect is missing."""
+        run = self.run
+        if run is None:
+            return self._outcome(self.judge.settle())  # type: ignore[union-attr]
+        if run.fast.settle() is None:
+            return None
+        return self._outcome(self._hand_over(Judge.settle))
 
     def close(self) -> Finding | None:
         run = self.run
@@ -132,11 +145,16 @@ class Monitor:
             return self._outcome(self.judge.finish())  # type: ignore[union-attr]
         if run.fast.finish() is None:
             return None
-        return self._outcome(self._hand_over(finish=True))
+        return self._outcome(self._hand_over(Judge.finish))
 
     @property
     def finding(self) -> Finding | None:
         return None if self.judge is None else self.judge.finding
+
+    @property
+    def model(self) -> object:
+        """The model judging now: the fast model, or the spec's once the judge handed over."""
+        return self.run.fast.model if self.run is not None else self.judge.model  # type: ignore[union-attr]
 
     @property
     def events_seen(self) -> int:
@@ -150,11 +168,10 @@ class Monitor:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _hand_over(
-        self, finish: bool, compare: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    ) -> Finding | None:
+    def _hand_over(self, then: Callable[[Judge], object] | None) -> Finding | None:
         """The fast model found something: the spec judge re-judges the kept events from the
-        older checkpoint, must find the same, and takes over from here."""
+        older checkpoint (and, when none of them is a finding, does ``then``, the call that made
+        the fast judge find), must find the same, and takes over from here."""
         run = self.run
         assert run is not None
         judge = run.start()
@@ -162,10 +179,8 @@ class Monitor:
             if judge.feed(event, hash_) is not None:
                 break
         else:
-            if compare is not None:
-                judge.compare(*compare)
-            elif finish:
-                judge.finish()
+            if then is not None:
+                then(judge)
         run.agree(judge.finding, self.name)
         self.judge, self.run = judge, None
         return judge.finding

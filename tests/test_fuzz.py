@@ -227,3 +227,70 @@ def test_consumer_scenario_through_the_reference_engine(policy: str) -> None:
     else:
         assert not kinds, kinds
     assert "Disagreement" not in kinds and "Illegal" not in kinds
+
+
+def _seeded_batches(machine: type, batches: int = 3) -> object:
+    """Run ``machine`` for ``batches`` seeded batches of 10 examples (no shrinking); its tally."""
+    from hypothesis import Phase, Verbosity, seed
+    from hypothesis.stateful import get_state_machine_test
+
+    from kvspec.conformance.fuzz import CounterexampleFound
+
+    config = settings(
+        max_examples=10,
+        stateful_step_count=40,
+        deadline=None,
+        database=None,
+        verbosity=Verbosity.quiet,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )
+    test = get_state_machine_test(machine, settings=config)
+    findings = []
+    for batch in range(batches):
+        seed(batch)(test)
+        try:
+            test()
+        except CounterexampleFound as err:
+            findings.append((err.finding.invariant, err.finding.event, err.finding.message))
+    tally = machine.tally  # type: ignore[attr-defined]
+    return (tally.runs, tally.commits, tally.lost_hits, tally.steps_per_run, tally.coverage,
+            findings)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "policy, async_scheduling",
+    [("eager-rollback-fifo", False), ("hide-uncommitted", True), ("eager-rollback-single", False)],
+)
+def test_runs_judged_by_the_fast_model_are_the_runs_the_spec_judges(
+    policy: str, async_scheduling: bool
+) -> None:
+    """The fuzzer judges with the fast model (``fuzz.run_judge``): seeded alike, the runs, their
+    engine steps, lost hits, coverage and findings (the spec judge's report) are the spec's."""
+    tallies = [
+        _seeded_batches(
+            lockstep_machine(
+                policy, "general", "priority", None, True, async_scheduling=async_scheduling,
+                stale_output=None if async_scheduling else "drop", engine=engine,
+            )
+        )
+        for engine in ("fast", "spec")
+    ]  # fmt: skip
+    assert tallies[0] == tallies[1]
+    runs, commits, lost_hits = tallies[1][:3]  # type: ignore[index]
+    assert runs > 0 and commits > 0 and lost_hits > 0  # the rollback statistic is exercised
+
+
+def test_the_fuzzer_judges_with_the_fast_model_only_where_it_can() -> None:
+    from kvspec.conformance.fuzz import run_judge
+    from kvspec.conformance.monitor import Monitor
+
+    engine = Engine(EngineConfig(num_blocks=6, block_size=2, policy="deferred"))
+    assert isinstance(run_judge(engine, None), Monitor)
+    assert isinstance(run_judge(engine, ["NoUnwrittenRead"]), Monitor)
+    assert isinstance(run_judge(engine, ["FreeQueueExact"]), Judge)  # not evaluated fast
+    assert isinstance(run_judge(engine, None, "spec"), Judge)
+    engine.judging = "observed"  # type: ignore[attr-defined]
+    assert isinstance(run_judge(engine, None), Judge)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        lockstep_machine("deferred", engine="quick")

@@ -43,7 +43,7 @@ from kvspec.spec.events import DECISIONS, blocks_of, requests_of
 from kvspec.spec.observed import refuse_strict
 from kvspec.spec.state import State
 
-from .fastmodel import FastModel
+from .fastmodel import FAST_INVARIANTS, FastModel
 from .ids import IdSet, UnknownId, check_ids
 from .recorder import Recorder as HistoryRecorder
 from .spec_model import SpecModel
@@ -203,19 +203,29 @@ class Judge:
         retired_requests: int = 256,
         incremental: bool = True,
         unknown_ids: str = "finding",
+        invariants: Collection[str] | None = None,
     ) -> Judge:
         """The spec judging an unbounded stream (a trace file, a Monitor) for a report: the
         recorder keeps the last ``history`` events per block and per live request, and those of
         the last ``retired_requests`` finished ones."""
         recorder = HistoryRecorder(config.num_blocks, history, retired_requests)
         model = SpecModel(config, incremental)
-        return cls(model, observed, recorder, None, check_every, unknown_ids)
+        return cls(model, observed, recorder, invariants, check_every, unknown_ids)
 
     @classmethod
-    def fast(cls, config: Config, unknown_ids: str = "finding") -> Judge:
+    def fast(
+        cls,
+        config: Config,
+        unknown_ids: str = "finding",
+        invariants: Collection[str] | None = None,
+    ) -> Judge:
         """The fast model judging a strict stream: it finds (invariant, event); the spec makes
-        the report (``handover.py``)."""
-        return cls(FastModel(config), unknown_ids=unknown_ids)
+        the report (``handover.py``). ``invariants``: a subset of ``FAST_INVARIANTS`` (None:
+        all of them), the only ones the fast model evaluates (ValueError otherwise)."""
+        if invariants is not None and not FAST_INVARIANTS.issuperset(invariants):
+            other = sorted(set(invariants) - FAST_INVARIANTS)
+            raise ValueError(f"the fast model does not evaluate {', '.join(other)}")
+        return cls(FastModel(config), invariants=invariants, unknown_ids=unknown_ids)
 
     def fork(self, model: Model, recorder: Recorder | None) -> Judge:
         """A judge over ``model`` (standing for the same state as this one's, between decisions,

@@ -43,6 +43,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from kvspec.spec import Config
 
 NAME = "kvspec_fast"
@@ -69,17 +71,20 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def fast_judge(config: Config, unknown_ids: str = "finding") -> tuple[Any, str | None]:
+def fast_judge(
+    config: Config, unknown_ids: str = "finding", invariants: Collection[str] | None = None
+) -> tuple[Any, str | None]:
     """A ``Judge`` over the fast model, and a note when it is not the compiled one."""
     from . import core
 
     if os.environ.get(ENV) == "source":
-        return core.Judge.fast(config, unknown_ids), f"fast model from source ({ENV}=source)"
+        note = f"fast model from source ({ENV}=source)"
+        return core.Judge.fast(config, unknown_ids, invariants), note
     module, why = compiled()
     if module is None:
         note = f"fast model from source, about half the speed: {why}"
-        return core.Judge.fast(config, unknown_ids), note
-    return module.Judge.fast(config, unknown_ids), None
+        return core.Judge.fast(config, unknown_ids, invariants), note
+    return module.Judge.fast(config, unknown_ids, invariants), None
 
 
 def compiled() -> tuple[ModuleType | None, str | None]:

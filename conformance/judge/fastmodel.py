@@ -59,6 +59,8 @@ BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
 PHASE = ("building", "submitted", "executed")
 EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
 READ, PUBLISH = "NoUnwrittenRead", "NoUnwrittenPublish"
+FAST_INVARIANTS = frozenset((READ, PUBLISH))
+"""The invariants this model evaluates; the others hold on every state its actions reach."""
 OUTPUT = EAGER + ("hide-uncommitted",)
 """Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
 ROOT = 0
@@ -196,6 +198,8 @@ class FastModel:
         self.single: dict[int, list[int]] = {}
         self.bad_reads: list[tuple[int, int, int]] = []
         self.commits = 0
+        self.lost_hits = 0
+        """``State.lost_hits``: a statistic of the rollback policies, not part of any verdict."""
         self.arrivals = 0
         self.finished: set[int] = set()
         self.prunable = False
@@ -562,11 +566,21 @@ class FastModel:
         self.published.append(block)
         self.expected.append(("publish", req.id, i, block))
 
-    def _unpublish(self, block: int) -> None:
-        if self.key[block] is None:
+    def _unpublish(self, block: int, leaving: Req) -> None:
+        """``spec.pool.unpublish`` of a leaving request's block."""
+        k = self.key[block]
+        if k is None:
             return
+        self._count_if_lost(block, k, leaving)
         self._drop_key(block)
         self.expected.append(("unpublish", block))
+
+    def _count_if_lost(self, block: int, k: int, leaving: Req) -> None:
+        """``spec.pool.count_if_lost``: the key dropped although the block will hold it and
+        nobody but the leaving request references it."""
+        own = 1 if block in leaving.table else 0
+        if self.refcount[block] - own == 0 and self._holds(self._eventual(block), k):
+            self.lost_hits += 1
 
     def _drop_key(self, block: int) -> None:
         k = self.key[block]
@@ -945,9 +959,11 @@ class FastModel:
         elif policy in ("eager-rollback-fifo", "hide-uncommitted"):
             for st in steps:
                 tracked += st.registrations.pop(rid, [])
-        if policy != "hide-uncommitted":
-            for i in tracked:
-                self._unpublish(req.table[i])
+        for i in tracked:
+            if policy == "hide-uncommitted":
+                self._count_if_lost(req.table[i], self._chain(req, i), req)
+            else:
+                self._unpublish(req.table[i], req)
         req.loading = None
         self._free_table(req)
 
@@ -1057,7 +1073,7 @@ class FastModel:
     # -- export -------------------------------------------------------------------------------
 
     def export(self) -> State:
-        """The spec's state this model stands for (``lost_hits`` is not tracked: 0)."""
+        """The spec's state this model stands for."""
         seq = self.tokens_of
         key = self.spec_key
         blocks = [
@@ -1118,4 +1134,5 @@ class FastModel:
             bad_reads=list(self.bad_reads),
             commits=self.commits,
             arrivals=self.arrivals,
+            lost_hits=self.lost_hits,
         )
