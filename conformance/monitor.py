@@ -123,29 +123,24 @@ class Monitor:
     def compare(self, refcounts: tuple[int, ...], free: tuple[int, ...]) -> Finding | None:
         """The engine's refcounts and free queue against the spec's, at a point where the
         engine has emitted everything so far."""
-        run = self.run
-        if run is None:
-            return self._outcome(self.judge.compare(refcounts, free))  # type: ignore[union-attr]
-        if run.fast.compare(refcounts, free) is None:
-            return None
-        return self._outcome(self._hand_over(lambda judge: judge.compare(refcounts, free)))
+        return self._at_rest(lambda judge: judge.compare(refcounts, free))
 
     def settle(self) -> Finding | None:
         """At a point where the engine has emitted everything so far: no effect is missing."""
-        run = self.run
-        if run is None:
-            return self._outcome(self.judge.settle())  # type: ignore[union-attr]
-        if run.fast.settle() is None:
-            return None
-        return self._outcome(self._hand_over(Judge.settle))
+        return self._at_rest(lambda judge: judge.settle())
 
     def close(self) -> Finding | None:
+        return self._at_rest(lambda judge: judge.finish())
+
+    def _at_rest(self, call: Callable[[Judge], Finding | None]) -> Finding | None:
+        """``call`` on the judge judging now (the fast one, or the spec's once handed over); a
+        fast finding is handed over, ``call`` made again on the spec judge."""
         run = self.run
         if run is None:
-            return self._outcome(self.judge.finish())  # type: ignore[union-attr]
-        if run.fast.finish() is None:
+            return self._outcome(call(self.judge))  # type: ignore[arg-type]
+        if call(run.fast) is None:
             return None
-        return self._outcome(self._hand_over(Judge.finish))
+        return self._outcome(self._hand_over(call))
 
     @property
     def finding(self) -> Finding | None:

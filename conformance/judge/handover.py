@@ -79,9 +79,7 @@ class FastRun:
         if self.older is not None:
             return self.older
         unknown = "raise" if self.fast.raise_unknown else "finding"
-        return Judge.stream(
-            self.fast.config, unknown_ids=unknown, invariants=self.fast.invariants
-        )
+        return Judge.stream(self.fast.config, unknown_ids=unknown, invariants=self.fast.invariants)
 
     def events(self) -> list[tuple[Event, str | None]]:
         return self.older_events + self.newer_events
