@@ -14,8 +14,9 @@ runs, the steps per run (median, p90, max over the round's runs) and the coverag
 ``conformance/fuzz_coverage.py`` (for the older tree, the same counters computed from its
 judges' event streams by wrapping ``Judge.spec``: the module is loaded from this tree by path).
 One more round per tree and cell runs under cProfile: the share of the profiled time spent in the
-tree's own code (functions defined in its files), in Hypothesis, and elsewhere (builtins, the
-standard library). cProfile slows small functions most, so the shares are indicative.
+tree's own code (functions defined in its files, and the methods of its mypyc-compiled
+classes, which cProfile sees as C calls), in Hypothesis, and elsewhere (builtins, the standard
+library). cProfile slows small functions most, so the shares are indicative.
 
 ``--bugs``: the seeded bugs once per tree (seed 1, ``--bug-seconds`` budget, default 300): seconds to the first
 counterexample, its length before shrinking and after (program entries), the invariant.
@@ -127,8 +128,17 @@ if profiler is not None:
     import pstats
 
     own = hypothesis = other = 0.0
-    for (path, _, _), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
-        if path.startswith(own_prefix) and "/.venv" not in path:
+    compiled = {  # the tree's mypyc-compiled classes: cProfile sees their methods as C calls
+        f"of '{name}' objects"
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("kvspec_fast")
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+    }
+    for (path, _, func), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+        if (path.startswith(own_prefix) and "/.venv" not in path) or (
+            path == "~" and any(func.endswith(c + ">") for c in compiled)
+        ):
             own += tottime
         elif "/hypothesis/" in path:
             hypothesis += tottime
