@@ -14,7 +14,13 @@ load on the machine changes it less than wall time), and the share of CPU time s
 garbage collector (``gc.callbacks``). It ends with the ratio of the largest trace's rate to the
 smallest's (1.0 is flat).
 
+``--baseline REF`` adds, to the same interleaved rounds, ``kvspec check`` (fast, compiled) of
+this tree and of git revision REF, each in a fresh process of its own with its own compiled build
+(``bench_checker.worker``), timed in CPU seconds without the start-up: before and after, side by
+side in one run, with their ratio at each size and each one's flatness.
+
     .venv/bin/python bench/bench_check_shape.py [--requests 10000 30000 60000] [--rounds 3]
+        [--baseline REF]
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from pathlib import Path
 from kvspec.conformance import check
 
 MODES = {"frozen": check.FREEZE_EVERY, "collected": 1 << 62}
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_checker  # noqa: E402  (its fresh-process check of a tree or a revision)
 
 
 class GcClock:
@@ -60,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[10_000, 30_000, 60_000])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", metavar="REF", help="also kvspec check of git revision REF")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="kvspec-shape-"))
     traces = {n: simulate(n, folder) for n in args.requests}
@@ -67,8 +77,19 @@ def main() -> None:
     rates: dict[tuple[str, int], list[float]] = {}
     shares: dict[tuple[str, int], list[float]] = {}
     events: dict[int, int] = {}
+    trees = {}
+    if args.baseline:
+        some = next(iter(traces.values()))
+        trees = {
+            "this tree": bench_checker.worker(bench_checker.ROOT, some),
+            args.baseline: bench_checker.baseline(args.baseline, some),
+        }
+    fresh: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for n, path in traces.items():
+            for label, run in trees.items():
+                count = run(path, 0)
+                fresh.setdefault((label, n), []).append(count / run.took)  # type: ignore[attr-defined]
             for mode, every in MODES.items():
                 check.FREEZE_EVERY = every
                 gc.collect()
@@ -100,6 +121,23 @@ def main() -> None:
     for mode in MODES:
         flat = statistics.median(rates[mode, large]) / statistics.median(rates[mode, small])
         print(f"{mode}: {large:,} requests / {small:,} requests: {flat:.2f} (1.0 is flat)")
+    if not trees:
+        return
+    this, then = trees
+    print(f"\nkvspec check, fresh processes, CPU events/s, median of {args.rounds} rounds [each]")
+    print(f"{'requests':>9s}  {this:>28s}  {then:>28s}  ratio")
+    for n in traces:
+        cells = [
+            f"{statistics.median(fresh[label, n]):>9,.0f} ["
+            + ", ".join(f"{r / 1000:.0f}k" for r in fresh[label, n])
+            + "]"
+            for label in trees
+        ]
+        ratio = statistics.median(fresh[this, n]) / statistics.median(fresh[then, n])
+        print(f"{n:>9,d}  {cells[0]:>28s}  {cells[1]:>28s}  {ratio:4.2f}")
+    for label in trees:
+        flat = statistics.median(fresh[label, large]) / statistics.median(fresh[label, small])
+        print(f"{label}: {large:,} requests / {small:,} requests: {flat:.2f} (1.0 is flat)")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from kvspec.conformance.check import check_file
 from kvspec.conformance.judge import UnknownId, core, fastbuild, handover
 from kvspec.conformance.judge.fastmodel import FastModel, spec_placeholder
 from kvspec.conformance.judge.handover import FastPathDisagrees
+from kvspec.conformance.judge.recorder import Recorder
 from kvspec.conformance.monitor import Monitor, Violation
 from kvspec.conformance.report import Report
 from kvspec.conformance.trace import write_trace
@@ -364,7 +365,9 @@ def test_a_false_alarm_of_the_fast_model_is_a_loud_internal_error(
     assert main(["check", str(path), "--engine", "spec"]) == 0
 
 
-def test_monitor_hands_over_from_a_checkpoint_with_bounded_memory() -> None:
+def test_monitor_hands_over_from_a_checkpoint_with_bounded_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A long run with a violation late: the fast Monitor keeps at most two windows of events,
     and its Violation carries the spec-based report of the same finding."""
     config, events = safe_run(80)
@@ -372,6 +375,7 @@ def test_monitor_hands_over_from_a_checkpoint_with_bounded_memory() -> None:
     events = events[:late] + [("free", 0)] + events[late + 1 :]  # an engine bug, late
     expected = spec_verdict(config, events)
     assert expected == ("Disagreement", late)
+    monkeypatch.setattr(handover, "EVENTS_PER_LIVE_REQUEST", 0)  # spaced by the window alone
     fast = Monitor.fast(config, window=100)
     most = 0
     with pytest.raises(Violation) as caught:
@@ -434,6 +438,7 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
     ids and opaque-hash tables exported) to the same verdict as the spec engine's from the
     start, with a history drawn from the spec engine's."""
     monkeypatch.setattr(handover, "FILE_WINDOW", 50)
+    monkeypatch.setattr(handover, "EVENTS_PER_LIVE_REQUEST", 0)  # spaced by the window alone
     config, events = safe_run(80)
     path = tmp_path / "late.jsonl"
     if bug == "engine":
@@ -464,6 +469,56 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
     good = tmp_path / "good.jsonl"
     write_trace(good, *safe_run(80), hashes=True)
     assert check_file(good).exit_code == 0
+
+
+def test_checkpoints_are_spaced_by_the_requests_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint exports every live request, so the next is due after
+    ``EVENTS_PER_LIVE_REQUEST`` events per request alive at it when that is more than the window
+    (a bounded cost per event however many requests wait), and a late finding is still the spec
+    engine's."""
+    monkeypatch.setattr(handover, "FILE_WINDOW", 50)
+    monkeypatch.setattr(handover, "EVENTS_PER_LIVE_REQUEST", 8)
+    spacings: list[tuple[int, int]] = []
+    checkpoint = handover.FastRun.checkpoint
+
+    def spy(self: handover.FastRun, at: object = None) -> None:
+        newer = self.newer
+        checkpoint(self, at)
+        if self.newer is not newer:
+            alive = len(self.newer.model.state.requests)
+            spacings.append((self.due - self.fast.events_seen, alive))
+
+    monkeypatch.setattr(handover.FastRun, "checkpoint", spy)
+    config, events = safe_run(80)  # every request arrives first
+    late = next(i for i in range(len(events) - 60, 0, -1) if events[i][0] == "free")
+    events = events[:late] + [("free", 0)] + events[late + 1 :]
+    path = tmp_path / "late.jsonl"
+    write_trace(path, config, events, hashes=True)
+    fast, spec = check_file(path), check_file(path, engine="spec")
+    assert (fast.invariant, fast.line, fast.message) == (spec.invariant, spec.line, spec.message)
+    assert spacings and all(gap == max(50, 8 * alive) for gap, alive in spacings), spacings
+    assert len(spacings) >= 2 and any(gap > 50 for gap, _ in spacings), spacings
+
+
+def test_a_forked_recorder_rings_the_requests_alive_at_the_fork_when_first_named() -> None:
+    """The recorder of a checkpoint makes a live request's ring at its first event, not at the
+    fork: the history is the same as with every ring made up front, and a request that was not
+    alive at the fork and never arrived gets none."""
+    recorder = Recorder(4, live=[1, 2])
+    assert recorder.request_rings == {}
+    recorder.decision(10, ("schedule", 1, 4, 0), None)  # type: ignore[arg-type]
+    recorder.effect(11, ("alloc", 1, 3))
+    recorder.effect(12, ("alloc", 7, 2))
+    recorder.pruned(2)
+    recorder.decision(13, ("schedule", 2, 1, 0), None)  # type: ignore[arg-type]
+    assert recorder.minimal_history([], [1], None) == [
+        (10, ("schedule", 1, 4, 0)),
+        (11, ("alloc", 1, 3)),
+    ]
+    assert recorder.minimal_history([], [2, 7], None) == []
+    assert set(recorder.request_rings) == {1}
 
 
 # -- the background Monitor (conformance/background.py) ------------------------------------------

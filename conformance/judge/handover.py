@@ -9,9 +9,11 @@ silent wrong answer).
 
 Checkpoints, so that memory stays bounded and a report does not cost a re-check of the whole
 stream: every ``window`` events (at the next decision, when no effect is outstanding) the fast
-judge is forked onto a spec model of the state it stands for (``Judge.fork``). Two are kept, the
-newer and the one before it; a re-judge starts from the older one, so it covers at least
-``window`` events before the finding (at most ``2 * window``). A file is re-read from the older
+judge is forked onto a spec model of the state it stands for (``Judge.fork``), or after
+``EVENTS_PER_LIVE_REQUEST`` events per live request if that is more (a checkpoint costs in
+proportion to the state it exports, so its share per event stays bounded as requests pile up).
+Two are kept, the newer and the one before it; a re-judge starts from the older one, so it covers
+at least ``window`` events before the finding (at most twice the larger spacing). A file is re-read from the older
 checkpoint's position; the ``Monitor`` keeps the events since the older checkpoint (at most
 ``2 * window`` of them). The spec judge's recorder therefore starts at that checkpoint: for a
 stream shorter than ``window`` events the report is exactly the spec judge's from the start; for
@@ -34,6 +36,12 @@ FILE_WINDOW = 100_000
 with the spec and shows a history of at least that many."""
 MONITOR_WINDOW = 10_000
 """Events between checkpoints of a ``Monitor``, which keeps the events since the older one."""
+EVENTS_PER_LIVE_REQUEST = 64
+"""A checkpoint's cost grows with the state it exports (every live request, every block), so the
+next one is due after at least this many events per live request, if that is more than the
+window: the checkpoints then cost a bounded share of the judging per event however many requests
+are alive (a few per cent at the judge's per-event cost; ``bench/bench_check_shape.py``), and a
+re-judge covers at most twice that many events."""
 
 
 class FastPathDisagrees(AssertionError):
@@ -69,6 +77,9 @@ class FastRun:
         if fast.epos != len(fast.expected) or fast.finding is not None:
             return
         state = fast.model.export()
+        self.due = fast.events_seen + max(
+            self.window, EVENTS_PER_LIVE_REQUEST * len(state.requests)
+        )
         recorder = Recorder(fast.config.num_blocks, live=state.requests)
         self.older, self.older_at = self.newer, self.newer_at
         self.newer, self.newer_at = fast.fork(SpecModel(fast.config, state=state), recorder), at

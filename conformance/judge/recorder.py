@@ -26,12 +26,24 @@ class Recorder:
     def __init__(
         self, num_blocks: int, history: int = 50, retired: int = 256, live: Iterable[int] = ()
     ) -> None:
-        """``live``: requests already alive when recording starts (a judge forked mid-stream)."""
+        """``live``: requests already alive when recording starts (a judge forked mid-stream).
+        Their rings are made when an event first names them, so that a fork costs nothing per
+        request that is only waiting."""
         self.history = history
         self.retired_requests = retired
         self.block_rings: list[Ring] = [deque(maxlen=history) for _ in range(num_blocks)]
-        self.request_rings: dict[int, Ring] = {rid: deque(maxlen=history) for rid in live}
+        self.request_rings: dict[int, Ring] = {}
+        self.unringed: set[int] = set(live)
+        """Requests alive at the fork that no event has named since (no ring yet)."""
         self.retired: OrderedDict[int, Ring] = OrderedDict()
+
+    def _ring(self, rid: int) -> Ring | None:
+        """The request's ring, made on its first event if it was alive at the fork."""
+        ring = self.request_rings.get(rid)
+        if ring is None and rid in self.unringed:
+            self.unringed.discard(rid)
+            ring = self.request_rings[rid] = deque(maxlen=self.history)
+        return ring
 
     def decision(self, line: int, event: Event, model: Model) -> None:
         kind = event[0]
@@ -39,9 +51,8 @@ class Recorder:
             self.request_rings.setdefault(event[1], deque(maxlen=self.history))  # type: ignore[arg-type]
         elif kind == "execute":
             self._step_io(line, model)
-        rings = self.request_rings
         for rid in requests_of(event):
-            ring = rings.get(rid)
+            ring = self._ring(rid)
             if ring is not None:
                 ring.append((line, event))
 
@@ -50,11 +61,12 @@ class Recorder:
             self.block_rings[block].append((line, event))
         rid = request_of(event)
         if rid is not None:
-            ring = self.request_rings.get(rid)
+            ring = self._ring(rid)
             if ring is not None:
                 ring.append((line, event))
 
     def pruned(self, rid: int) -> None:
+        self.unringed.discard(rid)
         ring = self.request_rings.pop(rid, None)
         if ring is not None:
             self.retired[rid] = ring
