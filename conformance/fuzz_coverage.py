@@ -15,6 +15,10 @@ Counters:
 * ``hit_same_step``: a ``hit`` of a block allocated by the step being built (its write runs only
   when that step executes); ``hit_in_flight``: of a block allocated by a submitted step that has
   not executed yet;
+* ``zombies_past_step``: a block published for an entry that was then withdrawn from the step
+  being built, still published when that step is submitted (a zombie a later request can hit;
+  under the vLLM discipline the preemptor usually takes it at once, since a victim's blocks are
+  freed last block first and its last full block is the one the step was to write);
 * ``zombie_hits``: a ``hit`` of a block allocated or published for an entry that was then
   withdrawn from the step being built (its write never runs; an eager policy published it);
 * ``unwritten_reads``: reads of the wrong bytes when a step executed (the spec's ``bad_reads``,
@@ -43,6 +47,7 @@ class Coverage:
     """Counts summed over runs (``add``)."""
 
     preempt_building: int = 0
+    zombies_past_step: int = 0
     hit_same_step: int = 0
     hit_in_flight: int = 0
     zombie_hits: int = 0
@@ -59,6 +64,7 @@ class Coverage:
     def as_dict(self) -> dict[str, object]:
         return {
             "preempt_building": self.preempt_building,
+            "zombies_past_step": self.zombies_past_step,
             "hit_same_step": self.hit_same_step,
             "hit_in_flight": self.hit_in_flight,
             "zombie_hits": self.zombie_hits,
@@ -71,7 +77,8 @@ class Coverage:
         """One line for ``kvspec fuzz``."""
         depths = "/".join(str(n) for n in self.preempt_at_depth)
         return (
-            f"coverage: {self.preempt_building} preemptions from the step being built, "
+            f"coverage: {self.preempt_building} preemptions from the step being built "
+            f"({self.zombies_past_step} zombie blocks outlived their step), "
             f"{self.hit_same_step} same-step and {self.hit_in_flight} in-flight hits of unwritten "
             f"blocks, {self.zombie_hits} zombie hits, {self.unwritten_reads} unwritten reads, {self.load_failures} load failures; "
             f"preemptions with 0/1/2/3 steps in flight: {depths}"
@@ -95,6 +102,10 @@ class RunCoverage(Coverage):
         """Block -> the step that allocated it and has not executed yet (``WITHDRAWN``: its
         entry was withdrawn, nothing will write it until it is allocated again)."""
         self.in_flight = 0
+        self.published: set[int] = set()
+        """Blocks published now."""
+        self.zombies: list[int] = []
+        """Published blocks of entries withdrawn from the step being built."""
 
     def observe(self, events: Iterable[Event]) -> None:
         for event in events:
@@ -118,6 +129,7 @@ class RunCoverage(Coverage):
                     else:
                         self.hit_in_flight += 1
             elif kind == "publish":
+                self.published.add(event[3])  # type: ignore[arg-type]
                 if self.building is not None and event[1] in self.scheduled:
                     self.scheduled[event[1]].append(event[3])  # type: ignore[index,arg-type]
             elif kind == "schedule":
@@ -128,11 +140,19 @@ class RunCoverage(Coverage):
                     self.preempt_building += 1
                     for block in withdrawn:
                         self.writer[block] = WITHDRAWN
+                        if block in self.published:
+                            self.zombies.append(block)
                 self.preempt_at_depth[min(self.in_flight, MAX_DEPTH)] += 1
             elif kind == "begin":
                 self.building = event[1]  # type: ignore[assignment]
                 self.scheduled = {}
             elif kind == "submit":
+                self.zombies_past_step += sum(
+                    1
+                    for block in set(self.zombies)
+                    if block in self.published and self.writer.get(block) == WITHDRAWN
+                )
+                self.zombies = []
                 self.building = None
                 self.scheduled = {}
                 self.in_flight += 1
@@ -143,5 +163,8 @@ class RunCoverage(Coverage):
                 self.in_flight -= 1
             elif kind == "evict":
                 self.writer.pop(event[1], None)  # type: ignore[call-overload]
+                self.published.discard(event[1])  # type: ignore[arg-type]
+            elif kind == "unpublish":
+                self.published.discard(event[1])  # type: ignore[arg-type]
             elif kind == "load_failed":
                 self.load_failures += 1

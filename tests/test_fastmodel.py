@@ -474,21 +474,21 @@ def test_check_hands_over_from_a_checkpoint_of_a_file(
 def test_checkpoints_are_spaced_by_the_requests_alive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A checkpoint exports every live request, so the next is due after
-    ``EVENTS_PER_LIVE_REQUEST`` events per request alive at it when that is more than the window
-    (a bounded cost per event however many requests wait), and a late finding is still the spec
-    engine's."""
+    """A checkpoint exports every live request, so one is made only once
+    ``EVENTS_PER_LIVE_REQUEST`` events per request alive have passed since the last, when that
+    is more than the window (a bounded cost per event however many requests wait), and a late
+    finding is still the spec engine's."""
     monkeypatch.setattr(handover, "FILE_WINDOW", 50)
     monkeypatch.setattr(handover, "EVENTS_PER_LIVE_REQUEST", 8)
-    spacings: list[tuple[int, int]] = []
+    spacings: list[tuple[int, int]] = []  # (events since the last checkpoint, requests alive)
     checkpoint = handover.FastRun.checkpoint
 
     def spy(self: handover.FastRun, at: object = None) -> None:
-        newer = self.newer
+        newer, last = self.newer, self.last
         checkpoint(self, at)
         if self.newer is not newer:
             alive = len(self.newer.model.state.requests)
-            spacings.append((self.due - self.fast.events_seen, alive))
+            spacings.append((self.fast.events_seen - last, alive))
 
     monkeypatch.setattr(handover.FastRun, "checkpoint", spy)
     config, events = safe_run(80)  # every request arrives first
@@ -498,7 +498,7 @@ def test_checkpoints_are_spaced_by_the_requests_alive(
     write_trace(path, config, events, hashes=True)
     fast, spec = check_file(path), check_file(path, engine="spec")
     assert (fast.invariant, fast.line, fast.message) == (spec.invariant, spec.line, spec.message)
-    assert spacings and all(gap == max(50, 8 * alive) for gap, alive in spacings), spacings
+    assert spacings and all(gap >= max(50, 8 * alive) for gap, alive in spacings), spacings
     assert len(spacings) >= 2 and any(gap > 50 for gap, _ in spacings), spacings
 
 

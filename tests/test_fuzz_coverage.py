@@ -23,6 +23,7 @@ def test_the_seed_scenario_counts_its_preemption_and_its_zombie_hit() -> None:
     """A is preempted from step 2, which had published its block 1 (eager); r3 hits it."""
     run = counted(SEED_CONFIG, SEED)
     assert run.preempt_building == 1
+    assert run.zombies_past_step == 1  # block 1 is still published when step 2 is submitted
     assert run.zombie_hits == 1
     assert run.preempt_at_depth == [1, 0, 0, 0]  # a synchronous engine: nothing in flight
     assert run.hit_same_step == run.hit_in_flight == run.load_failures == 0
@@ -34,6 +35,8 @@ def test_the_consumer_scenario_counts_a_same_step_hit() -> None:
     run = counted(config, CONSUMER)
     assert run.hit_same_step == 2 and run.preempt_building == 1
     assert run.zombie_hits == 0  # B's hit came before the withdrawal
+    run = counted(config, [*CONSUMER, ("submit", 0)])
+    assert run.zombies_past_step == 0  # the policy rolled A's registrations back
 
 
 def test_a_preemption_with_a_step_in_flight_counts_at_depth_one() -> None:

@@ -58,6 +58,8 @@ class FastRun:
         self.fast = fast
         self.window = window
         self.due = window
+        self.last = 0
+        """Events seen at the last checkpoint (0: the start of the stream)."""
         self.older: Any = None
         """The spec judge at the older checkpoint; None: the start of the stream."""
         self.newer: Any = None
@@ -71,15 +73,19 @@ class FastRun:
         the spec judge must find something at that event."""
 
     def checkpoint(self, at: object = None) -> None:
-        """Before a decision, once ``window`` events have passed since the last checkpoint."""
+        """Before a decision, once ``due``: a checkpoint is made if the spacing has passed since
+        the last one (``window`` events, or ``EVENTS_PER_LIVE_REQUEST`` per request alive now if
+        that is more), else ``due`` moves to where it will have."""
         fast = self.fast
+        spacing = max(self.window, EVENTS_PER_LIVE_REQUEST * len(fast.model.requests))
+        if fast.events_seen - self.last < spacing:
+            self.due = self.last + spacing
+            return
         self.due = fast.events_seen + self.window
         if fast.epos != len(fast.expected) or fast.finding is not None:
             return
         state = fast.model.export()
-        self.due = fast.events_seen + max(
-            self.window, EVENTS_PER_LIVE_REQUEST * len(state.requests)
-        )
+        self.last = fast.events_seen
         recorder = Recorder(fast.config.num_blocks, live=state.requests)
         self.older, self.older_at = self.newer, self.newer_at
         self.newer, self.newer_at = fast.fork(SpecModel(fast.config, state=state), recorder), at
