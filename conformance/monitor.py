@@ -8,8 +8,9 @@ The named constructors say how it judges:
 
 * ``Monitor.fast(config)`` (also plain ``Monitor(config)``): the fast model judges every event,
   keeping the events since its older checkpoint (``window`` to ``2 * window`` of them, more
-  while many requests are alive: ``handover.EVENTS_PER_LIVE_REQUEST``); on a finding a spec judge re-judges them from that checkpoint and makes
-  the report (its minimal history reaches back at least ``window`` events);
+  while many requests are alive: ``handover.EVENTS_PER_LIVE_REQUEST``); on a finding a spec
+  judge re-judges them from that checkpoint and makes the report (its minimal history reaches
+  back at least ``window`` events);
 * ``Monitor.on_spec(config, check_every=1)``: a spec judge judges every event (invariants every
   k decisions);
 * ``Monitor.observed(config)``: a spec judge with observed matching, for engines whose pool orders

@@ -294,3 +294,19 @@ def test_the_fuzzer_judges_with_the_fast_model_only_where_it_can() -> None:
     assert isinstance(run_judge(engine, None), Judge)
     with pytest.raises(ValueError, match="engine must be one of"):
         lockstep_machine("deferred", engine="quick")
+
+
+def test_a_run_judged_fast_checks_only_the_invariants_asked_for() -> None:
+    """``--invariant NoUnwrittenRead`` reaches the fast model: the seed bug's publication, found
+    within a second with every invariant, is not a finding then (seeded alike)."""
+    every = run_cell("eager-unsafe", "vllm", "priority", seconds=20, shrink=False)
+    assert every.failure is not None and every.failure.finding.invariant == "NoUnwrittenPublish"
+    reads = run_cell(
+        "eager-unsafe",
+        "vllm",
+        "priority",
+        seconds=3 * every.seconds + 2,
+        shrink=False,
+        invariants=("NoUnwrittenRead",),
+    )  # the same seeded batches, and more
+    assert reads.failure is None or reads.failure.finding.invariant == "NoUnwrittenRead"
