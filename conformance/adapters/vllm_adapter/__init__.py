@@ -31,6 +31,9 @@ was given said of those two fields: the fuzzer and ``kvspec check`` judge agains
                             are eligible. Not vLLM's default (0), but a documented serving
                             option, and the one setting under which the fuzzer reaches
                             ``docs/findings/vllm_async_chunked_prefill_zombie.py``.
+``fresh_factory``           ``factory`` with nothing reused between examples: each builds its
+                            own ``VllmConfig`` (``reuse.py``; the others reuse it unless
+                            ``KVSPEC_VLLM_REUSE=0``).
 ==========================  ================================================================
 
 **Stale output.** With several steps in flight a request may be preempted while a submitted step
@@ -46,7 +49,8 @@ Where each event comes from: ``attach.py``, whose public ``attach(scheduler)`` d
 (the engine core's decisions and the block lifecycle) from vLLM's own entry points on a scheduler
 the caller built, and refuses, by feature name, what the spec does not model (``features.py``);
 ``loop.py`` only drives (the engine core's loop, the fake model runner); ``build.py`` makes vLLM's
-objects; ``kv_stream.py`` runs vLLM's KV-event publisher. ``pool_attach.attach_pool`` does the
+objects, on a ``VllmConfig`` kept between the fuzzer's examples (``reuse.py`` says why only
+that, and how to turn it off); ``kv_stream.py`` runs vLLM's KV-event publisher. ``pool_attach.attach_pool`` does the
 same for a bare ``KVCacheManager`` or ``BlockPool``, in the pool machine's vocabulary (``kvspec.spec.pool_machine``). kvspec's pytest plugin
 (``kvspec/pytest_plugin.py``) attaches both to whatever a vLLM test builds.
 
@@ -86,6 +90,7 @@ __all__ = [
     "config_of",
     "drop_factory",
     "factory",
+    "fresh_factory",
     "long_prefill_factory",
     "sync_factory",
 ]
@@ -108,7 +113,12 @@ def supported(config: Config) -> str | None:
 
 
 def _adapter(
-    config: Config, choices: Choices, asynchronous: bool, drop: bool, threshold: int = 0
+    config: Config,
+    choices: Choices,
+    asynchronous: bool,
+    drop: bool,
+    threshold: int = 0,
+    reuse: bool | None = None,
 ) -> VllmAdapter:
     why = supported(config)
     if why is not None:
@@ -119,6 +129,7 @@ def _adapter(
         drop_stale=drop,
         async_scheduling=asynchronous,
         long_prefill_token_threshold=threshold,
+        reuse=reuse,
     )
 
 
@@ -126,6 +137,11 @@ def factory(config: Config, choices: Choices) -> VllmAdapter:
     """The adapter factory named on the command line: vLLM's defaults on a GPU (async
     scheduling from depth 2, stale output delivered)."""
     return _adapter(config, choices, asynchronous=config.depth >= 2, drop=False)
+
+
+def fresh_factory(config: Config, choices: Choices) -> VllmAdapter:
+    """``factory`` building its own ``VllmConfig`` for every example (``reuse.py``)."""
+    return _adapter(config, choices, asynchronous=config.depth >= 2, drop=False, reuse=False)
 
 
 def sync_factory(config: Config, choices: Choices) -> VllmAdapter:

@@ -1,6 +1,7 @@
-"""Building vLLM 0.33.0's own objects for one fuzzed cell: its ``VllmConfig`` (cached per
-geometry: construction dominates a short example), the KV-cache config of one full-attention
-group, the ``Scheduler`` or ``AsyncScheduler``, and the request block hasher.
+"""Building vLLM 0.33.0's own objects for one fuzzed cell: its ``VllmConfig`` (kept per
+construction key, ``reuse.py``: its construction dominates a short example), the KV-cache config
+of one full-attention group, the ``Scheduler`` or ``AsyncScheduler``, and the request block
+hasher (built fresh for every example).
 
 A batch queue of D steps is what ``VllmConfig.max_concurrent_batches`` makes of the parallel and
 scheduler configs: the synchronous ``Scheduler`` keeps ``pipeline_parallel_size`` steps in flight;
@@ -45,6 +46,8 @@ import torch
 from kvspec.conformance.adapters import tiny_model_folder
 from kvspec.spec import Config
 
+from . import reuse as reuse_
+
 
 @lru_cache(maxsize=1)
 def _model_folder() -> str:
@@ -71,7 +74,6 @@ def runner_v2(on: bool) -> Iterator[None]:
             os.environ[name] = before
 
 
-@lru_cache(maxsize=64)
 def vllm_config(
     num_blocks: int,
     block_size: int,
@@ -82,7 +84,29 @@ def vllm_config(
     async_scheduling: bool,
     long_prefill_token_threshold: int = 0,
     prefix_caching: bool = True,
+    reuse: bool = True,
 ) -> VllmConfig:
+    """``new_vllm_config`` of these arguments (the construction key), or where ``reuse`` the
+    config kept for them (``reuse.py``)."""
+    key = (num_blocks, block_size, budget, max_running, policy, depth, async_scheduling)
+    key += (long_prefill_token_threshold, prefix_caching)
+    if not reuse:
+        return new_vllm_config(*key)
+    return reuse_.configs.get(key, lambda: new_vllm_config(*key))
+
+
+def new_vllm_config(
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    max_running: int,
+    policy: str,
+    depth: int,
+    async_scheduling: bool,
+    long_prefill_token_threshold: int = 0,
+    prefix_caching: bool = True,
+) -> VllmConfig:
+    """vLLM's config of the cell, built now (its arguments are ``reuse.py``'s construction key)."""
     model = ModelConfig(
         model=_model_folder(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024
     )
@@ -117,13 +141,17 @@ def vllm_config(
 
 
 def build_scheduler(
-    config: Config, async_scheduling: bool, long_prefill_token_threshold: int = 0
+    config: Config,
+    async_scheduling: bool,
+    long_prefill_token_threshold: int = 0,
+    reuse: bool = True,
 ) -> Any:
     """vLLM's ``Scheduler`` (or ``AsyncScheduler``, with Model Runner V2) for the cell: one
     KV-cache group of full attention over ``config.num_blocks`` blocks, prefix caching as
     ``config.prefix_caching`` says (on by default, as in vLLM), chunked prefill on, a batch
     queue of ``config.depth`` steps; prefill chunks capped at ``long_prefill_token_threshold``
-    tokens once two requests are eligible (0, vLLM's default: no cap)."""
+    tokens once two requests are eligible (0, vLLM's default: no cap). ``reuse``: on the
+    ``VllmConfig`` kept for the cell (``reuse.py``), else on one built for it now."""
     bsz = config.block_size
     vconfig = vllm_config(
         config.num_blocks,
@@ -135,6 +163,7 @@ def build_scheduler(
         async_scheduling,
         long_prefill_token_threshold,
         config.prefix_caching,
+        reuse=reuse,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=config.num_blocks,

@@ -28,6 +28,7 @@ from kvspec.spec import Config
 from . import kv_stream
 from .attach import Event, attach
 from .build import block_hasher, build_scheduler
+from .reuse import enabled as reuse_enabled
 
 VOCAB = 4
 """Sampled tokens are 0 .. VOCAB - 1; token 0 is a stop token (``Config.stop_token``)."""
@@ -83,7 +84,10 @@ class VllmAdapter:
         drop_stale: bool = False,
         async_scheduling: bool = False,
         long_prefill_token_threshold: int = 0,
+        reuse: bool | None = None,
     ) -> None:
+        """``reuse``: build on the ``VllmConfig`` kept for the cell (``reuse.py``; None: unless
+        ``KVSPEC_VLLM_REUSE=0``), else on one built now; everything else is built here."""
         if async_scheduling and config.depth < 2:
             raise ValueError("async scheduling keeps at least 2 steps in flight")
         self.config = replace(
@@ -95,7 +99,10 @@ class VllmAdapter:
         config given said of them."""
         self.choices = choices
         self.coverage = Coverage()
-        self.scheduler = build_scheduler(config, async_scheduling, long_prefill_token_threshold)
+        self.reuse = reuse_enabled() if reuse is None else reuse
+        self.scheduler = build_scheduler(
+            config, async_scheduling, long_prefill_token_threshold, self.reuse
+        )
         self.hasher = block_hasher(config.block_size)
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self.arrived: list[int] = []
