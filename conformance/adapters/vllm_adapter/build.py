@@ -1,7 +1,7 @@
 """Building vLLM 0.33.0's own objects for one fuzzed cell: its ``VllmConfig`` (kept per
-construction key, ``reuse.py``: its construction dominates a short example), the KV-cache config
-of one full-attention group, the ``Scheduler`` or ``AsyncScheduler``, and the request block
-hasher (built fresh for every example).
+construction key, ``reuse.py``: it costs many times the rest of an engine's construction), the
+KV-cache config of one full-attention group, the ``Scheduler`` or ``AsyncScheduler``, and the
+request block hasher (built fresh for every example).
 
 A batch queue of D steps is what ``VllmConfig.max_concurrent_batches`` makes of the parallel and
 scheduler configs: the synchronous ``Scheduler`` keeps ``pipeline_parallel_size`` steps in flight;

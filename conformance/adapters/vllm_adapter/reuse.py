@@ -3,13 +3,14 @@ why only those.
 
 The lockstep fuzzer calls the factory once per Hypothesis example, and an example is short (some
 twenty engine steps), so what construction costs weighs on fuzzing throughput. Measured per
-construction on the development machine (``bench/bench_vllm_fuzz.py`` runs the comparison): vLLM's
-``VllmConfig`` (pydantic validation of its model, scheduler, cache and parallel configs, and the
-platform's checks) costs about twenty times everything else together: the ``Scheduler`` with its
-``KVCacheManager`` and ``BlockPool``, the KV-cache config, the structured-output manager, the
-block hasher, ``attach``'s wrappers and the KV-event stream. So what is reused is the
-``VllmConfig`` alone, kept per *construction key*; everything that holds state while an example
-runs is built fresh for each one.
+construction (``bench/bench_vllm_fuzz.py`` prints both, beside the fuzzer's engine steps per
+second with reuse off and on and vLLM's bare scheduler's): vLLM's ``VllmConfig`` (pydantic
+validation of its model, scheduler, cache and parallel configs, and the platform's checks) costs
+many times everything else together: the ``Scheduler`` with its ``KVCacheManager`` and
+``BlockPool``, the KV-cache config, the structured-output manager, the block hasher, ``attach``'s
+wrappers and the KV-event stream. So what is reused is the ``VllmConfig`` alone, kept per
+*construction key*; everything that holds state while an example runs is built fresh for each
+one.
 
 We chose that over keeping a live ``Scheduler`` and resetting it between examples. A reset would
 have to restore everything a fresh one has (its requests, waiting and running queues, finished
@@ -25,8 +26,9 @@ events and reach the pools of engines built from scratch, example after example.
 The key is every argument of ``build.new_vllm_config`` (the cell's pool, block size, token
 budget, admission limit, preemption policy and depth, and the factory's async scheduling, prefill
 threshold and prefix caching): two examples share a config only where vLLM would build the
-same one. ``KVSPEC_VLLM_REUSE=0`` (or ``VllmAdapter(reuse=False)``) builds a config per example.
-The KV-event publisher over loopback (``kv_stream.py``) is one per process either way.
+same one. ``KVSPEC_VLLM_REUSE=0`` (or ``VllmAdapter(reuse=False)``, or the factory
+``fresh_factory``) builds a config per example. The KV-event publisher over loopback
+(``kv_stream.py``) is one per process either way.
 """
 
 from __future__ import annotations
