@@ -11,6 +11,17 @@ re-judges and reports, ``run_judge``). ``run_cell`` runs a machine for a time bu
 returns what it found, how many engine steps each run took and what the runs reached
 (``fuzz_coverage.py``).
 
+The machine class is the public face (HypoFuzz runs its ``TestCase``, tests run it through
+``run_state_machine_as_test``), but ``run_cell`` does not drive it through Hypothesis's stateful
+runner: ``lockstep_test`` is a plain ``@given(st.data())`` test that makes an instance, calls
+``configure`` with arguments drawn from the strategies its ``@initialize`` declares, then, for
+each action, opens a span and draws a rarely true "stop" boolean (forced once the step count is
+reached, as the stateful runner does), and calls ``act``, ``observables_agree`` and, at the end,
+``teardown``. The logic stays in the machine's methods, one copy; the choice sequence keeps the
+stateful runner's shape (one span per action), so the shrinker still deletes whole actions; and
+the runner's per-step work (choosing among rules, drawing a fresh ``st.data()`` object, printing
+and timing support), which cost more than the engine and the judge together, is gone.
+
 The machine is built so that Hypothesis draws little per engine decision (its drawing machinery
 used to take most of the time, and runs were a few engine steps long):
 
@@ -19,8 +30,12 @@ used to take most of the time, and runs were a few engine steps long):
   and preconditions, which cost draws and ``_rule_is_enabled`` calls per rule and disabled the
   ``step`` or ``arrive`` rule in many runs, which then did nothing);
 * every choice is one integer straight from the choice sequence (``_draw_integer``): no
-  ``.filter``, no lists (a suffix is a length and an index into ``SUFFIXES``), no strategy per
-  draw; the engine's own choices (``DataChoices.pick``) too;
+  ``.filter``, no lists, no strategy per draw; the engine's own choices (``DataChoices.pick``)
+  too. An arrival is three choices, each an index into a table ordered simplest first: how its
+  prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
+  (``PROMPT_SUFFIXES``, shorter first) and its (max new tokens, priority) (``BUDGETS``), plus
+  one for an external load under ``loads`` (against one choice per field, over several seeds
+  of the seeded bugs, counterexamples shrank shorter on average, though not on every seed);
 * a ``step`` action runs up to 8 engine steps (``STEP_COUNTS``) and stops when the engine is idle
   (an idle step is not recorded: counterexamples are no longer padded with them); the snapshot
   comparison runs once per action, the judge's invariant checks after every decision as before.
@@ -38,12 +53,13 @@ were tried: they make one action depend on another, and counterexamples shrank w
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, reject, seed, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, reject, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
@@ -79,8 +95,18 @@ SUFFIXES = tuple(
     tuple(tuple(1 + (i // 3**k) % 3 for k in range(n)) for i in range(3**n))
     for n in range(SUFFIX_TOKENS + 1)
 )
-"""``SUFFIXES[n]``: every suffix of ``n`` tokens from 1..3, all ones first (the simplest): a
-suffix is two integer choices (length, which), not a list of drawn tokens."""
+"""``SUFFIXES[n]``: every suffix of ``n`` tokens from 1..3, all ones first (the simplest); in a
+row, they are ``PROMPT_SUFFIXES``: a suffix is one integer choice, not a list of drawn tokens."""
+
+OPENINGS = ((0, 0),) + tuple((p, n) for n in range(1, 9) for p in range(len(PREFIXES)))
+"""(which of ``PREFIXES``, how many of its tokens) an arrival's prompt starts with, one choice:
+fewer shared tokens first, none (the simplest) at 0."""
+
+PROMPT_SUFFIXES = tuple(suffix for table in SUFFIXES for suffix in table)
+"""Every own suffix of a prompt, shorter first (then as in ``SUFFIXES``): one choice."""
+
+BUDGETS = tuple((m, p) for m in range(1, MAX_NEW_TOKENS + 1) for p in range(4))
+"""(max new tokens, priority) of an arrival, one choice: fewer tokens first, then priority."""
 
 STEP_COUNTS = tuple(range(1, 9))
 """How many engine steps one ``step`` action runs (at most: an idle engine ends them). Every
@@ -237,15 +263,20 @@ def lockstep_machine(
     timing = timings(depth, async_scheduling, stale_output)
     tally = Tally()
 
+    arguments = dict(
+        num_blocks=st.integers(4, 8),
+        block_size=st.sampled_from((2, 4)),
+        timing=timing,
+        token_budget=st.integers(3, 12),
+        max_running=st.integers(2, 4),
+        mix=st.integers(0, len(MIXES) - 1),
+    )
+
     class LockstepMachine(RuleBasedStateMachine):
-        @initialize(
-            num_blocks=st.integers(4, 8),
-            block_size=st.sampled_from((2, 4)),
-            timing=timing,
-            token_budget=st.integers(3, 12),
-            max_running=st.integers(2, 4),
-            mix=st.integers(0, len(MIXES) - 1),
-        )
+        configure_arguments = arguments
+        """The strategies of ``configure``'s arguments (``lockstep_test`` draws them too)."""
+
+        @initialize(**arguments)
         def configure(
             self,
             num_blocks: int,
@@ -300,10 +331,10 @@ def lockstep_machine(
                 self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
         def _arrive(self, draw: Callable[[int, int], int]) -> None:
-            prefix, shared = PREFIXES[draw(0, len(PREFIXES) - 1)], draw(0, 8)
-            length = draw(0, SUFFIX_TOKENS)
-            suffix = SUFFIXES[length][draw(0, len(SUFFIXES[length]) - 1)]
-            max_tokens, priority = draw(1, MAX_NEW_TOKENS), draw(0, 3)
+            which, shared = OPENINGS[draw(0, len(OPENINGS) - 1)]
+            prefix = PREFIXES[which]
+            suffix = PROMPT_SUFFIXES[draw(0, len(PROMPT_SUFFIXES) - 1)]
+            max_tokens, priority = BUDGETS[draw(0, len(BUDGETS) - 1)]
             external = self.loads and draw(0, 1) == 1
             capacity = (self.config.num_blocks - 1) * self.config.block_size
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
@@ -415,6 +446,65 @@ def lockstep_machine(
     return LockstepMachine
 
 
+ACTION_LABEL = int.from_bytes(hashlib.sha256(b"kvspec lockstep action").digest()[:8], "big")
+"""The label of the span around one action in the choice sequence (any fixed integer)."""
+
+
+def _spans_available() -> bool:
+    """Whether this Hypothesis's choice sequence has the span and boolean calls the lockstep
+    driver uses (``ConjectureData.start_span``, ``stop_span``, ``draw_boolean``)."""
+    try:
+        from hypothesis.internal.conjecture.data import ConjectureData
+    except ImportError:
+        return False
+    return all(hasattr(ConjectureData, n) for n in ("start_span", "stop_span", "draw_boolean"))
+
+
+def lockstep_test(
+    machine: type[RuleBasedStateMachine], config: settings, digest: bytes = b""
+) -> Callable[[], None]:
+    """The test function that runs ``machine`` (a ``lockstep_machine`` class) under ``config``:
+    one example is one run, as under ``get_state_machine_test``, but driven here.
+
+    It draws ``configure``'s arguments from the strategies its ``@initialize`` declares
+    (``configure_arguments``), then runs actions: before each, a span is opened and a "stop"
+    boolean drawn (probability 2**-16, forced after ``stateful_step_count - 1`` actions, as
+    Hypothesis's own stateful runner does, the initialize step counted), then ``act`` and
+    ``observables_agree``; ``teardown`` always. So the shrinker deletes whole actions (a span)
+    as it does in a state machine, while none of the stateful runner's per-step work is done
+    (choosing a rule, drawing a fresh ``st.data()``, printing support, timing). ``digest``
+    keys the example database. Where this Hypothesis lacks the span calls, the machine runs
+    through ``get_state_machine_test`` instead."""
+    if not _spans_available():
+        return get_state_machine_test(machine, settings=config)
+    configuring = st.fixed_dictionaries(machine.configure_arguments)  # type: ignore[attr-defined]
+    actions = max(0, config.stateful_step_count - 1)
+
+    @config
+    @given(st.data())
+    def run_lockstep(data: Any) -> None:
+        choices = data.conjecture_data
+        run = machine()
+        try:
+            run.configure(**data.draw(configuring))  # type: ignore[attr-defined]
+            run.observables_agree()  # type: ignore[attr-defined]
+            done = 0
+            while True:
+                choices.start_span(ACTION_LABEL)
+                if choices.draw_boolean(p=2**-16, forced=True if done >= actions else None):
+                    choices.stop_span()
+                    break
+                done += 1
+                run.act(data)  # type: ignore[attr-defined]
+                run.observables_agree()  # type: ignore[attr-defined]
+                choices.stop_span()
+        finally:
+            run.teardown()
+
+    run_lockstep.hypothesis.inner_test._hypothesis_internal_add_digest = digest  # type: ignore[attr-defined]
+    return run_lockstep
+
+
 def _timing_tag(async_scheduling: bool | None, stale_output: str | None) -> str:
     """'' for the synchronous drop cell, else e.g. 'async,deliver' ('?' where drawn)."""
     if async_scheduling is False and stale_output == "drop":
@@ -509,7 +599,8 @@ def run_cell(
         report_multiple_bugs=False,
     )
     batch = 0
-    test = get_state_machine_test(machine, settings=config)
+    digest = repr((machine.__name__, sorted(invariants or ()), engine)).encode()
+    test = lockstep_test(machine, config, digest)
     while time.monotonic() - tally.started < seconds:
         if database is None:  # Hypothesis uses no database under an explicit seed
             test = seed(seed_value * 1_000_003 + batch)(test)
