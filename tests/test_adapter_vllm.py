@@ -131,3 +131,11 @@ def test_a_cell_vllm_does_not_run_is_refused_in_one_line() -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("kvspec fuzz: error: --target")
     assert "eager-unsafe" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_engine_reuse_leaks_nothing_between_examples() -> None:
+    """``tests/test_vllm_reuse.py`` (engines on kept ``VllmConfig``s equal engines built from
+    scratch, action by action), run where vLLM imports."""
+    done = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vllm_reuse.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
