@@ -62,16 +62,9 @@ class Coverage:
             self.preempt_at_depth[depth] += count
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "preempt_building": self.preempt_building,
-            "zombies_past_step": self.zombies_past_step,
-            "hit_same_step": self.hit_same_step,
-            "hit_in_flight": self.hit_in_flight,
-            "zombie_hits": self.zombie_hits,
-            "unwritten_reads": self.unwritten_reads,
-            "load_failures": self.load_failures,
-            "preempt_at_depth": list(self.preempt_at_depth),
-        }
+        counts: dict[str, object] = {name: getattr(self, name) for name in COUNTERS}
+        counts["preempt_at_depth"] = list(self.preempt_at_depth)
+        return counts
 
     def line(self) -> str:
         """One line for ``kvspec fuzz``."""
@@ -104,7 +97,7 @@ class RunCoverage(Coverage):
         self.in_flight = 0
         self.published: set[int] = set()
         """Blocks published now."""
-        self.zombies: list[int] = []
+        self.zombies: set[int] = set()
         """Published blocks of entries withdrawn from the step being built."""
 
     def observe(self, events: Iterable[Event]) -> None:
@@ -141,7 +134,7 @@ class RunCoverage(Coverage):
                     for block in withdrawn:
                         self.writer[block] = WITHDRAWN
                         if block in self.published:
-                            self.zombies.append(block)
+                            self.zombies.add(block)
                 self.preempt_at_depth[min(self.in_flight, MAX_DEPTH)] += 1
             elif kind == "begin":
                 self.building = event[1]  # type: ignore[assignment]
@@ -149,10 +142,10 @@ class RunCoverage(Coverage):
             elif kind == "submit":
                 self.zombies_past_step += sum(
                     1
-                    for block in set(self.zombies)
+                    for block in self.zombies
                     if block in self.published and self.writer.get(block) == WITHDRAWN
                 )
-                self.zombies = []
+                self.zombies = set()
                 self.building = None
                 self.scheduled = {}
                 self.in_flight += 1

@@ -13,9 +13,9 @@ judge is forked onto a spec model of the state it stands for (``Judge.fork``), o
 ``EVENTS_PER_LIVE_REQUEST`` events per live request if that is more (a checkpoint costs in
 proportion to the state it exports, so its share per event stays bounded as requests pile up).
 Two are kept, the newer and the one before it; a re-judge starts from the older one, so it covers
-at least ``window`` events before the finding (at most twice the larger spacing). A file is re-read from the older
-checkpoint's position; the ``Monitor`` keeps the events since the older checkpoint (at most
-``2 * window`` of them). The spec judge's recorder therefore starts at that checkpoint: for a
+at least ``window`` events before the finding (at most twice the larger spacing). A file is
+re-read from the older checkpoint's position; the ``Monitor`` keeps the events since the older
+checkpoint (as many). The spec judge's recorder therefore starts at that checkpoint: for a
 stream shorter than ``window`` events the report is exactly the spec judge's from the start; for
 a longer one, its history reaches back at least ``window`` events (``docs/checker.md``).
 """
@@ -40,8 +40,8 @@ EVENTS_PER_LIVE_REQUEST = 64
 """A checkpoint's cost grows with the state it exports (every live request, every block), so the
 next one is due after at least this many events per live request, if that is more than the
 window: the checkpoints then cost a bounded share of the judging per event however many requests
-are alive (a few per cent at the judge's per-event cost; ``bench/bench_check_shape.py``), and a
-re-judge covers at most twice that many events."""
+are alive (``bench/bench_check_shape.py`` measures it), and a re-judge covers at most twice that
+many events."""
 
 
 class FastPathDisagrees(AssertionError):

@@ -74,27 +74,6 @@ def runner_v2(on: bool) -> Iterator[None]:
             os.environ[name] = before
 
 
-def vllm_config(
-    num_blocks: int,
-    block_size: int,
-    budget: int,
-    max_running: int,
-    policy: str,
-    depth: int,
-    async_scheduling: bool,
-    long_prefill_token_threshold: int = 0,
-    prefix_caching: bool = True,
-    reuse: bool = True,
-) -> VllmConfig:
-    """``new_vllm_config`` of these arguments (the construction key), or where ``reuse`` the
-    config kept for them (``reuse.py``)."""
-    key = (num_blocks, block_size, budget, max_running, policy, depth, async_scheduling)
-    key += (long_prefill_token_threshold, prefix_caching)
-    if not reuse:
-        return new_vllm_config(*key)
-    return reuse_.configs.get(key, lambda: new_vllm_config(*key))
-
-
 def new_vllm_config(
     num_blocks: int,
     block_size: int,
@@ -153,18 +132,10 @@ def build_scheduler(
     tokens once two requests are eligible (0, vLLM's default: no cap). ``reuse``: on the
     ``VllmConfig`` kept for the cell (``reuse.py``), else on one built for it now."""
     bsz = config.block_size
-    vconfig = vllm_config(
-        config.num_blocks,
-        bsz,
-        config.token_budget,
-        config.max_running,
-        config.preemption,
-        config.depth,
-        async_scheduling,
-        long_prefill_token_threshold,
-        config.prefix_caching,
-        reuse=reuse,
-    )
+    key = (config.num_blocks, bsz, config.token_budget, config.max_running, config.preemption)
+    key += (config.depth, async_scheduling, long_prefill_token_threshold, config.prefix_caching)
+    built = lambda: new_vllm_config(*key)  # noqa: E731
+    vconfig = reuse_.configs.get(key, built) if reuse else built()
     kv_cache_config = KVCacheConfig(
         num_blocks=config.num_blocks,
         kv_cache_tensors=[],

@@ -76,4 +76,4 @@ class ConfigCache:
 
 
 configs = ConfigCache()
-"""The process's ``VllmConfig`` per construction key (``build.vllm_config``)."""
+"""The process's ``VllmConfig`` per construction key (``build.build_scheduler``)."""
