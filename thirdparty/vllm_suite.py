@@ -18,7 +18,8 @@ baseline (items, passing without the plugin), whether every test's outcome is th
 plugin, and the plugin's outcome per test (``pytest_plugin.py``: no Scheduler built, a bare
 KVCacheManager or BlockPool judged, refused at construction, stopped mid-run, judged and holding,
 violations), with the refusals counted by feature. Exit 1 when an outcome differs or a violation
-is found, else 0. ``--parallel`` runs the two passes at the same time (the CI subset on 2 cores).
+is found, else 0. ``--parallel`` runs the two passes at the same time (the CI subset on 2 cores);
+``--bare-from DIR`` reads the pass without the plugin from an earlier run instead.
 """
 
 from __future__ import annotations
@@ -264,17 +265,32 @@ def outcomes(junit: Path) -> dict[str, str]:
     return result
 
 
-def run(suite: Path, paths: list[str], out: Path, parallel: bool) -> int:
+def run(
+    suite: Path, paths: list[str], out: Path, parallel: bool, bare_from: Path | None = None
+) -> int:
+    """Both passes over ``paths`` and the table; with ``bare_from``, the pass without the plugin
+    is not run again but read from that earlier run's folder (its outcomes do not depend on
+    kvspec: the plugin is not loaded), which halves the cost of judging a change of kvspec. Its
+    outcomes are taken for the tests this run has (a test it lacks counts as differing), so
+    ``paths`` may be a part of what it ran."""
     out.mkdir(parents=True, exist_ok=True)
     env = environment(suite)
     runs = {
         plugin: (out / f"junit-{'plugin' if plugin else 'bare'}.xml", out / "kvspec-report.json")
         for plugin in (False, True)
     }
+    if bare_from is not None:
+        earlier = bare_from / "junit-bare.xml"
+        if not earlier.is_file():
+            sys.exit(f"vllm_suite: --bare-from {bare_from}: no junit-bare.xml there")
+        runs[False] = (earlier, runs[False][1])
     started = time.monotonic()
     procs = []
     times: dict[bool, float] = {}
     for plugin, (junit, report) in runs.items():
+        if not plugin and bare_from is not None:
+            times[plugin] = 0.0
+            continue
         log = open(out / f"pytest-{'plugin' if plugin else 'bare'}.log", "w")
         argv = pytest_argv(paths, junit, plugin, report)
         t0 = time.monotonic()
@@ -291,6 +307,8 @@ def run(suite: Path, paths: list[str], out: Path, parallel: bool) -> int:
         if not junit.exists():
             sys.exit(f"vllm_suite: pytest wrote no {junit} (see {out})")
     bare, judged = outcomes(runs[False][0]), outcomes(runs[True][0])
+    if bare_from is not None:  # the tests of this run, as the earlier one saw them
+        bare = {name: bare.get(name, "missing from the earlier run") for name in judged}
     report = json.loads(runs[True][1].read_text()) if runs[True][1].exists() else {}
     return table(bare, judged, report, times, wall)
 
@@ -304,9 +322,9 @@ def table(
 ) -> int:
     passing = sum(1 for o in bare.values() if o == "passed")
     print(f"items: {len(bare)}; passing without the plugin: {passing}")
+    without = f"{times[False]:.0f} s" if times[False] else "read from an earlier run"
     print(
-        f"time: {times[False]:.0f} s without the plugin, {times[True]:.0f} s with it "
-        f"({wall:.0f} s wall clock)"
+        f"time: {without} without the plugin, {times[True]:.0f} s with it ({wall:.0f} s wall clock)"
     )
     tests = report.get("tests", {})
     kinds: Counter[str] = Counter()
@@ -352,6 +370,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="where the run's files go (default SUITE/run)")
     parser.add_argument("--ci", action="store_true", help=f"only {', '.join(CI_TESTS)}")
     parser.add_argument("--parallel", action="store_true", help="both passes at once")
+    parser.add_argument(
+        "--bare-from",
+        type=Path,
+        help="an earlier run's folder: read its pass without the plugin instead of running it",
+    )
     parser.add_argument("paths", nargs="*", default=["tests/v1/core"])
     args = parser.parse_intermixed_args()
     suite = args.suite.resolve()
@@ -359,7 +382,8 @@ def main() -> int:
     if args.command == "fetch":
         return 0
     paths = list(CI_TESTS) if args.ci else args.paths
-    return run(suite, paths, (args.out or suite / "run").resolve(), args.parallel)
+    bare_from = args.bare_from.resolve() if args.bare_from else None
+    return run(suite, paths, (args.out or suite / "run").resolve(), args.parallel, bare_from)
 
 
 if __name__ == "__main__":
