@@ -47,8 +47,9 @@ from . import symbolic as sy
 from .parallel import Pool
 
 SOLVER_PARAMS: dict[str, Any] = {"arith.solver": 2}
-"""Z3 settings of every proof solver: the older arithmetic solver (``arith.solver=2``) decides
-this model's linear integer queries about a third faster than the default (bench_prove.py)."""
+"""Z3 settings of every proof solver, the bounded model checker's included (``prove.Unroller``):
+the older arithmetic solver (``arith.solver=2``) decides this model's linear integer queries
+faster than the default (bench_prove.py)."""
 
 
 def new_solver() -> Any:

@@ -65,12 +65,13 @@ class BmcResult:
 
 
 class Unroller:
-    """The transition relation unrolled step by step into one incremental solver."""
+    """The transition relation unrolled step by step into one incremental solver (with the
+    proofs' settings, ``induction.SOLVER_PARAMS``)."""
 
     def __init__(self, model: sy.Model, timeout_s: float | None = None) -> None:
         self.model = m = model
         f = model.fragment
-        self.solver = z3.Solver()
+        self.solver = induction.new_solver()
         if timeout_s is not None:
             self.solver.set("timeout", max(1, int(timeout_s * 1000)))
         self.states = [m.initial()]
