@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
+import zlib
+
 from .block_pool import Block
 from .choices import Choices
+from .hashing import pack_token
 from .request import Request, Step
 
 
@@ -116,3 +119,12 @@ class FakeWorker:
 
     def sample(self, step: Step, req: Request) -> int:
         return req.crc % self.vocab
+
+    def sample_after(self, req: Request, first: int, more: int) -> list[int]:
+        """``first`` and the ``more`` tokens the model samples after it (accepted draft tokens
+        equal them), each the fake model's sample of the tokens so far."""
+        tokens, crc = [first], req.crc
+        for _ in range(more):
+            crc = zlib.crc32(pack_token(tokens[-1]), crc)
+            tokens.append(crc % self.vocab)
+        return tokens

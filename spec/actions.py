@@ -97,10 +97,12 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         start, end = req.computed, req.computed + num_tokens
         if -(-end // bsz) - len(req.table) > len(s.free):
             raise Illegal(f"{where}: not enough free blocks")
-    tokens = s.ahead(req) if cfg.async_scheduling else req.tokens
+    tokens: list[int | Placeholder | Draft] = list(
+        s.ahead(req) if cfg.async_scheduling else req.tokens
+    )
     drafts = end - len(tokens) if cfg.spec_tokens else 0
     if 0 < drafts <= cfg.spec_tokens and start < len(tokens):  # its last sample is not pending
-        tokens = tokens + [Draft(step.id, rid, j) for j in range(drafts)]
+        tokens += [Draft(step.id, rid, j) for j in range(drafts)]
     if end > len(tokens):
         known = "known yet" if not cfg.async_scheduling else "known nor a step's placeholder"
         raise Illegal(f"{where}: token {end - 1} is not {known}, nor one of its draft slots")

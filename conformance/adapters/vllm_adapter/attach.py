@@ -705,7 +705,7 @@ class Attachment:
         if any(not 0 <= b.block_id < len(pool) or pool[b.block_id] is not b for b in blocks):
             self.refuse("blocks that are not the pool's", "free_blocks")
         unhashed = [b for b in blocks if not b.is_null and b.ref_cnt == 1 and b.block_hash is None]
-        if len(unhashed) > 1 and self.config.prefix_caching:
+        if len(unhashed) > 1 and self.config.prefix_caching and not self.config.spec_tokens:
             self.refuse(
                 "a batch of unhashed blocks freed",
                 "vLLM keeps their order at the queue's head, the spec reverses it",

@@ -34,7 +34,6 @@ BLOCKED = (
 def scheduler_features(sched: Any) -> list[Feature]:
     """Settings of the scheduler, its KV-cache manager and its pool that the spec does not model."""
     found: list[Feature] = []
-    config = sched.vllm_config
     kv = sched.kv_cache_manager
     groups = sched.kv_cache_config.kv_cache_groups
 
