@@ -80,7 +80,10 @@ class EngineConfig:
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",
             ),
-            (_is_int(self.spec_tokens) and self.spec_tokens >= 0, "spec_tokens must be an int >= 0"),
+            (
+                _is_int(self.spec_tokens) and self.spec_tokens >= 0,
+                "spec_tokens must be an int >= 0",
+            ),
             (
                 not (self.spec_tokens and self.async_scheduling),
                 "spec_tokens needs async_scheduling off (drafts under async are not modelled)",

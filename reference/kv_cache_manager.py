@@ -18,7 +18,11 @@ class KVCacheManager:
     __slots__ = ("pool", "block_size", "prefix_caching", "batch_free")
 
     def __init__(
-        self, pool: BlockPool, block_size: int, prefix_caching: bool = True, batch_free: bool = False
+        self,
+        pool: BlockPool,
+        block_size: int,
+        prefix_caching: bool = True,
+        batch_free: bool = False,
     ) -> None:
         self.pool = pool
         self.block_size = block_size

@@ -160,7 +160,7 @@ class Deferred(Policy):
     __slots__ = ()
 
     def on_written(self, step: Step, requests: dict[int, Request]) -> None:
-        live, failed, bsz = step.live, step.failed, self.block_size
+        live, failed = step.live, step.failed
         for rid, entry in step.entries.items():
             if rid in live and rid not in failed:
                 req = requests[rid]

@@ -11,10 +11,9 @@ the request's whole token sequence: ``crc32(tokens as int64 LE) % vocab``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
-
-import zlib
 
 from .block_pool import Block
 from .choices import Choices

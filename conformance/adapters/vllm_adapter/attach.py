@@ -29,13 +29,17 @@ them (*stale* output, ``num_stale_output_tokens``) only in vLLM's default mode, 
 to the waiting request; its drop mode (``requires_kv_delivery``) drops it. The spec models both
 (``Config.stale_output``, read by ``config_of``), and ``AsyncScheduler``'s decodes on placeholders
 (``Config.async_scheduling``), and a pool without prefix caching (``Config.prefix_caching``,
-read from ``enable_caching``: nothing published, no hits, a table freed as one batch). A token at
+read from ``enable_caching``: nothing published, no hits, a table freed as one batch), and
+speculative decoding in a synchronous ``Scheduler`` (``Config.spec_tokens``, read from
+``num_spec_tokens``): a request's drafts are its ``scheduled_spec_decode_tokens``, and the commit
+lists its sampled tokens, up to its drafts + 1, as many as vLLM appends (it trims after a stop;
+``_stops`` reads how many). A token at
 which vLLM stops the request (EOS, a stop token, repetition) is reported as the configuration's
 ``stop_token``: the spec knows one stop token, vLLM decides per request, and the token never
 enters a hash (the request finishes with it).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: a KV
-connector, speculative decoding, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
+connector, drafts with lookahead slots or under async scheduling, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
