@@ -58,12 +58,12 @@ def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Eve
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0,
     )
+    room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
+    if room - common["spec_tokens"] < 2:  # type: ignore[operator]
+        common["spec_tokens"] = 0  # no room for a prompt, a token and the drafts
+    capacity = room - common["spec_tokens"]  # type: ignore[operator]
     choices = RandomChoices(draw(st.integers(0, 2**16)), draw(st.sampled_from((0.0, 0.3, 0.6))))
     engine = Engine(EngineConfig(**common, vocab=4), choices=choices)  # type: ignore[arg-type]
-    capacity = (common["num_blocks"] - 1) * common["block_size"] - common["spec_tokens"]  # type: ignore[operator]
-    if capacity < 2:
-        common["spec_tokens"] = 0
-        capacity = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
     next_id = 0
     for op in draw(st.lists(OPS, min_size=1, max_size=40)):
         if op[0] == "arrive":

@@ -495,7 +495,7 @@ PLANTED = {
     "no post-output registration": (
         PostOutput,
         "on_output",
-        lambda original: lambda self, req, entry: None,
+        lambda original: lambda self, req, entry, rejected=0: None,
         ("eager-rollback-fifo", "hide-uncommitted"),
         (AssertionError, "('commit'"),  # the spec computes publications the engine lacks
     ),
