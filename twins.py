@@ -30,29 +30,35 @@ TWINS: tuple[Twin, ...] = (
         "the reference engine: an independent, fast implementation of every policy",
         "its events are the spec's effects of its decisions, event by event, and its refcounts "
         "and free queue are the spec's after every workload step (lockstep fuzzing), under "
-        "every policy, discipline, preemption and depth, with prefix caching on and off",
+        "every policy, discipline, preemption and depth, with prefix caching on and off, and "
+        "with draft tokens (speculative decoding, synchronous)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
+            "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
         ),
     ),
     Twin(
         "kvspec.conformance.judge.fastmodel",
         "the fast model: the state machine for speed, interned prefixes, prefix caching on "
-        "and off (the reference traces and spec walks its tests draw include caching off)",
+        "and off (the reference traces and spec walks its tests draw include caching off); "
+        "not speculative decoding (``Config.spec_tokens`` > 0 is refused by ``FastModel``, "
+        "and ``kvspec check`` and ``Monitor.fast`` judge such traces by the spec throughout)",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",
         (
             "tests/test_fastmodel.py::test_fast_model_and_spec_agree_on_engine_traces",
             "tests/test_fastmodel.py::test_fast_model_and_spec_agree_on_traces_with_planted_bugs",
             "tests/test_fastmodel.py::test_check_prints_the_same_through_both_engines",
+            "tests/test_spec_decode.py::test_the_fast_and_z3_models_refuse_drafts",
         ),
     ),
     Twin(
         "kvspec.conformance.judge.incremental",
         "the incremental invariants: each evaluated only where a decision changed the state "
-        "(prefix caching on and off: the traces and walks its tests draw include both)",
+        "(prefix caching on and off, and draft tokens: the traces and walks its tests draw "
+        "include them)",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "
         "and the same answer on every corrupted state",
         (
@@ -66,7 +72,9 @@ TWINS: tuple[Twin, ...] = (
         "async scheduling (placeholders), stale output dropped or delivered; prefix caching on "
         "only (``Config.prefix_caching`` off is refused by ``Fragment``: a pool that publishes "
         "nothing has none of the registration races the proofs are about, and its batch free "
-        "order would need its own free-queue terms)",
+        "order would need its own free-queue terms); no draft tokens (``Config.spec_tokens`` "
+        "> 0 is refused by ``Fragment``: the model's contents have no draft values and its "
+        "commits one token per request)",
         "it admits exactly the executable spec's successor of every (state, decision) pair "
         "the walks reach, and its invariants are the spec's there",
         (

@@ -3,8 +3,9 @@
 ``check_file`` never raises for bad content: an unreadable file or line is a ``Report`` with exit
 code 2 (``file:line: message``). A strict trace is judged by the fast model (``engine="fast"``, the
 default, with ``check_every`` 1), which hands a finding over to a spec judge from its older
-checkpoint for the report (``judge/handover.py``); an observed trace, ``engine="spec"`` or
-``check_every`` > 1 is judged by a spec judge throughout. Either way the report is made by the spec
+checkpoint for the report (``judge/handover.py``); an observed trace, one with draft tokens
+(``model.spec_tokens``), ``engine="spec"`` or ``check_every`` > 1 is judged by a spec judge
+throughout. Either way the report is made by the spec
 judge's recorder (``report.report_of``).
 
 The judge's state lives as long as the file is read, and it grows with the requests alive (a
@@ -59,7 +60,8 @@ def check_file(
     except OSError as err:
         return Report(name, 2, error=f"{name}:1: {err}")
     with trace:
-        if engine == "fast" and check_every == 1 and trace.judging == "strict":
+        drafts = trace.config.spec_tokens > 0  # not in the fast model (kvspec/twins.py)
+        if engine == "fast" and check_every == 1 and trace.judging == "strict" and not drafts:
             return _fast(trace, name, started, limit, build)
         if trace.judging == "observed" and check_every != 1:
             return Report(

@@ -80,6 +80,8 @@ class Monitor:
         window: int | None = None,
         invariants: Collection[str] | None = None,
     ) -> Monitor:
+        if config.spec_tokens:  # draft tokens are not in the fast model (kvspec/twins.py)
+            return cls.on_spec(config, raise_on_finding=raise_on_finding, name=name)
         return cls(config, raise_on_finding, name, window=window, invariants=invariants)
 
     @classmethod

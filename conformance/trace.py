@@ -56,8 +56,9 @@ MODEL_FIELDS = (
     "async_scheduling",
     "stale_output",
     "prefix_caching",
+    "spec_tokens",
 )
-WRITTEN_IF_NOT = {"prefix_caching": True}
+WRITTEN_IF_NOT: dict[str, object] = {"prefix_caching": True, "spec_tokens": 0}
 """Model fields added after older kvspec versions shipped, written only when they differ from this
 default: a trace of a default configuration still reads in those versions (a reader takes a
 missing field as its default)."""
@@ -225,7 +226,7 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     for name in ("async_scheduling", "prefix_caching"):
         if name in model and not isinstance(model[name], bool):
             raise bad(f'"model.{name}" must be true or false')
-    for name in ("depth", "token_budget", "max_running"):
+    for name in ("depth", "token_budget", "max_running", "spec_tokens"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer, got {json_type(model[name])}')
     judging = header.get("judging", "strict")
@@ -267,6 +268,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "async_scheduling": (bool,),
     "stale_output": (str,),
     "prefix_caching": (bool,),
+    "spec_tokens": (int,),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 

@@ -91,6 +91,7 @@ class Fragment:
             (2 <= self.max_len <= 8, f"tokens per request must be 2..8, got {self.max_len}"),
             (self.vocab >= 1 and self.priorities >= 1, "vocab and priorities must be >= 1"),
             (c.prefix_caching, "prefix caching off is not in the Z3 model (kvspec/twins.py)"),
+            (not c.spec_tokens, "draft tokens are not in the Z3 model (kvspec/twins.py)"),
         ]
         for ok, message in checks:
             if not ok:

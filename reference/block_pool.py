@@ -158,9 +158,10 @@ class BlockPool:
         self.n_freed += len(blocks)
 
     def free_batch(self, blocks: list[Block]) -> None:
-        """Without prefix caching (vLLM's ``free_blocks`` with ``enable_caching`` off): drop one
-        reference on each block, last first, and put those left unreferenced at the queue's head
-        as one batch in that order, so the table's last block ends up first (``prepend_n``)."""
+        """vLLM's ``free_blocks``: drop one reference on each block, last first, put those left
+        unreferenced without a hash at the queue's head as one batch in that order, so the
+        table's last block ends up first (``prepend_n``), and the cached ones at its tail in
+        that order (without prefix caching no block has a hash)."""
         queue, events = self.free_queue, self.events
         for block in reversed(blocks):
             if block.ref_cnt <= 0:
@@ -169,8 +170,11 @@ class BlockPool:
             if events is not None:
                 events.append(("free", block.block_id))
         for block in blocks:  # the first pushed to the head ends up last of the batch
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and block.block_hash is None:
                 queue.appendleft(block)
+        for block in reversed(blocks):
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                queue.append(block)
         self.n_freed += len(blocks)
 
     def publish(self, block: Block, block_hash: bytes, rid: int, index: int) -> None:

@@ -13,6 +13,10 @@ label               meaning of the answer
 ``general-admit``   general discipline: which waiting request to admit, in admission order,
                     leaving out those scheduled or refused in this step and those
                     still waiting for their stale output (delivered mode)
+``drafts``          speculative decoding, after a running request samples: K minus the
+                    number of draft tokens its drafter proposes for its next decode
+``rejected``        speculative decoding, per request with d draft tokens in a committed
+                    step: how many of them the model rejects (0 .. d; the last ones)
 ``general-victim``  general discipline: a victim. For the preempt move: index into
                     ``running``. When a running request lacks blocks: index into the other
                     running requests tail first, the last option skipping the request.

@@ -47,6 +47,11 @@ class EngineConfig:
     waits for its sampled token to commit before it is scheduled again."""
     stale_output: str = "drop"
     """``STALE_OUTPUTS``: what becomes of a preempted request's output in a submitted step."""
+    spec_tokens: int = 0
+    """K, speculative decoding (the spec's ``Config.spec_tokens``): after each sample a running
+    request's drafter proposes up to K draft tokens (``choices.py``, ``drafts``), its next decode
+    is scheduled for them too (within the budget), and the worker accepts some (``rejected``);
+    the rejected ones leave the computed tokens. Synchronous scheduling only."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -74,6 +79,14 @@ class EngineConfig:
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",
+            ),
+            (
+                _is_int(self.spec_tokens) and self.spec_tokens >= 0,
+                "spec_tokens must be an int >= 0",
+            ),
+            (
+                not (self.spec_tokens and self.async_scheduling),
+                "spec_tokens needs async_scheduling off (drafts under async are not modelled)",
             ),
         )
         for ok, message in checks:

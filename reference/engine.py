@@ -27,7 +27,7 @@ from .disciplines import schedule_general, schedule_vllm
 from .hashing import pack_tokens
 from .kv_cache_manager import KVCacheManager
 from .policies import Policy, make_policy
-from .request import FINISHED, Request
+from .request import FINISHED, Request, Step
 from .scheduler import Scheduler
 from .worker import FakeWorker, StepLog, Worker
 
@@ -46,7 +46,9 @@ class Engine:
         self.events: list[Event] = []
         sink = self.events if record else None
         self.pool = BlockPool(config.num_blocks, sink)
-        self.kv = KVCacheManager(self.pool, config.block_size, config.prefix_caching)
+        self.kv = KVCacheManager(
+            self.pool, config.block_size, config.prefix_caching, config.spec_tokens > 0
+        )
         policy = make_policy(config.policy, self.kv) if config.prefix_caching else Policy(self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
         self.worker: Worker = (
@@ -54,6 +56,8 @@ class Engine:
             if worker is None
             else worker
         )
+        if config.spec_tokens and not isinstance(self.worker, FakeWorker):
+            raise ValueError("speculative decoding runs on the fake worker only")
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -86,7 +90,7 @@ class Engine:
             raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
         if not isinstance(priority, int):
             raise ValueError(f"request {rid!r}: priority must be an int, got {priority!r}")
-        need = -(-(len(prompt) + max_tokens) // cfg.block_size)
+        need = -(-(len(prompt) + max_tokens + cfg.spec_tokens) // cfg.block_size)
         if need > cfg.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "
@@ -121,9 +125,36 @@ class Engine:
                 for rid, entry in step.entries.items()
                 if entry.samples and rid in live
             )
+            if self.config.spec_tokens:
+                sampled = self._verify(step, sampled)
             sched.update_from_output(step, sampled)
+            if self.config.spec_tokens:
+                self._draft(step)
             return True
         return False
+
+    def _verify(
+        self, step: Step, sampled: tuple[tuple[int, int], ...]
+    ) -> tuple[tuple[int, int], ...]:
+        """Speculative decoding: a request with draft tokens gets its accepted drafts' tokens
+        and the bonus token (``choices``: ``rejected``, how many drafts the model rejects)."""
+        out: list[tuple[int, int]] = []
+        worker = self.worker
+        assert isinstance(worker, FakeWorker)
+        for rid, token in sampled:
+            drafts = step.entries[rid].drafts
+            rejected = self.choices.pick(drafts + 1, "rejected") if drafts else 0
+            tokens = worker.sample_after(self.requests[rid], token, drafts - rejected)
+            out += [(rid, t) for t in tokens]
+        return tuple(out)
+
+    def _draft(self, step: Step) -> None:
+        """Each running request that just sampled gets up to K draft tokens for its next
+        decode (``choices``: ``drafts``, how many fewer than K the drafter proposes)."""
+        k = self.config.spec_tokens
+        for req in self.scheduler.drafting(step):
+            req.drafts = k - self.choices.pick(k + 1, "drafts")
+            self.scheduler.counters["draft_tokens"] += req.drafts
 
     def run(self, max_steps: int | None = None) -> int:
         """Step until there is nothing to do (or ``max_steps``); return the steps taken."""

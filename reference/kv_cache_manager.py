@@ -15,12 +15,21 @@ from .request import Request
 
 
 class KVCacheManager:
-    __slots__ = ("pool", "block_size", "prefix_caching")
+    __slots__ = ("pool", "block_size", "prefix_caching", "batch_free")
 
-    def __init__(self, pool: BlockPool, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        prefix_caching: bool = True,
+        batch_free: bool = False,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.batch_free = batch_free or not prefix_caching
+        """Free a table as one batch (``BlockPool.free_batch``): without prefix caching, and
+        with speculative decoding (the spec's ``pool.free_table``)."""
 
     def block_hash(self, req: Request, index: int) -> bytes:
         """The chained hash of the request's full block ``index``."""
@@ -89,11 +98,11 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Drop the request's blocks (last first; hashes kept) and forget what it computed;
-        without prefix caching as one batch (``BlockPool.free_batch``)."""
-        if self.prefix_caching:
-            self.pool.free_reversed(req.table)
-        else:
+        without prefix caching or with speculative decoding as one batch (``free_batch``)."""
+        if self.batch_free:
             self.pool.free_batch(req.table)
+        else:
+            self.pool.free_reversed(req.table)
         req.table = []
         req.computed = 0
         req.cached = 0

@@ -65,7 +65,7 @@ class Policy:
     def on_written(self, step: Step, requests: dict[int, Request]) -> None:
         pass
 
-    def on_output(self, req: Request, entry: Entry) -> None:
+    def on_output(self, req: Request, entry: Entry, rejected: int = 0) -> None:
         pass
 
     def known_upto(self, req: Request, end: int) -> int:
@@ -80,8 +80,12 @@ class PostOutput(Policy):
 
     __slots__ = ()
 
-    def on_output(self, req: Request, entry: Entry) -> None:
-        self.register(req, entry.end // self.block_size)
+    def on_output(self, req: Request, entry: Entry, rejected: int = 0) -> None:
+        """vLLM's ``cache_blocks(request, num_computed_tokens - num_in_flight_tokens)``: the
+        entry's end less its rejected drafts, and never the newest token (not computed yet)."""
+        end = entry.end - rejected
+        known = len(req.tokens) - 1
+        self.register(req, (end if end < known else known) // self.block_size)
 
 
 class EagerUnsafe(PostOutput):
@@ -156,12 +160,12 @@ class Deferred(Policy):
     __slots__ = ()
 
     def on_written(self, step: Step, requests: dict[int, Request]) -> None:
-        live, failed, bsz = step.live, step.failed, self.block_size
+        live, failed = step.live, step.failed
         for rid, entry in step.entries.items():
             if rid in live and rid not in failed:
                 req = requests[rid]
                 if req.status == RUNNING:  # not preempted with its stale output delivered
-                    self.register(req, entry.end // bsz)
+                    self.register(req, self.known_upto(req, entry.end))  # never a draft
 
 
 _POLICIES: dict[str, type[Policy]] = {

@@ -29,6 +29,7 @@ class Request:
         "admissions",
         "placeholders",
         "holding",
+        "drafts",
     )
 
     def __init__(
@@ -72,6 +73,9 @@ class Request:
         self.holding = 0
         """With stale output delivered: steps in flight whose output holds an entry for it; a
         preempted request is not admitted again until this is 0. Always 0 in drop mode."""
+        self.drafts = 0
+        """Speculative decoding: draft tokens proposed for its next decode (vLLM's
+        ``spec_token_ids``), set after each of its samples, used (and cleared) when scheduled."""
 
     @property
     def num_output(self) -> int:
@@ -97,10 +101,17 @@ class Entry:
     they are all known when the step executes (its older steps have committed by then) unless
     their sample was discarded, in which case the entry is no longer live."""
 
-    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples")
+    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples", "drafts")
 
     def __init__(
-        self, start: int, end: int, table: list[Block], num_blocks: int, load: bool, samples: bool
+        self,
+        start: int,
+        end: int,
+        table: list[Block],
+        num_blocks: int,
+        load: bool,
+        samples: bool,
+        drafts: int = 0,
     ) -> None:
         self.start = start
         self.end = end
@@ -108,6 +119,9 @@ class Entry:
         self.num_blocks = num_blocks
         self.load = load
         self.samples = samples
+        self.drafts = drafts
+        """Draft tokens past the known ones (its last ``drafts`` positions): it samples 1 ..
+        drafts + 1 tokens."""
 
 
 class Step:

@@ -133,6 +133,8 @@ class Scheduler:
                 "load_failures",
                 "placeholder_tokens",
                 "stale_delivered",
+                "draft_tokens",
+                "rejected_drafts",
             ),
             0,
         )
@@ -158,7 +160,7 @@ class Scheduler:
         placeholders = req.placeholders
         if placeholders and len(req.tokens) + 1 - req.prompt_len >= req.max_tokens:
             return req.computed
-        return len(req.tokens) + placeholders
+        return len(req.tokens) + placeholders + req.drafts
 
     def all_steps(self) -> list[Step]:
         """Every step in flight, oldest first, the building one last."""
@@ -230,8 +232,10 @@ class Scheduler:
         kv.grow(req, end)
         req.computed = end
         table = req.table
-        samples = not load and end == len(req.tokens) + req.placeholders
-        step.entries[req.rid] = Entry(start, end, table, len(table), load, samples)
+        drafts = max(0, end - len(req.tokens) - req.placeholders)
+        req.drafts = 0  # used, or dropped by the budget (vLLM clears them either way)
+        samples = not load and end - drafts == len(req.tokens) + req.placeholders
+        step.entries[req.rid] = Entry(start, end, table, len(table), load, samples, drafts)
         step.live.add(req.rid)
         if self.async_scheduling:
             if end > len(req.tokens):
@@ -282,6 +286,7 @@ class Scheduler:
             req.placeholders = 0
         self.policy.on_remove(req, steps)
         req.loading = None
+        req.drafts = 0
         self.kv.free(req)
 
     # -- between steps -------------------------------------------------------------------------
@@ -300,8 +305,10 @@ class Scheduler:
 
     def update_from_output(self, step: Step, sampled: tuple[tuple[int, int], ...]) -> None:
         """Commit the oldest step: load failures, then registrations, then sampled tokens (each
-        followed, under async scheduling, by the registration of what the step completed, and
-        by the finish of its request at max_tokens or the stop token)."""
+        followed, under async scheduling or with draft tokens, by the registration of what the
+        step completed, and by the finish of its request at max_tokens or the stop token). A
+        request with draft tokens is listed once per token (accepted drafts, then the bonus);
+        its rejected drafts leave its computed tokens first."""
         in_flight = self.in_flight
         assert in_flight[0] is step and self.building is None
         if self.events is not None:
@@ -329,22 +336,30 @@ class Scheduler:
         policy.on_written(step, requests)
         stop = self.config.stop_token
         async_scheduling = self.async_scheduling
-        for rid, token in sampled:
+        post_output = async_scheduling or self.config.spec_tokens > 0
+        for rid, tokens in _per_request(sampled):
             req = requests[rid]
-            req.append_token(token)
+            entry = step.entries[rid]
             running = req.status == RUNNING  # else preempted, its stale output delivered
+            rejected = entry.drafts - (len(tokens) - 1)
+            if running and rejected:
+                req.computed -= rejected
+                self.counters["rejected_drafts"] += rejected
+            reason: str | None = None
+            for token in tokens:
+                req.append_token(token)
+                if token == stop:
+                    reason = "stop"
+                elif len(req.tokens) - req.prompt_len >= req.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
             if not running:
                 self.counters["stale_delivered"] += 1
             if async_scheduling:
                 req.placeholders -= 1
-                if running:
-                    policy.on_output(req, step.entries[rid])
-            if token == stop:
-                reason: str | None = "stop"
-            elif len(req.tokens) - req.prompt_len >= req.max_tokens:
-                reason = "length"
-            else:
-                reason = None
+            if post_output and running:
+                policy.on_output(req, entry, rejected)
             if reason is not None:
                 self.kv.free(req)
                 if running:
@@ -357,6 +372,16 @@ class Scheduler:
                     self._leave_later_steps(req)
         in_flight.popleft()
         self.counters["steps"] += 1
+
+    def drafting(self, step: Step) -> list[Request]:
+        """The running requests that sampled in ``step`` (just committed): their drafter
+        proposes their next decode's draft tokens (``Request.drafts``)."""
+        requests = self.requests
+        return [
+            requests[rid]
+            for rid, entry in step.entries.items()
+            if entry.samples and rid in step.live and requests[rid].status == RUNNING
+        ]
 
     def _leave_later_steps(self, req: Request) -> None:
         """The request finished at the oldest step's commit while later steps hold it (async
@@ -381,3 +406,11 @@ class Scheduler:
         self.counters["requests_finished"] += 1
         if self.events is not None:
             self.events.append(("finish", req.rid, reason))
+
+
+def _per_request(sampled: tuple[tuple[int, int], ...]) -> list[tuple[int, list[int]]]:
+    """A commit's (request, token) pairs as each request's tokens, in order."""
+    out: dict[int, list[int]] = {}
+    for rid, token in sampled:
+        out.setdefault(rid, []).append(token)
+    return list(out.items())

@@ -11,11 +11,13 @@ the request's whole token sequence: ``crc32(tokens as int64 LE) % vocab``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 from .block_pool import Block
 from .choices import Choices
+from .hashing import pack_token
 from .request import Request, Step
 
 
@@ -116,3 +118,12 @@ class FakeWorker:
 
     def sample(self, step: Step, req: Request) -> int:
         return req.crc % self.vocab
+
+    def sample_after(self, req: Request, first: int, more: int) -> list[int]:
+        """``first`` and the ``more`` tokens the model samples after it (accepted draft tokens
+        equal them), each the fake model's sample of the tokens so far."""
+        tokens, crc = [first], req.crc
+        for _ in range(more):
+            crc = zlib.crc32(pack_token(tokens[-1]), crc)
+            tokens.append(crc % self.vocab)
+        return tokens

@@ -14,7 +14,8 @@ Decision events (``apply`` takes these; see ``docs/events.md``)::
     ("preempt", req)                   free a running request's blocks, send it back to waiting
     ("submit", step)                   hand the step to the worker
     ("execute", step, failed)          the worker writes, then reads; listed loads fail
-    ("commit", step, sampled)          the worker's output: ((req, token), ...)
+    ("commit", step, sampled)          the worker's output: ((req, token), ...), a request
+                                       listed once per token sampled (with draft tokens, 1 .. K + 1)
     ("abort", req)
     ("reset",)                         reset the prefix cache
 """
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from . import policies
 from .pool import Event, allocate, free_table, holds, lookup, resolve, touch
-from .state import Entry, Illegal, Placeholder, Request, State, Step, Touched, Write
+from .state import Draft, Entry, Illegal, Placeholder, Request, State, Step, Touched, Write
 
 
 def arrive(
@@ -59,7 +60,10 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet.
     With async scheduling the tokens may run past the known ones into placeholders, one per step
     in flight that samples for the request (``State.ahead``); the step's writes there hold the
-    placeholder until its sampling step commits."""
+    placeholder until its sampling step commits. With speculative decoding
+    (``Config.spec_tokens``) an entry that computes the last known token may also reach up to K
+    draft slots past it (``Draft``; vLLM pads an admission's single token with K drafts too);
+    they are computed, never hashed."""
     step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
     bsz = cfg.block_size
     where = f"schedule r{rid} in step {step.id}"
@@ -93,21 +97,28 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         start, end = req.computed, req.computed + num_tokens
         if -(-end // bsz) - len(req.table) > len(s.free):
             raise Illegal(f"{where}: not enough free blocks")
-    tokens = s.ahead(req) if cfg.async_scheduling else req.tokens
+    tokens: list[int | Placeholder | Draft] = list(
+        s.ahead(req) if cfg.async_scheduling else req.tokens
+    )
+    drafts = end - len(tokens) if cfg.spec_tokens else 0
+    if 0 < drafts <= cfg.spec_tokens and start < len(tokens):  # its last sample is not pending
+        tokens += [Draft(step.id, rid, j) for j in range(drafts)]
     if end > len(tokens):
         known = "known yet" if not cfg.async_scheduling else "known nor a step's placeholder"
-        raise Illegal(f"{where}: token {end - 1} is not {known}")
+        raise Illegal(f"{where}: token {end - 1} is not {known}, nor one of its draft slots")
     while len(req.table) * bsz < end:
         events += allocate(s, req)
     load = num_loaded > 0
-    for i in range(start // bsz, len(req.table)):
+    span = -(-end // bsz)  # after rejected drafts the table may reach further: not written
+    for i in range(start // bsz, span):
         prefix = tuple(tokens[: min(end, (i + 1) * bsz)])
         s.blocks[req.table[i]].pending.append(Write(step.id, rid, prefix, load))
         s.touched.content.add(req.table[i])
     s.touched.requests.add(rid)
     s.touched.entries.add((step.id, rid))
     req.computed = end
-    step.entries[rid] = Entry(start, end, tuple(req.table), load, not load and end == len(tokens))
+    samples = not load and end == len(tokens)
+    step.entries[rid] = Entry(start, end, tuple(req.table[:span]), load, samples, max(drafts, 0))
     step.live.add(rid)
     step.budget_used += num_tokens
     if load:
@@ -166,7 +177,7 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
     for rid, e in step.entries.items():
         if e.load:  # a load reads nothing
             continue
-        tokens = tuple(s.ahead(s.requests[rid])[: e.end])
+        tokens = tuple(s.seen(s.requests[rid], step.id, e)[: e.end])
         bad = [
             block
             for i, block in enumerate(e.blocks)
@@ -198,10 +209,15 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
         e = step.entries[rid]
         s.touched.content.update(e.blocks[e.start // s.config.block_size :])
     expected = [rid for rid, e in step.entries.items() if e.samples and rid in step.live]
-    tokens = dict(sampled)
-    if sorted(tokens) != sorted(expected) or len(tokens) != len(sampled):
+    tokens: dict[int, list[int]] = {}
+    for rid, token in sampled:
+        tokens.setdefault(rid, []).append(token)
+    if sorted(tokens) != sorted(expected) or any(
+        len(got) > 1 + step.entries[rid].drafts for rid, got in tokens.items()
+    ):
         raise Illegal(
             f"commit step {step_id}: samples for {sorted(tokens)}, expected {sorted(expected)}"
+            " (one each, or up to one more than its draft tokens)"
         )
     events = policies.on_confirmed(s, step)
     for rid, e in step.entries.items():
@@ -216,15 +232,24 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
                 req.status = "waiting"
     events += policies.on_written(s, step)
     for rid in expected:
-        req = s.requests[rid]
-        req.tokens.append(tokens[rid])
-        resolve(s, Placeholder(step.id, rid), tokens[rid])
+        req, entry, got = s.requests[rid], step.entries[rid], tokens[rid]
         running = req.status == "running"  # else preempted, its stale output delivered
+        rejected = entry.drafts - (len(got) - 1)
+        if running:  # rejected drafts leave the computed tokens (vLLM's num_rejected)
+            req.computed -= rejected
+        for slot, token in enumerate(got[:-1]):  # accepted drafts: the guess was the token
+            resolve(s, Draft(step.id, rid, slot), token)
+        resolve(s, Placeholder(step.id, rid), got[0])
+        reason = None
+        for token in got:  # appended up to a stop (the rest of the list is dropped)
+            req.tokens.append(token)
+            reason = "length" if req.output_len >= req.max_tokens else None
+            if token == s.config.stop_token:
+                reason = "stop"
+            if reason:
+                break
         if running:
-            events += policies.on_output(s, req, step.entries[rid])
-        reason = "length" if req.output_len >= req.max_tokens else None
-        if tokens[rid] == s.config.stop_token:
-            reason = "stop"
+            events += policies.on_output(s, req, entry, rejected)
         if reason:
             events += free_table(s, req) + [("finish", rid, reason)]
             (s.running if running else s.waiting).remove(rid)

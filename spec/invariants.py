@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from .pool import eventual_content, holds
-from .state import NULL_BLOCK, State
+from .state import NULL_BLOCK, Request, State
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +194,22 @@ def null_block_pinned(s: State) -> Violation | None:
     return None
 
 
+def table_fits(s: State, req: Request) -> bool:
+    """The request's table covers exactly its computed tokens (a running one) or nothing; with
+    speculative decoding a running table may also keep the blocks of up to K rejected drafts
+    past them (vLLM keeps them for the next decode's slots)."""
+    if req.status != "running":
+        return not req.table and not req.computed
+    bsz, n = s.config.block_size, len(req.table)
+    return -(-req.computed // bsz) <= n <= -(-(req.computed + s.config.spec_tokens) // bsz)
+
+
 def table_matches_computed(s: State) -> Violation | None:
-    """A running request's table covers exactly its computed tokens; a waiting or finished one
-    holds nothing. Guards against blocks kept past a preemption and tokens without a block."""
-    bsz = s.config.block_size
+    """A running request's table covers exactly its computed tokens (and at most the slots of K
+    rejected drafts beyond them); a waiting or finished one holds nothing. Guards against blocks
+    kept past a preemption and tokens without a block."""
     for req in s.requests.values():
-        want = -(-req.computed // bsz) if req.status == "running" else 0
-        if len(req.table) != want or (req.status != "running" and req.computed):
+        if not table_fits(s, req):
             return Violation(
                 "TableMatchesComputed",
                 f"r{req.id} ({req.status}) has {len(req.table)} blocks for {req.computed} tokens",

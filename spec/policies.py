@@ -6,7 +6,9 @@ does there. ``upto`` is a number of leading table blocks: "register blocks cache
 A block is only ever registered under known tokens: under async scheduling a step's entry may run
 into placeholders, so the registrations at schedule time stop at the known tokens, and the blocks
 such a step completes are registered when it commits (``on_output``, vLLM's ``cache_blocks`` in
-``update_from_output``: a no-op without placeholders). Without prefix caching
+``update_from_output``: a no-op without placeholders). Draft tokens (speculative decoding) are
+never hashed: registration stops at the known tokens, and after a commit it covers the accepted
+drafts only (the rejected ones left the computed tokens). Without prefix caching
 (``Config.prefix_caching`` off) every policy is the same: nothing is registered, tracked or
 rolled back (``on_schedule``, ``on_written`` and ``on_output`` do nothing, so ``on_remove`` finds
 nothing), and ``Request.cached`` stays 0, as vLLM's ``num_cached_block`` does.
@@ -109,17 +111,22 @@ def on_written(s: State, step: Step) -> list[Event]:
         for rid, entry in step.entries.items():
             req = s.requests[rid]
             if rid in step.live and rid not in step.failed and req.status == "running":
-                events += register(s, req, entry.end // s.config.block_size)[0]
+                upto = min(entry.end, len(req.tokens))  # never a draft token
+                events += register(s, req, upto // s.config.block_size)[0]
     return events
 
 
-def on_output(s: State, req: Request, entry: Entry) -> list[Event]:
-    """Async scheduling: the running request's token sampled by ``entry``'s step was just
-    appended; what that step wrote may become visible (vLLM's post-output ``cache_blocks``,
-    capped at ``num_computed_tokens - num_in_flight_tokens``: the end of this entry). Not tracked
-    for rollback: the step has written it. ``deferred`` registered it already in ``on_written``."""
-    if not s.config.prefix_caching or not s.config.async_scheduling:
+def on_output(s: State, req: Request, entry: Entry, rejected: int = 0) -> list[Event]:
+    """Async scheduling or speculative decoding: the running request's tokens sampled by
+    ``entry``'s step were just appended; what that step wrote may become visible (vLLM's
+    post-output ``cache_blocks``, capped at ``num_computed_tokens - num_in_flight_tokens``: the
+    end of this entry less its ``rejected`` drafts, and never the last known token, whose K/V no
+    step has computed yet: at a stop inside the accepted drafts vLLM trims to that). Not tracked
+    for rollback: the step has written it. ``deferred`` registers at the next commit instead."""
+    cfg = s.config
+    if not cfg.prefix_caching or not (cfg.async_scheduling or cfg.spec_tokens):
         return []
-    if s.config.policy not in EAGER + ("hide-uncommitted",):
+    if cfg.policy not in EAGER + ("hide-uncommitted",):
         return []
-    return register(s, req, entry.end // s.config.block_size)[0]
+    upto = min(entry.end - rejected, len(req.tokens) - 1)  # vLLM: num_computed_tokens
+    return register(s, req, upto // cfg.block_size)[0]

@@ -16,7 +16,7 @@ Effect events are plain tuples (see ``docs/events.md``)::
 
 from __future__ import annotations
 
-from .state import NULL_BLOCK, Content, Illegal, Key, Placeholder, Request, State
+from .state import NULL_BLOCK, Content, Draft, Illegal, Key, Placeholder, Request, State
 
 Event = tuple[object, ...]
 
@@ -88,8 +88,9 @@ def allocate(s: State, req: Request) -> list[Event]:
 
 def free_table(s: State, req: Request) -> list[Event]:
     """Drop the request's references in reverse table order, so a chain's tail is evicted before
-    its ancestors. Without prefix caching the table is freed as one batch (``free_batch``)."""
-    if s.config.prefix_caching:
+    its ancestors. Without prefix caching, and with speculative decoding, the table is freed as
+    one batch (``free_batch``)."""
+    if s.config.prefix_caching and not s.config.spec_tokens:
         for block in reversed(req.table):
             release(s, block, req.id)
     else:
@@ -129,9 +130,21 @@ def free_batch(s: State, req: Request) -> None:
     head at once (``prepend_n``, every block counting as unhashed when caching is off). So the
     head becomes the table's *last* block, then the one before it, down to its first, ahead of
     the old head; ``release`` one block at a time would leave the table's first block at the
-    head instead. Nothing is cached, so no block goes to the tail."""
-    batch = [block for block in reversed(req.table) if drop_reference(s, block, req.id)]
-    s.free[0:0] = batch
+    head instead. Nothing is cached, so no block goes to the tail.
+
+    With prefix caching on, ``free_blocks`` does the same with the unhashed blocks and appends
+    the hashed ones to the tail, in the same order (as ``release`` does). The spec follows that
+    with speculative decoding (``Config.spec_tokens``), where a table routinely ends in several
+    unhashed blocks (the slots of rejected drafts past the partial one); elsewhere it keeps the
+    one-at-a-time rule, which the fast and Z3 models restate (``docs/model.md``, difference 9)."""
+    first: list[int] = []
+    last: list[int] = []
+    for block in reversed(req.table):
+        if drop_reference(s, block, req.id):
+            cached = s.config.prefix_caching and s.blocks[block].key is not None
+            (last if cached else first).append(block)
+    s.free[0:0] = first
+    s.free += last
 
 
 def publish(s: State, req: Request, index: int) -> list[Event]:
@@ -171,8 +184,9 @@ def count_if_lost(s: State, block: int, key: Key, leaving: Request | None) -> No
         s.lost_hits += 1
 
 
-def resolve(s: State, placeholder: Placeholder, token: int) -> None:
-    """The sampling step committed: every byte holding ``placeholder`` now holds ``token``."""
+def resolve(s: State, placeholder: Placeholder | Draft, token: int) -> None:
+    """The sampling step committed: every byte holding ``placeholder`` (or an accepted draft)
+    now holds ``token``."""
     for block, b in enumerate(s.blocks):
         if b.written is not None and placeholder in b.written:
             b.written = tuple(token if x == placeholder else x for x in b.written)

@@ -55,9 +55,22 @@ class Placeholder(NamedTuple):
     req: int
 
 
-Content = tuple["int | Placeholder", ...]
+class Draft(NamedTuple):
+    """Speculative decoding: the guess a decode of step ``step`` feeds in for the ``slot``-th
+    token that step samples for request ``req`` (a draft token, vLLM's ``spec_token_ids``), at
+    the position just past the request's known tokens plus ``slot``. The step computes K/V from
+    it; when the step commits, an accepted draft resolves to the token sampled there (the guess
+    was right) and a rejected one never does: the bytes at its position are garbage for every
+    reader that claims them, until a later step rewrites them."""
+
+    step: int
+    req: int
+    slot: int
+
+
+Content = tuple["int | Placeholder | Draft", ...]
 """What a write puts in a block: a request's tokens 0 .. the last slot written, placeholders
-included (a published ``Key`` never holds one)."""
+and drafts included (a published ``Key`` never holds either)."""
 
 
 class Illegal(Exception):
@@ -92,6 +105,11 @@ class Config:
     prefix_caching: bool = True
     """False: a pool without prefix caching (vLLM's ``enable_prefix_caching=False``): nothing is
     ever published, no lookup hits, and a table is freed as one batch (``pool.free_table``)."""
+    spec_tokens: int = 0
+    """K, speculative decoding: most draft tokens a running request's decode may be scheduled
+    for beyond its known tokens (vLLM's ``num_speculative_tokens`` with a drafter that reserves
+    no lookahead slots, n-gram); its commit says how many were accepted (``docs/model.md``,
+    "Speculative decoding"). 0: none. Synchronous scheduling only."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -116,6 +134,15 @@ class Config:
             (
                 isinstance(self.prefix_caching, bool),
                 f"prefix_caching must be a bool, got {self.prefix_caching!r}",
+            ),
+            (
+                isinstance(self.spec_tokens, int) and self.spec_tokens >= 0,
+                f"spec_tokens must be an integer >= 0, got {self.spec_tokens!r}",
+            ),
+            (
+                not (self.spec_tokens and self.async_scheduling),
+                "speculative decoding under async scheduling is not modelled (spec_tokens > 0 "
+                "needs async_scheduling off)",
             ),
         ]
         for ok, message in checks:
@@ -184,6 +211,9 @@ class Entry:
     samples: bool = False
     """The step reaches the end of the request's tokens (known ones and placeholders), so it
     samples the next token."""
+    drafts: int = 0
+    """Draft tokens scheduled past the request's known tokens (``Draft`` slots 0 .. drafts - 1,
+    the entry's last ``drafts`` positions); the commit samples 1 .. drafts + 1 tokens."""
 
 
 @dataclass(slots=True)
@@ -275,6 +305,12 @@ class State:
     def key(self, req: Request, index: int) -> Key:
         """The chained hash of the request's block ``index`` (of its known tokens)."""
         return tuple(req.tokens[: (index + 1) * self.config.block_size])
+
+    def seen(self, req: Request, step: int, entry: Entry) -> list[int | Placeholder | Draft]:
+        """The request's tokens 0 .. ``entry.end`` - 1 as ``entry`` of step ``step`` computes
+        them: ``ahead``, then the entry's draft tokens."""
+        drafts = [Draft(step, req.id, j) for j in range(entry.drafts)]
+        return self.ahead(req)[: entry.end - entry.drafts] + drafts
 
     def ahead(self, req: Request) -> list[int | Placeholder]:
         """The request's tokens as its steps in flight see them: the known ones, then one

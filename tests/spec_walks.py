@@ -1,5 +1,5 @@
-"""Random walks of the spec itself: traces of any configuration the spec has (async scheduling and
-delivered stale output included), for the tests that hold a twin equal to the spec where no
+"""Random walks of the spec itself: traces of any configuration the spec has (async scheduling,
+delivered stale output and draft tokens included), for the tests that hold a twin equal to the spec where no
 engine produces such traces yet.
 
 ``spec_runs()`` draws a configuration and walks it: at each step it draws a decision kind and its
@@ -31,9 +31,12 @@ KINDS = (
 
 
 @st.composite
-def spec_configs(draw: st.DrawFn) -> Config:
+def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
+    """``drafts``: synchronous configurations may have draft tokens (``spec_tokens``); off for
+    the fast model, which refuses them."""
     async_scheduling = draw(st.booleans())
     depth = draw(st.integers(2 if async_scheduling else 1, 3))
+    spec_tokens = 0 if async_scheduling or not drafts else draw(st.sampled_from((0, 0, 1, 3)))
     return Config(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
@@ -47,6 +50,7 @@ def spec_configs(draw: st.DrawFn) -> Config:
         async_scheduling=async_scheduling,
         stale_output=draw(st.sampled_from(("drop", "deliver"))) if depth > 1 else "drop",
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
+        spec_tokens=spec_tokens,
     )
 
 
@@ -60,9 +64,13 @@ def _try(s: State, decision: Event) -> list[Event] | None:
 
 
 @st.composite
-def spec_runs(draw: st.DrawFn, max_steps: int = 60) -> tuple[Config, list[Event]]:
-    """A configuration and a trace the spec accepts: decisions, each followed by its effects."""
-    config = draw(spec_configs())
+def spec_runs(
+    draw: st.DrawFn, max_steps: int = 60, drafts: bool = True
+) -> tuple[Config, list[Event]]:
+    """A configuration and a trace the spec accepts: decisions, each followed by its effects.
+    With draft tokens a decode reaches some of its K draft slots, and its commit accepts some."""
+    config = draw(spec_configs(drafts))
+    k = config.spec_tokens
     s = initial_state(config)
     events: list[Event] = []
     next_id = 0
@@ -97,7 +105,8 @@ def spec_runs(draw: st.DrawFn, max_steps: int = 60) -> tuple[Config, list[Event]
                 req = s.requests[rid]
                 ahead = s.ahead(req) if config.async_scheduling else req.tokens
                 if len(ahead) > req.computed:
-                    take(("schedule", rid, min(len(ahead) - req.computed, config.token_budget), 0))
+                    more = len(ahead) - req.computed + draw(st.integers(0, k))
+                    take(("schedule", rid, min(more, config.token_budget), 0))
             if s.waiting and draw(st.booleans()):
                 rid = s.waiting[0]
                 take(("schedule", rid, min(len(s.requests[rid].tokens), config.token_budget), 0))
@@ -120,7 +129,7 @@ def spec_runs(draw: st.DrawFn, max_steps: int = 60) -> tuple[Config, list[Event]
                 req = s.requests[rid]
                 ahead = s.ahead(req) if config.async_scheduling else req.tokens
                 rest = max(1, len(ahead) - req.computed)  # to the end: a placeholder decode
-                tokens = draw(st.sampled_from((rest, rest, 1, config.token_budget)))
+                tokens = draw(st.sampled_from((rest, rest, 1, config.token_budget, rest + k)))
                 take(("schedule", rid, tokens, 0))
         elif kind == "step":
             if building is not None:
@@ -137,6 +146,7 @@ def spec_runs(draw: st.DrawFn, max_steps: int = 60) -> tuple[Config, list[Event]
                     (rid, draw(st.integers(0, 3)))
                     for rid, e in first.entries.items()
                     if e.samples and rid in first.live
+                    for _ in range(1 + draw(st.integers(0, e.drafts)))  # accepted drafts
                 )
                 take(("commit", first.id, sampled))
             elif len(s.steps) < config.depth:

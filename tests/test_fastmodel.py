@@ -141,7 +141,7 @@ def test_fast_model_and_spec_agree_on_engine_traces(
 
 @pytest.mark.parametrize("model", MODELS)
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(run=spec_runs(), collect=st.booleans())
+@given(run=spec_runs(drafts=False), collect=st.booleans())
 def test_fast_model_and_spec_agree_on_spec_walks(
     model: ModuleType, run: tuple[Config, list[Event]], collect: bool
 ) -> None:
@@ -157,7 +157,7 @@ def test_a_fast_model_that_does_not_resolve_placeholders_is_caught(
     monkeypatch.setattr(FastModel, "_resolve", lambda self, step, sampled: None)
 
     @settings(max_examples=300, deadline=None, phases=[Phase.generate], database=None)
-    @given(run=spec_runs())
+    @given(run=spec_runs(drafts=False))
     def lockstep_walks(run: tuple[Config, list[Event]]) -> None:
         lockstep(*run, collect=False)
 
@@ -188,7 +188,7 @@ def leftovers(config: Config, events: list[Event], model: ModuleType) -> list[tu
 
 @pytest.mark.parametrize("model", MODELS)
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(run=spec_runs())
+@given(run=spec_runs(drafts=False))
 def test_finished_requests_are_pruned_once_no_step_holds_them(
     model: ModuleType, run: tuple[Config, list[Event]]
 ) -> None:
@@ -201,7 +201,7 @@ def test_a_judge_that_skips_pruning_is_caught(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(FastModel, "prune", lambda self: [])
 
     @settings(max_examples=200, deadline=None, phases=[Phase.generate], database=None)
-    @given(run=spec_runs())
+    @given(run=spec_runs(drafts=False))
     def pruned(run: tuple[Config, list[Event]]) -> None:
         assert leftovers(*run, core) == []
 

@@ -42,8 +42,9 @@ checked before it, would otherwise often hide)."""
 
 
 @st.composite
-def engine_runs(draw: st.DrawFn) -> tuple[Config, list[Event]]:
-    """A config, a workload and the reference engine's events on it (random choices)."""
+def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Event]]:
+    """A config, a workload and the reference engine's events on it (random choices); with
+    ``drafts``, draft tokens too (not for the fast model, which refuses them)."""
     common = dict(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
@@ -55,10 +56,14 @@ def engine_runs(draw: st.DrawFn) -> tuple[Config, list[Event]]:
         max_running=draw(st.integers(2, 4)),
         stop_token=0,
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
+        spec_tokens=draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0,
     )
+    room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
+    if room - common["spec_tokens"] < 2:  # type: ignore[operator]
+        common["spec_tokens"] = 0  # no room for a prompt, a token and the drafts
+    capacity = room - common["spec_tokens"]  # type: ignore[operator]
     choices = RandomChoices(draw(st.integers(0, 2**16)), draw(st.sampled_from((0.0, 0.3, 0.6))))
     engine = Engine(EngineConfig(**common, vocab=4), choices=choices)  # type: ignore[arg-type]
-    capacity = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
     next_id = 0
     for op in draw(st.lists(OPS, min_size=1, max_size=40)):
         if op[0] == "arrive":
@@ -97,7 +102,9 @@ SEED_RUN = played(Config(6, 4, policy="eager-unsafe", preemption="priority"), SE
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(run=engine_runs(), every=st.sampled_from((1, 1, 3)), names=st.sampled_from(SUBSETS))
+@given(
+    run=engine_runs(drafts=True), every=st.sampled_from((1, 1, 3)), names=st.sampled_from(SUBSETS)
+)
 @example(run=CONSUMER_RUN, every=1, names=None)
 @example(run=SEED_RUN, every=1, names=("NoUnwrittenRead",))
 def test_incremental_and_full_checks_report_the_same_first_violation(
@@ -174,7 +181,7 @@ CORRUPTIONS = (
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(run=engine_runs(), data=st.data())
+@given(run=engine_runs(drafts=True), data=st.data())
 def test_corrupting_a_changed_item_is_found_as_by_the_full_check(
     run: tuple[Config, list[Event]], data: st.DataObject
 ) -> None:

@@ -264,7 +264,7 @@ def drive(eng: Engine, rng: random.Random, num_requests: int, max_steps: int = 4
     for _ in range(max_steps):
         if added < num_requests and rng.random() < 0.4:
             prompt = rng.choice(prefixes) + tuple(rng.randrange(3) for _ in range(rng.randrange(3)))
-            room = (cfg.num_blocks - 1) * bsz - len(prompt)
+            room = (cfg.num_blocks - 1) * bsz - len(prompt) - cfg.spec_tokens
             if room >= 1:
                 eng.add_request(
                     added,
@@ -305,6 +305,7 @@ def replay(
         async_scheduling=cfg.async_scheduling,
         stale_output=cfg.stale_output,
         prefix_caching=cfg.prefix_caching,
+        spec_tokens=cfg.spec_tokens,
     )
     s = initial_state(spec_cfg)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]
@@ -494,7 +495,7 @@ PLANTED = {
     "no post-output registration": (
         PostOutput,
         "on_output",
-        lambda original: lambda self, req, entry: None,
+        lambda original: lambda self, req, entry, rejected=0: None,
         ("eager-rollback-fifo", "hide-uncommitted"),
         (AssertionError, "('commit'"),  # the spec computes publications the engine lacks
     ),

@@ -82,6 +82,14 @@ def spec_placeholder(code: int) -> Placeholder:
     return Placeholder(w - rid, rid)
 
 
+def refuse_drafts(config: Config) -> None:
+    """Raise ``ValueError`` for speculative decoding (``Config.spec_tokens`` > 0): not restated
+    here (kvspec/twins.py); ``kvspec check`` and ``Monitor.fast`` judge such a configuration by
+    the spec throughout."""
+    if config.spec_tokens:
+        raise ValueError("speculative decoding (spec_tokens > 0) is judged by the spec only")
+
+
 class Req:
     __slots__ = (
         "id",
@@ -174,6 +182,7 @@ class FastModel:
 
     def __init__(self, config: Config) -> None:
         refuse_strict(config)
+        refuse_drafts(config)
         self.config = config
         self.async_scheduling = config.async_scheduling
         self.deliver = config.stale_output == "deliver"

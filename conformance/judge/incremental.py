@@ -19,8 +19,9 @@ invariant held before it. The argument, by induction over decisions:
 3. ``Incremental.check`` re-evaluates, invariant by invariant in ``INVARIANTS`` order, the conjuncts
    over the footprint; the rest are unchanged. Two facts of the spec make some conjuncts stable:
    a request's tokens only grow (so the prefixes read or published for its full blocks never
-   change) and, while a request holds its table, its computed tokens only grow (so a shared block
-   that was full and computed stays so). A read by a live entry is of a block in the request's
+   change) and, while a request holds its table, its computed tokens only grow, but for rejected
+   draft tokens, which never take them below the tokens known when the drafts were scheduled (so
+   a shared block, full of known tokens and computed, stays so). A read by a live entry is of a block in the request's
    current table at the same position (tables only grow while running; a request that leaves is
    no longer live), so the readers of a block are found among its holders.
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvspec.spec.invariants import INVARIANTS, Violation, tables_append_only
+from kvspec.spec.invariants import INVARIANTS, Violation, table_fits, tables_append_only
 from kvspec.spec.pool import eventual_content, holds
 from kvspec.spec.state import NULL_BLOCK, Content, State, Touched
 
@@ -301,13 +302,9 @@ class Incremental:
         return False
 
     def _tables_match(self, s: State, fp: Touched) -> bool:
-        bsz = s.config.block_size
         for rid in fp.requests:
             req = s.requests.get(rid)
-            if req is None:
-                continue
-            want = -(-req.computed // bsz) if req.status == "running" else 0
-            if len(req.table) != want or (req.status != "running" and req.computed):
+            if req is not None and not table_fits(s, req):
                 return True
         return False
 

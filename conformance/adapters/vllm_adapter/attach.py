@@ -29,13 +29,17 @@ them (*stale* output, ``num_stale_output_tokens``) only in vLLM's default mode, 
 to the waiting request; its drop mode (``requires_kv_delivery``) drops it. The spec models both
 (``Config.stale_output``, read by ``config_of``), and ``AsyncScheduler``'s decodes on placeholders
 (``Config.async_scheduling``), and a pool without prefix caching (``Config.prefix_caching``,
-read from ``enable_caching``: nothing published, no hits, a table freed as one batch). A token at
+read from ``enable_caching``: nothing published, no hits, a table freed as one batch), and
+speculative decoding in a synchronous ``Scheduler`` (``Config.spec_tokens``, read from
+``num_spec_tokens``): a request's drafts are its ``scheduled_spec_decode_tokens``, and the commit
+lists its sampled tokens, up to its drafts + 1, as many as vLLM appends (it trims after a stop;
+``_stops`` reads how many). A token at
 which vLLM stops the request (EOS, a stop token, repetition) is reported as the configuration's
 ``stop_token``: the spec knows one stop token, vLLM decides per request, and the token never
 enters a hash (the request finishes with it).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: a KV
-connector, speculative decoding, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
+connector, drafts with lookahead slots or under async scheduling, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
@@ -155,6 +159,7 @@ class Attachment:
         self._touched: list[int] = []  # blocks vLLM touched inside the current allocate_slots
         self._aborting: set[str] = set()
         self._finishing: dict[int, str] = {}
+        self._lengths: dict[int, tuple[Any, int]] = {}  # rid -> (request, its tokens before)
         self._links: dict[object, object] = {}  # (parent hash, block tokens) -> hash
         self._hashes: dict[object, object] = {}  # hash -> (parent hash, block tokens)
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
@@ -391,8 +396,11 @@ class Attachment:
         requests = self.scheduler.requests
         samples = {r: not requests[r].is_prefill_chunk for r in output.num_scheduled_tokens}
         self.in_flight.append(InFlight(step, output, samples))
-        if output.scheduled_spec_decode_tokens:
-            self.refuse("speculative decoding", "draft tokens scheduled")
+        for req_id, drafts in output.scheduled_spec_decode_tokens.items():
+            request = requests.get(req_id)
+            past = request.num_computed_tokens - request.num_tokens if request else -1
+            if not self.config.spec_tokens or len(drafts) != past:
+                self.refuse("speculative decoding", f"{len(drafts)} draft tokens for {req_id}")
         if output.scheduled_encoder_inputs:
             self.refuse("multimodal", "encoder inputs scheduled")
 
@@ -443,14 +451,17 @@ class Attachment:
             if request.num_stale_output_tokens > 0 and request.drop_stale_output:
                 continue
             wants = oldest.samples.get(req_id, False)
-            if len(got) > 1:
-                self.refuse("speculative decoding", f"{len(got)} tokens for {req_id} in a step")
+            drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if len(got) > 1 + drafts:
+                self.refuse("several tokens in a step", f"{len(got)} for {req_id}, {drafts} drafts")
             elif got and not wants:
                 self.refuse("a token sampled mid-prefill", f"{req_id} (a real runner samples none)")
             elif wants and not got:
                 self.refuse("no token sampled", f"{req_id} reached the end of its tokens")
-            if got:
-                sampled.append((self.ids[req_id], int(got[0])))
+            rid = self.ids[req_id]
+            sampled += [(rid, int(token)) for token in got[: 1 + drafts]]
+            if len(got) > 1:  # accepted drafts: how many vLLM appends is read after it ran
+                self._lengths[rid] = (request, request.num_tokens)
         self.events.append(("execute", oldest.step, ()))
         self.events.append(("commit", oldest.step, tuple(sampled)))
         return len(self.events) - 1
@@ -458,9 +469,19 @@ class Attachment:
     def _stops(self, at: int) -> None:
         """A token at which vLLM stopped its request is the spec's stop token."""
         kind, step, sampled = self.events[at]
-        fixed = []
+        fixed: list[tuple[int, int]] = []
+        kept = {  # with accepted drafts vLLM appends a request's tokens up to its stop
+            rid: request.num_tokens - before for rid, (request, before) in self._lengths.items()
+        }
+        self._lengths = {}
+        for rid, n in kept.items():
+            if n < 1:
+                self.refuse("sampled tokens not appended", f"r{rid}: vLLM appended none")
         for rid, token in sampled:  # type: ignore[attr-defined]
-            stopped = self._finishing.get(rid) == "stop"
+            done, limit = sum(1 for r, _ in fixed if r == rid), kept.get(rid)
+            if limit is not None and 0 < limit <= done:
+                continue  # trimmed by vLLM after its stop
+            stopped = self._finishing.get(rid) == "stop" and (limit is None or done + 1 == limit)
             if stopped and token != self.config.stop_token:
                 if self.config.stop_token is None:
                     self.refuse("a stop the spec cannot express", f"r{rid} stops at {token}")
@@ -688,7 +709,7 @@ class Attachment:
         if any(not 0 <= b.block_id < len(pool) or pool[b.block_id] is not b for b in blocks):
             self.refuse("blocks that are not the pool's", "free_blocks")
         unhashed = [b for b in blocks if not b.is_null and b.ref_cnt == 1 and b.block_hash is None]
-        if len(unhashed) > 1 and self.config.prefix_caching:
+        if len(unhashed) > 1 and self.config.prefix_caching and not self.config.spec_tokens:
             self.refuse(
                 "a batch of unhashed blocks freed",
                 "vLLM keeps their order at the queue's head, the spec reverses it",
@@ -737,6 +758,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         async_scheduling=asynchronous,
         stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
         prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
+        spec_tokens=0 if asynchronous else int(getattr(scheduler, "num_spec_tokens", 0) or 0),
     )
 
 
@@ -755,7 +777,7 @@ def attach(
 def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
-    names += ("stale_output", "prefix_caching")
+    names += ("stale_output", "prefix_caching", "spec_tokens")
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

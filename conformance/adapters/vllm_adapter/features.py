@@ -34,7 +34,6 @@ BLOCKED = (
 def scheduler_features(sched: Any) -> list[Feature]:
     """Settings of the scheduler, its KV-cache manager and its pool that the spec does not model."""
     found: list[Feature] = []
-    config = sched.vllm_config
     kv = sched.kv_cache_manager
     groups = sched.kv_cache_config.kv_cache_groups
 
@@ -50,13 +49,7 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "async scheduling without AsyncScheduler",
         "scheduler_config.async_scheduling on a synchronous Scheduler",
     )
-    need(
-        config.speculative_config is not None
-        or getattr(sched, "num_spec_tokens", 0)
-        or getattr(sched, "num_lookahead_tokens", 0),
-        "speculative decoding",
-        f"{getattr(sched, 'num_spec_tokens', 0)} speculative tokens",
-    )
+    found += speculation_features(sched)
     need(len(groups) != 1, "hybrid KV-cache groups", f"{len(groups)} KV-cache groups")
     for group in groups:
         spec = group.kv_cache_spec
@@ -107,6 +100,29 @@ def scheduler_features(sched: Any) -> list[Feature]:
     return found
 
 
+def speculation_features(sched: Any) -> list[Feature]:
+    """What of speculative decoding the spec does not model. It models draft tokens scheduled
+    past a request's known tokens in a synchronous ``Scheduler``, at most ``num_spec_tokens`` of
+    them, the rejected ones rolled back from the computed tokens (``Config.spec_tokens``);
+    not drafters that reserve lookahead slots beyond the scheduled tokens (EAGLE, MTP, a draft
+    model), a draft count chosen per batch size, or drafts under async scheduling (their
+    placeholders). Lookahead hashing and prefill lookahead are refused on their own."""
+    spec = sched.vllm_config.speculative_config
+    k = getattr(sched, "num_spec_tokens", 0)
+    if spec is None and not k and not getattr(sched, "num_lookahead_tokens", 0):
+        return []
+    found: list[Feature] = []
+    if AsyncScheduler is not None and isinstance(sched, AsyncScheduler):
+        found.append(("speculative decoding under async scheduling", f"{k} draft tokens"))
+    if getattr(sched, "num_lookahead_tokens", 0):
+        found.append(("draft lookahead slots", f"{sched.num_lookahead_tokens} (EAGLE, MTP, ...)"))
+    if getattr(sched, "dynamic_sd_lookup", None) is not None:
+        found.append(("dynamic speculative decoding", "draft tokens per batch size"))
+    if spec is None or not k:
+        found.append(("speculative decoding", f"{k} draft tokens without a speculative config"))
+    return found
+
+
 def request_features(sched: Any, request: Any) -> list[Feature]:
     """What a request arriving at ``add_request`` carries that the spec does not model."""
     found: list[Feature] = []
@@ -152,9 +168,15 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     return found
 
 
+def drafts_modelled(sched: Any) -> bool:
+    """The scheduler's drafts are ones the spec models (``speculation_features`` finds none)."""
+    return bool(getattr(sched, "num_spec_tokens", 0)) and not speculation_features(sched)
+
+
 def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
-    waiting states, drafts set on a request, requests that hold blocks while waiting, and stale
+    waiting states, drafts on a request beyond what the spec models (more than the scheduler's
+    ``num_spec_tokens``, or any where it refuses speculation), requests that hold blocks while waiting, and stale
     output whose mode (drop or deliver) is not the scheduler's (``reset_prefix_cache`` with
     running requests and resumable requests drop it; the spec has one mode per configuration).
     ``scheduling``: the entry point is ``schedule()``."""
@@ -162,8 +184,9 @@ def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
     for request in sched.requests.values():
         if request.status in BLOCKED:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
-        if request.spec_token_ids and not request.is_finished():
-            found.append(("speculative decoding", f"draft tokens on {request.request_id}"))
+        drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
+        if drafts > getattr(sched, "num_spec_tokens", 0) or (drafts and not drafts_modelled(sched)):
+            found.append(("speculative decoding", f"{drafts} draft tokens on {request.request_id}"))
         if (
             request.num_stale_output_tokens
             and not request.is_finished()
