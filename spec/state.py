@@ -181,9 +181,17 @@ class Entry:
     blocks: tuple[int, ...]
     """The table prefix the step reads and writes: blocks 0 .. ceil(end / B) - 1."""
     load: bool = False
+    """An asynchronous external load: the step writes the loaded blocks and computes nothing
+    for the request, which waits (``Request.loading``) until the step commits; it may fail."""
     samples: bool = False
     """The step reaches the end of the request's tokens (known ones and placeholders), so it
     samples the next token."""
+    loaded: int = 0
+    """Full blocks an external load writes, from ``start`` on. With ``load`` False and tokens
+    computed after them the load is *synchronous* (vLLM's connector with ``load_kv_async``
+    False): the worker lands it before the step's forward pass, which reads it; it cannot fail
+    (vLLM recomputes a failed synchronous load from its first invalid block, which the spec does
+    not model). The step's budget is ``end - start - loaded * B``, the tokens it computes."""
 
 
 @dataclass(slots=True)

@@ -124,10 +124,17 @@ class Req:
 
 
 class Ent:
-    __slots__ = ("start", "end", "blocks", "load", "samples", "ph")
+    __slots__ = ("start", "end", "blocks", "load", "samples", "ph", "loaded")
 
     def __init__(
-        self, start: int, end: int, blocks: tuple[int, ...], load: bool, samples: bool, ph: int
+        self,
+        start: int,
+        end: int,
+        blocks: tuple[int, ...],
+        load: bool,
+        samples: bool,
+        ph: int,
+        loaded: int = 0,
     ):
         self.start, self.end, self.blocks, self.load, self.samples = (
             start,
@@ -138,6 +145,8 @@ class Ent:
         )
         self.ph = ph
         """The placeholder of the token this entry samples (``placeholder``); 0 if none."""
+        self.loaded = loaded
+        """``spec.Entry.loaded``: full blocks an external load writes from ``start`` on."""
 
 
 class Stp:
@@ -645,7 +654,7 @@ class FastModel:
             raise Illegal()
         if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
             raise Illegal()
-        if (num_tokens == 0) == (num_loaded == 0):
+        if num_tokens == 0 and num_loaded == 0:
             raise Illegal()
         table = req.table
         if req.status == WAITING:
@@ -708,7 +717,7 @@ class FastModel:
             raise Illegal()
         while len(table) * bsz < end:
             self._allocate(req)
-        load = num_loaded > 0
+        load = num_loaded > 0 and num_tokens == 0  # asynchronous: the request waits for it
         pending, sid = self.pending, step.id
         for i in range(start // bsz, len(table)):
             block = table[i]
@@ -721,7 +730,7 @@ class FastModel:
         if samples and self.async_scheduling:
             ph = placeholder(sid, rid)
             req.ahead.append(ph)
-        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph)
+        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph, num_loaded)
         step.live.add(rid)
         step.budget_used += num_tokens
         if load:
@@ -940,7 +949,7 @@ class FastModel:
             entry = step.entries.pop(rid)
             if entry.ph and rid in step.live:
                 req.ahead.pop()  # the building step's placeholder is the newest
-            step.budget_used -= entry.end - entry.start if not entry.load else 0
+            step.budget_used -= entry.end - entry.start - entry.loaded * self.bsz
             sid, pending = step.id, self.pending
             for block in entry.blocks:
                 writes = pending[block]
@@ -1108,7 +1117,7 @@ class FastModel:
         for st in self.steps:
             step = Step(st.id, PHASE[st.phase])
             step.entries = {
-                rid: Entry(e.start, e.end, e.blocks, e.load, e.samples)
+                rid: Entry(e.start, e.end, e.blocks, e.load, e.samples, e.loaded)
                 for rid, e in st.entries.items()
             }
             step.live = set(st.live)
