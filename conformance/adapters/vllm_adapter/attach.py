@@ -423,9 +423,12 @@ class Attachment:
         requests = self.scheduler.requests
         tokens_of = runner.sampled_token_ids or []
         index = runner.req_id_to_index or {}
-        failures = runner.kv_connector_output
-        if failures is not None and (failures.failed_recving or failures.invalid_block_ids):
-            self.refuse("KV connector", "KV load failures")
+        transfers = runner.kv_connector_output
+        if transfers is not None:
+            if transfers.failed_recving or transfers.invalid_block_ids:
+                self.refuse("KV connector: load failures", "failed_recving or invalid_block_ids")
+            if transfers.finished_recving or transfers.finished_sending:
+                self.refuse("KV connector: transfers finished", "finished_recving or _sending")
         if runner.pooler_output:
             self.refuse("pooling", "pooler output")
         for req_id in output.num_scheduled_tokens:
@@ -581,7 +584,7 @@ class Attachment:
             self._inner("allocate_slots")
             admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            self._safe(self._slots_features, args, kw)
+            loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []
@@ -594,7 +597,7 @@ class Attachment:
                 if pending:
                     self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
-            self.events.append(("schedule", rid, num_new_tokens, 0))
+            self.events.append(("schedule", rid, num_new_tokens, loaded))
             if admission:
                 blocks = hits.blocks[0] if hits is not None else []
                 hit = tuple(b.block_id for b in blocks)
@@ -607,7 +610,12 @@ class Attachment:
 
         return allocate_slots
 
-    def _slots_features(self, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    def _slots_features(
+        self, request: Request, num_new_tokens: int, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> int:
+        """Refuse what an ``allocate_slots`` call asks that the spec does not model; return the
+        full blocks a synchronous KV load writes (0 without one), the ``schedule`` decision's
+        last field."""
         names = (
             "num_new_computed_tokens",
             "new_computed_blocks",
@@ -619,12 +627,24 @@ class Attachment:
         given = dict(zip(names, args, strict=False)) | kw
         for name, feature in (
             ("num_lookahead_tokens", "speculative decoding"),
-            ("num_external_computed_tokens", "KV connector"),
-            ("delay_cache_blocks", "KV connector"),
+            ("delay_cache_blocks", "KV connector: asynchronous load"),
             ("num_encoder_tokens", "encoder-decoder model"),
         ):
             if given.get(name):
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
+        external = int(given.get("num_external_computed_tokens") or 0)
+        if not external:
+            return 0
+        bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)
+        where = f"{request.request_id}: {external} external tokens after {local} cached"
+        if num_new_tokens <= 0:
+            self.refuse("KV connector: asynchronous load", where)
+        elif external % bsz or local % bsz:
+            self.refuse("KV connector: a load not of whole blocks", where)
+        elif (local + external) // bsz > (request.num_tokens - 1) // bsz:
+            # vLLM then recomputes the last token over a loaded block; the spec computes it
+            self.refuse("KV connector: a load over the last token's block", where)
+        return external // bsz
 
     def _get_new_blocks(self, original: Method) -> Method:
         def get_new_blocks(num_blocks: int) -> list[Any]:

@@ -24,6 +24,15 @@ except ImportError:  # pragma: no cover - an older vLLM
 
 Feature = tuple[str, str]
 
+MODELLED_CONNECTORS = ("MockKVConnector", "ExampleConnector")
+"""KV connectors whose scheduler side only answers the scheduler's calls (how many tokens an
+external store holds, the load plan, the step's metadata) and never drives the KV-cache manager
+itself: all they do then shows in what the attachment reads (``allocate_slots``' external
+tokens, the runner output's ``kv_connector_output``, a free ``request_finished`` delays). Their
+synchronous loads are judged (``spec.actions.schedule``, ``docs/model.md``); asynchronous loads,
+load failures, transfers finished and delayed frees are refused where they show (``attach.py``).
+Any other connector (or a test's stand-in object) is refused by its class name."""
+
 BLOCKED = (
     RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
     RequestStatus.WAITING_FOR_REMOTE_KVS,
@@ -42,7 +51,15 @@ def scheduler_features(sched: Any) -> list[Feature]:
         if cond:
             found.append((feature, detail))
 
-    need(sched.connector is not None, "KV connector", type(sched.connector).__name__)
+    connector = sched.connector
+    if connector is not None:
+        name = type(connector).__name__
+        need(name not in MODELLED_CONNECTORS, "KV connector", name)
+        need(
+            getattr(connector, "supports_divergent_local_hybrid_hits", False),
+            "KV connector",
+            f"{name} takes hits the local prefix cache did not",
+        )
     need(getattr(sched, "ec_connector", None) is not None, "EC connector", "ec_transfer_config")
     need(
         getattr(sched.scheduler_config, "async_scheduling", False)
