@@ -47,6 +47,14 @@ class EngineConfig:
     waits for its sampled token to commit before it is scheduled again."""
     stale_output: str = "drop"
     """``STALE_OUTPUTS``: what becomes of a preempted request's output in a submitted step."""
+    sync_loads: bool = False
+    """External loads are synchronous: an external request loads its stored blocks and computes
+    the rest of its prompt in the same step (vLLM's connector with ``load_kv_async`` False); such
+    a load never fails. False: it loads and computes nothing until the load's step commits."""
+    delay_load_registration: bool = False
+    """The spec's ``Config.delay_load_registration``: an asynchronous load's blocks are
+    registered when its request is next scheduled, not at the load (vLLM's
+    ``delay_cache_blocks``)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -71,6 +79,11 @@ class EngineConfig:
             (_is_int(self.vocab) and self.vocab >= 1, "vocab must be an int >= 1"),
             (isinstance(self.prefix_caching, bool), "prefix_caching must be a bool"),
             (isinstance(self.async_scheduling, bool), "async_scheduling must be a bool"),
+            (isinstance(self.sync_loads, bool), "sync_loads must be a bool"),
+            (
+                isinstance(self.delay_load_registration, bool),
+                "delay_load_registration must be a bool",
+            ),
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",

@@ -97,17 +97,28 @@ class Entry:
     they are all known when the step executes (its older steps have committed by then) unless
     their sample was discarded, in which case the entry is no longer live."""
 
-    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples")
+    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples", "loaded")
 
     def __init__(
-        self, start: int, end: int, table: list[Block], num_blocks: int, load: bool, samples: bool
+        self,
+        start: int,
+        end: int,
+        table: list[Block],
+        num_blocks: int,
+        load: bool,
+        samples: bool,
+        loaded: int = 0,
     ) -> None:
         self.start = start
         self.end = end
         self.table = table
         self.num_blocks = num_blocks
         self.load = load
+        """An asynchronous load: the step computes nothing for the request, which waits for it."""
         self.samples = samples
+        self.loaded = loaded
+        """Full blocks loaded from the external store from ``start`` on; computed tokens after
+        them make the load synchronous (landed before the forward pass reads it)."""
 
 
 class Step:

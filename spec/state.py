@@ -92,6 +92,11 @@ class Config:
     prefix_caching: bool = True
     """False: a pool without prefix caching (vLLM's ``enable_prefix_caching=False``): nothing is
     ever published, no lookup hits, and a table is freed as one batch (``pool.free_table``)."""
+    delay_load_registration: bool = False
+    """True: the blocks an asynchronous load writes are not registered at the load, but with the
+    blocks its request computes when it is next scheduled, by which time the load has landed
+    (vLLM's ``delay_cache_blocks`` and ``_update_waiting_for_remote_kv``). False: the policy
+    registers them at the load like computed blocks (PR 43569's eager registration of loads)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -116,6 +121,10 @@ class Config:
             (
                 isinstance(self.prefix_caching, bool),
                 f"prefix_caching must be a bool, got {self.prefix_caching!r}",
+            ),
+            (
+                isinstance(self.delay_load_registration, bool),
+                f"delay_load_registration must be a bool, got {self.delay_load_registration!r}",
             ),
         ]
         for ok, message in checks:

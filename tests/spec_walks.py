@@ -48,6 +48,7 @@ def spec_configs(draw: st.DrawFn) -> Config:
         async_scheduling=async_scheduling,
         stale_output=draw(st.sampled_from(("drop", "deliver"))) if depth > 1 else "drop",
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
+        delay_load_registration=draw(st.booleans()),
     )
 
 

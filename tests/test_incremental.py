@@ -55,6 +55,7 @@ def engine_runs(draw: st.DrawFn) -> tuple[Config, list[Event]]:
         max_running=draw(st.integers(2, 4)),
         stop_token=0,
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
+        delay_load_registration=draw(st.booleans()),
     )
     choices = RandomChoices(draw(st.integers(0, 2**16)), draw(st.sampled_from((0.0, 0.3, 0.6))))
     engine = Engine(EngineConfig(**common, vocab=4), choices=choices)  # type: ignore[arg-type]

@@ -187,6 +187,7 @@ class FastModel:
         self.async_scheduling = config.async_scheduling
         self.deliver = config.stale_output == "deliver"
         self.caching = config.prefix_caching
+        self.delay_loads = config.delay_load_registration
         self.policy = config.policy if config.prefix_caching else ""
         """The registration policy; none without prefix caching (``spec.policies``: nothing is
         registered, tracked or rolled back)."""
@@ -738,6 +739,8 @@ class FastModel:
         self.new_entry = (step, rid)
         # policies.on_schedule
         policy, upto = self.policy, min(end, known) // bsz
+        if load and self.delay_loads:
+            policy = ""  # registered when the request is next scheduled
         if policy in EAGER:
             indices = self._register(req, upto)
             if policy == "eager-rollback-single":
