@@ -125,6 +125,43 @@ class InFlight:
 
 
 @dataclass
+class AsyncLoads:
+    """Requests the attachment follows through an asynchronous KV load. To the spec such a
+    request is running from its load's admission on (``schedule`` with loaded blocks and no
+    tokens; the load lands when that step commits); to vLLM it waits
+    (``WAITING_FOR_REMOTE_KVS``, then, once ``finished_recving`` named it, waiting with its
+    blocks) until a later ``schedule()`` runs it. There ``_update_waiting_for_remote_kv``
+    registers the loaded blocks (``cache_blocks``) just before its ``allocate_slots``; the spec
+    registers them in that schedule decision (``delay_load_registration``), after its
+    allocations, so those publications wait in ``landing`` and go in before the decision's own."""
+
+    waiting: set[str] = field(default_factory=set)
+    """Loading or landed, not scheduled yet: running to the spec, waiting to vLLM."""
+    alive: set[str] = field(default_factory=set)
+    """Admitted with an asynchronous load and not finished: the spec's running order may not
+    be vLLM's (vLLM appends the request to running only when it is scheduled after landing)."""
+    landing: dict[str, list[Event]] = field(default_factory=dict)
+    """The publications of a landed load's blocks, until the request's schedule decision."""
+
+    def start(self, req_id: str) -> None:
+        self.waiting.add(req_id)
+        self.alive.add(req_id)
+
+    def scheduled(self, req_id: str, effects: list[Event]) -> list[Event]:
+        """The landed request's schedule decision came: its effects, the landed publications
+        placed where the spec makes them (after the allocations, before the new ones)."""
+        self.waiting.discard(req_id)
+        landed = self.landing.pop(req_id, [])
+        first = next((i for i, e in enumerate(effects) if e[0] == "publish"), len(effects))
+        return effects[:first] + landed + effects[first:]
+
+    def forget(self, req_id: str) -> None:
+        self.waiting.discard(req_id)
+        self.alive.discard(req_id)
+        self.landing.pop(req_id, None)
+
+
+@dataclass
 class Attachment:
     scheduler: Any
     config: Config
@@ -160,6 +197,7 @@ class Attachment:
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
         self._latest: dict[int, float] = {}  # priority -> latest arrival time seen
         self._next_id = 0  # the event stream's next request id
+        self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self._wrap()
         found = scheduler_features(self.scheduler)
@@ -258,7 +296,7 @@ class Attachment:
         if self.fingerprint() != self._fingerprint:
             return self.refuse("state edited between calls", f"before {name}()")
         for feature in scheduler_features(self.scheduler) + pending_features(
-            self.scheduler, scheduling=name == "schedule"
+            self.scheduler, scheduling=name == "schedule", loaders=self.loads.waiting
         ):
             return self.refuse(*feature)
         drift = _drift(self.config, config_of(self.scheduler))
@@ -379,6 +417,11 @@ class Attachment:
                 self.next_step += 1
                 self.events.append(("begin", step))
                 output = original(*args, **kw)
+                if self.loads.landing:
+                    self.refuse(
+                        "KV connector: a landed load not scheduled at once",
+                        ", ".join(self.loads.landing),
+                    )
                 self.events.append(("submit", step))
                 self._safe(self._submitted, step, output)
                 return output
@@ -427,8 +470,11 @@ class Attachment:
         if transfers is not None:
             if transfers.failed_recving or transfers.invalid_block_ids:
                 self.refuse("KV connector: load failures", "failed_recving or invalid_block_ids")
-            if transfers.finished_recving or transfers.finished_sending:
-                self.refuse("KV connector: transfers finished", "finished_recving or _sending")
+            if transfers.finished_sending:
+                self.refuse("KV connector: finished sends", "blocks held while sent")
+            for req_id in transfers.finished_recving or ():
+                if req_id not in self.loads.waiting:
+                    self.refuse("KV connector: a load landing for no loading request", req_id)
         if runner.pooler_output:
             self.refuse("pooling", "pooler output")
         for req_id in output.num_scheduled_tokens:
@@ -532,6 +578,11 @@ class Attachment:
         def preempt(request: Request, *args: Any, **kw: Any) -> None:
             if self.entry != "schedule":
                 self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
+            if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
+                self.refuse(
+                    "KV connector: preemption beside an asynchronous load",
+                    ", ".join(sorted(self.loads.alive)),
+                )
             rid = self.ids.get(request.request_id)
             self.events.append(("preempt", rid))
             self.on_preempt(request.request_id)
@@ -542,6 +593,7 @@ class Attachment:
     def _free_request(self, original: Method) -> Method:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
             rid = self.ids.get(request.request_id)
+            self.loads.forget(request.request_id)
             aborted = request.request_id in self._aborting
             if aborted:
                 self._aborting.discard(request.request_id)
@@ -563,11 +615,17 @@ class Attachment:
     def _cache_blocks(self, original: Method) -> Method:
         def cache_blocks(request: Request, num_computed_tokens: int) -> None:
             self._inner("cache_blocks")
-            self._owner = request  # async scheduling, after the output
+            self._owner = request  # async scheduling, after the output; a landed load
+            before = len(self.events)
             try:
                 original(request, num_computed_tokens)
             finally:
                 self._owner = None
+            if request.request_id in self.loads.waiting:
+                # _update_waiting_for_remote_kv: the spec registers these when the request's
+                # schedule decision comes (Config.delay_load_registration), so they wait for it
+                self.loads.landing[request.request_id] = self.events[before:]
+                del self.events[before:]
 
         return cache_blocks
 
@@ -582,9 +640,13 @@ class Attachment:
     def _allocate_slots(self, original: Method) -> Method:
         def allocate_slots(request: Request, num_new_tokens: int, *args: Any, **kw: Any) -> Any:
             self._inner("allocate_slots")
-            admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            landed = request.request_id in self.loads.waiting  # running, to the spec
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            admission = waiting and not landed
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
             loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
+            if admission:
+                self._safe(self._admission_room, request)
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []
@@ -605,6 +667,10 @@ class Attachment:
                 if tuple(self._touched) != hit:
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
                 self._safe(self._check_hashes, request, len(hit))
+                if loaded and not num_new_tokens:
+                    self.loads.start(request.request_id)
+            if landed:
+                pending = self.loads.scheduled(request.request_id, pending)
             self.events.extend(pending)
             return result
 
@@ -627,7 +693,6 @@ class Attachment:
         given = dict(zip(names, args, strict=False)) | kw
         for name, feature in (
             ("num_lookahead_tokens", "speculative decoding"),
-            ("delay_cache_blocks", "KV connector: asynchronous load"),
             ("num_encoder_tokens", "encoder-decoder model"),
         ):
             if given.get(name):
@@ -637,14 +702,24 @@ class Attachment:
             return 0
         bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)
         where = f"{request.request_id}: {external} external tokens after {local} cached"
-        if num_new_tokens <= 0:
-            self.refuse("KV connector: asynchronous load", where)
+        if bool(given.get("delay_cache_blocks")) != (num_new_tokens <= 0):
+            self.refuse("KV connector: a load's registration not vLLM's", where)
         elif external % bsz or local % bsz:
             self.refuse("KV connector: a load not of whole blocks", where)
         elif (local + external) // bsz > (request.num_tokens - 1) // bsz:
             # vLLM then recomputes the last token over a loaded block; the spec computes it
             self.refuse("KV connector: a load over the last token's block", where)
         return external // bsz
+
+    def _admission_room(self, request: Request) -> None:
+        """The spec counts a request loading asynchronously as running, vLLM as waiting: an
+        admission the spec's ``max_running`` forbids only because of it is refused."""
+        running = len(self.scheduler.running) + len(self.loads.waiting)
+        if self.loads.waiting and running >= self.config.max_running:
+            self.refuse(
+                "KV connector: loading requests counted as running",
+                f"{request.request_id} admitted beside {len(self.loads.waiting)} loading",
+            )
 
     def _get_new_blocks(self, original: Method) -> Method:
         def get_new_blocks(num_blocks: int) -> list[Any]:
@@ -757,6 +832,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         async_scheduling=asynchronous,
         stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
         prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
+        delay_load_registration=scheduler.connector is not None,
     )
 
 

@@ -11,6 +11,7 @@ summary counts by it), the detail says what was seen.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -29,8 +30,8 @@ MODELLED_CONNECTORS = ("MockKVConnector", "ExampleConnector")
 external store holds, the load plan, the step's metadata) and never drives the KV-cache manager
 itself: all they do then shows in what the attachment reads (``allocate_slots``' external
 tokens, the runner output's ``kv_connector_output``, a free ``request_finished`` delays). Their
-synchronous loads are judged (``spec.actions.schedule``, ``docs/model.md``); asynchronous loads,
-load failures, transfers finished and delayed frees are refused where they show (``attach.py``).
+loads are judged, synchronous and asynchronous (``spec.actions.schedule``, ``docs/model.md``);
+load failures, finished sends and delayed frees are refused where they show (``attach.py``).
 Any other connector (or a test's stand-in object) is refused by its class name."""
 
 BLOCKED = (
@@ -169,15 +170,17 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     return found
 
 
-def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
+def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts set on a request, requests that hold blocks while waiting, and stale
     output whose mode (drop or deliver) is not the scheduler's (``reset_prefix_cache`` with
     running requests and resumable requests drop it; the spec has one mode per configuration).
-    ``scheduling``: the entry point is ``schedule()``."""
+    ``scheduling``: the entry point is ``schedule()``. ``loaders``: requests the attachment
+    follows through an asynchronous KV load (``WAITING_FOR_REMOTE_KVS``, then waiting with
+    their loaded blocks until scheduled), which the spec models."""
     found: list[Feature] = []
     for request in sched.requests.values():
-        if request.status in BLOCKED:
+        if request.status in BLOCKED and request.request_id not in loaders:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         if request.spec_token_ids and not request.is_finished():
             found.append(("speculative decoding", f"draft tokens on {request.request_id}"))
@@ -188,7 +191,8 @@ def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
         ):
             mode = "drop" if request.drop_stale_output else "deliver"
             found.append(("stale output mode per request", f"{request.request_id}: {mode}"))
-    if len(getattr(sched, "kv_holding_waiting", ())):
+    holding = getattr(sched, "kv_holding_waiting", ())
+    if any(request.request_id not in loaders for request in holding):
         found.append(("blocks held while waiting", "kv_holding_waiting is not empty"))
     if getattr(sched, "num_waiting_for_streaming_input", 0):
         found.append(("streaming input", "a session waits for input"))
