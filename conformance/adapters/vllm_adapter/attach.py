@@ -34,8 +34,13 @@ which vLLM stops the request (EOS, a stop token, repetition) is reported as the 
 ``stop_token``: the spec knows one stop token, vLLM decides per request, and the token never
 enters a hash (the request finishes with it).
 
-**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: a KV
-connector, speculative decoding, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
+**KV connectors.** A connector of ``features.MODELLED_CONNECTORS`` is judged: a synchronous
+load is the ``schedule`` decision's loaded blocks (``allocate_slots``' external tokens) with the
+tokens computed after them; an asynchronous one is followed by ``AsyncLoads`` (running to the
+spec from its admission, waiting to vLLM until scheduled after ``finished_recving``).
+
+**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
+other KV connector, load failures, speculative decoding, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
