@@ -57,8 +57,13 @@ MODEL_FIELDS = (
     "stale_output",
     "prefix_caching",
     "spec_tokens",
+    "delay_load_registration",
 )
-WRITTEN_IF_NOT: dict[str, object] = {"prefix_caching": True, "spec_tokens": 0}
+WRITTEN_IF_NOT: dict[str, object] = {
+    "prefix_caching": True,
+    "spec_tokens": 0,
+    "delay_load_registration": False,
+}
 """Model fields added after older kvspec versions shipped, written only when they differ from this
 default: a trace of a default configuration still reads in those versions (a reader takes a
 missing field as its default)."""
@@ -223,7 +228,7 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     for name in ("policy", "discipline", "preemption", "stale_output"):
         if name in model and not isinstance(model[name], str):
             raise bad(f'"model.{name}" must be a string')
-    for name in ("async_scheduling", "prefix_caching"):
+    for name in ("async_scheduling", "prefix_caching", "delay_load_registration"):
         if name in model and not isinstance(model[name], bool):
             raise bad(f'"model.{name}" must be true or false')
     for name in ("depth", "token_budget", "max_running", "spec_tokens"):
@@ -269,6 +274,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "stale_output": (str,),
     "prefix_caching": (bool,),
     "spec_tokens": (int,),
+    "delay_load_registration": (bool,),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 

@@ -52,6 +52,14 @@ class EngineConfig:
     request's drafter proposes up to K draft tokens (``choices.py``, ``drafts``), its next decode
     is scheduled for them too (within the budget), and the worker accepts some (``rejected``);
     the rejected ones leave the computed tokens. Synchronous scheduling only."""
+    sync_loads: bool = False
+    """External loads are synchronous: an external request loads its stored blocks and computes
+    the rest of its prompt in the same step (vLLM's connector with ``load_kv_async`` False); such
+    a load never fails. False: it loads and computes nothing until the load's step commits."""
+    delay_load_registration: bool = False
+    """The spec's ``Config.delay_load_registration``: an asynchronous load's blocks are
+    registered when its request is next scheduled, not at the load (vLLM's
+    ``delay_cache_blocks``)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -76,6 +84,11 @@ class EngineConfig:
             (_is_int(self.vocab) and self.vocab >= 1, "vocab must be an int >= 1"),
             (isinstance(self.prefix_caching, bool), "prefix_caching must be a bool"),
             (isinstance(self.async_scheduling, bool), "async_scheduling must be a bool"),
+            (isinstance(self.sync_loads, bool), "sync_loads must be a bool"),
+            (
+                isinstance(self.delay_load_registration, bool),
+                "delay_load_registration must be a bool",
+            ),
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",

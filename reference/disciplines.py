@@ -30,7 +30,8 @@ def plan_admission(
 ) -> tuple[list[Block], int, int, bool]:
     """(hits, tokens to compute, blocks to load, fits) for admitting ``req`` now. An external
     request whose store holds more full prompt blocks than the prefix cache loads them instead
-    of computing anything."""
+    of computing anything, or with ``sync_loads`` computes the rest of its prompt after them in
+    the same step."""
     kv = sched.kv
     bsz = kv.block_size
     hits = kv.lookup(req)
@@ -40,7 +41,10 @@ def plan_admission(
         stored = min(req.prompt_len // bsz, (len(req.tokens) - 1) // bsz)
         if stored > num_hits:
             num_loaded = stored - num_hits
-    if num_loaded:
+    if num_loaded and sched.config.sync_loads:  # the rest of the prompt computed after it
+        num_tokens = min(len(req.tokens) - stored * bsz, budget)
+        end = stored * bsz + num_tokens
+    elif num_loaded:
         num_tokens = 0
         end = stored * bsz
     else:

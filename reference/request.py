@@ -101,7 +101,7 @@ class Entry:
     they are all known when the step executes (its older steps have committed by then) unless
     their sample was discarded, in which case the entry is no longer live."""
 
-    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples", "drafts")
+    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples", "drafts", "loaded")
 
     def __init__(
         self,
@@ -112,16 +112,21 @@ class Entry:
         load: bool,
         samples: bool,
         drafts: int = 0,
+        loaded: int = 0,
     ) -> None:
         self.start = start
         self.end = end
         self.table = table
         self.num_blocks = num_blocks
         self.load = load
+        """An asynchronous load: the step computes nothing for the request, which waits for it."""
         self.samples = samples
         self.drafts = drafts
         """Draft tokens past the known ones (its last ``drafts`` positions): it samples 1 ..
         drafts + 1 tokens."""
+        self.loaded = loaded
+        """Full blocks loaded from the external store from ``start`` on; computed tokens after
+        them make the load synchronous (landed before the forward pass reads it)."""
 
 
 class Step:

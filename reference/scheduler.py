@@ -212,12 +212,12 @@ class Scheduler:
         counters["hit_tokens" if req.admissions == 0 else "readmit_hit_tokens"] += start
         counters["lookup_tokens"] += len(req.tokens)
         req.admissions += 1
-        self._extend(
-            step, req, start, start + num_tokens + num_loaded * kv.block_size, num_loaded > 0
-        )
+        end = start + num_tokens + num_loaded * kv.block_size
+        self._extend(step, req, start, end, num_loaded > 0 and num_tokens == 0, num_loaded)
         step.budget_used += num_tokens
         if num_loaded:
-            req.loading = step.step_id
+            if not num_tokens:  # asynchronous: the request waits for the step's commit
+                req.loading = step.step_id
             self.counters["loaded_blocks"] += num_loaded
 
     def schedule_running(self, step: Step, req: Request, num_tokens: int) -> None:
@@ -227,7 +227,9 @@ class Scheduler:
         self._extend(step, req, req.computed, req.computed + num_tokens, False)
         step.budget_used += num_tokens
 
-    def _extend(self, step: Step, req: Request, start: int, end: int, load: bool) -> None:
+    def _extend(
+        self, step: Step, req: Request, start: int, end: int, load: bool, loaded: int = 0
+    ) -> None:
         kv = self.kv
         kv.grow(req, end)
         req.computed = end
@@ -235,7 +237,9 @@ class Scheduler:
         drafts = max(0, end - len(req.tokens) - req.placeholders)
         req.drafts = 0  # used, or dropped by the budget (vLLM clears them either way)
         samples = not load and end - drafts == len(req.tokens) + req.placeholders
-        step.entries[req.rid] = Entry(start, end, table, len(table), load, samples, drafts)
+        step.entries[req.rid] = Entry(
+            start, end, table, len(table), load, samples, drafts=drafts, loaded=loaded
+        )
         step.live.add(req.rid)
         if self.async_scheduling:
             if end > len(req.tokens):
@@ -244,7 +248,8 @@ class Scheduler:
                 req.placeholders += 1
         if self.deliver:
             req.holding += 1
-        self.policy.on_schedule(req, step, end)
+        if not (load and self.config.delay_load_registration):  # else at its next schedule
+            self.policy.on_schedule(req, step, end)
 
     def preempt(self, req: Request) -> None:
         """Send a running request back to the front of the waiting queue, freeing its blocks."""
@@ -273,8 +278,8 @@ class Scheduler:
         if building is not None:
             entry = building.entries.pop(rid, None)
             if entry is not None:
-                if not entry.load:
-                    building.budget_used -= entry.end - entry.start
+                computed = entry.end - entry.start - entry.loaded * self.kv.block_size
+                building.budget_used -= computed
                 if entry.samples and self.async_scheduling:
                     req.placeholders -= 1
                 if self.deliver:

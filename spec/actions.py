@@ -10,7 +10,7 @@ Decision events (``apply`` takes these; see ``docs/events.md``)::
 
     ("arrive", req, prompt, max_tokens, priority)
     ("begin", step)                    start scheduling a step
-    ("schedule", req, tokens, loaded)  give the request tokens to compute, or blocks to load
+    ("schedule", req, tokens, loaded)  give the request tokens to compute and/or blocks to load
     ("preempt", req)                   free a running request's blocks, send it back to waiting
     ("submit", step)                   hand the step to the worker
     ("execute", step, failed)          the worker writes, then reads; listed loads fail
@@ -57,7 +57,10 @@ def begin(s: State, step_id: int) -> list[Event]:
 def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[Event]:
     """Give a request ``num_tokens`` tokens to compute in the building step; a waiting request is
     admitted first (prefix lookup, hits touched before anything is allocated). An admission may
-    instead load ``num_loaded`` full blocks from an external KV store and compute nothing yet.
+    instead load ``num_loaded`` full blocks from an external KV store after its hits: with no
+    tokens to compute the load is asynchronous (the request waits for the step's commit, and the
+    load may fail at ``execute``); with tokens computed after the loaded blocks it is synchronous
+    (the worker lands it before the forward pass reads it, in the same step; it never fails).
     With async scheduling the tokens may run past the known ones into placeholders, one per step
     in flight that samples for the request (``State.ahead``); the step's writes there hold the
     placeholder until its sampling step commits. With speculative decoding
@@ -71,8 +74,10 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         raise Illegal(f"{where}: already scheduled, loading, or finished")
     if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
         raise Illegal(f"{where}: {num_tokens} tokens exceed the budget or are negative")
-    if (num_tokens == 0) == (num_loaded == 0):
-        raise Illegal(f"{where}: either compute tokens or (on admission) load blocks")
+    if num_tokens == 0 and num_loaded == 0:
+        raise Illegal(
+            f"{where}: either compute tokens or (on admission) load blocks; neither given"
+        )
     events: list[Event] = []
     if req.status == "waiting":
         _admission_guard(s, step, req, where)
@@ -108,7 +113,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         raise Illegal(f"{where}: token {end - 1} is not {known}, nor one of its draft slots")
     while len(req.table) * bsz < end:
         events += allocate(s, req)
-    load = num_loaded > 0
+    load = num_loaded > 0 and num_tokens == 0  # asynchronous: the request waits for it
     span = -(-end // bsz)  # after rejected drafts the table may reach further: not written
     for i in range(start // bsz, span):
         prefix = tuple(tokens[: min(end, (i + 1) * bsz)])
@@ -118,7 +123,9 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     s.touched.entries.add((step.id, rid))
     req.computed = end
     samples = not load and end == len(tokens)
-    step.entries[rid] = Entry(start, end, tuple(req.table[:span]), load, samples, max(drafts, 0))
+    step.entries[rid] = Entry(
+        start, end, tuple(req.table[:span]), load, samples, max(drafts, 0), num_loaded
+    )
     step.live.add(rid)
     step.budget_used += num_tokens
     if load:
@@ -347,7 +354,7 @@ def _leave(s: State, req: Request, stale: str = "drop") -> list[Event]:
     step = s.building
     if step is not None and req.id in step.entries:
         entry = step.entries.pop(req.id)
-        step.budget_used -= entry.end - entry.start if not entry.load else 0
+        step.budget_used -= entry.end - entry.start - entry.loaded * s.config.block_size
         for block in entry.blocks:
             b = s.blocks[block]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]

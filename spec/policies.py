@@ -55,8 +55,12 @@ def on_begin(s: State, step: Step) -> list[Event]:
 
 
 def on_schedule(s: State, req: Request, step: Step, end: int) -> list[Event]:
-    """The request was just given tokens up to ``end`` (computed or loaded) in ``step``."""
+    """The request was just given tokens up to ``end`` (computed or loaded) in ``step``. With
+    ``delay_load_registration`` an asynchronous load registers nothing: its blocks are registered
+    from ``req.cached`` on when the request is next scheduled, after the load has landed."""
     if not s.config.prefix_caching:
+        return []
+    if s.config.delay_load_registration and step.entries[req.id].load:
         return []
     policy, upto = s.config.policy, min(end, len(req.tokens)) // s.config.block_size
     if policy in EAGER:

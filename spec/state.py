@@ -110,6 +110,11 @@ class Config:
     for beyond its known tokens (vLLM's ``num_speculative_tokens`` with a drafter that reserves
     no lookahead slots, n-gram); its commit says how many were accepted (``docs/model.md``,
     "Speculative decoding"). 0: none. Synchronous scheduling only."""
+    delay_load_registration: bool = False
+    """True: the blocks an asynchronous load writes are not registered at the load, but with the
+    blocks its request computes when it is next scheduled, by which time the load has landed
+    (vLLM's ``delay_cache_blocks`` and ``_update_waiting_for_remote_kv``). False: the policy
+    registers them at the load like computed blocks (PR 43569's eager registration of loads)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -143,6 +148,10 @@ class Config:
                 not (self.spec_tokens and self.async_scheduling),
                 "speculative decoding under async scheduling is not modelled (spec_tokens > 0 "
                 "needs async_scheduling off)",
+            ),
+            (
+                isinstance(self.delay_load_registration, bool),
+                f"delay_load_registration must be a bool, got {self.delay_load_registration!r}",
             ),
         ]
         for ok, message in checks:
@@ -208,12 +217,20 @@ class Entry:
     blocks: tuple[int, ...]
     """The table prefix the step reads and writes: blocks 0 .. ceil(end / B) - 1."""
     load: bool = False
+    """An asynchronous external load: the step writes the loaded blocks and computes nothing
+    for the request, which waits (``Request.loading``) until the step commits; it may fail."""
     samples: bool = False
     """The step reaches the end of the request's tokens (known ones and placeholders), so it
     samples the next token."""
     drafts: int = 0
     """Draft tokens scheduled past the request's known tokens (``Draft`` slots 0 .. drafts - 1,
     the entry's last ``drafts`` positions); the commit samples 1 .. drafts + 1 tokens."""
+    loaded: int = 0
+    """Full blocks an external load writes, from ``start`` on. With ``load`` False and tokens
+    computed after them the load is *synchronous* (vLLM's connector with ``load_kv_async``
+    False): the worker lands it before the step's forward pass, which reads it; it cannot fail
+    (vLLM recomputes a failed synchronous load from its first invalid block, which the spec does
+    not model). The step's budget is ``end - start - loaded * B``, the tokens it computes."""
 
 
 @dataclass(slots=True)

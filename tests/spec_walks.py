@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvspec.spec import POLICIES, Config, Illegal, apply, initial_state
 from kvspec.spec.events import Event
+from kvspec.spec.pool import lookup
 from kvspec.spec.state import State
 
 KINDS = (
@@ -51,6 +52,7 @@ def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
         stale_output=draw(st.sampled_from(("drop", "deliver"))) if depth > 1 else "drop",
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=spec_tokens,
+        delay_load_registration=draw(st.booleans()),
     )
 
 
@@ -109,7 +111,11 @@ def spec_runs(
                     take(("schedule", rid, min(more, config.token_budget), 0))
             if s.waiting and draw(st.booleans()):
                 rid = s.waiting[0]
-                take(("schedule", rid, min(len(s.requests[rid].tokens), config.token_budget), 0))
+                req, bsz = s.requests[rid], config.block_size
+                loaded = (len(req.tokens) - 1) // bsz - len(lookup(s, req))
+                loaded = loaded if loaded > 0 and draw(st.integers(0, 2)) == 0 else 0
+                rest = len(req.tokens) - len(lookup(s, req)) * bsz - loaded * bsz
+                take(("schedule", rid, min(rest, config.token_budget), loaded))  # sync if loaded
             take(("submit", building.id))
         elif kind in ("schedule", "preempt"):
             if building is None:
@@ -123,8 +129,12 @@ def spec_runs(
             rid = draw(st.sampled_from(live))
             if kind == "preempt":
                 take(("preempt", rid))
-            elif draw(st.integers(0, 5)) == 0:
-                take(("schedule", rid, 0, draw(st.integers(1, 2))))  # a load
+            elif rid in s.waiting and draw(st.integers(0, 2)) == 0:  # an admission that loads:
+                req, bsz = s.requests[rid], config.block_size  # asynchronously (no tokens) or
+                cached = len(lookup(s, req))  # synchronously (the rest, or 1, computed after)
+                loaded = draw(st.integers(1, max(1, (len(req.tokens) - 1) // bsz - cached)))
+                rest = max(1, len(req.tokens) - (cached + loaded) * bsz)
+                take(("schedule", rid, draw(st.sampled_from((0, 0, rest, 1))), loaded))
             else:
                 req = s.requests[rid]
                 ahead = s.ahead(req) if config.async_scheduling else req.tokens

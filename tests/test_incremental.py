@@ -57,6 +57,7 @@ def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Eve
         stop_token=0,
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0,
+        delay_load_registration=draw(st.booleans()),
     )
     room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
     if room - common["spec_tokens"] < 2:  # type: ignore[operator]

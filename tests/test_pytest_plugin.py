@@ -6,7 +6,8 @@ tests (synchronous and async, and a scheduler without prefix caching) pass, a pl
 the free order without prefix caching (one block at a time instead of vLLM's batch) fails with
 a Disagreement on the free queue, speculative decoding (drafts accepted and rejected, with and
 without preemption) holds and a planted publish over a rejected draft fails with a
-Disagreement, a feature the spec does not model is refused (listed, never
+Disagreement, a KV connector's synchronous and asynchronous loads hold and
+blocks cached before their asynchronous load has landed fail with a Disagreement, a feature the spec does not model is refused (listed, never
 failed; every one seen at construction, not only the first), and without the plugin every case
 passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
@@ -66,12 +67,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_async.py"),
         str(CASES / "case_no_caching.py"),
         str(CASES / "case_spec_decode.py"),
+        str(CASES / "case_connector.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "5 failed" in out and "11 passed" in out, out[-3000:]
+    assert "6 failed" in out and "13 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -105,6 +107,14 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     order = tests["test_caching_off_freed_one_block_at_a_time"]
     assert order["outcome"] == "violation", order
     assert order["finding"].startswith("kvspec: Disagreement: free queue (1, 2, 3, 4, 9)"), order
+    for name in ("test_synchronous_loads_hold", "test_asynchronous_loads_hold"):
+        loads = tests[name]
+        assert loads["outcome"] == "judged" and loads["events"] > 80, loads  # a KV connector
+    early = tests["test_a_load_cached_before_it_lands"]
+    assert early["outcome"] == "violation", early
+    assert early["finding"].startswith(
+        "kvspec: Disagreement: engine emitted ('publish', 0, 0, 1), but the spec computes no"
+    ), early
     edited = tests["test_a_test_that_edits_vllm_state_is_refused"]
     assert edited["outcome"] == "run" and edited["features"] == ["state edited between calls"]
     assert tests["test_nothing_built"]["outcome"] == "none"
@@ -117,18 +127,18 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         "kvspec: Disagreement: engine emitted ('publish', 0, 2, 6)"
     ), cached
     summary = out[out.index("= kvspec =") :]
-    assert "5  violations" in summary and "6  judged and holding" in summary, summary
+    assert "6  violations" in summary and "8  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
 @needs_vllm
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
-    names += ("case_no_caching.py", "case_spec_decode.py")
+    names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py")
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "16 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "19 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

@@ -132,10 +132,17 @@ class Req:
 
 
 class Ent:
-    __slots__ = ("start", "end", "blocks", "load", "samples", "ph")
+    __slots__ = ("start", "end", "blocks", "load", "samples", "ph", "loaded")
 
     def __init__(
-        self, start: int, end: int, blocks: tuple[int, ...], load: bool, samples: bool, ph: int
+        self,
+        start: int,
+        end: int,
+        blocks: tuple[int, ...],
+        load: bool,
+        samples: bool,
+        ph: int,
+        loaded: int = 0,
     ):
         self.start, self.end, self.blocks, self.load, self.samples = (
             start,
@@ -146,6 +153,8 @@ class Ent:
         )
         self.ph = ph
         """The placeholder of the token this entry samples (``placeholder``); 0 if none."""
+        self.loaded = loaded
+        """``spec.Entry.loaded``: full blocks an external load writes from ``start`` on."""
 
 
 class Stp:
@@ -187,6 +196,7 @@ class FastModel:
         self.async_scheduling = config.async_scheduling
         self.deliver = config.stale_output == "deliver"
         self.caching = config.prefix_caching
+        self.delay_loads = config.delay_load_registration
         self.policy = config.policy if config.prefix_caching else ""
         """The registration policy; none without prefix caching (``spec.policies``: nothing is
         registered, tracked or rolled back)."""
@@ -654,7 +664,7 @@ class FastModel:
             raise Illegal()
         if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
             raise Illegal()
-        if (num_tokens == 0) == (num_loaded == 0):
+        if num_tokens == 0 and num_loaded == 0:
             raise Illegal()
         table = req.table
         if req.status == WAITING:
@@ -717,7 +727,7 @@ class FastModel:
             raise Illegal()
         while len(table) * bsz < end:
             self._allocate(req)
-        load = num_loaded > 0
+        load = num_loaded > 0 and num_tokens == 0  # asynchronous: the request waits for it
         pending, sid = self.pending, step.id
         for i in range(start // bsz, len(table)):
             block = table[i]
@@ -730,7 +740,7 @@ class FastModel:
         if samples and self.async_scheduling:
             ph = placeholder(sid, rid)
             req.ahead.append(ph)
-        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph)
+        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph, num_loaded)
         step.live.add(rid)
         step.budget_used += num_tokens
         if load:
@@ -738,6 +748,8 @@ class FastModel:
         self.new_entry = (step, rid)
         # policies.on_schedule
         policy, upto = self.policy, min(end, known) // bsz
+        if load and self.delay_loads:
+            policy = ""  # registered when the request is next scheduled
         if policy in EAGER:
             indices = self._register(req, upto)
             if policy == "eager-rollback-single":
@@ -949,7 +961,7 @@ class FastModel:
             entry = step.entries.pop(rid)
             if entry.ph and rid in step.live:
                 req.ahead.pop()  # the building step's placeholder is the newest
-            step.budget_used -= entry.end - entry.start if not entry.load else 0
+            step.budget_used -= entry.end - entry.start - entry.loaded * self.bsz
             sid, pending = step.id, self.pending
             for block in entry.blocks:
                 writes = pending[block]
@@ -1117,7 +1129,7 @@ class FastModel:
         for st in self.steps:
             step = Step(st.id, PHASE[st.phase])
             step.entries = {
-                rid: Entry(e.start, e.end, e.blocks, e.load, e.samples)
+                rid: Entry(e.start, e.end, e.blocks, e.load, e.samples, loaded=e.loaded)
                 for rid, e in st.entries.items()
             }
             step.live = set(st.live)

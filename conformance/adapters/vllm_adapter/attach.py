@@ -38,8 +38,15 @@ which vLLM stops the request (EOS, a stop token, repetition) is reported as the 
 ``stop_token``: the spec knows one stop token, vLLM decides per request, and the token never
 enters a hash (the request finishes with it).
 
-**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: a KV
-connector, drafts with lookahead slots or under async scheduling, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing, multimodal, ...), or a caller does what no engine core
+**KV connectors.** A connector of ``features.MODELLED_CONNECTORS`` is judged: a synchronous
+load is the ``schedule`` decision's loaded blocks (``allocate_slots``' external tokens) with the
+tokens computed after them; an asynchronous one is followed by ``AsyncLoads`` (running to the
+spec from its admission, waiting to vLLM until scheduled after ``finished_recving``).
+
+**Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
+other KV connector, load failures, drafts with lookahead slots or under async scheduling or beside
+a KV connector, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing,
+multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
@@ -129,6 +136,43 @@ class InFlight:
 
 
 @dataclass
+class AsyncLoads:
+    """Requests the attachment follows through an asynchronous KV load. To the spec such a
+    request is running from its load's admission on (``schedule`` with loaded blocks and no
+    tokens; the load lands when that step commits); to vLLM it waits
+    (``WAITING_FOR_REMOTE_KVS``, then, once ``finished_recving`` named it, waiting with its
+    blocks) until a later ``schedule()`` runs it. There ``_update_waiting_for_remote_kv``
+    registers the loaded blocks (``cache_blocks``) just before its ``allocate_slots``; the spec
+    registers them in that schedule decision (``delay_load_registration``), after its
+    allocations, so those publications wait in ``landing`` and go in before the decision's own."""
+
+    waiting: set[str] = field(default_factory=set)
+    """Loading or landed, not scheduled yet: running to the spec, waiting to vLLM."""
+    alive: set[str] = field(default_factory=set)
+    """Admitted with an asynchronous load and not finished: the spec's running order may not
+    be vLLM's (vLLM appends the request to running only when it is scheduled after landing)."""
+    landing: dict[str, list[Event]] = field(default_factory=dict)
+    """The publications of a landed load's blocks, until the request's schedule decision."""
+
+    def start(self, req_id: str) -> None:
+        self.waiting.add(req_id)
+        self.alive.add(req_id)
+
+    def scheduled(self, req_id: str, effects: list[Event]) -> list[Event]:
+        """The landed request's schedule decision came: its effects, the landed publications
+        placed where the spec makes them (after the allocations, before the new ones)."""
+        self.waiting.discard(req_id)
+        landed = self.landing.pop(req_id, [])
+        first = next((i for i, e in enumerate(effects) if e[0] == "publish"), len(effects))
+        return effects[:first] + landed + effects[first:]
+
+    def forget(self, req_id: str) -> None:
+        self.waiting.discard(req_id)
+        self.alive.discard(req_id)
+        self.landing.pop(req_id, None)
+
+
+@dataclass
 class Attachment:
     scheduler: Any
     config: Config
@@ -165,6 +209,7 @@ class Attachment:
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
         self._latest: dict[int, float] = {}  # priority -> latest arrival time seen
         self._next_id = 0  # the event stream's next request id
+        self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self._wrap()
         found = scheduler_features(self.scheduler)
@@ -263,7 +308,7 @@ class Attachment:
         if self.fingerprint() != self._fingerprint:
             return self.refuse("state edited between calls", f"before {name}()")
         for feature in scheduler_features(self.scheduler) + pending_features(
-            self.scheduler, scheduling=name == "schedule"
+            self.scheduler, scheduling=name == "schedule", loaders=self.loads.waiting
         ):
             return self.refuse(*feature)
         drift = _drift(self.config, config_of(self.scheduler))
@@ -384,6 +429,11 @@ class Attachment:
                 self.next_step += 1
                 self.events.append(("begin", step))
                 output = original(*args, **kw)
+                if self.loads.landing:
+                    self.refuse(
+                        "KV connector: a landed load not scheduled at once",
+                        ", ".join(self.loads.landing),
+                    )
                 self.events.append(("submit", step))
                 self._safe(self._submitted, step, output)
                 return output
@@ -424,6 +474,13 @@ class Attachment:
         if found is None:
             self.refuse("an output schedule() did not make", "update_from_output")
             return None
+        while found and not self.in_flight[0].output.num_scheduled_tokens:
+            # An empty step whose output the caller never processed (a test's last schedule()
+            # of a round): it holds no request, so nothing is out of order, and its commit
+            # changes nothing the spec models; it commits before the output processed now.
+            skipped = self.in_flight.pop(0)
+            self.events += [("execute", skipped.step, ()), ("commit", skipped.step, ())]
+            found -= 1
         if found != 0:
             self.refuse("outputs processed out of order", f"step {self.in_flight[found].step}")
         oldest = self.in_flight.pop(found)
@@ -431,9 +488,15 @@ class Attachment:
         requests = self.scheduler.requests
         tokens_of = runner.sampled_token_ids or []
         index = runner.req_id_to_index or {}
-        failures = runner.kv_connector_output
-        if failures is not None and (failures.failed_recving or failures.invalid_block_ids):
-            self.refuse("KV connector", "KV load failures")
+        transfers = runner.kv_connector_output
+        if transfers is not None:
+            if transfers.failed_recving or transfers.invalid_block_ids:
+                self.refuse("KV connector: load failures", "failed_recving or invalid_block_ids")
+            if transfers.finished_sending:
+                self.refuse("KV connector: finished sends", "blocks held while sent")
+            for req_id in transfers.finished_recving or ():
+                if req_id not in self.loads.waiting:
+                    self.refuse("KV connector: a load landing for no loading request", req_id)
         if runner.pooler_output:
             self.refuse("pooling", "pooler output")
         for req_id in output.num_scheduled_tokens:
@@ -550,6 +613,11 @@ class Attachment:
         def preempt(request: Request, *args: Any, **kw: Any) -> None:
             if self.entry != "schedule":
                 self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
+            if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
+                self.refuse(
+                    "KV connector: preemption beside an asynchronous load",
+                    ", ".join(sorted(self.loads.alive)),
+                )
             rid = self.ids.get(request.request_id)
             self.events.append(("preempt", rid))
             self.on_preempt(request.request_id)
@@ -560,6 +628,7 @@ class Attachment:
     def _free_request(self, original: Method) -> Method:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
             rid = self.ids.get(request.request_id)
+            self.loads.forget(request.request_id)
             aborted = request.request_id in self._aborting
             if aborted:
                 self._aborting.discard(request.request_id)
@@ -581,11 +650,17 @@ class Attachment:
     def _cache_blocks(self, original: Method) -> Method:
         def cache_blocks(request: Request, num_computed_tokens: int) -> None:
             self._inner("cache_blocks")
-            self._owner = request  # async scheduling, after the output
+            self._owner = request  # async scheduling, after the output; a landed load
+            before = len(self.events)
             try:
                 original(request, num_computed_tokens)
             finally:
                 self._owner = None
+            if request.request_id in self.loads.waiting:
+                # _update_waiting_for_remote_kv: the spec registers these when the request's
+                # schedule decision comes (Config.delay_load_registration), so they wait for it
+                self.loads.landing[request.request_id] = self.events[before:]
+                del self.events[before:]
 
         return cache_blocks
 
@@ -600,9 +675,13 @@ class Attachment:
     def _allocate_slots(self, original: Method) -> Method:
         def allocate_slots(request: Request, num_new_tokens: int, *args: Any, **kw: Any) -> Any:
             self._inner("allocate_slots")
-            admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            landed = request.request_id in self.loads.waiting  # running, to the spec
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            admission = waiting and not landed
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            self._safe(self._slots_features, args, kw)
+            loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
+            if admission:
+                self._safe(self._admission_room, request)
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []
@@ -615,7 +694,7 @@ class Attachment:
                 if pending:
                     self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
-            self.events.append(("schedule", rid, num_new_tokens, 0))
+            self.events.append(("schedule", rid, num_new_tokens, loaded))
             if admission:
                 blocks = hits.blocks[0] if hits is not None else []
                 hit = tuple(b.block_id for b in blocks)
@@ -623,12 +702,21 @@ class Attachment:
                 if tuple(self._touched) != hit:
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
                 self._safe(self._check_hashes, request, len(hit))
+                if loaded and not num_new_tokens:
+                    self.loads.start(request.request_id)
+            if landed:
+                pending = self.loads.scheduled(request.request_id, pending)
             self.events.extend(pending)
             return result
 
         return allocate_slots
 
-    def _slots_features(self, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    def _slots_features(
+        self, request: Request, num_new_tokens: int, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> int:
+        """Refuse what an ``allocate_slots`` call asks that the spec does not model; return the
+        full blocks a synchronous KV load writes (0 without one), the ``schedule`` decision's
+        last field."""
         names = (
             "num_new_computed_tokens",
             "new_computed_blocks",
@@ -640,12 +728,33 @@ class Attachment:
         given = dict(zip(names, args, strict=False)) | kw
         for name, feature in (
             ("num_lookahead_tokens", "speculative decoding"),
-            ("num_external_computed_tokens", "KV connector"),
-            ("delay_cache_blocks", "KV connector"),
             ("num_encoder_tokens", "encoder-decoder model"),
         ):
             if given.get(name):
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
+        external = int(given.get("num_external_computed_tokens") or 0)
+        if not external:
+            return 0
+        bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)
+        where = f"{request.request_id}: {external} external tokens after {local} cached"
+        if bool(given.get("delay_cache_blocks")) != (num_new_tokens <= 0):
+            self.refuse("KV connector: a load's registration not vLLM's", where)
+        elif external % bsz or local % bsz:
+            self.refuse("KV connector: a load not of whole blocks", where)
+        elif (local + external) // bsz > (request.num_tokens - 1) // bsz:
+            # vLLM then recomputes the last token over a loaded block; the spec computes it
+            self.refuse("KV connector: a load over the last token's block", where)
+        return external // bsz
+
+    def _admission_room(self, request: Request) -> None:
+        """The spec counts a request loading asynchronously as running, vLLM as waiting: an
+        admission the spec's ``max_running`` forbids only because of it is refused."""
+        running = len(self.scheduler.running) + len(self.loads.waiting)
+        if self.loads.waiting and running >= self.config.max_running:
+            self.refuse(
+                "KV connector: loading requests counted as running",
+                f"{request.request_id} admitted beside {len(self.loads.waiting)} loading",
+            )
 
     def _get_new_blocks(self, original: Method) -> Method:
         def get_new_blocks(num_blocks: int) -> list[Any]:
@@ -759,6 +868,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
         prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
         spec_tokens=0 if asynchronous else int(getattr(scheduler, "num_spec_tokens", 0) or 0),
+        delay_load_registration=scheduler.connector is not None,
     )
 
 

@@ -11,6 +11,7 @@ summary counts by it), the detail says what was seen.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -23,6 +24,15 @@ except ImportError:  # pragma: no cover - an older vLLM
     AsyncScheduler = None  # type: ignore[assignment,misc]
 
 Feature = tuple[str, str]
+
+MODELLED_CONNECTORS = ("MockKVConnector", "ExampleConnector")
+"""KV connectors whose scheduler side only answers the scheduler's calls (how many tokens an
+external store holds, the load plan, the step's metadata) and never drives the KV-cache manager
+itself: all they do then shows in what the attachment reads (``allocate_slots``' external
+tokens, the runner output's ``kv_connector_output``, a free ``request_finished`` delays). Their
+loads are judged, synchronous and asynchronous (``spec.actions.schedule``, ``docs/model.md``);
+load failures, finished sends and delayed frees are refused where they show (``attach.py``).
+Any other connector (or a test's stand-in object) is refused by its class name."""
 
 BLOCKED = (
     RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
@@ -41,7 +51,15 @@ def scheduler_features(sched: Any) -> list[Feature]:
         if cond:
             found.append((feature, detail))
 
-    need(sched.connector is not None, "KV connector", type(sched.connector).__name__)
+    connector = sched.connector
+    if connector is not None:
+        name = type(connector).__name__
+        need(name not in MODELLED_CONNECTORS, "KV connector", name)
+        need(
+            getattr(connector, "supports_divergent_local_hybrid_hits", False),
+            "KV connector",
+            f"{name} takes hits the local prefix cache did not",
+        )
     need(getattr(sched, "ec_connector", None) is not None, "EC connector", "ec_transfer_config")
     need(
         getattr(sched.scheduler_config, "async_scheduling", False)
@@ -106,7 +124,8 @@ def speculation_features(sched: Any) -> list[Feature]:
     them, the rejected ones rolled back from the computed tokens (``Config.spec_tokens``);
     not drafters that reserve lookahead slots beyond the scheduled tokens (EAGLE, MTP, a draft
     model), a draft count chosen per batch size, or drafts under async scheduling (their
-    placeholders). Lookahead hashing and prefill lookahead are refused on their own."""
+    placeholders), nor drafts beside a KV connector (each is judged alone; the two together have
+    no test of their own yet). Lookahead hashing and prefill lookahead are refused on their own."""
     spec = sched.vllm_config.speculative_config
     k = getattr(sched, "num_spec_tokens", 0)
     if spec is None and not k and not getattr(sched, "num_lookahead_tokens", 0):
@@ -120,6 +139,8 @@ def speculation_features(sched: Any) -> list[Feature]:
         found.append(("dynamic speculative decoding", "draft tokens per batch size"))
     if spec is None or not k:
         found.append(("speculative decoding", f"{k} draft tokens without a speculative config"))
+    if getattr(sched, "connector", None) is not None:  # each judged alone, never together yet
+        found.append(("speculative decoding beside a KV connector", f"{k} draft tokens"))
     return found
 
 
@@ -173,16 +194,18 @@ def drafts_modelled(sched: Any) -> bool:
     return bool(getattr(sched, "num_spec_tokens", 0)) and not speculation_features(sched)
 
 
-def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
+def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts on a request beyond what the spec models (more than the scheduler's
     ``num_spec_tokens``, or any where it refuses speculation), requests that hold blocks while waiting, and stale
     output whose mode (drop or deliver) is not the scheduler's (``reset_prefix_cache`` with
     running requests and resumable requests drop it; the spec has one mode per configuration).
-    ``scheduling``: the entry point is ``schedule()``."""
+    ``scheduling``: the entry point is ``schedule()``. ``loaders``: requests the attachment
+    follows through an asynchronous KV load (``WAITING_FOR_REMOTE_KVS``, then waiting with
+    their loaded blocks until scheduled), which the spec models."""
     found: list[Feature] = []
     for request in sched.requests.values():
-        if request.status in BLOCKED:
+        if request.status in BLOCKED and request.request_id not in loaders:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
         if drafts > getattr(sched, "num_spec_tokens", 0) or (drafts and not drafts_modelled(sched)):
@@ -194,7 +217,8 @@ def pending_features(sched: Any, scheduling: bool) -> list[Feature]:
         ):
             mode = "drop" if request.drop_stale_output else "deliver"
             found.append(("stale output mode per request", f"{request.request_id}: {mode}"))
-    if len(getattr(sched, "kv_holding_waiting", ())):
+    holding = getattr(sched, "kv_holding_waiting", ())
+    if any(request.request_id not in loaders for request in holding):
         found.append(("blocks held while waiting", "kv_holding_waiting is not empty"))
     if getattr(sched, "num_waiting_for_streaming_input", 0):
         found.append(("streaming input", "a session waits for input"))

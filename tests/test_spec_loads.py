@@ -1,0 +1,136 @@
+"""External KV loads in the spec, the two kinds vLLM's connector API has: an asynchronous load
+(``schedule`` with loaded blocks and no tokens: the request waits for the step's commit, and the
+load may fail) and a synchronous one (loaded blocks and tokens computed after them in the same
+step: landed before the forward pass reads it, never failing); and when an asynchronous load's
+blocks are registered (``Config.delay_load_registration``: at the load, or when the request is
+next scheduled, as vLLM's ``delay_cache_blocks`` does). The invariants catch an engine that
+lets a block be hit before its load has landed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec.spec import INVARIANTS, Config, Illegal, apply, initial_state
+from kvspec.spec.state import State
+
+PROMPT = (1, 2, 3, 4, 5)
+"""Five tokens in blocks of 2: two full blocks may be loaded, the fifth token is computed."""
+
+
+def run(config: Config, decisions: list[tuple[object, ...]]) -> tuple[State, list[object]]:
+    """Apply the decisions; the state and every effect, in order."""
+    s = initial_state(config)
+    effects: list[object] = []
+    for decision in decisions:
+        effects += apply(s, decision)
+    return s, effects
+
+
+def violations(s: State) -> list[str]:
+    return [name for name, check in INVARIANTS.items() if check(s) is not None]
+
+
+def config(delay: bool = False, depth: int = 1) -> Config:
+    return Config(
+        num_blocks=8,
+        block_size=2,
+        depth=depth,
+        policy="eager-unsafe",
+        discipline="general",
+        delay_load_registration=delay,
+    )
+
+
+def test_a_synchronous_load_computes_the_rest_of_the_prompt_in_its_step() -> None:
+    s, effects = run(
+        config(),
+        [
+            ("arrive", 0, PROMPT, 2, 0),
+            ("begin", 0),
+            ("schedule", 0, 1, 2),  # two blocks loaded, the fifth token computed after them
+        ],
+    )
+    entry = s.steps[0].entries[0]
+    assert (entry.start, entry.end, entry.load, entry.samples, entry.loaded) == (
+        0,
+        5,
+        False,
+        True,
+        2,
+    )
+    assert s.steps[0].budget_used == 1  # only the computed token counts
+    assert s.requests[0].loading is None  # nothing to wait for
+    assert [e for e in effects if e[0] == "publish"] == [("publish", 0, 0, 1), ("publish", 0, 1, 2)]
+    for decision in [("submit", 0), ("execute", 0, ()), ("commit", 0, ((0, 7),))]:
+        apply(s, decision)
+    assert s.requests[0].tokens == [*PROMPT, 7] and not violations(s)
+
+
+def test_a_synchronous_load_never_fails_and_returns_only_its_tokens_to_the_budget() -> None:
+    s, _ = run(config(), [("arrive", 0, PROMPT, 2, 0), ("begin", 0), ("schedule", 0, 1, 2)])
+    apply(s, ("preempt", 0))  # withdrawn from the building step
+    assert s.steps[0].budget_used == 0
+    s, _ = run(
+        config(),
+        [("arrive", 0, PROMPT, 2, 0), ("begin", 0), ("schedule", 0, 1, 2), ("submit", 0)],
+    )
+    with pytest.raises(Illegal, match="only external loads can fail"):
+        apply(s, ("execute", 0, (0,)))
+
+
+def test_neither_tokens_nor_blocks_is_still_illegal() -> None:
+    s, _ = run(config(), [("arrive", 0, PROMPT, 2, 0), ("begin", 0)])
+    with pytest.raises(Illegal, match="either compute tokens"):
+        apply(s, ("schedule", 0, 0, 0))
+    with pytest.raises(Illegal, match="last known token must be computed"):
+        apply(s, ("schedule", 0, 1, 3))  # three blocks would hold the last token
+
+
+def test_a_delayed_registration_publishes_the_loaded_blocks_at_the_next_schedule() -> None:
+    s, effects = run(
+        config(delay=True),
+        [
+            ("arrive", 0, PROMPT, 2, 0),
+            ("begin", 0),
+            ("schedule", 0, 0, 2),  # an asynchronous load: nothing published yet
+            ("submit", 0),
+            ("execute", 0, ()),
+            ("commit", 0, ()),
+        ],
+    )
+    assert not [e for e in effects if e[0] == "publish"] and not s.index
+    later = []
+    for decision in [("begin", 1), ("schedule", 0, 1, 0)]:
+        later += apply(s, decision)
+    assert [e for e in later if e[0] == "publish"] == [("publish", 0, 0, 1), ("publish", 0, 1, 2)]
+    assert not violations(s)
+
+
+HIT_BEFORE_LANDING = [
+    ("arrive", 0, PROMPT, 2, 0),
+    ("arrive", 1, (1, 2, 3, 4, 9), 2, 0),
+    ("begin", 0),
+    ("schedule", 0, 0, 2),  # r0 loads two blocks asynchronously
+    ("submit", 0),
+    ("begin", 1),
+    ("schedule", 1, 1, 0),  # r1 is admitted while the load is in flight
+    ("submit", 1),
+    ("execute", 0, (0,)),  # the load fails
+    ("execute", 1, ()),
+]
+
+
+def test_a_block_hit_before_its_load_has_landed_is_caught() -> None:
+    """An engine that publishes an asynchronous load's blocks at the load (eager registration, as
+    vLLM without ``delay_cache_blocks``) lets r1 hit them while the load is in flight; the load
+    fails and r1's step reads garbage: NoUnwrittenRead. Registered when r0 is next scheduled
+    (vLLM's way), r1 misses them, computes its first token instead, and everything holds."""
+    s, effects = run(config(depth=2), HIT_BEFORE_LANDING)
+    assert ("hit", 1, (1, 2)) in effects
+    assert "NoUnwrittenRead" in violations(s)
+    s, effects = run(config(delay=True, depth=2), HIT_BEFORE_LANDING)
+    assert ("hit", 1, ()) in effects
+    assert not violations(s)
+    done = apply(s, ("commit", 0, ()))
+    assert ("load_failed", 0) in done and s.requests[0].status == "waiting"  # recomputed
+    assert not violations(s)
