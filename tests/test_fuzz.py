@@ -90,7 +90,7 @@ EITHER_ZOMBIE = ("NoUnwrittenPublish", "NoUnwrittenRead")
         # the publication or as a read, seed by seed: either is its bug).
         ("eager-rollback-fifo", "general", "priority", False, ("NoUnwrittenRead",), 0),
         ("eager-rollback-fifo", "vllm", "fcfs", True, ("NoUnwrittenPublish",), 1),
-        ("eager-rollback-single", "vllm", "fcfs", True, EITHER_ZOMBIE, 0),
+        ("eager-rollback-single", "vllm", "fcfs", True, EITHER_ZOMBIE, 1),
     ],
 )
 def test_unsafe_cells_fail_with_a_shrunk_counterexample(
