@@ -33,10 +33,11 @@ used to take most of the time, and runs were a few engine steps long):
   and preconditions, which cost draws and ``_rule_is_enabled`` calls per rule and disabled the
   ``step`` or ``arrive`` rule in many runs, which then did nothing); under ``lockstep_test``
   that choice also holds the stop (``ACTIONS``, ``STOP``);
-* every choice is one integer straight from the choice sequence (``_draw_integer``): no ``.filter``, no lists, no strategy per draw; the engine's own
-  choices (``DataChoices.pick``) too. An action's parameters stay choices of their own (folding
-  a step's count or an arrival's budget into the kind's choice, one choice per action, shrank
-  the seed bug's counterexamples longer). An arrival is three choices, each an index into a table ordered simplest first: how its
+* every choice is one integer straight from the choice sequence (``_draw_integer``): no
+  ``.filter``, no lists, no strategy per draw; the engine's own choices (``DataChoices.pick``)
+  too. An action's parameters stay choices of their own (folding a step's count or an arrival's
+  budget into the kind's choice, one choice per action, shrank the seed bug's counterexamples
+  longer). An arrival is three choices, each an index into a table ordered simplest first: how its
   prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
   (``PROMPT_SUFFIXES``, shorter first) and its (max new tokens, priority) (``BUDGETS``), plus
   one for an external load under ``loads`` (against one choice per field, over several seeds
@@ -50,10 +51,11 @@ publication), before any request reads it. To see the read itself (``NoUnwritten
 wrong K/V a model would attend to), judge with the publish invariant off, ``kvspec fuzz
 --invariant NoUnwrittenRead``, so that the fuzzer must drive on to a reader. We chose that over
 a targeting score (``hypothesis.target``): ``run_cell`` runs seeded batches of examples without
-the target phase (a score would cost a call per example, and its climb needs long runs), while an invariant left out costs
-nothing and keeps the search seeded; ``fuzz_coverage.RunCoverage`` counts the zombie hits the
-runs reach. (Arrivals that copy an earlier request's prompt, to make such a reader likelier,
-were tried: they make one action depend on another, and counterexamples shrank worse.)
+the target phase (a score would cost a call per example, and its climb needs long runs), while
+an invariant left out costs nothing and keeps the search seeded; ``fuzz_coverage.RunCoverage``
+counts the zombie hits the runs reach. (Arrivals that copy an earlier request's prompt, to make
+such a reader likelier, were tried: they make one action depend on another, and counterexamples
+shrank worse.)
 """
 
 from __future__ import annotations
@@ -581,7 +583,8 @@ def lockstep_test(
     inner = run_lockstep.hypothesis.inner_test  # type: ignore[attr-defined]
     inner._hypothesis_internal_add_digest = digest
     # The database key Hypothesis would compute on every call (hashing the source), once.
-    run_lockstep._hypothesis_internal_database_key = function_digest(inner)  # type: ignore[attr-defined]
+    key = function_digest(inner)
+    run_lockstep._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
     return run_lockstep
 
 
