@@ -294,9 +294,9 @@ def bug_sweep(trees: dict[str, Path], budget: float, bug_seeds: list[int]) -> No
             for name in trees:
                 found = [n for n in shrunk[name] if n is not None]
                 totals[name].extend(found)
-                mean = sum(found) / len(found) if found else float("nan")
+                mean = f"mean {sum(found) / len(found):.1f}" if found else "none found"
                 lengths = " ".join("-" if n is None else str(n) for n in shrunk[name])
-                print(f"    {name}: shrunk {lengths}; mean {mean:.1f}")
+                print(f"    {name}: shrunk {lengths}; {mean}")
     if len(bug_seeds) > 1:
         for name in trees:
             found = totals[name]
