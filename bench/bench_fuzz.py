@@ -18,11 +18,15 @@ tree's own code (functions defined in its files, and the methods of its mypyc-co
 classes, which cProfile sees as C calls), in Hypothesis, and elsewhere (builtins, the standard
 library). cProfile slows small functions most, so the shares are indicative.
 
-``--bugs``: the seeded bugs once per tree (seed 1, ``--bug-seconds`` budget, default 300): seconds to the first
-counterexample, its length before shrinking and after (program entries), the invariant.
+``--bugs``: the seeded bugs (the cells of the tests that expect a finding, and the seed bug as a
+read) once per tree and seed (``--bug-seeds``, default 1; e.g. ``1-20``; ``--bug-seconds``
+budget each, default 300): seconds to the first counterexample, its length before shrinking and
+after (program entries), the invariant; with several seeds, per bug and tree the shrunk lengths
+seed by seed and their mean (the seed sweep of docs/fuzzing.md), and the mean over all bugs.
+``--only-bugs`` skips the throughput cells.
 
     .venv/bin/python bench/bench_fuzz.py [--seconds 15] [--rounds 3] [--before REF] [--bugs]
-        [--bug-seconds 300]
+        [--bug-seconds 300] [--bug-seeds 1-20] [--only-bugs]
 """
 
 from __future__ import annotations
@@ -72,7 +76,21 @@ BUGS = {
         async_scheduling=True,
         stale_output="deliver",
     ),
+    "eager-rollback-fifo general/priority": dict(
+        policy="eager-rollback-fifo", discipline="general", preemption="priority"
+    ),
+    "eager-rollback-fifo vllm/fcfs --loads": dict(
+        policy="eager-rollback-fifo", discipline="vllm", preemption="fcfs", loads=True
+    ),
+    "eager-rollback-single vllm/fcfs --loads": dict(
+        policy="eager-rollback-single", discipline="vllm", preemption="fcfs", loads=True
+    ),
+    "eager-unsafe general/priority": dict(
+        policy="eager-unsafe", discipline="general", preemption="priority"
+    ),
 }
+"""The seeded bugs: the seed bug (``kvspec fuzz``'s, ``conftest.seed_bug_run``), as a read, and
+the cells of ``tests/test_fuzz.py``'s and ``tests/test_checker.py``'s counterexamples."""
 
 CHILD = r"""
 import cProfile, importlib.util, json, sys, time, types
@@ -241,6 +259,51 @@ def show(title: str, before: dict[str, float], after: dict[str, float]) -> None:
             print(f"  {name:34s} {old:>12,.0f} {new:>12,.0f} {ratio:>13s}")
 
 
+def seeds(text: str) -> list[int]:
+    """``"1-20"`` or ``"1,3,5"`` (or a mix): the seeds, in order."""
+    out: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.extend(range(int(low), int(high or low) + 1))
+    return out
+
+
+def bug_sweep(trees: dict[str, Path], budget: float, bug_seeds: list[int]) -> None:
+    """Each seeded bug under each tree and seed: the first counterexample and its shrinking."""
+    print(
+        f"\nseeded bugs (seeds {bug_seeds[0]}..{bug_seeds[-1]}, budget {budget:g} s each): "
+        "seconds to the first counterexample, its length (program entries) unshrunk -> shrunk"
+    )
+    totals: dict[str, list[int]] = {name: [] for name in trees}
+    for title, cell in BUGS.items():
+        shrunk: dict[str, list[int | None]] = {name: [] for name in trees}
+        for seed in bug_seeds:
+            line = []
+            for name in trees:
+                r = child(trees[name], cell, budget, seed, False)
+                shrunk[name].append(r["shrunk"])
+                if r["found"] is None:
+                    line.append(f"{name}: not found in {r['seconds']:.0f} s")
+                else:
+                    line.append(
+                        f"{name}: {r['found']} after {r['to_failure']:.1f} s, "
+                        f"{r['unshrunk']} -> {r['shrunk']}"
+                    )
+            print(f"  {title}, seed {seed}: " + "; ".join(line), flush=True)
+        if len(bug_seeds) > 1:
+            for name in trees:
+                found = [n for n in shrunk[name] if n is not None]
+                totals[name].extend(found)
+                mean = f"mean {sum(found) / len(found):.1f}" if found else "none found"
+                lengths = " ".join("-" if n is None else str(n) for n in shrunk[name])
+                print(f"    {name}: shrunk {lengths}; {mean}")
+    if len(bug_seeds) > 1:
+        for name in trees:
+            found = totals[name]
+            print(f"  mean shrunk length, all bugs, {name}: {sum(found) / max(1, len(found)):.2f} "
+                  f"({len(found)} found)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=15.0)
@@ -248,8 +311,12 @@ def main() -> None:
     parser.add_argument("--before", default=BEFORE, help="git revision of 'before'")
     parser.add_argument("--bugs", action="store_true", help="also the seeded bugs, once each")
     parser.add_argument("--bug-seconds", type=float, default=300.0, help="budget per bug")
+    parser.add_argument("--bug-seeds", type=seeds, default=[1], help="e.g. 1-20 (--bugs)")
+    parser.add_argument("--only-bugs", action="store_true", help="no throughput cells")
     parser.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
     args = parser.parse_args()
+    if args.only_bugs:
+        args.bugs, args.cells = True, []
     trees = {"before": tree_link(checkout(args.before)), "after": tree_link(ROOT)}
     load = os.getloadavg()
     print(
@@ -270,22 +337,7 @@ def main() -> None:
         after = summary(got["after"], profiled["after"])
         show(f"kvspec fuzz --policy {title} --seconds {args.seconds:g}", before, after)
     if args.bugs:
-        print(
-            f"\nseeded bugs (seed 1, budget {args.bug_seconds:g} s): seconds to the first "
-            "counterexample, its length (program entries) unshrunk -> shrunk"
-        )
-        for title, cell in BUGS.items():
-            line = []
-            for name in ("before", "after"):
-                r = child(trees[name], cell, args.bug_seconds, 1, False)
-                if r["found"] is None:
-                    line.append(f"{name}: not found in {r['seconds']:.0f} s")
-                else:
-                    line.append(
-                        f"{name}: {r['found']} after {r['to_failure']:.1f} s, "
-                        f"{r['unshrunk']} -> {r['shrunk']}"
-                    )
-            print(f"  {title}: " + "; ".join(line))
+        bug_sweep(trees, args.bug_seconds, args.bug_seeds)
     load = os.getloadavg()
     print(f"\nload average at end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
 

@@ -13,14 +13,17 @@ returns what it found, how many engine steps each run took and what the runs rea
 
 The machine class is the public face (HypoFuzz runs its ``TestCase``, tests run it through
 ``run_state_machine_as_test``), but ``run_cell`` does not drive it through Hypothesis's stateful
-runner: ``lockstep_test`` is a plain ``@given(st.data())`` test that makes an instance, calls
-``configure`` with arguments drawn from the strategies its ``@initialize`` declares, then, for
-each action, opens a span and draws a rarely true "stop" boolean (forced once the step count is
-reached, as the stateful runner does), and calls ``act``, ``observables_agree`` and, at the end,
-``teardown``. The logic stays in the machine's methods, one copy; the choice sequence keeps the
-stateful runner's shape (one span per action), so the shrinker still deletes whole actions; and
-the runner's per-step work (choosing among rules, drawing a fresh ``st.data()`` object, printing
-and timing support), which cost more than the engine and the judge together, is gone.
+runner: ``lockstep_test`` is a plain ``@given(st.data())`` test that makes an instance of the
+machine's plain ``run_class``, calls ``setup`` (the configuration, drawn directly), then, for each
+action, opens a span and makes one choice that either stops the run (``STOP``, forced once the
+step count is reached, as the stateful runner forces its stop boolean) or names the kind of the
+action, and calls ``perform``, ``agree`` and, at the end, ``teardown``. The logic stays in the
+run's methods, one copy (the machine's rules call them); the choice sequence keeps the stateful
+runner's shape (one span per action), so the shrinker still deletes whole actions; and the
+runner's per-step work (choosing among rules, drawing a fresh ``st.data()`` object, printing and
+timing support), which cost more than the engine and the judge together, is gone.
+``run_cell`` ends a batch of examples when the time is up (``BudgetSpent``). Why each choice
+and setting was made, with the figures: docs/fuzzing.md, "Where the fuzzer's time goes".
 
 The machine is built so that Hypothesis draws little per engine decision (its drawing machinery
 used to take most of the time, and runs were a few engine steps long):
@@ -28,10 +31,13 @@ used to take most of the time, and runs were a few engine steps long):
 * one rule, ``act``, always enabled: the kind of action is one integer choice into the run's mix
   (``MIXES``, drawn once per run: swarm testing by table, instead of Hypothesis's feature flags
   and preconditions, which cost draws and ``_rule_is_enabled`` calls per rule and disabled the
-  ``step`` or ``arrive`` rule in many runs, which then did nothing);
+  ``step`` or ``arrive`` rule in many runs, which then did nothing); under ``lockstep_test``
+  that choice also holds the stop (``ACTIONS``, ``STOP``);
 * every choice is one integer straight from the choice sequence (``_draw_integer``): no
   ``.filter``, no lists, no strategy per draw; the engine's own choices (``DataChoices.pick``)
-  too. An arrival is three choices, each an index into a table ordered simplest first: how its
+  too. An action's parameters stay choices of their own (folding a step's count or an arrival's
+  budget into the kind's choice, one choice per action, shrank the seed bug's counterexamples
+  longer). An arrival is three choices, each an index into a table ordered simplest first: how its
   prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
   (``PROMPT_SUFFIXES``, shorter first) and its (max new tokens, priority) (``BUDGETS``), plus
   one for an external load under ``loads`` (against one choice per field, over several seeds
@@ -44,11 +50,12 @@ A counterexample of an eager policy is usually found as ``NoUnwrittenPublish`` (
 publication), before any request reads it. To see the read itself (``NoUnwrittenRead``: the
 wrong K/V a model would attend to), judge with the publish invariant off, ``kvspec fuzz
 --invariant NoUnwrittenRead``, so that the fuzzer must drive on to a reader. We chose that over
-a targeting score (``hypothesis.target``): ``run_cell`` runs short seeded batches of examples,
-which leave Hypothesis's target phase nothing to climb, while an invariant left out costs
-nothing and keeps the search seeded; ``fuzz_coverage.RunCoverage`` counts the zombie hits the
-runs reach. (Arrivals that copy an earlier request's prompt, to make such a reader likelier,
-were tried: they make one action depend on another, and counterexamples shrank worse.)
+a targeting score (``hypothesis.target``): ``run_cell`` runs seeded batches of examples without
+the target phase (a score would cost a call per example, and its climb needs long runs), while
+an invariant left out costs nothing and keeps the search seeded; ``fuzz_coverage.RunCoverage``
+counts the zombie hits the runs reach. (Arrivals that copy an earlier request's prompt, to make
+such a reader likelier, were tried: they make one action depend on another, and counterexamples
+shrank worse.)
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, reject, seed, setti
 from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
+from hypothesis.internal.reflection import function_digest
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     get_state_machine_test,
@@ -125,6 +133,26 @@ starts with ``step``: the shrinker lowers a kind to the first, and a step of an 
 nothing (it is not even recorded), whereas an arrival it cannot delete would stay in the
 counterexample."""
 
+SLOT_VALUES = 31
+"""How many values of ``lockstep_test``'s action choice stand for each slot of the run's mix."""
+
+ACTIONS = len(MIXES[0]) * SLOT_VALUES
+"""The action choice is an integer from 0 to ``ACTIONS`` (248): 0 (``STOP``) ends the run, ``v``
+above it is the kind in slot ``(v - 1) // SLOT_VALUES`` of the mix. Below 256, where Hypothesis
+draws an integer uniformly (beyond, its distribution favours small values), and 256 itself, a
+literal in kvspec's source, would be drawn more often (``HypothesisProvider`` returns, 5% of the
+time, an integer literal of at least 100 found in the tested modules): the most slots of 31
+values. So a run stops early with probability 1/249 per action, and each kind is as likely as
+its share of the mix."""
+
+STOP = 0
+"""The value of the action choice that ends a run: the stop and the kind of the action are one
+choice (the stateful runner draws a "stop" boolean before each rule, then the rule draws the
+kind). Forced after the run's last action. It is the simplest value: the shrinker's first try at
+an action's choice is to end the run there, and Hypothesis's simplest examples (one per batch,
+and the first few of each) stop at once instead of running as many idle steps as a run has
+actions; and being below 100 it is never one of the literals Hypothesis draws more often."""
+
 
 class CounterexampleFound(AssertionError):
     """Raised inside a run when the judge reports a finding."""
@@ -141,7 +169,7 @@ def _draw_integer(data: Any) -> Callable[[int, int], int]:
     conjecture = getattr(data, "conjecture_data", None)
     direct = getattr(conjecture, "draw_integer", None)
     if direct is not None:
-        return lambda lo, hi: int(direct(lo, hi, shrink_towards=lo))
+        return lambda lo, hi: direct(lo, hi, shrink_towards=lo)  # type: ignore[no-any-return]
     return lambda lo, hi: int(data.draw(st.integers(lo, hi)))
 
 
@@ -161,6 +189,10 @@ class DataChoices:
         """Draw from ``data`` (an ``st.data()`` object), or, with None, answer 0."""
         self.data = data
         self.draw = None if data is None else _draw_integer(data)
+
+    def use(self, draw: Callable[[int, int], int] | None) -> None:
+        """Draw with ``draw`` (``_draw_integer``'s), or, with None, answer 0."""
+        self.draw = draw
 
 
 @dataclass
@@ -215,6 +247,21 @@ def timings(
     )
 
 
+def draw_timing(
+    draw: Callable[[int, int], int],
+    depth: int | None,
+    async_scheduling: bool | None,
+    stale_output: str | None,
+) -> tuple[bool, str, int]:
+    """(async scheduling, stale output, depth) of one run, as ``timings`` draws it, each a direct
+    integer choice (``lockstep_test``'s configuration); the arguments are checked by ``timings``."""
+    overlap = bool(draw(0, 1)) if async_scheduling is None else async_scheduling
+    stale = STALE_OUTPUTS[draw(0, len(STALE_OUTPUTS) - 1)] if stale_output is None else stale_output
+    if depth is None:
+        depth = draw(2 if overlap or stale == "deliver" else 1, 3)
+    return overlap, stale, depth
+
+
 ENGINES = ("fast", "spec")
 
 
@@ -259,47 +306,35 @@ def lockstep_machine(
     the reference engine). ``engine``: how the runs are judged (``run_judge``)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
-    timing = timings(depth, async_scheduling, stale_output)
+    timings(depth, async_scheduling, stale_output)  # the arguments' check (ValueError)
     tally = Tally()
 
-    arguments = dict(
-        num_blocks=st.integers(4, 8),
-        block_size=st.sampled_from((2, 4)),
-        timing=timing,
-        token_budget=st.integers(3, 12),
-        max_running=st.integers(2, 4),
-        mix=st.integers(0, len(MIXES) - 1),
-    )
+    class LockstepRun:
+        """One run of the cell: its engine, judge and program; ``lockstep_test`` drives it."""
 
-    class LockstepMachine(RuleBasedStateMachine):
-        configure_arguments = arguments
-        """The strategies of ``configure``'s arguments (``lockstep_test`` draws them too)."""
-
-        @initialize(**arguments)
-        def configure(
-            self,
-            num_blocks: int,
-            block_size: int,
-            timing: tuple[bool, str, int],
-            token_budget: int,
-            max_running: int,
-            mix: int,
-        ) -> None:
-            overlap, stale, depth = timing
+        def setup(self, draw: Callable[[int, int], int]) -> None:
+            """Draw the run's configuration (each field one integer choice, the simplest first:
+            4 to 8 blocks of 2 or 4 tokens, ``draw_timing``, a token budget of 3 to 12, 2 to 4
+            running requests, one of ``MIXES``) and build its engine and judge; a configuration
+            the engine refuses (``ValueError`` from the factory) is rejected, not a finding."""
+            num_blocks = draw(4, 8)
+            block_size = (2, 4)[draw(0, 1)]
+            overlap, stale, run_depth = draw_timing(draw, depth, async_scheduling, stale_output)
             common = dict(
                 num_blocks=num_blocks,
                 block_size=block_size,
-                depth=depth,
+                depth=run_depth,
                 policy=policy,
                 discipline=discipline,
                 preemption=preemption,
-                token_budget=token_budget,
-                max_running=max_running,
+                token_budget=draw(3, 12),
+                max_running=draw(2, 4),
                 stop_token=0,
                 async_scheduling=overlap,
                 stale_output=stale,
                 prefix_caching=prefix_caching,
             )
+            mix = MIXES[draw(0, len(MIXES) - 1)]
             self.choices = DataChoices()
             try:
                 self.engine = factory(Config(**common), self.choices)
@@ -309,19 +344,18 @@ def lockstep_machine(
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
-            self.mix = MIXES[mix]
+            self.mix = mix
             self.loads = loads
             self.coverage = RunCoverage()
             tally.runs += 1
 
-        @rule(data=st.data())
-        def act(self, data: Any) -> None:
-            """One action of the workload, its kind from the run's mix: all the choices are
-            made here, from one ``st.data()``, so that no rule needs a precondition."""
-            draw = _draw_integer(data)
-            kind = self.mix[draw(0, len(self.mix) - 1)]
+        def perform(self, slot: int, draw: Callable[[int, int], int]) -> None:
+            """The action of kind ``self.mix[slot]``, drawing its own choices with ``draw``: a
+            step's count, an arrival's prompt and budget, an abort's request (the engine's own
+            choices too, during steps)."""
+            kind = self.mix[slot]
             if kind == "step":
-                self._steps(data, STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)])
+                self._steps(draw, STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)])
             elif kind == "arrive":
                 self._arrive(draw)
             elif kind == "abort":
@@ -345,13 +379,13 @@ def lockstep_machine(
                 lambda: self.engine.add_request(rid, prompt, max_tokens, priority, external),
             )
 
-        def _steps(self, data: Any, count: int) -> None:
+        def _steps(self, draw: Callable[[int, int], int], count: int) -> None:
             """Up to ``count`` engine steps; an idle engine ends them (and is not recorded)."""
-            self.choices.attach(data)
+            self.choices.use(draw)
             for _ in range(count):
                 if not self._run("engine step", self.engine.step, idle=False):
                     break
-            self.choices.attach(None)
+            self.choices.use(None)
 
         def _abort(self, which: int) -> None:
             live = self.engine.live_requests()
@@ -359,8 +393,9 @@ def lockstep_machine(
                 rid = live[which % len(live)]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
 
-        @invariant()
-        def observables_agree(self) -> None:
+        def agree(self) -> None:
+            """The engine's own check, its refcounts and free queue against the judge's (or the
+            judge's settled state), its native KV-event stream: a difference is a finding."""
             if not hasattr(self, "judge"):
                 return
             self_check = getattr(self.engine, "self_check", None)
@@ -434,6 +469,29 @@ def lockstep_machine(
             except Exception:  # the finding stands; a crashed engine just stops the tail
                 pass
 
+    class LockstepMachine(LockstepRun, RuleBasedStateMachine):
+        """The same run as a Hypothesis state machine (its ``TestCase`` for HypoFuzz and
+        ``run_state_machine_as_test``): one initialize rule, one rule, one invariant."""
+
+        run_class = LockstepRun
+        """The plain class ``lockstep_test`` instantiates (no state-machine set-up per run)."""
+
+        @initialize(data=st.data())
+        def configure(self, data: Any) -> None:
+            """The stateful runner's start of a run: ``setup``, drawing from ``data``."""
+            self.setup(_draw_integer(data))
+
+        @rule(data=st.data())
+        def act(self, data: Any) -> None:
+            """One action of the workload (the stateful runner's one rule, always enabled): an
+            action choice, then ``perform``."""
+            draw = _draw_integer(data)
+            self.perform(draw(0, len(self.mix) - 1), draw)
+
+        @invariant()
+        def observables_agree(self) -> None:
+            self.agree()
+
     loads_tag = (",loads" if loads else "") + ("" if prefix_caching else ",no-caching")
     timing_tag = _timing_tag(async_scheduling, stale_output)
     target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
@@ -452,56 +510,81 @@ the first 8 bytes of the SHA-256 of "kvspec lockstep action", as it was first co
 
 def _spans_available() -> bool:
     """Whether this Hypothesis's choice sequence has the span and boolean calls the lockstep
-    driver uses (``ConjectureData.start_span``, ``stop_span``, ``draw_boolean``)."""
+    driver uses (``ConjectureData.start_span``, ``stop_span``, ``draw_integer``)."""
     try:
         from hypothesis.internal.conjecture.data import ConjectureData
     except ImportError:
         return False
-    return all(hasattr(ConjectureData, n) for n in ("start_span", "stop_span", "draw_boolean"))
+    return all(hasattr(ConjectureData, n) for n in ("start_span", "stop_span", "draw_integer"))
+
+
+class BudgetSpent(KeyboardInterrupt):
+    """Raised by ``lockstep_test`` before an example once ``spent()`` says so, ending the batch
+    (``run_cell`` catches it). A ``KeyboardInterrupt``: the one exception Hypothesis lets through
+    without recording the example (an example that stopped drawing where an earlier one went on
+    would be reported as flaky data generation) and without reporting or shrinking it. Never
+    raised once a failure has been found (its shrinking runs to the end)."""
 
 
 def lockstep_test(
-    machine: type[RuleBasedStateMachine], config: settings, digest: bytes = b""
+    machine: type[RuleBasedStateMachine],
+    config: settings,
+    digest: bytes = b"",
+    spent: Callable[[], bool] | None = None,
 ) -> Callable[[], None]:
     """The test function that runs ``machine`` (a ``lockstep_machine`` class) under ``config``:
-    one example is one run, as under ``get_state_machine_test``, but driven here.
+    one example is one run, as under ``get_state_machine_test``, but driven here, on an instance
+    of the machine's plain ``run_class`` (no state-machine set-up per run).
 
-    It draws ``configure``'s arguments from the strategies its ``@initialize`` declares
-    (``configure_arguments``), then runs actions: before each, a span is opened and a "stop"
-    boolean drawn (probability 2**-16, forced after ``stateful_step_count - 1`` actions, as
-    Hypothesis's own stateful runner does, the initialize step counted), then ``act`` and
-    ``observables_agree``; ``teardown`` always. So the shrinker deletes whole actions (a span)
-    as it does in a state machine, while none of the stateful runner's per-step work is done
-    (choosing a rule, drawing a fresh ``st.data()``, printing support, timing). ``digest``
-    keys the example database. Where this Hypothesis lacks the span calls, the machine runs
-    through ``get_state_machine_test`` instead."""
+    It calls ``setup`` (the run's configuration, each field one integer choice), then runs
+    actions: before each, a span is opened and one integer choice made, from 0 to ``ACTIONS``:
+    ``STOP`` ends the run (forced after ``stateful_step_count - 1`` actions, as Hypothesis's own
+    stateful runner forces its "stop" boolean, the initialize step counted), any other value is
+    the kind of the action (a slot of the run's mix), which ``perform`` runs, drawing its own
+    parameters; then ``agree`` (the snapshot comparison); ``teardown`` always. So the shrinker
+    deletes whole actions (a span, at most five choices) as it does in a state machine, one
+    choice per action is saved against the stateful runner's stop boolean and rule choice, and
+    none of its per-step work is done (choosing a rule, drawing a fresh ``st.data()``, printing
+    support, timing). ``digest`` keys the example database (the key is computed here once, not
+    by Hypothesis on every call). ``spent``, when given, is asked before each example: once it
+    answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis lacks the span calls,
+    the machine runs through ``get_state_machine_test`` instead."""
     if not _spans_available():
         return get_state_machine_test(machine, settings=config)
-    configuring = st.fixed_dictionaries(machine.configure_arguments)  # type: ignore[attr-defined]
     actions = max(0, config.stateful_step_count - 1)
+    run_class = getattr(machine, "run_class", machine)
 
     @config
     @given(st.data())
     def run_lockstep(data: Any) -> None:
         choices = data.conjecture_data
-        run = machine()
+        draw_integer = choices.draw_integer
+        if spent is not None and spent():
+            raise BudgetSpent
+        draw = _draw_integer(data)
+        run = run_class()
         try:
-            run.configure(**data.draw(configuring))  # type: ignore[attr-defined]
-            run.observables_agree()  # type: ignore[attr-defined]
+            run.setup(draw)  # type: ignore[attr-defined]
+            run.agree()  # type: ignore[attr-defined]
             done = 0
             while True:
                 choices.start_span(ACTION_LABEL)
-                if choices.draw_boolean(p=2**-16, forced=True if done >= actions else None):
+                action = draw_integer(0, ACTIONS, forced=STOP if done >= actions else None)
+                if action == STOP:
                     choices.stop_span()
                     break
                 done += 1
-                run.act(data)  # type: ignore[attr-defined]
-                run.observables_agree()  # type: ignore[attr-defined]
+                run.perform((action - 1) // SLOT_VALUES, draw)  # type: ignore[attr-defined]
+                run.agree()  # type: ignore[attr-defined]
                 choices.stop_span()
         finally:
             run.teardown()
 
-    run_lockstep.hypothesis.inner_test._hypothesis_internal_add_digest = digest  # type: ignore[attr-defined]
+    inner = run_lockstep.hypothesis.inner_test  # type: ignore[attr-defined]
+    inner._hypothesis_internal_add_digest = digest
+    # The database key Hypothesis would compute on every call (hashing the source), once.
+    key = function_digest(inner)
+    run_lockstep._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
     return run_lockstep
 
 
@@ -540,6 +623,17 @@ class CellResult:
         return 1000.0 * self.lost_hits / self.commits if self.commits else 0.0
 
 
+BATCH = 10
+"""``run_cell``'s examples per batch. Batches of 100 were tried: they spread Hypothesis's fixed
+cost per batch, but its first examples of a batch (a tenth of them, ten of 100) are capped at five
+times the length of their simplest extension, which stops at once (``STOP``), so they overrun
+after a few actions; runs got shorter and engine steps fewer. With ``STOP`` the simplest value,
+the fixed cost of a batch (its simplest example) is small anyway. (Any integer literal of 100 or
+more in kvspec's source becomes a value Hypothesis draws 5% of the time for a choice whose range
+holds it, from a checkout: an installed wheel's modules are not scanned. Adding one changes
+every seeded search.)"""
+
+
 def run_cell(
     policy: str,
     discipline: str = "vllm",
@@ -548,7 +642,7 @@ def run_cell(
     loads: bool = False,
     seconds: float = 10.0,
     seed_value: int = 0,
-    chunk: int = 10,
+    chunk: int = BATCH,
     steps: int = 40,
     invariants: Collection[str] | None = None,
     factory: Factory = reference,
@@ -566,8 +660,10 @@ def run_cell(
     reproducible from its seed (``database``: Hypothesis's example database, whose saved
     failures are tried first; default none; with one, batches are not seeded, since Hypothesis
     uses no database under an explicit seed). A batch in which no example could run (the engine
-    refused every configuration) ends the search: ``runs`` then says how many ran. ``engine``:
-    how the runs are judged (``run_judge``).
+    refused every configuration) ends the search: ``runs`` then says how many ran. A batch also
+    ends, before its next example, once ``seconds`` are spent (``BudgetSpent``; never while a
+    failure is shrunk), so the budget holds whatever ``chunk`` is. ``engine``: how the runs are
+    judged (``run_judge``). Each Hypothesis setting, and why: docs/fuzzing.md.
 
     The batches run one test function, re-seeded (``seed`` sets an attribute of the function),
     not one built per batch: building it hashes the machine's source (Hypothesis's database key),
@@ -600,16 +696,18 @@ def run_cell(
     )
     batch = 0
     digest = repr((machine.__name__, sorted(invariants or ()), engine)).encode()
-    test = lockstep_test(machine, config, digest)
-    while time.monotonic() - tally.started < seconds:
+
+    def spent() -> bool:
+        return tally.first_failure_at is None and time.monotonic() - tally.started >= seconds
+
+    test = lockstep_test(machine, config, digest, spent)
+    while not spent():
         if database is None:  # Hypothesis uses no database under an explicit seed
             test = seed(seed_value * 1_000_003 + batch)(test)
         batch += 1
         try:
             test()
-        except CounterexampleFound:
-            break
-        except Unsatisfiable:
+        except (CounterexampleFound, Unsatisfiable, BudgetSpent):
             break
     return CellResult(
         policy,
