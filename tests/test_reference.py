@@ -283,6 +283,28 @@ def drive(eng: Engine, rng: random.Random, num_requests: int, max_steps: int = 4
     raise AssertionError(f"the engine did not finish in {max_steps} steps (livelock?)")
 
 
+def lockstep_run(
+    cfg: EngineConfig,
+    seed: int,
+    rng: random.Random,
+    num_requests: int,
+    seen: Counter[str] | None = None,
+    compare: bool = True,
+) -> tuple[Engine, Recorder, State]:
+    """One random workload on the recording engine, replayed through the spec event by event
+    (``replay``), the bookkeeping invariants checked at its end and, with ``compare``, the
+    engine's final state compared with the spec's."""
+    eng, rec = recording_engine(cfg, seed, fail_rate=0.3)
+    drive(eng, rng, num_requests=num_requests)
+    rec.snapshots.append(eng.snapshot())
+    s = replay(cfg, rec, rec.snapshots, seen)
+    for name in BOOKKEEPING:
+        assert INVARIANTS[name](s) is None, (name, INVARIANTS[name](s))
+    if compare:
+        _compare_final_state(eng, s)
+    return eng, rec, s
+
+
 def replay(
     cfg: EngineConfig,
     events: list[Event],
@@ -399,13 +421,7 @@ def test_engine_conforms_to_spec(policy: str, discipline: str) -> None:
                     stop_token=rng.choice([None, 0]),
                     vocab=3,
                 )
-                eng, rec = recording_engine(cfg, seed, fail_rate=0.3)
-                drive(eng, rng, num_requests=rng.randint(4, 12))
-                rec.snapshots.append(eng.snapshot())
-                s = replay(cfg, rec, rec.snapshots)
-                for name in BOOKKEEPING:
-                    assert INVARIANTS[name](s) is None, (name, INVARIANTS[name](s))
-                _compare_final_state(eng, s)
+                _, rec, _ = lockstep_run(cfg, seed, rng, rng.randint(4, 12))
                 runs += 1
     assert runs == 24
 
@@ -434,13 +450,7 @@ def test_engine_with_connector_loads_conforms_to_spec(policy: str, sync_loads: b
                     sync_loads=sync_loads,
                     delay_load_registration=delay,
                 )
-                eng, rec = recording_engine(cfg, seed, fail_rate=0.3)
-                drive(eng, rng, num_requests=rng.randint(4, 12))
-                rec.snapshots.append(eng.snapshot())
-                s = replay(cfg, rec, rec.snapshots)
-                for name in BOOKKEEPING:
-                    assert INVARIANTS[name](s) is None, (name, INVARIANTS[name](s))
-                _compare_final_state(eng, s)
+                _, rec, _ = lockstep_run(cfg, seed, rng, rng.randint(4, 12))
                 kinds = [e for e in rec if e[0] == "schedule" and e[3]]
                 loaded += sum(1 for e in kinds if bool(e[2]) == sync_loads)
     assert loaded >= 6, loaded  # the runs did load, of the kind asked for
@@ -472,13 +482,7 @@ def async_run(
         async_scheduling=True,
         stale_output=stale_output,
     )
-    eng, rec = recording_engine(cfg, seed, fail_rate=0.3)
-    drive(eng, rng, num_requests=rng.randint(4, 12))
-    rec.snapshots.append(eng.snapshot())
-    s = replay(cfg, rec, rec.snapshots, seen)
-    for name in BOOKKEEPING:
-        assert INVARIANTS[name](s) is None, (name, INVARIANTS[name](s))
-    _compare_final_state(eng, s)
+    lockstep_run(cfg, seed, rng, rng.randint(4, 12), seen)
     seen["runs"] += 1
 
 
