@@ -29,6 +29,7 @@ from kvspec.spec.events import DECISIONS
 
 from .judge import Judge, UnknownId, handover
 from .judge.fastbuild import fast_judge
+from .judge.fastmodel import restates
 from .report import Report, report_of
 from .trace import Trace, TraceError, open_trace
 
@@ -60,8 +61,8 @@ def check_file(
     except OSError as err:
         return Report(name, 2, error=f"{name}:1: {err}")
     with trace:
-        drafts = trace.config.spec_tokens > 0  # not in the fast model (kvspec/twins.py)
-        if engine == "fast" and check_every == 1 and trace.judging == "strict" and not drafts:
+        fast = engine == "fast" and check_every == 1 and trace.judging == "strict"
+        if fast and restates(trace.config):
             return _fast(trace, name, started, limit, build)
         if trace.judging == "observed" and check_every != 1:
             return Report(

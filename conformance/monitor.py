@@ -32,6 +32,7 @@ from kvspec.spec.events import DECISIONS
 
 from .judge import Finding, Judge
 from .judge.fastbuild import fast_judge
+from .judge.fastmodel import restates
 from .judge.handover import MONITOR_WINDOW, FastRun
 from .report import Report, report_of
 
@@ -80,7 +81,7 @@ class Monitor:
         window: int | None = None,
         invariants: Collection[str] | None = None,
     ) -> Monitor:
-        if config.spec_tokens:  # draft tokens are not in the fast model (kvspec/twins.py)
+        if not restates(config):  # draft tokens are not in the fast model (kvspec/twins.py)
             return cls.on_spec(config, raise_on_finding=raise_on_finding, name=name)
         return cls(config, raise_on_finding, name, window=window, invariants=invariants)
 

@@ -82,11 +82,16 @@ def spec_placeholder(code: int) -> Placeholder:
     return Placeholder(w - rid, rid)
 
 
+def restates(config: Config) -> bool:
+    """Whether this model restates ``config``: everything but speculative decoding
+    (``Config.spec_tokens`` > 0, kvspec/twins.py). ``kvspec check`` and ``Monitor.fast`` judge
+    any other configuration by the spec throughout."""
+    return not config.spec_tokens
+
+
 def refuse_drafts(config: Config) -> None:
-    """Raise ``ValueError`` for speculative decoding (``Config.spec_tokens`` > 0): not restated
-    here (kvspec/twins.py); ``kvspec check`` and ``Monitor.fast`` judge such a configuration by
-    the spec throughout."""
-    if config.spec_tokens:
+    """Raise ``ValueError`` for a configuration this model does not restate (``restates``)."""
+    if not restates(config):
         raise ValueError("speculative decoding (spec_tokens > 0) is judged by the spec only")
 
 
