@@ -189,15 +189,12 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     return found
 
 
-def drafts_modelled(sched: Any) -> bool:
-    """The scheduler's drafts are ones the spec models (``speculation_features`` finds none)."""
-    return bool(getattr(sched, "num_spec_tokens", 0)) and not speculation_features(sched)
-
-
 def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
-    waiting states, drafts on a request beyond what the spec models (more than the scheduler's
-    ``num_spec_tokens``, or any where it refuses speculation), requests that hold blocks while waiting, and stale
+    waiting states, drafts on a request beyond the scheduler's ``num_spec_tokens`` (any, without
+    speculative decoding; the kinds of speculation the spec does not model are
+    ``scheduler_features``', checked beside this at every entry point), requests that hold blocks
+    while waiting, and stale
     output whose mode (drop or deliver) is not the scheduler's (``reset_prefix_cache`` with
     running requests and resumable requests drop it; the spec has one mode per configuration).
     ``scheduling``: the entry point is ``schedule()``. ``loaders``: requests the attachment
@@ -208,7 +205,7 @@ def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()
         if request.status in BLOCKED and request.request_id not in loaders:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
-        if drafts > getattr(sched, "num_spec_tokens", 0) or (drafts and not drafts_modelled(sched)):
+        if drafts > getattr(sched, "num_spec_tokens", 0):  # the rest: scheduler_features
             found.append(("speculative decoding", f"{drafts} draft tokens on {request.request_id}"))
         if (
             request.num_stale_output_tokens
