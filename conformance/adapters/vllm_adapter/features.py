@@ -61,11 +61,13 @@ def scheduler_features(sched: Any) -> list[Feature]:
       one full-attention group and hash blocks of the block size its bound is never below the
       lookup's own (the longest cached prefix, the last token's block excluded) and the hit is the
       spec's; a bound that cuts the hit short or lets it cover the last token's block (a test's
-      stub) is refused at the admission's ``allocate_slots``. ``cap_external_hit`` may zero a KV
-      connector's external hit: a load of fewer blocks is still the engine's choice of a
-      ``schedule`` decision (``allocate_slots``' external tokens, read as before). Its other calls
+      stub) is refused at the admission's ``allocate_slots``. ``cap_external_hit`` may drop a KV
+      connector's external hit (vLLM's keeps it whole or drops it): the load left is still the
+      engine's choice in a ``schedule`` decision, read from ``allocate_slots``' external tokens
+      and checked there like any load (whole blocks, short of the last token's). Its other calls
       (``build_connector_meta``, ``request_finished``, ``take_output``, ``reset``) read the pool or
-      its own state only. A ``Mock``'s non-numeric answers make vLLM raise where they are used."""
+      its own state only. A stand-in is held to the same checks (vLLM raises on a ``Mock``'s
+      bound; a ``MagicMock``'s acts as 1, a capped hit)."""
     found: list[Feature] = []
     kv = sched.kv_cache_manager
     groups = sched.kv_cache_config.kv_cache_groups
