@@ -7,9 +7,12 @@ the free order without prefix caching (one block at a time instead of vLLM's bat
 a Disagreement on the free queue, speculative decoding (drafts accepted and rejected, with and
 without preemption) holds and a planted publish over a rejected draft fails with a
 Disagreement, a KV connector's synchronous and asynchronous loads hold and
-blocks cached before their asynchronous load has landed fail with a Disagreement, a feature the spec does not model is refused (listed, never
-failed; every one seen at construction, not only the first), and without the plugin every case
-passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+blocks cached before their asynchronous load has landed fail with a Disagreement, an EC
+connector and an aux output connector hold (text-only requests sharing prefixes) and a planted
+free order under the aux output connector (a table freed head first) fails with a Disagreement
+while a delayed free and a capped prefix-cache hit are refused, a feature the spec does not
+model is refused (listed, never failed; every one seen at construction, not only the first), and
+without the plugin every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
 from __future__ import annotations
 
@@ -68,12 +71,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_no_caching.py"),
         str(CASES / "case_spec_decode.py"),
         str(CASES / "case_connector.py"),
+        str(CASES / "case_ec_aux.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "6 failed" in out and "13 passed" in out, out[-3000:]
+    assert "7 failed" in out and "17 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -126,19 +130,32 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert cached["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('publish', 0, 2, 6)"
     ), cached
+    for name in ("test_ec_connector_text_only_holds", "test_aux_output_connector_holds"):
+        other = tests[name]  # an EC connector, an aux output connector: text-only, judged
+        assert other["outcome"] == "judged" and other["events"] > 80, other
+    delayed = tests["test_ec_connector_delaying_a_free_is_refused"]
+    assert delayed["outcome"] == "run" and delayed["features"] == ["delayed block free"], delayed
+    capped = tests["test_aux_output_connector_capping_a_hit_is_refused"]
+    assert capped["outcome"] == "run", capped
+    assert capped["features"] == ["aux output connector: a capped prefix-cache hit"], capped
+    head = tests["test_aux_output_connector_blocks_freed_head_first"]
+    assert head["outcome"] == "violation", head  # a table freed head first, under aux output
+    assert head["finding"].startswith(
+        "kvspec: Disagreement: engine emitted ('free', 1), but the spec expects ('free', 5)"
+    ), head
     summary = out[out.index("= kvspec =") :]
-    assert "6  violations" in summary and "8  judged and holding" in summary, summary
+    assert "7  violations" in summary and "10  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
 @needs_vllm
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
-    names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py")
+    names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py", "case_ec_aux.py")
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "19 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "24 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

@@ -43,6 +43,11 @@ load is the ``schedule`` decision's loaded blocks (``allocate_slots``' external 
 tokens computed after them; an asynchronous one is followed by ``AsyncLoads`` (running to the
 spec from its admission, waiting to vLLM until scheduled after ``finished_recving``).
 
+**Other connectors.** An EC connector and an aux output connector are judged
+(``features.scheduler_features`` says why): what they can change shows at run time, a delayed
+free, an error finish, multimodal inputs, and an aux output connector's bound on the prefix-cache
+hit when it cuts the hit short (``_bounded_hit``, at the admission's ``allocate_slots``).
+
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or under async scheduling or beside
 a KV connector, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing,
@@ -682,6 +687,8 @@ class Attachment:
             loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
             if admission:
                 self._safe(self._admission_room, request)
+                if getattr(self.scheduler, "aux_output_connector", None) is not None:
+                    self._safe(self._bounded_hit, request, hits)
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []
@@ -755,6 +762,22 @@ class Attachment:
                 "KV connector: loading requests counted as running",
                 f"{request.request_id} admitted beside {len(self.loads.waiting)} loading",
             )
+
+    def _bounded_hit(self, request: Request, hits: Any) -> None:
+        """An aux output connector's ``max_cache_hit`` bounds vLLM's lookup; the spec's hit is
+        the longest cached prefix short of the last token's block (``spec.pool.lookup``). vLLM's
+        own connector never bounds it lower (``features.scheduler_features``); a hit that stops
+        before a block the pool holds, or covers the last token's block, is refused."""
+        if not self.config.prefix_caching:
+            return  # vLLM looks nothing up
+        got = len(hits.blocks[0]) if hits is not None else 0
+        most = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        where = f"{request.request_id}: {got} blocks hit"
+        if got > most:
+            self.refuse("aux output connector: a hit over the last token's block", where)
+        elif got < min(most, len(hashes)) and self.pool.get_cached_block(hashes[got], [0]):
+            self.refuse("aux output connector: a capped prefix-cache hit", f"{where}, more cached")
 
     def _get_new_blocks(self, original: Method) -> Method:
         def get_new_blocks(num_blocks: int) -> list[Any]:

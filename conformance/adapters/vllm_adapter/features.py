@@ -42,7 +42,32 @@ BLOCKED = (
 
 
 def scheduler_features(sched: Any) -> list[Feature]:
-    """Settings of the scheduler, its KV-cache manager and its pool that the spec does not model."""
+    """Settings of the scheduler, its KV-cache manager and its pool that the spec does not model.
+
+    The scheduler's other connectors are judged whatever their class (a test's ``Mock`` included),
+    since in 0.33.0 they reach what the spec models only through answers the attachment checks at
+    run time, and refuses where they change something (``attach.py``):
+
+    * the EC connector (``ec_connector``, an encoder cache): ``request_finished`` may delay a
+      request's free (seen as its request still in ``requests`` after ``_free_request``: "delayed
+      block free"), ``take_unavailable_requests`` finishes requests with an error (vLLM's
+      ``finish_requests`` inside ``update_from_output``: "request errors"), and its other hooks
+      (``ensure_cache_available``, ``has_cache_item``, ``update_state_after_alloc``) run only for
+      multimodal requests, refused at arrival (and encoder inputs scheduled, at ``submit``). Holding
+      no reference to the scheduler, it touches no block itself;
+    * the aux output connector (``aux_output_connector``, e.g. ``AuxOutputSchedulerConnector``, set
+      after construction by vLLM's tests): ``max_cache_hit`` bounds the local prefix-cache lookup.
+      vLLM's own counts the leading blocks that are cached in the pool or retained by it, so with
+      one full-attention group and hash blocks of the block size its bound is never below the
+      lookup's own (the longest cached prefix, the last token's block excluded) and the hit is the
+      spec's; a bound that cuts the hit short or lets it cover the last token's block (a test's
+      stub) is refused at the admission's ``allocate_slots``. ``cap_external_hit`` may drop a KV
+      connector's external hit (vLLM's keeps it whole or drops it): the load left is still the
+      engine's choice in a ``schedule`` decision, read from ``allocate_slots``' external tokens
+      and checked there like any load (whole blocks, short of the last token's). Its other calls
+      (``build_connector_meta``, ``request_finished``, ``take_output``, ``reset``) read the pool or
+      its own state only. A stand-in is held to the same checks (vLLM raises on a ``Mock``'s
+      bound; a ``MagicMock``'s acts as 1, a capped hit)."""
     found: list[Feature] = []
     kv = sched.kv_cache_manager
     groups = sched.kv_cache_config.kv_cache_groups
@@ -60,7 +85,7 @@ def scheduler_features(sched: Any) -> list[Feature]:
             "KV connector",
             f"{name} takes hits the local prefix cache did not",
         )
-    need(getattr(sched, "ec_connector", None) is not None, "EC connector", "ec_transfer_config")
+    # ec_connector and aux_output_connector are judged (the docstring says why)
     need(
         getattr(sched.scheduler_config, "async_scheduling", False)
         and not (AsyncScheduler is not None and isinstance(sched, AsyncScheduler)),
@@ -103,7 +128,6 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "context parallelism",
         "",
     )
-    need(getattr(sched, "aux_output_connector", None) is not None, "aux output connector", "")
     need(getattr(sched.kv_cache_config, "has_mamba_layers", False), "Mamba layers", "")
     need(
         getattr(sched.kv_cache_config, "hisparse_host_num_blocks", None) is not None,
