@@ -170,6 +170,8 @@ def preempt(s: State, rid: int) -> list[Event]:
             raise Illegal(f"{where}: fcfs preempts the unscheduled tail of running")
         if cfg.preemption == "priority" and rid != max(s.running, key=lambda r: _rank(s, r)):
             raise Illegal(f"{where}: priority preempts the max (priority, arrival)")
+        if _fence(s, rid, None) is not None:
+            raise Illegal(f"{where}: vllm never preempts a request whose free would be deferred")
     step.preempted = True
     s.touched.left.add(rid)
     events = _leave(s, req, stale=cfg.stale_output)

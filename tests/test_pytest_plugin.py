@@ -7,7 +7,9 @@ the free order without prefix caching (one block at a time instead of vLLM's bat
 a Disagreement on the free queue, speculative decoding (drafts accepted and rejected, with and
 without preemption) holds and a planted publish over a rejected draft fails with a
 Disagreement, a KV connector's synchronous and asynchronous loads hold and
-blocks cached before their asynchronous load has landed fail with a Disagreement, a feature the spec does not model is refused (listed, never
+blocks cached before their asynchronous load has landed fail with a Disagreement,
+``defer_block_free``'s deferred frees hold and a free at once or a drain before the fence fail
+with a Disagreement, a feature the spec does not model is refused (listed, never
 failed; every one seen at construction, not only the first), and without the plugin every case
 passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
@@ -68,12 +70,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_no_caching.py"),
         str(CASES / "case_spec_decode.py"),
         str(CASES / "case_connector.py"),
+        str(CASES / "case_defer.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "6 failed" in out and "13 passed" in out, out[-3000:]
+    assert "8 failed" in out and "14 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -126,19 +129,28 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert cached["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('publish', 0, 2, 6)"
     ), cached
+    held = tests["test_deferred_frees_hold"]  # defer_block_free, set after construction
+    assert held["outcome"] == "judged" and held["events"] > 150, held
+    for name, event in (
+        ("test_a_free_at_once_is_caught", "('free', 5), but the spec expects ('finish', 1"),
+        ("test_a_drain_before_the_fence_is_caught", "('free', 3), but the spec computes no"),
+    ):
+        planted = tests[name]
+        assert planted["outcome"] == "violation", planted
+        assert planted["finding"].startswith(f"kvspec: Disagreement: engine emitted {event}")
     summary = out[out.index("= kvspec =") :]
-    assert "6  violations" in summary and "8  judged and holding" in summary, summary
+    assert "8  violations" in summary and "9  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
 @needs_vllm
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
-    names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py")
+    names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py", "case_defer.py")
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "19 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "22 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 
