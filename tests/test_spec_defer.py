@@ -318,6 +318,7 @@ def test_the_fast_and_z3_models_refuse_deferred_frees() -> None:
     """Declared out of their scope (kvspec/twins.py): refused by name, never judged as if the
     frees were immediate; ``kvspec check`` judges such a trace by the spec."""
     from kvspec.conformance.judge.fastmodel import FastModel, restates
+    from kvspec.conformance.monitor import Monitor
     from kvspec.proofs.symbolic import Fragment
 
     assert not restates(_config()) and restates(_config(defer_free=False))
@@ -325,6 +326,7 @@ def test_the_fast_and_z3_models_refuse_deferred_frees() -> None:
         FastModel(_config())
     with pytest.raises(ValueError, match="deferred block freeing"):
         Fragment(Config(4, 1, defer_free=True))
+    assert Monitor.fast(_config()).run is None  # the spec judges
 
 
 def _full_trace(cfg: Config) -> list[tuple[object, ...]]:
@@ -407,3 +409,52 @@ def test_a_reference_engine_that_frees_at_once_fails_the_lockstep(
         except AssertionError:
             caught += 1
     assert caught >= 3, caught
+
+
+ABORT_IN_FLIGHT = [
+    ("arrive", 1, PROMPT, 10, 0),
+    ("begin", 0),
+    ("schedule", 1, 9, 0),
+    ("submit", 0),
+    ("begin", 1),
+    ("schedule", 1, 1, 0),
+    ("submit", 1),
+    ("abort", 1),
+    ("execute", 0, ()),
+    ("commit", 0, ()),
+    ("execute", 1, ()),
+    ("commit", 1, ()),
+]
+
+
+def _played(cfg: Config, decisions: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    s, trace = initial_state(cfg), []
+    for decision in decisions:
+        trace.append(decision)
+        trace += apply(s, decision)
+    return trace
+
+
+@pytest.mark.parametrize("planted", [None, "free at once", "incremental skips free blocks"])
+def test_the_incremental_checks_follow_deferred_frees(
+    monkeypatch: pytest.MonkeyPatch, planted: str | None
+) -> None:
+    """The incremental and full checks give the same verdict on a trace with deferred frees,
+    and on the trace of a spec planted to free at once (FreedAfterWrites at the same event);
+    an incremental check planted to skip FreedAfterWrites misses what the full check finds."""
+    from kvspec.conformance.judge.incremental import Incremental
+
+    if planted == "incremental skips free blocks":
+        monkeypatch.setattr(Incremental, "_freed_writes", lambda self, s, fp: False)
+    if planted is not None:
+        _plant(monkeypatch, "free at once")
+    trace = _played(_config(), ABORT_IN_FLIGHT)
+    full = Judge.spec(_config(), incremental=False).feed_all(trace)
+    fast = Judge.spec(_config()).feed_all(trace)
+    if planted is None:
+        assert full is None and fast is None
+    elif planted == "free at once":
+        assert full is not None and full.invariant == "FreedAfterWrites"
+        assert fast is not None and (fast.invariant, fast.event) == (full.invariant, full.event)
+    else:
+        assert full is not None and fast is None
