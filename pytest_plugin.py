@@ -104,6 +104,8 @@ class Session:
 
     def __init__(self, plugin: Plugin, kind: str, attachment: Any, judge: Any) -> None:
         self.plugin, self.kind, self.attachment, self.judge = plugin, kind, attachment, judge
+        self.config = getattr(attachment, "config", None)
+        """The configuration the judge was built for (a scheduler's)."""
         self.fed = 0
         self.report: str | None = None
         self.tests: set[str] = set()
@@ -123,6 +125,10 @@ class Session:
         if self.report is not None or attachment.refusal is not None:
             return
         try:
+            if not self.fed and self.kind == "scheduler" and self.config != attachment.config:
+                # a setting the test changed before the first event (defer_block_free)
+                self.config = attachment.config
+                self.judge = judge_for(attachment.config)
             events = attachment.events[self.fed :]
             self.fed = len(attachment.events)
             finding = self.judge.feed_all(events)

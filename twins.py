@@ -30,10 +30,12 @@ TWINS: tuple[Twin, ...] = (
         "the reference engine: an independent, fast implementation of every policy",
         "its events are the spec's effects of its decisions, event by event, and its refcounts "
         "and free queue are the spec's after every workload step (lockstep fuzzing), under "
-        "every policy, discipline, preemption and depth, with prefix caching on and off, and "
-        "with draft tokens (speculative decoding, synchronous)",
+        "every policy, discipline, preemption and depth, with prefix caching on and off, "
+        "with draft tokens (speculative decoding, synchronous), and with deferred frees "
+        "(``Config.defer_free``: its own step sequence numbers and fenced queue)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
+            "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
             "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
             "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
@@ -43,8 +45,9 @@ TWINS: tuple[Twin, ...] = (
         "kvspec.conformance.judge.fastmodel",
         "the fast model: the state machine for speed, interned prefixes, prefix caching on "
         "and off (the reference traces and spec walks its tests draw include caching off); "
-        "not speculative decoding (``Config.spec_tokens`` > 0 is refused by ``FastModel``, "
-        "and ``kvspec check`` and ``Monitor.fast`` judge such traces by the spec throughout)",
+        "not speculative decoding nor deferred frees (``Config.spec_tokens`` > 0 and "
+        "``Config.defer_free`` are refused by ``FastModel``, and ``kvspec check`` and "
+        "``Monitor.fast`` judge such traces by the spec throughout)",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",
         (
@@ -52,13 +55,15 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_fastmodel.py::test_fast_model_and_spec_agree_on_traces_with_planted_bugs",
             "tests/test_fastmodel.py::test_check_prints_the_same_through_both_engines",
             "tests/test_spec_decode.py::test_the_fast_and_z3_models_refuse_drafts",
+            "tests/test_spec_defer.py::test_the_fast_and_z3_models_refuse_deferred_frees",
+            "tests/test_spec_defer.py::test_kvspec_check_judges_deferred_frees_by_the_spec",
         ),
     ),
     Twin(
         "kvspec.conformance.judge.incremental",
         "the incremental invariants: each evaluated only where a decision changed the state "
-        "(prefix caching on and off, and draft tokens: the traces and walks its tests draw "
-        "include them)",
+        "(prefix caching on and off, draft tokens and deferred frees: the traces and walks "
+        "its tests draw include them)",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "
         "and the same answer on every corrupted state",
         (
@@ -74,13 +79,15 @@ TWINS: tuple[Twin, ...] = (
         "nothing has none of the registration races the proofs are about, and its batch free "
         "order would need its own free-queue terms); no draft tokens (``Config.spec_tokens`` "
         "> 0 is refused by ``Fragment``: the model's contents have no draft values and its "
-        "commits one token per request)",
+        "commits one token per request); no deferred frees (``Config.defer_free`` is refused "
+        "by ``Fragment``: the model has no holder but tables)",
         "it admits exactly the executable spec's successor of every (state, decision) pair "
         "the walks reach, and its invariants are the spec's there",
         (
             "tests/test_symbolic.py::test_z3_relation_admits_exactly_the_spec_successor",
             "tests/test_symbolic.py::test_z3_relation_admits_exactly_the_spec_successor_under_async",
             "tests/test_symbolic.py::test_agreement_covers_invariant_violations",
+            "tests/test_spec_defer.py::test_the_fast_and_z3_models_refuse_deferred_frees",
         ),
     ),
     Twin(

@@ -4,7 +4,7 @@
 code 2 (``file:line: message``). A strict trace is judged by the fast model (``engine="fast"``, the
 default, with ``check_every`` 1), which hands a finding over to a spec judge from its older
 checkpoint for the report (``judge/handover.py``); an observed trace, one with draft tokens
-(``model.spec_tokens``), ``engine="spec"`` or ``check_every`` > 1 is judged by a spec judge
+(``model.spec_tokens``) or deferred frees (``model.defer_free``), ``engine="spec"`` or ``check_every`` > 1 is judged by a spec judge
 throughout. Either way the report is made by the spec
 judge's recorder (``report.report_of``).
 

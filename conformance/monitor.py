@@ -81,7 +81,7 @@ class Monitor:
         window: int | None = None,
         invariants: Collection[str] | None = None,
     ) -> Monitor:
-        if not restates(config):  # draft tokens are not in the fast model (kvspec/twins.py)
+        if not restates(config):  # drafts, deferred frees: not in the fast model (twins.py)
             return cls.on_spec(config, raise_on_finding=raise_on_finding, name=name)
         return cls(config, raise_on_finding, name, window=window, invariants=invariants)
 

@@ -92,6 +92,7 @@ class Fragment:
             (self.vocab >= 1 and self.priorities >= 1, "vocab and priorities must be >= 1"),
             (c.prefix_caching, "prefix caching off is not in the Z3 model (kvspec/twins.py)"),
             (not c.spec_tokens, "draft tokens are not in the Z3 model (kvspec/twins.py)"),
+            (not c.defer_free, "deferred block freeing is not in the Z3 model (kvspec/twins.py)"),
         ]
         for ok, message in checks:
             if not ok:

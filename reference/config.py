@@ -60,6 +60,11 @@ class EngineConfig:
     """The spec's ``Config.delay_load_registration``: an asynchronous load's blocks are
     registered when its request is next scheduled, not at the load (vLLM's
     ``delay_cache_blocks``)."""
+    defer_free: bool = False
+    """vLLM's ``defer_block_free`` (the spec's ``Config.defer_free``): a request that leaves
+    while a submitted step still computes for it gives up its table at once, and its blocks
+    go back to the pool only when the newest step that computed anything by then has been
+    committed (``Scheduler``: step sequence numbers and a queue of fenced frees)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -89,6 +94,7 @@ class EngineConfig:
                 isinstance(self.delay_load_registration, bool),
                 "delay_load_registration must be a bool",
             ),
+            (isinstance(self.defer_free, bool), "defer_free must be a bool"),
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",

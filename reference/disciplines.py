@@ -4,7 +4,8 @@
   in order; one that cannot get its blocks preempts a victim (fcfs: the tail of ``running``;
   priority: the max ``(priority, arrival)`` over all running requests, possibly one already
   scheduled in this step) and retries; if it preempted itself, the running loop ends (as in
-  vLLM). Then, only if nothing was preempted, waiting requests are admitted from the head until
+  vLLM); with deferred freeing a victim whose blocks would only be freed later ends it too.
+  Then, only if nothing was preempted, waiting requests are admitted from the head until
   one does not fit, skipping (as vLLM does) those still waiting for their stale output.
   Under async scheduling a running request is scheduled up to ``Scheduler.schedulable_end``
   (its known tokens plus its placeholders).
@@ -78,6 +79,9 @@ def schedule_vllm(sched: Scheduler, step: Step) -> None:
                 position = running.index(victim)
             else:
                 victim, position = running[-1], len(running) - 1
+            if sched.frees_later(victim):  # vLLM: a deferred free will not help now
+                gave_up = True
+                break
             sched.preempt(victim)
             if victim is req:
                 gave_up = True

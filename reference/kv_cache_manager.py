@@ -99,10 +99,20 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Drop the request's blocks (last first; hashes kept) and forget what it computed;
         without prefix caching or with speculative decoding as one batch (``free_batch``)."""
-        if self.batch_free:
-            self.pool.free_batch(req.table)
-        else:
-            self.pool.free_reversed(req.table)
+        self.free_blocks(self.pop_table(req))
+
+    def pop_table(self, req: Request) -> list[Block]:
+        """Take the request's table away without dropping its references (vLLM's
+        ``pop_blocks_for_free``); the caller frees them later with ``free_blocks``."""
+        table = req.table
         req.table = []
         req.computed = 0
         req.cached = 0
+        return table
+
+    def free_blocks(self, table: list[Block]) -> None:
+        """Drop one reference on each block of a table popped by ``pop_table``, last first."""
+        if self.batch_free:
+            self.pool.free_batch(table)
+        else:
+            self.pool.free_reversed(table)

@@ -97,6 +97,11 @@ class Scheduler:
         "async_scheduling",
         "deliver",
         "held",
+        "defer_free",
+        "sched_seq",
+        "processed_seq",
+        "last_seq",
+        "deferred",
     )
 
     def __init__(
@@ -118,6 +123,17 @@ class Scheduler:
         self.held: set[int] = set()
         """Waiting requests that are not admissible yet: preempted with stale output delivered
         while a submitted step still holds them (always empty in drop mode)."""
+        self.defer_free = config.defer_free
+        self.sched_seq = 0
+        """Deferred freeing: submitted steps that compute any token (empty ones and steps that
+        only load are not counted)."""
+        self.processed_seq = 0
+        """Deferred freeing: how many of those have been committed."""
+        self.last_seq: dict[int, int] = {}
+        """Deferred freeing: request -> the sequence number of the last counted step that
+        computes for it."""
+        self.deferred: deque[tuple[int, list[Block]]] = deque()
+        """Deferred freeing: (sequence number to wait for, a table given up), oldest first."""
         self.counters = dict.fromkeys(
             (
                 "steps",
@@ -186,6 +202,12 @@ class Scheduler:
         self.building = None
         self.in_flight.append(step)
         self.counters["computed_tokens"] += step.budget_used
+        if self.defer_free and step.budget_used > 0:
+            self.sched_seq += 1
+            bsz = self.kv.block_size
+            for rid, entry in step.entries.items():
+                if not entry.load and entry.end - entry.start - entry.loaded * bsz > 0:
+                    self.last_seq[rid] = self.sched_seq
 
     # -- decisions while building a step -------------------------------------------------------
 
@@ -292,7 +314,29 @@ class Scheduler:
         self.policy.on_remove(req, steps)
         req.loading = None
         req.drafts = 0
-        self.kv.free(req)
+        self.release(req)
+
+    def frees_later(self, req: Request) -> bool:
+        """Deferred freeing: a counted step not yet committed computes for the request, so
+        what it gives up now waits for the newest counted step."""
+        return self.defer_free and self.last_seq.get(req.rid, 0) > self.processed_seq
+
+    def release(self, req: Request) -> None:
+        """The request gives up its table: freed now, or (``frees_later``) held until the
+        newest counted step submitted so far has been committed."""
+        if not self.frees_later(req):
+            self.kv.free(req)
+            return
+        table = self.kv.pop_table(req)
+        if table:
+            self.deferred.append((self.sched_seq, table))
+
+    def _drain(self) -> None:
+        """Deferred freeing: a counted step was committed; free the held tables whose step it
+        was, oldest first, stopping at the first still waiting."""
+        deferred, kv = self.deferred, self.kv
+        while deferred and deferred[0][0] <= self.processed_seq:
+            kv.free_blocks(deferred.popleft()[1])
 
     # -- between steps -------------------------------------------------------------------------
 
@@ -320,6 +364,9 @@ class Scheduler:
             self.events.append(("commit", step.step_id, sampled))
         requests = self.requests
         policy = self.policy
+        if self.defer_free and step.budget_used > 0:
+            self.processed_seq += 1
+            self._drain()
         policy.on_confirmed(step)
         failed = step.failed
         if self.deliver:
@@ -366,7 +413,7 @@ class Scheduler:
             if post_output and running:
                 policy.on_output(req, entry, rejected)
             if reason is not None:
-                self.kv.free(req)
+                self.release(req)
                 if running:
                     self.running.remove(req)
                 else:

@@ -18,6 +18,10 @@ Decision events (``apply`` takes these; see ``docs/events.md``)::
                                        listed once per token sampled (with draft tokens, 1 .. K + 1)
     ("abort", req)
     ("reset",)                         reset the prefix cache
+
+With ``Config.defer_free`` a request that leaves while a submitted step still computes for it
+hands its blocks to a ``Deferred`` holder (``_give_up``), freed when the fence step commits
+(``_drain``, first thing in ``commit``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,29 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import policies
-from .pool import Event, allocate, free_table, holds, lookup, resolve, touch
-from .state import Draft, Entry, Illegal, Placeholder, Request, State, Step, Touched, Write
+from .pool import (
+    Event,
+    allocate,
+    clear_table,
+    free_blocks,
+    free_table,
+    holds,
+    lookup,
+    resolve,
+    touch,
+)
+from .state import (
+    Deferred,
+    Draft,
+    Entry,
+    Illegal,
+    Placeholder,
+    Request,
+    State,
+    Step,
+    Touched,
+    Write,
+)
 
 
 def arrive(
@@ -145,6 +170,8 @@ def preempt(s: State, rid: int) -> list[Event]:
             raise Illegal(f"{where}: fcfs preempts the unscheduled tail of running")
         if cfg.preemption == "priority" and rid != max(s.running, key=lambda r: _rank(s, r)):
             raise Illegal(f"{where}: priority preempts the max (priority, arrival)")
+        if _fence(s, rid, None) is not None:
+            raise Illegal(f"{where}: vllm never preempts a request whose free would be deferred")
     step.preempted = True
     s.touched.left.add(rid)
     events = _leave(s, req, stale=cfg.stale_output)
@@ -226,13 +253,13 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             f"commit step {step_id}: samples for {sorted(tokens)}, expected {sorted(expected)}"
             " (one each, or up to one more than its draft tokens)"
         )
-    events = policies.on_confirmed(s, step)
+    events = _drain(s, step) + policies.on_confirmed(s, step)
     for rid, e in step.entries.items():
         req = s.requests[rid]
         if e.load and req.loading == step.id:
             req.loading = None
             if rid in step.failed:  # simplification: recompute the request from scratch
-                events += _leave(s, req) + [("load_failed", rid)]
+                events += _leave(s, req, committing=step) + [("load_failed", rid)]
                 s.touched.left.add(rid)
                 s.running.remove(rid)
                 s.waiting.insert(0, rid)
@@ -258,7 +285,7 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
         if running:
             events += policies.on_output(s, req, entry, rejected)
         if reason:
-            events += free_table(s, req) + [("finish", rid, reason)]
+            events += _give_up(s, req, committing=step) + [("finish", rid, reason)]
             (s.running if running else s.waiting).remove(rid)
             req.status = "finished"
             s.touched.left.add(rid)
@@ -346,7 +373,9 @@ def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
             raise Illegal(f"{where}: vllm admits the head of the waiting queue first")
 
 
-def _leave(s: State, req: Request, stale: str = "drop") -> list[Event]:
+def _leave(
+    s: State, req: Request, stale: str = "drop", committing: Step | None = None
+) -> list[Event]:
     """The request gives up its blocks early (preempt, abort, failed load). Its part in the
     building step is withdrawn, so that step will not write it; submitted steps still will, and
     their output for it is dropped, or with ``stale="deliver"`` (a preemption, vLLM's default)
@@ -364,7 +393,53 @@ def _leave(s: State, req: Request, stale: str = "drop") -> list[Event]:
             st.live.discard(req.id)
     events = policies.on_remove(s, req)
     req.loading = None
-    return events + free_table(s, req)
+    return events + _give_up(s, req, committing)
+
+
+def _give_up(s: State, req: Request, committing: Step | None = None) -> list[Event]:
+    """The request lets go of its table (it leaves, or finishes at ``committing``'s commit).
+    Freed at once, unless ``Config.defer_free`` and a submitted step other than ``committing``
+    still computes for it: then the table's blocks keep their references in a ``Deferred``
+    holder fenced by the newest submitted step that computes anything, and the request holds
+    nothing from now on (vLLM's ``pop_blocks_for_free`` and ``deferred_frees``). A fence is
+    never older than an earlier one, so the holders drain in order."""
+    fence = _fence(s, req.id, committing)
+    if fence is None:
+        return free_table(s, req)
+    if req.table:  # nothing to hold for a request that holds nothing (vLLM appends no entry)
+        s.deferred.append(Deferred(fence, req.id, tuple(req.table)))
+        s.touched.blocks.update(req.table)
+    clear_table(s, req)
+    return []
+
+
+def _fence(s: State, rid: int, committing: Step | None) -> int | None:
+    """``Config.defer_free``: the step whose commit frees what request ``rid`` gives up now, or
+    None to free it at once. None unless a submitted step in flight (``committing`` aside: its
+    writes have run) computes tokens for the request (vLLM's ``last_sched_seq`` past
+    ``processed_step_seq``; a load-only entry computes none); then the newest submitted step
+    that computes any (vLLM's ``sched_step_seq``, which steps with no tokens do not advance)."""
+    if not s.config.defer_free:
+        return None
+    bsz = s.config.block_size
+    submitted = [st for st in s.steps if st.phase != "building" and st is not committing]
+    writers = [st for st in submitted if st.budget_used > 0]
+    for st in submitted:
+        e = st.entries.get(rid)
+        if e is not None and not e.load and e.end - e.start - e.loaded * bsz > 0:
+            return writers[-1].id
+    return None
+
+
+def _drain(s: State, step: Step) -> list[Event]:
+    """``Config.defer_free``: the committing step's writes, and every older step's, have run:
+    free the deferred holders whose fence it is or was, oldest first, each as its table would
+    have been freed (vLLM's ``_drain_deferred_frees`` at the top of ``update_from_output``)."""
+    events: list[Event] = []
+    while s.deferred and s.deferred[0].fence <= step.id:
+        held = s.deferred.pop(0)
+        events += free_blocks(s, held.req, held.blocks)
+    return events
 
 
 def _building(s: State, where: str) -> Step:

@@ -89,9 +89,19 @@ def no_unwritten_publish(s: State) -> Violation | None:
 
 
 def refcount_is_ownership(s: State) -> Violation | None:
-    """A block's refcount equals the number of live requests whose table holds it. Guards against
-    leaks (never freed) and early reuse (freed while still read)."""
+    """A block's refcount equals the number of live requests whose table holds it, plus the
+    deferred holders (``Config.defer_free``) that hold it. Guards against leaks (never freed)
+    and early reuse (freed while still read)."""
     owners: Counter[int] = Counter()
+    for held in s.deferred:
+        if len(set(held.blocks)) != len(held.blocks):
+            return Violation(
+                "RefcountIsOwnership",
+                f"a deferred free of r{held.req} holds a block twice: {list(held.blocks)}",
+                held.blocks,
+                (held.req,),
+            )
+        owners.update(held.blocks)
     for req in s.requests.values():
         if len(set(req.table)) != len(req.table):
             twice = tuple(sorted({b for b in req.table if req.table.count(b) > 1}))
@@ -148,6 +158,30 @@ def free_queue_exact(s: State) -> Violation | None:
             f"free queue {s.free} but unreferenced blocks {sorted(expected)}",
             tuple(sorted(wrong)),
         )
+    return None
+
+
+def freed_after_writes(s: State) -> Violation | None:
+    """With deferred freeing (``Config.defer_free``), no block on the free queue still has a
+    write of a step in flight to run (an external load's excepted: vLLM fences only the steps
+    that compute for a request). Guards against handing a block out while a step still writes
+    it for its last owner: the new owner's fill (a connector's load, not ordered with the
+    step's writes) can be overwritten by those stale writes, which is what vLLM's
+    ``defer_block_free`` exists to prevent. Holds vacuously without deferred freeing, where
+    such a free is vLLM's normal behaviour."""
+    if not s.config.defer_free:
+        return None
+    for block in s.free:
+        stale = [w for w in s.blocks[block].pending if not w.load]
+        if stale:
+            return Violation(
+                "FreedAfterWrites",
+                f"block {block} is free while step {stale[0].step} will still write it "
+                f"for r{stale[0].req}",
+                (block,),
+                (stale[0].req,),
+                stale[0].step,
+            )
     return None
 
 
@@ -232,7 +266,8 @@ def steps_in_order(s: State) -> Violation | None:
 
 
 def no_leak_at_quiescence(s: State) -> Violation | None:
-    """With no live request and no step in flight, every block but the null block is free."""
+    """With no live request and no step in flight, every block but the null block is free (so
+    every deferred free has been drained)."""
     live = any(r.status != "finished" for r in s.requests.values())
     if not live and not s.steps and len(s.free) != len(s.blocks) - 1:
         leaked = tuple(b for b in range(1, len(s.blocks)) if b not in s.free)
@@ -250,6 +285,7 @@ INVARIANTS: dict[str, Callable[[State], Violation | None]] = {
     "RefcountIsOwnership": refcount_is_ownership,
     "SharedImpliesSamePrefix": shared_implies_same_prefix,
     "FreeQueueExact": free_queue_exact,
+    "FreedAfterWrites": freed_after_writes,
     "HashIndexConsistent": hash_index_consistent,
     "NullBlockPinned": null_block_pinned,
     "TableMatchesComputed": table_matches_computed,

@@ -90,17 +90,30 @@ def free_table(s: State, req: Request) -> list[Event]:
     """Drop the request's references in reverse table order, so a chain's tail is evicted before
     its ancestors. Without prefix caching, and with speculative decoding, the table is freed as
     one batch (``free_batch``)."""
-    if s.config.prefix_caching and not s.config.spec_tokens:
-        for block in reversed(req.table):
-            release(s, block, req.id)
-    else:
-        free_batch(s, req)
-    events: list[Event] = [("free", block) for block in reversed(req.table)]
+    events = free_blocks(s, req.id, req.table)
+    clear_table(s, req)
+    return events
+
+
+def clear_table(s: State, req: Request) -> None:
+    """The request holds no blocks and has computed nothing (its references are dropped, or
+    handed to a ``Deferred`` holder)."""
     req.table = []
     req.computed = 0
     req.cached = 0
     s.touched.requests.add(req.id)
-    return events
+
+
+def free_blocks(s: State, rid: int, table: list[int] | tuple[int, ...]) -> list[Event]:
+    """Drop one reference on each block of ``table`` (request ``rid``'s, in table order) as a
+    table is freed: last block first, one at a time (``release``), or as one batch
+    (``free_batch``) without prefix caching or with speculative decoding."""
+    if s.config.prefix_caching and not s.config.spec_tokens:
+        for block in reversed(table):
+            release(s, block, rid)
+    else:
+        free_batch(s, rid, table)
+    return [("free", block) for block in reversed(table)]
 
 
 def release(s: State, block: int, rid: int) -> None:
@@ -123,7 +136,7 @@ def drop_reference(s: State, block: int, rid: int) -> bool:
     return b.refcount == 0
 
 
-def free_batch(s: State, req: Request) -> None:
+def free_batch(s: State, rid: int, table: list[int] | tuple[int, ...]) -> None:
     """Without prefix caching, vLLM 0.33.0 frees a table as one batch: ``single_type_kv_cache_
     manager.free`` hands ``BlockPool.free_blocks`` the table reversed, which drops a reference on
     each, collects the blocks reaching 0 in that order and puts the whole list at the queue's
@@ -139,8 +152,8 @@ def free_batch(s: State, req: Request) -> None:
     one-at-a-time rule, which the fast and Z3 models restate (``docs/model.md``, difference 9)."""
     first: list[int] = []
     last: list[int] = []
-    for block in reversed(req.table):
-        if drop_reference(s, block, req.id):
+    for block in reversed(table):
+        if drop_reference(s, block, rid):
             cached = s.config.prefix_caching and s.blocks[block].key is not None
             (last if cached else first).append(block)
     s.free[0:0] = first

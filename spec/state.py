@@ -115,6 +115,13 @@ class Config:
     blocks its request computes when it is next scheduled, by which time the load has landed
     (vLLM's ``delay_cache_blocks`` and ``_update_waiting_for_remote_kv``). False: the policy
     registers them at the load like computed blocks (PR 43569's eager registration of loads)."""
+    defer_free: bool = False
+    """True: a request that leaves (finishes, aborts, is preempted, fails a load) while a
+    submitted step still computes for it gives up its table at once, but its blocks stay
+    referenced by a ``Deferred`` holder until the *fence* (the newest submitted step that
+    computes tokens) commits; then they are freed as its table would have been (vLLM's
+    ``defer_block_free``: ``deferred_frees``, drained at the top of ``update_from_output``).
+    False: freed at once (``docs/model.md``, "Deferred block free")."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -152,6 +159,10 @@ class Config:
             (
                 isinstance(self.delay_load_registration, bool),
                 f"delay_load_registration must be a bool, got {self.delay_load_registration!r}",
+            ),
+            (
+                isinstance(self.defer_free, bool),
+                f"defer_free must be a bool, got {self.defer_free!r}",
             ),
         ]
         for ok, message in checks:
@@ -254,6 +265,18 @@ class Step:
     admitted: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """``Config.defer_free``: the blocks request ``req`` gave up while a submitted step still
+    computed for it, in table order. They keep the references the table held (a holder of its
+    own, counted by ``RefcountIsOwnership``) until step ``fence`` commits, then are freed as the
+    table would have been, last block first (vLLM's ``deferred_frees`` entry)."""
+
+    fence: int
+    req: int
+    blocks: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class Touched:
     """What the last decision touched (and, in observed judging, the engine's own effects after
@@ -303,6 +326,9 @@ class State:
     next_step: int = 0
     single: dict[int, list[int]] = field(default_factory=dict)
     """The one registration dict of ``eager-rollback-single`` (cleared at each begin)."""
+    deferred: list[Deferred] = field(default_factory=list)
+    """``Config.defer_free``: blocks given up while a step still computes for their request,
+    oldest first; each is freed at the commit of its fence step (in this order)."""
     bad_reads: list[tuple[int, int, int]] = field(default_factory=list)
     """(step, request, block) for every live read that found the wrong bytes at execution."""
     lost_hits: int = 0

@@ -1,5 +1,5 @@
 """Random walks of the spec itself: traces of any configuration the spec has (async scheduling,
-delivered stale output and draft tokens included), for the tests that hold a twin equal to the spec where no
+delivered stale output, draft tokens and deferred frees included), for the tests that hold a twin equal to the spec where no
 engine produces such traces yet.
 
 ``spec_runs()`` draws a configuration and walks it: at each step it draws a decision kind and its
@@ -33,8 +33,8 @@ KINDS = (
 
 @st.composite
 def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
-    """``drafts``: synchronous configurations may have draft tokens (``spec_tokens``); off for
-    the fast model, which refuses them."""
+    """``drafts``: synchronous configurations may have draft tokens (``spec_tokens``), and any
+    may defer its frees (``defer_free``); off for the fast model, which refuses both."""
     async_scheduling = draw(st.booleans())
     depth = draw(st.integers(2 if async_scheduling else 1, 3))
     spec_tokens = 0 if async_scheduling or not drafts else draw(st.sampled_from((0, 0, 1, 3)))
@@ -53,6 +53,7 @@ def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=spec_tokens,
         delay_load_registration=draw(st.booleans()),
+        defer_free=draw(st.booleans()) if drafts else False,
     )
 
 

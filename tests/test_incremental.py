@@ -5,6 +5,8 @@ same invariant, same message), or both none. A planted bug in an incremental che
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -17,7 +19,7 @@ from kvspec.conformance.judge.incremental import Incremental
 from kvspec.reference import Engine, EngineConfig, RandomChoices
 from kvspec.spec import ACTIONS, POLICIES, Config, apply, check, initial_state
 from kvspec.spec.events import Event
-from kvspec.spec.state import Touched
+from kvspec.spec.state import Touched, Write
 
 OPS = st.one_of(
     st.tuples(
@@ -44,7 +46,8 @@ checked before it, would otherwise often hide)."""
 @st.composite
 def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Event]]:
     """A config, a workload and the reference engine's events on it (random choices); with
-    ``drafts``, draft tokens too (not for the fast model, which refuses them)."""
+    ``drafts``, draft tokens and deferred frees too (not for the fast model, which refuses
+    them)."""
     common = dict(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
@@ -58,6 +61,7 @@ def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Eve
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0,
         delay_load_registration=draw(st.booleans()),
+        defer_free=draw(st.booleans()) if drafts else False,
     )
     room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
     if room - common["spec_tokens"] < 2:  # type: ignore[operator]
@@ -177,6 +181,8 @@ CORRUPTIONS = (
     "table",
     "computed",
     "written",
+    "stale-write",
+    "deferred-drop",
 )
 """Bugs a pool mechanism or an action could have on the block or request it works on."""
 
@@ -232,6 +238,13 @@ def test_corrupting_a_changed_item_is_found_as_by_the_full_check(
             b.written = None
             b.pending.clear()
             last.content.add(block)
+        elif how == "stale-write" and block in s.free:  # a free block a step still writes
+            b.pending.append(Write(-1, -1, (1,)))
+            last.content.add(block)
+        elif how == "deferred-drop" and s.deferred:  # a deferred holder loses a block
+            held = s.deferred[0]
+            s.deferred[0] = replace(held, blocks=held.blocks[1:])
+            last.blocks.add(held.blocks[0])
         else:
             return
     else:

@@ -10,9 +10,11 @@ Disagreement, a KV connector's synchronous and asynchronous loads hold and
 blocks cached before their asynchronous load has landed fail with a Disagreement, an EC
 connector and an aux output connector hold (text-only requests sharing prefixes) and a planted
 free order under the aux output connector (a table freed head first) fails with a Disagreement
-while a delayed free and a capped prefix-cache hit are refused, a feature the spec does not
-model is refused (listed, never failed; every one seen at construction, not only the first), and
-without the plugin every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+while a delayed free and a capped prefix-cache hit are refused, ``defer_block_free``'s deferred
+frees hold and a free at once or a drain before the fence fail with a Disagreement, a feature the
+spec does not model is refused (listed, never failed; every one seen at construction, not only the
+first), and without the plugin every case passes. Skipped without ``.venv-vllm`` (``make
+thirdparty``)."""
 
 from __future__ import annotations
 
@@ -72,12 +74,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_spec_decode.py"),
         str(CASES / "case_connector.py"),
         str(CASES / "case_ec_aux.py"),
+        str(CASES / "case_defer.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "7 failed" in out and "17 passed" in out, out[-3000:]
+    assert "9 failed" in out and "18 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -143,8 +146,17 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert head["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('free', 1), but the spec expects ('free', 5)"
     ), head
+    held = tests["test_deferred_frees_hold"]  # defer_block_free, set after construction
+    assert held["outcome"] == "judged" and held["events"] > 150, held
+    for name, event in (
+        ("test_a_free_at_once_is_caught", "('free', 5), but the spec expects ('finish', 1"),
+        ("test_a_drain_before_the_fence_is_caught", "('free', 3), but the spec computes no"),
+    ):
+        planted = tests[name]
+        assert planted["outcome"] == "violation", planted
+        assert planted["finding"].startswith(f"kvspec: Disagreement: engine emitted {event}")
     summary = out[out.index("= kvspec =") :]
-    assert "7  violations" in summary and "10  judged and holding" in summary, summary
+    assert "9  violations" in summary and "11  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -152,10 +164,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
     names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py", "case_ec_aux.py")
+    names += ("case_defer.py",)
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "24 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "27 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

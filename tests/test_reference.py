@@ -329,6 +329,7 @@ def replay(
         prefix_caching=cfg.prefix_caching,
         spec_tokens=cfg.spec_tokens,
         delay_load_registration=cfg.delay_load_registration,
+        defer_free=cfg.defer_free,
     )
     s = initial_state(spec_cfg)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from scenarios import SEED, A, X
 
 from kvspec.spec import INVARIANTS, POLICIES, Config, Illegal, apply, check, initial_state
-from kvspec.spec.state import State
+from kvspec.spec.state import State, Write
 
 
 def run(config: Config, events: list[tuple]) -> tuple[State, tuple[str, str] | None, int]:
@@ -230,6 +232,10 @@ def test_each_invariant_can_fail(name: str) -> None:
     if name == "NoLeakAtQuiescence":
         s = initial_state(Config(num_blocks=4, block_size=4))
         s.free.pop()
+    elif name == "FreedAfterWrites":  # only with deferred frees: a free block still written
+        s.config = replace(s.config, defer_free=True)
+        assert check(s) is None
+        s.blocks[s.free[0]].pending.append(Write(1, 1, (1,)))
     else:
         _corrupt(name, s)
     assert INVARIANTS[name](s) is not None

@@ -84,15 +84,18 @@ def spec_placeholder(code: int) -> Placeholder:
 
 def restates(config: Config) -> bool:
     """Whether this model restates ``config``: everything but speculative decoding
-    (``Config.spec_tokens`` > 0, kvspec/twins.py). ``kvspec check`` and ``Monitor.fast`` judge
-    any other configuration by the spec throughout."""
-    return not config.spec_tokens
+    (``Config.spec_tokens`` > 0) and deferred block freeing (``Config.defer_free``; both in
+    kvspec/twins.py). ``kvspec check`` and ``Monitor.fast`` judge any other configuration by
+    the spec throughout."""
+    return not config.spec_tokens and not config.defer_free
 
 
 def refuse_drafts(config: Config) -> None:
     """Raise ``ValueError`` for a configuration this model does not restate (``restates``)."""
-    if not restates(config):
+    if config.spec_tokens:
         raise ValueError("speculative decoding (spec_tokens > 0) is judged by the spec only")
+    if config.defer_free:
+        raise ValueError("deferred block freeing (defer_free) is judged by the spec only")
 
 
 class Req:

@@ -33,6 +33,7 @@ first violation (event and invariant) is the full check's, and that a planted bu
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection
 
 from kvspec.spec.invariants import INVARIANTS, Violation, table_fits, tables_append_only
@@ -77,6 +78,7 @@ class Incremental:
             ("RefcountIsOwnership", self._refcounts, True),
             ("SharedImpliesSamePrefix", self._shared, True),
             ("FreeQueueExact", self._free_queue, True),
+            ("FreedAfterWrites", self._freed_writes, True),
             ("HashIndexConsistent", self._index, True),
             ("NullBlockPinned", self._null_block, False),
             ("TableMatchesComputed", self._tables_match, True),
@@ -253,10 +255,27 @@ class Incremental:
             table = self.tables.get(rid, ())
             if len(set(table)) != len(table):
                 return True
+        held: Counter[int] = Counter()
+        for deferred in s.deferred:  # Config.defer_free: few, and short-lived
+            if len(set(deferred.blocks)) != len(deferred.blocks):
+                return True
+            held.update(deferred.blocks)
         return any(
-            block != NULL_BLOCK and s.blocks[block].refcount != len(self.holders.get(block, ()))
+            block != NULL_BLOCK
+            and s.blocks[block].refcount != len(self.holders.get(block, ())) + held[block]
             for block in fp.blocks
         )
+
+    def _freed_writes(self, s: State, fp: Touched) -> bool:
+        """A block that became free, or gained a write, while free (``Config.defer_free``)."""
+        if not s.config.defer_free:
+            return False
+        for changed in (fp.blocks, fp.content):
+            for block in changed:
+                b = s.blocks[block]
+                if b.refcount == 0 and any(not w.load for w in b.pending) and block in s.free:
+                    return True
+        return False
 
     def _shared(self, s: State, fp: Touched) -> bool:
         bsz = s.config.block_size

@@ -16,6 +16,8 @@ vLLM method                         events
 ``Scheduler._preempt_request``      ``preempt``
 ``BlockPool.free_blocks``           ``free``, one per block, in the order vLLM frees them
 ``Scheduler._free_request``         ``finish`` (and ``abort`` first, under ``finish_requests``)
+``KVCacheManager.pop_blocks_for_free``  nothing: ``defer_block_free`` holds the blocks; their
+                                    ``free`` events come from ``free_blocks`` when drained
 ``Scheduler.update_from_output``    ``execute`` and ``commit``: the tokens read from the
                                     caller's ``ModelRunnerOutput`` by vLLM's rules (below)
 ``Scheduler.finish_requests``       ``abort`` per live request, its frees, ``finish ... abort``
@@ -50,8 +52,8 @@ hit when it cuts the hit short (``_bounded_hit``, at the admission's ``allocate_
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or under async scheduling or beside
-a KV connector, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing,
-multimodal, ...), or a caller does what no engine core
+a KV connector, hybrid groups, sliding window, LoRA, deferred async loads, CoW retentions,
+lookahead hashing, multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
@@ -66,7 +68,7 @@ vLLM's native KV events (``BlockStored``/``BlockRemoved``, from ``take_events``)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -316,7 +318,12 @@ class Attachment:
             self.scheduler, scheduling=name == "schedule", loaders=self.loads.waiting
         ):
             return self.refuse(*feature)
-        drift = _drift(self.config, config_of(self.scheduler))
+        now = config_of(self.scheduler)
+        if now.defer_free != self.config.defer_free and not self.events and not self.in_flight:
+            # set after construction (vLLM's tests do), before anything happened: the
+            # configuration the scheduler is judged against from its first event on
+            self.config = replace(self.config, defer_free=now.defer_free)
+        drift = _drift(self.config, now)
         if drift:
             self.refuse("scheduler limits changed", drift)
 
@@ -362,6 +369,12 @@ class Attachment:
             (sched, "reset_prefix_cache", self._scheduler_reset),
             (sched, "_preempt_request", self._preempt_request),
             (sched, "_free_request", self._free_request),
+            (
+                sched,
+                "_free_cow_retained_blocks",
+                self._refusing("CoW retained blocks", "_free_cow_retained_blocks"),
+            ),
+            (kv, "pop_blocks_for_free", self._pop_blocks_for_free),
             (kv, "allocate_slots", self._allocate_slots),
             (kv, "cache_blocks", self._cache_blocks),
             (kv, "take_events", self._take_events),
@@ -374,7 +387,6 @@ class Attachment:
         ):
             w.install(obj, name, make)
         for obj, name, feature in (
-            (kv, "pop_blocks_for_free", "deferred block free"),
             (kv, "evict_blocks", "eviction by block id"),
             (pool, "evict_blocks", "eviction by block id"),
             (pool, "cache_partial_block", "partial prefix-cache hits"),
@@ -652,6 +664,18 @@ class Attachment:
 
         return free_request
 
+    def _pop_blocks_for_free(self, original: Method) -> Method:
+        def pop_blocks_for_free(request: Request) -> Any:
+            """``defer_block_free``: the request's table is given up, its references kept (the
+            spec's ``Deferred`` holder, made by the ``finish``/``preempt``/``abort`` around it);
+            the ``free`` events come when ``_drain_deferred_frees`` frees the blocks."""
+            self._inner("pop_blocks_for_free")
+            if not self.config.defer_free:
+                self.refuse("deferred block free", "pop_blocks_for_free() without defer_free")
+            return original(request)
+
+        return pop_blocks_for_free
+
     def _cache_blocks(self, original: Method) -> Method:
         def cache_blocks(request: Request, num_computed_tokens: int) -> None:
             self._inner("cache_blocks")
@@ -874,7 +898,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
     """The spec configuration a vLLM ``Scheduler`` claims to implement: its pool, block size,
     preemption policy, token budget and admission limit, async scheduling (an
     ``AsyncScheduler``) and what becomes of stale output (dropped where ``requires_kv_delivery``,
-    else delivered); vLLM 0.33.0 registers eagerly."""
+    else delivered), whether frees wait for the steps in flight (``defer_block_free``); vLLM
+    0.33.0 registers eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
     asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
     return Config(
@@ -892,6 +917,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
         spec_tokens=0 if asynchronous else int(getattr(scheduler, "num_spec_tokens", 0) or 0),
         delay_load_registration=scheduler.connector is not None,
+        defer_free=bool(getattr(scheduler, "defer_block_free", False)),
     )
 
 
@@ -910,7 +936,7 @@ def attach(
 def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
-    names += ("stale_output", "prefix_caching", "spec_tokens")
+    names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free")
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

@@ -102,7 +102,13 @@ def scheduler_features(sched: Any) -> list[Feature]:
             found.append(("chunked local attention", type(spec).__name__))
         elif type(spec) is not FullAttentionSpec:
             found.append((f"KV-cache spec {type(spec).__name__}", "not plain full attention"))
-    need(getattr(sched, "defer_block_free", False), "defer_block_free", "frees wait for steps")
+    # defer_block_free is modelled (Config.defer_free, read by config_of); what rides on it is
+    # not: async loads deferred past the in-flight steps (HiSparse), CoW retentions (attach.py)
+    need(
+        getattr(sched, "defer_async_loads", False) or getattr(sched, "deferred_loads", None),
+        "deferred async loads",
+        "async KV loads started only once the in-flight steps are processed",
+    )
     need(
         getattr(sched, "num_hash_lookahead_tokens", 0),
         "lookahead hashing",
