@@ -6,8 +6,11 @@ tests (synchronous and async, and a scheduler without prefix caching) pass, a pl
 the free order without prefix caching (one block at a time instead of vLLM's batch) fails with
 a Disagreement on the free queue, speculative decoding (drafts accepted and rejected, with and
 without preemption) holds and a planted publish over a rejected draft fails with a
-Disagreement, a KV connector's synchronous and asynchronous loads hold and
-blocks cached before their asynchronous load has landed fail with a Disagreement, a feature the spec does not model is refused (listed, never
+Disagreement, speculative decoding under async scheduling (a batch queue of two steps, decodes
+scheduled as if every draft were accepted, with and without preemption in flight) holds and a
+planted registration of rejected drafts fails with a Disagreement, a KV connector's synchronous
+and asynchronous loads hold and blocks cached before their asynchronous load has landed fail
+with a Disagreement, a feature the spec does not model is refused (listed, never
 failed; every one seen at construction, not only the first), and without the plugin every case
 passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
@@ -68,12 +71,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_no_caching.py"),
         str(CASES / "case_spec_decode.py"),
         str(CASES / "case_connector.py"),
+        str(CASES / "case_async_spec_decode.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "6 failed" in out and "13 passed" in out, out[-3000:]
+    assert "7 failed" in out and "15 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -126,8 +130,19 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert cached["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('publish', 0, 2, 6)"
     ), cached
+    for name in (
+        "test_async_spec_decode_shared_prefixes_hold",
+        "test_async_spec_decode_preempted_in_flight_holds",
+    ):
+        drafts = tests[name]  # drafts under async scheduling, moved back over rejections
+        assert drafts["outcome"] == "judged" and drafts["events"] > 100, drafts
+    forgotten = tests["test_async_spec_decode_registers_rejected_drafts"]
+    assert forgotten["outcome"] == "violation", forgotten  # rejected drafts registered
+    assert forgotten["finding"].startswith(
+        "kvspec: Disagreement: engine emitted ('publish', 0, 1, 2)"
+    ), forgotten
     summary = out[out.index("= kvspec =") :]
-    assert "6  violations" in summary and "8  judged and holding" in summary, summary
+    assert "7  violations" in summary and "10  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -135,10 +150,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
     names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py")
+    names += ("case_async_spec_decode.py",)
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "19 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "22 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 
