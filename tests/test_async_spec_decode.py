@@ -13,8 +13,8 @@ planted in it are caught, and the incremental checks agree with the full ones.""
 from __future__ import annotations
 
 import itertools
-import re
 import random
+import re
 from collections import Counter
 from typing import Any
 
