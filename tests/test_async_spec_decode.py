@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from test_reference import lockstep_run
 
+from kvspec.conformance.judge import Judge
 from kvspec.reference import EngineConfig
 from kvspec.reference.scheduler import Scheduler
 from kvspec.spec import POLICIES, Config, Illegal, apply, check, initial_state, policies
@@ -190,6 +191,43 @@ def test_publishing_over_a_rejected_draft_is_caught_under_async(
     assert ("publish", 0, 1, 2) in trace and s.steps[0].entries[0].start == 7
 
 
+def test_an_engine_publishing_over_a_rejected_draft_is_caught_by_the_observed_judge() -> None:
+    """Observed judging (``engine-registers``): the engine's own ``publish`` of the block whose
+    last slot holds step 1's rejected draft 0 (no decode of r0 in flight to write it again) is
+    a NoUnwrittenPublish finding; with NoUnwrittenPublish left out, another request's hit and
+    read of it is a NoUnwrittenRead finding; the correct engine's trace holds."""
+    config = Config(16, 4, depth=2, policy="engine-registers", async_scheduling=True, spec_tokens=3)
+    decisions: list[Event] = [
+        *PIPELINE[:10],
+        ("submit", 2),
+        ("execute", 1, ()),
+        ("commit", 1, ((0, 20),)),
+    ]
+    _, trace = run(config, decisions)
+    judge = Judge.stream(config, observed=True)  # the correct engine's trace holds
+    judge.feed_all(trace)
+    assert judge.finish() is None
+    planted = [*trace, ("publish", 0, 0, 1), ("publish", 0, 1, 2)]
+    judge = Judge.stream(config, observed=True)
+    judge.feed_all(planted)
+    finding = judge.finish()
+    assert finding is not None and finding.invariant == "NoUnwrittenPublish", finding
+    assert finding.blocks == (2,)
+    reader: list[Event] = [
+        ("arrive", 1, (*PROMPT, 8, 20, 9), 4, 0),
+        ("begin", 3),
+        ("schedule", 1, 1, 0),
+        ("hit", 1, (1, 2)),
+        ("alloc", 1, 5),
+        ("submit", 3),
+    ]
+    judge = Judge.stream(config, observed=True, invariants=("NoUnwrittenRead",))
+    judge.feed_all([*planted, *reader])
+    finding = judge.finish()
+    assert finding is not None and finding.invariant == "NoUnwrittenRead", finding
+    assert finding.blocks == (2,)
+
+
 def async_drafts_run(
     policy: str, discipline: str, stale_output: str, depth: int, seed: int, seen: Counter[str]
 ) -> None:
@@ -306,8 +344,6 @@ def test_incremental_checks_agree_with_the_full_ones(
     incremental checks report what the full ones report: nothing, and with the planted
     registration of the newest token's slot the same first violation."""
     from test_reference import drive, recording_engine
-
-    from kvspec.conformance.judge import Judge
 
     if planted:
         _publishing_the_newest_token(monkeypatch)
