@@ -7,7 +7,10 @@ placeholders), and the runner computes it where step N's output really ends (the
 it back over the rejected drafts). A varying number of drafts is right; requests share a
 prefix; the small pool preempts requests whose output is still in flight (delivered, vLLM's
 default). One plants a scheduler bug: the registration after an output that rejected drafts
-counts the rejected ones as computed, so blocks past the verified tokens are published."""
+counts the rejected ones as computed, so blocks past the verified tokens are published. Two
+spy on the scheduler as vLLM's own tests do, replacing a method on the instance by a wrapper
+around it: one that counts preemptions and calls through (judged), one that fails the first
+allocation by itself (refused: what vLLM did then is not what the spec was told)."""
 
 import pytest
 import torch
@@ -146,8 +149,10 @@ class EngineCore:
             self.process_oldest()
 
 
-def run_workload(num_blocks=32):
+def run_workload(num_blocks=32, spy=None):
     core = EngineCore(build(num_blocks))
+    if spy is not None:
+        spy(core.scheduler)
     for i, tail in enumerate(([6], [7, 8], [6, 9, 9, 9])):
         core.scheduler.add_request(request("r" * (i + 1), PREFIX + tail, max_tokens=14))
     for _ in range(200):
@@ -168,6 +173,36 @@ def test_async_spec_decode_shared_prefixes_hold():
 def test_async_spec_decode_preempted_in_flight_holds():
     core = run_workload(num_blocks=10)
     assert core.accepted > 5 and core.rejected > 5 and core.preempted and core.stale
+
+
+def test_async_spec_decode_counting_preemptions_holds():
+    counted = []
+
+    def spy(scheduler):
+        original = scheduler._preempt_request
+
+        def counting(request, *args, **kwargs):
+            counted.append(request.num_in_flight_tokens)
+            return original(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+
+    core = run_workload(num_blocks=10, spy=spy)
+    assert core.preempted and len(counted) == core.preempted and any(counted)
+
+
+def test_async_spec_decode_failing_an_allocation_by_itself():
+    def spy(scheduler):
+        manager = scheduler.kv_cache_manager
+        original, calls = manager.allocate_slots, []
+
+        def failing_once(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs) if len(calls) > 3 else None
+
+        manager.allocate_slots = failing_once
+
+    run_workload(spy=spy)
 
 
 def test_async_spec_decode_registers_rejected_drafts(monkeypatch):

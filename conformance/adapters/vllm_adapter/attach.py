@@ -211,6 +211,7 @@ class Attachment:
         self._next_id = 0  # the event stream's next request id
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
+        self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
         self._wrap()
         found = scheduler_features(self.scheduler)
         if found:
