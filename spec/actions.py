@@ -64,9 +64,10 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     With async scheduling the tokens may run past the known ones into placeholders, one per step
     in flight that samples for the request (``State.ahead``); the step's writes there hold the
     placeholder until its sampling step commits. With speculative decoding
-    (``Config.spec_tokens``) an entry that computes the last known token may also reach up to K
-    draft slots past it (``Draft``; vLLM pads an admission's single token with K drafts too);
-    they are computed, never hashed."""
+    (``Config.spec_tokens``) an entry that computes the last known token (under async
+    scheduling the last of ``ahead``: the placeholders of a step in flight include its drafts,
+    as if all were accepted) may also reach up to K draft slots past it (``Draft``; vLLM pads
+    an admission's single token with K drafts too); they are computed, never hashed."""
     step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
     bsz = cfg.block_size
     where = f"schedule r{rid} in step {step.id}"
