@@ -16,12 +16,14 @@ import itertools
 import random
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 from test_reference import lockstep_run
 
 from kvspec.conformance.judge import Judge
+from kvspec.conformance.trace import read_trace, write_trace
 from kvspec.reference import EngineConfig
 from kvspec.reference.scheduler import Scheduler
 from kvspec.spec import POLICIES, Config, Illegal, apply, check, initial_state, policies
@@ -226,6 +228,21 @@ def test_an_engine_publishing_over_a_rejected_draft_is_caught_by_the_observed_ju
     finding = judge.finish()
     assert finding is not None and finding.invariant == "NoUnwrittenRead", finding
     assert finding.blocks == (2,)
+
+
+def test_kvspec_check_judges_drafts_under_async_by_the_spec(tmp_path: Path) -> None:
+    """A trace file with K and async scheduling in its header is judged by the spec: the
+    pipeline holds; executing step 2 before step 1's commit is illegal (exit 1)."""
+    from kvspec.conformance.check import check_file
+
+    _, trace = run(ASYNC, [*PIPELINE, ("commit", 1, ((0, 20), (0, 21)))])
+    path = tmp_path / "t.jsonl"
+    write_trace(path, ASYNC, trace, engine=("test", "0"))
+    assert read_trace(path)[0] == ASYNC
+    assert check_file(path).exit_code == 0
+    early = trace[: trace.index(("execute", 1, ()))] + [("execute", 1, ()), ("execute", 2, ())]
+    write_trace(path, ASYNC, early, engine=("test", "0"))
+    assert check_file(path).exit_code == 1
 
 
 def async_drafts_run(
