@@ -31,13 +31,15 @@ TWINS: tuple[Twin, ...] = (
         "its events are the spec's effects of its decisions, event by event, and its refcounts "
         "and free queue are the spec's after every workload step (lockstep fuzzing), under "
         "every policy, discipline, preemption and depth, with prefix caching on and off, "
-        "with draft tokens (speculative decoding, synchronous), and with deferred frees "
-        "(``Config.defer_free``: its own step sequence numbers and fenced queue)",
+        "with draft tokens (speculative decoding, synchronous and under async scheduling), and "
+        "with deferred frees (``Config.defer_free``: its own step sequence numbers and fenced "
+        "queue)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
             "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
             "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
+            "tests/test_async_spec_decode.py::test_the_reference_engine_with_drafts_under_async_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
         ),
     ),
@@ -62,12 +64,13 @@ TWINS: tuple[Twin, ...] = (
     Twin(
         "kvspec.conformance.judge.incremental",
         "the incremental invariants: each evaluated only where a decision changed the state "
-        "(prefix caching on and off, draft tokens and deferred frees: the traces and walks "
-        "its tests draw include them)",
+        "(prefix caching on and off, draft tokens, synchronous and under async scheduling, and "
+        "deferred frees: the traces and walks its tests draw include them)",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "
         "and the same answer on every corrupted state",
         (
             "tests/test_incremental.py::test_incremental_and_full_checks_report_the_same_first_violation",
+            "tests/test_async_spec_decode.py::test_incremental_checks_agree_with_the_full_ones",
             "tests/test_incremental.py::test_corrupting_a_changed_item_is_found_as_by_the_full_check",
         ),
     ),

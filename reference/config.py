@@ -51,7 +51,9 @@ class EngineConfig:
     """K, speculative decoding (the spec's ``Config.spec_tokens``): after each sample a running
     request's drafter proposes up to K draft tokens (``choices.py``, ``drafts``), its next decode
     is scheduled for them too (within the budget), and the worker accepts some (``rejected``);
-    the rejected ones leave the computed tokens. Synchronous scheduling only."""
+    the rejected ones leave the computed tokens. With ``async_scheduling`` the drafter proposes
+    them when a sampling decode is scheduled (vLLM's ``AsyncScheduler``), the next decode is
+    scheduled as if all were accepted and moves back over the rejected ones at the commit."""
     sync_loads: bool = False
     """External loads are synchronous: an external request loads its stored blocks and computes
     the rest of its prompt in the same step (vLLM's connector with ``load_kv_async`` False); such
@@ -65,6 +67,15 @@ class EngineConfig:
     while a submitted step still computes for it gives up its table at once, and its blocks
     go back to the pool only when the newest step that computed anything by then has been
     committed (``Scheduler``: step sequence numbers and a queue of fenced frees)."""
+
+    @property
+    def reach(self) -> int:
+        """How many positions past its prompt and ``max_tokens`` a request's table may reach:
+        its drafts (K) and, under async scheduling, the tokens and drafts of the other D - 1
+        steps in flight, scheduled as if every draft were accepted ((D - 1)(K + 1))."""
+        if self.spec_tokens and self.async_scheduling:
+            return self.spec_tokens + (self.depth - 1) * (self.spec_tokens + 1)
+        return self.spec_tokens
 
     def __post_init__(self) -> None:
         checks = (
@@ -102,10 +113,6 @@ class EngineConfig:
             (
                 _is_int(self.spec_tokens) and self.spec_tokens >= 0,
                 "spec_tokens must be an int >= 0",
-            ),
-            (
-                not (self.spec_tokens and self.async_scheduling),
-                "spec_tokens needs async_scheduling off (drafts under async are not modelled)",
             ),
         )
         for ok, message in checks:

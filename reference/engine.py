@@ -90,7 +90,7 @@ class Engine:
             raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
         if not isinstance(priority, int):
             raise ValueError(f"request {rid!r}: priority must be an int, got {priority!r}")
-        need = -(-(len(prompt) + max_tokens + cfg.spec_tokens) // cfg.block_size)
+        need = -(-(len(prompt) + max_tokens + cfg.reach) // cfg.block_size)
         if need > cfg.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "
@@ -111,6 +111,8 @@ class Engine:
             else:
                 schedule_general(sched, step, self.choices)
             sched.submit(step)
+            if self.config.spec_tokens and self.config.async_scheduling:
+                self._propose(sched.drafting_scheduled(step))
             return True
         if sched.in_flight:
             step = sched.in_flight[0]
@@ -128,8 +130,8 @@ class Engine:
             if self.config.spec_tokens:
                 sampled = self._verify(step, sampled)
             sched.update_from_output(step, sampled)
-            if self.config.spec_tokens:
-                self._draft(step)
+            if self.config.spec_tokens and not self.config.async_scheduling:
+                self._propose(sched.drafting(step))
             return True
         return False
 
@@ -148,11 +150,12 @@ class Engine:
             out += [(rid, t) for t in tokens]
         return tuple(out)
 
-    def _draft(self, step: Step) -> None:
-        """Each running request that just sampled gets up to K draft tokens for its next
-        decode (``choices``: ``drafts``, how many fewer than K the drafter proposes)."""
+    def _propose(self, drafting: list[Request]) -> None:
+        """Each request that just sampled (or, under async scheduling, whose sampling decode was
+        just scheduled) gets up to K draft tokens for its next decode (``choices``: ``drafts``,
+        how many fewer than K the drafter proposes)."""
         k = self.config.spec_tokens
-        for req in self.scheduler.drafting(step):
+        for req in drafting:
             req.drafts = k - self.choices.pick(k + 1, "drafts")
             self.scheduler.counters["draft_tokens"] += req.drafts
 

@@ -67,15 +67,17 @@ class Request:
         self.admissions = 0
         """How many times it was admitted (more than once after preemptions, failed loads)."""
         self.placeholders = 0
-        """Async scheduling: steps in flight that sample for it and whose sample will be used
-        (vLLM's ``num_output_placeholders``); it may be scheduled up to ``len(tokens)`` plus
-        this many positions. Always 0 without async scheduling."""
+        """Async scheduling: the tokens that steps in flight may sample for it and whose samples
+        will be used (vLLM's ``num_output_placeholders``): one per such step, and with draft
+        tokens one more per draft (scheduled as if accepted); it may be scheduled up to
+        ``len(tokens)`` plus this many positions. Always 0 without async scheduling."""
         self.holding = 0
         """With stale output delivered: steps in flight whose output holds an entry for it; a
         preempted request is not admitted again until this is 0. Always 0 in drop mode."""
         self.drafts = 0
         """Speculative decoding: draft tokens proposed for its next decode (vLLM's
-        ``spec_token_ids``), set after each of its samples, used (and cleared) when scheduled."""
+        ``spec_token_ids``), set after each of its samples (under async scheduling when a decode
+        that samples is scheduled), used (and cleared) when scheduled."""
 
     @property
     def num_output(self) -> int:

@@ -267,7 +267,7 @@ class Scheduler:
             if end > len(req.tokens):
                 self.counters["placeholder_tokens"] += end - max(start, len(req.tokens))
             if samples:
-                req.placeholders += 1
+                req.placeholders += 1 + drafts
         if self.deliver:
             req.holding += 1
         if not (load and self.config.delay_load_registration):  # else at its next schedule
@@ -303,7 +303,7 @@ class Scheduler:
                 computed = entry.end - entry.start - entry.loaded * self.kv.block_size
                 building.budget_used -= computed
                 if entry.samples and self.async_scheduling:
-                    req.placeholders -= 1
+                    req.placeholders -= 1 + entry.drafts
                 if self.deliver:
                     req.holding -= 1
             building.live.discard(rid)
@@ -409,7 +409,7 @@ class Scheduler:
             if not running:
                 self.counters["stale_delivered"] += 1
             if async_scheduling:
-                req.placeholders -= 1
+                req.placeholders -= 1 + entry.drafts
             if post_output and running:
                 policy.on_output(req, entry, rejected)
             if reason is not None:
@@ -422,6 +422,8 @@ class Scheduler:
                 self._finish(req, reason)
                 if len(in_flight) > 1:
                     self._leave_later_steps(req)
+            elif rejected and async_scheduling and len(in_flight) > 1:
+                self._move_back(req, rejected)
         in_flight.popleft()
         self.counters["steps"] += 1
 
@@ -434,6 +436,32 @@ class Scheduler:
             for rid, entry in step.entries.items()
             if entry.samples and rid in step.live and requests[rid].status == RUNNING
         ]
+
+    def drafting_scheduled(self, step: Step) -> list[Request]:
+        """Async scheduling: the running requests whose decode in ``step`` (just built) samples;
+        their drafter proposes the draft tokens of their next decode now, which is scheduled as
+        if all of this one's were accepted (vLLM's ``AsyncScheduler`` sets ``spec_token_ids``
+        after each such schedule)."""
+        requests = self.requests
+        return [
+            requests[rid]
+            for rid, entry in step.entries.items()
+            if entry.samples and requests[rid].status == RUNNING
+        ]
+
+    def _move_back(self, req: Request, rejected: int) -> None:
+        """Async scheduling with draft tokens: the oldest step just rejected ``rejected`` of the
+        request's drafts, and the later steps in flight were scheduled as if it had accepted
+        them all; their entries for it (those whose output is still used) move back by that many
+        positions, as vLLM's model runner moves them on the device. None of them has executed
+        (a step executes just before its commit)."""
+        rid, bsz = req.rid, self.kv.block_size
+        for later in itertools.islice(self.in_flight, 1, None):
+            entry = later.entries.get(rid)
+            if entry is not None and rid in later.live:
+                entry.start -= rejected
+                entry.end -= rejected
+                entry.num_blocks = min(entry.num_blocks, -(-entry.end // bsz))
 
     def _leave_later_steps(self, req: Request) -> None:
         """The request finished at the oldest step's commit while later steps hold it (async

@@ -89,9 +89,10 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     With async scheduling the tokens may run past the known ones into placeholders, one per step
     in flight that samples for the request (``State.ahead``); the step's writes there hold the
     placeholder until its sampling step commits. With speculative decoding
-    (``Config.spec_tokens``) an entry that computes the last known token may also reach up to K
-    draft slots past it (``Draft``; vLLM pads an admission's single token with K drafts too);
-    they are computed, never hashed."""
+    (``Config.spec_tokens``) an entry that computes the last known token (under async
+    scheduling the last of ``ahead``: the placeholders of a step in flight include its drafts,
+    as if all were accepted) may also reach up to K draft slots past it (``Draft``; vLLM pads
+    an admission's single token with K drafts too); they are computed, never hashed."""
     step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
     bsz = cfg.block_size
     where = f"schedule r{rid} in step {step.id}"
@@ -197,6 +198,12 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
         raise Illegal(f"execute step {step_id}: not the oldest submitted step")
     if any(rid not in step.entries or not step.entries[rid].load for rid in failed):
         raise Illegal(f"execute step {step_id}: only external loads can fail")
+    waits = _unverified(s, step)
+    if waits is not None:
+        raise Illegal(
+            f"execute step {step_id}: r{waits[1]}'s positions wait for step {waits[0]}'s "
+            "accepted drafts (commit it first)"
+        )
     bsz = s.config.block_size
     step.failed = tuple(failed)
     s.touched.steps = True
@@ -254,6 +261,7 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             " (one each, or up to one more than its draft tokens)"
         )
     events = _drain(s, step) + policies.on_confirmed(s, step)
+    moved: list[tuple[int, int]] = []  # (request, rejected drafts) with later steps holding it
     for rid, e in step.entries.items():
         req = s.requests[rid]
         if e.load and req.loading == step.id:
@@ -273,7 +281,10 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             req.computed -= rejected
         for slot, token in enumerate(got[:-1]):  # accepted drafts: the guess was the token
             resolve(s, Draft(step.id, rid, slot), token)
-        resolve(s, Placeholder(step.id, rid), got[0])
+        if not rejected:  # else its own token is not where later steps placed it: re-laid
+            resolve(s, Placeholder(step.id, rid), got[-1])
+        elif any(rid in later.entries for later in s.steps[1:]):
+            moved.append((rid, rejected))
         reason = None
         for token in got:  # appended up to a stop (the rest of the list is dropped)
             req.tokens.append(token)
@@ -294,7 +305,58 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
                 later.registrations.pop(rid, None)
     s.steps.pop(0)
     s.commits += 1
+    for rid, rejected in moved:
+        _move_back(s, s.requests[rid], rejected)
     return events
+
+
+def _unverified(s: State, step: Step) -> tuple[int, int] | None:
+    """Drafts under async scheduling: (earlier step, request) when an earlier step in flight
+    samples for one of ``step``'s requests with drafts whose acceptance the spec learns only at
+    that step's commit; ``step``'s positions for the request depend on it (vLLM's model runner
+    moves them back over the rejected drafts on the device), so it executes after that commit.
+    None when nothing holds it back."""
+    if not (s.config.async_scheduling and s.config.spec_tokens):
+        return None
+    for earlier in s.steps:
+        if earlier is step:
+            break
+        for rid, e in earlier.entries.items():
+            if e.drafts and e.samples and rid in earlier.live and rid in step.entries:
+                return earlier.id, rid
+    return None
+
+
+def _move_back(s: State, req: Request, rejected: int) -> None:
+    """Drafts under async scheduling: the step that just committed rejected ``rejected`` of
+    ``req``'s drafts, and the later steps in flight were scheduled as if it had accepted all of
+    them. Their entries for the request (live ones: the others' output is discarded) move back
+    by that many positions, as vLLM's model runner moves them on the device (and its scheduler
+    rolls back ``num_computed_tokens`` and ``num_output_placeholders``): each computes its first
+    position from the token just sampled, where the first rejected draft was. Their writes are
+    laid again at the new positions, over the same table prefix; none has executed yet
+    (``execute`` waits for this commit)."""
+    bsz = s.config.block_size
+    for st in s.steps:
+        e = st.entries.get(req.id)
+        if e is None or req.id not in st.live:
+            continue
+        for block in e.blocks:
+            b = s.blocks[block]
+            b.pending = [w for w in b.pending if not (w.step == st.id and w.req == req.id)]
+            s.touched.content.add(block)
+        e.start -= rejected
+        e.end -= rejected
+        span = -(-e.end // bsz)
+        e.blocks = e.blocks[:span]
+        tokens = s.seen(req, st.id, e)
+        for i in range(e.start // bsz, span):
+            prefix = tuple(tokens[: min(e.end, (i + 1) * bsz)])
+            pending = s.blocks[e.blocks[i]].pending  # oldest step first
+            at = next((j for j, w in enumerate(pending) if w.step > st.id), len(pending))
+            pending.insert(at, Write(st.id, req.id, prefix, e.load))
+        s.touched.entries.add((st.id, req.id))
+    s.touched.requests.add(req.id)
 
 
 def abort(s: State, rid: int) -> list[Event]:

@@ -231,11 +231,15 @@ def null_block_pinned(s: State) -> Violation | None:
 def table_fits(s: State, req: Request) -> bool:
     """The request's table covers exactly its computed tokens (a running one) or nothing; with
     speculative decoding a running table may also keep the blocks of up to K rejected drafts
-    past them (vLLM keeps them for the next decode's slots)."""
+    past them (vLLM keeps them for the next decode's slots), and under async scheduling of up
+    to K per step that can be in flight at once (D steps scheduled as if every draft were
+    accepted may each reject K of them before the request is scheduled again)."""
     if req.status != "running":
         return not req.table and not req.computed
-    bsz, n = s.config.block_size, len(req.table)
-    return -(-req.computed // bsz) <= n <= -(-(req.computed + s.config.spec_tokens) // bsz)
+    cfg = s.config
+    bsz, n = cfg.block_size, len(req.table)
+    slack = cfg.spec_tokens * (cfg.depth if cfg.async_scheduling else 1)
+    return -(-req.computed // bsz) <= n <= -(-(req.computed + slack) // bsz)
 
 
 def table_matches_computed(s: State) -> Violation | None:

@@ -109,7 +109,10 @@ class Config:
     """K, speculative decoding: most draft tokens a running request's decode may be scheduled
     for beyond its known tokens (vLLM's ``num_speculative_tokens`` with a drafter that reserves
     no lookahead slots, n-gram); its commit says how many were accepted (``docs/model.md``,
-    "Speculative decoding"). 0: none. Synchronous scheduling only."""
+    "Speculative decoding"). 0: none. With ``async_scheduling`` a decode in flight holds one
+    placeholder per token it may sample (its drafts, then the bonus token), the next decode is
+    scheduled as if every draft were accepted and moves back over the rejected ones when that
+    step commits ("Drafts under async scheduling")."""
     delay_load_registration: bool = False
     """True: the blocks an asynchronous load writes are not registered at the load, but with the
     blocks its request computes when it is next scheduled, by which time the load has landed
@@ -150,11 +153,6 @@ class Config:
             (
                 isinstance(self.spec_tokens, int) and self.spec_tokens >= 0,
                 f"spec_tokens must be an integer >= 0, got {self.spec_tokens!r}",
-            ),
-            (
-                not (self.spec_tokens and self.async_scheduling),
-                "speculative decoding under async scheduling is not modelled (spec_tokens > 0 "
-                "needs async_scheduling off)",
             ),
             (
                 isinstance(self.delay_load_registration, bool),
@@ -355,16 +353,20 @@ class State:
         drafts = [Draft(step, req.id, j) for j in range(entry.drafts)]
         return self.ahead(req)[: entry.end - entry.drafts] + drafts
 
-    def ahead(self, req: Request) -> list[int | Placeholder]:
-        """The request's tokens as its steps in flight see them: the known ones, then one
-        placeholder per step in flight that samples for it and whose sample will be used, oldest
-        first. Without async scheduling no step is built while one samples for the request, so
-        this is its known tokens."""
-        return req.tokens + [
-            Placeholder(st.id, req.id)
-            for st in self.steps
-            if req.id in st.live and req.id in st.entries and st.entries[req.id].samples
-        ]
+    def ahead(self, req: Request) -> list[int | Placeholder | Draft]:
+        """The request's tokens as its steps in flight see them: the known ones, then for each
+        step in flight that samples for it and whose sample will be used, oldest first, the
+        tokens it may sample as if every draft were accepted: its drafts (``Draft``), then its
+        own token (``Placeholder``; vLLM's ``num_output_placeholders`` counts these). Without
+        async scheduling no step is built while one samples for the request, so this is its
+        known tokens up to the length of its tokens."""
+        out: list[int | Placeholder | Draft] = list(req.tokens)
+        for st in self.steps:
+            e = st.entries.get(req.id)
+            if e is not None and e.samples and req.id in st.live:
+                out += [Draft(st.id, req.id, j) for j in range(e.drafts)]
+                out.append(Placeholder(st.id, req.id))
+        return out
 
 
 def initial_state(config: Config) -> State:

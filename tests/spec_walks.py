@@ -33,11 +33,12 @@ KINDS = (
 
 @st.composite
 def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
-    """``drafts``: synchronous configurations may have draft tokens (``spec_tokens``), and any
-    may defer its frees (``defer_free``); off for the fast model, which refuses both."""
+    """``drafts``: configurations may have draft tokens (``spec_tokens``), synchronous or under
+    async scheduling, and any may defer its frees (``defer_free``); off for the fast model, which
+    refuses both."""
     async_scheduling = draw(st.booleans())
     depth = draw(st.integers(2 if async_scheduling else 1, 3))
-    spec_tokens = 0 if async_scheduling or not drafts else draw(st.sampled_from((0, 0, 1, 3)))
+    spec_tokens = draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0
     return Config(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),

@@ -47,11 +47,15 @@ checked before it, would otherwise often hide)."""
 def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Event]]:
     """A config, a workload and the reference engine's events on it (random choices); with
     ``drafts``, draft tokens and deferred frees too (not for the fast model, which refuses
-    them)."""
+    them). At depth 2 or 3 async scheduling is drawn too, with either stale-output mode."""
+    depth = draw(st.integers(1, 3))
+    overlap = depth > 1 and draw(st.booleans())
     common = dict(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
-        depth=draw(st.integers(1, 3)),
+        depth=depth,
+        async_scheduling=overlap,
+        stale_output=draw(st.sampled_from(("drop", "deliver"))) if depth > 1 else "drop",
         policy=draw(st.sampled_from(POLICIES + POLICIES[:3])),  # the unsafe ones twice as often
         discipline=draw(st.sampled_from(("vllm", "general", "general"))),
         preemption=draw(st.sampled_from(("fcfs", "priority"))),
@@ -64,9 +68,9 @@ def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Eve
         defer_free=draw(st.booleans()) if drafts else False,
     )
     room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
-    if room - common["spec_tokens"] < 2:  # type: ignore[operator]
+    if room - EngineConfig(**common).reach < 2:  # type: ignore[arg-type]
         common["spec_tokens"] = 0  # no room for a prompt, a token and the drafts
-    capacity = room - common["spec_tokens"]  # type: ignore[operator]
+    capacity = room - EngineConfig(**common).reach  # type: ignore[arg-type]
     choices = RandomChoices(draw(st.integers(0, 2**16)), draw(st.sampled_from((0.0, 0.3, 0.6))))
     engine = Engine(EngineConfig(**common, vocab=4), choices=choices)  # type: ignore[arg-type]
     next_id = 0

@@ -6,15 +6,18 @@ tests (synchronous and async, and a scheduler without prefix caching) pass, a pl
 the free order without prefix caching (one block at a time instead of vLLM's batch) fails with
 a Disagreement on the free queue, speculative decoding (drafts accepted and rejected, with and
 without preemption) holds and a planted publish over a rejected draft fails with a
-Disagreement, a KV connector's synchronous and asynchronous loads hold and
-blocks cached before their asynchronous load has landed fail with a Disagreement, an EC
-connector and an aux output connector hold (text-only requests sharing prefixes) and a planted
-free order under the aux output connector (a table freed head first) fails with a Disagreement
-while a delayed free and a capped prefix-cache hit are refused, ``defer_block_free``'s deferred
-frees hold and a free at once or a drain before the fence fail with a Disagreement, a feature the
-spec does not model is refused (listed, never failed; every one seen at construction, not only the
-first), and without the plugin every case passes. Skipped without ``.venv-vllm`` (``make
-thirdparty``)."""
+Disagreement, speculative decoding under async scheduling (a batch queue of two steps, decodes
+scheduled as if every draft were accepted, with and without preemption in flight) holds and a
+planted registration of rejected drafts fails with a Disagreement (a test's spy that calls
+through kvspec's wrapper is judged, one that does not is refused), a KV connector's synchronous
+and asynchronous loads hold and blocks cached before their asynchronous load has landed fail
+with a Disagreement, an EC connector and an aux output connector hold (text-only requests
+sharing prefixes) and a planted free order under the aux output connector (a table freed head
+first) fails with a Disagreement while a delayed free and a capped prefix-cache hit are refused,
+``defer_block_free``'s deferred frees hold and a free at once or a drain before the fence fail
+with a Disagreement, a feature the spec does not model is refused (listed, never failed; every
+one seen at construction, not only the first), and without the plugin every case passes.
+Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
 from __future__ import annotations
 
@@ -75,12 +78,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_connector.py"),
         str(CASES / "case_ec_aux.py"),
         str(CASES / "case_defer.py"),
+        str(CASES / "case_async_spec_decode.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "9 failed" in out and "18 passed" in out, out[-3000:]
+    assert "10 failed" in out and "22 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -155,8 +159,23 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         planted = tests[name]
         assert planted["outcome"] == "violation", planted
         assert planted["finding"].startswith(f"kvspec: Disagreement: engine emitted {event}")
+    for name in (
+        "test_async_spec_decode_shared_prefixes_hold",
+        "test_async_spec_decode_preempted_in_flight_holds",
+        "test_async_spec_decode_counting_preemptions_holds",  # a test's spy, calling through
+    ):
+        drafts = tests[name]  # drafts under async scheduling, moved back over rejections
+        assert drafts["outcome"] == "judged" and drafts["events"] > 100, drafts
+    bypass = tests["test_async_spec_decode_failing_an_allocation_by_itself"]
+    assert bypass["outcome"] == "run", bypass  # a spy that did not call through: refused
+    assert bypass["features"] == ["vLLM method patched by the test"], bypass
+    forgotten = tests["test_async_spec_decode_registers_rejected_drafts"]
+    assert forgotten["outcome"] == "violation", forgotten  # rejected drafts registered
+    assert forgotten["finding"].startswith(
+        "kvspec: Disagreement: engine emitted ('publish', 0, 1, 2)"
+    ), forgotten
     summary = out[out.index("= kvspec =") :]
-    assert "9  violations" in summary and "11  judged and holding" in summary, summary
+    assert "10  violations" in summary and "14  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -164,11 +183,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
     names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py", "case_ec_aux.py")
-    names += ("case_defer.py",)
+    names += ("case_defer.py", "case_async_spec_decode.py")
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "27 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "32 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

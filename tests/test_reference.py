@@ -264,7 +264,7 @@ def drive(eng: Engine, rng: random.Random, num_requests: int, max_steps: int = 4
     for _ in range(max_steps):
         if added < num_requests and rng.random() < 0.4:
             prompt = rng.choice(prefixes) + tuple(rng.randrange(3) for _ in range(rng.randrange(3)))
-            room = (cfg.num_blocks - 1) * bsz - len(prompt) - cfg.spec_tokens
+            room = (cfg.num_blocks - 1) * bsz - len(prompt) - cfg.reach
             if room >= 1:
                 eng.add_request(
                     added,

@@ -14,8 +14,10 @@ invariant held before it. The argument, by induction over decisions:
    record every block whose refcount, hash or free-queue place they change and every request whose
    table they change; the actions record every block whose *content* (``written``, ``pending``)
    changes (``schedule``: the entry's write blocks; ``execute``: the step's; a request leaving a
-   building step: its entry's blocks; a committed step's failed loads, no longer excused), every
-   new entry, every request that stops running, and every step transition.
+   building step: its entry's blocks; a committed step's failed loads, no longer excused; under
+   async scheduling with drafts, a later decode moved back over rejected drafts: its old and new
+   write blocks), every new entry (a moved-back entry counts as new: all its reads are), every
+   request that stops running, and every step transition.
 3. ``Incremental.check`` re-evaluates, invariant by invariant in ``INVARIANTS`` order, the conjuncts
    over the footprint; the rest are unchanged. Two facts of the spec make some conjuncts stable:
    a request's tokens only grow (so the prefixes read or published for its full blocks never

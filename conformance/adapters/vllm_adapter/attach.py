@@ -32,8 +32,8 @@ to the waiting request; its drop mode (``requires_kv_delivery``) drops it. The s
 (``Config.stale_output``, read by ``config_of``), and ``AsyncScheduler``'s decodes on placeholders
 (``Config.async_scheduling``), and a pool without prefix caching (``Config.prefix_caching``,
 read from ``enable_caching``: nothing published, no hits, a table freed as one batch), and
-speculative decoding in a synchronous ``Scheduler`` (``Config.spec_tokens``, read from
-``num_spec_tokens``): a request's drafts are its ``scheduled_spec_decode_tokens``, and the commit
+speculative decoding (``Config.spec_tokens``, read from ``num_spec_tokens``), in a ``Scheduler``
+or an ``AsyncScheduler``: a request's drafts are its ``scheduled_spec_decode_tokens``, and the commit
 lists its sampled tokens, up to its drafts + 1, as many as vLLM appends (it trims after a stop;
 ``_stops`` reads how many). A token at
 which vLLM stops the request (EOS, a stop token, repetition) is reported as the configuration's
@@ -51,12 +51,12 @@ free, an error finish, multimodal inputs, and an aux output connector's bound on
 hit when it cuts the hit short (``_bounded_hit``, at the admission's ``allocate_slots``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
-other KV connector, load failures, drafts with lookahead slots or under async scheduling or beside
-a KV connector, hybrid groups, sliding window, LoRA, deferred async loads, CoW retentions,
-lookahead hashing, multimodal, ...), or a caller does what no engine core
-does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
-method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
-feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
+other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
+groups, sliding window, LoRA, deferred async loads, CoW retentions, lookahead hashing,
+multimodal, ...), or a caller does what no engine core does (edits vLLM's state between calls,
+drives the KV-cache manager directly, patches a wrapped method, samples a token mid-prefill),
+``refusal`` is set, at attach time or at run time, with the feature's name. The events go on being
+recorded; a judge must not judge what comes after a refusal.
 ``listener(attachment)`` is called whenever an outermost entry point returns: a consistent point,
 where the events so far can be judged and the pool compared with the spec's (``snapshot``).
 
@@ -218,6 +218,7 @@ class Attachment:
         self._next_id = 0  # the event stream's next request id
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
+        self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
         self._wrap()
         found = scheduler_features(self.scheduler)
         if found:
@@ -466,6 +467,10 @@ class Attachment:
         for req_id, drafts in output.scheduled_spec_decode_tokens.items():
             request = requests.get(req_id)
             past = request.num_computed_tokens - request.num_tokens if request else -1
+            if request is not None and self.config.async_scheduling:
+                # AsyncScheduler has just counted this decode's own token and its drafts among
+                # the placeholders: the drafts reach exactly past the others'
+                past -= request.num_output_placeholders - 1 - len(drafts)
             if not self.config.spec_tokens or len(drafts) != past:
                 self.refuse("speculative decoding", f"{len(drafts)} draft tokens for {req_id}")
         if output.scheduled_encoder_inputs:
@@ -915,7 +920,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         async_scheduling=asynchronous,
         stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
         prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
-        spec_tokens=0 if asynchronous else int(getattr(scheduler, "num_spec_tokens", 0) or 0),
+        spec_tokens=int(getattr(scheduler, "num_spec_tokens", 0) or 0),
         delay_load_registration=scheduler.connector is not None,
         defer_free=bool(getattr(scheduler, "defer_block_free", False)),
     )

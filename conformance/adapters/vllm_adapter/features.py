@@ -150,19 +150,19 @@ def scheduler_features(sched: Any) -> list[Feature]:
 
 def speculation_features(sched: Any) -> list[Feature]:
     """What of speculative decoding the spec does not model. It models draft tokens scheduled
-    past a request's known tokens in a synchronous ``Scheduler``, at most ``num_spec_tokens`` of
-    them, the rejected ones rolled back from the computed tokens (``Config.spec_tokens``);
-    not drafters that reserve lookahead slots beyond the scheduled tokens (EAGLE, MTP, a draft
-    model), a draft count chosen per batch size, or drafts under async scheduling (their
-    placeholders), nor drafts beside a KV connector (each is judged alone; the two together have
-    no test of their own yet). Lookahead hashing and prefill lookahead are refused on their own."""
+    past a request's known tokens, at most ``num_spec_tokens`` of them, the rejected ones rolled
+    back from the computed tokens (``Config.spec_tokens``), in a ``Scheduler`` and in an
+    ``AsyncScheduler`` (whose placeholders then cover the drafts, the next decode scheduled as if
+    all were accepted; ``docs/model.md``, "Drafts under async scheduling"); not drafters that
+    reserve lookahead slots beyond the scheduled tokens (EAGLE, MTP, a draft model), a draft
+    count chosen per batch size, nor drafts beside a KV connector (each is judged alone; the two
+    together have no test of their own yet). Lookahead hashing and prefill lookahead are refused
+    on their own."""
     spec = sched.vllm_config.speculative_config
     k = getattr(sched, "num_spec_tokens", 0)
     if spec is None and not k and not getattr(sched, "num_lookahead_tokens", 0):
         return []
     found: list[Feature] = []
-    if AsyncScheduler is not None and isinstance(sched, AsyncScheduler):
-        found.append(("speculative decoding under async scheduling", f"{k} draft tokens"))
     if getattr(sched, "num_lookahead_tokens", 0):
         found.append(("draft lookahead slots", f"{sched.num_lookahead_tokens} (EAGLE, MTP, ...)"))
     if getattr(sched, "dynamic_sd_lookup", None) is not None:

@@ -7,6 +7,14 @@ the time of the call*: the method an instance attribute held at attach time, els
 current one. So a test that patches a vLLM class after the object was built gets its patch, as
 it would without kvspec; ``tampered()`` then names what changed (a class method patched, one of
 the wrappers replaced on the instance), which the attachments refuse to judge.
+
+One replacement is not tampering: a test's own wrapper around kvspec's, set on the instance
+(``orig = obj.name; def spy(*a, **k): ...; return orig(*a, **k)``; ``obj.name = spy``), which
+vLLM's tests use to count calls. ``tampered()`` adopts a replacement whose closure holds the
+wrapper it replaced, and puts a guard around it: every call of the replacement must call that
+wrapper exactly once (what vLLM did then is what kvspec records), else ``on_bypass`` is told
+(the attachments refuse, as for any other patch). A replacement that calls it conditionally
+(a spy that fails the first allocation by itself) is caught at its first call that does not.
 """
 
 from __future__ import annotations
@@ -20,8 +28,12 @@ Method = Callable[..., Any]
 class Wrappers:
     def __init__(self) -> None:
         self.installed: list[tuple[Any, str, Method, Any]] = []
-        """(object, name, the wrapper, the class attribute at install time)."""
+        """(object, name, the wrapper now expected there, the class attribute at install)."""
         self._own: dict[tuple[int, str], Method] = {}
+        self._calls: dict[tuple[int, str], int] = {}
+        """Calls of kvspec's own wrapper, per (object, name): what an adopted spy's guard counts."""
+        self.on_bypass: Callable[[str], None] = lambda why: None
+        """Told when an adopted replacement returned without calling kvspec's wrapper once."""
 
     def install(self, obj: Any, name: str, make: Callable[[Method], Method]) -> None:
         own = obj.__dict__.get(name)
@@ -36,18 +48,47 @@ class Wrappers:
             def original(*args: Any, **kwargs: Any) -> Any:
                 return getattr(type(obj), name)(obj, *args, **kwargs)
 
-        wrapper = make(original)
+        inner = make(original)
+        key = (id(obj), name)
+        calls = self._calls
+        calls[key] = 0
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[key] += 1
+            return inner(*args, **kwargs)
+
+        wrapper.__doc__ = inner.__doc__
         setattr(obj, name, wrapper)
         self.installed.append((obj, name, wrapper, cls_attr))
 
     def tampered(self) -> str | None:
-        """What replaced a wrapper or patched a wrapped class method since install, or None."""
-        for obj, name, wrapper, cls_attr in self.installed:
-            if obj.__dict__.get(name) is not wrapper:
-                return f"{type(obj).__name__}.{name} replaced on the instance"
+        """What replaced a wrapper or patched a wrapped class method since install, or None. A
+        test's wrapper around the one it replaced is adopted instead (module docstring)."""
+        for i, (obj, name, wrapper, cls_attr) in enumerate(self.installed):
+            current = obj.__dict__.get(name)
+            if current is not wrapper:
+                if not _delegates(current, wrapper):
+                    return f"{type(obj).__name__}.{name} replaced on the instance"
+                guard = self._guard(obj, name, current)
+                setattr(obj, name, guard)
+                self.installed[i] = (obj, name, guard, cls_attr)
             if (id(obj), name) not in self._own and getattr(type(obj), name, None) is not cls_attr:
                 return f"{type(obj).__name__}.{name} patched on the class"
         return None
+
+    def _guard(self, obj: Any, name: str, spy: Method) -> Method:
+        key, calls, where = (id(obj), name), self._calls, f"{type(obj).__name__}.{name}"
+
+        def guard(*args: Any, **kwargs: Any) -> Any:
+            before = calls[key]
+            result = spy(*args, **kwargs)
+            if calls[key] != before + 1:
+                self.on_bypass(
+                    f"{where} replaced on the instance by a wrapper that did not call it"
+                )
+            return result
+
+        return guard
 
     def uninstall(self) -> None:
         """Put back what was there (where the wrapper is still in place)."""
@@ -59,3 +100,16 @@ class Wrappers:
                 else:
                     delattr(obj, name)
         self.installed.clear()
+
+
+def _delegates(replacement: object, wrapper: Method) -> bool:
+    """Whether ``replacement`` is a function that closes over ``wrapper`` (a test's wrapper
+    around it)."""
+    cells = getattr(replacement, "__closure__", None) or ()
+    for cell in cells:
+        try:
+            if cell.cell_contents is wrapper:
+                return True
+        except ValueError:  # an empty cell
+            continue
+    return False

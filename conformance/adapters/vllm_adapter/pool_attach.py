@@ -70,6 +70,7 @@ class PoolAttachment:
         self._evicted: list[int] = []
         self.lookups = self.manager is not None and _plain_lookups(self.manager)
         self.wrappers = Wrappers()
+        self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
         self._wrap()
         config = getattr(self.manager, "kv_cache_config", None)
         if getattr(config, "hisparse_host_num_blocks", None) is not None:
