@@ -160,12 +160,9 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
+    # A request that skips the prefix-cache read (prompt logprobs) is refused only at an
+    # admission where the read would have hit (``skipped_read``).
     caching = bool(getattr(sched.kv_cache_manager, "enable_caching", True))
-    need(  # without prefix caching nothing is read anyway
-        caching and getattr(request, "skip_reading_prefix_cache", False),
-        "prefix-cache read skipped",
-        "prompt logprobs or all-token pooling",
-    )
     need(getattr(request, "use_structured_output", False), "structured output", "grammar waits")
     need(getattr(request, "kv_transfer_params", None), "KV connector", "kv_transfer_params")
     need(
@@ -187,6 +184,23 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
             f"{request.num_prompt_tokens} tokens, max_model_len {sched.max_model_len}",
         )
     return found
+
+
+def skipped_read(sched: Any, request: Any) -> list[Feature]:
+    """A request that skips the prefix-cache read (``skip_reading_prefix_cache``: prompt
+    logprobs, all-token pooling) admitted where the read would have hit: vLLM then computes
+    from scratch what the spec's lookup hits. Where the read would hit nothing (its first
+    full block's hash not cached, or no full block before its last token) the two agree, so
+    it is judged. Checked at each admission (a preempted request is read again)."""
+    pool = sched.kv_cache_manager.block_pool
+    if not (pool.enable_caching and getattr(request, "skip_reading_prefix_cache", False)):
+        return []
+    bsz = sched.block_size
+    readable = (request.num_tokens - 1) // bsz  # vLLM's hits stop before the last token
+    hashes = request.block_hashes
+    if readable and hashes and pool.get_cached_block(hashes[0], [0]) is not None:
+        return [("prefix-cache read skipped", f"{request.request_id} would hit its first block")]
+    return []
 
 
 def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
