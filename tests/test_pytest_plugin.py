@@ -57,6 +57,30 @@ def _pytest(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str
     return done, {name.split("::")[-1]: entry for name, entry in tests.items()}
 
 
+LIFTED = {  # case_lifted.py: test -> (outcome, its finding's start or its one feature)
+    "test_priority_arrivals_out_of_order_hold": ("judged", ""),
+    "test_priority_order_ignoring_arrival_time": (
+        "violation",
+        "Illegal: schedule r1 in step 0: vllm admits the head of the waiting queue first",
+    ),
+    "test_equal_arrival_times_are_refused": ("run", "arrival times out of order"),
+    "test_reset_preempting_running_requests_holds[fcfs]": ("judged", ""),
+    "test_reset_preempting_running_requests_holds[priority]": ("judged", ""),
+    "test_reset_preempting_from_the_head": (
+        "violation",
+        "Illegal: preempt r0 in step 2: fcfs preempts the unscheduled tail of running",
+    ),
+    "test_skipped_read_with_nothing_to_hit_holds": ("judged", ""),
+    "test_skipped_read_that_would_hit_is_refused": ("run", "prefix-cache read skipped"),
+    "test_lora_within_max_loras_holds": ("judged", ""),
+    "test_a_request_passed_over_for_max_loras_is_refused": ("run", "LoRA"),
+    "test_one_prompt_under_two_adapters_is_refused": (
+        "run",
+        "block hashes not a function of the tokens",
+    ),
+}
+
+
 @needs_vllm
 def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     done, tests = _pytest(
@@ -68,12 +92,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_no_caching.py"),
         str(CASES / "case_spec_decode.py"),
         str(CASES / "case_connector.py"),
+        str(CASES / "case_lifted.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "6 failed" in out and "13 passed" in out, out[-3000:]
+    assert "8 failed" in out and "22 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -126,8 +151,16 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert cached["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('publish', 0, 2, 6)"
     ), cached
+    lifted = {name: tests[name] for name in tests if name in LIFTED}
+    for name, (outcome, what) in LIFTED.items():
+        entry = lifted[name]
+        assert entry["outcome"] == outcome, entry
+        if outcome == "violation":
+            assert entry["finding"].startswith(f"kvspec: {what}"), entry
+        elif outcome == "run":
+            assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "6  violations" in summary and "8  judged and holding" in summary, summary
+    assert "8  violations" in summary and "13  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -135,10 +168,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
     names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py")
+    names += ("case_lifted.py",)
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "19 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "30 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

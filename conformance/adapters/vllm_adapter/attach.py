@@ -73,6 +73,7 @@ from kvspec.spec import Config
 from .features import (
     AsyncScheduler,
     Feature,
+    lora_skips,
     pending_features,
     request_features,
     scheduler_features,
@@ -749,8 +750,9 @@ class Attachment:
             loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
             if admission:
                 self._safe(self._admission_room, request)
-                for feature in self._safe(skipped_read, self.scheduler, request) or ():
-                    self.refuse(*feature)
+                for check in (skipped_read, lora_skips):
+                    for feature in self._safe(check, self.scheduler, request) or ():
+                        self.refuse(*feature)
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []
@@ -770,7 +772,9 @@ class Attachment:
                 self.events.append(("hit", rid, hit))
                 if tuple(self._touched) != hit:
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
-                self._safe(self._check_hashes, request, len(hit))
+                # every hash the lookup read, not only the hits: a hash that is not the
+                # tokens' (LoRA, ...) may be what made it miss
+                self._safe(self._check_hashes, request, len(request.block_hashes))
                 if loaded and not num_new_tokens:
                     self.loads.start(request.request_id)
             if landed:

@@ -156,7 +156,6 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     need(request.request_id in sched.requests, "streaming input", "a request id added twice")
     need(getattr(request, "resumable", False), "streaming input", "a resumable request")
     need(getattr(request, "mm_features", None), "multimodal", "multimodal inputs in the hash")
-    need(getattr(request, "lora_request", None) is not None, "LoRA", "the adapter in the hash")
     need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
@@ -200,6 +199,33 @@ def skipped_read(sched: Any, request: Any) -> list[Feature]:
     hashes = request.block_hashes
     if readable and hashes and pool.get_cached_block(hashes[0], [0]) is not None:
         return [("prefix-cache read skipped", f"{request.request_id} would hit its first block")]
+    return []
+
+
+def lora_skips(sched: Any, request: Any) -> list[Feature]:
+    """LoRA at the admission of ``request``: vLLM passes over a waiting request whose adapter
+    would exceed ``max_loras`` and admits one behind it, which the spec's admission order does
+    not allow. Once the adapters of the running requests (those admitted earlier in this
+    ``schedule()`` included) fill ``max_loras`` no other adapter joins in that call, so such a
+    skip happened, or may, exactly where another waiting request (skipped ones are off the
+    queue meanwhile: read from ``requests``) carries an adapter outside that full set. The
+    adapter's part in the block hashes needs nothing of its own: hashes that are not a
+    function of the tokens are refused where they are checked (``attach._check_hashes``)."""
+    config = getattr(sched, "lora_config", None)
+    if config is None:
+        return []
+
+    def adapter(r: Any) -> int:
+        lora = getattr(r, "lora_request", None)
+        return lora.lora_int_id if lora is not None and lora.lora_int_id > 0 else 0
+
+    held = {adapter(r) for r in sched.running} - {0}
+    if len(held) < config.max_loras:
+        return []
+    for other in sched.requests.values():
+        waiting = other.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if other is not request and waiting and adapter(other) not in held | {0}:
+            return [("LoRA", f"{other.request_id} passed over: max_loras {config.max_loras}")]
     return []
 
 
