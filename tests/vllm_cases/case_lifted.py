@@ -10,14 +10,21 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
 * a request that skips the prefix-cache read (prompt logprobs) where the read would hit nothing;
   refused where it would have hit;
 * LoRA adapters within ``max_loras``; refused where a request is passed over for ``max_loras``,
-  and where one prompt hashes differently under two adapters."""
+  and where one prompt hashes differently under two adapters;
+* multi-module MTP's prefill lookahead (``num_prefill_lookahead``, set after construction as
+  vLLM's tests do): its shortened chunks; refused where it makes vLLM pass over a waiting
+  request;
+* structured output whose grammar is ready (a stand-in grammar and manager); refused while the
+  grammar compiles and the request is passed over."""
+
+from unittest.mock import Mock
 
 import case_seed
 import pytest
 from case_seed import BLOCK, make_request, make_scheduler, runner_output, step
 from vllm.config import LoRAConfig, VllmConfig
 from vllm.lora.request import LoRARequest
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -200,3 +207,72 @@ def test_one_prompt_under_two_adapters_is_refused(monkeypatch):
     drain(scheduler)
     output = scheduler.schedule()
     scheduler.update_from_output(output, runner_output(scheduler, output))
+
+
+# -- prefill lookahead (multi-module MTP), set after construction as vLLM's tests do ---------
+
+
+def lookahead_scheduler():
+    scheduler = make_scheduler(policy="fcfs", num_blocks=16)
+    scheduler.num_prefill_lookahead = 3  # a chunk ends at the prompt's end or 3 before it
+    return scheduler
+
+
+def test_prefill_lookahead_chunks_hold():
+    scheduler = lookahead_scheduler()
+    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5, 6, 7, 8], priority=0, arrival=0.0))
+    output = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 5}  # 6 would leave 2 < 3
+    scheduler.add_request(make_request("b", [1, 2, 3, 4, 5, 6, 7, 9], priority=0, arrival=1.0))
+    drain(scheduler)
+
+
+def test_prefill_lookahead_passing_over_a_request_is_refused():
+    scheduler = lookahead_scheduler()
+    for name, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8]), ("c", [9])):
+        scheduler.add_request(make_request(name, prompt, priority=0, arrival=0.0))
+    output = step(scheduler)  # 1 token left for b would leave 2 < 3: b passed over, c admitted
+    assert output.num_scheduled_tokens == {"a": 5, "c": 1}
+    drain(scheduler)
+
+
+# -- structured output ------------------------------------------------------------------------
+
+
+def structured_request(request_id, prompt, arrival, grammar):
+    params = SamplingParams(
+        max_tokens=3, ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="[0-9]+")
+    )
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=arrival,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    assert request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    request.structured_output_request = Mock(grammar=grammar)
+    return request
+
+
+def structured_scheduler():
+    scheduler = make_scheduler(policy="fcfs", num_blocks=16)
+    scheduler.structured_output_manager = Mock()  # no backend here: grammars are stand-ins
+    scheduler.structured_output_manager.accept_tokens.return_value = True
+    return scheduler
+
+
+def test_structured_output_with_its_grammar_ready_holds():
+    scheduler = structured_scheduler()
+    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], priority=0, arrival=0.0))
+    scheduler.add_request(structured_request("s", [1, 2, 3, 4, 6], 1.0, grammar=object()))
+    drain(scheduler)
+
+
+def test_structured_output_waiting_for_its_grammar_is_refused():
+    scheduler = structured_scheduler()
+    scheduler.add_request(structured_request("s", [1, 2, 3], 0.0, grammar=None))
+    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=1.0))
+    output = step(scheduler)  # s passed over while its grammar compiles
+    assert list(output.num_scheduled_tokens) == ["a"]

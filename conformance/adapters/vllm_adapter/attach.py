@@ -369,6 +369,7 @@ class Attachment:
             (sched, "reset_prefix_cache", self._scheduler_reset),
             (sched, "_preempt_request", self._preempt_request),
             (sched, "_free_request", self._free_request),
+            (sched, "_reserve_prefill_lookahead", self._prefill_lookahead),
             (kv, "allocate_slots", self._allocate_slots),
             (kv, "cache_blocks", self._cache_blocks),
             (kv, "take_events", self._take_events),
@@ -692,6 +693,24 @@ class Attachment:
             original(request, *args, **kw)
 
         return preempt
+
+    def _prefill_lookahead(self, original: Method) -> Method:
+        """Multi-module MTP's prefill lookahead shortens a prefill chunk so that it ends at
+        the prompt's end or at least ``num_prefill_lookahead`` before it: a chunk size like
+        any to the spec, which takes the ``schedule`` decision's tokens as given. Shortened
+        to nothing, it makes vLLM pass over a waiting request and admit one behind it, which
+        the spec's admission order does not allow: refused. (Where the KV-cache manager
+        registers the last computed tokens late, ``num_reprefillable_tokens``, the scheduler
+        is refused at every entry point.)"""
+
+        def reserve(request: Request, *args: Any, **kw: Any) -> Any:
+            tokens = original(request, *args, **kw)
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if waiting and not tokens:
+                self.refuse("prefill lookahead (MTP)", f"{request.request_id} passed over")
+            return tokens
+
+        return reserve
 
     def _free_request(self, original: Method) -> Method:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:

@@ -97,7 +97,12 @@ def scheduler_features(sched: Any) -> list[Feature]:
     need(getattr(sched, "is_mm_encoder_only", False), "multimodal encoder-only", "no sampling")
     need(getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "pooling or diffusion model", "")
     need(getattr(sched, "prefix_replay_tokens", 0), "prefix replay", "recomputed hit tails")
-    need(getattr(sched, "num_prefill_lookahead", 0), "prefill lookahead (MTP)", "")
+    need(  # the chunk vLLM shortens for it is a chunk size like any (attach.py)
+        getattr(kv.coordinator, "num_reprefillable_tokens", 0),
+        "prefill lookahead (MTP)",
+        f"the last {getattr(kv.coordinator, 'num_reprefillable_tokens', 0)} computed tokens "
+        "registered late",
+    )
     need(
         getattr(sched, "dcp_world_size", 1) > 1 or getattr(sched, "pcp_world_size", 1) > 1,
         "context parallelism",
@@ -162,10 +167,10 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     # A request that skips the prefix-cache read (prompt logprobs) is refused only at an
     # admission where the read would have hit (``skipped_read``).
     caching = bool(getattr(sched.kv_cache_manager, "enable_caching", True))
-    need(getattr(request, "use_structured_output", False), "structured output", "grammar waits")
     need(getattr(request, "kv_transfer_params", None), "KV connector", "kv_transfer_params")
-    need(
-        request.status != RequestStatus.WAITING or request.num_computed_tokens,
+    fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
+    need(  # structured output arrives waiting for its grammar (pending_features)
+        request.status not in fresh or request.num_computed_tokens,
         "a request added mid-flight",
         f"{request.status} with {request.num_computed_tokens} computed tokens",
     )
@@ -229,6 +234,18 @@ def lora_skips(sched: Any, request: Any) -> list[Feature]:
     return []
 
 
+def grammar_ready(request: Any) -> bool:
+    """Whether the request waits for a grammar that is compiled (not an error): vLLM
+    makes it waiting when its turn comes and admits it like any, so it is not blocked. A
+    grammar still compiling, or failed, is: vLLM passes the request over (a failed one then
+    finishes in error, a finish the spec does not have)."""
+    if request.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+        return False
+    structured = getattr(request, "structured_output_request", None)
+    grammar = structured.grammar if structured is not None else None
+    return grammar is not None and not isinstance(grammar, Exception)
+
+
 def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts on a request beyond the scheduler's ``num_spec_tokens`` (any, without
@@ -242,7 +259,8 @@ def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()
     their loaded blocks until scheduled), which the spec models."""
     found: list[Feature] = []
     for request in sched.requests.values():
-        if request.status in BLOCKED and request.request_id not in loaders:
+        blocked = request.status in BLOCKED and not grammar_ready(request)
+        if blocked and request.request_id not in loaders:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
         if drafts > getattr(sched, "num_spec_tokens", 0):  # the rest: scheduler_features
