@@ -43,9 +43,14 @@ load is the ``schedule`` decision's loaded blocks (``allocate_slots``' external 
 tokens computed after them; an asynchronous one is followed by ``AsyncLoads`` (running to the
 spec from its admission, waiting to vLLM until scheduled after ``finished_recving``).
 
+**Arrivals, resets.** Under the priority policy vLLM ranks by ``arrival_time``: with
+``hold_arrivals`` (the pytest plugin) the requests added since the last other entry point arrive
+to the spec sorted by it when that entry point begins. ``reset_prefix_cache`` preempting running
+requests is a step of its own to the spec (``_reset_step``).
+
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or under async scheduling or beside
-a KV connector, hybrid groups, sliding window, LoRA, ``defer_block_free``, lookahead hashing,
+a KV connector, hybrid groups, sliding window, ``defer_block_free``, lookahead hashing,
 multimodal, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
