@@ -15,7 +15,10 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
   vLLM's tests do): its shortened chunks; refused where it makes vLLM pass over a waiting
   request;
 * structured output whose grammar is ready (a stand-in grammar and manager); refused while the
-  grammar compiles and the request is passed over."""
+  grammar compiles and the request is passed over;
+* multimodal inputs (an image's part in the hashes, its encoder scheduled); refused where the
+  encoder's budget makes vLLM pass over a waiting request, and where one prompt carries two
+  different images (its hashes are not a function of the tokens)."""
 
 from unittest.mock import Mock
 
@@ -24,11 +27,18 @@ import pytest
 from case_seed import BLOCK, make_request, make_scheduler, runner_output, step
 from vllm.config import LoRAConfig, VllmConfig
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
+
+
+def hasher():
+    init_none_hash(sha256)
+    return get_request_block_hasher(BLOCK, sha256)
 
 
 def drain(scheduler, limit=60):
@@ -126,7 +136,7 @@ def logprobs_request(request_id, prompt, arrival):
         sampling_params=SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1),
         pooling_params=None,
         arrival_time=arrival,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=hasher(),
     )
 
 
@@ -175,7 +185,7 @@ def lora_request(request_id, prompt, adapter, arrival):
         lora_request=LoRARequest(f"lora-{adapter}", adapter, f"/lora/{adapter}")
         if adapter
         else None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=hasher(),
     )
 
 
@@ -249,7 +259,7 @@ def structured_request(request_id, prompt, arrival, grammar):
         sampling_params=params,
         pooling_params=None,
         arrival_time=arrival,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=hasher(),
     )
     assert request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     request.structured_output_request = Mock(grammar=grammar)
@@ -276,3 +286,60 @@ def test_structured_output_waiting_for_its_grammar_is_refused():
     scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=1.0))
     output = step(scheduler)  # s passed over while its grammar compiles
     assert list(output.num_scheduled_tokens) == ["a"]
+
+
+# -- multimodal inputs ------------------------------------------------------------------------
+
+
+def image_request(request_id, prompt, arrival, offset, length, image):
+    feature = MultiModalFeatureSpec(
+        data=MultiModalKwargsItem.dummy(),
+        mm_position=PlaceholderRange(offset=offset, length=length),
+        identifier=image,
+        modality="image",
+    )
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=arrival,
+        mm_features=[feature],
+        block_hasher=hasher(),
+    )
+
+
+def encoder_scheduler(budget):
+    scheduler = make_scheduler(policy="fcfs", num_blocks=16)
+    scheduler.max_num_encoder_input_tokens = budget  # as vLLM's tests set them
+    scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=64)
+    return scheduler
+
+
+def test_images_hold():
+    scheduler = encoder_scheduler(budget=8)
+    image = [5, 5, 5, 5]
+    scheduler.add_request(image_request("a", [1, 2, *image, 3], 0.0, 2, 4, "cat"))
+    drain(scheduler)
+    scheduler.add_request(image_request("b", [1, 2, *image, 4], 1.0, 2, 4, "cat"))
+    output = step(scheduler)  # the same image: b hits a's blocks over it
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 6
+    drain(scheduler)
+
+
+def test_a_request_passed_over_for_its_image_is_refused():
+    scheduler = encoder_scheduler(budget=4)  # one image a step
+    scheduler.add_request(image_request("a", [1, 5, 5, 5, 5], 0.0, 1, 4, "cat"))
+    scheduler.add_request(image_request("b", [5, 5, 5, 5, 2], 1.0, 0, 4, "dog"))
+    scheduler.add_request(make_request("plain", [7], priority=0, arrival=2.0))
+    output = step(scheduler)  # b's image does not fit this step: plain is admitted past b
+    assert sorted(output.num_scheduled_tokens) == ["a", "plain"]
+    drain(scheduler)
+
+
+def test_one_prompt_with_two_images_is_refused():
+    scheduler = encoder_scheduler(budget=8)
+    image = [5, 5, 5, 5]
+    scheduler.add_request(image_request("a", [1, 2, *image, 3], 0.0, 2, 4, "cat"))
+    scheduler.add_request(image_request("b", [1, 2, *image, 3], 1.0, 2, 4, "dog"))
+    drain(scheduler)

@@ -79,6 +79,7 @@ from .features import (
     AsyncScheduler,
     Feature,
     lora_skips,
+    passed_over,
     pending_features,
     request_features,
     scheduler_features,
@@ -489,8 +490,6 @@ class Attachment:
             past = request.num_computed_tokens - request.num_tokens if request else -1
             if not self.config.spec_tokens or len(drafts) != past:
                 self.refuse("speculative decoding", f"{len(drafts)} draft tokens for {req_id}")
-        if output.scheduled_encoder_inputs:
-            self.refuse("multimodal", "encoder inputs scheduled")
 
     def _update_from_output(self, original: Method) -> Method:
         def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -708,10 +707,10 @@ class Attachment:
         registers the last computed tokens late, ``num_reprefillable_tokens``, the scheduler
         is refused at every entry point.)"""
 
-        def reserve(request: Request, *args: Any, **kw: Any) -> Any:
-            tokens = original(request, *args, **kw)
+        def reserve(request: Request, num_computed: int, num_new: int) -> Any:
+            tokens = original(request, num_computed, num_new)
             waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            if waiting and not tokens:
+            if waiting and num_new > 0 and not tokens:  # shortened to nothing by the lookahead
                 self.refuse("prefill lookahead (MTP)", f"{request.request_id} passed over")
             return tokens
 
@@ -777,6 +776,11 @@ class Attachment:
                 for check in (skipped_read, lora_skips):
                     for feature in self._safe(check, self.scheduler, request) or ():
                         self.refuse(*feature)
+                waiting_loads = self.loads.waiting
+                for feature in (
+                    self._safe(passed_over, self.scheduler, request, waiting_loads) or ()
+                ):
+                    self.refuse(*feature)
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []

@@ -160,7 +160,9 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     params = request.sampling_params
     need(request.request_id in sched.requests, "streaming input", "a request id added twice")
     need(getattr(request, "resumable", False), "streaming input", "a resumable request")
-    need(getattr(request, "mm_features", None), "multimodal", "multimodal inputs in the hash")
+    # Multimodal inputs need nothing here: their part in the hashes is checked as LoRA's is
+    # (``lora_skips``), the encoder's scheduling only sizes chunks or passes a request over
+    # (``passed_over``).
     need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
@@ -231,6 +233,25 @@ def lora_skips(sched: Any, request: Any) -> list[Feature]:
         waiting = other.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if other is not request and waiting and adapter(other) not in held | {0}:
             return [("LoRA", f"{other.request_id} passed over: max_loras {config.max_loras}")]
+    return []
+
+
+def passed_over(sched: Any, request: Any, modelled: Collection[str]) -> list[Feature]:
+    """At the admission of ``request``: another waiting request vLLM passed over (its
+    ``skip_request`` puts each in ``deferred_waiting`` until admitted) for a reason the spec
+    does not model (encoder budget or cache, a chunk aligned or shortened to nothing, ...): the
+    spec admits in queue order. Not refused: output of a step in flight still to be delivered
+    (the spec's ``admissible``) and the asynchronous loads the attachment follows
+    (``modelled``). A request passed over in an earlier step and behind this one is refused
+    too (conservative)."""
+    for other in getattr(sched, "deferred_waiting", ()):
+        if other is request or other.request_id in modelled:
+            continue
+        if other.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            continue  # blocked ones are refused on their own (pending_features)
+        if other.num_stale_output_tokens and not other.drop_stale_output:
+            continue
+        return [("a waiting request passed over", f"{other.request_id}, then {request.request_id}")]
     return []
 
 
