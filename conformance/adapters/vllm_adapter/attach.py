@@ -51,7 +51,7 @@ requests is a step of its own to the spec (``_reset_step``).
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or under async scheduling or beside
 a KV connector, hybrid groups, sliding window, ``defer_block_free``, lookahead hashing,
-multimodal, ...), or a caller does what no engine core
+a waiting request passed over, ...), or a caller does what no engine core
 does (edits vLLM's state between calls, drives the KV-cache manager directly, patches a wrapped
 method, samples a token mid-prefill), ``refusal`` is set, at attach time or at run time, with the
 feature's name. The events go on being recorded; a judge must not judge what comes after a refusal.
