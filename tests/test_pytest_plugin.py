@@ -8,8 +8,10 @@ a Disagreement on the free queue, speculative decoding (drafts accepted and reje
 without preemption) holds and a planted publish over a rejected draft fails with a
 Disagreement, a KV connector's synchronous and asynchronous loads hold and
 blocks cached before their asynchronous load has landed fail with a Disagreement, a feature the spec does not model is refused (listed, never
-failed; every one seen at construction, not only the first), and without the plugin every case
-passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+failed; every one seen at construction, not only the first), the features judged where the spec
+covers them (``case_lifted.py``: arrivals out of order, resets preempting, skipped reads, LoRA,
+prefill lookahead, structured output, images) hold, with their planted bugs failing and their
+refused variants refused, and without the plugin every case passes. Skipped without ``.venv-vllm`` (``make thirdparty``)."""
 
 from __future__ import annotations
 
