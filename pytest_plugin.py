@@ -214,7 +214,7 @@ class Plugin:
             if kind == "scheduler":
                 from kvspec.conformance.adapters.vllm_adapter.attach import attach
 
-                attachment = attach(obj)
+                attachment = attach(obj, hold_arrivals=True)  # tests add out of order
                 judge = judge_for(attachment.config)
             else:
                 from kvspec.conformance.adapters.vllm_adapter.pool_attach import attach_pool

@@ -16,8 +16,11 @@ sharing prefixes) and a planted free order under the aux output connector (a tab
 first) fails with a Disagreement while a delayed free and a capped prefix-cache hit are refused,
 ``defer_block_free``'s deferred frees hold and a free at once or a drain before the fence fail
 with a Disagreement, a feature the spec does not model is refused (listed, never failed; every
-one seen at construction, not only the first), and without the plugin every case passes.
-Skipped without ``.venv-vllm`` (``make thirdparty``)."""
+one seen at construction, not only the first), the features judged where the spec covers them
+(``case_lifted.py``: arrivals out of order, resets preempting, skipped reads, LoRA, prefill
+lookahead, structured output, images) hold, with their planted bugs failing and their refused
+variants refused, and without the plugin every case passes. Skipped without ``.venv-vllm``
+(``make thirdparty``)."""
 
 from __future__ import annotations
 
@@ -65,6 +68,43 @@ def _pytest(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str
     return done, {name.split("::")[-1]: entry for name, entry in tests.items()}
 
 
+LIFTED = {  # case_lifted.py: test -> (outcome, its finding's start or its one feature)
+    "test_priority_arrivals_out_of_order_hold": ("judged", ""),
+    "test_priority_order_ignoring_arrival_time": (
+        "violation",
+        "Illegal: schedule r1 in step 0: vllm admits the head of the waiting queue first",
+    ),
+    "test_equal_arrival_times_are_refused": ("run", "arrival times out of order"),
+    "test_reset_preempting_running_requests_holds[fcfs]": ("judged", ""),
+    "test_reset_preempting_running_requests_holds[priority]": ("judged", ""),
+    "test_reset_preempting_from_the_head": (
+        "violation",
+        "Illegal: preempt r0 in step 2: fcfs preempts the unscheduled tail of running",
+    ),
+    "test_skipped_read_with_nothing_to_hit_holds": ("judged", ""),
+    "test_skipped_read_that_would_hit_is_refused": ("run", "prefix-cache read skipped"),
+    "test_lora_within_max_loras_holds": ("judged", ""),
+    "test_a_request_passed_over_for_max_loras_is_refused": ("run", "LoRA"),
+    "test_one_prompt_under_two_adapters_is_refused": (
+        "run",
+        "block hashes not a function of the tokens",
+    ),
+    "test_prefill_lookahead_chunks_hold": ("judged", ""),
+    "test_prefill_lookahead_passing_over_a_request_is_refused": ("run", "prefill lookahead (MTP)"),
+    "test_structured_output_with_its_grammar_ready_holds": ("judged", ""),
+    "test_structured_output_waiting_for_its_grammar_is_refused": (
+        "run",
+        "blocked waiting request",
+    ),
+    "test_images_hold": ("judged", ""),
+    "test_a_request_passed_over_for_its_image_is_refused": ("run", "a waiting request passed over"),
+    "test_one_prompt_with_two_images_is_refused": (
+        "run",
+        "block hashes not a function of the tokens",
+    ),
+}
+
+
 @needs_vllm
 def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     done, tests = _pytest(
@@ -79,12 +119,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_ec_aux.py"),
         str(CASES / "case_defer.py"),
         str(CASES / "case_async_spec_decode.py"),
+        str(CASES / "case_lifted.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "10 failed" in out and "22 passed" in out, out[-3000:]
+    assert "12 failed" in out and "38 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -174,8 +215,15 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert forgotten["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('publish', 0, 1, 2)"
     ), forgotten
+    for name, (outcome, what) in LIFTED.items():
+        entry = tests[name]
+        assert entry["outcome"] == outcome, entry
+        if outcome == "violation":
+            assert entry["finding"].startswith(f"kvspec: {what}"), entry
+        elif outcome == "run":
+            assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "10  violations" in summary and "14  judged and holding" in summary, summary
+    assert "12  violations" in summary and "22  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -183,11 +231,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
     names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py", "case_ec_aux.py")
-    names += ("case_defer.py", "case_async_spec_decode.py")
+    names += ("case_defer.py", "case_async_spec_decode.py", "case_lifted.py")
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "32 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "50 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

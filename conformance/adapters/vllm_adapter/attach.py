@@ -50,13 +50,18 @@ spec from its admission, waiting to vLLM until scheduled after ``finished_recvin
 free, an error finish, multimodal inputs, and an aux output connector's bound on the prefix-cache
 hit when it cuts the hit short (``_bounded_hit``, at the admission's ``allocate_slots``).
 
+**Arrivals, resets.** Under the priority policy vLLM ranks by ``arrival_time``: with
+``hold_arrivals`` (the pytest plugin) the requests added since the last other entry point arrive
+to the spec sorted by it when that entry point begins. ``reset_prefix_cache`` preempting running
+requests is a step of its own to the spec (``_reset_step``).
+
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
-groups, sliding window, LoRA, deferred async loads, CoW retentions, lookahead hashing,
-multimodal, ...), or a caller does what no engine core does (edits vLLM's state between calls,
-drives the KV-cache manager directly, patches a wrapped method, samples a token mid-prefill),
-``refusal`` is set, at attach time or at run time, with the feature's name. The events go on being
-recorded; a judge must not judge what comes after a refusal.
+groups, sliding window, deferred async loads, CoW retentions, lookahead hashing, a waiting
+request passed over, ...), or a caller does what no engine core does (edits vLLM's state between
+calls, drives the KV-cache manager directly, patches a wrapped method, samples a token
+mid-prefill), ``refusal`` is set, at attach time or at run time, with the feature's name. The
+events go on being recorded; a judge must not judge what comes after a refusal.
 ``listener(attachment)`` is called whenever an outermost entry point returns: a consistent point,
 where the events so far can be judged and the pool compared with the spec's (``snapshot``).
 
@@ -80,9 +85,12 @@ from kvspec.spec import Config
 from .features import (
     AsyncScheduler,
     Feature,
+    lora_skips,
+    passed_over,
     pending_features,
     request_features,
     scheduler_features,
+    skipped_read,
 )
 from .methods import Method, Wrappers
 
@@ -193,6 +201,12 @@ class Attachment:
     """A bug of kvspec met inside a wrapper (the wrapped call itself went on)."""
     ids: dict[str, int] = field(default_factory=dict)
     """vLLM request id -> the event stream's integer id, assigned at arrival."""
+    hold_arrivals: bool = False
+    """Under the priority policy, hold the requests added since the last other entry point and
+    let them arrive, ordered by ``arrival_time``, when that entry point begins (``_release``):
+    vLLM ranks by ``arrival_time``, the spec by arrival order, so a test may add requests out of
+    order. Off (the fuzzer's loop): they arrive at ``add_request``, and an arrival time not after
+    an earlier one of its priority is refused."""
 
     def __post_init__(self) -> None:
         self.kv = self.scheduler.kv_cache_manager
@@ -214,7 +228,9 @@ class Attachment:
         self._links: dict[object, object] = {}  # (parent hash, block tokens) -> hash
         self._hashes: dict[object, object] = {}  # hash -> (parent hash, block tokens)
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
-        self._latest: dict[int, float] = {}  # priority -> latest arrival time seen
+        self._latest: dict[int, float] = {}  # priority -> latest arrival time released
+        self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
+        self._reset_at: int | None = None  # the step of a reset's preemptions, while open
         self._next_id = 0  # the event stream's next request id
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
@@ -306,6 +322,8 @@ class Attachment:
     def _enter(self, name: str) -> None:
         """An outermost entry point begins: refuse what changed since the last one returned."""
         self.depth, self.entry = 1, name
+        if name != "add_request" and self._held:
+            self._release()
         if self.refusal is not None:
             return
         why = self.wrappers.tampered()
@@ -376,6 +394,7 @@ class Attachment:
                 self._refusing("CoW retained blocks", "_free_cow_retained_blocks"),
             ),
             (kv, "pop_blocks_for_free", self._pop_blocks_for_free),
+            (sched, "_reserve_prefill_lookahead", self._prefill_lookahead),
             (kv, "allocate_slots", self._allocate_slots),
             (kv, "cache_blocks", self._cache_blocks),
             (kv, "take_events", self._take_events),
@@ -420,25 +439,45 @@ class Attachment:
             if feature[0] == "streaming input" or request.prompt_token_ids is None:
                 return
             break
-        if self.config.preemption == "priority":
-            latest = self._latest.get(request.priority)
-            if latest is not None and request.arrival_time <= latest:
-                self.refuse(
-                    "arrival times out of order",
-                    f"{request.request_id} arrives at {request.arrival_time}, after one at {latest}",
-                )
-            t = request.arrival_time
-            self._latest[request.priority] = t if latest is None else max(latest, t)
+        self._check_hashes(request, len(request.block_hashes))
+        room = self.scheduler.max_model_len - request.num_prompt_tokens
+        max_tokens = min(request.max_tokens, room)
+        prompt = tuple(request.prompt_token_ids)
+        event: Event = ("arrive", None, prompt, max_tokens, request.priority)
+        if self.config.preemption != "priority":
+            return self._arrived(request, event)
+        t, priority = request.arrival_time, request.priority
+        latest = self._latest.get(priority)
+        # vLLM ranks equal (priority, arrival_time) by request id, but picks its preemption
+        # victim by (priority, arrival_time) alone: equal times are refused.
+        tied = any(r.priority == priority and h == t for h, _, r, _ in self._held)
+        if (latest is not None and t <= latest) or tied:
+            self.refuse(
+                "arrival times out of order",
+                f"{request.request_id} arrives at {t}, after or beside one at {latest or t}",
+            )
+        if not (self.hold_arrivals and self.entry == "add_request"):  # not nested in another
+            self._latest[priority] = t if latest is None else max(latest, t)
+            return self._arrived(request, event)
+        self._held.append((t, request.request_id, request, event))
+
+    def _arrived(self, request: Request, event: Event) -> None:
         # An id vLLM has forgotten (its request finished) may come back: a new request to the
         # spec, so a new integer (the mapping names the latest).
         rid = self._next_id
         self._next_id += 1
         self.ids[request.request_id] = rid
-        self._check_hashes(request, len(request.block_hashes))
-        room = self.scheduler.max_model_len - request.num_prompt_tokens
-        max_tokens = min(request.max_tokens, room)
-        prompt = tuple(request.prompt_token_ids)
-        self.events.append(("arrive", rid, prompt, max_tokens, request.priority))
+        self.events.append((event[0], rid, *event[2:]))
+
+    def _release(self) -> None:
+        """The requests held since the last other entry point arrive, by ``arrival_time``
+        (``hold_arrivals``): the spec's arrival order is then vLLM's rank among equal
+        priorities. Nothing happened to them in vLLM meanwhile (``add_request`` only queues)."""
+        held, self._held = sorted(self._held, key=lambda h: h[:2]), []
+        for t, _, request, event in held:
+            latest = self._latest.get(request.priority)
+            self._latest[request.priority] = t if latest is None else max(latest, t)
+            self._arrived(request, event)
 
     def _schedule(self, original: Method) -> Method:
         def schedule(*args: Any, **kw: Any) -> Any:
@@ -473,8 +512,6 @@ class Attachment:
                 past -= request.num_output_placeholders - 1 - len(drafts)
             if not self.config.spec_tokens or len(drafts) != past:
                 self.refuse("speculative decoding", f"{len(drafts)} draft tokens for {req_id}")
-        if output.scheduled_encoder_inputs:
-            self.refuse("multimodal", "encoder inputs scheduled")
 
     def _update_from_output(self, original: Method) -> Method:
         def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -609,15 +646,51 @@ class Attachment:
     def _scheduler_reset(self, original: Method) -> Method:
         def reset_prefix_cache(*args: Any, **kw: Any) -> Any:
             running = kw.get("reset_running_requests", args[0] if args else False)
-            if running and self.scheduler.running:
-                self.refuse("reset preempting running requests", "reset_running_requests=True")
-            return self._outermost("reset_prefix_cache", lambda: original(*args, **kw))
+
+            def body() -> Any:
+                if running and self.scheduler.running:
+                    self._safe(self._reset_step)
+                try:
+                    return original(*args, **kw)
+                finally:
+                    self._safe(self._close_reset_step)
+
+            return self._outermost("reset_prefix_cache", body)
 
         return reset_prefix_cache
+
+    def _reset_step(self) -> None:
+        """``reset_prefix_cache(reset_running_requests=True)`` preempts every running request,
+        the tail of ``running`` first, then resets the cache. To the spec that is a step of
+        its own: ``begin``, the preemptions (vLLM's ``_preempt_request``, wrapped), then
+        ``submit``, ``execute`` and ``commit`` of an empty batch before the ``reset``
+        (``_close_reset_step``). It matches vLLM only with no step in flight (vLLM drops their
+        output for these requests whatever its mode; the spec's ``reset`` needs none in flight
+        anyway) and, under the priority policy, where the tail of ``running`` is always its
+        largest (priority, arrival), the spec's victim."""
+        running = list(self.scheduler.running)
+        if self.in_flight:
+            self.refuse(
+                "reset preempting running requests", f"{len(self.in_flight)} steps in flight"
+            )
+        if self.config.preemption == "priority":
+            ranks = [(r.priority, self.ids.get(r.request_id, -1)) for r in running]
+            if ranks != sorted(ranks):
+                self.refuse("reset preempting running requests", "not in priority order")
+        step = self.next_step
+        self.next_step += 1
+        self._reset_at = step
+        self.events.append(("begin", step))
+
+    def _close_reset_step(self) -> None:
+        step, self._reset_at = self._reset_at, None
+        if step is not None:
+            self.events += [("submit", step), ("execute", step, ()), ("commit", step, ())]
 
     def _kv_reset(self, original: Method) -> Method:
         def reset_prefix_cache() -> bool:
             def body() -> bool:
+                self._close_reset_step()  # the preemptions' step ends before the reset
                 cached = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
                 done = bool(original())
                 if done:
@@ -633,7 +706,7 @@ class Attachment:
 
     def _preempt_request(self, original: Method) -> Method:
         def preempt(request: Request, *args: Any, **kw: Any) -> None:
-            if self.entry != "schedule":
+            if self.entry != "schedule" and self._reset_at is None:
                 self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
             if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
                 self.refuse(
@@ -646,6 +719,24 @@ class Attachment:
             original(request, *args, **kw)
 
         return preempt
+
+    def _prefill_lookahead(self, original: Method) -> Method:
+        """Multi-module MTP's prefill lookahead shortens a prefill chunk so that it ends at
+        the prompt's end or at least ``num_prefill_lookahead`` before it: a chunk size like
+        any to the spec, which takes the ``schedule`` decision's tokens as given. Shortened
+        to nothing, it makes vLLM pass over a waiting request and admit one behind it, which
+        the spec's admission order does not allow: refused. (Where the KV-cache manager
+        registers the last computed tokens late, ``num_reprefillable_tokens``, the scheduler
+        is refused at every entry point.)"""
+
+        def reserve(request: Request, num_computed: int, num_new: int) -> Any:
+            tokens = original(request, num_computed, num_new)
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if waiting and num_new > 0 and not tokens:  # shortened to nothing by the lookahead
+                self.refuse("prefill lookahead (MTP)", f"{request.request_id} passed over")
+            return tokens
+
+        return reserve
 
     def _free_request(self, original: Method) -> Method:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
@@ -718,6 +809,14 @@ class Attachment:
                 self._safe(self._admission_room, request)
                 if getattr(self.scheduler, "aux_output_connector", None) is not None:
                     self._safe(self._bounded_hit, request, hits)
+                for check in (skipped_read, lora_skips):
+                    for feature in self._safe(check, self.scheduler, request) or ():
+                        self.refuse(*feature)
+                waiting_loads = self.loads.waiting
+                for feature in (
+                    self._safe(passed_over, self.scheduler, request, waiting_loads) or ()
+                ):
+                    self.refuse(*feature)
             rid = self.ids.get(request.request_id)
             self._current, self._current_request = rid, request
             self._pending, self._touched = [], []
@@ -737,7 +836,9 @@ class Attachment:
                 self.events.append(("hit", rid, hit))
                 if tuple(self._touched) != hit:
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
-                self._safe(self._check_hashes, request, len(hit))
+                # every hash the lookup read, not only the hits: a hash that is not the
+                # tokens' (LoRA, ...) may be what made it miss
+                self._safe(self._check_hashes, request, len(request.block_hashes))
                 if loaded and not num_new_tokens:
                     self.loads.start(request.request_id)
             if landed:
@@ -931,11 +1032,14 @@ def attach(
     config: Config | None = None,
     on_preempt: Callable[[str], None] = lambda request_id: None,
     listener: Callable[[Attachment], None] | None = None,
+    hold_arrivals: bool = False,
 ) -> Attachment:
     """Attach to a ``Scheduler`` the caller built: events from now on (``Attachment``).
     ``config`` defaults to ``config_of(scheduler)``; ``on_preempt`` hears of each preemption
     (the fuzzer's runner marks that request's in-flight output stale)."""
-    return Attachment(scheduler, config or config_of(scheduler), on_preempt, listener)
+    return Attachment(
+        scheduler, config or config_of(scheduler), on_preempt, listener, hold_arrivals=hold_arrivals
+    )
 
 
 def _drift(claimed: Config, now: Config) -> str:

@@ -128,7 +128,12 @@ def scheduler_features(sched: Any) -> list[Feature]:
     need(getattr(sched, "is_mm_encoder_only", False), "multimodal encoder-only", "no sampling")
     need(getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "pooling or diffusion model", "")
     need(getattr(sched, "prefix_replay_tokens", 0), "prefix replay", "recomputed hit tails")
-    need(getattr(sched, "num_prefill_lookahead", 0), "prefill lookahead (MTP)", "")
+    need(  # the chunk vLLM shortens for it is a chunk size like any (attach.py)
+        getattr(kv.coordinator, "num_reprefillable_tokens", 0),
+        "prefill lookahead (MTP)",
+        f"the last {getattr(kv.coordinator, 'num_reprefillable_tokens', 0)} computed tokens "
+        "registered late",
+    )
     need(
         getattr(sched, "dcp_world_size", 1) > 1 or getattr(sched, "pcp_world_size", 1) > 1,
         "context parallelism",
@@ -185,21 +190,19 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     params = request.sampling_params
     need(request.request_id in sched.requests, "streaming input", "a request id added twice")
     need(getattr(request, "resumable", False), "streaming input", "a resumable request")
-    need(getattr(request, "mm_features", None), "multimodal", "multimodal inputs in the hash")
-    need(getattr(request, "lora_request", None) is not None, "LoRA", "the adapter in the hash")
+    # Multimodal inputs need nothing here: their part in the hashes is checked as LoRA's is
+    # (``lora_skips``), the encoder's scheduling only sizes chunks or passes a request over
+    # (``passed_over``).
     need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
+    # A request that skips the prefix-cache read (prompt logprobs) is refused only at an
+    # admission where the read would have hit (``skipped_read``).
     caching = bool(getattr(sched.kv_cache_manager, "enable_caching", True))
-    need(  # without prefix caching nothing is read anyway
-        caching and getattr(request, "skip_reading_prefix_cache", False),
-        "prefix-cache read skipped",
-        "prompt logprobs or all-token pooling",
-    )
-    need(getattr(request, "use_structured_output", False), "structured output", "grammar waits")
     need(getattr(request, "kv_transfer_params", None), "KV connector", "kv_transfer_params")
-    need(
-        request.status != RequestStatus.WAITING or request.num_computed_tokens,
+    fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
+    need(  # structured output arrives waiting for its grammar (pending_features)
+        request.status not in fresh or request.num_computed_tokens,
         "a request added mid-flight",
         f"{request.status} with {request.num_computed_tokens} computed tokens",
     )
@@ -219,6 +222,81 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     return found
 
 
+def skipped_read(sched: Any, request: Any) -> list[Feature]:
+    """A request that skips the prefix-cache read (``skip_reading_prefix_cache``: prompt
+    logprobs, all-token pooling) admitted where the read would have hit: vLLM then computes
+    from scratch what the spec's lookup hits. Where the read would hit nothing (its first
+    full block's hash not cached, or no full block before its last token) the two agree, so
+    it is judged. Checked at each admission (a preempted request is read again)."""
+    pool = sched.kv_cache_manager.block_pool
+    if not (pool.enable_caching and getattr(request, "skip_reading_prefix_cache", False)):
+        return []
+    bsz = sched.block_size
+    readable = (request.num_tokens - 1) // bsz  # vLLM's hits stop before the last token
+    hashes = request.block_hashes
+    if readable and hashes and pool.get_cached_block(hashes[0], [0]) is not None:
+        return [("prefix-cache read skipped", f"{request.request_id} would hit its first block")]
+    return []
+
+
+def lora_skips(sched: Any, request: Any) -> list[Feature]:
+    """LoRA at the admission of ``request``: vLLM passes over a waiting request whose adapter
+    would exceed ``max_loras`` and admits one behind it, which the spec's admission order does
+    not allow. Once the adapters of the running requests (those admitted earlier in this
+    ``schedule()`` included) fill ``max_loras`` no other adapter joins in that call, so such a
+    skip happened, or may, exactly where another waiting request (skipped ones are off the
+    queue meanwhile: read from ``requests``) carries an adapter outside that full set. The
+    adapter's part in the block hashes needs nothing of its own: hashes that are not a
+    function of the tokens are refused where they are checked (``attach._check_hashes``)."""
+    config = getattr(sched, "lora_config", None)
+    if config is None:
+        return []
+
+    def adapter(r: Any) -> int:
+        lora = getattr(r, "lora_request", None)
+        return lora.lora_int_id if lora is not None and lora.lora_int_id > 0 else 0
+
+    held = {adapter(r) for r in sched.running} - {0}
+    if len(held) < config.max_loras:
+        return []
+    for other in sched.requests.values():
+        waiting = other.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if other is not request and waiting and adapter(other) not in held | {0}:
+            return [("LoRA", f"{other.request_id} passed over: max_loras {config.max_loras}")]
+    return []
+
+
+def passed_over(sched: Any, request: Any, modelled: Collection[str]) -> list[Feature]:
+    """At the admission of ``request``: another waiting request vLLM passed over (its
+    ``skip_request`` puts each in ``deferred_waiting`` until admitted) for a reason the spec
+    does not model (encoder budget or cache, a chunk aligned or shortened to nothing, ...): the
+    spec admits in queue order. Not refused: output of a step in flight still to be delivered
+    (the spec's ``admissible``) and the asynchronous loads the attachment follows
+    (``modelled``). A request passed over in an earlier step and behind this one is refused
+    too (conservative)."""
+    for other in getattr(sched, "deferred_waiting", ()):
+        if other is request or other.request_id in modelled:
+            continue
+        if other.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            continue  # blocked ones are refused on their own (pending_features)
+        if other.num_stale_output_tokens and not other.drop_stale_output:
+            continue
+        return [("a waiting request passed over", f"{other.request_id}, then {request.request_id}")]
+    return []
+
+
+def grammar_ready(request: Any) -> bool:
+    """Whether the request waits for a grammar that is compiled (not an error): vLLM
+    makes it waiting when its turn comes and admits it like any, so it is not blocked. A
+    grammar still compiling, or failed, is: vLLM passes the request over (a failed one then
+    finishes in error, a finish the spec does not have)."""
+    if request.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+        return False
+    structured = getattr(request, "structured_output_request", None)
+    grammar = structured.grammar if structured is not None else None
+    return grammar is not None and not isinstance(grammar, Exception)
+
+
 def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts on a request beyond the scheduler's ``num_spec_tokens`` (any, without
@@ -232,7 +310,8 @@ def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()
     their loaded blocks until scheduled), which the spec models."""
     found: list[Feature] = []
     for request in sched.requests.values():
-        if request.status in BLOCKED and request.request_id not in loaders:
+        blocked = request.status in BLOCKED and not grammar_ready(request)
+        if blocked and request.request_id not in loaders:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
         if drafts > getattr(sched, "num_spec_tokens", 0):  # the rest: scheduler_features
