@@ -28,6 +28,7 @@ from types import ModuleType
 from kvspec.spec.events import DECISIONS
 
 from .judge import Judge, UnknownId, handover
+from .judge.core import CRASH, DUE, EFFECT_FIRST, FOUND
 from .judge.fastbuild import fast_judge
 from .judge.fastmodel import restates
 from .report import Report, report_of
@@ -123,32 +124,30 @@ def _fast_run(
     else:
         fast, note = fast_judge(trace.config, "raise")
     run = handover.FastRun(fast, handover.FILE_WINDOW)
-    line = 1
+    feed = fast.file_feed(trace.lines(), 1, trace.parts, trace.slow, FREEZE_EVERY)
     try:
-        feed, due, frozen_at = fast.feed, run.due, FREEZE_EVERY
-        for line, event, hash_ in trace.events():
-            if fast.events_seen >= frozen_at:  # the judge's state so far: long-lived
-                gc.freeze()
-                frozen_at = fast.events_seen + FREEZE_EVERY
-            if fast.events_seen >= due and event[0] in DECISIONS:
-                if limit is not None and fast.events_seen >= limit:
-                    break  # the first decision past the limit: nothing cut from a decision
-                run.checkpoint(line)
-                due = run.due
-            elif fast.decisions == 0 and event[0] not in DECISIONS:
-                raise TraceError(name, line, f"effect {event[0]!r} before any decision")
+        while True:
             try:
-                if feed(event, hash_, line) is not None:
-                    break
+                why = feed.run(run.due)
             except UnknownId as err:
                 raise TraceError(name, fast.line, str(err)) from None
-            except Exception as err:  # a bug in the fast model: the spec decides, loudly
-                run.crash = (repr(err), fast.events_seen - 1)
+            if why == DUE:
+                if limit is not None and fast.events_seen >= limit:
+                    break  # the first decision past the limit: nothing cut from a decision
+                run.checkpoint(feed.number)
+            elif why == EFFECT_FIRST:
+                effect = feed.pending[0][0]
+                raise TraceError(name, feed.number, f"effect {effect!r} before any decision")
+            elif why == CRASH:
+                run.crash = (feed.crash, fast.events_seen - 1)
                 break
-        else:
-            fast.finish(line + 1)
+            elif why == FOUND:
+                break
+            else:
+                fast.finish(feed.number + 1)
+                break
     except (TraceError, ValueError, OSError) as err:
-        return Report(name, 2, fast.events_seen, error=_where(err, name, line), note=note)
+        return Report(name, 2, fast.events_seen, error=_where(err, name, feed.number), note=note)
     if fast.finding is None and run.crash is None:
         return Report(name, 0, fast.events_seen, time.perf_counter() - started, note=note)
     judge = run.start()

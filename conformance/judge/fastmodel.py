@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Collection, Hashable
 from typing import cast
 
 from kvspec.spec import Config, Illegal, Placeholder, Violation
@@ -65,6 +65,18 @@ OUTPUT = EAGER + ("hide-uncommitted",)
 """Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
 ROOT = 0
 """The id of the empty prefix."""
+ARITY = {
+    "arrive": (4, 4),
+    "begin": (1, 1),
+    "schedule": (2, 3),
+    "preempt": (1, 1),
+    "submit": (1, 1),
+    "execute": (1, 2),
+    "commit": (2, 2),
+    "abort": (1, 1),
+    "reset": (0, 0),
+}
+"""Each decision's count of values after its kind: the least and the most its action takes."""
 
 
 def placeholder(step: int, rid: int) -> int:
@@ -248,25 +260,16 @@ class FastModel:
         failed load; K/V computed from wrong inputs): every later step's reads may change."""
         self.published: list[int] = []
         self.new_entry: tuple[Stp, int] | None = None
-        self.actions: dict[str, Callable[..., None]] = {
-            "arrive": self.arrive,
-            "begin": self.begin,
-            "schedule": self.schedule,
-            "preempt": self.preempt,
-            "submit": self.submit,
-            "execute": self.execute,
-            "commit": self.commit,
-            "abort": self.abort,
-            "reset": self.reset,
-        }
 
     # -- the model's side of the judge (core.Model) ---------------------------------------------
 
     def apply(self, decision: Event) -> list[Event]:
         kind = decision[0]
-        action = self.actions.get(kind) if isinstance(kind, str) else None
-        if action is None:
+        if not isinstance(kind, str) or kind not in ARITY:
             raise Illegal()
+        low, high = ARITY[kind]
+        if not low <= len(decision) - 1 <= high:  # as a call with the decision's values would
+            raise TypeError(f"{kind} takes {low} to {high} values, got {len(decision) - 1}")
         self.expected = []
         if self.changed:
             self.changed = set()
@@ -275,7 +278,7 @@ class FastModel:
         if self.published:
             self.published = []
         self.new_entry = None
-        action(*decision[1:])
+        self._act(kind, decision)
         if kind == "arrive":
             self.requests[cast(int, decision[1])].arrival = self.arrivals
             self.arrivals += 1
@@ -287,6 +290,36 @@ class FastModel:
         elif kind == "preempt":
             self.prunable = True
         return self.expected
+
+    def _act(self, kind: str, d: Event) -> None:
+        """The action of ``kind`` on the decision's values (their count checked), each called
+        directly: a value of the wrong type raises ``TypeError`` as the call would."""
+        if kind == "schedule":
+            if len(d) == 3:
+                self.schedule(cast(int, d[1]), cast(int, d[2]))
+            else:
+                self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]))
+        elif kind == "begin":
+            self.begin(cast(int, d[1]))
+        elif kind == "submit":
+            self.submit(cast(int, d[1]))
+        elif kind == "execute":
+            if len(d) == 2:
+                self.execute(cast(int, d[1]))
+            else:
+                self.execute(cast(int, d[1]), cast("tuple[int, ...]", d[2]))
+        elif kind == "commit":
+            self.commit(cast(int, d[1]), cast("tuple[tuple[int, int], ...]", d[2]))
+        elif kind == "arrive":
+            self.arrive(
+                cast(int, d[1]), cast("tuple[int, ...]", d[2]), cast(int, d[3]), cast(int, d[4])
+            )
+        elif kind == "preempt":
+            self.preempt(cast(int, d[1]))
+        elif kind == "abort":
+            self.abort(cast(int, d[1]))
+        else:
+            self.reset()
 
     def check(self, names: Collection[str] | None) -> Violation | None:
         if (names is None or READ in names) and (self.bad_reads or not self._reads_hold()):
@@ -833,7 +866,7 @@ class FastModel:
                 else:
                     self._content_changed(block)
                     self.rewritten.add(block)
-        requests, holds, live = self.requests, self._holds, step.live
+        requests, live = self.requests, step.live
         for rid, e in entries.items():
             if e.load:  # a load reads nothing
                 continue
@@ -843,7 +876,7 @@ class FastModel:
             bad = [
                 block
                 for i, block in enumerate(blocks[first:], first)
-                if not holds(written[block], self._prefix(req, min(e.end, (i + 1) * bsz)))
+                if not self._holds(written[block], self._prefix(req, min(e.end, (i + 1) * bsz)))
             ]
             if bad and rid in live:
                 self.bad_reads += [(sid, rid, block) for block in bad]
@@ -1001,7 +1034,7 @@ class FastModel:
         reads of blocks the decision wrote or withdrew a write from (older steps' eventual
         contents do not see the building step's writes), and every pending read of a block an
         execution rewrote."""
-        bsz, holds, eventual = self.bsz, self._holds, self._eventual
+        bsz = self.bsz
         new = self.new_entry
         if new is not None:
             step, rid = new
@@ -1012,7 +1045,7 @@ class FastModel:
                 for i in range(req.verified, e.start // bsz):
                     block = blocks[i]
                     want = self._chain(req, i) if i < known else self._prefix(req, (i + 1) * bsz)
-                    if not holds(eventual(block, step.id), want):
+                    if not self._holds(self._eventual(block, step.id), want):
                         return False
                     if contiguous and not pending[block]:
                         req.verified = i + 1
@@ -1035,22 +1068,22 @@ class FastModel:
     def _stale_readers_hold(self, blocks: set[int], steps: list[Stp]) -> bool:
         """Stale output still delivered: the reads of ``blocks`` by live entries of requests
         preempted since (they hold no blocks now, so ``holders`` does not find them)."""
-        bsz, holds, eventual, requests = self.bsz, self._holds, self._eventual, self.requests
+        bsz, requests = self.bsz, self.requests
         for st in steps:
             for rid, e in st.entries.items():
                 req = requests[rid]
                 if rid not in st.live or e.load or req.status == RUNNING:
                     continue
                 for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
-                    if block in blocks and not holds(
-                        eventual(block, st.id), self._prefix(req, min(e.start, (i + 1) * bsz))
+                    if block in blocks and not self._holds(
+                        self._eventual(block, st.id), self._prefix(req, min(e.start, (i + 1) * bsz))
                     ):
                         return False
         return True
 
     def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
-        bsz, holds, eventual = self.bsz, self._holds, self._eventual
+        bsz = self.bsz
         requests, holders = self.requests, self.holders
         for block in blocks:
             for rid, i in holders[block].items():
@@ -1063,8 +1096,8 @@ class FastModel:
                         and i * bsz < e.start
                         and not e.load
                         and rid in st.live
-                        and not holds(
-                            eventual(block, st.id),
+                        and not self._holds(
+                            self._eventual(block, st.id),
                             self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
                         )
                     ):
@@ -1073,7 +1106,7 @@ class FastModel:
 
     def _publications_hold(self) -> bool:
         """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
-        key, holds, eventual = self.key, self._holds, self._eventual
+        key = self.key
         excused: set[int] | None = None
         for blocks in (self.published, self.changed):
             for block in blocks:
@@ -1082,7 +1115,7 @@ class FastModel:
                     continue
                 if excused is None:
                     excused = self._excused()
-                if block not in excused and not holds(eventual(block), k):
+                if block not in excused and not self._holds(self._eventual(block), k):
                     return False
         return True
 
