@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 
 from kvspec.conformance.judge.findings import HASH_CHAIN, Finding
 from kvspec.spec import Config, Illegal, Violation
@@ -50,6 +50,8 @@ from .recorder import Recorder as HistoryRecorder
 from .spec_model import SpecModel
 
 Event = tuple[object, ...]
+KINDS_DECIDED: Final = DECISIONS
+"""``spec.events.DECISIONS``, Final here (compiled: read from a C static, not looked up)."""
 Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
 LineParts = tuple[
     Callable[[bytes], object],
@@ -278,7 +280,7 @@ class Judge:
         expected, pos = self.expected, self.epos
         if pos < len(expected) and event == expected[pos]:  # the effect the model computed
             self.epos = pos + 1
-            kind = event[0]
+            kind = cast(str, expected[pos][0])  # the model's own, equal to the event's
             if self.recorder is not None:
                 self.recorder.effect(line, event)
             if hash_ is not None and kind == "publish":
@@ -286,7 +288,7 @@ class Judge:
             if (kind == "unpublish" or kind == "evict") and self.block_hash:
                 self._drop_hash(event[1])  # type: ignore[arg-type]
             return None
-        if event and event[0] in DECISIONS:
+        if event and event[0] in KINDS_DECIDED:
             return self._decide(event, index)
         check_ids(event[0] if event else None, event, self.ids, self.max_step)
         want = expected[pos] if pos < len(expected) else None
@@ -372,7 +374,7 @@ class Judge:
     def _apply(self, event: Event, index: int) -> list[Event] | None:
         """The guards every stream has, then the model's (the ids checked already); None at a
         finding."""
-        kind = event[0]
+        kind = cast(str, event[0])  # a decision's (in DECISIONS)
         model, fast = self.model, self.fast_model
         for rid in model.prune() if fast is None else fast.prune():
             if self.recorder is not None:
@@ -576,7 +578,11 @@ class Judge:
         return self.finding
 
 
-END, FOUND, DUE, CRASH, EFFECT_FIRST = 0, 1, 2, 3, 4
+END: Final = 0
+FOUND: Final = 1
+DUE: Final = 2
+CRASH: Final = 3
+EFFECT_FIRST: Final = 4
 """Why ``FileFeed.run`` returned: the lines ran out; the judge found something; a decision is due
 for a checkpoint (not fed yet: ``pending``); the judge raised (``crash``); an effect came before
 any decision (``pending``)."""
@@ -621,49 +627,52 @@ class FileFeed:
         self.pending = None
         if parts is not None:
             decode, kinds, astuple, unset = parts
-        while True:
-            if pending is not None:
-                event, hash_ = pending
-                pending = None
+        if pending is not None:
+            why = self._feed_one(pending[0], pending[1], number)
+            if why != -1:
+                return why
+        for raw in self.lines:
+            number += 1
+            if parts is None:
+                event, hash_ = slow(raw, number)
             else:
-                raw = next(self.lines, None)
-                if raw is None:
-                    return END
-                number += 1
-                if parts is None:
+                try:
+                    obj = decode(raw)
+                except Exception:  # what msgspec refuses: parse_line decides
                     event, hash_ = slow(raw, number)
                 else:
-                    try:
-                        obj = decode(raw)
-                    except Exception:  # what msgspec refuses: parse_line decides
-                        event, hash_ = slow(raw, number)
+                    kind, hashed = kinds[type(obj)]
+                    values = astuple(obj)
+                    if hashed:
+                        last = values[-1]
+                        event = (kind,) + values[:-1]
+                        hash_ = None if last is unset else cast(str, last)
                     else:
-                        kind, hashed = kinds[type(obj)]
-                        values = astuple(obj)
-                        if hashed:
-                            last = values[-1]
-                            event = (kind,) + values[:-1]
-                            hash_ = None if last is unset else cast(str, last)
-                        else:
-                            event, hash_ = (kind,) + values, None
-                self.number = number
-                seen = judge.events_seen
-                if seen >= self.frozen_at:  # the judge's state so far: long-lived
-                    gc.freeze()
-                    self.frozen_at = seen + self.freeze_every
-                decision = event[0] in DECISIONS
-                if seen >= due and decision:
-                    self.pending = (event, hash_)
-                    return DUE
-                if judge.decisions == 0 and not decision:
-                    self.pending = (event, hash_)
-                    return EFFECT_FIRST
-            try:
-                found = judge.feed(event, hash_, number)
-            except UnknownId:
-                raise
-            except Exception as err:  # a bug in the fast model: the spec decides, loudly
-                self.crash = repr(err)
-                return CRASH
-            if found is not None:
-                return FOUND
+                        event, hash_ = (kind,) + values, None
+            self.number = number
+            seen = judge.events_seen
+            if seen >= self.frozen_at:  # the judge's state so far: long-lived
+                gc.freeze()
+                self.frozen_at = seen + self.freeze_every
+            decision = event[0] in KINDS_DECIDED
+            if seen >= due and decision:
+                self.pending = (event, hash_)
+                return DUE
+            if judge.decisions == 0 and not decision:
+                self.pending = (event, hash_)
+                return EFFECT_FIRST
+            why = self._feed_one(event, hash_, number)
+            if why != -1:
+                return why
+        return END
+
+    def _feed_one(self, event: Event, hash_: str | None, number: int) -> int:
+        """Feed one event: -1, or why ``run`` returns."""
+        try:
+            found = self.judge.feed(event, hash_, number)
+        except UnknownId:
+            raise
+        except Exception as err:  # a bug in the fast model: the spec decides, loudly
+            self.crash = repr(err)
+            return CRASH
+        return -1 if found is None else FOUND

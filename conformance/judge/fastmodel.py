@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Hashable
-from typing import cast
+from typing import Final, cast
 
 from kvspec.spec import Config, Illegal, Placeholder, Violation
 from kvspec.spec.observed import refuse_strict
@@ -53,19 +53,25 @@ a partial block, or, under async scheduling, (parent id, tail) with the tail fro
 that holds a placeholder; None for garbage. A placeholder is a negative int (``placeholder``):
 token ids are >= 0, so tails stay tuples of ints and compare in C."""
 
-WAITING, RUNNING, FINISHED = 0, 1, 2
-STATUS = ("waiting", "running", "finished")
-BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
-PHASE = ("building", "submitted", "executed")
-EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
-READ, PUBLISH = "NoUnwrittenRead", "NoUnwrittenPublish"
-FAST_INVARIANTS = frozenset((READ, PUBLISH))
+# Final: compiled, a constant is inlined or read from a C static, not looked up by name
+WAITING: Final = 0
+RUNNING: Final = 1
+FINISHED: Final = 2
+STATUS: Final = ("waiting", "running", "finished")
+BUILDING: Final = 0
+SUBMITTED: Final = 1
+EXECUTED: Final = 2
+PHASE: Final = ("building", "submitted", "executed")
+EAGER: Final = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
+READ: Final = "NoUnwrittenRead"
+PUBLISH: Final = "NoUnwrittenPublish"
+FAST_INVARIANTS: Final = frozenset((READ, PUBLISH))
 """The invariants this model evaluates; the others hold on every state its actions reach."""
-OUTPUT = EAGER + ("hide-uncommitted",)
+OUTPUT: Final = (*EAGER, "hide-uncommitted")
 """Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
-ROOT = 0
+ROOT: Final = 0
 """The id of the empty prefix."""
-ARITY = {
+ARITY: Final = {
     "arrive": (4, 4),
     "begin": (1, 1),
     "schedule": (2, 3),
@@ -219,6 +225,15 @@ class FastModel:
         registered, tracked or rolled back)."""
         n = config.num_blocks
         self.bsz = config.block_size
+        # the configuration's fields the actions read, as native attributes (a Config is a
+        # Python object: each of its attributes is a dictionary lookup)
+        self.num_blocks = n
+        self.depth = config.depth
+        self.token_budget = config.token_budget
+        self.max_running = config.max_running
+        self.vllm = config.discipline == "vllm"
+        self.preemption = config.preemption
+        self.stop_token = config.stop_token
         self.refcount = [0] * n
         self.key: list[int | None] = [None] * n
         self.written: list[object] = [None] * n
@@ -584,8 +599,9 @@ class FastModel:
     def _free_table(self, req: Req) -> None:
         refcount, key, free, holders = self.refcount, self.key, self.free, self.holders
         expected = self.expected
-        rid, caching = req.id, self.caching
-        for block in reversed(req.table):
+        rid, caching, table = req.id, self.caching, req.table
+        for j in range(len(table) - 1, -1, -1):
+            block = table[j]
             count = refcount[block]
             if count <= 0:
                 raise Illegal()
@@ -672,7 +688,7 @@ class FastModel:
         steps = self.steps
         if (
             (steps and steps[-1].phase == BUILDING)
-            or len(steps) >= self.config.depth
+            or len(steps) >= self.depth
             or step_id != self.next_step
         ):
             raise Illegal()
@@ -694,27 +710,27 @@ class FastModel:
         return req
 
     def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0) -> None:
-        steps, req, cfg = self.steps, self.requests.get(rid), self.config
+        steps, req = self.steps, self.requests.get(rid)
         if not steps or steps[-1].phase != BUILDING or req is None:
             raise Illegal()
         step, bsz = steps[-1], self.bsz
         if rid in step.entries or req.loading is not None or req.status == FINISHED:
             raise Illegal()
-        if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
+        if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > self.token_budget:
             raise Illegal()
         if num_tokens == 0 and num_loaded == 0:
             raise Illegal()
         table = req.table
         if req.status == WAITING:
-            if len(self.running) >= cfg.max_running:
+            if len(self.running) >= self.max_running:
                 raise Illegal()
             deliver = self.deliver
             if deliver and not self._admissible(rid):
                 raise Illegal()
-            if cfg.discipline == "vllm":
+            if self.vllm:
                 if step.preempted:
                     raise Illegal()
-                if cfg.preemption == "priority":
+                if self.preemption == "priority":
                     order = (
                         [r for r in self.waiting if self._admissible(r)]
                         if deliver
@@ -754,7 +770,7 @@ class FastModel:
         else:
             if num_loaded:
                 raise Illegal()
-            if cfg.discipline == "vllm" and step.admitted:
+            if self.vllm and step.admitted:
                 raise Illegal()
             start, end = req.computed, req.computed + num_tokens
             if -(-end // bsz) - len(table) > len(self.free):
@@ -813,15 +829,15 @@ class FastModel:
         return (req.priority, req.arrival)
 
     def preempt(self, rid: int) -> None:
-        step, req, cfg = self._building(), self._request(rid), self.config
+        step, req = self._building(), self._request(rid)
         if req.status != RUNNING:
             raise Illegal()
-        if cfg.discipline == "vllm":
+        if self.vllm:
             if step.admitted:
                 raise Illegal()
-            if cfg.preemption == "fcfs" and (rid != self.running[-1] or rid in step.entries):
+            if self.preemption == "fcfs" and (rid != self.running[-1] or rid in step.entries):
                 raise Illegal()
-            if cfg.preemption == "priority" and rid != max(self.running, key=self._rank):
+            if self.preemption == "priority" and rid != max(self.running, key=self._rank):
                 raise Illegal()
         step.preempted = True
         self._leave(req, self.deliver)
@@ -900,8 +916,12 @@ class FastModel:
         entries, live = step.entries, step.live
         expected = [rid for rid, e in entries.items() if e.samples and rid in live]
         tokens = dict(sampled)
-        if len(tokens) != len(sampled) or sorted(tokens) != sorted(expected):
+        # the sampled requests are exactly the expected ones (both without repeats)
+        if len(tokens) != len(sampled) or len(tokens) != len(expected):
             raise Illegal()
+        for rid in expected:
+            if rid not in tokens:
+                raise Illegal()
         policy, requests = self.policy, self.requests
         if policy == "eager-rollback-fifo":  # policies.on_confirmed
             step.registrations.clear()
@@ -935,7 +955,7 @@ class FastModel:
                 req = requests[rid]
                 if rid in live and rid not in failed and req.status == RUNNING:
                     self._register(req, e.end // bsz)
-        stop, output = self.config.stop_token, self.async_scheduling and policy in OUTPUT
+        stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
         for rid in expected:
             req = requests[rid]
             token = tokens[rid]
