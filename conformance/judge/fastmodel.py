@@ -242,7 +242,8 @@ class FastModel:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
         self.index: dict[int, list[int]] = {}
         self.requests: dict[int, Req] = {}
-        self.waiting: list[int] = []
+        self.waiting: OrderedDict[int, None] = OrderedDict()
+        """The waiting requests in order (an ordered set: O(1) removal anywhere, however many)."""
         self.running: list[int] = []
         self.steps: list[Stp] = []
         self.next_step = 0
@@ -664,6 +665,13 @@ class FastModel:
             del self.index[k]
         self.key[block] = None
 
+    def _register_upto(self, req: Req, upto: int) -> None:
+        """``_register`` when the indices are not needed."""
+        for i in range(req.cached, upto):
+            self._publish(req, i)
+        if upto > req.cached:
+            req.cached = upto
+
     def _register(self, req: Req, upto: int) -> list[int]:
         indices = list(range(req.cached, upto))
         for i in indices:
@@ -680,7 +688,7 @@ class FastModel:
         if min(prompt) < 0:
             raise ValueError(f"token ids must be >= 0, got {min(prompt)} in request {rid}'s prompt")
         self.requests[rid] = Req(rid, prompt, max_tokens, priority)
-        self.waiting.append(rid)
+        self.waiting[rid] = None
         if len(self.node) > self.collect_at:
             self._collect()
 
@@ -731,11 +739,7 @@ class FastModel:
                 if step.preempted:
                     raise Illegal()
                 if self.preemption == "priority":
-                    order = (
-                        [r for r in self.waiting if self._admissible(r)]
-                        if deliver
-                        else self.waiting
-                    )
+                    order = [r for r in self.waiting if not deliver or self._admissible(r)]
                     head = min(order, key=self._rank)
                 else:  # the first admissible one (we know rid is)
                     head = rid
@@ -763,7 +767,7 @@ class FastModel:
                 table.append(block)
             self.expected.append(("hit", rid, tuple(hits)))
             req.cached = len(hits)
-            self.waiting.remove(rid)
+            del self.waiting[rid]
             self.running.append(rid)
             req.status = RUNNING
             step.admitted = True
@@ -815,6 +819,11 @@ class FastModel:
             if upto > req.cached:
                 req.cached = upto
 
+    def _wait_first(self, rid: int) -> None:
+        """The request waits at the head of the queue."""
+        self.waiting[rid] = None
+        self.waiting.move_to_end(rid, last=False)
+
     def _admissible(self, rid: int) -> bool:
         """``spec.actions.admissible``: with stale output delivered, not while a step in flight
         holds the request."""
@@ -842,7 +851,7 @@ class FastModel:
         step.preempted = True
         self._leave(req, self.deliver)
         self.running.remove(rid)
-        self.waiting.insert(0, rid)
+        self._wait_first(rid)
         req.status = WAITING
 
     def submit(self, step_id: int) -> None:
@@ -852,7 +861,11 @@ class FastModel:
         step.phase = SUBMITTED
 
     def execute(self, step_id: int, failed: tuple[int, ...] = ()) -> None:
-        step = next((st for st in self.steps if st.phase != EXECUTED), None)
+        step: Stp | None = None
+        for st in self.steps:
+            if st.phase != EXECUTED:
+                step = st
+                break
         if step is None or step.id != step_id or step.phase != SUBMITTED:
             raise Illegal()
         entries = step.entries
@@ -863,22 +876,24 @@ class FastModel:
         pending, written = self.pending, self.written
         step.failed = tuple(failed)
         for rid, e in entries.items():
-            for block in e.blocks[e.start // bsz :]:
+            blocks, landed = e.blocks, rid not in failed
+            for k in range(e.start // bsz, len(blocks)):
+                block = blocks[k]
                 writes = pending[block]
                 head = writes[0]
                 if (
                     head[0] == sid and head[1] == rid and (len(writes) == 1 or writes[1][0] != sid)
                 ):  # the usual case: this write first (the oldest step's), the only one of it
-                    mine = [head]
-                    pending[block] = writes[1:]
+                    content = head[2]
+                    del writes[0]
                 else:
-                    mine = [w for w in writes if w[0] == sid and w[1] == rid]
+                    content = [w for w in writes if w[0] == sid and w[1] == rid][-1][2]
                     pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
-                if rid not in failed:
+                if landed:
                     # What was pending lands: no step's eventual content changes (this step is
                     # the oldest in flight, its write the first pending), and no holder had
                     # verified a block with a pending write.
-                    written[block] = mine[-1][2]
+                    written[block] = content
                 else:
                     self._content_changed(block)
                     self.rewritten.add(block)
@@ -887,14 +902,14 @@ class FastModel:
             if e.load:  # a load reads nothing
                 continue
             req = requests[rid]
-            blocks = e.blocks
-            first = req.verified if rid in live else 0  # reads known valid (unchanged since)
-            bad = [
-                block
-                for i, block in enumerate(blocks[first:], first)
-                if not self._holds(written[block], self._prefix(req, min(e.end, (i + 1) * bsz)))
-            ]
-            if bad and rid in live:
+            blocks, end, alive = e.blocks, e.end, rid in live
+            first = req.verified if alive else 0  # reads known valid (unchanged since)
+            bad: list[int] = []
+            for i in range(first, len(blocks)):
+                block = blocks[i]
+                if not self._holds(written[block], self._prefix(req, min(end, (i + 1) * bsz))):
+                    bad.append(block)
+            if bad and alive:
                 self.bad_reads += [(sid, rid, block) for block in bad]
             if bad:  # K/V computed from wrong inputs is wrong too
                 for block in blocks[e.start // bsz :]:
@@ -934,7 +949,7 @@ class FastModel:
                         self._leave(req)
                         self.expected.append(("load_failed", rid))
                         self.running.remove(rid)
-                        self.waiting.insert(0, rid)
+                        self._wait_first(rid)
                         req.status = WAITING
         else:
             for rid, e in entries.items():
@@ -954,7 +969,7 @@ class FastModel:
             for rid, e in entries.items():
                 req = requests[rid]
                 if rid in live and rid not in failed and req.status == RUNNING:
-                    self._register(req, e.end // bsz)
+                    self._register_upto(req, e.end // bsz)
         stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
         for rid in expected:
             req = requests[rid]
@@ -971,14 +986,17 @@ class FastModel:
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output
-                self._register(req, entries[rid].end // self.bsz)
+                self._register_upto(req, entries[rid].end // self.bsz)
             reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
             if token == stop:
                 reason = "stop"
             if reason:
                 self._free_table(req)
                 self.expected.append(("finish", rid, reason))
-                (self.running if running else self.waiting).remove(rid)
+                if running:
+                    self.running.remove(rid)
+                else:
+                    del self.waiting[rid]
                 req.status = FINISHED
                 for later in steps[1:]:  # their output for it is stale: discarded
                     later.live.discard(rid)
@@ -997,7 +1015,10 @@ class FastModel:
         if (steps and steps[-1].phase == BUILDING) or req.status == FINISHED:
             raise Illegal()
         self._leave(req)
-        (self.running if req.status == RUNNING else self.waiting).remove(rid)
+        if req.status == RUNNING:
+            self.running.remove(rid)
+        else:
+            del self.waiting[rid]
         req.status = FINISHED
         self.expected.append(("finish", rid, "abort"))
 
@@ -1205,7 +1226,7 @@ class FastModel:
             free=list(self.free),
             index={key(k): list(v) for k, v in self.index.items()},
             requests=requests,
-            waiting=list(self.waiting),
+            waiting=list(self.waiting),  # its keys, in order
             running=list(self.running),
             steps=steps,
             next_step=self.next_step,
