@@ -1,6 +1,7 @@
 """The fast reader's line decoder: msgspec structs made from ``spec.events.KINDS``, one per kind.
 
-``iter_trace(path, fast=True)`` decodes each line with ``decoder(num_blocks)``: msgspec parses
+``iter_trace(path, fast=True)`` decodes each line with ``decoder(num_blocks)`` (``kvspec check``'s
+compiled loop with its ``parts``, the same steps inlined): msgspec parses
 and validates in one pass (types, ranges, required fields, no unknown field; a tagged union on
 ``"ev"``) and the line becomes ``parse_line``'s result. Anything msgspec refuses (an ``x_`` field,
 a null hash, a wrong type, a JSON error) goes to ``parse_line``, which accepts it or says what is
