@@ -5,17 +5,17 @@ code 2 (``file:line: message``). A strict trace is judged by the fast model (``e
 default, with ``check_every`` 1), which hands a finding over to a spec judge from its older
 checkpoint for the report (``judge/handover.py``); the loop that reads, decodes and feeds its
 lines is the compiled ``judge.core.FileFeed``, which returns here only for a checkpoint, a
-finding, a crash of the fast model, an effect before any decision or the end; an observed trace, one with draft tokens
-(``model.spec_tokens``), ``engine="spec"`` or ``check_every`` > 1 is judged by a spec judge
-throughout. Either way the report is made by the spec
-judge's recorder (``report.report_of``).
+finding, a crash of the fast model, an effect before any decision or the end. An observed trace,
+one with draft tokens (``model.spec_tokens``), ``engine="spec"`` or ``check_every`` > 1 is judged
+by a spec judge throughout. Either way the report is made by the spec judge's recorder
+(``report.report_of``).
 
 The judge's state lives as long as the file is read, and it grows with the requests alive (a
 trace whose arrivals come first holds them all). Python's cyclic garbage collector would scan all
 of it again and again as allocation goes on, a cost that grows with the state, not with the event.
-So the fast path (``FileFeed``) freezes what is alive every ``FREEZE_EVERY`` events (``gc.freeze``: later
-collections skip it; reference counting still frees it) and unfreezes it at the end
-(``long_lived``).
+So the fast path (``FileFeed``) freezes what is alive every ``FREEZE_EVERY`` events
+(``gc.freeze``: later collections skip it; reference counting still frees it) and unfreezes it at
+the end (``long_lived``).
 """
 
 from __future__ import annotations

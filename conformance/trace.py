@@ -17,8 +17,8 @@ it reads one line at a time and validates it completely before yielding it, so a
 does not grow with the file; ``Trace.events(start)`` reads again from an earlier line (the fast
 path's hand-over) on the same open file. ``Trace.lines`` and ``Trace.slow`` are the same reading
 for a loop that decodes lines itself (``judge.core.FileFeed``, compiled): the raw lines, and the
-validating reader for a line the fast decoder refuses. Trace content is data: it is parsed with a JSON parser
-and checked field by field, never evaluated, unpickled or imported.
+validating reader for a line the fast decoder refuses. Trace content is data: it is parsed with a
+JSON parser and checked field by field, never evaluated, unpickled or imported.
 """
 
 from __future__ import annotations

@@ -376,7 +376,7 @@ class Judge:
     def _apply(self, event: Event, index: int) -> list[Event] | None:
         """The guards every stream has, then the model's (the ids checked already); None at a
         finding."""
-        kind = cast(str, event[0])  # a decision's (in DECISIONS)
+        kind = event[0]
         model, fast = self.model, self.fast_model
         for rid in model.prune() if fast is None else fast.prune():
             if self.recorder is not None:
