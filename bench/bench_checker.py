@@ -166,7 +166,7 @@ def checked(every: int) -> Callable[[Path, int], int]:
         config, lines = iter_trace(path)
         checker, count = Judge.stream(config, check_every=every), 0
         for line, event, hash_ in itertools.islice(lines, sample):
-            if checker.feed(event, line, hash_) is not None:
+            if checker.feed(event, hash_, line) is not None:
                 raise SystemExit(f"unexpected finding: {checker.finding}")
             count += 1
         return count

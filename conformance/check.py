@@ -3,17 +3,19 @@
 ``check_file`` never raises for bad content: an unreadable file or line is a ``Report`` with exit
 code 2 (``file:line: message``). A strict trace is judged by the fast model (``engine="fast"``, the
 default, with ``check_every`` 1), which hands a finding over to a spec judge from its older
-checkpoint for the report (``judge/handover.py``); an observed trace, one with draft tokens
-(``model.spec_tokens``) or deferred frees (``model.defer_free``), ``engine="spec"`` or ``check_every`` > 1 is judged by a spec judge
-throughout. Either way the report is made by the spec
-judge's recorder (``report.report_of``).
+checkpoint for the report (``judge/handover.py``); the loop that reads, decodes and feeds its
+lines is the compiled ``judge.core.FileFeed``, which returns here only for a checkpoint, a
+finding, a crash of the fast model, an effect before any decision or the end. An observed trace,
+one with draft tokens (``model.spec_tokens``) or deferred frees (``model.defer_free``),
+``engine="spec"`` or ``check_every`` > 1 is judged by a spec judge throughout. Either way the
+report is made by the spec judge's recorder (``report.report_of``).
 
 The judge's state lives as long as the file is read, and it grows with the requests alive (a
 trace whose arrivals come first holds them all). Python's cyclic garbage collector would scan all
 of it again and again as allocation goes on, a cost that grows with the state, not with the event.
-So the fast path freezes what is alive every ``FREEZE_EVERY`` events (``gc.freeze``: later
-collections skip it; reference counting still frees it) and unfreezes it at the end
-(``long_lived``).
+So the fast path (``FileFeed``) freezes what is alive every ``FREEZE_EVERY`` events
+(``gc.freeze``: later collections skip it; reference counting still frees it) and unfreezes it at
+the end (``long_lived``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from types import ModuleType
 from kvspec.spec.events import DECISIONS
 
 from .judge import Judge, UnknownId, handover
+from .judge.core import CRASH, DUE, EFFECT_FIRST, FOUND
 from .judge.fastbuild import fast_judge
 from .judge.fastmodel import restates
 from .report import Report, report_of
@@ -123,32 +126,30 @@ def _fast_run(
     else:
         fast, note = fast_judge(trace.config, "raise")
     run = handover.FastRun(fast, handover.FILE_WINDOW)
-    line = 1
+    feed = fast.file_feed(trace.lines(), 1, trace.parts, trace.slow, FREEZE_EVERY)
     try:
-        feed, due, frozen_at = fast.feed, run.due, FREEZE_EVERY
-        for line, event, hash_ in trace.events():
-            if fast.events_seen >= frozen_at:  # the judge's state so far: long-lived
-                gc.freeze()
-                frozen_at = fast.events_seen + FREEZE_EVERY
-            if fast.events_seen >= due and event[0] in DECISIONS:
-                if limit is not None and fast.events_seen >= limit:
-                    break  # the first decision past the limit: nothing cut from a decision
-                run.checkpoint(line)
-                due = run.due
-            elif fast.decisions == 0 and event[0] not in DECISIONS:
-                raise TraceError(name, line, f"effect {event[0]!r} before any decision")
+        while True:
             try:
-                if feed(event, hash_, line) is not None:
-                    break
+                why = feed.run(run.due)
             except UnknownId as err:
                 raise TraceError(name, fast.line, str(err)) from None
-            except Exception as err:  # a bug in the fast model: the spec decides, loudly
-                run.crash = (repr(err), fast.events_seen - 1)
+            if why == DUE:
+                if limit is not None and fast.events_seen >= limit:
+                    break  # the first decision past the limit: nothing cut from a decision
+                run.checkpoint(feed.number)
+            elif why == EFFECT_FIRST:
+                effect = feed.pending[0][0]
+                raise TraceError(name, feed.number, f"effect {effect!r} before any decision")
+            elif why == CRASH:
+                run.crash = (feed.crash, fast.events_seen - 1)
                 break
-        else:
-            fast.finish(line + 1)
+            elif why == FOUND:
+                break
+            else:
+                fast.finish(feed.number + 1)
+                break
     except (TraceError, ValueError, OSError) as err:
-        return Report(name, 2, fast.events_seen, error=_where(err, name, line), note=note)
+        return Report(name, 2, fast.events_seen, error=_where(err, name, feed.number), note=note)
     if fast.finding is None and run.crash is None:
         return Report(name, 0, fast.events_seen, time.perf_counter() - started, note=note)
     judge = run.start()

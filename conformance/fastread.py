@@ -1,6 +1,7 @@
 """The fast reader's line decoder: msgspec structs made from ``spec.events.KINDS``, one per kind.
 
-``iter_trace(path, fast=True)`` decodes each line with ``decoder(num_blocks)``: msgspec parses
+``iter_trace(path, fast=True)`` decodes each line with ``decoder(num_blocks)`` (``kvspec check``'s
+compiled loop with its ``parts``, the same steps inlined): msgspec parses
 and validates in one pass (types, ranges, required fields, no unknown field; a tagged union on
 ``"ev"``) and the line becomes ``parse_line``'s result. Anything msgspec refuses (an ``x_`` field,
 a null hash, a wrong type, a JSON error) goes to ``parse_line``, which accepts it or says what is
@@ -45,9 +46,18 @@ def _types(num_blocks: int) -> dict[str, object]:
     }
 
 
+Parts = tuple[
+    "Callable[[bytes], object]", "dict[type, tuple[str, bool]]", "Callable[[object], tuple]", object
+]
+"""``parts(n)``: msgspec's decode of a line (a struct), each struct's type -> (its kind, whether
+its last field is the optional hash), ``msgspec.structs.astuple`` and ``msgspec.UNSET``."""
+
+
 @lru_cache(maxsize=8)
-def decoder(num_blocks: int) -> Callable[[bytes], Decoded]:
-    """``raw line -> (event tuple, hash or None)``; raises ``Error`` for anything else."""
+def parts(num_blocks: int) -> Parts:
+    """What ``decoder(n)`` is made of, for a loop that decodes lines itself (``core.FileFeed``,
+    compiled): a struct's values are ``astuple(struct)``, the event ``(kind, *values)`` less the
+    hash when the kind has one (``UNSET``: none)."""
     types = _types(num_blocks)
     kinds: dict[type, tuple[str, bool]] = {}
     for kind, spec in KINDS.items():
@@ -63,7 +73,13 @@ def decoder(num_blocks: int) -> Callable[[bytes], Decoded]:
         )
         kinds[cls] = (kind, bool(OPTIONAL.get(kind)))
     decode = msgspec.json.Decoder(Union[tuple(kinds)]).decode  # type: ignore[valid-type]  # noqa: UP007
-    astuple, unset = msgspec.structs.astuple, msgspec.UNSET
+    return decode, kinds, msgspec.structs.astuple, msgspec.UNSET
+
+
+@lru_cache(maxsize=8)
+def decoder(num_blocks: int) -> Callable[[bytes], Decoded]:
+    """``raw line -> (event tuple, hash or None)``; raises ``Error`` for anything else."""
+    decode, kinds, astuple, unset = parts(num_blocks)
 
     def line(raw: bytes) -> Decoded:
         obj = decode(raw)

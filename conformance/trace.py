@@ -15,8 +15,10 @@ block out of range are unreadable input (exit 2) in either, never a verdict abou
 ``open_trace`` opens a file once, sniffs its format from the header once, and streams its events:
 it reads one line at a time and validates it completely before yielding it, so a checker's memory
 does not grow with the file; ``Trace.events(start)`` reads again from an earlier line (the fast
-path's hand-over) on the same open file. Trace content is data: it is parsed with a JSON parser
-and checked field by field, never evaluated, unpickled or imported.
+path's hand-over) on the same open file. ``Trace.lines`` and ``Trace.slow`` are the same reading
+for a loop that decodes lines itself (``judge.core.FileFeed``, compiled): the raw lines, and the
+validating reader for a line the fast decoder refuses. Trace content is data: it is parsed with a
+JSON parser and checked field by field, never evaluated, unpickled or imported.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from kvspec.spec import OBSERVED_POLICIES, Config
 from kvspec.spec.events import KINDS, OPTIONAL, REASONS
 
 from . import budget
-from .fastread import Error, decoder
+from .fastread import Error, Parts, decoder, parts
 from .jsonwords import json_error, json_type
 
 Event = tuple[object, ...]
@@ -446,6 +448,27 @@ class Trace:
             decoder(n) if fast and self.version else lambda raw: line(raw, n)
         )
         self._refused: type[Exception] = Error if fast and self.version else ValueError
+        self.parts: Parts | None = parts(n) if fast and self.version else None
+        """The fast decoder's parts (``fastread.parts``), for a loop that decodes lines itself
+        (``lines`` and ``slow``); None: every line goes to ``slow``."""
+
+    def lines(self, start: int = 2) -> Iterator[bytes]:
+        """The raw lines from line ``start`` on (earlier lines skipped unread), for a loop that
+        decodes them itself as ``events`` does: with ``parts``, and ``slow`` for any line the
+        fast decoder refuses (or every line, without ``parts``)."""
+        f = self.file
+        f.seek(0)
+        for _ in itertools.islice(f, start - 1):
+            pass
+        return f
+
+    def slow(self, raw: bytes, number: int) -> tuple[Event, str | None]:
+        """Line ``number`` by ``parse_line`` (or a v0 line's reader): the event, or
+        ``TraceError`` at that line."""
+        try:
+            return self._line(raw, self.config.num_blocks)
+        except ValueError as err:
+            raise TraceError(self.path, number, str(err)) from None
 
     def events(self, start: int = 2) -> Iterator[TraceEvent]:
         """The events from line ``start`` on (earlier lines are skipped unread); a line the

@@ -29,13 +29,16 @@ engine's opaque hashes, one hash names one token prefix and one prefix one hash
 
 ``Judge.spec``, ``Judge.stream`` and ``Judge.fast`` are the usual compositions. This module is
 compiled by mypyc together with the fast model (``fastbuild.py``): it is the hot path of
-``kvspec check``.
+``kvspec check``, whose loop over a trace's lines (``FileFeed``: read, decode, feed) is here too,
+so that no interpreted code runs per event. A judge over the fast model calls it directly
+(``Judge.fast_model``: compiled, native calls), not through the ``Model`` protocol.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable
-from typing import Protocol, cast
+import gc
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from typing import Final, Protocol, cast
 
 from kvspec.conformance.judge.findings import HASH_CHAIN, Finding
 from kvspec.spec import Config, Illegal, Violation
@@ -49,7 +52,17 @@ from .recorder import Recorder as HistoryRecorder
 from .spec_model import SpecModel
 
 Event = tuple[object, ...]
+KINDS_DECIDED: Final = DECISIONS
+"""``spec.events.DECISIONS``, Final here (compiled: read from a C static, not looked up)."""
 Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
+LineParts = tuple[
+    Callable[[bytes], object],
+    dict[type, tuple[str, bool]],
+    Callable[[object], tuple[object, ...]],
+    object,
+]
+"""``fastread.parts``: decode a line to a struct; its kind and whether it has a hash; astuple;
+the value of an absent hash (a ``FileFeed`` decodes lines with them)."""
 
 
 class Model(Protocol):
@@ -147,6 +160,8 @@ class Judge:
         if not observed:
             refuse_strict(model.config)
         self.model = model
+        self.fast_model: FastModel | None = model if isinstance(model, FastModel) else None
+        """The model when it is the fast one: called directly (compiled: a native call)."""
         self.config = model.config
         self.raise_unknown = unknown_ids == "raise"
         self.observed = observed
@@ -267,7 +282,7 @@ class Judge:
         expected, pos = self.expected, self.epos
         if pos < len(expected) and event == expected[pos]:  # the effect the model computed
             self.epos = pos + 1
-            kind = event[0]
+            kind = cast(str, expected[pos][0])  # the model's own, equal to the event's
             if self.recorder is not None:
                 self.recorder.effect(line, event)
             if hash_ is not None and kind == "publish":
@@ -275,11 +290,22 @@ class Judge:
             if (kind == "unpublish" or kind == "evict") and self.block_hash:
                 self._drop_hash(event[1])  # type: ignore[arg-type]
             return None
-        if event and event[0] in DECISIONS:
+        if event and event[0] in KINDS_DECIDED:
             return self._decide(event, index)
         check_ids(event[0] if event else None, event, self.ids, self.max_step)
         want = expected[pos] if pos < len(expected) else None
         return self._mismatch(event, want, index)
+
+    def file_feed(
+        self,
+        lines: Iterator[bytes],
+        number: int,
+        parts: LineParts | None,
+        slow: Callable[[bytes, int], tuple[Event, str | None]],
+        freeze_every: int,
+    ) -> FileFeed:
+        """A loop that reads, decodes and feeds a file's lines to this judge (``FileFeed``)."""
+        return FileFeed(self, lines, number, parts, slow, freeze_every)
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
         for event in events:
@@ -351,22 +377,22 @@ class Judge:
         """The guards every stream has, then the model's (the ids checked already); None at a
         finding."""
         kind = event[0]
-        model = self.model
-        for rid in model.prune():
+        model, fast = self.model, self.fast_model
+        for rid in model.prune() if fast is None else fast.prune():
             if self.recorder is not None:
                 self.recorder.pruned(rid)
         if kind == "arrive":
-            if cast(int, event[1]) in self.ids and not model.has_request(event[1]):
+            if cast(int, event[1]) in self.ids and not self._has_request(event[1]):
                 self._illegal(f"arrive r{event[1]}: the id is taken", event, index)
                 return None
         elif kind == "schedule" or kind == "preempt" or kind == "abort":
-            if not model.has_request(event[1]):
+            if not self._has_request(event[1]):
                 self._illegal(f"{kind} r{event[1]}: it has finished", event, index)
                 return None
         if self.recorder is not None:
             self.recorder.decision(self.line, event, model)
         try:
-            effects = model.apply(event)
+            effects = model.apply(event) if fast is None else fast.apply(event)
         except Illegal as err:
             self._illegal(str(err), event, index)
             return None
@@ -378,6 +404,10 @@ class Judge:
             self.ids.add(event[1])  # type: ignore[arg-type]
         return effects
 
+    def _has_request(self, rid: object) -> bool:
+        fast = self.fast_model
+        return self.model.has_request(rid) if fast is None else fast.has_request(rid)
+
     def _maybe_check(self, index: int) -> Finding | None:
         if self.invariants is not None and not self.invariants:
             return None
@@ -386,7 +416,11 @@ class Judge:
         return None
 
     def _check(self, index: int) -> Finding | None:
-        violation = self.model.check(self.invariants)
+        fast = self.fast_model
+        if fast is None:
+            violation = self.model.check(self.invariants)
+        else:
+            violation = fast.check(self.invariants)
         if violation is None:
             self.last_check_line = self.line
             return None
@@ -544,3 +578,103 @@ class Judge:
             blocks = about  # type: ignore[assignment]
         self.finding = Finding(invariant, message, index, blocks, requests, self.line, arose_after)
         return self.finding
+
+
+END: Final = 0
+FOUND: Final = 1
+DUE: Final = 2
+CRASH: Final = 3
+EFFECT_FIRST: Final = 4
+"""Why ``FileFeed.run`` returned: the lines ran out; the judge found something; a decision is due
+for a checkpoint (not fed yet: ``pending``); the judge raised (``crash``); an effect came before
+any decision (``pending``)."""
+
+
+class FileFeed:
+    """The loop of ``kvspec check`` on the fast path (``check.py``), compiled with the judge: it
+    reads a trace's raw lines, decodes each (msgspec's structs through ``parts``, as
+    ``fastread.decoder`` does; a line they refuse, or every line without ``parts``, through
+    ``slow``, which accepts it or raises ``TraceError``) and feeds the events to the judge, until
+    something the caller handles: ``run`` says what (``END`` ... ``EFFECT_FIRST``). Every
+    ``freeze_every`` events what is alive is frozen (``gc.freeze``: the judge's state so far is
+    long-lived; ``check.long_lived``)."""
+
+    def __init__(
+        self,
+        judge: Judge,
+        lines: Iterator[bytes],
+        number: int,
+        parts: LineParts | None,
+        slow: Callable[[bytes, int], tuple[Event, str | None]],
+        freeze_every: int,
+    ) -> None:
+        self.judge = judge
+        self.lines = lines
+        self.number = number
+        """The number of the last line read."""
+        self.parts = parts
+        self.slow = slow
+        self.freeze_every = freeze_every
+        self.frozen_at = freeze_every
+        self.pending: tuple[Event, str | None] | None = None
+        """The event of line ``number``, read but not fed (``DUE``, ``EFFECT_FIRST``)."""
+        self.crash = ""
+        """``repr`` of what the judge raised (``CRASH``): a bug in the model."""
+
+    def run(self, due: int) -> int:
+        """Feed events until the lines run out, a finding, a crash, an effect before any
+        decision, or a decision once ``due`` events were seen (the pending one is fed first)."""
+        judge, slow, parts = self.judge, self.slow, self.parts
+        number, pending = self.number, self.pending
+        self.pending = None
+        if parts is not None:
+            decode, kinds, astuple, unset = parts
+        if pending is not None:
+            why = self._feed_one(pending[0], pending[1], number)
+            if why != -1:
+                return why
+        for raw in self.lines:
+            number += 1
+            if parts is None:
+                event, hash_ = slow(raw, number)
+            else:
+                try:
+                    obj = decode(raw)
+                except Exception:  # what msgspec refuses: parse_line decides
+                    event, hash_ = slow(raw, number)
+                else:
+                    kind, hashed = kinds[type(obj)]
+                    values = astuple(obj)
+                    if hashed:
+                        last = values[-1]
+                        event = (kind,) + values[:-1]
+                        hash_ = None if last is unset else cast(str, last)
+                    else:
+                        event, hash_ = (kind,) + values, None
+            self.number = number
+            seen = judge.events_seen
+            if seen >= self.frozen_at:  # the judge's state so far: long-lived
+                gc.freeze()
+                self.frozen_at = seen + self.freeze_every
+            decision = event[0] in KINDS_DECIDED
+            if seen >= due and decision:
+                self.pending = (event, hash_)
+                return DUE
+            if judge.decisions == 0 and not decision:
+                self.pending = (event, hash_)
+                return EFFECT_FIRST
+            why = self._feed_one(event, hash_, number)
+            if why != -1:
+                return why
+        return END
+
+    def _feed_one(self, event: Event, hash_: str | None, number: int) -> int:
+        """Feed one event: -1, or why ``run`` returns."""
+        try:
+            found = self.judge.feed(event, hash_, number)
+        except UnknownId:
+            raise
+        except Exception as err:  # a bug in the fast model: the spec decides, loudly
+            self.crash = repr(err)
+            return CRASH
+        return -1 if found is None else FOUND

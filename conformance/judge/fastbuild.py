@@ -22,9 +22,10 @@ imports only the standard library at module level.
 
 ``fast_judge(config)`` answers ``(judge, note)``: a ``Judge`` over the ``FastModel`` of the
 compiled build and no note, or of the source (``kvspec.conformance.judge``, the same verdicts,
-about half the speed) and a note saying why (not built, older than the source, not loadable, or
-``KVSPEC_FAST_MODEL=source``). The note is never silent and never on stderr (where an unreadable
-file gets exactly one line): ``kvspec check`` appends it to its report (``Report.note``).
+about a third of the speed) and a note saying why (not built, older than the source, not
+loadable, or ``KVSPEC_FAST_MODEL=source``). The note is never silent and never on stderr (where
+an unreadable file gets exactly one line): ``kvspec check`` appends it to its report
+(``Report.note``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def fast_judge(
         return core.Judge.fast(config, unknown_ids, invariants), note
     module, why = compiled()
     if module is None:
-        note = f"fast model from source, about half the speed: {why}"
+        note = f"fast model from source, about a third of the speed: {why}"
         return core.Judge.fast(config, unknown_ids, invariants), note
     return module.Judge.fast(config, unknown_ids, invariants), None
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable
-from typing import cast
+from collections.abc import Collection, Hashable
+from typing import Final, cast
 
 from kvspec.spec import Config, Illegal, Placeholder, Violation
 from kvspec.spec.observed import refuse_strict
@@ -53,18 +53,36 @@ a partial block, or, under async scheduling, (parent id, tail) with the tail fro
 that holds a placeholder; None for garbage. A placeholder is a negative int (``placeholder``):
 token ids are >= 0, so tails stay tuples of ints and compare in C."""
 
-WAITING, RUNNING, FINISHED = 0, 1, 2
-STATUS = ("waiting", "running", "finished")
-BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
-PHASE = ("building", "submitted", "executed")
-EAGER = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
-READ, PUBLISH = "NoUnwrittenRead", "NoUnwrittenPublish"
-FAST_INVARIANTS = frozenset((READ, PUBLISH))
+# Final: compiled, a constant is inlined or read from a C static, not looked up by name
+WAITING: Final = 0
+RUNNING: Final = 1
+FINISHED: Final = 2
+STATUS: Final = ("waiting", "running", "finished")
+BUILDING: Final = 0
+SUBMITTED: Final = 1
+EXECUTED: Final = 2
+PHASE: Final = ("building", "submitted", "executed")
+EAGER: Final = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
+READ: Final = "NoUnwrittenRead"
+PUBLISH: Final = "NoUnwrittenPublish"
+FAST_INVARIANTS: Final = frozenset((READ, PUBLISH))
 """The invariants this model evaluates; the others hold on every state its actions reach."""
-OUTPUT = EAGER + ("hide-uncommitted",)
+OUTPUT: Final = (*EAGER, "hide-uncommitted")
 """Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
-ROOT = 0
+ROOT: Final = 0
 """The id of the empty prefix."""
+ARITY: Final = {
+    "arrive": (4, 4),
+    "begin": (1, 1),
+    "schedule": (2, 3),
+    "preempt": (1, 1),
+    "submit": (1, 1),
+    "execute": (1, 2),
+    "commit": (2, 2),
+    "abort": (1, 1),
+    "reset": (0, 0),
+}
+"""Each decision's count of values after its kind: the least and the most its action takes."""
 
 
 def placeholder(step: int, rid: int) -> int:
@@ -210,6 +228,15 @@ class FastModel:
         registered, tracked or rolled back)."""
         n = config.num_blocks
         self.bsz = config.block_size
+        # the configuration's fields the actions read, as native attributes (a Config is a
+        # Python object: each of its attributes is a dictionary lookup)
+        self.num_blocks = n
+        self.depth = config.depth
+        self.token_budget = config.token_budget
+        self.max_running = config.max_running
+        self.vllm = config.discipline == "vllm"
+        self.preemption = config.preemption
+        self.stop_token = config.stop_token
         self.refcount = [0] * n
         self.key: list[int | None] = [None] * n
         self.written: list[object] = [None] * n
@@ -218,7 +245,8 @@ class FastModel:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
         self.index: dict[int, list[int]] = {}
         self.requests: dict[int, Req] = {}
-        self.waiting: list[int] = []
+        self.waiting: OrderedDict[int, None] = OrderedDict()
+        """The waiting requests in order (an ordered set: O(1) removal anywhere, however many)."""
         self.running: list[int] = []
         self.steps: list[Stp] = []
         self.next_step = 0
@@ -251,25 +279,16 @@ class FastModel:
         failed load; K/V computed from wrong inputs): every later step's reads may change."""
         self.published: list[int] = []
         self.new_entry: tuple[Stp, int] | None = None
-        self.actions: dict[str, Callable[..., None]] = {
-            "arrive": self.arrive,
-            "begin": self.begin,
-            "schedule": self.schedule,
-            "preempt": self.preempt,
-            "submit": self.submit,
-            "execute": self.execute,
-            "commit": self.commit,
-            "abort": self.abort,
-            "reset": self.reset,
-        }
 
     # -- the model's side of the judge (core.Model) ---------------------------------------------
 
     def apply(self, decision: Event) -> list[Event]:
         kind = decision[0]
-        action = self.actions.get(kind) if isinstance(kind, str) else None
-        if action is None:
+        if not isinstance(kind, str) or kind not in ARITY:
             raise Illegal()
+        low, high = ARITY[kind]
+        if not low <= len(decision) - 1 <= high:  # as a call with the decision's values would
+            raise TypeError(f"{kind} takes {low} to {high} values, got {len(decision) - 1}")
         self.expected = []
         if self.changed:
             self.changed = set()
@@ -278,7 +297,7 @@ class FastModel:
         if self.published:
             self.published = []
         self.new_entry = None
-        action(*decision[1:])
+        self._act(kind, decision)
         if kind == "arrive":
             self.requests[cast(int, decision[1])].arrival = self.arrivals
             self.arrivals += 1
@@ -290,6 +309,36 @@ class FastModel:
         elif kind == "preempt":
             self.prunable = True
         return self.expected
+
+    def _act(self, kind: str, d: Event) -> None:
+        """The action of ``kind`` on the decision's values (their count checked), each called
+        directly: a value of the wrong type raises ``TypeError`` as the call would."""
+        if kind == "schedule":
+            if len(d) == 3:
+                self.schedule(cast(int, d[1]), cast(int, d[2]))
+            else:
+                self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]))
+        elif kind == "begin":
+            self.begin(cast(int, d[1]))
+        elif kind == "submit":
+            self.submit(cast(int, d[1]))
+        elif kind == "execute":
+            if len(d) == 2:
+                self.execute(cast(int, d[1]))
+            else:
+                self.execute(cast(int, d[1]), cast("tuple[int, ...]", d[2]))
+        elif kind == "commit":
+            self.commit(cast(int, d[1]), cast("tuple[tuple[int, int], ...]", d[2]))
+        elif kind == "arrive":
+            self.arrive(
+                cast(int, d[1]), cast("tuple[int, ...]", d[2]), cast(int, d[3]), cast(int, d[4])
+            )
+        elif kind == "preempt":
+            self.preempt(cast(int, d[1]))
+        elif kind == "abort":
+            self.abort(cast(int, d[1]))
+        else:
+            self.reset()
 
     def check(self, names: Collection[str] | None) -> Violation | None:
         if (names is None or READ in names) and (self.bad_reads or not self._reads_hold()):
@@ -554,8 +603,9 @@ class FastModel:
     def _free_table(self, req: Req) -> None:
         refcount, key, free, holders = self.refcount, self.key, self.free, self.holders
         expected = self.expected
-        rid, caching = req.id, self.caching
-        for block in reversed(req.table):
+        rid, caching, table = req.id, self.caching, req.table
+        for j in range(len(table) - 1, -1, -1):
+            block = table[j]
             count = refcount[block]
             if count <= 0:
                 raise Illegal()
@@ -618,6 +668,13 @@ class FastModel:
             del self.index[k]
         self.key[block] = None
 
+    def _register_upto(self, req: Req, upto: int) -> None:
+        """``_register`` when the indices are not needed."""
+        for i in range(req.cached, upto):
+            self._publish(req, i)
+        if upto > req.cached:
+            req.cached = upto
+
     def _register(self, req: Req, upto: int) -> list[int]:
         indices = list(range(req.cached, upto))
         for i in indices:
@@ -634,7 +691,7 @@ class FastModel:
         if min(prompt) < 0:
             raise ValueError(f"token ids must be >= 0, got {min(prompt)} in request {rid}'s prompt")
         self.requests[rid] = Req(rid, prompt, max_tokens, priority)
-        self.waiting.append(rid)
+        self.waiting[rid] = None
         if len(self.node) > self.collect_at:
             self._collect()
 
@@ -642,7 +699,7 @@ class FastModel:
         steps = self.steps
         if (
             (steps and steps[-1].phase == BUILDING)
-            or len(steps) >= self.config.depth
+            or len(steps) >= self.depth
             or step_id != self.next_step
         ):
             raise Illegal()
@@ -664,32 +721,28 @@ class FastModel:
         return req
 
     def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0) -> None:
-        steps, req, cfg = self.steps, self.requests.get(rid), self.config
+        steps, req = self.steps, self.requests.get(rid)
         if not steps or steps[-1].phase != BUILDING or req is None:
             raise Illegal()
         step, bsz = steps[-1], self.bsz
         if rid in step.entries or req.loading is not None or req.status == FINISHED:
             raise Illegal()
-        if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > cfg.token_budget:
+        if num_tokens < 0 or num_loaded < 0 or step.budget_used + num_tokens > self.token_budget:
             raise Illegal()
         if num_tokens == 0 and num_loaded == 0:
             raise Illegal()
         table = req.table
         if req.status == WAITING:
-            if len(self.running) >= cfg.max_running:
+            if len(self.running) >= self.max_running:
                 raise Illegal()
             deliver = self.deliver
             if deliver and not self._admissible(rid):
                 raise Illegal()
-            if cfg.discipline == "vllm":
+            if self.vllm:
                 if step.preempted:
                     raise Illegal()
-                if cfg.preemption == "priority":
-                    order = (
-                        [r for r in self.waiting if self._admissible(r)]
-                        if deliver
-                        else self.waiting
-                    )
+                if self.preemption == "priority":
+                    order = [r for r in self.waiting if not deliver or self._admissible(r)]
                     head = min(order, key=self._rank)
                 else:  # the first admissible one (we know rid is)
                     head = rid
@@ -717,14 +770,14 @@ class FastModel:
                 table.append(block)
             self.expected.append(("hit", rid, tuple(hits)))
             req.cached = len(hits)
-            self.waiting.remove(rid)
+            del self.waiting[rid]
             self.running.append(rid)
             req.status = RUNNING
             step.admitted = True
         else:
             if num_loaded:
                 raise Illegal()
-            if cfg.discipline == "vllm" and step.admitted:
+            if self.vllm and step.admitted:
                 raise Illegal()
             start, end = req.computed, req.computed + num_tokens
             if -(-end // bsz) - len(table) > len(self.free):
@@ -769,6 +822,11 @@ class FastModel:
             if upto > req.cached:
                 req.cached = upto
 
+    def _wait_first(self, rid: int) -> None:
+        """The request waits at the head of the queue."""
+        self.waiting[rid] = None
+        self.waiting.move_to_end(rid, last=False)
+
     def _admissible(self, rid: int) -> bool:
         """``spec.actions.admissible``: with stale output delivered, not while a step in flight
         holds the request."""
@@ -783,20 +841,20 @@ class FastModel:
         return (req.priority, req.arrival)
 
     def preempt(self, rid: int) -> None:
-        step, req, cfg = self._building(), self._request(rid), self.config
+        step, req = self._building(), self._request(rid)
         if req.status != RUNNING:
             raise Illegal()
-        if cfg.discipline == "vllm":
+        if self.vllm:
             if step.admitted:
                 raise Illegal()
-            if cfg.preemption == "fcfs" and (rid != self.running[-1] or rid in step.entries):
+            if self.preemption == "fcfs" and (rid != self.running[-1] or rid in step.entries):
                 raise Illegal()
-            if cfg.preemption == "priority" and rid != max(self.running, key=self._rank):
+            if self.preemption == "priority" and rid != max(self.running, key=self._rank):
                 raise Illegal()
         step.preempted = True
         self._leave(req, self.deliver)
         self.running.remove(rid)
-        self.waiting.insert(0, rid)
+        self._wait_first(rid)
         req.status = WAITING
 
     def submit(self, step_id: int) -> None:
@@ -806,7 +864,11 @@ class FastModel:
         step.phase = SUBMITTED
 
     def execute(self, step_id: int, failed: tuple[int, ...] = ()) -> None:
-        step = next((st for st in self.steps if st.phase != EXECUTED), None)
+        step: Stp | None = None
+        for st in self.steps:
+            if st.phase != EXECUTED:
+                step = st
+                break
         if step is None or step.id != step_id or step.phase != SUBMITTED:
             raise Illegal()
         entries = step.entries
@@ -817,38 +879,40 @@ class FastModel:
         pending, written = self.pending, self.written
         step.failed = tuple(failed)
         for rid, e in entries.items():
-            for block in e.blocks[e.start // bsz :]:
+            blocks, landed = e.blocks, rid not in failed
+            for k in range(e.start // bsz, len(blocks)):
+                block = blocks[k]
                 writes = pending[block]
                 head = writes[0]
                 if (
                     head[0] == sid and head[1] == rid and (len(writes) == 1 or writes[1][0] != sid)
                 ):  # the usual case: this write first (the oldest step's), the only one of it
-                    mine = [head]
-                    pending[block] = writes[1:]
+                    content = head[2]
+                    del writes[0]
                 else:
-                    mine = [w for w in writes if w[0] == sid and w[1] == rid]
+                    content = [w for w in writes if w[0] == sid and w[1] == rid][-1][2]
                     pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
-                if rid not in failed:
+                if landed:
                     # What was pending lands: no step's eventual content changes (this step is
                     # the oldest in flight, its write the first pending), and no holder had
                     # verified a block with a pending write.
-                    written[block] = mine[-1][2]
+                    written[block] = content
                 else:
                     self._content_changed(block)
                     self.rewritten.add(block)
-        requests, holds, live = self.requests, self._holds, step.live
+        requests, live = self.requests, step.live
         for rid, e in entries.items():
             if e.load:  # a load reads nothing
                 continue
             req = requests[rid]
-            blocks = e.blocks
-            first = req.verified if rid in live else 0  # reads known valid (unchanged since)
-            bad = [
-                block
-                for i, block in enumerate(blocks[first:], first)
-                if not holds(written[block], self._prefix(req, min(e.end, (i + 1) * bsz)))
-            ]
-            if bad and rid in live:
+            blocks, end, alive = e.blocks, e.end, rid in live
+            first = req.verified if alive else 0  # reads known valid (unchanged since)
+            bad: list[int] = []
+            for i in range(first, len(blocks)):
+                block = blocks[i]
+                if not self._holds(written[block], self._prefix(req, min(end, (i + 1) * bsz))):
+                    bad.append(block)
+            if bad and alive:
                 self.bad_reads += [(sid, rid, block) for block in bad]
             if bad:  # K/V computed from wrong inputs is wrong too
                 for block in blocks[e.start // bsz :]:
@@ -870,8 +934,12 @@ class FastModel:
         entries, live = step.entries, step.live
         expected = [rid for rid, e in entries.items() if e.samples and rid in live]
         tokens = dict(sampled)
-        if len(tokens) != len(sampled) or sorted(tokens) != sorted(expected):
+        # the sampled requests are exactly the expected ones (both without repeats)
+        if len(tokens) != len(sampled) or len(tokens) != len(expected):
             raise Illegal()
+        for rid in expected:
+            if rid not in tokens:
+                raise Illegal()
         policy, requests = self.policy, self.requests
         if policy == "eager-rollback-fifo":  # policies.on_confirmed
             step.registrations.clear()
@@ -884,7 +952,7 @@ class FastModel:
                         self._leave(req)
                         self.expected.append(("load_failed", rid))
                         self.running.remove(rid)
-                        self.waiting.insert(0, rid)
+                        self._wait_first(rid)
                         req.status = WAITING
         else:
             for rid, e in entries.items():
@@ -904,8 +972,8 @@ class FastModel:
             for rid, e in entries.items():
                 req = requests[rid]
                 if rid in live and rid not in failed and req.status == RUNNING:
-                    self._register(req, e.end // bsz)
-        stop, output = self.config.stop_token, self.async_scheduling and policy in OUTPUT
+                    self._register_upto(req, e.end // bsz)
+        stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
         for rid in expected:
             req = requests[rid]
             token = tokens[rid]
@@ -921,14 +989,17 @@ class FastModel:
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output
-                self._register(req, entries[rid].end // self.bsz)
+                self._register_upto(req, entries[rid].end // self.bsz)
             reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
             if token == stop:
                 reason = "stop"
             if reason:
                 self._free_table(req)
                 self.expected.append(("finish", rid, reason))
-                (self.running if running else self.waiting).remove(rid)
+                if running:
+                    self.running.remove(rid)
+                else:
+                    del self.waiting[rid]
                 req.status = FINISHED
                 for later in steps[1:]:  # their output for it is stale: discarded
                     later.live.discard(rid)
@@ -947,7 +1018,10 @@ class FastModel:
         if (steps and steps[-1].phase == BUILDING) or req.status == FINISHED:
             raise Illegal()
         self._leave(req)
-        (self.running if req.status == RUNNING else self.waiting).remove(rid)
+        if req.status == RUNNING:
+            self.running.remove(rid)
+        else:
+            del self.waiting[rid]
         req.status = FINISHED
         self.expected.append(("finish", rid, "abort"))
 
@@ -1004,7 +1078,7 @@ class FastModel:
         reads of blocks the decision wrote or withdrew a write from (older steps' eventual
         contents do not see the building step's writes), and every pending read of a block an
         execution rewrote."""
-        bsz, holds, eventual = self.bsz, self._holds, self._eventual
+        bsz = self.bsz
         new = self.new_entry
         if new is not None:
             step, rid = new
@@ -1015,7 +1089,7 @@ class FastModel:
                 for i in range(req.verified, e.start // bsz):
                     block = blocks[i]
                     want = self._chain(req, i) if i < known else self._prefix(req, (i + 1) * bsz)
-                    if not holds(eventual(block, step.id), want):
+                    if not self._holds(self._eventual(block, step.id), want):
                         return False
                     if contiguous and not pending[block]:
                         req.verified = i + 1
@@ -1038,22 +1112,22 @@ class FastModel:
     def _stale_readers_hold(self, blocks: set[int], steps: list[Stp]) -> bool:
         """Stale output still delivered: the reads of ``blocks`` by live entries of requests
         preempted since (they hold no blocks now, so ``holders`` does not find them)."""
-        bsz, holds, eventual, requests = self.bsz, self._holds, self._eventual, self.requests
+        bsz, requests = self.bsz, self.requests
         for st in steps:
             for rid, e in st.entries.items():
                 req = requests[rid]
                 if rid not in st.live or e.load or req.status == RUNNING:
                     continue
                 for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
-                    if block in blocks and not holds(
-                        eventual(block, st.id), self._prefix(req, min(e.start, (i + 1) * bsz))
+                    if block in blocks and not self._holds(
+                        self._eventual(block, st.id), self._prefix(req, min(e.start, (i + 1) * bsz))
                     ):
                         return False
         return True
 
     def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
-        bsz, holds, eventual = self.bsz, self._holds, self._eventual
+        bsz = self.bsz
         requests, holders = self.requests, self.holders
         for block in blocks:
             for rid, i in holders[block].items():
@@ -1066,8 +1140,8 @@ class FastModel:
                         and i * bsz < e.start
                         and not e.load
                         and rid in st.live
-                        and not holds(
-                            eventual(block, st.id),
+                        and not self._holds(
+                            self._eventual(block, st.id),
                             self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
                         )
                     ):
@@ -1076,7 +1150,7 @@ class FastModel:
 
     def _publications_hold(self) -> bool:
         """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
-        key, holds, eventual = self.key, self._holds, self._eventual
+        key = self.key
         excused: set[int] | None = None
         for blocks in (self.published, self.changed):
             for block in blocks:
@@ -1085,7 +1159,7 @@ class FastModel:
                     continue
                 if excused is None:
                     excused = self._excused()
-                if block not in excused and not holds(eventual(block), k):
+                if block not in excused and not self._holds(self._eventual(block), k):
                     return False
         return True
 
@@ -1155,7 +1229,7 @@ class FastModel:
             free=list(self.free),
             index={key(k): list(v) for k, v in self.index.items()},
             requests=requests,
-            waiting=list(self.waiting),
+            waiting=list(self.waiting),  # its keys, in order
             running=list(self.running),
             steps=steps,
             next_step=self.next_step,

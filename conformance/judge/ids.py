@@ -4,10 +4,18 @@ model, so all judges reject the same events with the same message."""
 
 from __future__ import annotations
 
+from typing import Final
+
 from kvspec.conformance.judge.findings import UnknownId
-from kvspec.spec.events import REQUEST_AT, STEP_AT, Event
+from kvspec.spec.events import REQUEST_AT as _REQUEST_AT
+from kvspec.spec.events import STEP_AT as _STEP_AT
+from kvspec.spec.events import Event
 
 __all__ = ["IdSet", "UnknownId", "check_ids"]
+
+REQUEST_AT: Final = _REQUEST_AT
+STEP_AT: Final = _STEP_AT
+"""``spec.events``' tables, Final here (compiled: read from a C static, not looked up)."""
 
 
 class IdSet:
