@@ -14,8 +14,9 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
 * multi-module MTP's prefill lookahead (``num_prefill_lookahead``, set after construction as
   vLLM's tests do): its shortened chunks; refused where it makes vLLM pass over a waiting
   request;
-* structured output whose grammar is ready (a stand-in grammar and manager); refused while the
-  grammar compiles and the request is passed over;
+* structured output whose grammar is ready (a stand-in grammar and manager), one passed over
+  while its grammar compiles (kept from the spec until compiled), one whose grammar fails;
+  refused where the grammar is compiled while requests that arrived after it wait behind it;
 * multimodal inputs (an image's part in the hashes, its encoder scheduled); refused where the
   encoder's budget makes vLLM pass over a waiting request, and where one prompt carries two
   different images (its hashes are not a function of the tokens)."""
@@ -280,12 +281,36 @@ def test_structured_output_with_its_grammar_ready_holds():
     drain(scheduler)
 
 
-def test_structured_output_waiting_for_its_grammar_is_refused():
+def test_structured_output_passed_over_while_its_grammar_compiles_holds():
     scheduler = structured_scheduler()
-    scheduler.add_request(structured_request("s", [1, 2, 3], 0.0, grammar=None))
-    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=1.0))
+    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=0.0))
+    s = structured_request("s", [1, 2, 3], 1.0, grammar=None)
+    scheduler.add_request(s)
     output = step(scheduler)  # s passed over while its grammar compiles
     assert list(output.num_scheduled_tokens) == ["a"]
+    s.structured_output_request.grammar = object()  # compiled: nothing waits behind s
+    drain(scheduler)
+
+
+def test_structured_output_whose_grammar_fails_holds():
+    scheduler = structured_scheduler()
+    s = structured_request("s", [1, 2, 3], 0.0, grammar=RuntimeError("no grammar"))
+    scheduler.add_request(s)
+    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=1.0))
+    drain(scheduler)  # s finishes in error without ever being scheduled
+    assert s.status == RequestStatus.FINISHED_ERROR
+
+
+def test_structured_output_ready_ahead_of_a_later_arrival_is_refused():
+    scheduler = structured_scheduler()
+    s = structured_request("s", [1, 2, 3, 4], 0.0, grammar=None)
+    scheduler.add_request(s)
+    scheduler.add_request(make_request("a", [5, 6, 7, 8], priority=0, arrival=1.0))
+    scheduler.add_request(make_request("b", [9, 9, 9], priority=0, arrival=2.0))
+    s.structured_output_request.grammar = object()  # compiled while a and b wait behind s
+    output = step(scheduler)
+    assert list(output.num_scheduled_tokens) == ["s", "a"]  # vLLM: s first, at its place
+    drain(scheduler)
 
 
 # -- multimodal inputs ------------------------------------------------------------------------

@@ -85,6 +85,7 @@ from kvspec.spec import Config
 from .features import (
     AsyncScheduler,
     Feature,
+    grammar_ready,
     lora_skips,
     passed_over,
     pending_features,
@@ -230,6 +231,7 @@ class Attachment:
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
         self._latest: dict[int, float] = {}  # priority -> latest arrival time released
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
+        self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
         self._next_id = 0  # the event stream's next request id
         self.loads = AsyncLoads()
@@ -324,6 +326,8 @@ class Attachment:
         self.depth, self.entry = 1, name
         if name != "add_request" and self._held:
             self._release()
+        if self._grammars:
+            self._release_grammars()
         if self.refusal is not None:
             return
         why = self.wrappers.tampered()
@@ -334,7 +338,10 @@ class Attachment:
         if self.fingerprint() != self._fingerprint:
             return self.refuse("state edited between calls", f"before {name}()")
         for feature in scheduler_features(self.scheduler) + pending_features(
-            self.scheduler, scheduling=name == "schedule", loaders=self.loads.waiting
+            self.scheduler,
+            scheduling=name == "schedule",
+            loaders=self.loads.waiting,
+            held=self._grammars,
         ):
             return self.refuse(*feature)
         now = config_of(self.scheduler)
@@ -444,6 +451,14 @@ class Attachment:
         max_tokens = min(request.max_tokens, room)
         prompt = tuple(request.prompt_token_ids)
         event: Event = ("arrive", None, prompt, max_tokens, request.priority)
+        if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and not (
+            grammar_ready(request)
+        ):
+            self._grammars[request.request_id] = (request, event)
+            return
+        self._queue(request, event)
+
+    def _queue(self, request: Request, event: Event) -> None:
         if self.config.preemption != "priority":
             return self._arrived(request, event)
         t, priority = request.arrival_time, request.priority
@@ -478,6 +493,33 @@ class Attachment:
             latest = self._latest.get(request.priority)
             self._latest[request.priority] = t if latest is None else max(latest, t)
             self._arrived(request, event)
+
+    def _release_grammars(self) -> None:
+        """A request waiting for its grammar is kept from the spec until the grammar is
+        compiled: until then vLLM passes it over (``skip_request``) as if it were not there (it
+        holds no block, counts toward no limit). Each pass puts the requests it passed over
+        back at the head of ``waiting`` in their order, so under fcfs vLLM's queue then agrees
+        with the spec's only where every request behind it is still kept from the spec too;
+        under the priority policy it is ranked by ``arrival_time`` like any arrival (``_queue``
+        refuses one not after a released one of its priority). A request that leaves before
+        (a grammar that failed finishes in error) never arrives."""
+        requests = self.scheduler.requests
+        for req_id, (request, event) in list(self._grammars.items()):
+            if requests.get(req_id) is not request or request.is_finished():
+                del self._grammars[req_id]
+                continue
+            blocked = request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            if blocked and not grammar_ready(request):
+                continue
+            del self._grammars[req_id]
+            if self.config.preemption != "priority":
+                queue = list(self.scheduler.waiting)
+                behind = queue[queue.index(request) + 1 :] if request in queue else [None]
+                known = [r for r in behind if r is None or r.request_id not in self._grammars]
+                if known:
+                    who = known[0].request_id if known[0] is not None else "off the queue"
+                    self.refuse("blocked waiting request", f"{req_id}'s grammar ready before {who}")
+            self._queue(request, event)
 
     def _schedule(self, original: Method) -> Method:
         def schedule(*args: Any, **kw: Any) -> Any:
@@ -617,7 +659,10 @@ class Attachment:
     def _finish_requests(self, original: Method) -> Method:
         def finish_requests(request_ids: Any, finished_status: Any) -> Any:
             if self.depth:  # inside update_from_output: vLLM's own error path
-                self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
+                ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+                if request_ids is None or any(r not in self._grammars for r in ids):
+                    self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
+                # a failed grammar's request, kept from the spec: it leaves unseen
                 return original(request_ids, finished_status)
 
             def body() -> Any:
@@ -740,6 +785,8 @@ class Attachment:
 
     def _free_request(self, original: Method) -> Method:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
+            if self._grammars.pop(request.request_id, None) is not None:
+                return original(request, *args, **kw)  # it never arrived to the spec
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
             aborted = request.request_id in self._aborting

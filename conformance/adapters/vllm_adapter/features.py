@@ -297,7 +297,9 @@ def grammar_ready(request: Any) -> bool:
     return grammar is not None and not isinstance(grammar, Exception)
 
 
-def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
+def pending_features(
+    sched: Any, scheduling: bool, loaders: Collection[str] = (), held: Collection[str] = ()
+) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts on a request beyond the scheduler's ``num_spec_tokens`` (any, without
     speculative decoding; the kinds of speculation the spec does not model are
@@ -307,11 +309,13 @@ def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()
     running requests and resumable requests drop it; the spec has one mode per configuration).
     ``scheduling``: the entry point is ``schedule()``. ``loaders``: requests the attachment
     follows through an asynchronous KV load (``WAITING_FOR_REMOTE_KVS``, then waiting with
-    their loaded blocks until scheduled), which the spec models."""
+    their loaded blocks until scheduled), which the spec models. ``held``: requests waiting
+    for their grammar that the attachment keeps from the spec until it is compiled (vLLM
+    passes them over as if they were not there)."""
     found: list[Feature] = []
     for request in sched.requests.values():
         blocked = request.status in BLOCKED and not grammar_ready(request)
-        if blocked and request.request_id not in loaders:
+        if blocked and request.request_id not in loaders and request.request_id not in held:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
         if drafts > getattr(sched, "num_spec_tokens", 0):  # the rest: scheduler_features
