@@ -272,10 +272,15 @@ def passed_over(sched: Any, request: Any, modelled: Collection[str]) -> list[Fea
     does not model (encoder budget or cache, a chunk aligned or shortened to nothing, ...): the
     spec admits in queue order. Not refused: output of a step in flight still to be delivered
     (the spec's ``admissible``) and the asynchronous loads the attachment follows
-    (``modelled``). A request passed over in an earlier step and behind this one is refused
-    too (conservative)."""
+    (``modelled``). ``deferred_waiting`` also keeps requests passed over in an earlier step
+    and not admitted since; one of those still queued now was not passed over in this pass:
+    vLLM takes its queues from the head (the KV-holding one first) and pops each request it
+    passes over, so a request still in them is behind this one, in the order it had (a pass
+    puts the requests it passed over back at the head, in their order)."""
+    queued = {id(r) for r in sched.waiting}
+    queued |= {id(r) for r in getattr(sched, "kv_holding_waiting", ())}
     for other in getattr(sched, "deferred_waiting", ()):
-        if other is request or other.request_id in modelled:
+        if other is request or other.request_id in modelled or id(other) in queued:
             continue
         if other.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             continue  # blocked ones are refused on their own (pending_features)
