@@ -17,6 +17,9 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
 * structured output whose grammar is ready (a stand-in grammar and manager), one passed over
   while its grammar compiles (kept from the spec until compiled), one whose grammar fails;
   refused where the grammar is compiled while requests that arrived after it wait behind it;
+* a preemption by the test itself, between a ``schedule()`` and its output (the tail of
+  ``running`` popped, then ``_preempt_request``, as ``schedule()`` does); refused where the test
+  pops another request than the one ``schedule()`` would preempt;
 * multimodal inputs (an image's part in the hashes, its encoder scheduled); refused where the
   encoder's budget makes vLLM pass over a waiting request, and where one prompt carries two
   different images (its hashes are not a function of the tokens)."""
@@ -311,6 +314,32 @@ def test_structured_output_ready_ahead_of_a_later_arrival_is_refused():
     output = step(scheduler)
     assert list(output.num_scheduled_tokens) == ["s", "a"]  # vLLM: s first, at its place
     drain(scheduler)
+
+
+# -- a preemption by the test ------------------------------------------------------------------
+
+
+def preempted_by_the_test(victim):
+    scheduler = make_scheduler(policy="fcfs", num_blocks=16)
+    for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        scheduler.add_request(make_request(name, prompt, priority=0, arrival=0.0, max_tokens=4))
+    step(scheduler)
+    output = scheduler.schedule()  # in flight while the test preempts
+    request = scheduler.requests[victim]
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, 0.0)
+    assert request.status == RequestStatus.PREEMPTED
+    scheduler.update_from_output(output, runner_output(scheduler, output))
+    assert request.num_stale_output_tokens == 0  # its output delivered to it, waiting
+    drain(scheduler)
+
+
+def test_a_preemption_by_the_test_holds():
+    preempted_by_the_test("b")
+
+
+def test_a_preemption_by_the_test_of_another_than_the_tail_is_refused():
+    preempted_by_the_test("a")
 
 
 # -- multimodal inputs ------------------------------------------------------------------------

@@ -233,6 +233,7 @@ class Attachment:
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
         self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
+        self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
@@ -751,19 +752,79 @@ class Attachment:
 
     def _preempt_request(self, original: Method) -> Method:
         def preempt(request: Request, *args: Any, **kw: Any) -> None:
+            if self.depth == 0:  # the test's own preemption: a step of its own, or refused
+                self._safe(self._lone_preemption, request)
+                try:
+                    return self._record_preempt(original, request, *args, **kw)
+                except BaseException as err:
+                    self.refuse("vLLM raised", f"{type(err).__name__} in _preempt_request()")
+                    raise
+                finally:
+                    self._safe(self._close_lone_preemption)
             if self.entry != "schedule" and self._reset_at is None:
-                self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
-            if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
-                self.refuse(
-                    "KV connector: preemption beside an asynchronous load",
-                    ", ".join(sorted(self.loads.alive)),
-                )
-            rid = self.ids.get(request.request_id)
-            self.events.append(("preempt", rid))
-            self.on_preempt(request.request_id)
-            original(request, *args, **kw)
+                self.refuse("preemption outside schedule()", f"in {self.entry}")
+            return self._record_preempt(original, request, *args, **kw)
 
         return preempt
+
+    def _record_preempt(self, original: Method, request: Request, *args: Any, **kw: Any) -> None:
+        if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
+            self.refuse(
+                "KV connector: preemption beside an asynchronous load",
+                ", ".join(sorted(self.loads.alive)),
+            )
+        rid = self.ids.get(request.request_id)
+        self.events.append(("preempt", rid))
+        self.on_preempt(request.request_id)
+        original(request, *args, **kw)
+
+    def _lone_preemption(self, request: Request) -> None:
+        """The caller preempts a request itself, outside ``schedule()`` (vLLM's tests do, between
+        a ``schedule()`` and its output: popping it from ``running``, then ``_preempt_request``,
+        as ``schedule()`` does). To the spec that is a step of its own (``begin``, the
+        ``preempt``, ``submit``; its empty batch executes and commits when the steps before it
+        have, ``_commit``), which matches vLLM where the request popped is the one ``schedule()``
+        would preempt: under fcfs the tail of ``running``, under the priority policy its
+        largest (priority, arrival). Refused otherwise, where anything else changed since the
+        last entry point, and where its free would be deferred (``defer_block_free`` with a
+        step in flight: vLLM's ``schedule()`` never preempts such a request)."""
+        self.depth, self.entry = 1, "_preempt_request"
+        if self._held:
+            self._release()
+        if self.refusal is not None:
+            return
+        sched, rid = self.scheduler, request.request_id
+        before, now = self._fingerprint, self.fingerprint()
+        running = tuple(r.request_id for r in sched.running)
+        was = before[1]
+        if now[:1] + now[2:] != before[:1] + before[2:] or was[:-1] != running:
+            if rid in was and tuple(r for r in was if r != rid) == running:
+                return self.refuse("preemption outside schedule()", f"{rid}: not the tail")
+            return self.refuse("state edited between calls", "before _preempt_request()")
+        if not was or was[-1] != rid:
+            return self.refuse("preemption outside schedule()", f"{rid} was not running")
+        if self.config.preemption == "priority":
+            ranks = [(r.priority, self.ids.get(r.request_id, -1)) for r in sched.running]
+            mine = (request.priority, self.ids.get(rid, -1))
+            if any(rank > mine for rank in ranks):
+                return self.refuse("preemption outside schedule()", f"{rid}: not the largest")
+        if self.config.defer_free and self.in_flight:
+            return self.refuse("preemption outside schedule()", f"{rid}'s free deferred")
+        for feature in scheduler_features(sched) + pending_features(
+            sched, scheduling=False, loaders=self.loads.waiting, held=self._grammars
+        ):
+            return self.refuse(*feature)
+        step = self.next_step
+        self.next_step += 1
+        self._lone_at = step
+        self.events.append(("begin", step))
+
+    def _close_lone_preemption(self) -> None:
+        step, self._lone_at = self._lone_at, None
+        if step is not None:
+            self.events.append(("submit", step))
+            self.in_flight.append(InFlight(step, _EMPTY, {}))
+        self._exit()
 
     def _prefill_lookahead(self, original: Method) -> Method:
         """Multi-module MTP's prefill lookahead shortens a prefill chunk so that it ends at
@@ -1045,6 +1106,16 @@ class Attachment:
             if self._hashes.setdefault(hashes[i], link) != link:
                 self.refuse("block hash collision", f"{request.request_id}'s block {i}")
         self._checked[request.request_id] = max(start, min(upto, len(hashes)))
+
+
+@dataclass(frozen=True)
+class _Empty:
+    """The output of a step the attachment made for the caller's own preemption: no tokens."""
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+
+
+_EMPTY = _Empty()
 
 
 def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = STOP) -> Config:
