@@ -13,7 +13,8 @@ vLLM method                         events
                                     then the effects recorded inside it
 ``BlockPool.get_new_blocks``        ``evict`` (from ``_maybe_evict_cached_block``), ``alloc``
 ``BlockPool._insert_block_hash``    ``publish``
-``Scheduler._preempt_request``      ``preempt``
+``Scheduler._preempt_request``      ``preempt`` (called by the caller itself: ``begin``,
+                                    ``preempt``, ``submit`` of a step of its own)
 ``BlockPool.free_blocks``           ``free``, one per block, in the order vLLM frees them
 ``Scheduler._free_request``         ``finish`` (and ``abort`` first, under ``finish_requests``)
 ``KVCacheManager.pop_blocks_for_free``  nothing: ``defer_block_free`` holds the blocks; their
@@ -53,7 +54,9 @@ hit when it cuts the hit short (``_bounded_hit``, at the admission's ``allocate_
 **Arrivals, resets.** Under the priority policy vLLM ranks by ``arrival_time``: with
 ``hold_arrivals`` (the pytest plugin) the requests added since the last other entry point arrive
 to the spec sorted by it when that entry point begins. ``reset_prefix_cache`` preempting running
-requests is a step of its own to the spec (``_reset_step``).
+requests is a step of its own to the spec (``_reset_step``), and so is a preemption the caller
+makes itself between a ``schedule()`` and its output (``_lone_preemption``). A request waiting
+for its grammar arrives to the spec only once the grammar is compiled (``_release_grammars``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
