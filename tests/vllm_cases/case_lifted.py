@@ -17,6 +17,7 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
 * structured output whose grammar is ready (a stand-in grammar and manager), one passed over
   while its grammar compiles (kept from the spec until compiled), one whose grammar fails;
   refused where the grammar is compiled while requests that arrived after it wait behind it;
+  a request passed over in an earlier pass, still queued behind one admitted later;
 * a preemption by the test itself, between a ``schedule()`` and its output (the tail of
   ``running`` popped, then ``_preempt_request``, as ``schedule()`` does); refused where the test
   pops another request than the one ``schedule()`` would preempt;
@@ -314,6 +315,27 @@ def test_structured_output_ready_ahead_of_a_later_arrival_is_refused():
     output = step(scheduler)
     assert list(output.num_scheduled_tokens) == ["s", "a"]  # vLLM: s first, at its place
     drain(scheduler)
+
+
+def test_a_request_passed_over_earlier_and_queued_behind_holds():
+    """s's grammar is ready but its admission finds no room (vLLM keeps it in
+    ``deferred_waiting``, at the head of ``waiting``); b, preempted later, is put ahead of it and
+    admitted while s is still there, behind b: not passed over in that pass."""
+    scheduler = make_scheduler(policy="fcfs", num_blocks=6)
+    scheduler.structured_output_manager = Mock()
+    scheduler.structured_output_manager.accept_tokens.return_value = True
+    for name, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7])):
+        scheduler.add_request(make_request(name, prompt, priority=0, arrival=0.0, max_tokens=4))
+    s = structured_request("s", [9, 9, 9, 9, 9], 1.0, grammar=object())
+    scheduler.add_request(s)
+    preempted = []
+    for _ in range(40):
+        if not scheduler.has_requests():
+            break
+        output = step(scheduler)
+        if output.preempted_req_ids:
+            preempted.append(s in scheduler.deferred_waiting)
+    assert preempted == [True]  # b preempted while s waits in deferred_waiting
 
 
 # -- a preemption by the test ------------------------------------------------------------------
