@@ -100,6 +100,7 @@ LIFTED = {  # case_lifted.py: test -> (outcome, its finding's start or its one f
     ),
     "test_a_request_passed_over_earlier_and_queued_behind_holds": ("judged", ""),
     "test_a_preemption_by_the_test_holds": ("judged", ""),
+    "test_a_preemption_by_the_test_under_async_scheduling_holds": ("judged", ""),
     "test_a_preemption_by_the_test_of_another_than_the_tail_is_refused": (
         "run",
         "preemption outside schedule()",
@@ -133,7 +134,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "12 failed" in out and "43 passed" in out, out[-3000:]
+    assert "12 failed" in out and "44 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -231,7 +232,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         elif outcome == "run":
             assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "12  violations" in summary and "26  judged and holding" in summary, summary
+    assert "12  violations" in summary and "27  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -243,7 +244,7 @@ def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "55 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "56 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

@@ -19,7 +19,8 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
   refused where the grammar is compiled while requests that arrived after it wait behind it;
   a request passed over in an earlier pass, still queued behind one admitted later;
 * a preemption by the test itself, between a ``schedule()`` and its output (the tail of
-  ``running`` popped, then ``_preempt_request``, as ``schedule()`` does); refused where the test
+  ``running`` popped, then ``_preempt_request``, as ``schedule()`` does; also with two decodes
+  of an ``AsyncScheduler`` in flight); refused where the test
   pops another request than the one ``schedule()`` would preempt;
 * multimodal inputs (an image's part in the hashes, its encoder scheduled); refused where the
   encoder's budget makes vLLM pass over a waiting request, and where one prompt carries two
@@ -27,6 +28,7 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
 
 from unittest.mock import Mock
 
+import case_async
 import case_seed
 import pytest
 from case_seed import BLOCK, make_request, make_scheduler, runner_output, step
@@ -362,6 +364,26 @@ def test_a_preemption_by_the_test_holds():
 
 def test_a_preemption_by_the_test_of_another_than_the_tail_is_refused():
     preempted_by_the_test("a")
+
+
+def test_a_preemption_by_the_test_under_async_scheduling_holds():
+    """Two decodes of an ``AsyncScheduler`` in flight while the test preempts the tail."""
+    scheduler = case_async.make_scheduler("fcfs", block=4, num_blocks=32, budget=64)
+    for name, prompt in (("a", list(range(1, 10))), ("b", list(range(20, 27)))):
+        scheduler.add_request(case_async.make_request(name, prompt, 4, max_tokens=6))
+    core = case_async.EngineCore(scheduler)
+    core.schedule()
+    core.process_oldest()
+    core.schedule()
+    core.schedule()
+    request = scheduler.requests["b"]
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, 0.0)
+    for _ in range(60):
+        if not scheduler.has_requests() and not core.queue:
+            break
+        core.step()
+    assert request.is_finished()
 
 
 # -- multimodal inputs ------------------------------------------------------------------------
