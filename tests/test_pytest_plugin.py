@@ -92,9 +92,18 @@ LIFTED = {  # case_lifted.py: test -> (outcome, its finding's start or its one f
     "test_prefill_lookahead_chunks_hold": ("judged", ""),
     "test_prefill_lookahead_passing_over_a_request_is_refused": ("run", "prefill lookahead (MTP)"),
     "test_structured_output_with_its_grammar_ready_holds": ("judged", ""),
-    "test_structured_output_waiting_for_its_grammar_is_refused": (
+    "test_structured_output_passed_over_while_its_grammar_compiles_holds": ("judged", ""),
+    "test_structured_output_whose_grammar_fails_holds": ("judged", ""),
+    "test_structured_output_ready_ahead_of_a_later_arrival_is_refused": (
         "run",
         "blocked waiting request",
+    ),
+    "test_a_request_passed_over_earlier_and_queued_behind_holds": ("judged", ""),
+    "test_a_preemption_by_the_test_holds": ("judged", ""),
+    "test_a_preemption_by_the_test_under_async_scheduling_holds": ("judged", ""),
+    "test_a_preemption_by_the_test_of_another_than_the_tail_is_refused": (
+        "run",
+        "preemption outside schedule()",
     ),
     "test_images_hold": ("judged", ""),
     "test_a_request_passed_over_for_its_image_is_refused": ("run", "a waiting request passed over"),
@@ -125,7 +134,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "12 failed" in out and "38 passed" in out, out[-3000:]
+    assert "12 failed" in out and "44 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -223,7 +232,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         elif outcome == "run":
             assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "12  violations" in summary and "22  judged and holding" in summary, summary
+    assert "12  violations" in summary and "27  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -235,7 +244,7 @@ def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "50 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "56 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

@@ -14,14 +14,21 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
 * multi-module MTP's prefill lookahead (``num_prefill_lookahead``, set after construction as
   vLLM's tests do): its shortened chunks; refused where it makes vLLM pass over a waiting
   request;
-* structured output whose grammar is ready (a stand-in grammar and manager); refused while the
-  grammar compiles and the request is passed over;
+* structured output whose grammar is ready (a stand-in grammar and manager), one passed over
+  while its grammar compiles (kept from the spec until compiled), one whose grammar fails;
+  refused where the grammar is compiled while requests that arrived after it wait behind it;
+  a request passed over in an earlier pass, still queued behind one admitted later;
+* a preemption by the test itself, between a ``schedule()`` and its output (the tail of
+  ``running`` popped, then ``_preempt_request``, as ``schedule()`` does; also with two decodes
+  of an ``AsyncScheduler`` in flight); refused where the test
+  pops another request than the one ``schedule()`` would preempt;
 * multimodal inputs (an image's part in the hashes, its encoder scheduled); refused where the
   encoder's budget makes vLLM pass over a waiting request, and where one prompt carries two
   different images (its hashes are not a function of the tokens)."""
 
 from unittest.mock import Mock
 
+import case_async
 import case_seed
 import pytest
 from case_seed import BLOCK, make_request, make_scheduler, runner_output, step
@@ -280,12 +287,103 @@ def test_structured_output_with_its_grammar_ready_holds():
     drain(scheduler)
 
 
-def test_structured_output_waiting_for_its_grammar_is_refused():
+def test_structured_output_passed_over_while_its_grammar_compiles_holds():
     scheduler = structured_scheduler()
-    scheduler.add_request(structured_request("s", [1, 2, 3], 0.0, grammar=None))
-    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=1.0))
+    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=0.0))
+    s = structured_request("s", [1, 2, 3], 1.0, grammar=None)
+    scheduler.add_request(s)
     output = step(scheduler)  # s passed over while its grammar compiles
     assert list(output.num_scheduled_tokens) == ["a"]
+    s.structured_output_request.grammar = object()  # compiled: nothing waits behind s
+    drain(scheduler)
+
+
+def test_structured_output_whose_grammar_fails_holds():
+    scheduler = structured_scheduler()
+    s = structured_request("s", [1, 2, 3], 0.0, grammar=RuntimeError("no grammar"))
+    scheduler.add_request(s)
+    scheduler.add_request(make_request("a", [4, 5, 6], priority=0, arrival=1.0))
+    drain(scheduler)  # s finishes in error without ever being scheduled
+    assert s.status == RequestStatus.FINISHED_ERROR
+
+
+def test_structured_output_ready_ahead_of_a_later_arrival_is_refused():
+    scheduler = structured_scheduler()
+    s = structured_request("s", [1, 2, 3, 4], 0.0, grammar=None)
+    scheduler.add_request(s)
+    scheduler.add_request(make_request("a", [5, 6, 7, 8], priority=0, arrival=1.0))
+    scheduler.add_request(make_request("b", [9, 9, 9], priority=0, arrival=2.0))
+    s.structured_output_request.grammar = object()  # compiled while a and b wait behind s
+    output = step(scheduler)
+    assert list(output.num_scheduled_tokens) == ["s", "a"]  # vLLM: s first, at its place
+    drain(scheduler)
+
+
+def test_a_request_passed_over_earlier_and_queued_behind_holds():
+    """s's grammar is ready but its admission finds no room (vLLM keeps it in
+    ``deferred_waiting``, at the head of ``waiting``); b, preempted later, is put ahead of it and
+    admitted while s is still there, behind b: not passed over in that pass."""
+    scheduler = make_scheduler(policy="fcfs", num_blocks=6)
+    scheduler.structured_output_manager = Mock()
+    scheduler.structured_output_manager.accept_tokens.return_value = True
+    for name, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7])):
+        scheduler.add_request(make_request(name, prompt, priority=0, arrival=0.0, max_tokens=4))
+    s = structured_request("s", [9, 9, 9, 9, 9], 1.0, grammar=object())
+    scheduler.add_request(s)
+    preempted = []
+    for _ in range(40):
+        if not scheduler.has_requests():
+            break
+        output = step(scheduler)
+        if output.preempted_req_ids:
+            preempted.append(s in scheduler.deferred_waiting)
+    assert preempted == [True]  # b preempted while s waits in deferred_waiting
+
+
+# -- a preemption by the test ------------------------------------------------------------------
+
+
+def preempted_by_the_test(victim):
+    scheduler = make_scheduler(policy="fcfs", num_blocks=16)
+    for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        scheduler.add_request(make_request(name, prompt, priority=0, arrival=0.0, max_tokens=4))
+    step(scheduler)
+    output = scheduler.schedule()  # in flight while the test preempts
+    request = scheduler.requests[victim]
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, 0.0)
+    assert request.status == RequestStatus.PREEMPTED
+    scheduler.update_from_output(output, runner_output(scheduler, output))
+    assert request.num_stale_output_tokens == 0  # its output delivered to it, waiting
+    drain(scheduler)
+
+
+def test_a_preemption_by_the_test_holds():
+    preempted_by_the_test("b")
+
+
+def test_a_preemption_by_the_test_of_another_than_the_tail_is_refused():
+    preempted_by_the_test("a")
+
+
+def test_a_preemption_by_the_test_under_async_scheduling_holds():
+    """Two decodes of an ``AsyncScheduler`` in flight while the test preempts the tail."""
+    scheduler = case_async.make_scheduler("fcfs", block=4, num_blocks=32, budget=64)
+    for name, prompt in (("a", list(range(1, 10))), ("b", list(range(20, 27)))):
+        scheduler.add_request(case_async.make_request(name, prompt, 4, max_tokens=6))
+    core = case_async.EngineCore(scheduler)
+    core.schedule()
+    core.process_oldest()
+    core.schedule()
+    core.schedule()
+    request = scheduler.requests["b"]
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, 0.0)
+    for _ in range(60):
+        if not scheduler.has_requests() and not core.queue:
+            break
+        core.step()
+    assert request.is_finished()
 
 
 # -- multimodal inputs ------------------------------------------------------------------------

@@ -13,7 +13,8 @@ vLLM method                         events
                                     then the effects recorded inside it
 ``BlockPool.get_new_blocks``        ``evict`` (from ``_maybe_evict_cached_block``), ``alloc``
 ``BlockPool._insert_block_hash``    ``publish``
-``Scheduler._preempt_request``      ``preempt``
+``Scheduler._preempt_request``      ``preempt`` (called by the caller itself: ``begin``,
+                                    ``preempt``, ``submit`` of a step of its own)
 ``BlockPool.free_blocks``           ``free``, one per block, in the order vLLM frees them
 ``Scheduler._free_request``         ``finish`` (and ``abort`` first, under ``finish_requests``)
 ``KVCacheManager.pop_blocks_for_free``  nothing: ``defer_block_free`` holds the blocks; their
@@ -53,7 +54,9 @@ hit when it cuts the hit short (``_bounded_hit``, at the admission's ``allocate_
 **Arrivals, resets.** Under the priority policy vLLM ranks by ``arrival_time``: with
 ``hold_arrivals`` (the pytest plugin) the requests added since the last other entry point arrive
 to the spec sorted by it when that entry point begins. ``reset_prefix_cache`` preempting running
-requests is a step of its own to the spec (``_reset_step``).
+requests is a step of its own to the spec (``_reset_step``), and so is a preemption the caller
+makes itself between a ``schedule()`` and its output (``_lone_preemption``). A request waiting
+for its grammar arrives to the spec only once the grammar is compiled (``_release_grammars``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
@@ -85,6 +88,7 @@ from kvspec.spec import Config
 from .features import (
     AsyncScheduler,
     Feature,
+    grammar_ready,
     lora_skips,
     passed_over,
     pending_features,
@@ -230,7 +234,9 @@ class Attachment:
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
         self._latest: dict[int, float] = {}  # priority -> latest arrival time released
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
+        self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
+        self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
@@ -324,6 +330,8 @@ class Attachment:
         self.depth, self.entry = 1, name
         if name != "add_request" and self._held:
             self._release()
+        if self._grammars:
+            self._release_grammars()
         if self.refusal is not None:
             return
         why = self.wrappers.tampered()
@@ -334,7 +342,10 @@ class Attachment:
         if self.fingerprint() != self._fingerprint:
             return self.refuse("state edited between calls", f"before {name}()")
         for feature in scheduler_features(self.scheduler) + pending_features(
-            self.scheduler, scheduling=name == "schedule", loaders=self.loads.waiting
+            self.scheduler,
+            scheduling=name == "schedule",
+            loaders=self.loads.waiting,
+            held=self._grammars,
         ):
             return self.refuse(*feature)
         now = config_of(self.scheduler)
@@ -444,6 +455,14 @@ class Attachment:
         max_tokens = min(request.max_tokens, room)
         prompt = tuple(request.prompt_token_ids)
         event: Event = ("arrive", None, prompt, max_tokens, request.priority)
+        if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and not (
+            grammar_ready(request)
+        ):
+            self._grammars[request.request_id] = (request, event)
+            return
+        self._queue(request, event)
+
+    def _queue(self, request: Request, event: Event) -> None:
         if self.config.preemption != "priority":
             return self._arrived(request, event)
         t, priority = request.arrival_time, request.priority
@@ -478,6 +497,33 @@ class Attachment:
             latest = self._latest.get(request.priority)
             self._latest[request.priority] = t if latest is None else max(latest, t)
             self._arrived(request, event)
+
+    def _release_grammars(self) -> None:
+        """A request waiting for its grammar is kept from the spec until the grammar is
+        compiled: until then vLLM passes it over (``skip_request``) as if it were not there (it
+        holds no block, counts toward no limit). Each pass puts the requests it passed over
+        back at the head of ``waiting`` in their order, so under fcfs vLLM's queue then agrees
+        with the spec's only where every request behind it is still kept from the spec too;
+        under the priority policy it is ranked by ``arrival_time`` like any arrival (``_queue``
+        refuses one not after a released one of its priority). A request that leaves before
+        (a grammar that failed finishes in error) never arrives."""
+        requests = self.scheduler.requests
+        for req_id, (request, event) in list(self._grammars.items()):
+            if requests.get(req_id) is not request or request.is_finished():
+                del self._grammars[req_id]
+                continue
+            blocked = request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            if blocked and not grammar_ready(request):
+                continue
+            del self._grammars[req_id]
+            if self.config.preemption != "priority":
+                queue = list(self.scheduler.waiting)
+                behind = queue[queue.index(request) + 1 :] if request in queue else [None]
+                known = [r for r in behind if r is None or r.request_id not in self._grammars]
+                if known:
+                    who = known[0].request_id if known[0] is not None else "off the queue"
+                    self.refuse("blocked waiting request", f"{req_id}'s grammar ready before {who}")
+            self._queue(request, event)
 
     def _schedule(self, original: Method) -> Method:
         def schedule(*args: Any, **kw: Any) -> Any:
@@ -617,7 +663,10 @@ class Attachment:
     def _finish_requests(self, original: Method) -> Method:
         def finish_requests(request_ids: Any, finished_status: Any) -> Any:
             if self.depth:  # inside update_from_output: vLLM's own error path
-                self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
+                ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+                if request_ids is None or any(r not in self._grammars for r in ids):
+                    self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
+                # a failed grammar's request, kept from the spec: it leaves unseen
                 return original(request_ids, finished_status)
 
             def body() -> Any:
@@ -706,19 +755,79 @@ class Attachment:
 
     def _preempt_request(self, original: Method) -> Method:
         def preempt(request: Request, *args: Any, **kw: Any) -> None:
+            if self.depth == 0:  # the test's own preemption: a step of its own, or refused
+                self._safe(self._lone_preemption, request)
+                try:
+                    return self._record_preempt(original, request, *args, **kw)
+                except BaseException as err:
+                    self.refuse("vLLM raised", f"{type(err).__name__} in _preempt_request()")
+                    raise
+                finally:
+                    self._safe(self._close_lone_preemption)
             if self.entry != "schedule" and self._reset_at is None:
-                self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
-            if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
-                self.refuse(
-                    "KV connector: preemption beside an asynchronous load",
-                    ", ".join(sorted(self.loads.alive)),
-                )
-            rid = self.ids.get(request.request_id)
-            self.events.append(("preempt", rid))
-            self.on_preempt(request.request_id)
-            original(request, *args, **kw)
+                self.refuse("preemption outside schedule()", f"in {self.entry}")
+            return self._record_preempt(original, request, *args, **kw)
 
         return preempt
+
+    def _record_preempt(self, original: Method, request: Request, *args: Any, **kw: Any) -> None:
+        if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
+            self.refuse(
+                "KV connector: preemption beside an asynchronous load",
+                ", ".join(sorted(self.loads.alive)),
+            )
+        rid = self.ids.get(request.request_id)
+        self.events.append(("preempt", rid))
+        self.on_preempt(request.request_id)
+        original(request, *args, **kw)
+
+    def _lone_preemption(self, request: Request) -> None:
+        """The caller preempts a request itself, outside ``schedule()`` (vLLM's tests do, between
+        a ``schedule()`` and its output: popping it from ``running``, then ``_preempt_request``,
+        as ``schedule()`` does). To the spec that is a step of its own (``begin``, the
+        ``preempt``, ``submit``; its empty batch executes and commits when the steps before it
+        have, ``_commit``), which matches vLLM where the request popped is the one ``schedule()``
+        would preempt: under fcfs the tail of ``running``, under the priority policy its
+        largest (priority, arrival). Refused otherwise, where anything else changed since the
+        last entry point, and where its free would be deferred (``defer_block_free`` with a
+        step in flight: vLLM's ``schedule()`` never preempts such a request)."""
+        self.depth, self.entry = 1, "_preempt_request"
+        if self._held:
+            self._release()
+        if self.refusal is not None:
+            return
+        sched, rid = self.scheduler, request.request_id
+        before, now = self._fingerprint, self.fingerprint()
+        running = tuple(r.request_id for r in sched.running)
+        was = before[1]
+        if now[:1] + now[2:] != before[:1] + before[2:] or was[:-1] != running:
+            if rid in was and tuple(r for r in was if r != rid) == running:
+                return self.refuse("preemption outside schedule()", f"{rid}: not the tail")
+            return self.refuse("state edited between calls", "before _preempt_request()")
+        if not was or was[-1] != rid:
+            return self.refuse("preemption outside schedule()", f"{rid} was not running")
+        if self.config.preemption == "priority":
+            ranks = [(r.priority, self.ids.get(r.request_id, -1)) for r in sched.running]
+            mine = (request.priority, self.ids.get(rid, -1))
+            if any(rank > mine for rank in ranks):
+                return self.refuse("preemption outside schedule()", f"{rid}: not the largest")
+        if self.config.defer_free and self.in_flight:
+            return self.refuse("preemption outside schedule()", f"{rid}'s free deferred")
+        for feature in scheduler_features(sched) + pending_features(
+            sched, scheduling=False, loaders=self.loads.waiting, held=self._grammars
+        ):
+            return self.refuse(*feature)
+        step = self.next_step
+        self.next_step += 1
+        self._lone_at = step
+        self.events.append(("begin", step))
+
+    def _close_lone_preemption(self) -> None:
+        step, self._lone_at = self._lone_at, None
+        if step is not None:
+            self.events.append(("submit", step))
+            self.in_flight.append(InFlight(step, _EMPTY, {}))
+        self._exit()
 
     def _prefill_lookahead(self, original: Method) -> Method:
         """Multi-module MTP's prefill lookahead shortens a prefill chunk so that it ends at
@@ -740,6 +849,8 @@ class Attachment:
 
     def _free_request(self, original: Method) -> Method:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
+            if self._grammars.pop(request.request_id, None) is not None:
+                return original(request, *args, **kw)  # it never arrived to the spec
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
             aborted = request.request_id in self._aborting
@@ -998,6 +1109,16 @@ class Attachment:
             if self._hashes.setdefault(hashes[i], link) != link:
                 self.refuse("block hash collision", f"{request.request_id}'s block {i}")
         self._checked[request.request_id] = max(start, min(upto, len(hashes)))
+
+
+@dataclass(frozen=True)
+class _Empty:
+    """The output of a step the attachment made for the caller's own preemption: no tokens."""
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+
+
+_EMPTY = _Empty()
 
 
 def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = STOP) -> Config:

@@ -272,10 +272,15 @@ def passed_over(sched: Any, request: Any, modelled: Collection[str]) -> list[Fea
     does not model (encoder budget or cache, a chunk aligned or shortened to nothing, ...): the
     spec admits in queue order. Not refused: output of a step in flight still to be delivered
     (the spec's ``admissible``) and the asynchronous loads the attachment follows
-    (``modelled``). A request passed over in an earlier step and behind this one is refused
-    too (conservative)."""
+    (``modelled``). ``deferred_waiting`` also keeps requests passed over in an earlier step
+    and not admitted since; one of those still queued now was not passed over in this pass:
+    vLLM takes its queues from the head (the KV-holding one first) and pops each request it
+    passes over, so a request still in them is behind this one, in the order it had (a pass
+    puts the requests it passed over back at the head, in their order)."""
+    queued = {id(r) for r in sched.waiting}
+    queued |= {id(r) for r in getattr(sched, "kv_holding_waiting", ())}
     for other in getattr(sched, "deferred_waiting", ()):
-        if other is request or other.request_id in modelled:
+        if other is request or other.request_id in modelled or id(other) in queued:
             continue
         if other.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             continue  # blocked ones are refused on their own (pending_features)
@@ -297,7 +302,9 @@ def grammar_ready(request: Any) -> bool:
     return grammar is not None and not isinstance(grammar, Exception)
 
 
-def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()) -> list[Feature]:
+def pending_features(
+    sched: Any, scheduling: bool, loaders: Collection[str] = (), held: Collection[str] = ()
+) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts on a request beyond the scheduler's ``num_spec_tokens`` (any, without
     speculative decoding; the kinds of speculation the spec does not model are
@@ -307,11 +314,13 @@ def pending_features(sched: Any, scheduling: bool, loaders: Collection[str] = ()
     running requests and resumable requests drop it; the spec has one mode per configuration).
     ``scheduling``: the entry point is ``schedule()``. ``loaders``: requests the attachment
     follows through an asynchronous KV load (``WAITING_FOR_REMOTE_KVS``, then waiting with
-    their loaded blocks until scheduled), which the spec models."""
+    their loaded blocks until scheduled), which the spec models. ``held``: requests waiting
+    for their grammar that the attachment keeps from the spec until it is compiled (vLLM
+    passes them over as if they were not there)."""
     found: list[Feature] = []
     for request in sched.requests.values():
         blocked = request.status in BLOCKED and not grammar_ready(request)
-        if blocked and request.request_id not in loaders:
+        if blocked and request.request_id not in loaders and request.request_id not in held:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
         if drafts > getattr(sched, "num_spec_tokens", 0):  # the rest: scheduler_features
