@@ -121,7 +121,9 @@ def refcount_is_ownership(s: State) -> Violation | None:
             )
         owners.update(held.blocks)
     for req in s.requests.values():
-        table = [b for b in req.table if b != NULL_BLOCK]  # a window's skipped positions
+        table = req.table
+        if s.config.sliding_window is not None:  # a window's skipped positions hold nothing
+            table = [b for b in table if b != NULL_BLOCK]
         if len(set(table)) != len(table):
             twice = tuple(sorted({b for b in table if table.count(b) > 1}))
             return Violation(
@@ -150,7 +152,7 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
     bsz = s.config.block_size
     for req in s.requests.values():
         for i, block in enumerate(req.table):
-            if block == NULL_BLOCK:  # a position a sliding window skipped
+            if block == NULL_BLOCK and s.config.sliding_window is not None:  # skipped
                 continue
             if block not in seen:
                 seen[block] = (req.id, i)

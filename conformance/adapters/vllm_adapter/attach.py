@@ -57,7 +57,9 @@ requests is a step of its own to the spec (``_reset_step``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
-groups, sliding window, deferred async loads, CoW retentions, lookahead hashing, a waiting
+groups, a sliding window but one plain group (judged: ``Config.sliding_window``, read by
+``config_of``; its skipped frees inside ``allocate_slots`` are effects of the ``schedule``
+decision), deferred async loads, CoW retentions, lookahead hashing, a waiting
 request passed over, ...), or a caller does what no engine core does (edits vLLM's state between
 calls, drives the KV-cache manager directly, patches a wrapped method, samples a token
 mid-prefill), ``refusal`` is set, at attach time or at run time, with the feature's name. The
