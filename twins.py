@@ -33,13 +33,15 @@ TWINS: tuple[Twin, ...] = (
         "every policy, discipline, preemption and depth, with prefix caching on and off, "
         "with draft tokens (speculative decoding, synchronous and under async scheduling), and "
         "with deferred frees (``Config.defer_free``: its own step sequence numbers and fenced "
-        "queue)",
+        "queue), and with a sliding window (``Config.sliding_window``: its own window hit rule "
+        "and skipped-block frees on its own count of the tokens in flight)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
             "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
             "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
             "tests/test_async_spec_decode.py::test_the_reference_engine_with_drafts_under_async_conforms",
+            "tests/test_spec_window.py::test_the_reference_engine_with_a_window_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
         ),
     ),
@@ -47,9 +49,9 @@ TWINS: tuple[Twin, ...] = (
         "kvspec.conformance.judge.fastmodel",
         "the fast model: the state machine for speed, interned prefixes, prefix caching on "
         "and off (the reference traces and spec walks its tests draw include caching off); "
-        "not speculative decoding nor deferred frees (``Config.spec_tokens`` > 0 and "
-        "``Config.defer_free`` are refused by ``FastModel``, and ``kvspec check`` and "
-        "``Monitor.fast`` judge such traces by the spec throughout)",
+        "not speculative decoding, deferred frees nor a sliding window (``Config.spec_tokens`` "
+        "> 0, ``Config.defer_free`` and ``Config.sliding_window`` are refused by ``FastModel``, "
+        "and ``kvspec check`` and ``Monitor.fast`` judge such traces by the spec throughout)",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",
         (
@@ -59,19 +61,23 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_decode.py::test_the_fast_and_z3_models_refuse_drafts",
             "tests/test_spec_defer.py::test_the_fast_and_z3_models_refuse_deferred_frees",
             "tests/test_spec_defer.py::test_kvspec_check_judges_deferred_frees_by_the_spec",
+            "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
+            "tests/test_spec_window.py::test_kvspec_check_judges_a_window_by_the_spec",
         ),
     ),
     Twin(
         "kvspec.conformance.judge.incremental",
         "the incremental invariants: each evaluated only where a decision changed the state "
         "(prefix caching on and off, draft tokens, synchronous and under async scheduling, and "
-        "deferred frees: the traces and walks its tests draw include them)",
+        "deferred frees: the traces and walks its tests draw include them); not a sliding "
+        "window (``SpecModel`` judges ``Config.sliding_window`` with the full definitions)",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "
         "and the same answer on every corrupted state",
         (
             "tests/test_incremental.py::test_incremental_and_full_checks_report_the_same_first_violation",
             "tests/test_async_spec_decode.py::test_incremental_checks_agree_with_the_full_ones",
             "tests/test_incremental.py::test_corrupting_a_changed_item_is_found_as_by_the_full_check",
+            "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
         ),
     ),
     Twin(
@@ -83,7 +89,9 @@ TWINS: tuple[Twin, ...] = (
         "order would need its own free-queue terms); no draft tokens (``Config.spec_tokens`` "
         "> 0 is refused by ``Fragment``: the model's contents have no draft values and its "
         "commits one token per request); no deferred frees (``Config.defer_free`` is refused "
-        "by ``Fragment``: the model has no holder but tables)",
+        "by ``Fragment``: the model has no holder but tables); no sliding window "
+        "(``Config.sliding_window`` is refused by ``Fragment``: its tables have no null "
+        "positions and its reads no window)",
         "it admits exactly the executable spec's successor of every (state, decision) pair "
         "the walks reach, and its invariants are the spec's there",
         (
@@ -91,6 +99,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_symbolic.py::test_z3_relation_admits_exactly_the_spec_successor_under_async",
             "tests/test_symbolic.py::test_agreement_covers_invariant_violations",
             "tests/test_spec_defer.py::test_the_fast_and_z3_models_refuse_deferred_frees",
+            "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
         ),
     ),
     Twin(

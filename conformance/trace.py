@@ -61,12 +61,14 @@ MODEL_FIELDS = (
     "spec_tokens",
     "delay_load_registration",
     "defer_free",
+    "sliding_window",
 )
 WRITTEN_IF_NOT: dict[str, object] = {
     "prefix_caching": True,
     "spec_tokens": 0,
     "delay_load_registration": False,
     "defer_free": False,
+    "sliding_window": None,
 }
 """Model fields added after older kvspec versions shipped, written only when they differ from this
 default: a trace of a default configuration still reads in those versions (a reader takes a
@@ -245,6 +247,8 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
         raise bad(f'policy {model["policy"]} needs "judging": "observed" (docs/adapters.md)')
     if model.get("stop_token") is not None and not _is_int(model["stop_token"]):
         raise bad('"model.stop_token" must be an integer or null')
+    if model.get("sliding_window") is not None and not _is_int(model["sliding_window"]):
+        raise bad('"model.sliding_window" must be an integer or null')
     try:
         return Config(header["num_blocks"], header["block_size"], **model), judging
     except (ValueError, TypeError) as err:
@@ -280,6 +284,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "spec_tokens": (int,),
     "delay_load_registration": (bool,),
     "defer_free": (bool,),
+    "sliding_window": (int, type(None)),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 

@@ -93,6 +93,10 @@ class Fragment:
             (c.prefix_caching, "prefix caching off is not in the Z3 model (kvspec/twins.py)"),
             (not c.spec_tokens, "draft tokens are not in the Z3 model (kvspec/twins.py)"),
             (not c.defer_free, "deferred block freeing is not in the Z3 model (kvspec/twins.py)"),
+            (
+                c.sliding_window is None,
+                "a sliding window is not in the Z3 model (kvspec/twins.py)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

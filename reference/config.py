@@ -67,6 +67,12 @@ class EngineConfig:
     while a submitted step still computes for it gives up its table at once, and its blocks
     go back to the pool only when the newest step that computed anything by then has been
     committed (``Scheduler``: step sequence numbers and a queue of fenced frees)."""
+    sliding_window: int | None = None
+    """W, one KV-cache group of sliding-window attention (the spec's ``Config.sliding_window``,
+    vLLM's ``SlidingWindowManager``): hits need the ``ceil((W - 1) / B)`` blocks before their
+    end and hold the null block before them; a running request's blocks wholly before the
+    window of its next processed token are freed and nulled when it is scheduled. None: full
+    attention."""
 
     @property
     def reach(self) -> int:
@@ -106,6 +112,11 @@ class EngineConfig:
                 "delay_load_registration must be a bool",
             ),
             (isinstance(self.defer_free, bool), "defer_free must be a bool"),
+            (
+                self.sliding_window is None
+                or (_is_int(self.sliding_window) and self.sliding_window >= 1),
+                "sliding_window must be None or an int >= 1",
+            ),
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",

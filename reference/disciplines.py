@@ -38,7 +38,7 @@ def plan_admission(
     hits = kv.lookup(req)
     num_hits = len(hits)
     num_loaded = 0
-    if req.external:
+    if req.external and kv.window is None:  # no loads under a sliding window (not modelled)
         stored = min(req.prompt_len // bsz, (len(req.tokens) - 1) // bsz)
         if stored > num_hits:
             num_loaded = stored - num_hits
@@ -55,7 +55,7 @@ def plan_admission(
 
 
 def schedule_vllm(sched: Scheduler, step: Step) -> None:
-    cfg, kv = sched.config, sched.kv
+    cfg = sched.config
     token_budget = cfg.token_budget
     running = sched.running
     by_priority = cfg.preemption == "priority"
@@ -73,7 +73,7 @@ def schedule_vllm(sched: Scheduler, step: Step) -> None:
         num_tokens = min(limit - req.computed, budget)
         end = req.computed + num_tokens
         gave_up = False
-        while kv.blocks_short(req, end):
+        while sched.blocks_short(req, end):
             if by_priority:
                 victim = max(running, key=_rank)
                 position = running.index(victim)
@@ -112,7 +112,7 @@ def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
     request is scheduled at most once per step; once an admission does not fit, no other is
     tried until a preemption frees blocks (this keeps a step O(running) for long queues).
     Requests waiting for their stale output (``Scheduler.held``) are not candidates."""
-    cfg, kv = sched.config, sched.kv
+    cfg = sched.config
     running, waiting, held = sched.running, sched.waiting, sched.held
     end_of = sched.schedulable_end
     done: set[int] = set()  # scheduled, or given up on, in this step
@@ -145,7 +145,7 @@ def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
             done.add(nxt.rid)
             num_tokens = min(end_of(nxt) - nxt.computed, budget)
             end = nxt.computed + num_tokens
-            while kv.blocks_short(nxt, end):
+            while sched.blocks_short(nxt, end):
                 victims = [r for r in reversed(running) if r is not nxt]
                 k = _pick(choices, len(victims) + 1, "general-victim") if victims else 0
                 if k == len(victims):

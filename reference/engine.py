@@ -47,7 +47,11 @@ class Engine:
         sink = self.events if record else None
         self.pool = BlockPool(config.num_blocks, sink)
         self.kv = KVCacheManager(
-            self.pool, config.block_size, config.prefix_caching, config.spec_tokens > 0
+            self.pool,
+            config.block_size,
+            config.prefix_caching,
+            config.spec_tokens > 0,
+            config.sliding_window,
         )
         policy = make_policy(config.policy, self.kv) if config.prefix_caching else Policy(self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
@@ -58,6 +62,8 @@ class Engine:
         )
         if config.spec_tokens and not isinstance(self.worker, FakeWorker):
             raise ValueError("speculative decoding runs on the fake worker only")
+        if config.sliding_window is not None and not isinstance(self.worker, FakeWorker):
+            raise ValueError("a sliding window runs on the fake worker only")
 
     @property
     def requests(self) -> dict[int, Request]:

@@ -15,7 +15,7 @@ from .request import Request
 
 
 class KVCacheManager:
-    __slots__ = ("pool", "block_size", "prefix_caching", "batch_free")
+    __slots__ = ("pool", "block_size", "prefix_caching", "batch_free", "window")
 
     def __init__(
         self,
@@ -23,8 +23,11 @@ class KVCacheManager:
         block_size: int,
         prefix_caching: bool = True,
         batch_free: bool = False,
+        window: int | None = None,
     ) -> None:
         self.pool = pool
+        self.window = window
+        """A sliding window of this many tokens (one group), or None: full attention."""
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.batch_free = batch_free or not prefix_caching
@@ -49,12 +52,59 @@ class KVCacheManager:
             extend_hashes(hashes, req.tokens, self.block_size, cap)
         index = self.pool.index
         hits: list[Block] = []
+        if self.window is not None:
+            return self._window_hits(hashes, cap)
         for i in range(cap):
             owners = index.get(hashes[i])
             if not owners:
                 break
             hits.append(next(iter(owners.values())))
         return hits
+
+    def _window_hits(self, hashes: list[bytes], cap: int) -> list[Block]:
+        """Sliding window: scanning back from block ``cap - 1``, the first run of
+        ``ceil((W - 1) / B)`` cached blocks ends the hit, null blocks standing before it;
+        without such a run, the cached run from block 0."""
+        assert self.window is not None
+        need = -(-(self.window - 1) // self.block_size)
+        pool, null = self.pool, self.pool.blocks[0]
+        run: list[Block] = []  # the current run, rightmost first
+        for i in range(cap - 1, -1, -1):
+            block = pool.cached_block(hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) >= need:
+                hits = [null] * i + run[::-1]
+                pad = min(self.skipped(len(hits) * self.block_size), len(hits))
+                return [null] * pad + hits[pad:]  # (only W = 1 skips the run's own block)
+        return run[::-1]
+
+    def skipped(self, processed: int) -> int:
+        """Leading blocks wholly before the window of the token after ``processed`` tokens."""
+        if self.window is None:
+            return 0
+        return max(0, processed - self.window + 1) // self.block_size
+
+    def skippable(self, req: Request, processed: int) -> int:
+        """Blocks ``remove_skipped`` would put back on the free queue now."""
+        table = req.table[: min(self.skipped(processed), len(req.table))]
+        return sum(1 for b in table if b.block_id != 0 and b.ref_cnt == 1)
+
+    def remove_skipped(self, req: Request, processed: int) -> None:
+        """Free the blocks before the window (the last first, down to the first null one) as
+        one batch, and put the null block in their places."""
+        table, null = req.table, self.pool.blocks[0]
+        last = min(self.skipped(processed), len(table))
+        freed: list[Block] = []
+        for i in range(last - 1, -1, -1):
+            if table[i] is null:
+                break
+            freed.append(table[i])
+            table[i] = null
+        if freed:
+            self.pool.free_batch(freed[::-1])
 
     def blocks_short(self, req: Request, end: int, hits: list[Block] | None = None) -> bool:
         """True when covering tokens up to ``end`` needs more blocks than are free. On
@@ -64,13 +114,18 @@ class KVCacheManager:
         if hits is not None:
             need -= len(hits)
             for block in hits:
-                if block.ref_cnt == 0:
+                if block.ref_cnt == 0 and block.block_id != 0:
                     free -= 1
         return need > free
 
     def admit(self, req: Request, hits: list[Block]) -> None:
-        """Touch the hit blocks and make them the start of the request's table."""
-        self.pool.touch(hits)
+        """Touch the hit blocks and make them the start of the request's table (with a sliding
+        window, the null block in place of those before the window of its first computed
+        token, touched not)."""
+        pad = min(self.skipped(len(hits) * self.block_size), len(hits))
+        if pad:
+            hits[:pad] = [self.pool.blocks[0]] * pad
+        self.pool.touch([b for b in hits if b.block_id != 0])
         req.table.extend(hits)
         req.cached = len(hits)
         events = self.pool.events
@@ -108,6 +163,8 @@ class KVCacheManager:
         req.table = []
         req.computed = 0
         req.cached = 0
+        if self.window is not None:  # the null blocks before the window hold no reference
+            return [b for b in table if b.block_id != 0]
         return table
 
     def free_blocks(self, table: list[Block]) -> None:

@@ -242,10 +242,32 @@ class Scheduler:
                 req.loading = step.step_id
             self.counters["loaded_blocks"] += num_loaded
 
+    def processed(self, req: Request) -> int:
+        """Its computed tokens less those its entries in uncommitted steps schedule (vLLM's
+        ``num_computed_tokens - num_in_flight_tokens``): what no step in flight still reads
+        below the window of."""
+        rid, flying = req.rid, 0
+        for step in self.all_steps():
+            entry = step.entries.get(rid)
+            if entry is not None:
+                flying += entry.end - entry.start
+        return max(0, req.computed - flying)
+
+    def blocks_short(self, req: Request, end: int) -> bool:
+        """A running request cannot cover ``end`` tokens, even with the blocks its sliding
+        window would free first."""
+        if self.kv.window is None:
+            return self.kv.blocks_short(req, end)
+        freed = self.kv.skippable(req, self.processed(req))
+        return -(-end // self.kv.block_size) - len(req.table) > self.kv.pool.num_free + freed
+
     def schedule_running(self, step: Step, req: Request, num_tokens: int) -> None:
-        """Give a running request ``num_tokens`` more tokens to compute in the step."""
+        """Give a running request ``num_tokens`` more tokens to compute in the step (a sliding
+        window first frees the blocks before the window of its next processed token)."""
         if self.events is not None:
             self.events.append(("schedule", req.rid, num_tokens, 0))
+        if self.kv.window is not None:
+            self.kv.remove_skipped(req, self.processed(req))
         self._extend(step, req, req.computed, req.computed + num_tokens, False)
         step.budget_used += num_tokens
 

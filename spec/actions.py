@@ -37,10 +37,12 @@ from .pool import (
     free_table,
     holds,
     lookup,
+    remove_skipped,
     resolve,
     touch,
 )
 from .state import (
+    NULL_BLOCK,
     Deferred,
     Draft,
     Entry,
@@ -107,12 +109,16 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     events: list[Event] = []
     if req.status == "waiting":
         _admission_guard(s, step, req, where)
+        if num_loaded and cfg.sliding_window is not None:
+            raise Illegal(f"{where}: external loads under a sliding window are not modelled")
         hits = lookup(s, req)
+        pad = min(s.skipped(len(hits) * bsz), len(hits))  # before the window: the null block
+        hits = [NULL_BLOCK] * pad + hits[pad:]
         if len(hits) + num_loaded > (len(req.tokens) - 1) // bsz:
             raise Illegal(f"{where}: the last known token must be computed, not loaded")
         start = len(hits) * bsz
         end = start + num_tokens + num_loaded * bsz
-        held_free = sum(1 for b in hits if s.blocks[b].refcount == 0)
+        held_free = sum(1 for b in hits if b != NULL_BLOCK and s.blocks[b].refcount == 0)
         if -(-end // bsz) - len(hits) > len(s.free) - held_free:
             raise Illegal(f"{where}: not enough free blocks")
         events += touch(s, req, hits)
@@ -126,8 +132,12 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         if cfg.discipline == "vllm" and step.admitted:
             raise Illegal(f"{where}: vllm schedules running requests before admitting any")
         start, end = req.computed, req.computed + num_tokens
-        if -(-end // bsz) - len(req.table) > len(s.free):
+        processed = max(0, req.computed - _in_flight(s, rid))
+        skipped = req.table[: min(s.skipped(processed), len(req.table))]
+        gone = sum(1 for b in skipped if b != NULL_BLOCK and s.blocks[b].refcount == 1)
+        if -(-end // bsz) - len(req.table) > len(s.free) + gone:
             raise Illegal(f"{where}: not enough free blocks")
+        events += remove_skipped(s, req, processed)
     tokens: list[int | Placeholder | Draft] = list(
         s.ahead(req) if cfg.async_scheduling else req.tokens
     )
@@ -219,10 +229,11 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
         if e.load:  # a load reads nothing
             continue
         tokens = tuple(s.seen(s.requests[rid], step.id, e)[: e.end])
+        lo = s.first_read(e.start)  # a sliding window reads only from there
         bad = [
             block
             for i, block in enumerate(e.blocks)
-            if not holds(s.blocks[block].written, tokens[: (i + 1) * bsz])
+            if i >= lo and not holds(s.blocks[block].written, tokens[: (i + 1) * bsz])
         ]
         if bad and rid in step.live:
             s.bad_reads += [(step.id, rid, block) for block in bad]
@@ -435,6 +446,13 @@ def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
             raise Illegal(f"{where}: vllm admits the head of the waiting queue first")
 
 
+def _in_flight(s: State, rid: int) -> int:
+    """Tokens the request's entries in steps not yet committed schedule (vLLM's
+    ``num_in_flight_tokens``: counted at schedule, drained at each step's output, stale
+    entries of a preempted request included)."""
+    return sum(st.entries[rid].end - st.entries[rid].start for st in s.steps if rid in st.entries)
+
+
 def _leave(
     s: State, req: Request, stale: str = "drop", committing: Step | None = None
 ) -> list[Event]:
@@ -468,8 +486,9 @@ def _give_up(s: State, req: Request, committing: Step | None = None) -> list[Eve
     fence = _fence(s, req.id, committing)
     if fence is None:
         return free_table(s, req)
-    if req.table:  # nothing to hold for a request that holds nothing (vLLM appends no entry)
-        s.deferred.append(Deferred(fence, req.id, tuple(req.table)))
+    held = tuple(b for b in req.table if b != NULL_BLOCK)  # a window's nulls hold nothing
+    if held:  # nothing to hold for a request that holds nothing (vLLM appends no entry)
+        s.deferred.append(Deferred(fence, req.id, held))
         s.touched.blocks.update(req.table)
     clear_table(s, req)
     return []

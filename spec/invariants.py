@@ -33,7 +33,10 @@ class Violation:
 def no_unwritten_read(s: State) -> Violation | None:
     """Every block a step reads as computed prefix holds that prefix, or will once this step's and
     earlier in-flight steps' writes have run. Guards against the zombie hit: plausible but wrong
-    tokens computed from K/V that was never written (the seed bug's end-to-end symptom)."""
+    tokens computed from K/V that was never written (the seed bug's end-to-end symptom). With a
+    sliding window (``Config.sliding_window``) a step reads only the blocks of its window, and
+    none of them may have left its running request's table (skipped and freed) before the step
+    runs: a freed block can be handed out and overwritten under the step's read."""
     if s.bad_reads:
         step_id, rid, block = s.bad_reads[0]
         return Violation(
@@ -50,8 +53,23 @@ def no_unwritten_read(s: State) -> Violation | None:
         for rid, e in step.entries.items():
             if e.load or rid not in step.live:
                 continue
-            tokens = s.ahead(s.requests[rid])
-            for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
+            req = s.requests[rid]
+            tokens = s.ahead(req)
+            lo = s.first_read(e.start)  # a sliding window reads from the window's first block
+            for i in range(lo, len(e.blocks)):  # its own blocks too: the step reads them
+                block = e.blocks[i]
+                gone = i < len(req.table) and req.table[i] == NULL_BLOCK != block
+                if req.status == "running" and gone:
+                    return Violation(
+                        "NoUnwrittenRead",
+                        f"step {step.id} will read block {block} as r{rid}'s block {i}, but "
+                        f"r{rid}'s table gave it up (the window skipped it) before the step ran",
+                        (block,),
+                        (rid,),
+                        step.id,
+                    )
+                if i * bsz >= e.start:  # written by the step itself: execute checks it
+                    continue
                 prefix = tuple(tokens[: min(e.start, (i + 1) * bsz)])
                 if not holds(eventual_content(s, block, upto_step=step.id), prefix):
                     return Violation(
@@ -103,15 +121,18 @@ def refcount_is_ownership(s: State) -> Violation | None:
             )
         owners.update(held.blocks)
     for req in s.requests.values():
-        if len(set(req.table)) != len(req.table):
-            twice = tuple(sorted({b for b in req.table if req.table.count(b) > 1}))
+        table = req.table
+        if s.config.sliding_window is not None:  # a window's skipped positions hold nothing
+            table = [b for b in table if b != NULL_BLOCK]
+        if len(set(table)) != len(table):
+            twice = tuple(sorted({b for b in table if table.count(b) > 1}))
             return Violation(
                 "RefcountIsOwnership",
                 f"r{req.id}'s table holds a block twice: {req.table}",
                 twice,
                 (req.id,),
             )
-        owners.update(req.table)
+        owners.update(table)
     for block, b in enumerate(s.blocks):
         if block != NULL_BLOCK and b.refcount != owners[block]:
             return Violation(
@@ -131,6 +152,8 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
     bsz = s.config.block_size
     for req in s.requests.values():
         for i, block in enumerate(req.table):
+            if block == NULL_BLOCK and s.config.sliding_window is not None:  # skipped
+                continue
             if block not in seen:
                 seen[block] = (req.id, i)
                 continue
@@ -214,18 +237,40 @@ def hash_index_consistent(s: State) -> Violation | None:
 
 
 def null_block_pinned(s: State) -> Violation | None:
-    """Block 0 is never allocated, freed, published or queued."""
+    """Block 0 is never allocated, freed, published or queued. It is in no table, but with a
+    sliding window at a running request's positions wholly before the window of its next
+    token (``State.skipped`` of its computed tokens), as a leading run."""
     b = s.blocks[NULL_BLOCK]
-    in_table = any(NULL_BLOCK in r.table for r in s.requests.values())
+    in_table = any(misplaced_null(s, r) for r in s.requests.values())
     if b.refcount or b.key is not None or NULL_BLOCK in s.free or in_table:
-        holders = tuple(r.id for r in s.requests.values() if NULL_BLOCK in r.table)
+        holders = tuple(r.id for r in s.requests.values() if misplaced_null(s, r))
         return Violation(
             "NullBlockPinned",
-            "the null block was allocated, published or queued",
+            "the null block was allocated, published or queued, or is in a table where no "
+            "sliding window skips",
             (NULL_BLOCK,),
             holders,
         )
     return None
+
+
+def misplaced_null(s: State, req: Request) -> bool:
+    """The request's table holds the null block where no sliding window skips: anywhere under
+    full attention; with one, in the table of a request not running, or anywhere but a leading
+    run of positions wholly before the window of the token after its processed ones (computed,
+    less those its live entries in flight schedule)."""
+    nulls = [i for i, b in enumerate(req.table) if b == NULL_BLOCK]
+    if not nulls:
+        return False
+    if s.config.sliding_window is None or req.status != "running":
+        return True
+    flying = sum(
+        st.entries[req.id].end - st.entries[req.id].start
+        for st in s.steps
+        if req.id in st.entries and req.id in st.live
+    )
+    processed = max(0, req.computed - flying)
+    return nulls != list(range(len(nulls))) or len(nulls) > s.skipped(processed)
 
 
 def table_fits(s: State, req: Request) -> bool:
@@ -310,11 +355,15 @@ def check(s: State, names: Collection[str] | None = None) -> Violation | None:
 
 
 def tables_append_only(before: dict[int, tuple[int, ...]], s: State) -> Violation | None:
-    """TablesAppendOnly: while a request stays running, its table only grows at the end.
-    ``before`` maps running requests to their tables in the previous state."""
+    """TablesAppendOnly: while a request stays running, its table only grows at the end (with
+    a sliding window, but for skipped positions replaced by the null block, which
+    NullBlockPinned places). ``before`` maps running requests to their tables in the previous state."""
     for rid, table in before.items():
         req = s.requests[rid]
-        if req.status == "running" and tuple(req.table[: len(table)]) != table:
+        now = tuple(req.table[: len(table)])
+        if s.config.sliding_window is not None:  # skipped positions may turn null, from the head
+            now = tuple(b if b != NULL_BLOCK else table[i] for i, b in enumerate(now))
+        if req.status == "running" and now != table:
             changed = tuple(sorted(set(table) ^ set(req.table[: len(table)])))
             return Violation(
                 "TablesAppendOnly",

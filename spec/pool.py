@@ -41,10 +41,12 @@ def holds(content: Content | None, prefix: Content) -> bool:
 def lookup(s: State, req: Request) -> list[int]:
     """The longest run of published blocks for the request's hashes, from its first block,
     stopping at the first miss and capped so the last known token is always recomputed. None
-    without prefix caching."""
+    without prefix caching. With a sliding window the rule is ``window_lookup``'s."""
     if not s.config.prefix_caching:
         return []
     cap = (len(req.tokens) - 1) // s.config.block_size
+    if s.config.sliding_window is not None:
+        return window_lookup(s, req, cap)
     hits: list[int] = []
     for i in range(cap):
         blocks = s.index.get(s.key(req, i))
@@ -54,16 +56,42 @@ def lookup(s: State, req: Request) -> list[int]:
     return hits
 
 
+def window_lookup(s: State, req: Request, cap: int) -> list[int]:
+    """Sliding window W (vLLM's ``SlidingWindowManager.find_longest_cache_hit``): searching from
+    the rightmost block a hit may end at (``cap``), the first run of ``ceil((W - 1) / B)``
+    consecutive published blocks ends the hit there; the blocks before the run are the null
+    block (the tokens they hold are outside the window of the first token computed). With no
+    such run, the hit is the run of published blocks from block 0 (shorter than the window
+    needs, so nothing before it is skipped)."""
+    need = -(-((s.config.sliding_window or 1) - 1) // s.config.block_size)
+    run = 0
+    found: dict[int, int] = {}
+    for i in range(cap - 1, -1, -1):
+        blocks = s.index.get(s.key(req, i))
+        if not blocks:
+            run = 0
+            continue
+        found[i] = blocks[0]
+        run += 1
+        if run >= need:
+            return [NULL_BLOCK] * i + [found[j] for j in range(i, i + run)]
+    return [found[j] for j in range(run)]
+
+
 def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
     """Take a reference on each hit block (out of the free queue if it was unreferenced) and
-    append it to the request's table."""
+    append it to the request's table. A null block (a position a sliding window skips) is
+    appended to the table without a reference."""
     for block in blocks:
+        if block == NULL_BLOCK:
+            req.table.append(block)
+            continue
         b = s.blocks[block]
         if b.refcount == 0:
             s.free.remove(block)
         b.refcount += 1
         req.table.append(block)
-    s.touched.blocks.update(blocks)
+    s.touched.blocks.update(b for b in blocks if b != NULL_BLOCK)
     s.touched.requests.add(req.id)
     return [("hit", req.id, tuple(blocks))]
 
@@ -107,13 +135,36 @@ def clear_table(s: State, req: Request) -> None:
 def free_blocks(s: State, rid: int, table: list[int] | tuple[int, ...]) -> list[Event]:
     """Drop one reference on each block of ``table`` (request ``rid``'s, in table order) as a
     table is freed: last block first, one at a time (``release``), or as one batch
-    (``free_batch``) without prefix caching or with speculative decoding."""
+    (``free_batch``) without prefix caching or with speculative decoding. The null blocks a
+    sliding window left at the table's head hold no reference: they are not freed."""
+    table = [block for block in table if block != NULL_BLOCK]
     if s.config.prefix_caching and not s.config.spec_tokens:
         for block in reversed(table):
             release(s, block, rid)
     else:
         free_batch(s, rid, table)
     return [("free", block) for block in reversed(table)]
+
+
+def remove_skipped(s: State, req: Request, processed: int) -> list[Event]:
+    """Sliding window: free the blocks of the request's table wholly before the window of the
+    token after its ``processed`` tokens (computed less those of its steps in flight, so no
+    step in flight still reads them), and put the null block in their place (vLLM's
+    ``remove_skipped_blocks`` from ``allocate_slots``). Walks back from the last such block to
+    the first null one; the blocks are freed as one batch in that order (``free_batch``, as
+    ``BlockPool.free_blocks`` is handed them). Nothing under full attention."""
+    last = min(s.skipped(processed), len(req.table))
+    freed: list[int] = []
+    for i in range(last - 1, -1, -1):
+        if req.table[i] == NULL_BLOCK:
+            break
+        freed.append(req.table[i])
+        req.table[i] = NULL_BLOCK
+    if not freed:
+        return []
+    free_batch(s, req.id, freed[::-1])
+    s.touched.requests.add(req.id)
+    return [("free", block) for block in freed]
 
 
 def release(s: State, block: int, rid: int) -> None:

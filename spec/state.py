@@ -125,6 +125,13 @@ class Config:
     computes tokens) commits; then they are freed as its table would have been (vLLM's
     ``defer_block_free``: ``deferred_frees``, drained at the top of ``update_from_output``).
     False: freed at once (``docs/model.md``, "Deferred block free")."""
+    sliding_window: int | None = None
+    """W: one KV-cache group of sliding-window attention (vLLM's ``SlidingWindowManager``):
+    token t attends to positions t - W + 1 .. t only. A hit needs the ceil((W - 1) / B) blocks
+    just before its end (the table holds the null block before them); when a running request
+    is scheduled, the blocks wholly before the window of its next processed token are freed
+    and replaced by the null block (``pool.remove_skipped``); a step reads only its window.
+    None: full attention (``docs/model.md``, "Sliding window")."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -161,6 +168,11 @@ class Config:
             (
                 isinstance(self.defer_free, bool),
                 f"defer_free must be a bool, got {self.defer_free!r}",
+            ),
+            (
+                self.sliding_window is None
+                or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
+                f"sliding_window must be None or an integer >= 1, got {self.sliding_window!r}",
             ),
         ]
         for ok, message in checks:
@@ -342,6 +354,20 @@ class State:
         if self.steps and self.steps[-1].phase == "building":
             return self.steps[-1]
         return None
+
+    def first_read(self, start: int) -> int:
+        """The first table index a computation of tokens from ``start`` on reads as computed
+        prefix: 0 under full attention; with a sliding window W, the block of position
+        ``start - W + 1`` (the window of token ``start``)."""
+        w = self.config.sliding_window
+        return 0 if w is None else max(0, start - w + 1) // self.config.block_size
+
+    def skipped(self, computed: int) -> int:
+        """With a sliding window W, the leading table blocks wholly before the window of the
+        token after ``computed`` tokens: ``(computed - W + 1) // B`` (vLLM's
+        ``get_num_skipped_tokens`` in blocks); 0 under full attention."""
+        w = self.config.sliding_window
+        return 0 if w is None else max(0, computed - w + 1) // self.config.block_size
 
     def key(self, req: Request, index: int) -> Key:
         """The chained hash of the request's block ``index`` (of its known tokens)."""

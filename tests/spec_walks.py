@@ -32,10 +32,11 @@ KINDS = (
 
 
 @st.composite
-def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
+def spec_configs(draw: st.DrawFn, drafts: bool = True, window: bool = False) -> Config:
     """``drafts``: configurations may have draft tokens (``spec_tokens``), synchronous or under
     async scheduling, and any may defer its frees (``defer_free``); off for the fast model, which
-    refuses both."""
+    refuses both. ``window``: every configuration has a sliding window (``sliding_window``) and
+    the safe registration policy (``deferred``)."""
     async_scheduling = draw(st.booleans())
     depth = draw(st.integers(2 if async_scheduling else 1, 3))
     spec_tokens = draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0
@@ -43,7 +44,7 @@ def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
         depth=depth,
-        policy=draw(st.sampled_from(POLICIES + POLICIES[:3])),
+        policy="deferred" if window else draw(st.sampled_from(POLICIES + POLICIES[:3])),
         discipline=draw(st.sampled_from(("vllm", "general", "general"))),
         preemption=draw(st.sampled_from(("fcfs", "priority"))),
         token_budget=draw(st.integers(3, 12)),
@@ -55,6 +56,7 @@ def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
         spec_tokens=spec_tokens,
         delay_load_registration=draw(st.booleans()),
         defer_free=draw(st.booleans()) if drafts else False,
+        sliding_window=draw(st.sampled_from((1, 2, 3, 5))) if window else None,
     )
 
 
@@ -69,11 +71,12 @@ def _try(s: State, decision: Event) -> list[Event] | None:
 
 @st.composite
 def spec_runs(
-    draw: st.DrawFn, max_steps: int = 60, drafts: bool = True
+    draw: st.DrawFn, max_steps: int = 60, drafts: bool = True, window: bool = False
 ) -> tuple[Config, list[Event]]:
     """A configuration and a trace the spec accepts: decisions, each followed by its effects.
-    With draft tokens a decode reaches some of its K draft slots, and its commit accepts some."""
-    config = draw(spec_configs(drafts))
+    With draft tokens a decode reaches some of its K draft slots, and its commit accepts some.
+    ``window``: under a sliding window (``spec_configs``)."""
+    config = draw(spec_configs(drafts, window))
     k = config.spec_tokens
     s = initial_state(config)
     events: list[Event] = []
@@ -94,7 +97,8 @@ def spec_runs(
         if kind == "arrive":
             max_tokens = draw(st.integers(1, 4))
             length = draw(st.integers(1, max(1, min(6, capacity - max_tokens))))
-            prompt = tuple(draw(st.lists(st.integers(1, 3), min_size=length, max_size=length)))
+            vocab = st.sampled_from((1, 1, 1, 2)) if window else st.integers(1, 3)  # hits
+            prompt = tuple(draw(st.lists(vocab, min_size=length, max_size=length)))
             take(("arrive", next_id, prompt, max_tokens, draw(st.integers(0, 2))))
             next_id += 1
         elif (

@@ -19,7 +19,9 @@ with a Disagreement, a feature the spec does not model is refused (listed, never
 one seen at construction, not only the first), the features judged where the spec covers them
 (``case_lifted.py``: arrivals out of order, resets preempting, skipped reads, LoRA, prefill
 lookahead, structured output, images) hold, with their planted bugs failing and their refused
-variants refused, and without the plugin every case passes. Skipped without ``.venv-vllm``
+variants refused, one sliding-window group under async scheduling holds while blocks before
+the window freed on the optimistic count or a hit short of the window fail with a Disagreement
+(``case_window.py``), and without the plugin every case passes. Skipped without ``.venv-vllm``
 (``make thirdparty``)."""
 
 from __future__ import annotations
@@ -129,12 +131,13 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         str(CASES / "case_defer.py"),
         str(CASES / "case_async_spec_decode.py"),
         str(CASES / "case_lifted.py"),
+        str(CASES / "case_window.py"),
         "-p",
         "kvspec.pytest_plugin",
     )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
-    assert "12 failed" in out and "44 passed" in out, out[-3000:]
+    assert "14 failed" in out and "45 passed" in out, out[-3000:]
     seed = tests["test_priority_preempts_a_request_scheduled_in_the_same_step"]
     assert seed["outcome"] == "violation" and seed["finding"].startswith(
         "kvspec: NoUnwrittenPublish: block 5 is published"
@@ -224,6 +227,15 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
     assert forgotten["finding"].startswith(
         "kvspec: Disagreement: engine emitted ('publish', 0, 1, 2)"
     ), forgotten
+    window = tests["test_sliding_window_holds"]  # one sliding-window group, async, judged
+    assert window["outcome"] == "judged" and window["events"] > 200, window
+    for name, event in (
+        ("test_a_free_on_the_optimistic_count_is_caught", "('free', 4), but the spec expects"),
+        ("test_a_hit_short_of_the_window_is_caught", "('hit', 1, (0, 0, 0, 0, 5)), but the spec"),
+    ):
+        planted = tests[name]
+        assert planted["outcome"] == "violation", planted
+        assert planted["finding"].startswith(f"kvspec: Disagreement: engine emitted {event}")
     for name, (outcome, what) in LIFTED.items():
         entry = tests[name]
         assert entry["outcome"] == outcome, entry
@@ -232,7 +244,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         elif outcome == "run":
             assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "12  violations" in summary and "27  judged and holding" in summary, summary
+    assert "14  violations" in summary and "28  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 
@@ -240,11 +252,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
 def test_without_the_plugin_every_case_passes(tmp_path: Path) -> None:
     names = ("case_seed.py", "case_pool.py", "case_refused.py", "case_async.py")
     names += ("case_no_caching.py", "case_spec_decode.py", "case_connector.py", "case_ec_aux.py")
-    names += ("case_defer.py", "case_async_spec_decode.py", "case_lifted.py")
+    names += ("case_defer.py", "case_async_spec_decode.py", "case_lifted.py", "case_window.py")
     cases = [str(CASES / f) for f in names]
     done, tests = _pytest(tmp_path, *cases, "-p", "no:kvspec.pytest_plugin")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "56 passed" in done.stdout and "= kvspec =" not in done.stdout
+    assert "59 passed" in done.stdout and "= kvspec =" not in done.stdout
     assert tests == {}
 
 

@@ -102,10 +102,10 @@ def spec_placeholder(code: int) -> Placeholder:
 
 def restates(config: Config) -> bool:
     """Whether this model restates ``config``: everything but speculative decoding
-    (``Config.spec_tokens`` > 0) and deferred block freeing (``Config.defer_free``; both in
-    kvspec/twins.py). ``kvspec check`` and ``Monitor.fast`` judge any other configuration by
+    (``Config.spec_tokens`` > 0), deferred block freeing (``Config.defer_free``) and a sliding
+    window (``Config.sliding_window``; all in kvspec/twins.py). ``kvspec check`` and ``Monitor.fast`` judge any other configuration by
     the spec throughout."""
-    return not config.spec_tokens and not config.defer_free
+    return not config.spec_tokens and not config.defer_free and config.sliding_window is None
 
 
 def refuse_drafts(config: Config) -> None:
@@ -114,6 +114,8 @@ def refuse_drafts(config: Config) -> None:
         raise ValueError("speculative decoding (spec_tokens > 0) is judged by the spec only")
     if config.defer_free:
         raise ValueError("deferred block freeing (defer_free) is judged by the spec only")
+    if config.sliding_window is not None:
+        raise ValueError("a sliding window (sliding_window) is judged by the spec only")
 
 
 class Req:

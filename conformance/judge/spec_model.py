@@ -40,7 +40,10 @@ class SpecModel:
         """``state``: start from this spec state (between decisions) instead of the initial one."""
         self.config = config
         self.state = initial_state(config) if state is None else state
-        self.incremental = Incremental(self.state) if incremental else None
+        # A sliding window (Config.sliding_window) is judged by the full definitions: the
+        # incremental forms do not restate its null-block positions (kvspec/twins.py).
+        windowed = config.sliding_window is not None
+        self.incremental = Incremental(self.state) if incremental and not windowed else None
         self.touched = Touched()
         """What the decisions (and engine effects) since the last check touched, but the last."""
         self.tables = running_tables(self.state)

@@ -60,7 +60,9 @@ for its grammar arrives to the spec only once the grammar is compiled (``_releas
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
-groups, sliding window, deferred async loads, CoW retentions, lookahead hashing, a waiting
+groups, a sliding window but one plain group (judged: ``Config.sliding_window``, read by
+``config_of``; its skipped frees inside ``allocate_slots`` are effects of the ``schedule``
+decision), deferred async loads, CoW retentions, lookahead hashing, a waiting
 request passed over, ...), or a caller does what no engine core does (edits vLLM's state between
 calls, drives the KV-cache manager directly, patches a wrapped method, samples a token
 mid-prefill), ``refusal`` is set, at attach time or at run time, with the feature's name. The
@@ -95,6 +97,7 @@ from .features import (
     request_features,
     scheduler_features,
     skipped_read,
+    sliding_window_of,
 )
 from .methods import Method, Wrappers
 
@@ -937,7 +940,12 @@ class Attachment:
                 pending, self._current, self._current_request = self._pending, None, None
                 self._pending = []
             if result is None:
-                if pending:
+                if pending and self.config.sliding_window is not None:
+                    # vLLM freed the blocks before the window, then found no room: the spec
+                    # frees them with the schedule that succeeds (after any preemption)
+                    self.refuse("sliding window: skipped blocks freed by a failed allocation", "")
+                    self.events.extend(pending)
+                elif pending:
                     self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
             self.events.append(("schedule", rid, num_new_tokens, loaded))
@@ -945,7 +953,7 @@ class Attachment:
                 blocks = hits.blocks[0] if hits is not None else []
                 hit = tuple(b.block_id for b in blocks)
                 self.events.append(("hit", rid, hit))
-                if tuple(self._touched) != hit:
+                if tuple(self._touched) != tuple(b for b in hit if b):  # a window's nulls
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
                 # every hash the lookup read, not only the hits: a hash that is not the
                 # tokens' (LoRA, ...) may be what made it miss
@@ -1072,7 +1080,11 @@ class Attachment:
             self._inner("free_blocks")
             blocks = list(ordered_blocks)
             self._safe(self._free_features, blocks)
-            self.events.extend(("free", b.block_id) for b in blocks if not b.is_null)
+            freed = [("free", b.block_id) for b in blocks if not b.is_null]
+            if self._current is not None and self.config.sliding_window is not None:
+                self._pending += freed  # blocks before the window: effects of the schedule
+            else:
+                self.events.extend(freed)
             original(blocks)
 
         return free_blocks
@@ -1145,6 +1157,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         spec_tokens=int(getattr(scheduler, "num_spec_tokens", 0) or 0),
         delay_load_registration=scheduler.connector is not None,
         defer_free=bool(getattr(scheduler, "defer_block_free", False)),
+        sliding_window=sliding_window_of(scheduler),
     )
 
 
@@ -1166,7 +1179,7 @@ def attach(
 def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
-    names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free")
+    names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free", "sliding_window")
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

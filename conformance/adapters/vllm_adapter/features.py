@@ -15,7 +15,8 @@ from collections.abc import Collection
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 try:
@@ -97,7 +98,7 @@ def scheduler_features(sched: Any) -> list[Feature]:
     for group in groups:
         spec = group.kv_cache_spec
         if getattr(spec, "sliding_window", None):
-            found.append(("sliding window", f"{type(spec).__name__}({spec.sliding_window})"))
+            found += window_features(sched, spec)
         elif getattr(spec, "attention_chunk_size", None):
             found.append(("chunked local attention", type(spec).__name__))
         elif type(spec) is not FullAttentionSpec:
@@ -151,6 +152,36 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "its overrides are not vLLM's scheduler",
     )
     return found
+
+
+def sliding_window_of(sched: Any) -> int | None:
+    """The window of a scheduler's one KV-cache group when it is plain sliding-window attention
+    (vLLM's ``SlidingWindowSpec`` under a ``SlidingWindowManager``, no extra retained tokens):
+    the spec's ``Config.sliding_window``. None otherwise (full attention, or refused)."""
+    groups = sched.kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return None
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not SlidingWindowSpec or getattr(spec, "extra_retained_tokens", 0):
+        return None
+    managers = getattr(sched.kv_cache_manager.coordinator, "single_type_managers", ())
+    if len(managers) != 1 or type(managers[0]) is not SlidingWindowManager:
+        return None
+    return int(spec.sliding_window)
+
+
+def window_features(sched: Any, spec: Any) -> list[Feature]:
+    """A sliding-window group: modelled (``Config.sliding_window``, read by ``config_of``) when
+    ``sliding_window_of`` reads it, alone, without drafts or a KV connector (the spec models
+    neither beside a window); refused as "sliding window" otherwise."""
+    detail = f"{type(spec).__name__}({spec.sliding_window})"
+    if sliding_window_of(sched) is None:
+        return [("sliding window", detail)]
+    if getattr(sched, "num_spec_tokens", 0) or getattr(sched, "use_eagle", False):
+        return [("sliding window", f"{detail} with speculative decoding")]
+    if sched.connector is not None:
+        return [("sliding window", f"{detail} beside a KV connector")]
+    return []
 
 
 def speculation_features(sched: Any) -> list[Feature]:
