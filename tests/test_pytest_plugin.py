@@ -245,3 +245,38 @@ def test_installing_kvspec_registers_the_plugin() -> None:
     ]
     assert entry.name == entry.value == "kvspec.pytest_plugin"
     assert entry.load().judge_for.__doc__
+
+
+LOADS = {  # case_loads.py: test -> (outcome, its finding's start or its one feature)
+    "test_preemption_beside_landed_loads_holds": ("judged", ""),
+    "test_preempting_the_head_beside_loads_is_caught": (
+        "violation",
+        "Illegal: preempt r0 in step 3: fcfs preempts the unscheduled tail of running",
+    ),
+    "test_preemption_beside_a_load_ranked_otherwise_is_refused": (
+        "run",
+        "KV connector: preemption beside an asynchronous load",
+    ),
+}
+
+
+@needs_vllm
+def test_the_plugin_judges_kv_connector_edges(tmp_path: Path) -> None:
+    """``case_loads.py``: a KV connector's loads where the attachment used to refuse them,
+    judged where the spec covers them (each with a planted bug caught) and refused where it
+    does not; without the plugin every case passes."""
+    case = str(CASES / "case_loads.py")
+    done, tests = _pytest(tmp_path, case, "-p", "kvspec.pytest_plugin")
+    assert set(tests) == set(LOADS), done.stdout[-3000:]
+    for name, (outcome, what) in LOADS.items():
+        entry = tests[name]
+        assert entry["outcome"] == outcome, entry
+        if outcome == "violation":
+            assert entry["finding"].startswith(f"kvspec: {what}"), entry
+        elif outcome == "run":
+            assert entry["features"] == [what], entry
+        else:
+            assert entry["events"] > 100, entry
+    (tmp_path / "bare").mkdir()
+    bare, _ = _pytest(tmp_path / "bare", case, "-p", "no:kvspec.pytest_plugin")
+    assert bare.returncode == 0 and f"{len(LOADS)} passed" in bare.stdout, bare.stdout[-3000:]

@@ -232,6 +232,9 @@ class Attachment:
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
         self._next_id = 0  # the event stream's next request id
+        self._admitted: dict[str, int] = {}  # request id -> when the spec admitted it
+        self._appended: dict[str, int] = {}  # request id -> when vLLM appended it to running
+        self._admissions = 0
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
@@ -709,16 +712,37 @@ class Attachment:
             if self.entry != "schedule" and self._reset_at is None:
                 self.refuse("preemption outside schedule()", f"in {self.entry or 'the test'}")
             if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
-                self.refuse(
-                    "KV connector: preemption beside an asynchronous load",
-                    ", ".join(sorted(self.loads.alive)),
-                )
+                self._safe(self._victim_beside_loads, request)
             rid = self.ids.get(request.request_id)
             self.events.append(("preempt", rid))
             self.on_preempt(request.request_id)
             original(request, *args, **kw)
 
         return preempt
+
+    def _victim_beside_loads(self, victim: Request) -> None:
+        """A preemption while a request admitted with an asynchronous load is alive. The spec
+        runs such a request from its load's admission on; vLLM appends it to ``running`` only
+        when it is scheduled after landing, so the two rank their running requests
+        differently, and only the choice of a victim depends on that. By vLLM's rule the
+        victim is the last appended to ``running`` (fcfs) or the largest (priority, arrival),
+        of its running requests (the victim among them: vLLM has just taken it off); by the
+        spec's, the last admitted or the largest of those and the loads not scheduled yet.
+        Where the two rules pick one request the preemption is judged (a victim vLLM chose
+        otherwise is the spec's to find); where they pick two, refused."""
+        running = {r.request_id for r in self.scheduler.running} | {victim.request_id}
+        by_vllm: Callable[[str], object] = lambda r: self._appended.get(r, -1)
+        by_spec: Callable[[str], object] = lambda r: self._admitted.get(r, -1)
+        if self.config.preemption == "priority":
+            requests, ids = self.scheduler.requests, self.ids
+            by_vllm = by_spec = lambda r: (requests[r].priority, ids.get(r, -1))
+        vllm_rule = max(running, key=by_vllm)  # type: ignore[type-var]
+        spec_rule = max(running | self.loads.waiting, key=by_spec)  # type: ignore[type-var]
+        if vllm_rule != spec_rule:
+            self.refuse(
+                "KV connector: preemption beside an asynchronous load",
+                f"vLLM's rule preempts {vllm_rule}, the spec's {spec_rule}",
+            )
 
     def _prefill_lookahead(self, original: Method) -> Method:
         """Multi-module MTP's prefill lookahead shortens a prefill chunk so that it ends at
@@ -742,6 +766,8 @@ class Attachment:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
+            self._admitted.pop(request.request_id, None)
+            self._appended.pop(request.request_id, None)
             aborted = request.request_id in self._aborting
             if aborted:
                 self._aborting.discard(request.request_id)
@@ -841,6 +867,13 @@ class Attachment:
                 self._safe(self._check_hashes, request, len(request.block_hashes))
                 if loaded and not num_new_tokens:
                     self.loads.start(request.request_id)
+                self._admitted[request.request_id] = self._admissions
+                if not (loaded and not num_new_tokens):  # else appended to running when landed
+                    self._appended[request.request_id] = self._admissions
+                self._admissions += 1
+            if landed:
+                self._appended[request.request_id] = self._admissions
+                self._admissions += 1
             if landed:
                 pending = self.loads.scheduled(request.request_id, pending)
             self.events.extend(pending)
