@@ -257,6 +257,12 @@ LOADS = {  # case_loads.py: test -> (outcome, its finding's start or its one fea
         "run",
         "KV connector: preemption beside an asynchronous load",
     ),
+    "test_spec_decode_beside_synchronous_loads_holds": ("judged", ""),
+    "test_spec_decode_beside_asynchronous_loads_holds": ("judged", ""),
+    "test_spec_decode_beside_loads_cached_past_the_computed_tokens": (
+        "violation",
+        "Disagreement: engine emitted ('publish', 3, 1, 8)",
+    ),
 }
 
 

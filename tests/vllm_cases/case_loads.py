@@ -7,12 +7,32 @@ tokens past its local hit the store holds for each request.
 Preemption beside asynchronous loads: the spec runs a request from its load's admission on,
 vLLM appends it to ``running`` only when it is scheduled after landing. Where both rank the
 running requests alike the preemption is judged (and a victim vLLM picks against its own rule
-is caught); where they rank them differently it is refused."""
+is caught); where they rank them differently it is refused.
 
+Speculative decoding beside loads (``case_spec_decode``'s drafter and runner, a store holding
+each prompt's first block): synchronous and asynchronous loads, the single token of a request
+admitted over a load padded with drafts, drafts accepted and rejected; ``case_spec_decode``'s
+planted bug (a block over a rejected draft registered) is caught beside them."""
+
+import case_spec_decode as sd
+import torch
 from case_connector import make_scheduler
 from case_seed import BLOCK, make_request, runner_output
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
 
 def script(scheduler, loads):
@@ -90,3 +110,108 @@ def test_preemption_beside_a_load_ranked_otherwise_is_refused(tmp_path):
     scheduler.add_request(make_request("r1", [11, 12, 13, 14, 15], 0, 1.0, max_tokens=6))
     scheduler.add_request(make_request("r2", [21, 22, 23], 0, 2.0, max_tokens=8))
     run(scheduler)
+
+
+def spec_decode_scheduler(tmp_path, is_async, num_blocks):
+    """A synchronous scheduler with n-gram drafts (``case_spec_decode``: three per decode) and
+    a KV connector whose store holds the first block of every prompt."""
+    model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=256)
+    sched = SchedulerConfig(
+        max_model_len=256,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        enable_chunked_prefill=True,
+        watermark=0.0,
+    )
+    cache = CacheConfig(block_size=sd.BLOCK, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_blocks
+    transfer = KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        speculative_config=SpeculativeConfig(model="ngram", num_speculative_tokens=sd.DRAFTS),
+    )
+    spec = FullAttentionSpec(sd.BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=sd.BLOCK,
+    )
+
+    def matched(request, num_computed_tokens):  # the first block, when the local hit lacks it
+        tokens = sd.BLOCK if num_computed_tokens == 0 and request.num_tokens > sd.BLOCK else 0
+        return tokens, is_async and tokens > 0
+
+    scheduler.connector.get_num_new_matched_tokens = matched
+    scheduler.connector.build_connector_meta = lambda output: KVConnectorMetadata()
+    return scheduler
+
+
+def spec_decode_workload(tmp_path, is_async, num_blocks=24):
+    """Requests of five tokens and more, each admitted over a load of its first block (the
+    five-token ones then compute one token, padded with three drafts); drafts accepted and
+    rejected until every request is done. (drafts scheduled, rejected, padded admissions)."""
+    scheduler = spec_decode_scheduler(tmp_path, is_async, num_blocks)
+    prompts = ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [8, 8, 8, 8, 9], [2, 2, 2, 2, 2, 2])
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(sd.request(f"q{i}", prompt, max_tokens=10))
+    drafted = rejected = padded = 0
+    started: set[str] = set()
+    for round_ in range(80):
+        if not scheduler.has_requests():
+            break
+        output = scheduler.schedule()
+        runner = sd.run_model(scheduler, output)
+        sd.REJECTING.clear()
+        for rid, drafts in output.scheduled_spec_decode_tokens.items():
+            got = runner.sampled_token_ids[runner.req_id_to_index[rid]]
+            drafted += len(drafts)
+            rejected += len(drafts) - (len(got) - 1)
+            padded += drafts == [-1] * sd.DRAFTS
+            if len(got) <= len(drafts):
+                sd.REJECTING.add(rid)
+        loading = {
+            r.request_id
+            for r in scheduler.requests.values()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
+        if loading & started:
+            runner.kv_connector_output = KVConnectorOutput(finished_recving=loading & started)
+        started |= loading
+        scheduler.update_from_output(output, runner)
+        sd.propose(scheduler, round_)
+    assert not scheduler.has_requests()
+    return drafted, rejected, padded
+
+
+def test_spec_decode_beside_synchronous_loads_holds(tmp_path):
+    drafted, rejected, padded = spec_decode_workload(tmp_path, is_async=False)
+    assert drafted > 20 and rejected > 5 and padded >= 2
+
+
+def test_spec_decode_beside_asynchronous_loads_holds(tmp_path):
+    drafted, rejected, padded = spec_decode_workload(tmp_path, is_async=True)
+    assert drafted > 20 and rejected > 5 and padded >= 2
+
+
+def test_spec_decode_beside_loads_cached_past_the_computed_tokens(tmp_path, monkeypatch):
+    """``case_spec_decode``'s planted bug beside loads: after an output that rejected drafts,
+    the registration counts every known token, publishing a block over a rejected draft."""
+    original = KVCacheManager.cache_blocks
+
+    def cache_blocks(self, request, num_computed_tokens):
+        if request.request_id in sd.REJECTING:
+            num_computed_tokens = request.num_tokens
+        original(self, request, num_computed_tokens)
+
+    monkeypatch.setattr(KVCacheManager, "cache_blocks", cache_blocks)
+    spec_decode_workload(tmp_path, is_async=True)

@@ -56,7 +56,7 @@ to the spec sorted by it when that entry point begins. ``reset_prefix_cache`` pr
 requests is a step of its own to the spec (``_reset_step``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
-other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
+other KV connector, load failures, drafts with lookahead slots, hybrid
 groups, sliding window, deferred async loads, CoW retentions, lookahead hashing, a waiting
 request passed over, ...), or a caller does what no engine core does (edits vLLM's state between
 calls, drives the KV-cache manager directly, patches a wrapped method, samples a token
@@ -731,13 +731,15 @@ class Attachment:
         Where the two rules pick one request the preemption is judged (a victim vLLM chose
         otherwise is the spec's to find); where they pick two, refused."""
         running = {r.request_id for r in self.scheduler.running} | {victim.request_id}
-        by_vllm: Callable[[str], object] = lambda r: self._appended.get(r, -1)
-        by_spec: Callable[[str], object] = lambda r: self._admitted.get(r, -1)
+        candidates = running | self.loads.waiting
         if self.config.preemption == "priority":
             requests, ids = self.scheduler.requests, self.ids
-            by_vllm = by_spec = lambda r: (requests[r].priority, ids.get(r, -1))
-        vllm_rule = max(running, key=by_vllm)  # type: ignore[type-var]
-        spec_rule = max(running | self.loads.waiting, key=by_spec)  # type: ignore[type-var]
+            ranks = {r: (requests[r].priority, ids.get(r, -1)) for r in candidates}
+            vllm_rule = max(running, key=ranks.__getitem__)
+            spec_rule = max(candidates, key=ranks.__getitem__)
+        else:
+            vllm_rule = max(running, key=lambda r: self._appended.get(r, -1))
+            spec_rule = max(candidates, key=lambda r: self._admitted.get(r, -1))
         if vllm_rule != spec_rule:
             self.refuse(
                 "KV connector: preemption beside an asynchronous load",
