@@ -263,6 +263,19 @@ LOADS = {  # case_loads.py: test -> (outcome, its finding's start or its one fea
         "violation",
         "Disagreement: engine emitted ('publish', 3, 1, 8)",
     ),
+    "test_partial_synchronous_loads_hold": ("judged", ""),
+    "test_a_partial_load_registered_past_what_was_written_is_caught": (
+        "violation",
+        "Disagreement: engine emitted ('publish', 0, 3, 4)",
+    ),
+    "test_a_partial_load_overrunning_the_budget_is_refused": (
+        "run",
+        "KV connector: a load not of whole blocks",
+    ),
+    "test_a_partial_asynchronous_load_is_refused": (
+        "run",
+        "KV connector: a load not of whole blocks",
+    ),
 }
 
 
@@ -282,7 +295,7 @@ def test_the_plugin_judges_kv_connector_edges(tmp_path: Path) -> None:
         elif outcome == "run":
             assert entry["features"] == [what], entry
         else:
-            assert entry["events"] > 100, entry
+            assert entry["events"] > 60, entry
     (tmp_path / "bare").mkdir()
     bare, _ = _pytest(tmp_path / "bare", case, "-p", "no:kvspec.pytest_plugin")
     assert bare.returncode == 0 and f"{len(LOADS)} passed" in bare.stdout, bare.stdout[-3000:]

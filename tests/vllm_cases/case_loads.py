@@ -9,6 +9,11 @@ vLLM appends it to ``running`` only when it is scheduled after landing. Where bo
 running requests alike the preemption is judged (and a victim vLLM picks against its own rule
 is caught); where they rank them differently it is refused.
 
+Loads not of whole blocks: a synchronous one lands before its step's forward pass, so the tail
+of its partial block is to the spec computed in that step (a registration past what the step
+wrote is caught; a tail that overruns the spec's token budget is refused); an asynchronous one
+is refused.
+
 Speculative decoding beside loads (``case_spec_decode``'s drafter and runner, a store holding
 each prompt's first block): synchronous and asynchronous loads, the single token of a request
 admitted over a load padded with drafts, drafts accepted and rejected; ``case_spec_decode``'s
@@ -35,15 +40,15 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 
-def script(scheduler, loads):
-    """The store holds ``loads[request id]`` tokens past the local hit (whole blocks, short of
-    the last token's block); every load is asynchronous."""
+def script(scheduler, loads, is_async=True):
+    """The store holds ``loads[request id]`` tokens past the local hit, where they end short of
+    the last token's block (else nothing); loaded asynchronously or not."""
 
     def matched(request, num_computed_tokens):
         tokens = loads.get(request.request_id, 0)
         room = (request.num_tokens - 1) // BLOCK * BLOCK - num_computed_tokens
         tokens = tokens if room >= tokens else 0
-        return tokens, tokens > 0
+        return tokens, is_async and tokens > 0
 
     scheduler.connector.get_num_new_matched_tokens = matched
 
@@ -215,3 +220,41 @@ def test_spec_decode_beside_loads_cached_past_the_computed_tokens(tmp_path, monk
 
     monkeypatch.setattr(KVCacheManager, "cache_blocks", cache_blocks)
     spec_decode_workload(tmp_path, is_async=True)
+
+
+def partial_loads(tmp_path, is_async=False, prompts=None, plant=False):
+    """Prompts sharing prefixes; the store holds three tokens (a block and a half) of each past
+    its local hit; long prefills are chunked at four tokens. Run to the end."""
+    scheduler = make_scheduler(tmp_path, is_async=is_async, num_blocks=24)
+    scheduler.scheduler_config.long_prefill_token_threshold = 4
+    prompts = prompts or ([1, 2, 3, 4, 5, 6, 7], list(range(1, 12)), [9, 8, 7, 6, 5])
+    script(scheduler, {f"p{i}": 3 for i in range(len(prompts))}, is_async=is_async)
+    if plant:  # registration counts the external tokens twice
+        coordinator = scheduler.kv_cache_manager.coordinator
+        cache = coordinator.cache_blocks
+
+        def cache_blocks(request, num_tokens):
+            if request.num_computed_tokens == 0:  # an admission's allocate_slots
+                num_tokens = min(num_tokens + 3, request.num_tokens)
+            cache(request, num_tokens)
+
+        coordinator.cache_blocks = cache_blocks
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"p{i}", prompt, 0, float(i), max_tokens=3))
+    return run(scheduler)
+
+
+def test_partial_synchronous_loads_hold(tmp_path):
+    assert partial_loads(tmp_path) > 3
+
+
+def test_a_partial_load_registered_past_what_was_written_is_caught(tmp_path):
+    partial_loads(tmp_path, prompts=(list(range(1, 12)), [5, 5, 5]), plant=True)
+
+
+def test_a_partial_load_overrunning_the_budget_is_refused(tmp_path):
+    partial_loads(tmp_path, prompts=(list(range(1, 22)),))  # alone: its tail and 16 computed
+
+
+def test_a_partial_asynchronous_load_is_refused(tmp_path):
+    partial_loads(tmp_path, is_async=True)

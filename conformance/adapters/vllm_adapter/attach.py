@@ -235,6 +235,7 @@ class Attachment:
         self._admitted: dict[str, int] = {}  # request id -> when the spec admitted it
         self._appended: dict[str, int] = {}  # request id -> when vLLM appended it to running
         self._admissions = 0
+        self._extra = 0  # tokens of partial synchronous loads counted as computed this step
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
@@ -504,6 +505,12 @@ class Attachment:
 
     def _submitted(self, step: int, output: Any) -> None:
         requests = self.scheduler.requests
+        extra, self._extra = self._extra, 0
+        if output.total_num_scheduled_tokens + extra > self.config.token_budget:
+            self.refuse(
+                "KV connector: a load not of whole blocks",
+                f"its tail computed to the spec overruns step {step}'s token budget",
+            )
         samples = {r: not requests[r].is_prefill_chunk for r in output.num_scheduled_tokens}
         self.in_flight.append(InFlight(step, output, samples))
         for req_id, drafts in output.scheduled_spec_decode_tokens.items():
@@ -832,7 +839,8 @@ class Attachment:
             waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             admission = waiting and not landed
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
+            slots = self._safe(self._slots_features, request, num_new_tokens, args, kw)
+            loaded, extra = slots or (0, 0)
             if admission:
                 self._safe(self._admission_room, request)
                 if getattr(self.scheduler, "aux_output_connector", None) is not None:
@@ -857,7 +865,8 @@ class Attachment:
                 if pending:
                     self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
-            self.events.append(("schedule", rid, num_new_tokens, loaded))
+            self.events.append(("schedule", rid, num_new_tokens + extra, loaded))
+            self._extra += extra
             if admission:
                 blocks = hits.blocks[0] if hits is not None else []
                 hit = tuple(b.block_id for b in blocks)
@@ -885,10 +894,15 @@ class Attachment:
 
     def _slots_features(
         self, request: Request, num_new_tokens: int, args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> int:
+    ) -> tuple[int, int]:
         """Refuse what an ``allocate_slots`` call asks that the spec does not model; return the
-        full blocks a synchronous KV load writes (0 without one), the ``schedule`` decision's
-        last field."""
+        full blocks a KV load writes (0 without one: the ``schedule`` decision's last field)
+        and the tokens past them a synchronous load writes into a block it does not fill. The
+        spec's loads are of whole blocks; a synchronous one lands before the step's forward
+        pass reads anything, so the tail of a partial block is to the spec computed in that
+        step, as the tokens after it are (the decision's tokens count it; ``_submitted``
+        refuses a step whose budget that would overrun). An asynchronous load not of whole
+        blocks has no such reading: refused."""
         names = (
             "num_new_computed_tokens",
             "new_computed_blocks",
@@ -906,17 +920,18 @@ class Attachment:
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
         external = int(given.get("num_external_computed_tokens") or 0)
         if not external:
-            return 0
+            return 0, 0
         bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)
         where = f"{request.request_id}: {external} external tokens after {local} cached"
-        if bool(given.get("delay_cache_blocks")) != (num_new_tokens <= 0):
+        synchronous = num_new_tokens > 0
+        if bool(given.get("delay_cache_blocks")) == synchronous:
             self.refuse("KV connector: a load's registration not vLLM's", where)
-        elif external % bsz or local % bsz:
+        elif local % bsz or (external % bsz and not synchronous):
             self.refuse("KV connector: a load not of whole blocks", where)
         elif (local + external) // bsz > (request.num_tokens - 1) // bsz:
             # vLLM then recomputes the last token over a loaded block; the spec computes it
             self.refuse("KV connector: a load over the last token's block", where)
-        return external // bsz
+        return external // bsz, external % bsz
 
     def _admission_room(self, request: Request) -> None:
         """The spec counts a request loading asynchronously as running, vLLM as waiting: an
