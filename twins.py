@@ -33,10 +33,12 @@ TWINS: tuple[Twin, ...] = (
         "every policy, discipline, preemption and depth, with prefix caching on and off, "
         "with draft tokens (speculative decoding, synchronous and under async scheduling), and "
         "with deferred frees (``Config.defer_free``: its own step sequence numbers and fenced "
-        "queue)",
+        "queue) and deferred asynchronous loads (``Config.defer_loads``: a deferred load's "
+        "request takes the newest counted step's sequence number)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
+            "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_loads_conforms",
             "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
             "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
             "tests/test_async_spec_decode.py::test_the_reference_engine_with_drafts_under_async_conforms",
@@ -48,7 +50,8 @@ TWINS: tuple[Twin, ...] = (
         "the fast model: the state machine for speed, interned prefixes, prefix caching on "
         "and off (the reference traces and spec walks its tests draw include caching off); "
         "not speculative decoding nor deferred frees (``Config.spec_tokens`` > 0 and "
-        "``Config.defer_free`` are refused by ``FastModel``, and ``kvspec check`` and "
+        "``Config.defer_free``, which ``Config.defer_loads`` needs, are refused by "
+        "``FastModel``, and ``kvspec check`` and "
         "``Monitor.fast`` judge such traces by the spec throughout)",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",

@@ -61,12 +61,14 @@ MODEL_FIELDS = (
     "spec_tokens",
     "delay_load_registration",
     "defer_free",
+    "defer_loads",
 )
 WRITTEN_IF_NOT: dict[str, object] = {
     "prefix_caching": True,
     "spec_tokens": 0,
     "delay_load_registration": False,
     "defer_free": False,
+    "defer_loads": False,
 }
 """Model fields added after older kvspec versions shipped, written only when they differ from this
 default: a trace of a default configuration still reads in those versions (a reader takes a
@@ -232,7 +234,8 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     for name in ("policy", "discipline", "preemption", "stale_output"):
         if name in model and not isinstance(model[name], str):
             raise bad(f'"model.{name}" must be a string')
-    for name in ("async_scheduling", "prefix_caching", "delay_load_registration", "defer_free"):
+    flags = ("async_scheduling", "prefix_caching", "delay_load_registration", "defer_free")
+    for name in (*flags, "defer_loads"):
         if name in model and not isinstance(model[name], bool):
             raise bad(f'"model.{name}" must be true or false')
     for name in ("depth", "token_budget", "max_running", "spec_tokens"):
@@ -280,6 +283,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "spec_tokens": (int,),
     "delay_load_registration": (bool,),
     "defer_free": (bool,),
+    "defer_loads": (bool,),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 

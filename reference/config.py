@@ -67,6 +67,10 @@ class EngineConfig:
     while a submitted step still computes for it gives up its table at once, and its blocks
     go back to the pool only when the newest step that computed anything by then has been
     committed (``Scheduler``: step sequence numbers and a queue of fenced frees)."""
+    defer_loads: bool = False
+    """vLLM's ``defer_async_loads`` (the spec's ``Config.defer_loads``; needs ``defer_free``):
+    an asynchronous load admitted while a counted step is in flight starts only once that step
+    has been committed, so until then its request counts as computed for by it."""
 
     @property
     def reach(self) -> int:
@@ -106,6 +110,10 @@ class EngineConfig:
                 "delay_load_registration must be a bool",
             ),
             (isinstance(self.defer_free, bool), "defer_free must be a bool"),
+            (
+                isinstance(self.defer_loads, bool) and (self.defer_free or not self.defer_loads),
+                "defer_loads must be a bool, and needs defer_free",
+            ),
             (
                 self.stale_output in STALE_OUTPUTS,
                 f"stale_output must be one of {', '.join(STALE_OUTPUTS)}",

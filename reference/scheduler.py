@@ -240,6 +240,8 @@ class Scheduler:
         if num_loaded:
             if not num_tokens:  # asynchronous: the request waits for the step's commit
                 req.loading = step.step_id
+                if self.config.defer_loads and self.sched_seq > self.processed_seq:
+                    self.last_seq[req.rid] = self.sched_seq  # started once that step commits
             self.counters["loaded_blocks"] += num_loaded
 
     def schedule_running(self, step: Step, req: Request, num_tokens: int) -> None:

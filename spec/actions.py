@@ -479,7 +479,10 @@ def _fence(s: State, rid: int, committing: Step | None) -> int | None:
     """``Config.defer_free``: the step whose commit frees what request ``rid`` gives up now, or
     None to free it at once. None unless a submitted step in flight (``committing`` aside: its
     writes have run) computes tokens for the request (vLLM's ``last_sched_seq`` past
-    ``processed_step_seq``; a load-only entry computes none); then the newest submitted step
+    ``processed_step_seq``; a load-only entry computes none), or, with ``Config.defer_loads``,
+    its asynchronous load still waits to start: a submitted step older than the load's that
+    computes is in flight (vLLM's ``deferred_loads``: the load was deferred at admission, and
+    ``last_sched_seq`` set to that step's sequence number); then the newest submitted step
     that computes any (vLLM's ``sched_step_seq``, which steps with no tokens do not advance)."""
     if not s.config.defer_free:
         return None
@@ -488,7 +491,11 @@ def _fence(s: State, rid: int, committing: Step | None) -> int | None:
     writers = [st for st in submitted if st.budget_used > 0]
     for st in submitted:
         e = st.entries.get(rid)
-        if e is not None and not e.load and e.end - e.start - e.loaded * bsz > 0:
+        if e is None:
+            continue
+        if not e.load and e.end - e.start - e.loaded * bsz > 0:
+            return writers[-1].id
+        if e.load and s.config.defer_loads and writers and writers[0].id < st.id:
             return writers[-1].id
     return None
 

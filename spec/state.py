@@ -125,6 +125,12 @@ class Config:
     computes tokens) commits; then they are freed as its table would have been (vLLM's
     ``defer_block_free``: ``deferred_frees``, drained at the top of ``update_from_output``).
     False: freed at once (``docs/model.md``, "Deferred block free")."""
+    defer_loads: bool = False
+    """With ``defer_free``: an asynchronous load admitted while a submitted step that computes
+    is in flight starts only once the steps in flight then have committed, and until then its
+    request's blocks are fenced like those of a request a submitted step computes for: given
+    up, they wait for the newest submitted step that computes (vLLM's ``defer_async_loads``,
+    ``deferred_loads``; ``docs/model.md``, "Deferred block free")."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -161,6 +167,10 @@ class Config:
             (
                 isinstance(self.defer_free, bool),
                 f"defer_free must be a bool, got {self.defer_free!r}",
+            ),
+            (
+                isinstance(self.defer_loads, bool) and (self.defer_free or not self.defer_loads),
+                f"defer_loads must be a bool, and needs defer_free, got {self.defer_loads!r}",
             ),
         ]
         for ok, message in checks:

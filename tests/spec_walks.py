@@ -34,11 +34,12 @@ KINDS = (
 @st.composite
 def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
     """``drafts``: configurations may have draft tokens (``spec_tokens``), synchronous or under
-    async scheduling, and any may defer its frees (``defer_free``); off for the fast model, which
-    refuses both."""
+    async scheduling, and any may defer its frees (``defer_free``) and its loads with them
+    (``defer_loads``); off for the fast model, which refuses both."""
     async_scheduling = draw(st.booleans())
     depth = draw(st.integers(2 if async_scheduling else 1, 3))
     spec_tokens = draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0
+    defer_free = draw(st.booleans()) if drafts else False
     return Config(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
@@ -54,7 +55,8 @@ def spec_configs(draw: st.DrawFn, drafts: bool = True) -> Config:
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=spec_tokens,
         delay_load_registration=draw(st.booleans()),
-        defer_free=draw(st.booleans()) if drafts else False,
+        defer_free=defer_free,
+        defer_loads=defer_free and draw(st.booleans()),
     )
 
 

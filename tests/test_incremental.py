@@ -67,6 +67,7 @@ def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Eve
         delay_load_registration=draw(st.booleans()),
         defer_free=draw(st.booleans()) if drafts else False,
     )
+    common["defer_loads"] = bool(common["defer_free"]) and draw(st.booleans())
     room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
     if room - EngineConfig(**common).reach < 2:  # type: ignore[arg-type]
         common["spec_tokens"] = 0  # no room for a prompt, a token and the drafts

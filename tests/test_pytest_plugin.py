@@ -276,6 +276,11 @@ LOADS = {  # case_loads.py: test -> (outcome, its finding's start or its one fea
         "run",
         "KV connector: a load not of whole blocks",
     ),
+    "test_deferred_loads_hold": ("judged", ""),
+    "test_a_deferred_load_freed_at_once_is_caught": (
+        "violation",
+        "Disagreement: engine emitted ('free', 7), but the spec expects ('finish', 2, 'abort')",
+    ),
 }
 
 

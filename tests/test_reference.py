@@ -330,6 +330,7 @@ def replay(
         spec_tokens=cfg.spec_tokens,
         delay_load_registration=cfg.delay_load_registration,
         defer_free=cfg.defer_free,
+        defer_loads=cfg.defer_loads,
     )
     s = initial_state(spec_cfg)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]

@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -258,3 +258,135 @@ def test_a_partial_load_overrunning_the_budget_is_refused(tmp_path):
 
 def test_a_partial_asynchronous_load_is_refused(tmp_path):
     partial_loads(tmp_path, is_async=True)
+
+
+def deferring_scheduler(tmp_path, num_blocks=24):
+    """``case_defer``'s ``AsyncScheduler`` with ``defer_block_free`` and ``defer_async_loads``
+    set after construction (as vLLM's tests do; production sets the second only for HiSparse),
+    beside ``ExampleConnector``, whose store holds two blocks of imp0 and one of imp1 (a
+    table of unregistered blocks freed at once would be refused: ``a batch of unhashed blocks
+    freed``)."""
+    from case_defer import BLOCK as DEFER_BLOCK
+    from vllm.config import ParallelConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    assert DEFER_BLOCK == BLOCK
+    model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=1024)
+    sched = SchedulerConfig(
+        max_model_len=1024,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        enable_chunked_prefill=True,
+        async_scheduling=True,
+    )
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_blocks
+    transfer = KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        parallel_config=ParallelConfig(pipeline_parallel_size=1),
+    )
+    config.scheduler_config.async_scheduling = True  # vLLM's CPU platform turns it off
+    spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
+    scheduler = AsyncScheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
+    scheduler.connector.build_connector_meta = lambda output: KVConnectorMetadata()
+    script(scheduler, {"imp0": 2 * BLOCK, "imp1": BLOCK})
+    scheduler.defer_block_free = True
+    scheduler.defer_async_loads = True
+    return scheduler
+
+
+class LoadingCore:
+    """``case_defer.EngineCore`` (a batch queue of two steps) whose runner also reports the
+    loads the connector started (their deferral drained) at an earlier output as landed."""
+
+    def __init__(self, scheduler):
+        from case_defer import EngineCore
+
+        self.core = EngineCore(scheduler, stops={})
+        self.scheduler = scheduler
+        self.started: set[str] = set()
+
+    def step(self):
+        core, scheduler = self.core, self.scheduler
+        if len(core.queue) < 2 and scheduler.has_requests():
+            core.schedule()
+        if len(core.queue) == 2 or (core.queue and not scheduler.has_requests()):
+            self.process_oldest()
+
+    def process_oldest(self):
+        output, samples = self.core.queue.pop(0)
+        ids = list(output.num_scheduled_tokens)
+        runner = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] if r in samples else [] for r in ids],
+        )
+        started = {
+            r.request_id
+            for r in self.scheduler.requests.values()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and r.request_id not in self.scheduler.deferred_loads
+        }
+        if started & self.started:
+            runner.kv_connector_output = KVConnectorOutput(finished_recving=started & self.started)
+        self.started |= started
+        self.scheduler.update_from_output(output, runner)
+
+
+def deferred_loads(tmp_path):
+    """r0 prefills and decodes with two steps in flight; imp0, then imp1, are admitted over
+    loads deferred behind those steps; imp1 is aborted while its load waits (its blocks held
+    until the newest step commits), imp0's load starts, lands and it runs to the end."""
+    scheduler = deferring_scheduler(tmp_path)
+    core = LoadingCore(scheduler)
+    scheduler.add_request(make_request("r0", [1, 2, 3, 4, 5], 0, 0.0, max_tokens=8))
+    for _ in range(3):
+        core.step()
+    scheduler.add_request(make_request("imp0", [5, 5, 5, 5, 6, 6, 6], 0, 1.0, max_tokens=4))
+    scheduler.add_request(make_request("imp1", [8, 8, 8, 8, 9, 9], 0, 2.0, max_tokens=4))
+    core.core.schedule()  # a second step in flight, admitting both over deferred loads
+    assert set(scheduler.deferred_loads) == {"imp0", "imp1"}
+    scheduler.finish_requests("imp1", RequestStatus.FINISHED_ABORTED)
+    held = bool(scheduler.deferred_frees)  # the step that may still read them is in flight
+    for _ in range(60):
+        core.step()
+    assert not scheduler.has_requests() and not scheduler.deferred_frees
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    return held
+
+
+def test_deferred_loads_hold(tmp_path):
+    assert deferred_loads(tmp_path)
+
+
+def test_a_deferred_load_freed_at_once_is_caught(tmp_path, monkeypatch):
+    """Planted: a request aborted before it computed anything (imp1, its load deferred) is
+    freed at once, as if its load-only admission fenced nothing."""
+    from vllm.v1.core.sched.scheduler import Scheduler as Base
+
+    gate = Base._request_blocks_can_be_freed
+
+    def can_be_freed(self, request):
+        never_ran = (
+            request.status == RequestStatus.FINISHED_ABORTED and not request.num_output_tokens
+        )
+        return never_ran or gate(self, request)
+
+    monkeypatch.setattr(Base, "_request_blocks_can_be_freed", can_be_freed)
+    deferred_loads(tmp_path)

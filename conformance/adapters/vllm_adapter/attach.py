@@ -57,7 +57,7 @@ requests is a step of its own to the spec (``_reset_step``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
 other KV connector, load failures, drafts with lookahead slots, hybrid
-groups, sliding window, deferred async loads, CoW retentions, lookahead hashing, a waiting
+groups, sliding window, CoW retentions, lookahead hashing, a waiting
 request passed over, ...), or a caller does what no engine core does (edits vLLM's state between
 calls, drives the KV-cache manager directly, patches a wrapped method, samples a token
 mid-prefill), ``refusal`` is set, at attach time or at run time, with the feature's name. The
@@ -342,10 +342,11 @@ class Attachment:
         ):
             return self.refuse(*feature)
         now = config_of(self.scheduler)
-        if now.defer_free != self.config.defer_free and not self.events and not self.in_flight:
+        deferral = (now.defer_free, now.defer_loads)
+        if deferral != (self.config.defer_free, self.config.defer_loads) and not self.events:
             # set after construction (vLLM's tests do), before anything happened: the
             # configuration the scheduler is judged against from its first event on
-            self.config = replace(self.config, defer_free=now.defer_free)
+            self.config = replace(self.config, defer_free=deferral[0], defer_loads=deferral[1])
         drift = _drift(self.config, now)
         if drift:
             self.refuse("scheduler limits changed", drift)
@@ -1054,7 +1055,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
     """The spec configuration a vLLM ``Scheduler`` claims to implement: its pool, block size,
     preemption policy, token budget and admission limit, async scheduling (an
     ``AsyncScheduler``) and what becomes of stale output (dropped where ``requires_kv_delivery``,
-    else delivered), whether frees wait for the steps in flight (``defer_block_free``); vLLM
+    else delivered), whether frees wait for the steps in flight (``defer_block_free``) and
+    asynchronous loads too (``defer_async_loads``, which vLLM sets only beside it); vLLM
     0.33.0 registers eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
     asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
@@ -1074,6 +1076,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         spec_tokens=int(getattr(scheduler, "num_spec_tokens", 0) or 0),
         delay_load_registration=scheduler.connector is not None,
         defer_free=bool(getattr(scheduler, "defer_block_free", False)),
+        defer_loads=bool(getattr(scheduler, "defer_async_loads", False))
+        and bool(getattr(scheduler, "defer_block_free", False)),
     )
 
 
@@ -1095,7 +1099,7 @@ def attach(
 def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
-    names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free")
+    names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free", "defer_loads")
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

@@ -102,12 +102,14 @@ def scheduler_features(sched: Any) -> list[Feature]:
             found.append(("chunked local attention", type(spec).__name__))
         elif type(spec) is not FullAttentionSpec:
             found.append((f"KV-cache spec {type(spec).__name__}", "not plain full attention"))
-    # defer_block_free is modelled (Config.defer_free, read by config_of); what rides on it is
-    # not: async loads deferred past the in-flight steps (HiSparse), CoW retentions (attach.py)
+    # defer_block_free and defer_async_loads are modelled (Config.defer_free, defer_loads, read
+    # by config_of); CoW retentions released against a fence are not (attach.py). HiSparse,
+    # whose reads of released pages are why vLLM defers loads, is refused below.
     need(
-        getattr(sched, "defer_async_loads", False) or getattr(sched, "deferred_loads", None),
+        getattr(sched, "defer_async_loads", False)
+        and not getattr(sched, "defer_block_free", False),
         "deferred async loads",
-        "async KV loads started only once the in-flight steps are processed",
+        "defer_async_loads without defer_block_free",
     )
     need(
         getattr(sched, "num_hash_lookahead_tokens", 0),
