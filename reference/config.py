@@ -58,6 +58,11 @@ class EngineConfig:
     """External loads are synchronous: an external request loads its stored blocks and computes
     the rest of its prompt in the same step (vLLM's connector with ``load_kv_async`` False); such
     a load never fails. False: it loads and computes nothing until the load's step commits."""
+    load_last_block: bool = False
+    """An asynchronous load may take the block of the last known token too, when it is full and
+    holds more than that token (vLLM's whole-prompt load, the decode side of prefill/decode
+    disaggregation): the request then recomputes that token over the loaded block. False: a
+    load stops before that block (the spec allows both)."""
     delay_load_registration: bool = False
     """The spec's ``Config.delay_load_registration``: an asynchronous load's blocks are
     registered when its request is next scheduled, not at the load (vLLM's
@@ -105,6 +110,7 @@ class EngineConfig:
             (isinstance(self.prefix_caching, bool), "prefix_caching must be a bool"),
             (isinstance(self.async_scheduling, bool), "async_scheduling must be a bool"),
             (isinstance(self.sync_loads, bool), "sync_loads must be a bool"),
+            (isinstance(self.load_last_block, bool), "load_last_block must be a bool"),
             (
                 isinstance(self.delay_load_registration, bool),
                 "delay_load_registration must be a bool",

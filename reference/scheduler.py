@@ -256,7 +256,7 @@ class Scheduler:
     ) -> None:
         kv = self.kv
         kv.grow(req, end)
-        req.computed = end
+        req.computed = end - 1 if load and end == len(req.tokens) else end  # recomputed after
         table = req.table
         drafts = max(0, end - len(req.tokens) - req.placeholders)
         req.drafts = 0  # used, or dropped by the budget (vLLM clears them either way)

@@ -134,9 +134,10 @@ def spec_runs(
             if kind == "preempt":
                 take(("preempt", rid))
             elif rid in s.waiting and draw(st.integers(0, 2)) == 0:  # an admission that loads:
-                req, bsz = s.requests[rid], config.block_size  # asynchronously (no tokens) or
-                cached = len(lookup(s, req))  # synchronously (the rest, or 1, computed after)
-                loaded = draw(st.integers(1, max(1, (len(req.tokens) - 1) // bsz - cached)))
+                req, bsz = s.requests[rid], config.block_size  # asynchronously (no tokens; it
+                cached = len(lookup(s, req))  # may end at the last token), or synchronously
+                # (the rest, or 1, computed after); loads the spec refuses are not taken
+                loaded = draw(st.integers(1, max(1, len(req.tokens) // bsz - cached)))
                 rest = max(1, len(req.tokens) - (cached + loaded) * bsz)
                 take(("schedule", rid, draw(st.sampled_from((0, 0, rest, 1))), loaded))
             else:

@@ -281,6 +281,11 @@ LOADS = {  # case_loads.py: test -> (outcome, its finding's start or its one fea
         "violation",
         "Disagreement: engine emitted ('free', 7), but the spec expects ('finish', 2, 'abort')",
     ),
+    "test_whole_prompt_loads_hold": ("judged", ""),
+    "test_a_whole_load_recomputing_its_last_block_is_caught": (
+        "violation",
+        "Illegal: schedule r0 in step 2: token 4 is not known yet",
+    ),
 }
 
 

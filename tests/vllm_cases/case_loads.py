@@ -14,6 +14,13 @@ of its partial block is to the spec computed in that step (a registration past w
 wrote is caught; a tail that overruns the spec's token budget is refused); an asynchronous one
 is refused.
 
+Whole-prompt loads (the decode side of prefill/decode disaggregation): an asynchronous load of
+every block of a prompt of whole blocks, the last token recomputed over the loaded block, is
+judged; a landing that recomputes the whole last block instead is caught.
+
+Deferred loads (``defer_async_loads`` beside ``defer_block_free``): a request whose load waits
+for the steps in flight, aborted, is held until the newest step commits; freed at once, caught.
+
 Speculative decoding beside loads (``case_spec_decode``'s drafter and runner, a store holding
 each prompt's first block): synchronous and asynchronous loads, the single token of a request
 admitted over a load padded with drafts, drafts accepted and rejected; ``case_spec_decode``'s
@@ -390,3 +397,38 @@ def test_a_deferred_load_freed_at_once_is_caught(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Base, "_request_blocks_can_be_freed", can_be_freed)
     deferred_loads(tmp_path)
+
+
+def whole_loads(tmp_path, plant=False):
+    """Prompts of whole blocks whose store holds all of them (the decode side of prefill/decode
+    disaggregation): loaded entirely, asynchronously, the last token recomputed over the
+    loaded block; a later request hits them. Planted: the landing recomputes the whole last
+    block, not the last token."""
+    scheduler = make_scheduler(tmp_path, is_async=True, num_blocks=24)
+
+    def matched(request, num_computed_tokens):  # everything past the local hit
+        tokens = request.num_tokens - num_computed_tokens if request.request_id != "w2" else 0
+        return tokens, tokens > 0
+
+    scheduler.connector.get_num_new_matched_tokens = matched
+    if plant:
+        land = scheduler._update_waiting_for_remote_kv
+
+        def update_waiting_for_remote_kv(request):
+            land(request)
+            request.num_computed_tokens -= BLOCK - 1
+
+        scheduler._update_waiting_for_remote_kv = update_waiting_for_remote_kv
+    scheduler.add_request(make_request("w0", [1, 2, 3, 4], 0, 0.0, max_tokens=3))
+    scheduler.add_request(make_request("w1", [5, 6, 7, 8, 9, 10], 0, 1.0, max_tokens=3))
+    steps = run(scheduler)
+    scheduler.add_request(make_request("w2", [1, 2, 3, 4, 5], 0, 2.0, max_tokens=2))
+    return steps + run(scheduler)
+
+
+def test_whole_prompt_loads_hold(tmp_path):
+    assert whole_loads(tmp_path) > 4
+
+
+def test_a_whole_load_recomputing_its_last_block_is_caught(tmp_path):
+    whole_loads(tmp_path, plant=True)

@@ -81,6 +81,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
 from kvspec.spec import Config
+from kvspec.spec.actions import loadable
 
 from .features import (
     AsyncScheduler,
@@ -929,8 +930,9 @@ class Attachment:
             self.refuse("KV connector: a load's registration not vLLM's", where)
         elif local % bsz or (external % bsz and not synchronous):
             self.refuse("KV connector: a load not of whole blocks", where)
-        elif (local + external) // bsz > (request.num_tokens - 1) // bsz:
-            # vLLM then recomputes the last token over a loaded block; the spec computes it
+        elif (local + external) // bsz > loadable(request.num_tokens, bsz, not synchronous):
+            # an asynchronous load may end there (vLLM and the spec recompute the last token
+            # over the loaded block) unless a block holds that token alone
             self.refuse("KV connector: a load over the last token's block", where)
         return external // bsz, external % bsz
 
