@@ -33,11 +33,14 @@ TWINS: tuple[Twin, ...] = (
         "every policy, discipline, preemption and depth, with prefix caching on and off, "
         "with draft tokens (speculative decoding, synchronous and under async scheduling), and "
         "with deferred frees (``Config.defer_free``: its own step sequence numbers and fenced "
-        "queue), and with a sliding window (``Config.sliding_window``: its own window hit rule "
-        "and skipped-block frees on its own count of the tokens in flight)",
+        "queue), deferred asynchronous loads (``Config.defer_loads``: a deferred load's "
+        "request takes the newest counted step's sequence number), and with a sliding window "
+        "(``Config.sliding_window``: its own window hit rule and skipped-block frees on its own "
+        "count of the tokens in flight)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
+            "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_loads_conforms",
             "tests/test_spec_no_caching.py::test_the_reference_engine_without_prefix_caching_conforms",
             "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
             "tests/test_async_spec_decode.py::test_the_reference_engine_with_drafts_under_async_conforms",
@@ -50,8 +53,9 @@ TWINS: tuple[Twin, ...] = (
         "the fast model: the state machine for speed, interned prefixes, prefix caching on "
         "and off (the reference traces and spec walks its tests draw include caching off); "
         "not speculative decoding, deferred frees nor a sliding window (``Config.spec_tokens`` "
-        "> 0, ``Config.defer_free`` and ``Config.sliding_window`` are refused by ``FastModel``, "
-        "and ``kvspec check`` and ``Monitor.fast`` judge such traces by the spec throughout)",
+        "> 0, ``Config.defer_free``, which ``Config.defer_loads`` needs, and "
+        "``Config.sliding_window`` are refused by ``FastModel``, and ``kvspec check`` and "
+        "``Monitor.fast`` judge such traces by the spec throughout)",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",
         (

@@ -62,6 +62,7 @@ MODEL_FIELDS = (
     "delay_load_registration",
     "defer_free",
     "sliding_window",
+    "defer_loads",
 )
 WRITTEN_IF_NOT: dict[str, object] = {
     "prefix_caching": True,
@@ -69,6 +70,7 @@ WRITTEN_IF_NOT: dict[str, object] = {
     "delay_load_registration": False,
     "defer_free": False,
     "sliding_window": None,
+    "defer_loads": False,
 }
 """Model fields added after older kvspec versions shipped, written only when they differ from this
 default: a trace of a default configuration still reads in those versions (a reader takes a
@@ -234,7 +236,8 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     for name in ("policy", "discipline", "preemption", "stale_output"):
         if name in model and not isinstance(model[name], str):
             raise bad(f'"model.{name}" must be a string')
-    for name in ("async_scheduling", "prefix_caching", "delay_load_registration", "defer_free"):
+    flags = ("async_scheduling", "prefix_caching", "delay_load_registration", "defer_free")
+    for name in (*flags, "defer_loads"):
         if name in model and not isinstance(model[name], bool):
             raise bad(f'"model.{name}" must be true or false')
     for name in ("depth", "token_budget", "max_running", "spec_tokens"):
@@ -285,6 +288,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "delay_load_registration": (bool,),
     "defer_free": (bool,),
     "sliding_window": (int, type(None)),
+    "defer_loads": (bool,),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 

@@ -58,6 +58,11 @@ class EngineConfig:
     """External loads are synchronous: an external request loads its stored blocks and computes
     the rest of its prompt in the same step (vLLM's connector with ``load_kv_async`` False); such
     a load never fails. False: it loads and computes nothing until the load's step commits."""
+    load_last_block: bool = False
+    """An asynchronous load may take the block of the last known token too, when it is full and
+    holds more than that token (vLLM's whole-prompt load, the decode side of prefill/decode
+    disaggregation): the request then recomputes that token over the loaded block. False: a
+    load stops before that block (the spec allows both)."""
     delay_load_registration: bool = False
     """The spec's ``Config.delay_load_registration``: an asynchronous load's blocks are
     registered when its request is next scheduled, not at the load (vLLM's
@@ -73,6 +78,10 @@ class EngineConfig:
     end and hold the null block before them; a running request's blocks wholly before the
     window of its next processed token are freed and nulled when it is scheduled. None: full
     attention."""
+    defer_loads: bool = False
+    """vLLM's ``defer_async_loads`` (the spec's ``Config.defer_loads``; needs ``defer_free``):
+    an asynchronous load admitted while a counted step is in flight starts only once that step
+    has been committed, so until then its request counts as computed for by it."""
 
     @property
     def reach(self) -> int:
@@ -107,6 +116,7 @@ class EngineConfig:
             (isinstance(self.prefix_caching, bool), "prefix_caching must be a bool"),
             (isinstance(self.async_scheduling, bool), "async_scheduling must be a bool"),
             (isinstance(self.sync_loads, bool), "sync_loads must be a bool"),
+            (isinstance(self.load_last_block, bool), "load_last_block must be a bool"),
             (
                 isinstance(self.delay_load_registration, bool),
                 "delay_load_registration must be a bool",
@@ -116,6 +126,10 @@ class EngineConfig:
                 self.sliding_window is None
                 or (_is_int(self.sliding_window) and self.sliding_window >= 1),
                 "sliding_window must be None or an int >= 1",
+            ),
+            (
+                isinstance(self.defer_loads, bool) and (self.defer_free or not self.defer_loads),
+                "defer_loads must be a bool, and needs defer_free",
             ),
             (
                 self.stale_output in STALE_OUTPUTS,

@@ -39,7 +39,9 @@ def plan_admission(
     num_hits = len(hits)
     num_loaded = 0
     if req.external and kv.window is None:  # no loads under a sliding window (not modelled)
-        stored = min(req.prompt_len // bsz, (len(req.tokens) - 1) // bsz)
+        cfg = sched.config
+        whole = cfg.load_last_block and not cfg.sync_loads and bsz > 1  # spec.actions.loadable
+        stored = min(req.prompt_len // bsz, (len(req.tokens) - (0 if whole else 1)) // bsz)
         if stored > num_hits:
             num_loaded = stored - num_hits
     if num_loaded and sched.config.sync_loads:  # the rest of the prompt computed after it

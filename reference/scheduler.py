@@ -240,6 +240,8 @@ class Scheduler:
         if num_loaded:
             if not num_tokens:  # asynchronous: the request waits for the step's commit
                 req.loading = step.step_id
+                if self.config.defer_loads and self.sched_seq > self.processed_seq:
+                    self.last_seq[req.rid] = self.sched_seq  # started once that step commits
             self.counters["loaded_blocks"] += num_loaded
 
     def processed(self, req: Request) -> int:
@@ -276,7 +278,7 @@ class Scheduler:
     ) -> None:
         kv = self.kv
         kv.grow(req, end)
-        req.computed = end
+        req.computed = end - 1 if load and end == len(req.tokens) else end  # recomputed after
         table = req.table
         drafts = max(0, end - len(req.tokens) - req.placeholders)
         req.drafts = 0  # used, or dropped by the budget (vLLM clears them either way)

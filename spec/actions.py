@@ -88,6 +88,8 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     tokens to compute the load is asynchronous (the request waits for the step's commit, and the
     load may fail at ``execute``); with tokens computed after the loaded blocks it is synchronous
     (the worker lands it before the forward pass reads it, in the same step; it never fails).
+    An asynchronous load may end at the last known token when that token's block is full: the
+    request then recomputes that token over the loaded block (``loadable``).
     With async scheduling the tokens may run past the known ones into placeholders, one per step
     in flight that samples for the request (``State.ahead``); the step's writes there hold the
     placeholder until its sampling step commits. With speculative decoding
@@ -114,7 +116,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         hits = lookup(s, req)
         pad = min(s.skipped(len(hits) * bsz), len(hits))  # before the window: the null block
         hits = [NULL_BLOCK] * pad + hits[pad:]
-        if len(hits) + num_loaded > (len(req.tokens) - 1) // bsz:
+        if len(hits) + num_loaded > loadable(len(req.tokens), bsz, num_tokens == 0):
             raise Illegal(f"{where}: the last known token must be computed, not loaded")
         start = len(hits) * bsz
         end = start + num_tokens + num_loaded * bsz
@@ -157,7 +159,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         s.touched.content.add(req.table[i])
     s.touched.requests.add(rid)
     s.touched.entries.add((step.id, rid))
-    req.computed = end
+    req.computed = end - 1 if load and end == len(tokens) else end  # recomputed over the load
     samples = not load and end == len(tokens)
     step.entries[rid] = Entry(
         start, end, tuple(req.table[:span]), load, samples, max(drafts, 0), num_loaded
@@ -498,7 +500,10 @@ def _fence(s: State, rid: int, committing: Step | None) -> int | None:
     """``Config.defer_free``: the step whose commit frees what request ``rid`` gives up now, or
     None to free it at once. None unless a submitted step in flight (``committing`` aside: its
     writes have run) computes tokens for the request (vLLM's ``last_sched_seq`` past
-    ``processed_step_seq``; a load-only entry computes none); then the newest submitted step
+    ``processed_step_seq``; a load-only entry computes none), or, with ``Config.defer_loads``,
+    its asynchronous load still waits to start: a submitted step older than the load's that
+    computes is in flight (vLLM's ``deferred_loads``: the load was deferred at admission, and
+    ``last_sched_seq`` set to that step's sequence number); then the newest submitted step
     that computes any (vLLM's ``sched_step_seq``, which steps with no tokens do not advance)."""
     if not s.config.defer_free:
         return None
@@ -507,7 +512,11 @@ def _fence(s: State, rid: int, committing: Step | None) -> int | None:
     writers = [st for st in submitted if st.budget_used > 0]
     for st in submitted:
         e = st.entries.get(rid)
-        if e is not None and not e.load and e.end - e.start - e.loaded * bsz > 0:
+        if e is None:
+            continue
+        if not e.load and e.end - e.start - e.loaded * bsz > 0:
+            return writers[-1].id
+        if e.load and s.config.defer_loads and writers and writers[0].id < st.id:
             return writers[-1].id
     return None
 
@@ -521,6 +530,16 @@ def _drain(s: State, step: Step) -> list[Event]:
         held = s.deferred.pop(0)
         events += free_blocks(s, held.req, held.blocks)
     return events
+
+
+def loadable(known: int, bsz: int, asynchronous: bool) -> int:
+    """How many leading blocks an admission of a request with ``known`` tokens may take from
+    hits and a load: those before the block of the last known token, which must be computed to
+    sample the next; an asynchronous load may also take that block when it is full and holds
+    more than that token (vLLM's whole-prompt load, the decode side of prefill/decode
+    disaggregation): its request then recomputes the last token over the loaded block
+    (``_update_waiting_for_remote_kv``), so its computed tokens stop one short of the load."""
+    return (known if asynchronous and bsz > 1 else known - 1) // bsz
 
 
 def _building(s: State, where: str) -> Step:

@@ -132,6 +132,12 @@ class Config:
     is scheduled, the blocks wholly before the window of its next processed token are freed
     and replaced by the null block (``pool.remove_skipped``); a step reads only its window.
     None: full attention (``docs/model.md``, "Sliding window")."""
+    defer_loads: bool = False
+    """With ``defer_free``: an asynchronous load admitted while a submitted step that computes
+    is in flight starts only once the steps in flight then have committed, and until then its
+    request's blocks are fenced like those of a request a submitted step computes for: given
+    up, they wait for the newest submitted step that computes (vLLM's ``defer_async_loads``,
+    ``deferred_loads``; ``docs/model.md``, "Deferred block free")."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -173,6 +179,10 @@ class Config:
                 self.sliding_window is None
                 or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                 f"sliding_window must be None or an integer >= 1, got {self.sliding_window!r}",
+            ),
+            (
+                isinstance(self.defer_loads, bool) and (self.defer_free or not self.defer_loads),
+                f"defer_loads must be a bool, and needs defer_free, got {self.defer_loads!r}",
             ),
         ]
         for ok, message in checks:

@@ -34,12 +34,14 @@ KINDS = (
 @st.composite
 def spec_configs(draw: st.DrawFn, drafts: bool = True, window: bool = False) -> Config:
     """``drafts``: configurations may have draft tokens (``spec_tokens``), synchronous or under
-    async scheduling, and any may defer its frees (``defer_free``); off for the fast model, which
-    refuses both. ``window``: every configuration has a sliding window (``sliding_window``) and
-    the safe registration policy (``deferred``)."""
+    async scheduling, and any may defer its frees (``defer_free``) and its loads with them
+    (``defer_loads``); off for the fast model, which refuses both. ``window``: every
+    configuration has a sliding window (``sliding_window``) and the safe registration policy
+    (``deferred``)."""
     async_scheduling = draw(st.booleans())
     depth = draw(st.integers(2 if async_scheduling else 1, 3))
     spec_tokens = draw(st.sampled_from((0, 0, 1, 3))) if drafts else 0
+    defer_free = draw(st.booleans()) if drafts else False
     return Config(
         num_blocks=draw(st.integers(4, 8)),
         block_size=draw(st.sampled_from((1, 2, 4))),
@@ -55,7 +57,8 @@ def spec_configs(draw: st.DrawFn, drafts: bool = True, window: bool = False) -> 
         prefix_caching=draw(st.sampled_from((True, True, True, False))),
         spec_tokens=spec_tokens,
         delay_load_registration=draw(st.booleans()),
-        defer_free=draw(st.booleans()) if drafts else False,
+        defer_free=defer_free,
+        defer_loads=defer_free and draw(st.booleans()),
         sliding_window=draw(st.sampled_from((1, 2, 3, 5))) if window else None,
     )
 
@@ -136,9 +139,10 @@ def spec_runs(
             if kind == "preempt":
                 take(("preempt", rid))
             elif rid in s.waiting and draw(st.integers(0, 2)) == 0:  # an admission that loads:
-                req, bsz = s.requests[rid], config.block_size  # asynchronously (no tokens) or
-                cached = len(lookup(s, req))  # synchronously (the rest, or 1, computed after)
-                loaded = draw(st.integers(1, max(1, (len(req.tokens) - 1) // bsz - cached)))
+                req, bsz = s.requests[rid], config.block_size  # asynchronously (no tokens; it
+                cached = len(lookup(s, req))  # may end at the last token), or synchronously
+                # (the rest, or 1, computed after); loads the spec refuses are not taken
+                loaded = draw(st.integers(1, max(1, len(req.tokens) // bsz - cached)))
                 rest = max(1, len(req.tokens) - (cached + loaded) * bsz)
                 take(("schedule", rid, draw(st.sampled_from((0, 0, rest, 1))), loaded))
             else:

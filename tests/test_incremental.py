@@ -67,12 +67,17 @@ def engine_runs(draw: st.DrawFn, drafts: bool = False) -> tuple[Config, list[Eve
         delay_load_registration=draw(st.booleans()),
         defer_free=draw(st.booleans()) if drafts else False,
     )
+    common["defer_loads"] = bool(common["defer_free"]) and draw(st.booleans())
     room = (common["num_blocks"] - 1) * common["block_size"]  # type: ignore[operator]
     if room - EngineConfig(**common).reach < 2:  # type: ignore[arg-type]
         common["spec_tokens"] = 0  # no room for a prompt, a token and the drafts
     capacity = room - EngineConfig(**common).reach  # type: ignore[arg-type]
     choices = RandomChoices(draw(st.integers(0, 2**16)), draw(st.sampled_from((0.0, 0.3, 0.6))))
-    engine = Engine(EngineConfig(**common, vocab=4), choices=choices)  # type: ignore[arg-type]
+    whole = draw(st.booleans())  # external loads may end at the last token (vLLM's P/D)
+    engine = Engine(
+        EngineConfig(**common, vocab=4, load_last_block=whole),  # type: ignore[arg-type]
+        choices=choices,
+    )
     next_id = 0
     for op in draw(st.lists(OPS, min_size=1, max_size=40)):
         if op[0] == "arrive":

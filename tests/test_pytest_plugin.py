@@ -266,3 +266,67 @@ def test_installing_kvspec_registers_the_plugin() -> None:
     ]
     assert entry.name == entry.value == "kvspec.pytest_plugin"
     assert entry.load().judge_for.__doc__
+
+
+LOADS = {  # case_loads.py: test -> (outcome, its finding's start or its one feature)
+    "test_preemption_beside_landed_loads_holds": ("judged", ""),
+    "test_preempting_the_head_beside_loads_is_caught": (
+        "violation",
+        "Illegal: preempt r0 in step 3: fcfs preempts the unscheduled tail of running",
+    ),
+    "test_preemption_beside_a_load_ranked_otherwise_is_refused": (
+        "run",
+        "KV connector: preemption beside an asynchronous load",
+    ),
+    "test_spec_decode_beside_synchronous_loads_holds": ("judged", ""),
+    "test_spec_decode_beside_asynchronous_loads_holds": ("judged", ""),
+    "test_spec_decode_beside_loads_cached_past_the_computed_tokens": (
+        "violation",
+        "Disagreement: engine emitted ('publish', 3, 1, 8)",
+    ),
+    "test_partial_synchronous_loads_hold": ("judged", ""),
+    "test_a_partial_load_registered_past_what_was_written_is_caught": (
+        "violation",
+        "Disagreement: engine emitted ('publish', 0, 3, 4)",
+    ),
+    "test_a_partial_load_overrunning_the_budget_is_refused": (
+        "run",
+        "KV connector: a load not of whole blocks",
+    ),
+    "test_a_partial_asynchronous_load_is_refused": (
+        "run",
+        "KV connector: a load not of whole blocks",
+    ),
+    "test_deferred_loads_hold": ("judged", ""),
+    "test_a_deferred_load_freed_at_once_is_caught": (
+        "violation",
+        "Disagreement: engine emitted ('free', 7), but the spec expects ('finish', 2, 'abort')",
+    ),
+    "test_whole_prompt_loads_hold": ("judged", ""),
+    "test_a_whole_load_recomputing_its_last_block_is_caught": (
+        "violation",
+        "Illegal: schedule r0 in step 2: token 4 is not known yet",
+    ),
+}
+
+
+@needs_vllm
+def test_the_plugin_judges_kv_connector_edges(tmp_path: Path) -> None:
+    """``case_loads.py``: a KV connector's loads where the attachment used to refuse them,
+    judged where the spec covers them (each with a planted bug caught) and refused where it
+    does not; without the plugin every case passes."""
+    case = str(CASES / "case_loads.py")
+    done, tests = _pytest(tmp_path, case, "-p", "kvspec.pytest_plugin")
+    assert set(tests) == set(LOADS), done.stdout[-3000:]
+    for name, (outcome, what) in LOADS.items():
+        entry = tests[name]
+        assert entry["outcome"] == outcome, entry
+        if outcome == "violation":
+            assert entry["finding"].startswith(f"kvspec: {what}"), entry
+        elif outcome == "run":
+            assert entry["features"] == [what], entry
+        else:
+            assert entry["events"] > 60, entry
+    (tmp_path / "bare").mkdir()
+    bare, _ = _pytest(tmp_path / "bare", case, "-p", "no:kvspec.pytest_plugin")
+    assert bare.returncode == 0 and f"{len(LOADS)} passed" in bare.stdout, bare.stdout[-3000:]

@@ -20,7 +20,7 @@ from test_reference import BOOKKEEPING, drive, recording_engine, replay
 
 from kvspec.conformance.judge.core import Judge
 from kvspec.conformance.trace import read_trace, write_trace
-from kvspec.reference import EngineConfig
+from kvspec.reference import Engine, EngineConfig
 from kvspec.spec import INVARIANTS, Config, Illegal, apply, check, initial_state
 from kvspec.spec import actions as spec_actions
 from kvspec.spec.state import Deferred, State
@@ -265,13 +265,16 @@ def _deferrals(cfg: EngineConfig, events: list[tuple[object, ...]]) -> Counter[s
         async_scheduling=cfg.async_scheduling,
         stale_output=cfg.stale_output,
         delay_load_registration=cfg.delay_load_registration,
+        defer_loads=cfg.defer_loads,
     )
     s, seen = initial_state(spec_cfg), Counter[str]()
     for event in events:
         if event[0] in DECISIONS:
             before = len(s.deferred)
+            loading = event[0] == "abort" and s.requests[event[1]].loading is not None
             apply(s, event)
             seen["deferred"] += max(0, len(s.deferred) - before)
+            seen["deferred loads"] += loading and len(s.deferred) > before
             seen["drained"] += max(0, before - len(s.deferred)) if event[0] == "commit" else 0
             assert INVARIANTS["FreedAfterWrites"](s) is None, event
     return seen
@@ -458,3 +461,144 @@ def test_the_incremental_checks_follow_deferred_frees(
         assert fast is not None and (fast.invariant, fast.event) == (full.invariant, full.event)
     else:
         assert full is not None and fast is None
+
+
+# -- deferred asynchronous loads (Config.defer_loads, vLLM's defer_async_loads) --------------
+
+LOADED = (5, 5, 5, 5, 6, 6, 6, 6, 7)  # two full blocks of 4 an external store holds, one token
+LOAD_BESIDE_STEPS_IN_FLIGHT = [  # vLLM's _setup_async_load: a prefill and a decode in flight
+    ("arrive", 1, PROMPT, 10, 0),
+    ("arrive", 2, LOADED, 5, 0),
+    ("begin", 0),
+    ("schedule", 1, 9, 0),
+    ("submit", 0),
+    ("begin", 1),
+    ("schedule", 1, 1, 0),
+    ("submit", 1),
+    ("begin", 2),
+    ("schedule", 1, 1, 0),
+    ("schedule", 2, 0, 2),  # the load: deferred, two computing steps older than it in flight
+    ("submit", 2),
+]
+
+
+def _loads_config(**kw: object) -> Config:
+    return _config(delay_load_registration=True, defer_loads=True, **kw)
+
+
+def test_a_deferred_load_holds_its_blocks_until_the_newest_step_commits() -> None:
+    """vLLM's test_abort_deferred_async_load_frees_after_inflight_step: a request whose load
+    waits for the steps in flight is aborted; its blocks wait for the newest step that
+    computes. Without ``defer_loads`` its load-only entry fences nothing: freed at once."""
+    s = initial_state(_loads_config())
+    _run(s, LOAD_BESIDE_STEPS_IN_FLIGHT)
+    table = tuple(s.requests[2].table)
+    (abort,) = _run(s, [("abort", 2)])
+    assert abort == [("finish", 2, "abort")] and s.deferred == [Deferred(2, 2, table)]
+    for step in (0, 1):
+        _run(s, [("execute", step, ()), ("commit", step, ((1, 3),))])
+        assert s.deferred == [Deferred(2, 2, table)]
+    _, commit = _run(s, [("execute", 2, ()), ("commit", 2, ((1, 3),))])
+    assert commit == [("free", b) for b in reversed(table)] and not s.deferred
+    at_once = initial_state(_config(delay_load_registration=True))
+    _run(at_once, LOAD_BESIDE_STEPS_IN_FLIGHT)
+    (abort,) = _run(at_once, [("abort", 2)])
+    assert abort == [("free", b) for b in reversed(table)] + [("finish", 2, "abort")]
+
+
+def test_a_load_not_deferred_or_started_since_fences_nothing() -> None:
+    """A load admitted with no computing step in flight starts at once; one whose older steps
+    have committed has started: either request, aborted, is freed at once (vLLM: at once, or
+    held by the connector until the load reports, which the vLLM attachment refuses)."""
+    s = initial_state(_loads_config())
+    _run(s, [("arrive", 2, LOADED, 5, 0), ("begin", 0), ("schedule", 2, 0, 2), ("submit", 0)])
+    (abort,) = _run(s, [("abort", 2)])
+    assert abort[-1] == ("finish", 2, "abort") and len(abort) == 3 and not s.deferred
+    s = initial_state(_loads_config())
+    _run(s, LOAD_BESIDE_STEPS_IN_FLIGHT)
+    _run(s, [("execute", 0, ()), ("commit", 0, ((1, 3),)), ("execute", 1, ())])
+    _run(s, [("commit", 1, ((1, 3),))])
+    (abort,) = _run(s, [("abort", 2)])
+    assert abort[-1] == ("finish", 2, "abort") and len(abort) == 3 and not s.deferred
+
+
+def test_defer_loads_needs_defer_free_and_rides_in_the_trace_header(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="defer_loads"):
+        Config(4, 1, defer_loads=True)
+    with pytest.raises(ValueError, match="defer_loads"):
+        EngineConfig(num_blocks=4, block_size=1, defer_loads=True)
+    cfg = _loads_config()
+    s, trace = initial_state(cfg), []
+    for event in LOAD_BESIDE_STEPS_IN_FLIGHT + [("abort", 2)]:
+        trace.append(event)
+        trace += apply(s, event)
+    path = tmp_path / "t.jsonl"
+    write_trace(path, cfg, trace, engine=("test", "0"))
+    assert json.loads(path.read_text().splitlines()[0])["model"]["defer_loads"] is True
+    assert read_trace(path)[0] == cfg
+    full = Judge.spec(cfg, incremental=False).feed_all(trace)
+    fast = Judge.spec(cfg).feed_all(trace)
+    assert full is None and fast is None
+    write_trace(path, replace(cfg, defer_loads=False), trace, engine=("test", "0"))
+    assert "defer_loads" not in json.loads(path.read_text().splitlines()[0])["model"]
+    finding = Judge.spec(replace(cfg, defer_loads=False)).feed_all(trace)
+    assert finding is not None and "Disagreement" in str(finding), finding  # freed at once
+
+
+def test_the_reference_engine_with_deferred_loads_conforms() -> None:
+    """Lockstep as above with ``defer_loads``: the reference engine's own sequence numbers
+    (a deferred load's request counts the newest counted step at its admission) against the
+    spec's ``_fence``; aborts of requests whose load was deferred happen and are held, and
+    each run with one fails the lockstep against a spec without the flag."""
+    seen: Counter[str] = Counter()
+    for seed in range(12):
+        rng = random.Random(f"defer-loads-{seed}")
+        cfg = EngineConfig(
+            num_blocks=rng.randint(8, 14),
+            block_size=rng.randint(1, 3),
+            depth=rng.choice([2, 3]),
+            policy=rng.choice(["eager-unsafe", "deferred"]),
+            preemption=rng.choice(["fcfs", "priority"]),
+            token_budget=rng.randint(3, 10),
+            max_running=rng.randint(2, 4),
+            stop_token=0,
+            vocab=3,
+            async_scheduling=True,
+            stale_output=rng.choice(["drop", "deliver"]),
+            delay_load_registration=True,
+            defer_free=True,
+            defer_loads=True,
+        )
+        eng, rec = recording_engine(cfg, seed, fail_rate=0.0)
+        _drive_loads(eng, rng, num_requests=rng.randint(6, 12))
+        rec.snapshots.append(eng.snapshot())
+        s = replay(cfg, rec, rec.snapshots)
+        assert not s.deferred and check(s, BOOKKEEPING + ["FreedAfterWrites"]) is None
+        run = _deferrals(cfg, list(rec))
+        if run["deferred loads"]:  # the same run judged by a spec that starts loads at once
+            with pytest.raises(AssertionError):
+                replay(replace(cfg, defer_loads=False), rec, rec.snapshots)
+        seen += run
+    assert seen["deferred loads"] >= 3 and seen["drained"] == seen["deferred"], seen
+
+
+def _drive_loads(eng: Engine, rng: random.Random, num_requests: int) -> None:
+    """``drive``'s workload, most requests external with prompts of two blocks and more, and
+    requests aborted while they load."""
+    bsz = eng.config.block_size
+    added = 0
+    for _ in range(4000):
+        if added < num_requests and rng.random() < 0.5:
+            prompt = tuple(rng.randrange(3) for _ in range(rng.randint(2 * bsz + 1, 4 * bsz)))
+            room = (eng.config.num_blocks - 1) * bsz - len(prompt) - eng.config.reach
+            if room >= 1:
+                max_tokens = rng.randint(1, min(4, room))
+                external = rng.random() < 0.7
+                eng.add_request(added, prompt, max_tokens, rng.randrange(3), external=external)
+            added += 1
+        loading = [r.rid for r in eng.scheduler.requests.values() if r.loading is not None]
+        if loading and rng.random() < 0.4:
+            eng.abort(rng.choice(loading))
+        if not eng.step() and added >= num_requests:
+            return
+    raise AssertionError("the engine did not finish in 4000 steps")

@@ -134,3 +134,39 @@ def test_a_block_hit_before_its_load_has_landed_is_caught() -> None:
     done = apply(s, ("commit", 0, ()))
     assert ("load_failed", 0) in done and s.requests[0].status == "waiting"  # recomputed
     assert not violations(s)
+
+
+def test_an_asynchronous_load_may_end_at_the_last_token_which_is_then_recomputed() -> None:
+    """vLLM's whole-prompt load (the decode side of prefill/decode disaggregation): a prompt of
+    whole blocks loaded entirely; its request computes one token short of the load and, next
+    scheduled, recomputes the last token over the loaded block, then samples. A synchronous
+    load, or blocks of one token, may not end there."""
+    whole = (1, 2, 3, 4)
+    s, effects = run(
+        config(delay=True),
+        [
+            ("arrive", 0, whole, 2, 0),
+            ("begin", 0),
+            ("schedule", 0, 0, 2),
+            ("submit", 0),
+            ("execute", 0, ()),
+            ("commit", 0, ()),
+        ],
+    )
+    assert s.requests[0].computed == 3 and len(s.requests[0].table) == 2 and not violations(s)
+    later = []
+    for decision in [("begin", 1), ("schedule", 0, 1, 0), ("submit", 1), ("execute", 1, ())]:
+        later += apply(s, decision)
+    entry = s.steps[0].entries[0]
+    assert (entry.start, entry.end, entry.samples) == (3, 4, True)
+    assert [e for e in later if e[0] == "publish"] == [("publish", 0, 0, 1), ("publish", 0, 1, 2)]
+    assert not [e for e in later if e[0] == "alloc"] and not violations(s)
+    apply(s, ("commit", 1, ((0, 7),)))
+    assert s.requests[0].tokens == [*whole, 7] and not violations(s)
+    for cfg, decision in (
+        (config(), ("schedule", 0, 1, 2)),  # synchronous: the last token computed, not loaded
+        (Config(8, 1, discipline="general"), ("schedule", 0, 0, 4)),  # blocks of one token
+    ):
+        s, _ = run(cfg, [("arrive", 0, whole, 2, 0), ("begin", 0)])
+        with pytest.raises(Illegal, match="last known token must be computed"):
+            apply(s, decision)

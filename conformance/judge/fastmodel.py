@@ -755,7 +755,9 @@ class FastModel:
                 if rid != head:
                     raise Illegal()
             hits = self._lookup(req)
-            if len(hits) + num_loaded > (len(req.tokens) - 1) // bsz:
+            known = len(req.tokens)  # spec.actions.loadable
+            loadable = (known if num_tokens == 0 and bsz > 1 else known - 1) // bsz
+            if len(hits) + num_loaded > loadable:
                 raise Illegal()
             start = len(hits) * bsz
             end = start + num_tokens + num_loaded * bsz
@@ -797,7 +799,7 @@ class FastModel:
             content = self._prefix(req, min(end, (i + 1) * bsz))
             pending[block].append((sid, rid, content, load))
             self._content_changed(block)
-        req.computed = end
+        req.computed = end - 1 if load and end == known else end  # recomputed over the load
         samples = not load and end == limit
         ph = 0
         if samples and self.async_scheduling:

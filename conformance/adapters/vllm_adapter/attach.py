@@ -59,10 +59,10 @@ makes itself between a ``schedule()`` and its output (``_lone_preemption``). A r
 for its grammar arrives to the spec only once the grammar is compiled (``_release_grammars``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
-other KV connector, load failures, drafts with lookahead slots or beside a KV connector, hybrid
-groups, a sliding window but one plain group (judged: ``Config.sliding_window``, read by
-``config_of``; its skipped frees inside ``allocate_slots`` are effects of the ``schedule``
-decision), deferred async loads, CoW retentions, lookahead hashing, a waiting
+other KV connector, load failures, drafts with lookahead slots, hybrid groups, a sliding window
+but one plain group (judged: ``Config.sliding_window``, read by ``config_of``; its skipped frees
+inside ``allocate_slots`` are effects of the ``schedule`` decision), CoW retentions, lookahead
+hashing, a waiting
 request passed over, ...), or a caller does what no engine core does (edits vLLM's state between
 calls, drives the KV-cache manager directly, patches a wrapped method, samples a token
 mid-prefill), ``refusal`` is set, at attach time or at run time, with the feature's name. The
@@ -86,6 +86,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
 from kvspec.spec import Config
+from kvspec.spec.actions import loadable
 
 from .features import (
     AsyncScheduler,
@@ -241,6 +242,10 @@ class Attachment:
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
         self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
+        self._admitted: dict[str, int] = {}  # request id -> when the spec admitted it
+        self._appended: dict[str, int] = {}  # request id -> when vLLM appended it to running
+        self._admissions = 0
+        self._extra = 0  # tokens of partial synchronous loads counted as computed this step
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
@@ -352,10 +357,11 @@ class Attachment:
         ):
             return self.refuse(*feature)
         now = config_of(self.scheduler)
-        if now.defer_free != self.config.defer_free and not self.events and not self.in_flight:
+        deferral = (now.defer_free, now.defer_loads)
+        if deferral != (self.config.defer_free, self.config.defer_loads) and not self.events:
             # set after construction (vLLM's tests do), before anything happened: the
             # configuration the scheduler is judged against from its first event on
-            self.config = replace(self.config, defer_free=now.defer_free)
+            self.config = replace(self.config, defer_free=deferral[0], defer_loads=deferral[1])
         drift = _drift(self.config, now)
         if drift:
             self.refuse("scheduler limits changed", drift)
@@ -550,6 +556,12 @@ class Attachment:
 
     def _submitted(self, step: int, output: Any) -> None:
         requests = self.scheduler.requests
+        extra, self._extra = self._extra, 0
+        if output.total_num_scheduled_tokens + extra > self.config.token_budget:
+            self.refuse(
+                "KV connector: a load not of whole blocks",
+                f"its tail computed to the spec overruns step {step}'s token budget",
+            )
         samples = {r: not requests[r].is_prefill_chunk for r in output.num_scheduled_tokens}
         self.in_flight.append(InFlight(step, output, samples))
         for req_id, drafts in output.scheduled_spec_decode_tokens.items():
@@ -775,14 +787,37 @@ class Attachment:
 
     def _record_preempt(self, original: Method, request: Request, *args: Any, **kw: Any) -> None:
         if self.loads.alive:  # the spec runs a loading request, vLLM keeps it waiting
-            self.refuse(
-                "KV connector: preemption beside an asynchronous load",
-                ", ".join(sorted(self.loads.alive)),
-            )
+            self._safe(self._victim_beside_loads, request)
         rid = self.ids.get(request.request_id)
         self.events.append(("preempt", rid))
         self.on_preempt(request.request_id)
         original(request, *args, **kw)
+
+    def _victim_beside_loads(self, victim: Request) -> None:
+        """A preemption while a request admitted with an asynchronous load is alive. The spec
+        runs such a request from its load's admission on; vLLM appends it to ``running`` only
+        when it is scheduled after landing, so the two rank their running requests
+        differently, and only the choice of a victim depends on that. By vLLM's rule the
+        victim is the last appended to ``running`` (fcfs) or the largest (priority, arrival),
+        of its running requests (the victim among them: vLLM has just taken it off); by the
+        spec's, the last admitted or the largest of those and the loads not scheduled yet.
+        Where the two rules pick one request the preemption is judged (a victim vLLM chose
+        otherwise is the spec's to find); where they pick two, refused."""
+        running = {r.request_id for r in self.scheduler.running} | {victim.request_id}
+        candidates = running | self.loads.waiting
+        if self.config.preemption == "priority":
+            requests, ids = self.scheduler.requests, self.ids
+            ranks = {r: (requests[r].priority, ids.get(r, -1)) for r in candidates}
+            vllm_rule = max(running, key=ranks.__getitem__)
+            spec_rule = max(candidates, key=ranks.__getitem__)
+        else:
+            vllm_rule = max(running, key=lambda r: self._appended.get(r, -1))
+            spec_rule = max(candidates, key=lambda r: self._admitted.get(r, -1))
+        if vllm_rule != spec_rule:
+            self.refuse(
+                "KV connector: preemption beside an asynchronous load",
+                f"vLLM's rule preempts {vllm_rule}, the spec's {spec_rule}",
+            )
 
     def _lone_preemption(self, request: Request) -> None:
         """The caller preempts a request itself, outside ``schedule()`` (vLLM's tests do, between
@@ -856,6 +891,8 @@ class Attachment:
                 return original(request, *args, **kw)  # it never arrived to the spec
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
+            self._admitted.pop(request.request_id, None)
+            self._appended.pop(request.request_id, None)
             aborted = request.request_id in self._aborting
             if aborted:
                 self._aborting.discard(request.request_id)
@@ -918,7 +955,8 @@ class Attachment:
             waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             admission = waiting and not landed
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            loaded = self._safe(self._slots_features, request, num_new_tokens, args, kw) or 0
+            slots = self._safe(self._slots_features, request, num_new_tokens, args, kw)
+            loaded, extra = slots or (0, 0)
             if admission:
                 self._safe(self._admission_room, request)
                 if getattr(self.scheduler, "aux_output_connector", None) is not None:
@@ -948,7 +986,8 @@ class Attachment:
                 elif pending:
                     self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
-            self.events.append(("schedule", rid, num_new_tokens, loaded))
+            self.events.append(("schedule", rid, num_new_tokens + extra, loaded))
+            self._extra += extra
             if admission:
                 blocks = hits.blocks[0] if hits is not None else []
                 hit = tuple(b.block_id for b in blocks)
@@ -960,6 +999,13 @@ class Attachment:
                 self._safe(self._check_hashes, request, len(request.block_hashes))
                 if loaded and not num_new_tokens:
                     self.loads.start(request.request_id)
+                self._admitted[request.request_id] = self._admissions
+                if not (loaded and not num_new_tokens):  # else appended to running when landed
+                    self._appended[request.request_id] = self._admissions
+                self._admissions += 1
+            if landed:
+                self._appended[request.request_id] = self._admissions
+                self._admissions += 1
             if landed:
                 pending = self.loads.scheduled(request.request_id, pending)
             self.events.extend(pending)
@@ -969,10 +1015,15 @@ class Attachment:
 
     def _slots_features(
         self, request: Request, num_new_tokens: int, args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> int:
+    ) -> tuple[int, int]:
         """Refuse what an ``allocate_slots`` call asks that the spec does not model; return the
-        full blocks a synchronous KV load writes (0 without one), the ``schedule`` decision's
-        last field."""
+        full blocks a KV load writes (0 without one: the ``schedule`` decision's last field)
+        and the tokens past them a synchronous load writes into a block it does not fill. The
+        spec's loads are of whole blocks; a synchronous one lands before the step's forward
+        pass reads anything, so the tail of a partial block is to the spec computed in that
+        step, as the tokens after it are (the decision's tokens count it; ``_submitted``
+        refuses a step whose budget that would overrun). An asynchronous load not of whole
+        blocks has no such reading: refused."""
         names = (
             "num_new_computed_tokens",
             "new_computed_blocks",
@@ -990,17 +1041,19 @@ class Attachment:
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
         external = int(given.get("num_external_computed_tokens") or 0)
         if not external:
-            return 0
+            return 0, 0
         bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)
         where = f"{request.request_id}: {external} external tokens after {local} cached"
-        if bool(given.get("delay_cache_blocks")) != (num_new_tokens <= 0):
+        synchronous = num_new_tokens > 0
+        if bool(given.get("delay_cache_blocks")) == synchronous:
             self.refuse("KV connector: a load's registration not vLLM's", where)
-        elif external % bsz or local % bsz:
+        elif local % bsz or (external % bsz and not synchronous):
             self.refuse("KV connector: a load not of whole blocks", where)
-        elif (local + external) // bsz > (request.num_tokens - 1) // bsz:
-            # vLLM then recomputes the last token over a loaded block; the spec computes it
+        elif (local + external) // bsz > loadable(request.num_tokens, bsz, not synchronous):
+            # an asynchronous load may end there (vLLM and the spec recompute the last token
+            # over the loaded block) unless a block holds that token alone
             self.refuse("KV connector: a load over the last token's block", where)
-        return external // bsz
+        return external // bsz, external % bsz
 
     def _admission_room(self, request: Request) -> None:
         """The spec counts a request loading asynchronously as running, vLLM as waiting: an
@@ -1137,7 +1190,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
     """The spec configuration a vLLM ``Scheduler`` claims to implement: its pool, block size,
     preemption policy, token budget and admission limit, async scheduling (an
     ``AsyncScheduler``) and what becomes of stale output (dropped where ``requires_kv_delivery``,
-    else delivered), whether frees wait for the steps in flight (``defer_block_free``); vLLM
+    else delivered), whether frees wait for the steps in flight (``defer_block_free``) and
+    asynchronous loads too (``defer_async_loads``, which vLLM sets only beside it); vLLM
     0.33.0 registers eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
     asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
@@ -1158,6 +1212,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         delay_load_registration=scheduler.connector is not None,
         defer_free=bool(getattr(scheduler, "defer_block_free", False)),
         sliding_window=sliding_window_of(scheduler),
+        defer_loads=bool(getattr(scheduler, "defer_async_loads", False))
+        and bool(getattr(scheduler, "defer_block_free", False)),
     )
 
 
@@ -1180,6 +1236,7 @@ def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
     names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free", "sliding_window")
+    names += ("defer_loads",)
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

@@ -103,12 +103,14 @@ def scheduler_features(sched: Any) -> list[Feature]:
             found.append(("chunked local attention", type(spec).__name__))
         elif type(spec) is not FullAttentionSpec:
             found.append((f"KV-cache spec {type(spec).__name__}", "not plain full attention"))
-    # defer_block_free is modelled (Config.defer_free, read by config_of); what rides on it is
-    # not: async loads deferred past the in-flight steps (HiSparse), CoW retentions (attach.py)
+    # defer_block_free and defer_async_loads are modelled (Config.defer_free, defer_loads, read
+    # by config_of); CoW retentions released against a fence are not (attach.py). HiSparse,
+    # whose reads of released pages are why vLLM defers loads, is refused below.
     need(
-        getattr(sched, "defer_async_loads", False) or getattr(sched, "deferred_loads", None),
+        getattr(sched, "defer_async_loads", False)
+        and not getattr(sched, "defer_block_free", False),
         "deferred async loads",
-        "async KV loads started only once the in-flight steps are processed",
+        "defer_async_loads without defer_block_free",
     )
     need(
         getattr(sched, "num_hash_lookahead_tokens", 0),
@@ -191,9 +193,12 @@ def speculation_features(sched: Any) -> list[Feature]:
     ``AsyncScheduler`` (whose placeholders then cover the drafts, the next decode scheduled as if
     all were accepted; ``docs/model.md``, "Drafts under async scheduling"); not drafters that
     reserve lookahead slots beyond the scheduled tokens (EAGLE, MTP, a draft model), a draft
-    count chosen per batch size, nor drafts beside a KV connector (each is judged alone; the two
-    together have no test of their own yet). Lookahead hashing and prefill lookahead are refused
-    on their own."""
+    count chosen per batch size. Drafts beside a KV connector are judged: the connector's part
+    in a draft decode is a budget (``draft_slots``) and, for an asynchronous load, blocks
+    reserved for the first decode (``_spec_decode_step_blocks``), both of which only decide
+    whether vLLM schedules, and the single token of a request admitted over a load, or resumed
+    after one, is padded with drafts like any admission's (``tests/vllm_cases/case_loads.py``).
+    Lookahead hashing and prefill lookahead are refused on their own."""
     spec = sched.vllm_config.speculative_config
     k = getattr(sched, "num_spec_tokens", 0)
     if spec is None and not k and not getattr(sched, "num_lookahead_tokens", 0):
@@ -205,8 +210,6 @@ def speculation_features(sched: Any) -> list[Feature]:
         found.append(("dynamic speculative decoding", "draft tokens per batch size"))
     if spec is None or not k:
         found.append(("speculative decoding", f"{k} draft tokens without a speculative config"))
-    if getattr(sched, "connector", None) is not None:  # each judged alone, never together yet
-        found.append(("speculative decoding beside a KV connector", f"{k} draft tokens"))
     return found
 
 
