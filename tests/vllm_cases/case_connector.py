@@ -36,16 +36,11 @@ def make_scheduler(tmp_path, is_async, num_blocks=24):
     )
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
-    transfer = KVTransferConfig(
-        kv_connector="ExampleConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
-    )
     config = VllmConfig(
         model_config=model,
         scheduler_config=sched,
         cache_config=cache,
-        kv_transfer_config=transfer,
+        kv_transfer_config=transfer(tmp_path),
     )
     spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
@@ -66,6 +61,15 @@ def make_scheduler(tmp_path, is_async, num_blocks=24):
     # its metadata would plan file reads for the worker; these steps run no worker
     scheduler.connector.build_connector_meta = lambda output: KVConnectorMetadata()
     return scheduler
+
+
+def transfer(tmp_path):
+    """vLLM's ``ExampleConnector`` as producer and consumer, its store under ``tmp_path``."""
+    return KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
+    )
 
 
 def landed(ids):

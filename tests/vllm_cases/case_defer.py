@@ -28,7 +28,7 @@ def runner_v2(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM 0.33.0's default on a GPU
 
 
-def make_scheduler(num_blocks=24, budget=16, max_seqs=4):
+def make_scheduler(num_blocks=24, budget=16, max_seqs=4, kv_transfer_config=None):
     model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=1024)
     sched = SchedulerConfig(
         max_model_len=1024,
@@ -45,6 +45,7 @@ def make_scheduler(num_blocks=24, budget=16, max_seqs=4):
         scheduler_config=sched,
         cache_config=cache,
         parallel_config=ParallelConfig(pipeline_parallel_size=1),
+        kv_transfer_config=kv_transfer_config,
     )
     config.scheduler_config.async_scheduling = True  # vLLM's CPU platform turns it off
     spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)

@@ -27,24 +27,12 @@ admitted over a load padded with drafts, drafts accepted and rejected; ``case_sp
 planted bug (a block over a rejected draft registered) is caught beside them."""
 
 import case_spec_decode as sd
-import torch
-from case_connector import make_scheduler
+from case_connector import make_scheduler, transfer
 from case_seed import BLOCK, make_request, runner_output
-from vllm.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 
 def script(scheduler, loads, is_async=True):
@@ -125,39 +113,9 @@ def test_preemption_beside_a_load_ranked_otherwise_is_refused(tmp_path):
 
 
 def spec_decode_scheduler(tmp_path, is_async, num_blocks):
-    """A synchronous scheduler with n-gram drafts (``case_spec_decode``: three per decode) and
-    a KV connector whose store holds the first block of every prompt."""
-    model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=256)
-    sched = SchedulerConfig(
-        max_model_len=256,
-        is_encoder_decoder=False,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        enable_chunked_prefill=True,
-        watermark=0.0,
-    )
-    cache = CacheConfig(block_size=sd.BLOCK, enable_prefix_caching=True)
-    cache.num_gpu_blocks = num_blocks
-    transfer = KVTransferConfig(
-        kv_connector="ExampleConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
-    )
-    config = VllmConfig(
-        model_config=model,
-        scheduler_config=sched,
-        cache_config=cache,
-        kv_transfer_config=transfer,
-        speculative_config=SpeculativeConfig(model="ngram", num_speculative_tokens=sd.DRAFTS),
-    )
-    spec = FullAttentionSpec(sd.BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
-    scheduler = Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=sd.BLOCK,
-    )
+    """``case_spec_decode``'s scheduler (n-gram drafts, three per decode) beside a KV connector
+    whose store holds the first block of every prompt."""
+    scheduler = sd.build(num_blocks, kv_transfer_config=transfer(tmp_path))
 
     def matched(request, num_computed_tokens):  # the first block, when the local hit lacks it
         tokens = sd.BLOCK if num_computed_tokens == 0 and request.num_tokens > sd.BLOCK else 0
@@ -268,51 +226,16 @@ def test_a_partial_asynchronous_load_is_refused(tmp_path):
 
 
 def deferring_scheduler(tmp_path, num_blocks=24):
-    """``case_defer``'s ``AsyncScheduler`` with ``defer_block_free`` and ``defer_async_loads``
-    set after construction (as vLLM's tests do; production sets the second only for HiSparse),
-    beside ``ExampleConnector``, whose store holds two blocks of imp0 and one of imp1 (a
-    table of unregistered blocks freed at once would be refused: ``a batch of unhashed blocks
+    """``case_defer``'s ``AsyncScheduler`` (``defer_block_free`` set after construction) beside
+    ``ExampleConnector``, with ``defer_async_loads`` set too (as vLLM's tests do; production
+    sets it only for HiSparse); the store holds two blocks of imp0 and one of imp1 (a table of
+    unregistered blocks freed at once would be refused: ``a batch of unhashed blocks
     freed``)."""
-    from case_defer import BLOCK as DEFER_BLOCK
-    from vllm.config import ParallelConfig
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from case_defer import make_scheduler as make_deferring
 
-    assert DEFER_BLOCK == BLOCK
-    model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=1024)
-    sched = SchedulerConfig(
-        max_model_len=1024,
-        is_encoder_decoder=False,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        enable_chunked_prefill=True,
-        async_scheduling=True,
-    )
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-    cache.num_gpu_blocks = num_blocks
-    transfer = KVTransferConfig(
-        kv_connector="ExampleConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
-    )
-    config = VllmConfig(
-        model_config=model,
-        scheduler_config=sched,
-        cache_config=cache,
-        kv_transfer_config=transfer,
-        parallel_config=ParallelConfig(pipeline_parallel_size=1),
-    )
-    config.scheduler_config.async_scheduling = True  # vLLM's CPU platform turns it off
-    spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
-    scheduler = AsyncScheduler(
-        vllm_config=config,
-        kv_cache_config=kv,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK,
-    )
+    scheduler = make_deferring(num_blocks, kv_transfer_config=transfer(tmp_path))
     scheduler.connector.build_connector_meta = lambda output: KVConnectorMetadata()
     script(scheduler, {"imp0": 2 * BLOCK, "imp1": BLOCK})
-    scheduler.defer_block_free = True
     scheduler.defer_async_loads = True
     return scheduler
 

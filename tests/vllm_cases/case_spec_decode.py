@@ -26,7 +26,7 @@ REJECTING = set()
 """The requests whose drafts the output being processed rejects (at least one)."""
 
 
-def build(num_blocks):
+def build(num_blocks, kv_transfer_config=None):
     model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=256)
     sched = SchedulerConfig(
         max_model_len=256,
@@ -40,7 +40,11 @@ def build(num_blocks):
     cache.num_gpu_blocks = num_blocks
     drafts = SpeculativeConfig(model="ngram", num_speculative_tokens=DRAFTS)
     config = VllmConfig(
-        model_config=model, scheduler_config=sched, cache_config=cache, speculative_config=drafts
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        speculative_config=drafts,
+        kv_transfer_config=kv_transfer_config,
     )
     spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
