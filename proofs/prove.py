@@ -5,7 +5,10 @@ fragment's sizes); if the invariants and lemmas are not inductive for the cell, 
 model checking, described here, for the shortest counterexample or a bounded proof.
 
 ``bmc`` unrolls the Z3 transition relation from the initial state, one decision per step, and asks
-at each depth k = 1, 2, ... whether some invariant can fail after exactly k decisions. The first
+at each depth k = 1, 2, ... whether some invariant can fail after exactly k decisions. Each depth's
+question is one query on a fresh one-shot solver (``induction.one_shot_solver``: Z3's
+preprocessing substitutes away the states' equations, which an incremental solver keeps; measured
+faster, ``docs/proofs.md``). The first
 depth that is satisfiable gives a *shortest* counterexample (in decisions, for these sizes): the
 solver's path is turned into decision events (with the prompts, priorities and sampled tokens Z3
 chose) and replayed through the executable spec, which must confirm it, state by state. If no
@@ -65,8 +68,9 @@ class BmcResult:
 
 
 class Unroller:
-    """The transition relation unrolled step by step into one incremental solver (with the
-    proofs' settings, ``induction.SOLVER_PARAMS``)."""
+    """The transition relation unrolled step by step; ``solver`` holds the unrolling's
+    assertions (an incremental solver with the proofs' settings, ``induction.SOLVER_PARAMS``,
+    which ``bmc`` copies into a one-shot solver per depth)."""
 
     def __init__(self, model: sy.Model, timeout_s: float | None = None) -> None:
         self.model = m = model
@@ -220,20 +224,23 @@ def bmc(
         if k < first:
             continue
         t0 = time.monotonic()
+        left = None
         if timeout_s is not None:
             left = timeout_s - (t0 - started)
             if left <= 0:
                 result.verdict = "unknown"
                 break
-            un.solver.set("timeout", max(1, int(left * 1000)))
-        un.solver.push()
-        un.solver.add(un.violated(k))
-        answer = un.solver.check()
+        # each depth is one query, on a one-shot solver that preprocesses the unrolling (the
+        # equations of the states substituted away) before the search
+        solver = induction.one_shot_solver(left)
+        solver.add(*un.solver.assertions())
+        solver.add(un.violated(k))
+        answer = solver.check()
         result.per_depth.append((k, str(answer), time.monotonic() - t0))
         if progress is not None:
             progress(*result.per_depth[-1])
         if answer == z3.sat:
-            mz = un.solver.model()
+            mz = solver.model()
             decisions = un.decisions(mz)
             _, _, finding = replay(model, decisions, mz, un.states)
             if finding is None:
@@ -243,9 +250,7 @@ def bmc(
                 )
             result.verdict, result.decisions = "counterexample", decisions
             result.invariant, result.message = finding.invariant, finding.message
-            un.solver.pop()
             break
-        un.solver.pop()
         if answer == z3.unknown:
             result.verdict = "unknown"
             break
