@@ -139,3 +139,19 @@ def test_z3_counterexample_is_confirmed_on_the_engine() -> None:
     outcome = prove.prove_cell(f, 6, 120)
     assert outcome.verdict == "counterexample" and outcome.engine_confirms, outcome.engine
     assert outcome.induction is not None and outcome.induction.verdict == "cti"
+
+
+@pytest.mark.parametrize("policy", ["eager-unsafe", "deferred"])
+def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(policy: str) -> None:
+    """The step's fast path (all changed conjuncts in one query on a one-shot solver, then one
+    by one only if that is not unsat) gives every obligation the answer and the failing
+    conjunct of asking the conjuncts one by one, failing obligations included."""
+    prover = induction.Prover(fragment(policy, "general"))
+    answers = []
+    for i, c in induction.obligations(prover.model):
+        fast = prover.check(i, c, None)
+        slow = prover.check(i, c, None, combined=False)
+        assert (fast["answer"], fast["failing"]) == (slow["answer"], slow["failing"]), (i, c)
+        assert all(q.conjunct != induction.ALL for q in slow["queries"])
+        answers.append(fast["answer"])
+    assert ("sat" in answers) == (policy == "eager-unsafe")
