@@ -25,8 +25,8 @@ unsat, one query per conjunct, in order, pushed and popped over a solver that ho
 worker keeps that solver for all its obligations of the cell). A conjunct is not rebuilt for
 the successor unless it reads a variable the step changed (its read set is traced once on the
 pre-state), and it is skipped when its term is literally the pre-state's (then the step
-leaves what it reads alone). Obligations run in parallel processes (``parallel.Pool``); the verdict is that of the first obligation in canonical
-order that is not unsat, so it does not depend on the number of workers or their timing, and the
+leaves what it reads alone). Obligations run in parallel processes (``parallel.Pool``); the
+verdict is that of the first obligation in canonical order that is not unsat, so it does not depend on the number of workers or their timing, and the
 CTI is then recomputed alone in a fresh process, so that its values do not either.
 
 Sizes are fixed (N, R, D, T, B of the fragment): the proof is unbounded in path length, not in the
