@@ -16,18 +16,18 @@ A CTI is not a bug report: its pre-state may be unreachable, and then a lemma is
 why ``kvspec prove`` runs bounded model checking after a failed induction: the shortest real
 counterexample, or a bounded proof. A solver ``unknown`` is never a proof.
 
-**How the step is checked.** The work is split into *obligations*, one per action instance and
-case (``Model.cases``: execute and commit get one case per scheduling order of their step, whose
-guards together cover the instance's guard), in a fixed canonical order. Each obligation asks
-whether the successor can break any conjunct of I that the step can change: first one query for
-all of them on a one-shot solver that preprocesses (``one_shot_solver``); only if that is not
-unsat, one query per conjunct, in order, pushed and popped over a solver that holds I(S) once (a
-worker keeps that solver for all its obligations of the cell). A conjunct is not rebuilt for
-the successor unless it reads a variable the step changed (its read set is traced once on the
-pre-state), and it is skipped when its term is literally the pre-state's (then the step
-leaves what it reads alone). Obligations run in parallel processes (``parallel.Pool``); the
-verdict is that of the first obligation in canonical order that is not unsat, so it does not depend on the number of workers or their timing, and the
-CTI is then recomputed alone in a fresh process, so that its values do not either.
+**How the step is checked.** The work is split into *obligations*, one per action instance and case
+(``Model.cases``: execute and commit get one case per scheduling order of their step, whose guards
+together cover the instance's guard), in a fixed canonical order. Each obligation asks whether the
+successor can break any conjunct of I that the step can change: first one query for all of them on
+a one-shot solver that preprocesses (``one_shot_solver``); only if that is not unsat, one query per
+conjunct, in order, pushed and popped over a solver that holds I(S) once (a worker keeps that
+solver for all its obligations of the cell). A conjunct is not rebuilt for the successor unless it
+reads a variable the step changed (its read set is traced once on the pre-state), and it is skipped
+when its term is literally the pre-state's (then the step leaves what it reads alone). Obligations
+run in parallel processes (``parallel.Pool``); the verdict is that of the first obligation in
+canonical order that is not unsat, so it does not depend on the number of workers or their timing,
+and the CTI is then recomputed alone in a fresh process, so that its values do not either.
 
 Sizes are fixed (N, R, D, T, B of the fragment): the proof is unbounded in path length, not in the
 sizes. ``bench/bench_prove.py`` runs it over a range of sizes.
