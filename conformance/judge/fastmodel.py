@@ -280,7 +280,9 @@ class FastModel:
         """Blocks whose content an execution changed other than by writing what was pending (a
         failed load; K/V computed from wrong inputs): every later step's reads may change."""
         self.published: list[int] = []
-        self.new_entry: tuple[Stp, int] | None = None
+        self.new_step: Stp | None = None
+        self.new_rid = -1
+        """The entry the decision scheduled (``new_step.entries[new_rid]``), if any."""
 
     # -- the model's side of the judge (core.Model) ---------------------------------------------
 
@@ -292,13 +294,13 @@ class FastModel:
         if not low <= len(decision) - 1 <= high:  # as a call with the decision's values would
             raise TypeError(f"{kind} takes {low} to {high} values, got {len(decision) - 1}")
         self.expected = []
-        if self.changed:
-            self.changed = set()
+        if self.changed:  # cleared, not made anew: nothing outside a decision holds them
+            self.changed.clear()
         if self.rewritten:
-            self.rewritten = set()
+            self.rewritten.clear()
         if self.published:
-            self.published = []
-        self.new_entry = None
+            self.published.clear()
+        self.new_step = None
         self._act(kind, decision)
         if kind == "arrive":
             self.requests[cast(int, decision[1])].arrival = self.arrivals
@@ -810,7 +812,7 @@ class FastModel:
         step.budget_used += num_tokens
         if load:
             req.loading = sid
-        self.new_entry = (step, rid)
+        self.new_step, self.new_rid = step, rid
         # policies.on_schedule
         policy, upto = self.policy, min(end, known) // bsz
         if load and self.delay_loads:
@@ -950,7 +952,8 @@ class FastModel:
         if step.failed:
             for rid, e in entries.items():
                 req = requests[rid]
-                if e.load and req.loading == step.id:
+                loading = req.loading
+                if e.load and loading is not None and loading == step.id:
                     req.loading = None
                     if rid in step.failed:
                         self._leave(req)
@@ -962,7 +965,8 @@ class FastModel:
             for rid, e in entries.items():
                 if e.load:
                     req = requests[rid]
-                    if req.loading == step.id:
+                    loading = req.loading
+                    if loading is not None and loading == step.id:
                         req.loading = None
         # policies.on_written
         if policy == "hide-uncommitted":
@@ -995,7 +999,7 @@ class FastModel:
             if running and output:  # policies.on_output
                 self._register_upto(req, entries[rid].end // self.bsz)
             reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
-            if token == stop:
+            if stop is not None and token == stop:
                 reason = "stop"
             if reason:
                 self._free_table(req)
@@ -1083,9 +1087,8 @@ class FastModel:
         contents do not see the building step's writes), and every pending read of a block an
         execution rewrote."""
         bsz = self.bsz
-        new = self.new_entry
-        if new is not None:
-            step, rid = new
+        step, rid = self.new_step, self.new_rid
+        if step is not None:
             e = step.entries.get(rid)
             if e is not None and not e.load and rid in step.live:
                 req, pending, blocks = self.requests[rid], self.pending, e.blocks
@@ -1102,8 +1105,8 @@ class FastModel:
         if self.changed:
             steps = self.steps
             if steps and steps[-1].phase == BUILDING:
-                skip = -1 if new is None else new[1]
-                if not self._readers_hold(self.changed, [steps[-1]], skip):
+                skip = -1 if step is None else rid
+                if not self._readers_hold(self.changed, steps[-1:], skip):
                     return False
         if self.rewritten:
             steps = [st for st in self.steps if st.phase != EXECUTED]
@@ -1156,15 +1159,22 @@ class FastModel:
         """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
         key = self.key
         excused: set[int] | None = None
-        for blocks in (self.published, self.changed):
-            for block in blocks:
-                k = key[block]
-                if k is None:
-                    continue
-                if excused is None:
-                    excused = self._excused()
-                if block not in excused and not self._holds(self._eventual(block), k):
-                    return False
+        for block in self.published:
+            k = key[block]
+            if k is None:
+                continue
+            if excused is None:
+                excused = self._excused()
+            if block not in excused and not self._holds(self._eventual(block), k):
+                return False
+        for block in self.changed:
+            k = key[block]
+            if k is None:
+                continue
+            if excused is None:
+                excused = self._excused()
+            if block not in excused and not self._holds(self._eventual(block), k):
+                return False
         return True
 
     def _excused(self) -> set[int]:
