@@ -535,9 +535,11 @@ class Judge:
         return None
 
     def _drop_hash(self, block: int) -> None:
-        hash_ = self.block_hash.pop(block, None)
+        block_hash = self.block_hash
+        hash_ = block_hash.get(block)  # get and del: native dict operations (pop is not)
         if hash_ is None:
             return
+        del block_hash[block]
         key, n = self.hash_key[hash_]
         if n == 1:
             del self.hash_key[hash_]

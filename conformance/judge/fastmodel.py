@@ -134,6 +134,8 @@ class Req:
         "chain",
         "verified",
         "ahead",
+        "partial_len",
+        "partial",
     )
 
     def __init__(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
@@ -157,13 +159,19 @@ class Req:
         """Async scheduling: the placeholders of the steps in flight that sample for the request
         and whose sample will be used, oldest first (``spec.State.ahead`` past the known tokens),
         kept as entries are scheduled, withdrawn, committed and discarded."""
+        self.partial_len = 0
+        self.partial: object = None
+        """The last partial prefix ``_prefix`` made within the known tokens, and its length: a
+        decoding request's last block is read and written at several decisions of a step (its
+        tokens 0 .. length - 1 never change, so neither does the content)."""
 
 
 class Ent:
-    __slots__ = ("start", "end", "blocks", "load", "samples", "ph", "loaded")
+    __slots__ = ("req", "start", "end", "blocks", "load", "samples", "ph", "loaded")
 
     def __init__(
         self,
+        req: Req,
         start: int,
         end: int,
         blocks: tuple[int, ...],
@@ -172,6 +180,9 @@ class Ent:
         ph: int,
         loaded: int = 0,
     ):
+        self.req = req
+        """The request (``requests[rid]`` while the entry exists: an id never arrives twice, and
+        a request is pruned only once no step references it), without a lookup."""
         self.start, self.end, self.blocks, self.load, self.samples = (
             start,
             end,
@@ -288,9 +299,12 @@ class FastModel:
 
     def apply(self, decision: Event) -> list[Event]:
         kind = decision[0]
-        if not isinstance(kind, str) or kind not in ARITY:
+        if not isinstance(kind, str):
             raise Illegal()
-        low, high = ARITY[kind]
+        arity = ARITY.get(kind)
+        if arity is None:
+            raise Illegal()
+        low, high = arity
         if not low <= len(decision) - 1 <= high:  # as a call with the decision's values would
             raise TypeError(f"{kind} takes {low} to {high} values, got {len(decision) - 1}")
         self.expected = []
@@ -305,13 +319,8 @@ class FastModel:
         if kind == "arrive":
             self.requests[cast(int, decision[1])].arrival = self.arrivals
             self.arrivals += 1
-        elif kind == "commit" or kind == "abort":
-            self.prunable = True
-            for effect in self.expected:
-                if effect[0] == "finish":
-                    self.finished.add(cast(int, effect[1]))
-        elif kind == "preempt":
-            self.prunable = True
+        elif kind == "commit" or kind == "abort" or kind == "preempt":
+            self.prunable = True  # the requests they finish are in ``finished`` already
         return self.expected
 
     def _act(self, kind: str, d: Event) -> None:
@@ -426,7 +435,11 @@ class FastModel:
         i = (length - 1) // bsz
         if length == (i + 1) * bsz:
             return self._chain(req, i)
-        return (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
+        if length == req.partial_len:
+            return req.partial
+        content = (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
+        req.partial_len, req.partial = length, content
+        return content
 
     def _canonical(self, parent: int, tail: tuple[int, ...]) -> object:
         """A content ``(parent, tail)`` after a placeholder in its tail was resolved: its leading
@@ -807,7 +820,7 @@ class FastModel:
         if samples and self.async_scheduling:
             ph = placeholder(sid, rid)
             req.ahead.append(ph)
-        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph, num_loaded)
+        step.entries[rid] = Ent(req, start, end, tuple(table), load, samples, ph, num_loaded)
         step.live.add(rid)
         step.budget_used += num_tokens
         if load:
@@ -906,11 +919,11 @@ class FastModel:
                 else:
                     self._content_changed(block)
                     self.rewritten.add(block)
-        requests, live = self.requests, step.live
+        live = step.live
         for rid, e in entries.items():
             if e.load:  # a load reads nothing
                 continue
-            req = requests[rid]
+            req = e.req
             blocks, end, alive = e.blocks, e.end, rid in live
             first = req.verified if alive else 0  # reads known valid (unchanged since)
             bad: list[int] = []
@@ -938,13 +951,13 @@ class FastModel:
             raise Illegal()
         step = steps[0]
         entries, live = step.entries, step.live
-        expected = [rid for rid, e in entries.items() if e.samples and rid in live]
+        expected = [e for rid, e in entries.items() if e.samples and rid in live]
         tokens = dict(sampled)
         # the sampled requests are exactly the expected ones (both without repeats)
         if len(tokens) != len(sampled) or len(tokens) != len(expected):
             raise Illegal()
-        for rid in expected:
-            if rid not in tokens:
+        for e in expected:
+            if e.req.id not in tokens:
                 raise Illegal()
         policy, requests = self.policy, self.requests
         if policy == "eager-rollback-fifo":  # policies.on_confirmed
@@ -978,16 +991,17 @@ class FastModel:
         elif policy == "deferred":
             bsz, failed = self.bsz, step.failed
             for rid, e in entries.items():
-                req = requests[rid]
+                req = e.req
                 if rid in live and rid not in failed and req.status == RUNNING:
                     self._register_upto(req, e.end // bsz)
         stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
-        for rid in expected:
-            req = requests[rid]
+        for e in expected:
+            req = e.req
+            rid = req.id
             token = tokens[rid]
             if token < 0:
                 raise ValueError(f"token ids must be >= 0, got {token} for request {rid}")
-            ph = entries[rid].ph
+            ph = e.ph
             if ph:  # this step's placeholder, the oldest, is now the token
                 if not req.ahead or req.ahead[0] != ph:
                     raise RuntimeError(f"fast model: request {rid}'s placeholders out of order")
@@ -997,13 +1011,14 @@ class FastModel:
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output
-                self._register_upto(req, entries[rid].end // self.bsz)
+                self._register_upto(req, e.end // self.bsz)
             reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
             if stop is not None and token == stop:
                 reason = "stop"
             if reason:
                 self._free_table(req)
                 self.expected.append(("finish", rid, reason))
+                self.finished.add(rid)
                 if running:
                     self.running.remove(rid)
                 else:
@@ -1032,6 +1047,7 @@ class FastModel:
             del self.waiting[rid]
         req.status = FINISHED
         self.expected.append(("finish", rid, "abort"))
+        self.finished.add(rid)
 
     def reset(self) -> None:
         if self.steps or any(self.refcount):
