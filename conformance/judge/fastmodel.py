@@ -100,6 +100,18 @@ def spec_placeholder(code: int) -> Placeholder:
     return Placeholder(w - rid, rid)
 
 
+def _negative(tokens: tuple[object, ...]) -> bool:
+    """``min(tokens) < 0`` for a non-empty tuple: ints compared natively (compiled), and for
+    anything else ``min`` itself, which compares (or refuses) them as before."""
+    negative = False
+    for t in tokens:
+        if not isinstance(t, int):
+            return min(tokens) < 0  # type: ignore[type-var,operator]
+        if t < 0:
+            negative = True
+    return negative
+
+
 def restates(config: Config) -> bool:
     """Whether this model restates ``config``: everything but speculative decoding
     (``Config.spec_tokens`` > 0), deferred block freeing (``Config.defer_free``) and a sliding
@@ -705,7 +717,7 @@ class FastModel:
     def arrive(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
         if rid in self.requests or not prompt or max_tokens < 1:
             raise Illegal()
-        if min(prompt) < 0:
+        if _negative(prompt):
             raise ValueError(f"token ids must be >= 0, got {min(prompt)} in request {rid}'s prompt")
         self.requests[rid] = Req(rid, prompt, max_tokens, priority)
         self.waiting[rid] = None
@@ -1107,7 +1119,7 @@ class FastModel:
         if step is not None:
             e = step.entries.get(rid)
             if e is not None and not e.load and rid in step.live:
-                req, pending, blocks = self.requests[rid], self.pending, e.blocks
+                req, pending, blocks = e.req, self.pending, e.blocks
                 contiguous, known = True, len(req.tokens) // bsz
                 for i in range(req.verified, e.start // bsz):
                     block = blocks[i]
@@ -1122,7 +1134,7 @@ class FastModel:
             steps = self.steps
             if steps and steps[-1].phase == BUILDING:
                 skip = -1 if step is None else rid
-                if not self._readers_hold(self.changed, steps[-1:], skip):
+                if not self._step_readers_hold(self.changed, steps[-1], skip):
                     return False
         if self.rewritten:
             steps = [st for st in self.steps if st.phase != EXECUTED]
@@ -1150,25 +1162,31 @@ class FastModel:
 
     def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
+        for st in steps:
+            if not self._step_readers_hold(blocks, st, skip):
+                return False
+        return True
+
+    def _step_readers_hold(self, blocks: set[int], st: Stp, skip: int) -> bool:
+        """The reads of ``blocks`` by the live entries of step ``st`` (but ``skip``'s)."""
         bsz = self.bsz
         requests, holders = self.requests, self.holders
         for block in blocks:
             for rid, i in holders[block].items():
                 if rid == skip:
                     continue
-                for st in steps:
-                    e = st.entries.get(rid)
-                    if (
-                        e is not None
-                        and i * bsz < e.start
-                        and not e.load
-                        and rid in st.live
-                        and not self._holds(
-                            self._eventual(block, st.id),
-                            self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
-                        )
-                    ):
-                        return False
+                e = st.entries.get(rid)
+                if (
+                    e is not None
+                    and i * bsz < e.start
+                    and not e.load
+                    and rid in st.live
+                    and not self._holds(
+                        self._eventual(block, st.id),
+                        self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
+                    )
+                ):
+                    return False
         return True
 
     def _publications_hold(self) -> bool:

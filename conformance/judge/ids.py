@@ -54,6 +54,12 @@ def check_ids(kind: object, event: Event, ids: IdSet, max_step: int) -> int:
             rid = cast(int, event[named])
             if rid not in ids:
                 raise UnknownId(f"{kind}: request r{rid} never arrived")
+    elif kind == "commit" and len(event) > 2 and isinstance(event[2], tuple):
+        for pair in event[2]:  # as requests_named, without making its tuple
+            if isinstance(pair, tuple) and pair:
+                rid = cast(int, pair[0])
+                if rid not in ids:
+                    raise UnknownId(f"{kind}: request r{rid} never arrived")
     else:
         for rid in requests_named(kind, event):
             if rid not in ids:
