@@ -147,6 +147,14 @@ def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) ->
     assert "hash" in (report.explanation or "")
 
 
+def _unknown_in_commit(lines: list[bytes]) -> list[bytes]:
+    """The first commit also samples for r777, which never arrived (the judge checks a commit's
+    requests one by one, not through ``requests_named``)."""
+    at = next(i for i, raw in enumerate(lines) if b'"ev":"commit"' in raw)
+    raw = lines[at].replace(b'"sampled":[', b'"sampled":[[777,1],', 1)
+    return lines[:at] + [raw] + lines[at + 1 :]
+
+
 @pytest.mark.parametrize(
     "mutate, fragment",
     [
@@ -160,6 +168,7 @@ def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) ->
         (lambda ls: ls[:2] + [b'{"ev": "free", "block": 99}'] + ls[2:], "out of range"),
         (lambda ls: ls[:2] + [b'{"ev": "free", "block": -1}'] + ls[2:], ">= 0"),
         (lambda ls: ls[:2] + [b'{"ev": "abort", "req": 777}'] + ls[2:], "never arrived"),
+        (_unknown_in_commit, "commit: request r777 never arrived"),
         (lambda ls: ls[:1] + [b'{"ev": "free", "block": 1}'] + ls[1:], "before any decision"),
         (lambda ls: [b""], "empty header line"),
         (lambda ls: [ls[0].replace(b'"format":"kvspec-trace"', b'"format":"x"')], "not a kvspec"),
