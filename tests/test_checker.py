@@ -323,17 +323,27 @@ def test_the_fast_path_freezes_the_judges_state_and_unfreezes_it_at_the_end(
     good_trace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``check.long_lived``: the collector skips the long-lived state while a file is judged
-    (``gc.freeze`` every ``FREEZE_EVERY`` events), and nothing stays frozen after."""
+    (``gc.freeze`` every ``FREEZE_EVERY`` events) and collects the youngest generation every
+    ``YOUNG`` allocations; nothing stays frozen after, and the threshold is the caller's again."""
     import gc
 
     from kvspec.conformance import check
 
     calls: list[int] = []
+    thresholds: list[tuple[int, int, int]] = []
     freeze = gc.freeze
+
+    def counted() -> None:
+        calls.append(1)
+        thresholds.append(gc.get_threshold())
+        freeze()
+
     monkeypatch.setattr(check, "FREEZE_EVERY", 50)
-    monkeypatch.setattr(check.gc, "freeze", lambda: calls.append(1) or freeze())
+    monkeypatch.setattr(check.gc, "freeze", counted)
     assert gc.get_freeze_count() == 0
+    before = gc.get_threshold()
     report = check_file(good_trace)
     assert report.exit_code == 0 and report.events > 200
     assert len(calls) >= report.events // 50 - 1
     assert gc.get_freeze_count() == 0
+    assert {t[0] for t in thresholds} == {check.YOUNG} and gc.get_threshold() == before
