@@ -15,7 +15,10 @@ trace whose arrivals come first holds them all). Python's cyclic garbage collect
 of it again and again as allocation goes on, a cost that grows with the state, not with the event.
 So the fast path (``FileFeed``) freezes what is alive every ``FREEZE_EVERY`` events
 (``gc.freeze``: later collections skip it; reference counting still frees it) and unfreezes it at
-the end (``long_lived``).
+the end (``long_lived``). Between two freezes the youngest generation is collected every
+``YOUNG`` allocations rather than every 700 (Python's default): the judge makes no cycles, so a
+collection finds nothing to free, and what it walks is mostly the new state of a trace whose
+arrivals come first (``docs/checker.md``). The threshold is put back at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from .trace import Trace, TraceError, open_trace
 
 FREEZE_EVERY = 16_384
 """Events between two ``gc.freeze`` calls of the fast path (each is O(1))."""
+YOUNG = 100_000
+"""The fast path's threshold of the youngest generation (``gc.set_threshold``; default 700): at
+most this many more tracked objects than freed ones before a collection, a few MiB."""
 
 ENGINES = ("fast", "spec")
 """``fast``: the fast model judges, the spec judge reports; ``spec``: the spec judges every event."""
@@ -100,11 +106,15 @@ def _judged(trace: Trace, judge: Judge, name: str, started: float, start: int = 
 
 @contextlib.contextmanager
 def long_lived() -> Iterator[None]:
-    """Objects frozen inside (``gc.freeze``) are unfrozen at the end, unless they were before."""
+    """Objects frozen inside (``gc.freeze``) are unfrozen at the end, unless they were before;
+    the youngest generation is collected every ``YOUNG`` allocations inside."""
     frozen = gc.get_freeze_count()
+    threshold = gc.get_threshold()
+    gc.set_threshold(YOUNG, *threshold[1:])
     try:
         yield
     finally:
+        gc.set_threshold(*threshold)
         if frozen == 0:
             gc.unfreeze()
 

@@ -147,6 +147,14 @@ def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) ->
     assert "hash" in (report.explanation or "")
 
 
+def _unknown_in_commit(lines: list[bytes]) -> list[bytes]:
+    """The first commit also samples for r777, which never arrived (the judge checks a commit's
+    requests one by one, not through ``requests_named``)."""
+    at = next(i for i, raw in enumerate(lines) if b'"ev":"commit"' in raw)
+    raw = lines[at].replace(b'"sampled":[', b'"sampled":[[777,1],', 1)
+    return lines[:at] + [raw] + lines[at + 1 :]
+
+
 @pytest.mark.parametrize(
     "mutate, fragment",
     [
@@ -160,6 +168,7 @@ def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) ->
         (lambda ls: ls[:2] + [b'{"ev": "free", "block": 99}'] + ls[2:], "out of range"),
         (lambda ls: ls[:2] + [b'{"ev": "free", "block": -1}'] + ls[2:], ">= 0"),
         (lambda ls: ls[:2] + [b'{"ev": "abort", "req": 777}'] + ls[2:], "never arrived"),
+        (_unknown_in_commit, "commit: request r777 never arrived"),
         (lambda ls: ls[:1] + [b'{"ev": "free", "block": 1}'] + ls[1:], "before any decision"),
         (lambda ls: [b""], "empty header line"),
         (lambda ls: [ls[0].replace(b'"format":"kvspec-trace"', b'"format":"x"')], "not a kvspec"),
@@ -314,17 +323,27 @@ def test_the_fast_path_freezes_the_judges_state_and_unfreezes_it_at_the_end(
     good_trace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``check.long_lived``: the collector skips the long-lived state while a file is judged
-    (``gc.freeze`` every ``FREEZE_EVERY`` events), and nothing stays frozen after."""
+    (``gc.freeze`` every ``FREEZE_EVERY`` events) and collects the youngest generation every
+    ``YOUNG`` allocations; nothing stays frozen after, and the threshold is the caller's again."""
     import gc
 
     from kvspec.conformance import check
 
     calls: list[int] = []
+    thresholds: list[tuple[int, int, int]] = []
     freeze = gc.freeze
+
+    def counted() -> None:
+        calls.append(1)
+        thresholds.append(gc.get_threshold())
+        freeze()
+
     monkeypatch.setattr(check, "FREEZE_EVERY", 50)
-    monkeypatch.setattr(check.gc, "freeze", lambda: calls.append(1) or freeze())
+    monkeypatch.setattr(check.gc, "freeze", counted)
     assert gc.get_freeze_count() == 0
+    before = gc.get_threshold()
     report = check_file(good_trace)
     assert report.exit_code == 0 and report.events > 200
     assert len(calls) >= report.events // 50 - 1
     assert gc.get_freeze_count() == 0
+    assert {t[0] for t in thresholds} == {check.YOUNG} and gc.get_threshold() == before

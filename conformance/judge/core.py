@@ -376,11 +376,16 @@ class Judge:
     def _apply(self, event: Event, index: int) -> list[Event] | None:
         """The guards every stream has, then the model's (the ids checked already); None at a
         finding."""
-        kind = event[0]
+        kind = event[0] if isinstance(event[0], str) else ""  # a str: compared natively
         model, fast = self.model, self.fast_model
-        for rid in model.prune() if fast is None else fast.prune():
-            if self.recorder is not None:
-                self.recorder.pruned(rid)
+        if fast is None:
+            for rid in model.prune():
+                if self.recorder is not None:
+                    self.recorder.pruned(rid)
+        elif fast.prunable:  # else nothing to prune (and no list made)
+            for rid in fast.prune():
+                if self.recorder is not None:
+                    self.recorder.pruned(rid)
         if kind == "arrive":
             if cast(int, event[1]) in self.ids and not self._has_request(event[1]):
                 self._illegal(f"arrive r{event[1]}: the id is taken", event, index)
@@ -530,9 +535,11 @@ class Judge:
         return None
 
     def _drop_hash(self, block: int) -> None:
-        hash_ = self.block_hash.pop(block, None)
+        block_hash = self.block_hash
+        hash_ = block_hash.get(block)  # get and del: native dict operations (pop is not)
         if hash_ is None:
             return
+        del block_hash[block]
         key, n = self.hash_key[hash_]
         if n == 1:
             del self.hash_key[hash_]

@@ -100,6 +100,18 @@ def spec_placeholder(code: int) -> Placeholder:
     return Placeholder(w - rid, rid)
 
 
+def _negative(tokens: tuple[object, ...]) -> bool:
+    """``min(tokens) < 0`` for a non-empty tuple: ints compared natively (compiled), and for
+    anything else ``min`` itself, which compares (or refuses) them as before."""
+    negative = False
+    for t in tokens:
+        if not isinstance(t, int):
+            return min(tokens) < 0  # type: ignore[type-var,operator]
+        if t < 0:
+            negative = True
+    return negative
+
+
 def restates(config: Config) -> bool:
     """Whether this model restates ``config``: everything but speculative decoding
     (``Config.spec_tokens`` > 0), deferred block freeing (``Config.defer_free``) and a sliding
@@ -134,6 +146,8 @@ class Req:
         "chain",
         "verified",
         "ahead",
+        "partial_len",
+        "partial",
     )
 
     def __init__(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
@@ -157,13 +171,19 @@ class Req:
         """Async scheduling: the placeholders of the steps in flight that sample for the request
         and whose sample will be used, oldest first (``spec.State.ahead`` past the known tokens),
         kept as entries are scheduled, withdrawn, committed and discarded."""
+        self.partial_len = 0
+        self.partial: object = None
+        """The last partial prefix ``_prefix`` made within the known tokens, and its length: a
+        decoding request's last block is read and written at several decisions of a step (its
+        tokens 0 .. length - 1 never change, so neither does the content)."""
 
 
 class Ent:
-    __slots__ = ("start", "end", "blocks", "load", "samples", "ph", "loaded")
+    __slots__ = ("req", "start", "end", "blocks", "load", "samples", "ph", "loaded")
 
     def __init__(
         self,
+        req: Req,
         start: int,
         end: int,
         blocks: tuple[int, ...],
@@ -172,6 +192,9 @@ class Ent:
         ph: int,
         loaded: int = 0,
     ):
+        self.req = req
+        """The request (``requests[rid]`` while the entry exists: an id never arrives twice, and
+        a request is pruned only once no step references it), without a lookup."""
         self.start, self.end, self.blocks, self.load, self.samples = (
             start,
             end,
@@ -280,36 +303,36 @@ class FastModel:
         """Blocks whose content an execution changed other than by writing what was pending (a
         failed load; K/V computed from wrong inputs): every later step's reads may change."""
         self.published: list[int] = []
-        self.new_entry: tuple[Stp, int] | None = None
+        self.new_step: Stp | None = None
+        self.new_rid = -1
+        """The entry the decision scheduled (``new_step.entries[new_rid]``), if any."""
 
     # -- the model's side of the judge (core.Model) ---------------------------------------------
 
     def apply(self, decision: Event) -> list[Event]:
         kind = decision[0]
-        if not isinstance(kind, str) or kind not in ARITY:
+        if not isinstance(kind, str):
             raise Illegal()
-        low, high = ARITY[kind]
+        arity = ARITY.get(kind)
+        if arity is None:
+            raise Illegal()
+        low, high = arity
         if not low <= len(decision) - 1 <= high:  # as a call with the decision's values would
             raise TypeError(f"{kind} takes {low} to {high} values, got {len(decision) - 1}")
         self.expected = []
-        if self.changed:
-            self.changed = set()
+        if self.changed:  # cleared, not made anew: nothing outside a decision holds them
+            self.changed.clear()
         if self.rewritten:
-            self.rewritten = set()
+            self.rewritten.clear()
         if self.published:
-            self.published = []
-        self.new_entry = None
+            self.published.clear()
+        self.new_step = None
         self._act(kind, decision)
         if kind == "arrive":
             self.requests[cast(int, decision[1])].arrival = self.arrivals
             self.arrivals += 1
-        elif kind == "commit" or kind == "abort":
-            self.prunable = True
-            for effect in self.expected:
-                if effect[0] == "finish":
-                    self.finished.add(cast(int, effect[1]))
-        elif kind == "preempt":
-            self.prunable = True
+        elif kind == "commit" or kind == "abort" or kind == "preempt":
+            self.prunable = True  # the requests they finish are in ``finished`` already
         return self.expected
 
     def _act(self, kind: str, d: Event) -> None:
@@ -424,7 +447,11 @@ class FastModel:
         i = (length - 1) // bsz
         if length == (i + 1) * bsz:
             return self._chain(req, i)
-        return (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
+        if length == req.partial_len:
+            return req.partial
+        content = (self._chain(req, i - 1) if i else ROOT, tuple(req.tokens[i * bsz : length]))
+        req.partial_len, req.partial = length, content
+        return content
 
     def _canonical(self, parent: int, tail: tuple[int, ...]) -> object:
         """A content ``(parent, tail)`` after a placeholder in its tail was resolved: its leading
@@ -690,7 +717,7 @@ class FastModel:
     def arrive(self, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int) -> None:
         if rid in self.requests or not prompt or max_tokens < 1:
             raise Illegal()
-        if min(prompt) < 0:
+        if _negative(prompt):
             raise ValueError(f"token ids must be >= 0, got {min(prompt)} in request {rid}'s prompt")
         self.requests[rid] = Req(rid, prompt, max_tokens, priority)
         self.waiting[rid] = None
@@ -805,12 +832,12 @@ class FastModel:
         if samples and self.async_scheduling:
             ph = placeholder(sid, rid)
             req.ahead.append(ph)
-        step.entries[rid] = Ent(start, end, tuple(table), load, samples, ph, num_loaded)
+        step.entries[rid] = Ent(req, start, end, tuple(table), load, samples, ph, num_loaded)
         step.live.add(rid)
         step.budget_used += num_tokens
         if load:
             req.loading = sid
-        self.new_entry = (step, rid)
+        self.new_step, self.new_rid = step, rid
         # policies.on_schedule
         policy, upto = self.policy, min(end, known) // bsz
         if load and self.delay_loads:
@@ -904,11 +931,11 @@ class FastModel:
                 else:
                     self._content_changed(block)
                     self.rewritten.add(block)
-        requests, live = self.requests, step.live
+        live = step.live
         for rid, e in entries.items():
             if e.load:  # a load reads nothing
                 continue
-            req = requests[rid]
+            req = e.req
             blocks, end, alive = e.blocks, e.end, rid in live
             first = req.verified if alive else 0  # reads known valid (unchanged since)
             bad: list[int] = []
@@ -936,13 +963,13 @@ class FastModel:
             raise Illegal()
         step = steps[0]
         entries, live = step.entries, step.live
-        expected = [rid for rid, e in entries.items() if e.samples and rid in live]
+        expected = [e for rid, e in entries.items() if e.samples and rid in live]
         tokens = dict(sampled)
         # the sampled requests are exactly the expected ones (both without repeats)
         if len(tokens) != len(sampled) or len(tokens) != len(expected):
             raise Illegal()
-        for rid in expected:
-            if rid not in tokens:
+        for e in expected:
+            if e.req.id not in tokens:
                 raise Illegal()
         policy, requests = self.policy, self.requests
         if policy == "eager-rollback-fifo":  # policies.on_confirmed
@@ -950,7 +977,8 @@ class FastModel:
         if step.failed:
             for rid, e in entries.items():
                 req = requests[rid]
-                if e.load and req.loading == step.id:
+                loading = req.loading
+                if e.load and loading is not None and loading == step.id:
                     req.loading = None
                     if rid in step.failed:
                         self._leave(req)
@@ -962,7 +990,8 @@ class FastModel:
             for rid, e in entries.items():
                 if e.load:
                     req = requests[rid]
-                    if req.loading == step.id:
+                    loading = req.loading
+                    if loading is not None and loading == step.id:
                         req.loading = None
         # policies.on_written
         if policy == "hide-uncommitted":
@@ -974,16 +1003,17 @@ class FastModel:
         elif policy == "deferred":
             bsz, failed = self.bsz, step.failed
             for rid, e in entries.items():
-                req = requests[rid]
+                req = e.req
                 if rid in live and rid not in failed and req.status == RUNNING:
                     self._register_upto(req, e.end // bsz)
         stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
-        for rid in expected:
-            req = requests[rid]
+        for e in expected:
+            req = e.req
+            rid = req.id
             token = tokens[rid]
             if token < 0:
                 raise ValueError(f"token ids must be >= 0, got {token} for request {rid}")
-            ph = entries[rid].ph
+            ph = e.ph
             if ph:  # this step's placeholder, the oldest, is now the token
                 if not req.ahead or req.ahead[0] != ph:
                     raise RuntimeError(f"fast model: request {rid}'s placeholders out of order")
@@ -993,13 +1023,14 @@ class FastModel:
             req.tokens.append(token)
             running = req.status == RUNNING  # else preempted, its stale output delivered
             if running and output:  # policies.on_output
-                self._register_upto(req, entries[rid].end // self.bsz)
+                self._register_upto(req, e.end // self.bsz)
             reason = "length" if len(req.tokens) - req.plen >= req.max_tokens else None
-            if token == stop:
+            if stop is not None and token == stop:
                 reason = "stop"
             if reason:
                 self._free_table(req)
                 self.expected.append(("finish", rid, reason))
+                self.finished.add(rid)
                 if running:
                     self.running.remove(rid)
                 else:
@@ -1028,6 +1059,7 @@ class FastModel:
             del self.waiting[rid]
         req.status = FINISHED
         self.expected.append(("finish", rid, "abort"))
+        self.finished.add(rid)
 
     def reset(self) -> None:
         if self.steps or any(self.refcount):
@@ -1083,12 +1115,11 @@ class FastModel:
         contents do not see the building step's writes), and every pending read of a block an
         execution rewrote."""
         bsz = self.bsz
-        new = self.new_entry
-        if new is not None:
-            step, rid = new
+        step, rid = self.new_step, self.new_rid
+        if step is not None:
             e = step.entries.get(rid)
             if e is not None and not e.load and rid in step.live:
-                req, pending, blocks = self.requests[rid], self.pending, e.blocks
+                req, pending, blocks = e.req, self.pending, e.blocks
                 contiguous, known = True, len(req.tokens) // bsz
                 for i in range(req.verified, e.start // bsz):
                     block = blocks[i]
@@ -1102,8 +1133,8 @@ class FastModel:
         if self.changed:
             steps = self.steps
             if steps and steps[-1].phase == BUILDING:
-                skip = -1 if new is None else new[1]
-                if not self._readers_hold(self.changed, [steps[-1]], skip):
+                skip = -1 if step is None else rid
+                if not self._step_readers_hold(self.changed, steps[-1], skip):
                     return False
         if self.rewritten:
             steps = [st for st in self.steps if st.phase != EXECUTED]
@@ -1131,40 +1162,53 @@ class FastModel:
 
     def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
+        for st in steps:
+            if not self._step_readers_hold(blocks, st, skip):
+                return False
+        return True
+
+    def _step_readers_hold(self, blocks: set[int], st: Stp, skip: int) -> bool:
+        """The reads of ``blocks`` by the live entries of step ``st`` (but ``skip``'s)."""
         bsz = self.bsz
         requests, holders = self.requests, self.holders
         for block in blocks:
             for rid, i in holders[block].items():
                 if rid == skip:
                     continue
-                for st in steps:
-                    e = st.entries.get(rid)
-                    if (
-                        e is not None
-                        and i * bsz < e.start
-                        and not e.load
-                        and rid in st.live
-                        and not self._holds(
-                            self._eventual(block, st.id),
-                            self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
-                        )
-                    ):
-                        return False
+                e = st.entries.get(rid)
+                if (
+                    e is not None
+                    and i * bsz < e.start
+                    and not e.load
+                    and rid in st.live
+                    and not self._holds(
+                        self._eventual(block, st.id),
+                        self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
+                    )
+                ):
+                    return False
         return True
 
     def _publications_hold(self) -> bool:
         """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
         key = self.key
         excused: set[int] | None = None
-        for blocks in (self.published, self.changed):
-            for block in blocks:
-                k = key[block]
-                if k is None:
-                    continue
-                if excused is None:
-                    excused = self._excused()
-                if block not in excused and not self._holds(self._eventual(block), k):
-                    return False
+        for block in self.published:
+            k = key[block]
+            if k is None:
+                continue
+            if excused is None:
+                excused = self._excused()
+            if block not in excused and not self._holds(self._eventual(block), k):
+                return False
+        for block in self.changed:
+            k = key[block]
+            if k is None:
+                continue
+            if excused is None:
+                excused = self._excused()
+            if block not in excused and not self._holds(self._eventual(block), k):
+                return False
         return True
 
     def _excused(self) -> set[int]:

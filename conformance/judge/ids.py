@@ -4,7 +4,7 @@ model, so all judges reject the same events with the same message."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, cast
 
 from kvspec.conformance.judge.findings import UnknownId
 from kvspec.spec.events import REQUEST_AT as _REQUEST_AT
@@ -48,9 +48,22 @@ def check_ids(kind: object, event: Event, ids: IdSet, max_step: int) -> int:
     began; return the highest step id begun so far (``begin`` raises it)."""
     if kind == "arrive":
         return max_step
-    for rid in requests_named(kind, event):
-        if rid not in ids:
-            raise UnknownId(f"{kind}: request r{rid} never arrived")
+    named = REQUEST_AT.get(kind) if isinstance(kind, str) else None
+    if named is not None:  # one request (no tuple made: this runs at every decision)
+        if named < len(event):
+            rid = cast(int, event[named])
+            if rid not in ids:
+                raise UnknownId(f"{kind}: request r{rid} never arrived")
+    elif kind == "commit" and len(event) > 2 and isinstance(event[2], tuple):
+        for pair in event[2]:  # as requests_named, without making its tuple
+            if isinstance(pair, tuple) and pair:
+                rid = cast(int, pair[0])
+                if rid not in ids:
+                    raise UnknownId(f"{kind}: request r{rid} never arrived")
+    else:
+        for rid in requests_named(kind, event):
+            if rid not in ids:
+                raise UnknownId(f"{kind}: request r{rid} never arrived")
     at = STEP_AT.get(kind) if isinstance(kind, str) else None
     if at is None or at >= len(event):
         return max_step
