@@ -115,7 +115,7 @@ PROMPT_SUFFIXES = tuple(suffix for table in SUFFIXES for suffix in table)
 BUDGETS = tuple((m, p) for m in range(1, MAX_NEW_TOKENS + 1) for p in range(4))
 """(max new tokens, priority) of an arrival, one choice: fewer tokens first, then priority."""
 
-STEP_COUNTS = tuple(range(1, 9))
+STEP_COUNTS = tuple(range(1, 17))
 """How many engine steps one ``step`` action runs (at most: an idle engine ends them). Every
 count, not a coarse table (1, 2, 4, ... 16 ran more steps per draw, but the shrinker could then
 not drop a single step, and counterexamples stayed several times longer)."""
@@ -355,11 +355,11 @@ def lockstep_machine(
             choices too, during steps)."""
             kind = self.mix[slot]
             if kind == "step":
-                self._steps(draw, STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)])
+                self._steps(draw)
             elif kind == "arrive":
                 self._arrive(draw)
             elif kind == "abort":
-                self._abort(draw(0, 7))
+                self._abort(draw)
             elif not self.engine.live_requests():
                 self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
@@ -379,18 +379,23 @@ def lockstep_machine(
                 lambda: self.engine.add_request(rid, prompt, max_tokens, priority, external),
             )
 
-        def _steps(self, draw: Callable[[int, int], int], count: int) -> None:
-            """Up to ``count`` engine steps; an idle engine ends them (and is not recorded)."""
+        def _steps(self, draw: Callable[[int, int], int]) -> None:
+            """One engine step, then, unless the engine was idle, as many more as one choice
+            says (``STEP_COUNTS``, counting the first); an idle engine ends them (an idle step
+            is not recorded). The count is drawn after the first step, so a step action of an
+            idle engine draws nothing."""
             self.choices.use(draw)
-            for _ in range(count):
-                if not self._run("engine step", self.engine.step, idle=False):
-                    break
+            if self._run("engine step", self.engine.step, idle=False):
+                for _ in range(STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)] - 1):
+                    if not self._run("engine step", self.engine.step, idle=False):
+                        break
             self.choices.use(None)
 
-        def _abort(self, which: int) -> None:
+        def _abort(self, draw: Callable[[int, int], int]) -> None:
+            """Abort one live request, chosen among them (no choice when there is one)."""
             live = self.engine.live_requests()
             if live:
-                rid = live[which % len(live)]
+                rid = live[draw(0, len(live) - 1) if len(live) > 1 else 0]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
 
         def agree(self) -> None:
