@@ -61,7 +61,7 @@ shrank worse.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,14 @@ fewer shared tokens first, none (the simplest) at 0."""
 
 PROMPT_SUFFIXES = tuple(suffix for table in SUFFIXES for suffix in table)
 """Every own suffix of a prompt, shorter first (then as in ``SUFFIXES``): one choice."""
+
+SETUP_BYTES = 8
+"""The bytes of a run's configuration choice (``setup``)."""
+
+ARRIVAL_BYTES = 4
+"""The bytes of an arrival's choice: its opening (``OPENINGS``), its suffix (two bytes, into
+``PROMPT_SUFFIXES``), its budget (``BUDGETS``); under ``loads`` a fifth, 128 or more when the
+request's KV is in the external store."""
 
 BUDGETS = tuple((m, p) for m in range(1, MAX_NEW_TOKENS + 1) for p in range(4))
 """(max new tokens, priority) of an arrival, one choice: fewer tokens first, then priority."""
@@ -171,6 +179,23 @@ def _draw_integer(data: Any) -> Callable[[int, int], int]:
     if direct is not None:
         return lambda lo, hi: direct(lo, hi, shrink_towards=lo)  # type: ignore[no-any-return]
     return lambda lo, hi: int(data.draw(st.integers(lo, hi)))
+
+
+def _draw_bytes(data: Any) -> Callable[[int], bytes]:
+    """``draw(n)``: one choice of ``n`` bytes, all zeros the simplest (Hypothesis shrinks each
+    byte toward 0 on its own). Straight from the choice sequence where this Hypothesis exposes
+    it, else through ``st.binary``."""
+    conjecture = getattr(data, "conjecture_data", None)
+    direct = getattr(conjecture, "draw_bytes", None)
+    if direct is not None:
+        return lambda n: direct(n, n)  # type: ignore[no-any-return]
+    return lambda n: bytes(data.draw(st.binary(min_size=n, max_size=n)))
+
+
+def _scaled(byte: int, table: Sized) -> int:
+    """The index into ``table`` a byte stands for: byte * len(table) / 256, rounded down, so a
+    lower byte never names a later (less simple) entry and every entry has its share."""
+    return byte * len(table) >> 8
 
 
 class DataChoices:
@@ -312,14 +337,33 @@ def lockstep_machine(
     class LockstepRun:
         """One run of the cell: its engine, judge and program; ``lockstep_test`` drives it."""
 
+        draw_bytes: Callable[[int], bytes] | None = None
+        """The byte choices of the run (``_draw_bytes``), set by its driver."""
+
         def setup(self, draw: Callable[[int, int], int]) -> None:
-            """Draw the run's configuration (each field one integer choice, the simplest first:
-            4 to 8 blocks of 2 or 4 tokens, ``draw_timing``, a token budget of 3 to 12, 2 to 4
-            running requests, one of ``MIXES``) and build its engine and judge; a configuration
-            the engine refuses (``ValueError`` from the factory) is rejected, not a finding."""
-            num_blocks = draw(4, 8)
-            block_size = (2, 4)[draw(0, 1)]
-            overlap, stale, run_depth = draw_timing(draw, depth, async_scheduling, stale_output)
+            """Draw the run's configuration and build its engine and judge; a configuration the
+            engine refuses (``ValueError`` from the factory) is rejected, not a finding. The
+            configuration is one choice of ``SETUP_BYTES`` bytes, a field in each, the simplest
+            value at 0: 4 to 8 blocks of 2 or 4 tokens, three for ``draw_timing`` (each used or
+            not, so that the later fields keep their place), a token budget of 3 to 12, 2 to 4
+            running requests, one of ``MIXES``."""
+            if self.draw_bytes is not None:
+                fields = iter(self.draw_bytes(SETUP_BYTES))
+            else:  # a driver that set no byte draw: one integer choice per byte
+                fields = iter([draw(0, 255) for _ in range(SETUP_BYTES)])
+
+            def field(lo: int, hi: int) -> int:
+                return lo + (next(fields) * (hi - lo + 1) >> 8)
+
+            num_blocks = field(4, 8)
+            block_size = (2, 4)[field(0, 1)]
+            timing = iter([next(fields) for _ in range(3)])
+            overlap, stale, run_depth = draw_timing(
+                lambda lo, hi: lo + (next(timing) * (hi - lo + 1) >> 8),
+                depth,
+                async_scheduling,
+                stale_output,
+            )
             common = dict(
                 num_blocks=num_blocks,
                 block_size=block_size,
@@ -327,14 +371,14 @@ def lockstep_machine(
                 policy=policy,
                 discipline=discipline,
                 preemption=preemption,
-                token_budget=draw(3, 12),
-                max_running=draw(2, 4),
+                token_budget=field(3, 12),
+                max_running=field(2, 4),
                 stop_token=0,
                 async_scheduling=overlap,
                 stale_output=stale,
                 prefix_caching=prefix_caching,
             )
-            mix = MIXES[draw(0, len(MIXES) - 1)]
+            mix = MIXES[field(0, len(MIXES) - 1)]
             self.choices = DataChoices()
             try:
                 self.engine = factory(Config(**common), self.choices)
@@ -364,11 +408,18 @@ def lockstep_machine(
                 self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
         def _arrive(self, draw: Callable[[int, int], int]) -> None:
-            which, shared = OPENINGS[draw(0, len(OPENINGS) - 1)]
+            """A request arrives; its parameters are one choice of ``ARRIVAL_BYTES`` bytes (one
+            more under ``loads``), each an index into its table (``_scaled``)."""
+            size = ARRIVAL_BYTES + self.loads
+            if self.draw_bytes is not None:
+                choice = self.draw_bytes(size)
+            else:  # a driver that set no byte draw: one integer choice per byte
+                choice = bytes(draw(0, 255) for _ in range(size))
+            which, shared = OPENINGS[_scaled(choice[0], OPENINGS)]
             prefix = PREFIXES[which]
-            suffix = PROMPT_SUFFIXES[draw(0, len(PROMPT_SUFFIXES) - 1)]
-            max_tokens, priority = BUDGETS[draw(0, len(BUDGETS) - 1)]
-            external = self.loads and draw(0, 1) == 1
+            suffix = PROMPT_SUFFIXES[(choice[1] << 8 | choice[2]) * len(PROMPT_SUFFIXES) >> 16]
+            max_tokens, priority = BUDGETS[_scaled(choice[3], BUDGETS)]
+            external = self.loads and choice[4] >= 128
             capacity = (self.config.num_blocks - 1) * self.config.block_size
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
             prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
@@ -484,6 +535,7 @@ def lockstep_machine(
         @initialize(data=st.data())
         def configure(self, data: Any) -> None:
             """The stateful runner's start of a run: ``setup``, drawing from ``data``."""
+            self.draw_bytes = _draw_bytes(data)
             self.setup(_draw_integer(data))
 
         @rule(data=st.data())
@@ -491,6 +543,7 @@ def lockstep_machine(
             """One action of the workload (the stateful runner's one rule, always enabled): an
             action choice, then ``perform``."""
             draw = _draw_integer(data)
+            self.draw_bytes = _draw_bytes(data)
             self.perform(draw(0, len(self.mix) - 1), draw)
 
         @invariant()
@@ -568,6 +621,7 @@ def lockstep_test(
             raise BudgetSpent
         draw = _draw_integer(data)
         run = run_class()
+        run.draw_bytes = _draw_bytes(data)  # type: ignore[attr-defined]
         try:
             run.setup(draw)  # type: ignore[attr-defined]
             run.agree()  # type: ignore[attr-defined]
