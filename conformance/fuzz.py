@@ -198,6 +198,11 @@ def _scaled(byte: int, table: Sized) -> int:
     return byte * len(table) >> 8
 
 
+def _scaled_pair(high: int, low: int, table: Sized) -> int:
+    """``_scaled`` for a table of more than 256 entries: two bytes, the first the higher."""
+    return (high << 8 | low) * len(table) >> 16
+
+
 class DataChoices:
     """The engine's nondeterministic choices, drawn by Hypothesis (0 is the simplest)."""
 
@@ -417,7 +422,7 @@ def lockstep_machine(
                 choice = bytes(draw(0, 255) for _ in range(size))
             which, shared = OPENINGS[_scaled(choice[0], OPENINGS)]
             prefix = PREFIXES[which]
-            suffix = PROMPT_SUFFIXES[(choice[1] << 8 | choice[2]) * len(PROMPT_SUFFIXES) >> 16]
+            suffix = PROMPT_SUFFIXES[_scaled_pair(choice[1], choice[2], PROMPT_SUFFIXES)]
             max_tokens, priority = BUDGETS[_scaled(choice[3], BUDGETS)]
             external = self.loads and choice[4] >= 128
             capacity = (self.config.num_blocks - 1) * self.config.block_size
