@@ -83,9 +83,9 @@ def current_source_hash() -> str:
     them."""
     global _hashed
     files = tuple(
-        (str(path), stat.st_mtime_ns, stat.st_size)
-        for path in (HERE / name for name in COMPILED)
-        for stat in (path.stat(),)
+        (path, stat.st_mtime_ns, stat.st_size)
+        for path in (os.path.join(HERE, name) for name in COMPILED)
+        for stat in (os.stat(path),)
     )
     if _hashed is None or _hashed[0] != files:
         _hashed = (files, source_hash())
