@@ -33,17 +33,23 @@ used to take most of the time, and runs were a few engine steps long):
   and preconditions, which cost draws and ``_rule_is_enabled`` calls per rule and disabled the
   ``step`` or ``arrive`` rule in many runs, which then did nothing); under ``lockstep_test``
   that choice also holds the stop (``ACTIONS``, ``STOP``);
-* every choice is one integer straight from the choice sequence (``_draw_integer``): no
+* every choice comes straight from the choice sequence (``_draw_integer``, ``_draw_bytes``): no
   ``.filter``, no lists, no strategy per draw; the engine's own choices (``DataChoices.pick``)
-  too. An action's parameters stay choices of their own (folding a step's count or an arrival's
-  budget into the kind's choice, one choice per action, shrank the seed bug's counterexamples
-  longer). An arrival is three choices, each an index into a table ordered simplest first: how its
-  prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
-  (``PROMPT_SUFFIXES``, shorter first) and its (max new tokens, priority) (``BUDGETS``), plus
-  one for an external load under ``loads`` (against one choice per field, over several seeds
-  of the seeded bugs, counterexamples shrank shorter on average, though not on every seed);
-* a ``step`` action runs up to 8 engine steps (``STEP_COUNTS``) and stops when the engine is idle
-  (an idle step is not recorded: counterexamples are no longer padded with them); the snapshot
+  are integers too. An action's parameters stay choices of their own (folding a step's count or
+  an arrival's budget into the kind's choice, one choice per action, shrank the seed bug's
+  counterexamples longer). An arrival is one choice of ``ARRIVAL_BYTES`` bytes, each byte an
+  index into a table ordered simplest first (``_scaled``: a lower byte never names a later
+  entry): how its prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
+  (``PROMPT_SUFFIXES``, shorter first; two bytes) and its (max new tokens, priority)
+  (``BUDGETS``), plus a byte for an external load under ``loads``. A choice of bytes is one node
+  of the choice sequence, as an integer is, and costs about one and a half integer choices (no
+  integer distribution to evaluate), where the arrival's three or four integer choices cost
+  three or four; Hypothesis shrinks the bytes of a fixed-size choice one by one toward 0, as it
+  would separate integers;
+* no choice is drawn where it cannot change anything: a ``step`` action runs one engine step,
+  and only if the engine was not idle draws how many more (``STEP_COUNTS``, up to 8 in all;
+  an idle engine ends them, and an idle step is not recorded: counterexamples are not padded
+  with them); an abort draws which live request only when there are two or more; the snapshot
   comparison runs once per action, the judge's invariant checks after every decision as before.
 
 A counterexample of an eager policy is usually found as ``NoUnwrittenPublish`` (the zombie's
@@ -121,9 +127,10 @@ BUDGETS = tuple((m, p) for m in range(1, MAX_NEW_TOKENS + 1) for p in range(4))
 """(max new tokens, priority) of an arrival, one choice: fewer tokens first, then priority."""
 
 STEP_COUNTS = tuple(range(1, 9))
-"""How many engine steps one ``step`` action runs (at most: an idle engine ends them). Every
-count, not a coarse table (1, 2, 4, ... 16 ran more steps per draw, but the shrinker could then
-not drop a single step, and counterexamples stayed several times longer)."""
+"""How many engine steps one ``step`` action runs (at most: an idle engine ends them), drawn
+after its first step. Every count, not a coarse table (1, 2, 4, ... 16 ran more steps per draw,
+but the shrinker could then not drop a single step, and counterexamples stayed several times
+longer)."""
 
 MIXES = (
     ("step", "arrive", "step", "arrive", "step", "arrive", "abort", "reset"),
@@ -588,7 +595,7 @@ def lockstep_test(
     stateful runner forces its "stop" boolean, the initialize step counted), any other value is
     the kind of the action (a slot of the run's mix), which ``perform`` runs, drawing its own
     parameters; then ``agree`` (the snapshot comparison); ``teardown`` always. So the shrinker
-    deletes whole actions (a span, at most five choices) as it does in a state machine, one
+    deletes whole actions (a span: the action's choice and its own) as it does in a state machine, one
     choice per action is saved against the stateful runner's stop boolean and rule choice, and
     none of its per-step work is done (choosing a rule, drawing a fresh ``st.data()``, printing
     support, timing). ``digest`` keys the example database (the key is computed here once, not
