@@ -596,9 +596,9 @@ def lockstep_test(
     the kind of the action (a slot of the run's mix), which ``perform`` runs, drawing its own
     parameters; then ``agree`` (the snapshot comparison); ``teardown`` always. So the shrinker
     deletes whole actions (a span: the action's choice and its own) as it does in a state
-    machine, one choice per action is saved against the stateful runner's stop boolean and rule choice, and
-    none of its per-step work is done (choosing a rule, drawing a fresh ``st.data()``, printing
-    support, timing). ``digest`` keys the example database (the key is computed here once, not
+    machine, one choice per action is saved against the stateful runner's stop boolean and rule
+    choice, and none of its per-step work is done (choosing a rule, drawing a fresh
+    ``st.data()``, printing support, timing). ``digest`` keys the example database (the key is computed here once, not
     by Hypothesis on every call). ``spent``, when given, is asked before each example: once it
     answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis lacks the span calls,
     the machine runs through ``get_state_machine_test`` instead."""
