@@ -598,9 +598,9 @@ def lockstep_test(
     deletes whole actions (a span: the action's choice and its own) as it does in a state
     machine, one choice per action is saved against the stateful runner's stop boolean and rule
     choice, and none of its per-step work is done (choosing a rule, drawing a fresh
-    ``st.data()``, printing support, timing). ``digest`` keys the example database (the key is computed here once, not
-    by Hypothesis on every call). ``spent``, when given, is asked before each example: once it
-    answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis lacks the span calls,
+    ``st.data()``, printing support, timing). ``digest`` keys the example database (the key is
+    computed here once, not by Hypothesis on every call). ``spent``, when given, is asked before
+    each example: once it answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis lacks the span calls,
     the machine runs through ``get_state_machine_test`` instead."""
     if not _spans_available():
         return get_state_machine_test(machine, settings=config)
