@@ -600,8 +600,8 @@ def lockstep_test(
     choice, and none of its per-step work is done (choosing a rule, drawing a fresh
     ``st.data()``, printing support, timing). ``digest`` keys the example database (the key is
     computed here once, not by Hypothesis on every call). ``spent``, when given, is asked before
-    each example: once it answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis lacks the span calls,
-    the machine runs through ``get_state_machine_test`` instead."""
+    each example: once it answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis
+    lacks the span calls, the machine runs through ``get_state_machine_test`` instead."""
     if not _spans_available():
         return get_state_machine_test(machine, settings=config)
     actions = max(0, config.stateful_step_count - 1)
