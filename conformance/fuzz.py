@@ -33,19 +33,16 @@ used to take most of the time, and runs were a few engine steps long):
   and preconditions, which cost draws and ``_rule_is_enabled`` calls per rule and disabled the
   ``step`` or ``arrive`` rule in many runs, which then did nothing); under ``lockstep_test``
   that choice also holds the stop (``ACTIONS``, ``STOP``);
-* every choice comes straight from the choice sequence (``_draw_integer``, ``_draw_bytes``): no
+* every choice is one integer straight from the choice sequence (``_draw_integer``): no
   ``.filter``, no lists, no strategy per draw; the engine's own choices (``DataChoices.pick``)
-  are integers too. An action's parameters stay choices of their own (folding a step's count or
-  an arrival's budget into the kind's choice, one choice per action, shrank the seed bug's
-  counterexamples longer). An arrival is one choice of ``ARRIVAL_BYTES`` bytes, each byte an
-  index into a table ordered simplest first (``_scaled``: a lower byte never names a later
-  entry): how its prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
-  (``PROMPT_SUFFIXES``, shorter first; two bytes) and its (max new tokens, priority)
-  (``BUDGETS``), plus a byte for an external load under ``loads``. A choice of bytes is one node
-  of the choice sequence, as an integer is, and costs about one and a half integer choices (no
-  integer distribution to evaluate), where the arrival's three or four integer choices cost
-  three or four; Hypothesis shrinks the bytes of a fixed-size choice one by one toward 0, as it
-  would separate integers;
+  too. An action's parameters stay choices of their own (folding a step's count or an arrival's
+  budget into the kind's choice, one choice per action, shrank the seed bug's counterexamples
+  longer). An arrival is three choices, each an index into a table ordered simplest first: how its
+  prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
+  (``PROMPT_SUFFIXES``, shorter first) and its (max new tokens, priority) (``BUDGETS``), plus
+  one for an external load under ``loads`` (against one choice per field, over several seeds
+  of the seeded bugs, counterexamples shrank shorter on average, though not on every seed; one
+  choice of bytes for all of them, cheaper, shrank the seed bug longer: docs/fuzzing.md);
 * no choice is drawn where it cannot change anything: a ``step`` action runs one engine step,
   and only if the engine was not idle draws how many more (``STEP_COUNTS``, up to 8 in all;
   an idle engine ends them, and an idle step is not recorded: counterexamples are not padded
@@ -67,7 +64,7 @@ shrank worse.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sized
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,11 +114,6 @@ fewer shared tokens first, none (the simplest) at 0."""
 
 PROMPT_SUFFIXES = tuple(suffix for table in SUFFIXES for suffix in table)
 """Every own suffix of a prompt, shorter first (then as in ``SUFFIXES``): one choice."""
-
-ARRIVAL_BYTES = 4
-"""The bytes of an arrival's choice: its opening (``OPENINGS``), its suffix (two bytes, into
-``PROMPT_SUFFIXES``), its budget (``BUDGETS``); under ``loads`` a fifth, 128 or more when the
-request's KV is in the external store."""
 
 BUDGETS = tuple((m, p) for m in range(1, MAX_NEW_TOKENS + 1) for p in range(4))
 """(max new tokens, priority) of an arrival, one choice: fewer tokens first, then priority."""
@@ -183,28 +175,6 @@ def _draw_integer(data: Any) -> Callable[[int, int], int]:
     if direct is not None:
         return lambda lo, hi: direct(lo, hi, shrink_towards=lo)  # type: ignore[no-any-return]
     return lambda lo, hi: int(data.draw(st.integers(lo, hi)))
-
-
-def _draw_bytes(data: Any) -> Callable[[int], bytes]:
-    """``draw(n)``: one choice of ``n`` bytes, all zeros the simplest (Hypothesis shrinks each
-    byte toward 0 on its own). Straight from the choice sequence where this Hypothesis exposes
-    it, else through ``st.binary``."""
-    conjecture = getattr(data, "conjecture_data", None)
-    direct = getattr(conjecture, "draw_bytes", None)
-    if direct is not None:
-        return lambda n: direct(n, n)  # type: ignore[no-any-return]
-    return lambda n: bytes(data.draw(st.binary(min_size=n, max_size=n)))
-
-
-def _scaled(byte: int, table: Sized) -> int:
-    """The index into ``table`` a byte stands for: byte * len(table) / 256, rounded down, so a
-    lower byte never names a later (less simple) entry and every entry has its share."""
-    return byte * len(table) >> 8
-
-
-def _scaled_pair(high: int, low: int, table: Sized) -> int:
-    """``_scaled`` for a table of more than 256 entries: two bytes, the first the higher."""
-    return (high << 8 | low) * len(table) >> 16
 
 
 class DataChoices:
@@ -346,16 +316,11 @@ def lockstep_machine(
     class LockstepRun:
         """One run of the cell: its engine, judge and program; ``lockstep_test`` drives it."""
 
-        draw_bytes: Callable[[int], bytes] | None = None
-        """The byte choices of the run (``_draw_bytes``), set by its driver."""
-
         def setup(self, draw: Callable[[int, int], int]) -> None:
             """Draw the run's configuration (each field one integer choice, the simplest first:
             4 to 8 blocks of 2 or 4 tokens, ``draw_timing``, a token budget of 3 to 12, 2 to 4
             running requests, one of ``MIXES``) and build its engine and judge; a configuration
-            the engine refuses (``ValueError`` from the factory) is rejected, not a finding.
-            (One choice of bytes for the whole configuration, as an arrival's, was tried: with
-            both, the seed bug's counterexamples shrank longer, docs/fuzzing.md.)"""
+            the engine refuses (``ValueError`` from the factory) is rejected, not a finding."""
             num_blocks = draw(4, 8)
             block_size = (2, 4)[draw(0, 1)]
             overlap, stale, run_depth = draw_timing(draw, depth, async_scheduling, stale_output)
@@ -403,18 +368,11 @@ def lockstep_machine(
                 self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
         def _arrive(self, draw: Callable[[int, int], int]) -> None:
-            """A request arrives; its parameters are one choice of ``ARRIVAL_BYTES`` bytes (one
-            more under ``loads``), each an index into its table (``_scaled``)."""
-            size = ARRIVAL_BYTES + self.loads
-            if self.draw_bytes is not None:
-                choice = self.draw_bytes(size)
-            else:  # a driver that set no byte draw: one integer choice per byte
-                choice = bytes(draw(0, 255) for _ in range(size))
-            which, shared = OPENINGS[_scaled(choice[0], OPENINGS)]
+            which, shared = OPENINGS[draw(0, len(OPENINGS) - 1)]
             prefix = PREFIXES[which]
-            suffix = PROMPT_SUFFIXES[_scaled_pair(choice[1], choice[2], PROMPT_SUFFIXES)]
-            max_tokens, priority = BUDGETS[_scaled(choice[3], BUDGETS)]
-            external = self.loads and choice[4] >= 128
+            suffix = PROMPT_SUFFIXES[draw(0, len(PROMPT_SUFFIXES) - 1)]
+            max_tokens, priority = BUDGETS[draw(0, len(BUDGETS) - 1)]
+            external = self.loads and draw(0, 1) == 1
             capacity = (self.config.num_blocks - 1) * self.config.block_size
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
             prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
@@ -530,7 +488,6 @@ def lockstep_machine(
         @initialize(data=st.data())
         def configure(self, data: Any) -> None:
             """The stateful runner's start of a run: ``setup``, drawing from ``data``."""
-            self.draw_bytes = _draw_bytes(data)
             self.setup(_draw_integer(data))
 
         @rule(data=st.data())
@@ -538,7 +495,6 @@ def lockstep_machine(
             """One action of the workload (the stateful runner's one rule, always enabled): an
             action choice, then ``perform``."""
             draw = _draw_integer(data)
-            self.draw_bytes = _draw_bytes(data)
             self.perform(draw(0, len(self.mix) - 1), draw)
 
         @invariant()
@@ -616,7 +572,6 @@ def lockstep_test(
             raise BudgetSpent
         draw = _draw_integer(data)
         run = run_class()
-        run.draw_bytes = _draw_bytes(data)  # type: ignore[attr-defined]
         try:
             run.setup(draw)  # type: ignore[attr-defined]
             run.agree()  # type: ignore[attr-defined]

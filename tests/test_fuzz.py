@@ -438,15 +438,3 @@ def test_an_action_that_cannot_do_anything_draws_nothing() -> None:
     calls.clear()
     run.perform(abort, draw)
     assert calls == [(0, 1)]
-
-
-def test_byte_choices_name_every_table_entry_simplest_first() -> None:
-    """A byte choice stands for an index into a table (``fuzz._scaled``; an arrival's suffix two
-    bytes, ``_scaled_pair``): every entry is named by some byte, and a lower byte never names a later entry, so
-    shrinking a byte toward 0 moves toward the simplest entry."""
-    for table in (fuzz.OPENINGS, fuzz.BUDGETS, fuzz.STEP_COUNTS, fuzz.MIXES, range(5), (0, 1)):
-        indices = [fuzz._scaled(byte, table) for byte in range(256)]
-        assert indices == sorted(indices) and set(indices) == set(range(len(table)))
-    table = fuzz.PROMPT_SUFFIXES
-    indices = [fuzz._scaled_pair(pair >> 8, pair & 255, table) for pair in range(1 << 16)]
-    assert indices == sorted(indices) and set(indices) == set(range(len(table)))
