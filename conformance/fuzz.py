@@ -41,9 +41,12 @@ used to take most of the time, and runs were a few engine steps long):
   prompt opens (``OPENINGS``: a shared prefix and how much of it), its own suffix
   (``PROMPT_SUFFIXES``, shorter first) and its (max new tokens, priority) (``BUDGETS``), plus
   one for an external load under ``loads`` (against one choice per field, over several seeds
-  of the seeded bugs, counterexamples shrank shorter on average, though not on every seed);
-* a ``step`` action runs up to 8 engine steps (``STEP_COUNTS``) and stops when the engine is idle
-  (an idle step is not recorded: counterexamples are no longer padded with them); the snapshot
+  of the seeded bugs, counterexamples shrank shorter on average, though not on every seed; one
+  choice of bytes for all of them, cheaper, shrank the seed bug longer: docs/fuzzing.md);
+* no choice is drawn where it cannot change anything: a ``step`` action runs one engine step,
+  and only if the engine was not idle draws how many more (``STEP_COUNTS``, up to 8 in all;
+  an idle engine ends them, and an idle step is not recorded: counterexamples are not padded
+  with them); an abort draws which live request only when there are two or more; the snapshot
   comparison runs once per action, the judge's invariant checks after every decision as before.
 
 A counterexample of an eager policy is usually found as ``NoUnwrittenPublish`` (the zombie's
@@ -116,9 +119,10 @@ BUDGETS = tuple((m, p) for m in range(1, MAX_NEW_TOKENS + 1) for p in range(4))
 """(max new tokens, priority) of an arrival, one choice: fewer tokens first, then priority."""
 
 STEP_COUNTS = tuple(range(1, 9))
-"""How many engine steps one ``step`` action runs (at most: an idle engine ends them). Every
-count, not a coarse table (1, 2, 4, ... 16 ran more steps per draw, but the shrinker could then
-not drop a single step, and counterexamples stayed several times longer)."""
+"""How many engine steps one ``step`` action runs (at most: an idle engine ends them), drawn
+after its first step. Every count, not a coarse table (1, 2, 4, ... 16 ran more steps per draw,
+but the shrinker could then not drop a single step, and counterexamples stayed several times
+longer)."""
 
 MIXES = (
     ("step", "arrive", "step", "arrive", "step", "arrive", "abort", "reset"),
@@ -355,11 +359,11 @@ def lockstep_machine(
             choices too, during steps)."""
             kind = self.mix[slot]
             if kind == "step":
-                self._steps(draw, STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)])
+                self._steps(draw)
             elif kind == "arrive":
                 self._arrive(draw)
             elif kind == "abort":
-                self._abort(draw(0, 7))
+                self._abort(draw)
             elif not self.engine.live_requests():
                 self._run("reset the prefix cache", self.engine.reset_prefix_cache)
 
@@ -379,18 +383,23 @@ def lockstep_machine(
                 lambda: self.engine.add_request(rid, prompt, max_tokens, priority, external),
             )
 
-        def _steps(self, draw: Callable[[int, int], int], count: int) -> None:
-            """Up to ``count`` engine steps; an idle engine ends them (and is not recorded)."""
+        def _steps(self, draw: Callable[[int, int], int]) -> None:
+            """One engine step, then, unless the engine was idle, as many more as one choice
+            says (``STEP_COUNTS``, counting the first); an idle engine ends them (an idle step
+            is not recorded). The count is drawn after the first step, so a step action of an
+            idle engine draws nothing."""
             self.choices.use(draw)
-            for _ in range(count):
-                if not self._run("engine step", self.engine.step, idle=False):
-                    break
+            if self._run("engine step", self.engine.step, idle=False):
+                for _ in range(STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)] - 1):
+                    if not self._run("engine step", self.engine.step, idle=False):
+                        break
             self.choices.use(None)
 
-        def _abort(self, which: int) -> None:
+        def _abort(self, draw: Callable[[int, int], int]) -> None:
+            """Abort one live request, chosen among them (no choice when there is one)."""
             live = self.engine.live_requests()
             if live:
-                rid = live[which % len(live)]
+                rid = live[draw(0, len(live) - 1) if len(live) > 1 else 0]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
 
         def agree(self) -> None:
@@ -542,13 +551,13 @@ def lockstep_test(
     stateful runner forces its "stop" boolean, the initialize step counted), any other value is
     the kind of the action (a slot of the run's mix), which ``perform`` runs, drawing its own
     parameters; then ``agree`` (the snapshot comparison); ``teardown`` always. So the shrinker
-    deletes whole actions (a span, at most five choices) as it does in a state machine, one
-    choice per action is saved against the stateful runner's stop boolean and rule choice, and
-    none of its per-step work is done (choosing a rule, drawing a fresh ``st.data()``, printing
-    support, timing). ``digest`` keys the example database (the key is computed here once, not
-    by Hypothesis on every call). ``spent``, when given, is asked before each example: once it
-    answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis lacks the span calls,
-    the machine runs through ``get_state_machine_test`` instead."""
+    deletes whole actions (a span: the action's choice and its own) as it does in a state
+    machine, one choice per action is saved against the stateful runner's stop boolean and rule
+    choice, and none of its per-step work is done (choosing a rule, drawing a fresh
+    ``st.data()``, printing support, timing). ``digest`` keys the example database (the key is
+    computed here once, not by Hypothesis on every call). ``spent``, when given, is asked before
+    each example: once it answers True, ``BudgetSpent`` ends the batch. Where this Hypothesis
+    lacks the span calls, the machine runs through ``get_state_machine_test`` instead."""
     if not _spans_available():
         return get_state_machine_test(machine, settings=config)
     actions = max(0, config.stateful_step_count - 1)

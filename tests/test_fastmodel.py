@@ -748,3 +748,20 @@ def test_the_fast_model_refuses_negative_token_ids() -> None:
     model = FastModel(Config(8, 4))
     with pytest.raises(ValueError, match="token ids must be >= 0"):
         model.arrive(0, (1, -2), 1, 0)
+
+
+@pytest.mark.skipif(COMPILED is None, reason=f"no current compiled build: {NOT_COMPILED}")
+def test_a_source_edited_after_a_check_is_still_noticed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fastbuild.compiled`` hashes the sources again only when one's modification time or size
+    changed (the fuzzer asks once per run): an edit after a first check is still noticed."""
+    for name in fastbuild.COMPILED:
+        (tmp_path / name).write_bytes((fastbuild.HERE / name).read_bytes())
+    monkeypatch.setattr(fastbuild, "HERE", tmp_path)
+    assert fastbuild.compiled() == (COMPILED, None)
+    assert fastbuild.compiled() == (COMPILED, None)  # from the cache
+    with open(tmp_path / "core.py", "a") as f:
+        f.write("# edited\n")
+    module, why = fastbuild.compiled()
+    assert module is None and why is not None and "older than its source" in why

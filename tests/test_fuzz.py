@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.conformance import verdicts
+from kvspec.conformance import fuzz, verdicts
 from kvspec.conformance.adapter import ReferenceAdapter
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
 from kvspec.conformance.judge import Finding, Judge
@@ -406,3 +406,35 @@ def test_a_batch_ends_when_the_budget_is_spent() -> None:
     result = run_cell("deferred", seconds=1, seed_value=0, chunk=10**6)
     assert result.failure is None and result.runs > 0
     assert time.monotonic() - started < 15
+
+
+def test_an_action_that_cannot_do_anything_draws_nothing() -> None:
+    """A step action of an idle engine draws no step count, and an abort with one live request
+    draws no request (``fuzz.LockstepRun._steps``, ``_abort``): a choice that changes nothing
+    would only cost a draw and give the shrinker one more value to try. A step action of a busy
+    engine draws its count after its first step, an abort among two live requests its request."""
+    machine = lockstep_machine("deferred")
+    run = machine.run_class()  # type: ignore[attr-defined]
+    calls: list[tuple[int, int]] = []
+
+    def draw(lo: int, hi: int) -> int:
+        calls.append((lo, hi))
+        return lo
+
+    run.setup(draw)
+    step, arrive, abort = (run.mix.index(kind) for kind in ("step", "arrive", "abort"))
+    calls.clear()
+    run.perform(step, draw)
+    assert calls == [] and run.program == []
+    run.perform(arrive, draw)
+    calls.clear()
+    run.perform(abort, draw)  # the one live request
+    assert calls == [] and run.program[-1][0] == "abort r0"
+    run.perform(arrive, draw)
+    run.perform(arrive, draw)
+    calls.clear()
+    run.perform(step, draw)
+    assert calls == [(0, len(fuzz.STEP_COUNTS) - 1)] and run.program[-1][0] == "engine step"
+    calls.clear()
+    run.perform(abort, draw)
+    assert calls == [(0, 1)]
