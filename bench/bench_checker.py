@@ -231,12 +231,18 @@ machine gives to other work, or to no one, is not counted; these machines vary b
 time from one run to the next)."""
 
 
-def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
-    """``kvspec check`` of ``tree`` in a fresh process (its own compiled build, in a temporary
-    folder); its ``took`` is the child's own timing of the check, start-up excluded."""
+def tree_link(tree: Path) -> Path:
+    """A temporary folder holding ``kvspec`` -> ``tree``: on ``PYTHONPATH``, it imports ``tree``."""
     link = Path(tempfile.mkdtemp(prefix="kvspec-tree-"))
     atexit.register(shutil.rmtree, link, True)
     (link / "kvspec").symlink_to(tree)
+    return link
+
+
+def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
+    """``kvspec check`` of ``tree`` in a fresh process (its own compiled build, in a temporary
+    folder); its ``took`` is the child's own timing of the check, start-up excluded."""
+    link = tree_link(tree)
     (link / "mypy-path").mkdir()
     (link / "mypy-path" / "kvspec").symlink_to(tree)
     folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
@@ -281,6 +287,11 @@ def older_header(raw: bytes) -> bytes:
 
 def baseline(ref: str, sample: Path) -> Callable[[Path, int], int]:
     """``worker`` on git revision ``ref`` of this repository, checked out in a temporary folder."""
+    return worker(checkout(ref), sample)
+
+
+def checkout(ref: str) -> Path:
+    """Git revision ``ref`` of this repository in a temporary folder, removed at exit."""
     folder = Path(tempfile.mkdtemp(prefix="kvspec-baseline-"))
     tree = folder / "tree"
     subprocess.run(
@@ -295,7 +306,7 @@ def baseline(ref: str, sample: Path) -> Callable[[Path, int], int]:
         shutil.rmtree(folder, ignore_errors=True)
 
     atexit.register(remove)
-    return worker(tree, sample)
+    return tree
 
 
 MONITORS: dict[str, dict[str, object] | None] = {
@@ -401,6 +412,95 @@ def monitor_overhead(requests: int, rounds: int, step_ms: float = 0.0) -> None:
     )
 
 
+COMPARED = (
+    "engine alone (recording events)",
+    "engine + BackgroundMonitor",
+    "engine + BackgroundMonitor, depth 64",
+)
+"""The rows ``--monitor-only --baseline REF`` runs on both trees."""
+
+
+def monitor_child(label: str, requests: int, step_ms: float) -> None:
+    """In a fresh process, with the kvspec on ``PYTHONPATH``: a warm-up run (a tenth of the
+    requests; first-run costs such as cold caches are not counted), then ``label``'s run; its
+    figures as JSON."""
+    options = MONITORS[label]
+    monitored_run(max(requests // 10, 10), options)
+    print(json.dumps(monitored_run(requests, options, step_ms / 1000)))
+
+
+def monitor_worker(tree: Path) -> Callable[[str, int, float], tuple[float, ...]]:
+    """``monitor_child`` of ``tree`` (this script, importing ``tree``'s package)."""
+    env = {**os.environ, "PYTHONPATH": str(tree_link(tree))}
+
+    def run(label: str, requests: int, step_ms: float) -> tuple[float, ...]:
+        command = [sys.executable, __file__, "--monitor-child", label, str(requests), str(step_ms)]
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
+        return tuple(json.loads(done.stdout.splitlines()[-1]))
+
+    return run
+
+
+def monitor_compare(ref: str, requests: int, rounds: int, step_ms: float = 0.0) -> None:
+    """``--monitor-only --baseline REF``: the engine alone and with a ``BackgroundMonitor``, of
+    this tree and of git revision ``ref``, each run in a fresh process, interleaved (the order
+    of the trees alternating from round to round), medians; each tree's overhead is against its
+    own engine alone."""
+    trees = {"this tree": monitor_worker(ROOT), ref: monitor_worker(checkout(ref))}
+    runs: dict[tuple[str, str], list[tuple[float, ...]]] = {
+        (tree, label): [] for tree in trees for label in COMPARED
+    }
+    for round_ in range(rounds):
+        order = list(trees.items())[:: 1 if round_ % 2 == 0 else -1]
+        for label in COMPARED:
+            for tree, run in order:
+                runs[tree, label].append(run(label, requests, step_ms))
+    events = engine_events_of(requests)
+    model = f", a {step_ms} ms sleep per step for the model" if step_ms else ""
+    print(
+        f"BackgroundMonitor, this tree against {ref}: each run a fresh process ({requests} "
+        f"requests, {len(events):,} events{model}), median of {rounds} interleaved rounds; "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores:"
+    )
+    print(
+        f"  {'':50s} {'engine thread':>13s} {'+':>5s} {'wall to verdict':>16s} {'+':>5s} "
+        f"{'CPU engine proc':>16s} {'+':>5s} {'CPU all procs':>14s} {'+':>5s}"
+    )
+    added: dict[tuple[str, str], list[float]] = {}
+    for tree in trees:
+        med = {
+            label: [statistics.median(r[i] for r in runs[tree, label]) for i in range(4)]
+            for label in COMPARED
+        }
+        alone = med[COMPARED[0]]
+        for label in COMPARED:
+            figures = med[label]
+            added[tree, label] = [figures[i] / alone[i] - 1 for i in range(4)]
+            cells = " ".join(
+                f"{figures[i]:{width}.3f} s {100 * added[tree, label][i]:4.0f}%"
+                for i, width in enumerate((11, 14, 14, 12))
+            )
+            print(f"  {tree + ': ' + label:50s} {cells}")
+    for label in COMPARED[1:]:
+        cpu = [runs[tree, label] for tree in trees]
+        print(
+            f"  {label}, CPU engine proc each round: "
+            + "; ".join(
+                f"{tree} [{', '.join(f'{r[2]:.3f}' for r in rows)}]"
+                for tree, rows in zip(trees, cpu, strict=True)
+            )
+        )
+        this, then = (added[tree, label] for tree in trees)
+        print(
+            f"  {label}: added CPU of the engine process {100 * this[2]:.1f}% (this tree) vs "
+            f"{100 * then[2]:.1f}% ({ref}); engine thread {100 * this[0]:.1f}% vs {100 * then[0]:.1f}%"
+        )
+
+
 def _monitor(options: dict[str, object] | None) -> Monitor | BackgroundMonitor | None:
     config = Config(**COMMON)  # type: ignore[arg-type]
     if options is None:
@@ -435,6 +535,7 @@ def main() -> None:
         "--step-ms", type=float, default=0.0, help="monitor part: sleep per step (the model)"
     )
     parser.add_argument("--monitor-only", action="store_true", help="only part 4 (no trace needed)")
+    parser.add_argument("--monitor-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--baseline", metavar="REF", help="also kvspec check of git revision REF")
     parser.add_argument(
         "--compare-only",
@@ -442,8 +543,15 @@ def main() -> None:
         help="with --baseline: only kvspec check (fast, compiled) of this tree and of REF",
     )
     args = parser.parse_args()
+    if args.monitor_child:
+        label, requests, step_ms = args.monitor_child
+        monitor_child(label, int(requests), float(step_ms))
+        return
     if args.monitor_only:
-        monitor_overhead(args.requests, args.rounds, args.step_ms)
+        if args.baseline:
+            monitor_compare(args.baseline, args.requests, args.rounds, args.step_ms)
+        else:
+            monitor_overhead(args.requests, args.rounds, args.step_ms)
         return
     if args.memory_child:
         memory_child(Path(args.memory_child[0]), int(args.memory_child[1]), args.memory_child[2])
