@@ -1193,22 +1193,15 @@ class FastModel:
         """NoUnwrittenPublish's conjuncts over the blocks whose hash or content changed."""
         key = self.key
         excused: set[int] | None = None
-        for block in self.published:
-            k = key[block]
-            if k is None:
-                continue
-            if excused is None:
-                excused = self._excused()
-            if block not in excused and not self._holds(self._eventual(block), k):
-                return False
-        for block in self.changed:
-            k = key[block]
-            if k is None:
-                continue
-            if excused is None:
-                excused = self._excused()
-            if block not in excused and not self._holds(self._eventual(block), k):
-                return False
+        for blocks in (self.published, self.changed):
+            for block in blocks:
+                k = key[block]
+                if k is None:
+                    continue
+                if excused is None:
+                    excused = self._excused()
+                if block not in excused and not self._holds(self._eventual(block), k):
+                    return False
         return True
 
     def _excused(self) -> set[int]:
