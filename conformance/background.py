@@ -17,8 +17,8 @@ and answers with single bytes on its stdout:
   at close ``r`` + 8-byte length + pickled ``(finding, report)``; ``x`` + length + a pickled
   exception if judging raised (e.g. ``FastPathDisagrees``), which the parent raises.
 
-What the engine's thread pays, per event (``bench/bench_checker.py --monitor-only --baseline``,
-``docs/notes/background-monitor.md``): the encoding, nothing else of note. Events are pickled
+What the engine's thread pays, per event (``bench/bench_checker.py --monitor-only --baseline``):
+the encoding, nothing else of note. Events are pickled
 as they are fed, one pickle per ``feed_all`` call (or per ``PENDING`` events fed one by one),
 into the batch's buffer, so the engine's event objects are freed when the engine drops them
 (holding a batch of them a while longer costs the engine's allocator and collector measurably),
@@ -29,8 +29,10 @@ fast mode refuses) is pickled again with the memo. Pickle, not a faster encoder 
 MessagePack is faster on these events): an encoding that writes tuples and lists,
 enums and ints, named tuples and tuples alike would hand the child events that differ from the
 engine's where the synchronous ``Monitor`` would tell them apart (``isinstance(x, tuple)`` in
-the judge, ``repr`` in the report); checking each event's types first was not tried. The rest is per batch, a few microseconds for ``batch_size`` events: one write
-into a pipe widened to hold the whole queue (``PIPE_BYTES``), and a look at the child's answers.
+the judge, ``repr`` in the report); checking each event's types first was not tried. The rest
+is per batch, a few microseconds for ``batch_size`` events: one write into a pipe widened to hold
+the whole queue (``PIPE_BYTES``), and a look at the child's answers. An event that does not
+pickle cannot be judged: ``UnsendableEvent`` (bad input, one line naming it), the child stopped.
 
 Backpressure: at most ``queue_depth`` batches are sent and not yet acked; sending one more waits
 for an ack, so memory stays bounded when the engine outruns the judge (the engine then runs at the
@@ -98,6 +100,20 @@ class JudgeDied(RuntimeError):
     """The child process ended without a verdict (its error, if any, is on stderr)."""
 
 
+class UnsendableEvent(ValueError):
+    """An event that does not pickle (so cannot reach the child): bad input, not a finding. The
+    message is one line naming the event's number in the stream (1 for the first fed, as a
+    report's ``line``); the child is stopped, there is no verdict (``close`` raises
+    ``JudgeDied``)."""
+
+    def __init__(self, name: str, number: int, event: object, err: Exception) -> None:
+        why = " ".join(f"{type(err).__name__}: {err}".split())
+        shown = " ".join(repr(event).split())
+        super().__init__(f"{name}:{number}: the event does not pickle ({why}): {shown}")
+        self.number = number
+        self.event = event
+
+
 class BackgroundMonitor:
     """A ``Monitor`` judging in a child process: ``feed`` and ``feed_all`` only encode the events
     into the batch being filled and, every ``batch_size`` events, send it. A finding is raised
@@ -151,7 +167,7 @@ class BackgroundMonitor:
         while start < len(events):
             room = size - batch.events
             chunk = events if start == 0 and len(events) <= room else events[start : start + room]
-            batch.put(chunk)
+            self._put(chunk, chunk)
             start += len(chunk)
             if batch.events >= size and self._outcome(self._ship()) is not None:
                 break
@@ -187,7 +203,25 @@ class BackgroundMonitor:
         """The events fed one by one, into the batch: one chunk, with their hashes if any."""
         pending, hashes = self._pending, self._hashes
         self._pending, self._hashes = [], {}
-        self._batch.put((pending, hashes) if hashes else pending, len(pending))
+        self._put((pending, hashes) if hashes else pending, pending)
+
+    def _put(self, chunk: object, events: list[Event]) -> None:
+        """``chunk`` (holding ``events``) into the batch; an event that does not pickle stops
+        the child (no verdict without it) and raises ``UnsendableEvent`` naming it."""
+        try:
+            self._batch.put(chunk, len(events))
+        except Exception as err:  # noqa: BLE001 - any pickling error: the event is named
+            self.child.stop()
+            raise self._unsendable(events, err) from None
+
+    def _unsendable(self, events: list[Event], err: Exception) -> UnsendableEvent:
+        first = self.child.events + self._batch.events + 1
+        for number, event in enumerate(events, first):
+            try:
+                pickle.dumps(event, pickle.HIGHEST_PROTOCOL)
+            except Exception as own:  # noqa: BLE001
+                return UnsendableEvent(self.name, number, event, own)
+        return UnsendableEvent(self.name, first, events[0] if events else None, err)
 
     def _ship(self) -> Finding | None:
         """Send the batch (full); the finding if the child has made one."""
@@ -222,21 +256,20 @@ class Batch:
         self._pickler = pickle.Pickler(self.buffer, pickle.HIGHEST_PROTOCOL)
         self._pickler.fast = True  # no memo: see the module's docstring
 
-    def put(self, chunk: object, events: int | None = None) -> None:
-        """Append ``chunk`` (a list of events, or ``(events, hashes)`` with ``events`` given)."""
+    def put(self, chunk: object, events: int) -> None:
+        """Append ``chunk`` (a list of ``events`` events, or ``(that list, hashes)``)."""
         buffer = self.buffer
         at = buffer.tell()
         try:
             self._pickler.dump(chunk)
-        except ValueError:  # fast mode refuses a cycle: pickled again, with the memo
-            buffer.seek(at)
+        except BaseException as err:
+            buffer.seek(at)  # the batch as it was
             buffer.truncate()
+            if type(err) is not ValueError:  # an unpicklable event (or an interrupt)
+                raise
+            # fast mode refuses a cycle: pickled again, with the memo
             buffer.write(pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL))
-        except BaseException:  # an unpicklable event: the batch stays as it was
-            buffer.seek(at)
-            buffer.truncate()
-            raise
-        self.events += len(chunk) if events is None else events  # type: ignore[arg-type]
+        self.events += events
 
     def frame(self) -> memoryview:
         """The frame, its length filled in (release the view before the batch is used again)."""
@@ -439,7 +472,7 @@ def serve() -> None:
     os.dup2(2, 1)  # a stray print goes to stderr, not into the answers
     source = sys.stdin.buffer
     config, options = pickle.load(source)
-    monitor = _synchronous(config, **options)  # type: ignore[arg-type]
+    monitor = _synchronous(config, **options)
     inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
     threading.Thread(target=_read, args=(source, inbox), daemon=True).start()
     out.write(b"s")
