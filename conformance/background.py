@@ -164,6 +164,10 @@ class BackgroundMonitor:
         if type(events) is not list:
             events = list(events)
         batch, size, start = self._batch, self.child.batch_size, 0
+        if batch.events + len(events) < size:  # the common case: no batch fills, nothing sent
+            self._put(events, events)
+            result = self.child.result
+            return None if result is None else result[0]
         while start < len(events):
             room = size - batch.events
             chunk = events if start == 0 and len(events) <= room else events[start : start + room]
@@ -171,7 +175,6 @@ class BackgroundMonitor:
             start += len(chunk)
             if batch.events >= size and self._outcome(self._ship()) is not None:
                 break
-            batch = self._batch
         return self.finding
 
     @property
@@ -191,8 +194,9 @@ class BackgroundMonitor:
     def close(self) -> Finding | None:
         if self._pending:
             self._put_pending()
-        batch, self._batch = self._batch, Batch()
-        return self._outcome(self.child.finish(batch))
+        finding = self.child.finish(self._batch)
+        self._batch.clear()
+        return self._outcome(finding)
 
     def report(self) -> Report:
         if self.child.result is not None:
@@ -225,8 +229,9 @@ class BackgroundMonitor:
 
     def _ship(self) -> Finding | None:
         """Send the batch (full); the finding if the child has made one."""
-        batch, self._batch = self._batch, Batch()
-        return self.child.send(batch)
+        finding = self.child.send(self._batch)
+        self._batch.clear()
+        return finding
 
     def _outcome(self, finding: Finding | None) -> Finding | None:
         if finding is not None and self.raise_on_finding:
@@ -247,7 +252,9 @@ JUDGINGS = ("fast", "spec", "observed")
 
 
 class Batch:
-    """One frame being filled: the tag, room for the length, then a pickle per chunk."""
+    """One frame being filled: the tag, room for the length, then a pickle per chunk, up to the
+    buffer's position. Emptied (``clear``) once sent and filled again: one buffer and one pickler
+    for the whole run."""
 
     def __init__(self) -> None:
         self.events = 0
@@ -263,18 +270,25 @@ class Batch:
         try:
             self._pickler.dump(chunk)
         except BaseException as err:
-            buffer.seek(at)  # the batch as it was
-            buffer.truncate()
+            buffer.seek(at)  # the batch as it was (what lies past the position is not sent)
             if type(err) is not ValueError:  # an unpicklable event (or an interrupt)
                 raise
             # fast mode refuses a cycle: pickled again, with the memo
             buffer.write(pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL))
         self.events += events
 
+    def clear(self) -> None:
+        """Empty, its memory kept (no truncate: the buffer is not shrunk and grown again at every
+        batch, which costs page faults)."""
+        self.buffer.seek(1 + _LENGTH)
+        self.events = 0
+
     def frame(self) -> memoryview:
         """The frame, its length filled in (release the view before the batch is used again)."""
-        view = self.buffer.getbuffer()
-        view[1 : 1 + _LENGTH] = (len(view) - 1 - _LENGTH).to_bytes(_LENGTH, "little")
+        end = self.buffer.tell()
+        with self.buffer.getbuffer() as whole:
+            view = whole[:end]
+        view[1 : 1 + _LENGTH] = (end - 1 - _LENGTH).to_bytes(_LENGTH, "little")
         return view
 
 

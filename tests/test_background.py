@@ -12,6 +12,7 @@ import io
 import itertools
 import pickle
 import queue
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,23 @@ from kvspec.conformance.report import Report
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.spec import Config
 from kvspec.spec.events import Event
+
+
+@pytest.fixture(autouse=True)
+def deadline() -> Iterator[None]:
+    """A test that hangs fails instead (a torn frame leaves both processes waiting)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError("the background monitor hung")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
 
 BATCH = 8
 SIZES = [1, BATCH - 1, BATCH, BATCH + 1, 0, 1, 1, 2 * BATCH + 3, 3, 1, BATCH, 5, 1, 1, 1]
@@ -224,7 +242,8 @@ def test_a_finding_comes_within_the_bound_however_calls_are_grouped(
 
 def body(batch: Batch) -> bytes:
     """A batch's pickles, as the child gets them (the frame's tag and length off)."""
-    return batch.buffer.getvalue()[1 + background._LENGTH :]
+    with batch.frame() as frame:
+        return bytes(frame[1 + background._LENGTH :])
 
 
 def test_a_cyclic_event_is_sent_with_the_memo_and_judged_as_the_synchronous_monitor_does() -> None:
