@@ -17,8 +17,8 @@ and answers with single bytes on its stdout:
   at close ``r`` + 8-byte length + pickled ``(finding, report)``; ``x`` + length + a pickled
   exception if judging raised (e.g. ``FastPathDisagrees``), which the parent raises.
 
-What the engine's thread pays, per event (``bench/bench_checker.py --monitor-only --baseline``):
-the encoding, nothing else of note. Events are pickled
+What the engine's thread pays, per event (``bench/bench_checker.py --monitor-only --baseline``,
+``docs/notes/background-monitor.md``): the encoding, nothing else of note. Events are pickled
 as they are fed, one pickle per ``feed_all`` call (or per ``PENDING`` events fed one by one),
 into the batch's buffer, so the engine's event objects are freed when the engine drops them
 (holding a batch of them a while longer costs the engine's allocator and collector measurably),
