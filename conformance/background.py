@@ -1,18 +1,38 @@
 """``BackgroundMonitor``: a ``Monitor`` whose judge runs in a child process. The engine's thread
-only buffers events; the child judges them with an ordinary synchronous ``Monitor`` (the fast path
-and its hand-over to the spec judge for the report: no judging or report code here), so the
-report is the same, field for field.
+only encodes its events and hands them to a pipe; the child judges them with an ordinary
+synchronous ``Monitor`` (the fast path and its hand-over to the spec judge for the report: no
+judging or report code here), so the report is the same, field for field.
 
-The child is a fresh interpreter (``python -c``), started once, that reads pickled messages on
-its stdin (a reader thread takes them off the pipe at once, so the parent never waits on a full
-pipe) and answers with single bytes on its stdout:
+The child is a fresh interpreter (``python -c``), started once, that reads on its stdin (a
+reader thread takes the messages off the pipe at once, so the parent never waits on a full pipe)
+and answers with single bytes on its stdout:
 
-* parent -> child: the parent's ``sys.path``, then ``(config, monitor options)``, then batches
-  ``(events, {index: hash})``, then ``None`` (close: give the verdict);
+* parent -> child: two pickles, the parent's ``sys.path`` and ``(config, monitor options)``,
+  then *frames*: ``B`` + 8-byte length + a batch (``batch_size`` events, fewer at close), or
+  ``C`` + 8 zero bytes (close: give the verdict). A batch is pickles one after the other, each a
+  *chunk*: a list of events (one ``feed_all`` call's, or its share of a batch), or
+  ``(events, {index: hash})`` (events fed one by one with ``feed``);
 * child -> parent: ``s`` (started), ``a`` per batch judged (the *ack*), ``f`` once, before the ack
   of the batch where a finding was made (the child then drops later batches, acking them), and
   at close ``r`` + 8-byte length + pickled ``(finding, report)``; ``x`` + length + a pickled
   exception if judging raised (e.g. ``FastPathDisagrees``), which the parent raises.
+
+What the engine's thread pays, per event (``bench/bench_checker.py --monitor-only --baseline``,
+``docs/notes/background-monitor.md``): the encoding, nothing else of note. Events are pickled
+as they are fed, one pickle per ``feed_all`` call (or per ``PENDING`` events fed one by one),
+into the batch's buffer, so the engine's event objects are freed when the engine drops them
+(holding a batch of them a while longer costs the engine's allocator and collector measurably),
+and in the pickler's *fast* mode: no memo (its bookkeeping of every tuple was a large share of
+the pickling). Fast mode writes a value shared twice as two equal copies, which changes nothing for
+events (immutable, compared by value; the judge never asks for identity); a cyclic value (which
+fast mode refuses) is pickled again with the memo. Pickle, not a faster encoder (``msgspec``'s
+MessagePack is faster on these events): an encoding that writes tuples and lists,
+enums and ints, named tuples and tuples alike would hand the child events that differ from the
+engine's where the synchronous ``Monitor`` would tell them apart (``isinstance(x, tuple)`` in
+the judge, ``repr`` in the report); checking each event's types first was not tried. The rest
+is per batch, a few microseconds for ``batch_size`` events: one write into a pipe widened to hold
+the whole queue (``PIPE_BYTES``), and a look at the child's answers. An event that does not
+pickle cannot be judged: ``UnsendableEvent`` (bad input, one line naming it), the child stopped.
 
 Backpressure: at most ``queue_depth`` batches are sent and not yet acked; sending one more waits
 for an ack, so memory stays bounded when the engine outruns the judge (the engine then runs at the
@@ -20,7 +40,9 @@ judge's speed). Hence the bound on how far the engine runs past an offending eve
 looks at the child's answers whenever a batch is full (and at close), and the batch that would
 exceed the depth waits for the ack of the offending one, which comes after its ``f``: a
 ``Violation`` is raised fewer than ``(queue_depth + 1) * batch_size`` events after the offending
-event (the report names that event, exactly as the synchronous ``Monitor``'s does).
+event (the report names that event, exactly as the synchronous ``Monitor``'s does). Batches hold
+exactly ``batch_size`` events (a ``feed_all`` call's events are split where a batch fills), so
+the bound does not depend on how the engine groups its calls.
 
 Why a fresh interpreter and not ``multiprocessing``: ``fork`` copies a parent that may run
 threads (torch's pools, an engine's workers) with their locks in an undefined state; ``spawn``
@@ -29,14 +51,12 @@ and ``forkserver`` re-import the user's ``__main__`` in the child (scripts witho
 problem, and needs no shared memory or semaphores. The child dies with the parent: when the
 parent exits or is killed its stdin reaches end of file and it returns (after at most the batch
 it is judging); ``close``, a context exit (also on an exception) and the garbage collector wait
-for or kill it. Pickle is used because the events are the program's own tuples (trusted);
-measured on the reference engine's events it costs 170 ns per event in batches of 1024, as much
-as ``marshal``, with smaller messages.
+for or kill it. Pickle is safe here because the events are the program's own values (trusted).
 """
 
 from __future__ import annotations
 
-import itertools
+import io
 import os
 import pickle
 import queue
@@ -61,6 +81,14 @@ BATCH_SIZE = 1024
 QUEUE_DEPTH = 8
 """Batches sent and not yet judged, at most: the engine runs past an offending event by fewer
 than ``(QUEUE_DEPTH + 1) * BATCH_SIZE`` events (9,216) before the ``Violation``."""
+PENDING = 64
+"""Events fed one by one (``feed``) wait in a list until this many (or the batch is full), then
+are pickled together: a pickle call costs about as much as a few events."""
+
+BATCH, CLOSE = b"B", b"C"
+"""The frames' tags (parent -> child)."""
+_LENGTH = 8
+"""Bytes of a frame's length, after its tag."""
 
 _BOOT = (
     "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
@@ -72,15 +100,29 @@ class JudgeDied(RuntimeError):
     """The child process ended without a verdict (its error, if any, is on stderr)."""
 
 
+class UnsendableEvent(ValueError):
+    """An event that does not pickle (so cannot reach the child): bad input, not a finding. The
+    message is one line naming the event's number in the stream (1 for the first fed, as a
+    report's ``line``); the child is stopped, there is no verdict (``close`` raises
+    ``JudgeDied``)."""
+
+    def __init__(self, name: str, number: int, event: object, err: Exception) -> None:
+        why = " ".join(f"{type(err).__name__}: {err}".split())
+        shown = " ".join(repr(event).split())
+        super().__init__(f"{name}:{number}: the event does not pickle ({why}): {shown}")
+        self.number = number
+        self.event = event
+
+
 class BackgroundMonitor:
-    """A ``Monitor`` judging in a child process: ``feed`` only appends to a buffer and, every
-    ``batch_size`` events, sends it. A finding is raised (or returned) at the first ``feed`` that
-    completes a batch, or at ``close``, after the child found it: fewer than
-    ``(queue_depth + 1) * batch_size`` events after the offending one (at most ``queue_depth``
-    batches wait for the judge; the engine waits when they are that many). ``close()`` always
-    waits for the verdict; leaving a ``with`` block on an exception kills the child. Events must
-    not be mutated after ``feed``. ``judging``: ``fast`` (the default), ``spec`` or ``observed``,
-    as the synchronous ``Monitor``'s named constructors."""
+    """A ``Monitor`` judging in a child process: ``feed`` and ``feed_all`` only encode the events
+    into the batch being filled and, every ``batch_size`` events, send it. A finding is raised
+    (or returned) at the first ``feed`` that completes a batch, or at ``close``, after the child
+    found it: fewer than ``(queue_depth + 1) * batch_size`` events after the offending one (at
+    most ``queue_depth`` batches wait for the judge; the engine waits when they are that many).
+    ``close()`` always waits for the verdict; leaving a ``with`` block on an exception kills the
+    child. Events must not be mutated after ``feed``. ``judging``: ``fast`` (the default),
+    ``spec`` or ``observed``, as the synchronous ``Monitor``'s named constructors."""
 
     def __init__(
         self,
@@ -99,27 +141,41 @@ class BackgroundMonitor:
         self.name = name
         options = dict(judging=judging, check_every=check_every, name=name, window=window)
         self.child = Child(config, options, batch_size, queue_depth)
-        self._buffer: list[Event] = []
+        self._pending: list[Event] = []
         self._hashes: dict[int, str] = {}
+        """The hashes of the pending events, by their index in ``_pending``."""
+        self._batch = Batch()
 
     def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
-        buffer = self._buffer
+        pending = self._pending
         if hash_ is not None:
-            self._hashes[len(buffer)] = hash_
-        buffer.append(event)
-        if len(buffer) < self.child.batch_size:
+            self._hashes[len(pending)] = hash_
+        pending.append(event)
+        if len(pending) < PENDING and self._batch.events + len(pending) < self.child.batch_size:
+            return None
+        self._put_pending()
+        if self._batch.events < self.child.batch_size:
             return None
         return self._outcome(self._ship())
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
-        batch, rest = self.child.batch_size, iter(events)
-        while True:
-            buffer = self._buffer
-            buffer.extend(itertools.islice(rest, batch - len(buffer)))
-            if len(buffer) < batch:
-                return self.finding
-            if self._outcome(self._ship()) is not None:
-                return self.finding
+        if self._pending:
+            self._put_pending()
+        if type(events) is not list:
+            events = list(events)
+        batch, size, start = self._batch, self.child.batch_size, 0
+        if batch.events + len(events) < size:  # the common case: no batch fills, nothing sent
+            self._put(events, events)
+            result = self.child.result
+            return None if result is None else result[0]
+        while start < len(events):
+            room = size - batch.events
+            chunk = events if start == 0 and len(events) <= room else events[start : start + room]
+            self._put(chunk, chunk)
+            start += len(chunk)
+            if batch.events >= size and self._outcome(self._ship()) is not None:
+                break
+        return self.finding
 
     @property
     def finding(self) -> Finding | None:
@@ -131,23 +187,51 @@ class BackgroundMonitor:
     def events_seen(self) -> int:
         """The events fed so far, or at a verdict the events judged."""
         child = self.child
-        return child.events + len(self._buffer) if child.result is None else child.result[1].events
+        if child.result is not None:
+            return child.result[1].events
+        return child.events + self._batch.events + len(self._pending)
 
     def close(self) -> Finding | None:
-        events, hashes = self._buffer, self._hashes
-        self._buffer, self._hashes = [], {}
-        return self._outcome(self.child.finish(events, hashes))
+        if self._pending:
+            self._put_pending()
+        finding = self.child.finish(self._batch)
+        self._batch.clear()
+        return self._outcome(finding)
 
     def report(self) -> Report:
         if self.child.result is not None:
             return self.child.result[1]
         return Report(self.name, 0, self.events_seen)
 
+    def _put_pending(self) -> None:
+        """The events fed one by one, into the batch: one chunk, with their hashes if any."""
+        pending, hashes = self._pending, self._hashes
+        self._pending, self._hashes = [], {}
+        self._put((pending, hashes) if hashes else pending, pending)
+
+    def _put(self, chunk: object, events: list[Event]) -> None:
+        """``chunk`` (holding ``events``) into the batch; an event that does not pickle stops
+        the child (no verdict without it) and raises ``UnsendableEvent`` naming it."""
+        try:
+            self._batch.put(chunk, len(events))
+        except Exception as err:  # noqa: BLE001 - any pickling error: the event is named
+            self.child.stop()
+            raise self._unsendable(events, err) from None
+
+    def _unsendable(self, events: list[Event], err: Exception) -> UnsendableEvent:
+        first = self.child.events + self._batch.events + 1
+        for number, event in enumerate(events, first):
+            try:
+                pickle.dumps(event, pickle.HIGHEST_PROTOCOL)
+            except Exception as own:  # noqa: BLE001
+                return UnsendableEvent(self.name, number, event, own)
+        return UnsendableEvent(self.name, first, events[0] if events else None, err)
+
     def _ship(self) -> Finding | None:
-        """Send the buffer (full); the finding if the child has made one."""
-        events, hashes = self._buffer, self._hashes
-        self._buffer, self._hashes = [], {}
-        return self.child.send(events, hashes)
+        """Send the batch (full); the finding if the child has made one."""
+        finding = self.child.send(self._batch)
+        self._batch.clear()
+        return finding
 
     def _outcome(self, finding: Finding | None) -> Finding | None:
         if finding is not None and self.raise_on_finding:
@@ -165,6 +249,47 @@ class BackgroundMonitor:
 
 
 JUDGINGS = ("fast", "spec", "observed")
+
+
+class Batch:
+    """One frame being filled: the tag, room for the length, then a pickle per chunk, up to the
+    buffer's position. Emptied (``clear``) once sent and filled again: one buffer and one pickler
+    for the whole run."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.buffer = io.BytesIO()
+        self.buffer.write(BATCH + bytes(_LENGTH))
+        self._pickler = pickle.Pickler(self.buffer, pickle.HIGHEST_PROTOCOL)
+        self._pickler.fast = True  # no memo: see the module's docstring
+
+    def put(self, chunk: object, events: int) -> None:
+        """Append ``chunk`` (a list of ``events`` events, or ``(that list, hashes)``)."""
+        buffer = self.buffer
+        at = buffer.tell()
+        try:
+            self._pickler.dump(chunk)
+        except BaseException as err:
+            buffer.seek(at)  # the batch as it was (what lies past the position is not sent)
+            if type(err) is not ValueError:  # an unpicklable event (or an interrupt)
+                raise
+            # fast mode refuses a cycle: pickled again, with the memo
+            buffer.write(pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL))
+        self.events += events
+
+    def clear(self) -> None:
+        """Empty, its memory kept (no truncate: the buffer is not shrunk and grown again at every
+        batch, which costs page faults)."""
+        self.buffer.seek(1 + _LENGTH)
+        self.events = 0
+
+    def frame(self) -> memoryview:
+        """The frame, its length filled in (release the view before the batch is used again)."""
+        end = self.buffer.tell()
+        with self.buffer.getbuffer() as whole:
+            view = whole[:end]
+        view[1 : 1 + _LENGTH] = (end - 1 - _LENGTH).to_bytes(_LENGTH, "little")
+        return view
 
 
 class Child:
@@ -192,13 +317,13 @@ class Child:
         """Events sent."""
         self.found = False
         self.result: tuple[Finding | None, Report] | None = None
-        self._write(sys.path)
-        self._write((config, options))
+        self._write(pickle.dumps(sys.path, pickle.HIGHEST_PROTOCOL))
+        self._write(pickle.dumps((config, options), pickle.HIGHEST_PROTOCOL))
         if self._byte() != b"s":
             self.stop()
             raise JudgeDied("Monitor: the background judge did not start (see stderr)")
 
-    def send(self, events: list[Event], hashes: dict[int, str]) -> Finding | None:
+    def send(self, batch: Batch) -> Finding | None:
         """One batch to the child; at a finding (known from the child) the verdict instead."""
         if self.result is not None:
             return self.result[0]
@@ -207,20 +332,21 @@ class Child:
         while not self.found and self.sent - self.acked >= self.queue_depth:
             self._answers(block=True)
         if self.found:
-            return self.finish([], {})
-        self._write((events, hashes))
+            return self.finish(Batch())
+        with batch.frame() as frame:
+            self._write(frame)
         self.sent += 1
-        self.events += len(events)
+        self.events += batch.events
         return None
 
-    def finish(self, events: list[Event], hashes: dict[int, str]) -> Finding | None:
+    def finish(self, batch: Batch) -> Finding | None:
         """The last events, then the verdict (waits for the child to judge everything)."""
         if self.result is None:
             self._alive()
-            if events and not self.found:
-                self.send(events, hashes)
+            if batch.events and not self.found:
+                self.send(batch)
             if self.result is None:
-                self._write(None)
+                self._write(CLOSE + bytes(_LENGTH))
                 while self.result is None:
                     self._answers(block=True)
                 self.proc.wait()
@@ -235,9 +361,9 @@ class Child:
         if not self._finalizer.alive:
             raise JudgeDied("Monitor: the background judge was stopped (after an exception)")
 
-    def _write(self, message: object) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         try:
-            pickle.dump(message, self._in, pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
+            self._in.write(data)  # type: ignore[union-attr]
             self._in.flush()  # type: ignore[union-attr]
         except (OSError, ValueError) as err:  # a broken or closed pipe
             self.stop()
@@ -295,7 +421,7 @@ class Child:
 
 PIPE_BYTES = 1 << 20
 """The pipe to the child is widened to this (Linux; at most ``/proc/sys/fs/pipe-max-size``): a
-batch of 1024 reference-engine events pickles to about 25 KB, so a full queue fits in it and a
+batch of 1024 reference-engine events pickles to about 30 KB, so a full queue fits in it and a
 send does not wait for the child's reader thread, which gets the child's GIL only every few
 milliseconds while the judge runs."""
 
@@ -330,17 +456,28 @@ _GONE = object()
 
 
 def _read(source: BinaryIO, inbox: queue.SimpleQueue[object]) -> None:
-    """The child's reader thread: take messages off the pipe as they come, so that the parent's
+    """The child's reader thread: take frames off the pipe as they come, so that the parent's
     writes never wait on a full pipe while the judge is busy (the parent's queue depth bounds
-    what waits here)."""
-    try:
-        while True:
-            message = pickle.load(source)
-            inbox.put(message)
-            if message is None:
-                return
-    except Exception:  # noqa: BLE001 - end of input (or a torn message): the parent is gone
-        inbox.put(_GONE)
+    what waits here). A batch goes on as its bytes; unpickling is the judge's thread's."""
+    while True:
+        head = source.read(1 + _LENGTH)
+        size = int.from_bytes(head[1:], "little")
+        body = source.read(size) if size else b""
+        if len(head) < 1 + _LENGTH or len(body) < size or head[:1] not in (BATCH, CLOSE):
+            inbox.put(_GONE)  # end of input (or a torn frame): the parent is gone
+            return
+        if head[:1] == CLOSE:
+            inbox.put(None)
+            return
+        inbox.put(body)
+
+
+def chunks(body: bytes) -> Iterable[tuple[list[Event], dict[int, str] | None]]:
+    """A batch's chunks: each its events and their hashes (None: none)."""
+    data = io.BytesIO(body)
+    while data.tell() < len(body):
+        chunk = pickle.load(data)
+        yield (chunk, None) if type(chunk) is list else chunk
 
 
 def serve() -> None:
@@ -349,7 +486,7 @@ def serve() -> None:
     os.dup2(2, 1)  # a stray print goes to stderr, not into the answers
     source = sys.stdin.buffer
     config, options = pickle.load(source)
-    monitor = _synchronous(config, **options)  # type: ignore[arg-type]
+    monitor = _synchronous(config, **options)
     inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
     threading.Thread(target=_read, args=(source, inbox), daemon=True).start()
     out.write(b"s")
@@ -365,17 +502,7 @@ def serve() -> None:
                 _answer(out, b"r", (finding, monitor.report()))
                 return
             if finding is None:
-                events, hashes = message  # type: ignore[misc]
-                feed = monitor.feed
-                if hashes:
-                    for i, event in enumerate(events):
-                        if feed(event, hashes.get(i)) is not None:
-                            break
-                else:
-                    for event in events:
-                        if feed(event) is not None:
-                            break
-                finding = monitor.finding
+                finding = _judge(monitor, message)  # type: ignore[arg-type]
                 if finding is not None:
                     out.write(b"f")
             out.write(b"a")
@@ -386,6 +513,21 @@ def serve() -> None:
             _answer(out, b"x", err)
         except Exception:  # noqa: BLE001 - not picklable: its text then
             _answer(out, b"x", JudgeDied(f"Monitor: the background judge raised {err!r}"))
+
+
+def _judge(monitor: Monitor, body: bytes) -> Finding | None:
+    """Feed a batch's events to ``monitor``, up to a finding."""
+    feed = monitor.feed
+    for events, hashes in chunks(body):
+        if hashes:
+            for i, event in enumerate(events):
+                if feed(event, hashes.get(i)) is not None:
+                    return monitor.finding
+        else:
+            for event in events:
+                if feed(event) is not None:
+                    return monitor.finding
+    return monitor.finding
 
 
 def _synchronous(
