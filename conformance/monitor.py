@@ -18,7 +18,11 @@ The named constructors say how it judges:
 * ``background.BackgroundMonitor``: the same in a child process, the engine only buffering.
 
 ``raise_on_finding=False`` makes ``feed`` return the ``Finding`` (or None) instead. An id that never
-existed is an ``Illegal`` finding here (a file would be unreadable instead). ``compare`` checks
+existed is an ``Illegal`` finding here (a file would be unreadable instead). An event that is not
+one of the format's (a missing field, a field of the wrong type) is bad input, not a finding:
+``feed`` raises ``MalformedEvent`` (a ``ValueError``, one line naming it). The fast monitor checks arrivals and
+commits as they come and the rest only once judging raised or found something (``_well_formed``);
+the spec judges check every event first. ``compare`` checks
 the engine's refcounts and free queue against the spec's; ``settle`` that no effect is missing at a
 point where the engine has emitted everything (the lockstep fuzzer judges each run this way).
 """
@@ -35,6 +39,7 @@ from .judge.fastbuild import fast_judge
 from .judge.fastmodel import restates
 from .judge.handover import MONITOR_WINDOW, FastRun
 from .report import Report, report_of
+from .trace import event_error
 
 Event = tuple[object, ...]
 
@@ -45,6 +50,22 @@ class Violation(AssertionError):
     def __init__(self, report: Report) -> None:
         super().__init__(report.text())
         self.report = report
+
+
+class MalformedEvent(ValueError):
+    """An event that is not one of the trace format's (``trace.event_error`` says why): bad
+    input, not a finding. One line, ``NAME:N: why: the event``, N its number in the stream (1
+    for the first fed). The monitor judges nothing after it (the judge's state is undefined)."""
+
+    def __init__(self, name: str, number: int, event: object, why: str) -> None:
+        shown = " ".join(repr(event).split())
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(f"{name}:{number}: {why}: {shown}")
+        self.name, self.number, self.event, self.why = name, number, event, why
+
+    def __reduce__(self) -> tuple[object, ...]:  # from a BackgroundMonitor's child, whole
+        return (type(self), (self.name, self.number, self.event, self.why))
 
 
 class Monitor:
@@ -104,11 +125,18 @@ class Monitor:
     # -- feeding --------------------------------------------------------------------------------
 
     def feed(self, event: Event, hash_: str | None = None) -> Finding | None:
+        """Judge one event; ``Violation`` (or the finding) at the first finding,
+        ``MalformedEvent`` if it is not one of the format's events."""
         run = self.run
-        if run is None:
+        if run is None:  # the spec judges: slow enough that checking every event costs nothing
+            self._well_formed(event, hash_, self.events_seen + 1)
             return self._outcome(self.judge.feed(event, hash_))  # type: ignore[union-attr]
         fast = run.fast
-        if fast.events_seen >= run.due and event and event[0] in DECISIONS:
+        number = fast.events_seen + 1
+        kind = event[0] if event else None
+        if kind == "arrive" or kind == "commit":  # values the model keeps: checked as they come
+            self._well_formed(event, hash_, number)
+        if fast.events_seen >= run.due and kind in DECISIONS:
             run.checkpoint()
         run.newer_events.append((event, hash_))
         try:
@@ -116,6 +144,7 @@ class Monitor:
                 return None
         except Exception as err:  # a malformed event (or a bug): the spec decides
             run.crash = (repr(err), fast.events_seen - 1)
+        self._kept_well_formed(run, number)
         return self._outcome(self._hand_over(None))
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
@@ -144,6 +173,7 @@ class Monitor:
             return self._outcome(call(self.judge))  # type: ignore[arg-type]
         if call(run.fast) is None:
             return None
+        self._kept_well_formed(run, run.fast.events_seen)
         return self._outcome(self._hand_over(call))
 
     @property
@@ -166,6 +196,25 @@ class Monitor:
         return report_of(judge, self.name, note=self.note)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _kept_well_formed(self, run: FastRun, last: int) -> None:
+        """The fast model raised or found something: before the spec judge re-judges the kept
+        events (the last of them the ``last``-th), each is checked (the first malformed one
+        raises ``MalformedEvent``)."""
+        kept = run.events()
+        first = last - len(kept) + 1
+        for number, (event, hash_) in enumerate(kept, first):
+            self._well_formed(event, hash_, number)
+
+    def _well_formed(self, event: object, hash_: object, number: int) -> None:
+        """Raise ``MalformedEvent`` if ``event`` (the ``number``-th) is not one of the format's
+        events. The fast monitor checks an arrival and a commit as they come (the model keeps
+        their values) and every kept event when the fast model raises or finds something (the
+        rest are used at once: a malformed one makes a finding or an error there); a spec
+        judge checks every event before judging it."""
+        why = event_error(event, self.config.num_blocks, hash_)
+        if why is not None:
+            raise MalformedEvent(self.name, number, event, why)
 
     def _hand_over(self, then: Callable[[Judge], object] | None) -> Finding | None:
         """The fast model found something: the spec judge re-judges the kept events from the

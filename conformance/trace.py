@@ -425,6 +425,42 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
     return tuple(value)
 
 
+SPEC_DEFAULTS: dict[str, object] = {"schedule": 0, "execute": ()}
+"""The decisions whose last field ``spec.actions`` defaults (nothing loaded, no load failed):
+in-process, an event without it is that default (a trace line must carry every field)."""
+
+
+def event_error(event: object, num_blocks: int, hash_: object = None) -> str | None:
+    """Why an in-process event (a tuple, as an engine feeds a ``Monitor``) is not one of the
+    format's events, or None: the same field checks as a trace line's (``parse_object``), a
+    list field given as a tuple or a list, a decision without its last field accepted where
+    ``spec.actions`` has a default for it (``SPEC_DEFAULTS``). ``Monitor`` asks only when judging raised or found
+    something (so the happy path pays nothing): bad input is not a finding."""
+    if not isinstance(event, tuple) or not event:
+        return "an event is a non-empty tuple (KIND, field, ...)"
+    kind = event[0]
+    fields = FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        return f"unknown event kind {kind!r}"
+    if len(event) == len(fields) and kind in SPEC_DEFAULTS:  # the spec's shorthand
+        event = (*event, SPEC_DEFAULTS[kind])
+    if len(event) != len(fields) + 1:
+        names = ", ".join(name for name, _ in fields)
+        return f"{kind}: {len(event) - 1} fields, expected {len(fields)} ({names})"
+    try:
+        for (name, type_), value in zip(fields, event[1:], strict=True):
+            if type_ == "sampled" and isinstance(value, (tuple, list)):
+                value = [list(x) if isinstance(x, tuple) else x for x in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            _value(kind, name, type_, value, num_blocks)
+    except ValueError as err:
+        return str(err)
+    if hash_ is not None and (kind not in OPTIONAL or not isinstance(hash_, str) or not hash_):
+        return f"{kind}: the hash must be a non-empty string, on a publish only"
+    return None
+
+
 TraceEvent = tuple[int, Event, "str | None"]
 
 

@@ -29,7 +29,7 @@ from kvspec.conformance.background import (
     UnsendableEvent,
     chunks,
 )
-from kvspec.conformance.monitor import Monitor, Violation
+from kvspec.conformance.monitor import MalformedEvent, Monitor, Violation
 from kvspec.conformance.report import Report
 from kvspec.conformance.trace import iter_trace, write_trace
 from kvspec.spec import Config
@@ -265,25 +265,19 @@ def test_a_cyclic_event_is_sent_with_the_memo_and_judged_as_the_synchronous_moni
     batch = Batch()
     batch.put([("x", shared, shared)], 1)
     assert list(chunks(body(batch))) == [([("x", (1, 2), (1, 2))], None)]
-    judged = ("execute", 0, loop)  # an Illegal finding
-    stream = [(event, None) for event in events[:4] + [judged] + events[4:20]]
-    want = sync_outcome(config, stream)
-    assert want.exit_code == 1 and want.line == 5 and want.invariant == "Illegal"
-    monitor = BackgroundMonitor(config, batch_size=BATCH)
-    with pytest.raises(Violation) as caught:
-        with monitor:
-            for _ in fed_as_an_engine_would(monitor, stream):
-                pass
-    assert caught.value.report == want
-    crashing = [(event, None) for event in events[:4] + [("free", loop)] + events[4:20]]
-    with pytest.raises(TypeError) as sync_error:  # the synchronous monitor's own crash
-        sync_outcome(config, crashing)
-    monitor = BackgroundMonitor(config, batch_size=BATCH)
-    with pytest.raises(TypeError) as error:  # raised in the child, handed over
-        with monitor:
-            for _ in fed_as_an_engine_would(monitor, crashing):
-                pass
-    assert str(error.value) == str(sync_error.value)
+    # Judged: a cyclic event is malformed (``trace.event_error``), for the synchronous monitor
+    # and, raised in the child and handed over whole, for this one.
+    for bad in (("execute", 0, loop), ("free", loop)):
+        stream = [(event, None) for event in events[:4] + [bad] + events[4:20]]
+        with pytest.raises(MalformedEvent) as sync_error:
+            sync_outcome(config, stream)
+        assert sync_error.value.number == 5
+        monitor = BackgroundMonitor(config, batch_size=BATCH)
+        with pytest.raises(MalformedEvent) as error:
+            with monitor:
+                for _ in fed_as_an_engine_would(monitor, stream):
+                    pass
+        assert str(error.value) == str(sync_error.value) and error.value.number == 5
 
 
 @pytest.mark.parametrize("how", ["feed_all", "feed"])

@@ -17,10 +17,11 @@ from kvspec.cli import main
 from kvspec.conformance.check import check_file
 from kvspec.conformance.fuzz import run_cell
 from kvspec.conformance.judge import Judge
-from kvspec.conformance.monitor import Monitor, Violation
+from kvspec.conformance.monitor import MalformedEvent, Monitor, Violation
 from kvspec.conformance.trace import (
     FIELDS,
     MODEL_FIELDS,
+    SPEC_DEFAULTS,
     TraceError,
     iter_trace,
     read_trace,
@@ -130,6 +131,75 @@ def test_monitor_in_process(counterexample: tuple[Config, list]) -> None:
     with pytest.raises(Violation, match="NoUnwritten"):
         with Monitor(config) as monitor:
             monitor.feed_all(events)
+
+
+def _malformed(event: tuple) -> list[tuple]:
+    """Ways an in-process event can be malformed: a field missing or extra, a field of the
+    wrong type (a string, None, a fraction, a list for a number, a dict for a list)."""
+    out: list[tuple] = [(*event, 0)]
+    if len(event) > 1 and event[0] not in SPEC_DEFAULTS:  # else the short form is the default
+        out.append(event[:-1])
+    for i in range(1, len(event)):
+        value = event[i]
+        if isinstance(value, tuple):
+            wrong: list[object] = [{}, ("x",), (-1,)]
+        elif isinstance(value, str):  # a finish's reason
+            wrong = ["nonsense", 1, None]
+        else:
+            wrong = ["x", None, value + 0.5, [value]]
+        out += [(*event[:i], w, *event[i + 1 :]) for w in wrong]
+    return out
+
+
+MONITORS = {"fast": Monitor.fast, "on_spec": Monitor.on_spec, "observed": Monitor.observed}
+
+
+@pytest.mark.parametrize("kind", sorted(MONITORS))
+def test_a_malformed_event_is_bad_input_naming_it_never_a_finding_or_a_crash(kind: str) -> None:
+    """Every kind of event in a clean run, made malformed in each way at its place: the monitor
+    raises ``MalformedEvent`` naming that event's number, never ``Violation`` or another error;
+    the well-formed run holds."""
+    config, events = safe_run(6)
+    with MONITORS[kind](config) as monitor:
+        monitor.feed_all(events)  # holds
+    first: dict[str, int] = {}
+    for i, event in enumerate(events):
+        first.setdefault(event[0], i)
+    assert {"arrive", "schedule", "commit", "execute", "alloc", "free", "hit"} <= set(first)
+    tried = 0
+    for at in sorted(first.values()):
+        for bad in [*_malformed(events[at]), (), ("nope", 1), "schedule"]:
+            monitor = MONITORS[kind](config)
+            with pytest.raises(MalformedEvent) as raised:
+                for event in [*events[:at], bad, *events[at + 1 :]]:
+                    monitor.feed(event)  # type: ignore[arg-type]
+                monitor.close()
+            assert raised.value.number == at + 1, (bad, str(raised.value))
+            assert str(raised.value).startswith(f"<monitor>:{at + 1}: ")
+            assert "\n" not in str(raised.value)
+            tried += 1
+    assert tried > 100
+
+
+def test_a_malformed_value_the_fast_model_keeps_is_refused_where_it_is_fed() -> None:
+    """An arrival's or a commit's values stay in the model (a priority of 0.5 compares, a prompt
+    token of 1.0 hashes like 1), so they may never raise or make a finding: the fast monitor
+    checks these two kinds as they come, before its kept window (here 2 events) forgets them."""
+    config, events = safe_run(40)
+    arrival = next(i for i, e in enumerate(events) if e[0] == "arrive")
+    commit = next(i for i, e in enumerate(events) if e[0] == "commit" and e[2])
+    rid, prompt, max_tokens, priority = events[arrival][1:]
+    step, sampled = events[commit][1:]
+    for at, bad in [
+        (arrival, ("arrive", rid, prompt, max_tokens, priority + 0.5)),
+        (arrival, ("arrive", rid, (float(prompt[0]), *prompt[1:]), max_tokens, priority)),
+        (commit, ("commit", step, ((sampled[0][0], float(sampled[0][1])), *sampled[1:]))),
+    ]:
+        monitor = Monitor.fast(config, window=2)
+        with pytest.raises(MalformedEvent) as raised:
+            monitor.feed_all([*events[:at], bad, *events[at + 1 :]])
+            monitor.close()
+        assert raised.value.number == at + 1
 
 
 def test_hash_chain_mismatch_is_a_violation(good_trace: Path, tmp_path: Path) -> None:
