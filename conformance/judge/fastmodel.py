@@ -280,7 +280,9 @@ class FastModel:
         self.key: list[int | None] = [None] * n
         self.written: list[object] = [None] * n
         self.pending: list[list[Wr]] = [[] for _ in range(n)]
-        self.holders: list[dict[int, int]] = [{} for _ in range(n)]
+        self.holders: list[dict[Req, int]] = [{} for _ in range(n)]
+        """Per block, the requests whose table holds it and where (keyed by the record itself,
+        hashed by identity: no lookup in ``requests`` to reach a holder, no id boxed)."""
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
         self.index: dict[int, list[int]] = {}
         self.requests: dict[int, Req] = {}
@@ -613,9 +615,7 @@ class FastModel:
         self.changed.append(block)
         holders = self.holders[block]
         if holders:
-            requests = self.requests
-            for rid, i in holders.items():
-                req = requests[rid]
+            for req, i in holders.items():
                 if req.verified > i:
                     req.verified = i
 
@@ -640,14 +640,14 @@ class FastModel:
             self._drop_key(block)
             self.expected.append(("evict", block))
         self.refcount[block] = 1
-        self.holders[block][req.id] = len(req.table)
+        self.holders[block][req] = len(req.table)
         req.table.append(block)
         self.expected.append(("alloc", req.id, block))
 
     def _free_table(self, req: Req) -> None:
         refcount, key, free, holders = self.refcount, self.key, self.free, self.holders
         expected = self.expected
-        rid, caching, table = req.id, self.caching, req.table
+        caching, table = self.caching, req.table
         for j in range(len(table) - 1, -1, -1):
             block = table[j]
             count = refcount[block]
@@ -659,8 +659,8 @@ class FastModel:
                 if key[block] is None and caching:
                     free.move_to_end(block, last=False)
             mine = holders[block]
-            if mine.get(rid) is not None:
-                del mine[rid]
+            if req in mine:
+                del mine[req]
             expected.append(("free", block))
         if not caching:  # spec.pool.free_batch: the batch at the head, the table's last first
             for block in req.table:
@@ -812,7 +812,7 @@ class FastModel:
                 if refcount[block] == 0:
                     del free[block]
                 refcount[block] += 1
-                holders[block][rid] = len(table)
+                holders[block][req] = len(table)
                 table.append(block)
             self.expected.append(("hit", rid, tuple(hits)))
             req.cached = len(hits)
@@ -1190,9 +1190,10 @@ class FastModel:
     def _step_readers_hold(self, blocks: list[int], st: Stp, skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of step ``st`` (but ``skip``'s)."""
         bsz = self.bsz
-        requests, holders = self.requests, self.holders
+        holders = self.holders
         for block in blocks:
-            for rid, i in holders[block].items():
+            for req, i in holders[block].items():
+                rid = req.id
                 if rid == skip:
                     continue
                 e = st.entries.get(rid)
@@ -1203,7 +1204,7 @@ class FastModel:
                     and e.live
                     and not self._holds(
                         self._eventual(block, st.id),
-                        self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
+                        self._prefix(req, min(e.start, (i + 1) * bsz)),
                     )
                 ):
                     return False
