@@ -69,7 +69,7 @@ def parts(num_blocks: int) -> Parts:
             text = Annotated[str, msgspec.Meta(min_length=1)]
             spec.append((name, Union[text, msgspec.UnsetType], msgspec.UNSET))  # noqa: UP007
         cls = msgspec.defstruct(
-            f"Line_{kind}", spec, tag=kind, tag_field="ev", forbid_unknown_fields=True
+            f"Line_{kind}", spec, tag=kind, tag_field="ev", forbid_unknown_fields=True, gc=False
         )
         kinds[cls] = (kind, bool(OPTIONAL.get(kind)))
     decode = msgspec.json.Decoder(Union[tuple(kinds)]).decode  # type: ignore[valid-type]  # noqa: UP007

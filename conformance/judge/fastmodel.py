@@ -179,14 +179,14 @@ class Req:
 
 
 class Ent:
-    __slots__ = ("req", "start", "end", "blocks", "load", "samples", "ph", "loaded")
+    __slots__ = ("req", "start", "end", "blocks", "nb", "load", "samples", "ph", "loaded", "live")
 
     def __init__(
         self,
         req: Req,
         start: int,
         end: int,
-        blocks: tuple[int, ...],
+        blocks: list[int],
         load: bool,
         samples: bool,
         ph: int,
@@ -195,13 +195,16 @@ class Ent:
         self.req = req
         """The request (``requests[rid]`` while the entry exists: an id never arrives twice, and
         a request is pruned only once no step references it), without a lookup."""
-        self.start, self.end, self.blocks, self.load, self.samples = (
-            start,
-            end,
-            blocks,
-            load,
-            samples,
-        )
+        self.start, self.end, self.load, self.samples = start, end, load, samples
+        self.blocks = blocks
+        self.nb = len(blocks)
+        """The entry's blocks (``spec.Entry.blocks``) are ``blocks[:nb]``: ``blocks`` is the
+        request's table itself, not a copy. A table only grows (``append``) until it is freed,
+        and a freed table is replaced by a new list (``_free_table``), so its first ``nb`` items
+        stay what they were when the entry was scheduled."""
+        self.live = True
+        """``spec.Step.live`` holds the request: its output is used (a flag here, not a set of
+        the step's: the entries are the step's dict already)."""
         self.ph = ph
         """The placeholder of the token this entry samples (``placeholder``); 0 if none."""
         self.loaded = loaded
@@ -213,7 +216,6 @@ class Stp:
         "id",
         "phase",
         "entries",
-        "live",
         "registrations",
         "failed",
         "budget_used",
@@ -225,12 +227,24 @@ class Stp:
         self.id = step_id
         self.phase = BUILDING
         self.entries: dict[int, Ent] = {}
-        self.live: set[int] = set()
         self.registrations: dict[int, list[int]] = {}
         self.failed: tuple[int, ...] = ()
         self.budget_used = 0
         self.preempted = False
         self.admitted = False
+
+
+class Wr:
+    """A pending write (``spec.state.Write``): a native record, not a tuple, so that its step and
+    request compare as machine ints (compiled) and a resolved placeholder is written in place."""
+
+    __slots__ = ("step", "rid", "content", "load")
+
+    def __init__(self, step: int, rid: int, content: object, load: bool) -> None:
+        self.step = step
+        self.rid = rid
+        self.content = content
+        self.load = load
 
 
 class FastModel:
@@ -265,8 +279,10 @@ class FastModel:
         self.refcount = [0] * n
         self.key: list[int | None] = [None] * n
         self.written: list[object] = [None] * n
-        self.pending: list[list[tuple[int, int, object, bool]]] = [[] for _ in range(n)]
-        self.holders: list[dict[int, int]] = [{} for _ in range(n)]
+        self.pending: list[list[Wr]] = [[] for _ in range(n)]
+        self.holders: list[dict[Req, int]] = [{} for _ in range(n)]
+        """Per block, the requests whose table holds it and where (keyed by the record itself,
+        hashed by identity: no lookup in ``requests`` to reach a holder, no id boxed)."""
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
         self.index: dict[int, list[int]] = {}
         self.requests: dict[int, Req] = {}
@@ -296,10 +312,11 @@ class FastModel:
         self.held: Collection[Hashable] = ()
         """Prefix ids the judge holds (its hash-chain tables): never collected."""
         # what the current decision changed
-        self.changed: set[int] = set()
+        self.changed: list[int] = []
         """Blocks whose content (written or pending) changed, by a write of the building step (or
-        a failed load stopped being excused)."""
-        self.rewritten: set[int] = set()
+        a failed load stopped being excused). A list, repeats allowed (a repeat is checked again,
+        to the same result): an append and a native loop, where a set hashed and boxed."""
+        self.rewritten: list[int] = []
         """Blocks whose content an execution changed other than by writing what was pending (a
         failed load; K/V computed from wrong inputs): every later step's reads may change."""
         self.published: list[int] = []
@@ -496,16 +513,16 @@ class FastModel:
                 continue
             blocks, sid = w.blocks, st.id
             if st.phase == EXECUTED:  # its writes are the blocks' contents, unless overwritten
-                for i in range(w.start // bsz, len(blocks)):
+                for i in range(w.start // bsz, w.nb):
                     block = blocks[i]
                     written[block] = substitute(written[block], ph, token)
                 continue
-            for i in range(w.start // bsz, len(blocks)):
+            for i in range(w.start // bsz, w.nb):
                 writes = pending[blocks[i]]
                 for j in range(len(writes) - 1, -1, -1):  # its write, usually the newest
-                    s, r, c, load = writes[j]
-                    if s == sid and r == rid:
-                        writes[j] = (s, r, substitute(c, ph, token), load)
+                    wr = writes[j]
+                    if wr.step == sid and wr.rid == rid:
+                        wr.content = substitute(wr.content, ph, token)
                         break
 
     def _substitute(self, content: object, ph: int, token: int) -> object:
@@ -563,9 +580,9 @@ class FastModel:
 
     def _eventual(self, block: int, upto: int | None = None) -> object:
         content = self.written[block]
-        for step, _, prefix, _ in self.pending[block]:
-            if upto is None or step <= upto:
-                content = prefix
+        for w in self.pending[block]:
+            if upto is None or w.step <= upto:
+                content = w.content
         return content
 
     def _collect(self) -> None:
@@ -575,7 +592,7 @@ class FastModel:
             live.update(req.chain)
         live.update(k for k in self.key if k is not None)
         live.update(cast(int, k) for k in self.held)
-        for content in self.written + [w[2] for ws in self.pending for w in ws]:
+        for content in self.written + [w.content for ws in self.pending for w in ws]:
             if content is not None:
                 live.add(
                     self._split(content)[0] if isinstance(content, tuple) else cast(int, content)
@@ -595,12 +612,10 @@ class FastModel:
     # -- the pool (spec/pool.py) ----------------------------------------------------------------
 
     def _content_changed(self, block: int) -> None:
-        self.changed.add(block)
+        self.changed.append(block)
         holders = self.holders[block]
         if holders:
-            requests = self.requests
-            for rid, i in holders.items():
-                req = requests[rid]
+            for req, i in holders.items():
                 if req.verified > i:
                     req.verified = i
 
@@ -625,14 +640,14 @@ class FastModel:
             self._drop_key(block)
             self.expected.append(("evict", block))
         self.refcount[block] = 1
-        self.holders[block][req.id] = len(req.table)
+        self.holders[block][req] = len(req.table)
         req.table.append(block)
         self.expected.append(("alloc", req.id, block))
 
     def _free_table(self, req: Req) -> None:
         refcount, key, free, holders = self.refcount, self.key, self.free, self.holders
         expected = self.expected
-        rid, caching, table = req.id, self.caching, req.table
+        caching, table = self.caching, req.table
         for j in range(len(table) - 1, -1, -1):
             block = table[j]
             count = refcount[block]
@@ -644,8 +659,8 @@ class FastModel:
                 if key[block] is None and caching:
                     free.move_to_end(block, last=False)
             mine = holders[block]
-            if mine.get(rid) is not None:
-                del mine[rid]
+            if req in mine:
+                del mine[req]
             expected.append(("free", block))
         if not caching:  # spec.pool.free_batch: the batch at the head, the table's last first
             for block in req.table:
@@ -797,7 +812,7 @@ class FastModel:
                 if refcount[block] == 0:
                     del free[block]
                 refcount[block] += 1
-                holders[block][rid] = len(table)
+                holders[block][req] = len(table)
                 table.append(block)
             self.expected.append(("hit", rid, tuple(hits)))
             req.cached = len(hits)
@@ -824,7 +839,7 @@ class FastModel:
         for i in range(start // bsz, len(table)):
             block = table[i]
             content = self._prefix(req, min(end, (i + 1) * bsz))
-            pending[block].append((sid, rid, content, load))
+            pending[block].append(Wr(sid, rid, content, load))
             self._content_changed(block)
         req.computed = end - 1 if load and end == known else end  # recomputed over the load
         samples = not load and end == limit
@@ -832,8 +847,7 @@ class FastModel:
         if samples and self.async_scheduling:
             ph = placeholder(sid, rid)
             req.ahead.append(ph)
-        step.entries[rid] = Ent(req, start, end, tuple(table), load, samples, ph, num_loaded)
-        step.live.add(rid)
+        step.entries[rid] = Ent(req, start, end, table, load, samples, ph, num_loaded)
         step.budget_used += num_tokens
         if load:
             req.loading = sid
@@ -911,18 +925,20 @@ class FastModel:
         step.failed = tuple(failed)
         for rid, e in entries.items():
             blocks, landed = e.blocks, rid not in failed
-            for k in range(e.start // bsz, len(blocks)):
+            for k in range(e.start // bsz, e.nb):
                 block = blocks[k]
                 writes = pending[block]
                 head = writes[0]
                 if (
-                    head[0] == sid and head[1] == rid and (len(writes) == 1 or writes[1][0] != sid)
+                    head.step == sid
+                    and head.rid == rid
+                    and (len(writes) == 1 or writes[1].step != sid)
                 ):  # the usual case: this write first (the oldest step's), the only one of it
-                    content = head[2]
+                    content = head.content
                     del writes[0]
                 else:
-                    content = [w for w in writes if w[0] == sid and w[1] == rid][-1][2]
-                    pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
+                    content = [w for w in writes if w.step == sid and w.rid == rid][-1].content
+                    pending[block] = [w for w in writes if not (w.step == sid and w.rid == rid)]
                 if landed:
                     # What was pending lands: no step's eventual content changes (this step is
                     # the oldest in flight, its write the first pending), and no holder had
@@ -930,26 +946,25 @@ class FastModel:
                     written[block] = content
                 else:
                     self._content_changed(block)
-                    self.rewritten.add(block)
-        live = step.live
+                    self.rewritten.append(block)
         for rid, e in entries.items():
             if e.load:  # a load reads nothing
                 continue
             req = e.req
-            blocks, end, alive = e.blocks, e.end, rid in live
+            blocks, end, alive = e.blocks, e.end, e.live
             first = req.verified if alive else 0  # reads known valid (unchanged since)
             bad: list[int] = []
-            for i in range(first, len(blocks)):
+            for i in range(first, e.nb):
                 block = blocks[i]
                 if not self._holds(written[block], self._prefix(req, min(end, (i + 1) * bsz))):
                     bad.append(block)
             if bad and alive:
                 self.bad_reads += [(sid, rid, block) for block in bad]
             if bad:  # K/V computed from wrong inputs is wrong too
-                for block in blocks[e.start // bsz :]:
+                for block in blocks[e.start // bsz : e.nb]:
                     written[block] = None
                     self._content_changed(block)
-                    self.rewritten.add(block)
+                    self.rewritten.append(block)
         step.phase = EXECUTED
 
     def commit(self, step_id: int, sampled: tuple[tuple[int, int], ...]) -> None:
@@ -962,8 +977,8 @@ class FastModel:
         ):
             raise Illegal()
         step = steps[0]
-        entries, live = step.entries, step.live
-        expected = [e for rid, e in entries.items() if e.samples and rid in live]
+        entries = step.entries
+        expected = [e for e in entries.values() if e.samples and e.live]
         tokens = dict(sampled)
         # the sampled requests are exactly the expected ones (both without repeats)
         if len(tokens) != len(sampled) or len(tokens) != len(expected):
@@ -1004,7 +1019,7 @@ class FastModel:
             bsz, failed = self.bsz, step.failed
             for rid, e in entries.items():
                 req = e.req
-                if rid in live and rid not in failed and req.status == RUNNING:
+                if e.live and rid not in failed and req.status == RUNNING:
                     self._register_upto(req, e.end // bsz)
         stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
         for e in expected:
@@ -1037,7 +1052,9 @@ class FastModel:
                     del self.waiting[rid]
                 req.status = FINISHED
                 for later in steps[1:]:  # their output for it is stale: discarded
-                    later.live.discard(rid)
+                    stale = later.entries.get(rid)
+                    if stale is not None:
+                        stale.live = False
                     later.registrations.pop(rid, None)
                 req.ahead = []
         steps.pop(0)
@@ -1045,7 +1062,7 @@ class FastModel:
         if step.failed:  # its failed loads stop being excused by NoUnwrittenPublish
             for rid in step.failed:
                 e = entries[rid]
-                self.changed.update(e.blocks[e.start // self.bsz :])
+                self.changed.extend(e.blocks[e.start // self.bsz : e.nb])
 
     def abort(self, rid: int) -> None:
         req = self._request(rid)
@@ -1077,18 +1094,21 @@ class FastModel:
         if steps and steps[-1].phase == BUILDING and rid in steps[-1].entries:
             step = steps[-1]
             entry = step.entries.pop(rid)
-            if entry.ph and rid in step.live:
+            if entry.ph and entry.live:
                 req.ahead.pop()  # the building step's placeholder is the newest
             step.budget_used -= entry.end - entry.start - entry.loaded * self.bsz
             sid, pending = step.id, self.pending
-            for block in entry.blocks:
+            for k in range(entry.nb):
+                block = entry.blocks[k]
                 writes = pending[block]
                 if writes:
-                    pending[block] = [w for w in writes if not (w[0] == sid and w[1] == rid)]
+                    pending[block] = [w for w in writes if not (w.step == sid and w.rid == rid)]
                 self._content_changed(block)
         for st in steps:
             if not deliver or st.phase == BUILDING:
-                st.live.discard(rid)
+                e = st.entries.get(rid)
+                if e is not None:
+                    e.live = False
         if not deliver:
             req.ahead = []
         policy = self.policy
@@ -1118,7 +1138,7 @@ class FastModel:
         step, rid = self.new_step, self.new_rid
         if step is not None:
             e = step.entries.get(rid)
-            if e is not None and not e.load and rid in step.live:
+            if e is not None and not e.load and e.live:
                 req, pending, blocks = e.req, self.pending, e.blocks
                 contiguous, known = True, len(req.tokens) // bsz
                 for i in range(req.verified, e.start // bsz):
@@ -1144,35 +1164,36 @@ class FastModel:
                 return False
         return True
 
-    def _stale_readers_hold(self, blocks: set[int], steps: list[Stp]) -> bool:
+    def _stale_readers_hold(self, blocks: list[int], steps: list[Stp]) -> bool:
         """Stale output still delivered: the reads of ``blocks`` by live entries of requests
         preempted since (they hold no blocks now, so ``holders`` does not find them)."""
         bsz, requests = self.bsz, self.requests
         for st in steps:
             for rid, e in st.entries.items():
                 req = requests[rid]
-                if rid not in st.live or e.load or req.status == RUNNING:
+                if not e.live or e.load or req.status == RUNNING:
                     continue
-                for i, block in enumerate(e.blocks[: -(-e.start // bsz)]):
+                for i, block in enumerate(e.blocks[: min(e.nb, -(-e.start // bsz))]):
                     if block in blocks and not self._holds(
                         self._eventual(block, st.id), self._prefix(req, min(e.start, (i + 1) * bsz))
                     ):
                         return False
         return True
 
-    def _readers_hold(self, blocks: set[int], steps: list[Stp], skip: int) -> bool:
+    def _readers_hold(self, blocks: list[int], steps: list[Stp], skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of ``steps`` (but ``skip``'s)."""
         for st in steps:
             if not self._step_readers_hold(blocks, st, skip):
                 return False
         return True
 
-    def _step_readers_hold(self, blocks: set[int], st: Stp, skip: int) -> bool:
+    def _step_readers_hold(self, blocks: list[int], st: Stp, skip: int) -> bool:
         """The reads of ``blocks`` by the live entries of step ``st`` (but ``skip``'s)."""
         bsz = self.bsz
-        requests, holders = self.requests, self.holders
+        holders = self.holders
         for block in blocks:
-            for rid, i in holders[block].items():
+            for req, i in holders[block].items():
+                rid = req.id
                 if rid == skip:
                     continue
                 e = st.entries.get(rid)
@@ -1180,10 +1201,10 @@ class FastModel:
                     e is not None
                     and i * bsz < e.start
                     and not e.load
-                    and rid in st.live
+                    and e.live
                     and not self._holds(
                         self._eventual(block, st.id),
-                        self._prefix(requests[rid], min(e.start, (i + 1) * bsz)),
+                        self._prefix(req, min(e.start, (i + 1) * bsz)),
                     )
                 ):
                     return False
@@ -1211,7 +1232,7 @@ class FastModel:
         for st in self.steps:
             for rid in st.failed:
                 e = st.entries[rid]
-                excused.update(e.blocks[e.start // bsz :])
+                excused.update(e.blocks[e.start // bsz : e.nb])
         return excused
 
     # -- export -------------------------------------------------------------------------------
@@ -1226,8 +1247,8 @@ class FastModel:
                 None if self.key[b] is None else key(self.key[b]),
                 cast("Content | None", seq(self.written[b])),
                 [
-                    Write(st, rid, cast(Content, seq(c)), load)
-                    for st, rid, c, load in self.pending[b]
+                    Write(w.step, w.rid, cast(Content, seq(w.content)), w.load)
+                    for w in self.pending[b]
                 ],
             )
             for b in range(self.config.num_blocks)
@@ -1252,10 +1273,12 @@ class FastModel:
         for st in self.steps:
             step = Step(st.id, PHASE[st.phase])
             step.entries = {
-                rid: Entry(e.start, e.end, e.blocks, e.load, e.samples, loaded=e.loaded)
+                rid: Entry(
+                    e.start, e.end, tuple(e.blocks[: e.nb]), e.load, e.samples, loaded=e.loaded
+                )
                 for rid, e in st.entries.items()
             }
-            step.live = set(st.live)
+            step.live = {rid for rid, e in st.entries.items() if e.live}
             step.registrations = {rid: list(ix) for rid, ix in st.registrations.items()}
             step.failed = st.failed
             step.budget_used, step.preempted, step.admitted = (
