@@ -47,7 +47,18 @@ used to take most of the time, and runs were a few engine steps long):
   and only if the engine was not idle draws how many more (``STEP_COUNTS``, up to 8 in all;
   an idle engine ends them, and an idle step is not recorded: counterexamples are not padded
   with them); an abort draws which live request only when there are two or more; the snapshot
-  comparison runs once per action, the judge's invariant checks after every decision as before.
+  comparison runs once per action, the judge's invariant checks after every decision as before;
+* under the vLLM discipline, no action is spent on a kind that can do nothing now (a step of
+  an engine known to be idle, an abort with no live request, a reset while requests are live):
+  ``perform`` replaces it by the next kind of the mix that can (``able``), so a value that names
+  a kind the state allows means that kind, as before; the simplest action value (``SIMPLEST``)
+  is a step as drawn, so that the shrinker can still lower an action to one that does nothing
+  (under the general discipline, whose scheduler draws its own choices, a seeded bug then
+  shrank longer: runs there are as before);
+* under the vLLM discipline, when a run stops, its requests are run to the end (``run_out``:
+  the engine steps until idle, judged, one program entry), engine work and judging at no choice
+  of the driver's: a run's tail (requests finishing, freeing, caching) is explored in every
+  run, not only in runs whose last actions happen to be steps.
 
 A counterexample of an eager policy is usually found as ``NoUnwrittenPublish`` (the zombie's
 publication), before any request reads it. To see the read itself (``NoUnwrittenRead``: the
@@ -147,7 +158,7 @@ draws an integer uniformly (beyond, its distribution favours small values), and 
 literal in kvspec's source, would be drawn more often (``HypothesisProvider`` returns, 5% of the
 time, an integer literal of at least 100 found in the tested modules): the most slots of 31
 values. So a run stops early with probability 1/249 per action, and each kind is as likely as
-its share of the mix."""
+its share of the mix (before ``perform`` replaces a kind that can do nothing now)."""
 
 STOP = 0
 """The value of the action choice that ends a run: the stop and the kind of the action are one
@@ -156,6 +167,13 @@ kind). Forced after the run's last action. It is the simplest value: the shrinke
 an action's choice is to end the run there, and Hypothesis's simplest examples (one per batch,
 and the first few of each) stop at once instead of running as many idle steps as a run has
 actions; and being below 100 it is never one of the literals Hypothesis draws more often."""
+
+SIMPLEST = STOP + 1
+"""The simplest action, the first value of the mix's first slot (a step in every mix): the one
+value of the action choice whose kind is not replaced when it can do nothing (``perform``'s
+``redirect``), so that the shrinker can still lower any action to a step that does nothing on an
+idle engine (not even recorded), rather than to an arrival that would stay in the
+counterexample."""
 
 
 class CounterexampleFound(AssertionError):
@@ -349,14 +367,24 @@ def lockstep_machine(
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
             self.mix = mix
+            self.idle = True
+            """Whether the engine's last step did nothing and no request arrived since (a fresh
+            engine has nothing to do): a step action would do nothing (``able``)."""
             self.loads = loads
             self.coverage = RunCoverage()
             tally.runs += 1
 
-        def perform(self, slot: int, draw: Callable[[int, int], int]) -> None:
+        def perform(
+            self, slot: int, draw: Callable[[int, int], int], redirect: bool = True
+        ) -> None:
             """The action of kind ``self.mix[slot]``, drawing its own choices with ``draw``: a
             step's count, an arrival's prompt and budget, an abort's request (the engine's own
-            choices too, during steps)."""
+            choices too, during steps). With ``redirect``, under the vLLM discipline, a kind
+            that can do nothing now is replaced by the next kind of the mix that can (``able``).
+            Not under the general discipline, whose scheduler draws its own choices: there the
+            replacement made a seeded bug shrink longer (docs/fuzzing.md)."""
+            if redirect and discipline == "vllm":
+                slot = self.able(slot)
             kind = self.mix[slot]
             if kind == "step":
                 self._steps(draw)
@@ -366,6 +394,27 @@ def lockstep_machine(
                 self._abort(draw)
             elif not self.engine.live_requests():
                 self._run("reset the prefix cache", self.engine.reset_prefix_cache)
+
+        def able(self, slot: int) -> int:
+            """``slot``, or, if its kind can do nothing now, the next slot of the mix (cyclically)
+            whose kind can: a step needs an engine that is not known to be idle (``idle``: its
+            last step did nothing and no request arrived since), an abort a live request, a reset
+            none (``perform`` resets only then); an arrival always can. So an action choice that
+            names a kind the state allows means that kind, as before, and none is spent on an
+            action that does nothing."""
+            mix = self.mix
+            live: bool | None = None
+            for i in range(len(mix)):
+                at = (slot + i) % len(mix)
+                kind = mix[at]
+                if kind == "arrive" or (kind == "step" and not self.idle):
+                    return at
+                if kind != "step":
+                    if live is None:
+                        live = bool(self.engine.live_requests())
+                    if (kind == "abort") == live:
+                        return at
+            return slot
 
         def _arrive(self, draw: Callable[[int, int], int]) -> None:
             which, shared = OPENINGS[draw(0, len(OPENINGS) - 1)]
@@ -377,6 +426,7 @@ def lockstep_machine(
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
             prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
             rid, self.next_id = self.next_id, self.next_id + 1
+            self.idle = False
             self._run(
                 f"r{rid} arrives: prompt {list(prompt)}, max {max_tokens} new tokens, "
                 f"priority {priority}{', KV in the external store' if external else ''}",
@@ -389,10 +439,13 @@ def lockstep_machine(
             is not recorded). The count is drawn after the first step, so a step action of an
             idle engine draws nothing."""
             self.choices.use(draw)
-            if self._run("engine step", self.engine.step, idle=False):
+            busy = self._run("engine step", self.engine.step, idle=False)
+            if busy:
                 for _ in range(STEP_COUNTS[draw(0, len(STEP_COUNTS) - 1)] - 1):
                     if not self._run("engine step", self.engine.step, idle=False):
+                        busy = False
                         break
+            self.idle = not busy
             self.choices.use(None)
 
         def _abort(self, draw: Callable[[int, int], int]) -> None:
@@ -401,6 +454,27 @@ def lockstep_machine(
             if live:
                 rid = live[draw(0, len(live) - 1) if len(live) > 1 else 0]
                 self._run(f"abort r{rid}", lambda: self.engine.abort(rid))
+
+        def run_out(self, draw: Callable[[int, int], int]) -> None:
+            """The end of a run under the vLLM discipline: the engine steps until it is idle,
+            judged, as one program entry, at no choice of the driver's (the engine's own, whether
+            an external load fails, drawn with ``draw`` as in a step action): a run's requests
+            are all run to the end. Not under the general discipline, whose scheduler draws its
+            admissions and preemptions: there a run out drawing them made a seeded bug shrink
+            longer and slower (docs/fuzzing.md), and a run ends where its last action left it,
+            as before."""
+            if not hasattr(self, "judge") or discipline != "vllm":
+                return
+            self.choices.use(draw)
+            self._run("the engine runs until it is idle", self._until_idle, idle=0)
+            self.choices.use(None)
+            self.idle = True
+
+        def _until_idle(self) -> int:
+            steps = 0
+            while steps < 500 and self.engine.step():
+                steps += 1
+            return steps
 
         def agree(self) -> None:
             """The engine's own check, its refcounts and free queue against the judge's (or the
@@ -495,7 +569,8 @@ def lockstep_machine(
             """One action of the workload (the stateful runner's one rule, always enabled): an
             action choice, then ``perform``."""
             draw = _draw_integer(data)
-            self.perform(draw(0, len(self.mix) - 1), draw)
+            slot = draw(0, len(self.mix) - 1)
+            self.perform(slot, draw, slot != 0)
 
         @invariant()
         def observables_agree(self) -> None:
@@ -548,9 +623,12 @@ def lockstep_test(
     It calls ``setup`` (the run's configuration, each field one integer choice), then runs
     actions: before each, a span is opened and one integer choice made, from 0 to ``ACTIONS``:
     ``STOP`` ends the run (forced after ``stateful_step_count - 1`` actions, as Hypothesis's own
-    stateful runner forces its "stop" boolean, the initialize step counted), any other value is
-    the kind of the action (a slot of the run's mix), which ``perform`` runs, drawing its own
-    parameters; then ``agree`` (the snapshot comparison); ``teardown`` always. So the shrinker
+    stateful runner forces its "stop" boolean, the initialize step counted), with ``run_out``
+    (under the vLLM discipline, the engine runs until idle) and ``agree``; any other value is the kind of the action (a
+    slot of the run's mix, replaced by the next kind that can do something unless the value is
+    ``SIMPLEST``), which ``perform`` runs, drawing its own parameters; then ``agree`` (the
+    snapshot comparison); ``teardown`` always. (The state machine's own runs, under
+    HypoFuzz or ``run_state_machine_as_test``, end where their last rule left them.) So the shrinker
     deletes whole actions (a span: the action's choice and its own) as it does in a state
     machine, one choice per action is saved against the stateful runner's stop boolean and rule
     choice, and none of its per-step work is done (choosing a rule, drawing a fresh
@@ -571,20 +649,23 @@ def lockstep_test(
         if spent is not None and spent():
             raise BudgetSpent
         draw = _draw_integer(data)
-        run = run_class()
+        run: Any = run_class()
         try:
-            run.setup(draw)  # type: ignore[attr-defined]
-            run.agree()  # type: ignore[attr-defined]
+            run.setup(draw)
+            run.agree()
             done = 0
             while True:
                 choices.start_span(ACTION_LABEL)
                 action = draw_integer(0, ACTIONS, forced=STOP if done >= actions else None)
                 if action == STOP:
                     choices.stop_span()
+                    run.run_out(draw)
+                    run.agree()
                     break
                 done += 1
-                run.perform((action - 1) // SLOT_VALUES, draw)  # type: ignore[attr-defined]
-                run.agree()  # type: ignore[attr-defined]
+                slot = (action - 1) // SLOT_VALUES
+                run.perform(slot, draw, action != SIMPLEST)
+                run.agree()
                 choices.stop_span()
         finally:
             run.teardown()

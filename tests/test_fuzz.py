@@ -381,9 +381,9 @@ def test_a_run_ends_after_its_last_action_and_each_action_is_one_kind_choice(
         performed.append(self.slots)
         setup(self, draw)
 
-    def counted_perform(self, slot, draw):  # type: ignore[no-untyped-def]
+    def counted_perform(self, slot, draw, *redirect):  # type: ignore[no-untyped-def]
         self.slots.append(slot)
-        perform(self, slot, draw)
+        perform(self, slot, draw, *redirect)
 
     monkeypatch.setattr(run_class, "setup", counted_setup)
     monkeypatch.setattr(run_class, "perform", counted_perform)
@@ -395,6 +395,80 @@ def test_a_run_ends_after_its_last_action_and_each_action_is_one_kind_choice(
     lengths = [len(slots) for slots in performed]
     assert max(lengths) == 6 and lengths.count(6) >= 10  # Hypothesis's first examples are short
     assert {slot for slots in performed for slot in slots} == set(range(8))
+
+
+def test_a_run_ends_with_its_requests_run_to_the_end_as_one_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When a run stops (``STOP``, drawn or forced), the engine steps until it is idle, judged,
+    as one program entry (``LockstepRun.run_out``): every run that stopped ends with no live
+    request and nothing to do, and those that stopped with requests live end with that entry,
+    at no choice. (A run cut short by Hypothesis, an overrun of its choices, is not run out.)"""
+    from hypothesis import Phase, seed
+
+    from kvspec.conformance.fuzz import lockstep_test
+
+    machine = lockstep_machine("deferred")
+    run_class = machine.run_class  # type: ignore[attr-defined]
+    ends: list[tuple[list[int], bool, str | None]] = []
+    teardown, run_out = run_class.teardown, run_class.run_out
+
+    def counted_run_out(self, draw):  # type: ignore[no-untyped-def]
+        self.ran_out = True
+        run_out(self, draw)
+
+    def checked_teardown(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "ran_out", False):
+            last = self.program[-1][0] if self.program else None
+            ends.append((self.engine.live_requests(), self.engine.step(), last))
+        teardown(self)
+
+    monkeypatch.setattr(run_class, "teardown", checked_teardown)
+    monkeypatch.setattr(run_class, "run_out", counted_run_out)
+    config = settings(
+        max_examples=30, stateful_step_count=12, database=None, deadline=None,
+        phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    seed(5)(lockstep_test(machine, config))()
+    assert len(ends) >= 25
+    assert all(live == [] and not busy for live, busy, _ in ends)
+    drained = [last for _, _, last in ends if last == "the engine runs until it is idle"]
+    assert len(drained) >= 10
+
+
+def test_a_run_under_the_general_discipline_is_not_run_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under the general discipline (its scheduler draws admissions and preemptions) runs are as
+    before the vLLM discipline's workload changes: a run ends where its last action left it
+    (``run_out`` runs nothing, no program holds its entry), and a kind that can do nothing is
+    not replaced (a step of an idle engine does nothing, not even as ``perform``'s default)."""
+    from hypothesis import Phase, seed
+
+    from kvspec.conformance.fuzz import lockstep_test
+
+    machine = lockstep_machine("deferred", "general", "priority")
+    run_class = machine.run_class  # type: ignore[attr-defined]
+    ends: list[tuple[bool, list[str]]] = []
+    teardown = run_class.teardown
+
+    def checked_teardown(self):  # type: ignore[no-untyped-def]
+        if hasattr(self, "engine"):
+            ends.append((bool(self.engine.live_requests()), [a for a, _ in self.program]))
+        teardown(self)
+
+    monkeypatch.setattr(run_class, "teardown", checked_teardown)
+    config = settings(
+        max_examples=30, stateful_step_count=12, database=None, deadline=None,
+        phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    seed(5)(lockstep_test(machine, config))()
+    assert sum(live for live, _ in ends) >= 5  # runs that stopped with requests live
+    assert not any("the engine runs until it is idle" in program for _, program in ends)
+    run = run_class()
+    run.setup(lambda lo, hi: lo)
+    run.perform(run.mix.index("step"), lambda lo, hi: lo)
+    assert run.program == []
 
 
 def test_a_batch_ends_when_the_budget_is_spent() -> None:
@@ -412,7 +486,9 @@ def test_an_action_that_cannot_do_anything_draws_nothing() -> None:
     """A step action of an idle engine draws no step count, and an abort with one live request
     draws no request (``fuzz.LockstepRun._steps``, ``_abort``): a choice that changes nothing
     would only cost a draw and give the shrinker one more value to try. A step action of a busy
-    engine draws its count after its first step, an abort among two live requests its request."""
+    engine draws its count after its first step, an abort among two live requests its request.
+    (Each kind as drawn, ``redirect=False``: the driver replaces a kind that can do nothing, the
+    next test.)"""
     machine = lockstep_machine("deferred")
     run = machine.run_class()  # type: ignore[attr-defined]
     calls: list[tuple[int, int]] = []
@@ -424,17 +500,60 @@ def test_an_action_that_cannot_do_anything_draws_nothing() -> None:
     run.setup(draw)
     step, arrive, abort = (run.mix.index(kind) for kind in ("step", "arrive", "abort"))
     calls.clear()
-    run.perform(step, draw)
+    run.perform(step, draw, False)
     assert calls == [] and run.program == []
     run.perform(arrive, draw)
     calls.clear()
-    run.perform(abort, draw)  # the one live request
+    run.perform(abort, draw, False)  # the one live request
     assert calls == [] and run.program[-1][0] == "abort r0"
     run.perform(arrive, draw)
     run.perform(arrive, draw)
     calls.clear()
-    run.perform(step, draw)
+    run.perform(step, draw, False)
     assert calls == [(0, len(fuzz.STEP_COUNTS) - 1)] and run.program[-1][0] == "engine step"
     calls.clear()
-    run.perform(abort, draw)
+    run.perform(abort, draw, False)
     assert calls == [(0, 1)]
+
+
+def test_an_action_that_can_do_nothing_is_replaced_by_the_next_kind_that_can() -> None:
+    """``perform`` (``LockstepRun.able``) replaces a kind that can do nothing now by the next kind
+    of the mix, cyclically, that can: a step of an engine known to be idle, an abort with no live
+    request, a reset while requests are live. A kind that can do something is kept. With
+    ``redirect=False`` (the simplest action value, ``fuzz.SIMPLEST``) the kind is kept as drawn:
+    a step of an idle engine does nothing and is not recorded."""
+    machine = lockstep_machine("deferred")
+    run = machine.run_class()  # type: ignore[attr-defined]
+    run.setup(lambda lo, hi: 2 if (lo, hi) == (0, len(fuzz.MIXES) - 1) else lo)  # abort-heavy
+    mix = run.mix
+    assert mix == fuzz.MIXES[2]
+    step, arrive, abort, reset = (mix.index(kind) for kind in ("step", "arrive", "abort", "reset"))
+
+    def draw(lo: int, hi: int) -> int:
+        return lo
+
+    def kinds_now() -> dict[int, str]:
+        return {slot: mix[run.able(slot)] for slot in range(len(mix))}
+
+    # A fresh engine: idle, nothing live. No step, no abort; an arrival or a reset.
+    assert set(kinds_now().values()) == {"arrive", "reset"}
+    assert kinds_now()[step] == "arrive" and kinds_now()[reset] == "reset"
+    run.perform(step, draw, False)  # as drawn: a step of an idle engine, not recorded
+    assert run.program == []
+    run.perform(step, draw)  # replaced: the arrival of slot 1
+    assert [action for action, _ in run.program] == [
+        "r0 arrives: prompt [1], max 1 new tokens, priority 0"
+    ]
+    # A live request: step, arrive and abort as drawn; a reset is replaced by the next step.
+    now = kinds_now()
+    assert [now[slot] for slot in (step, arrive, abort)] == ["step", "arrive", "abort"]
+    assert now[reset] == "step"
+    # Run the engine until it is idle: the request finishes, nothing is live.
+    while not run.idle:
+        run.perform(step, draw)
+    assert run.engine.live_requests() == []
+    now = kinds_now()
+    assert now[step] == "arrive" and now[abort] != "abort" and now[reset] == "reset"
+    recorded = len(run.program)
+    run.perform(abort, draw)  # no live request: the step after it cannot either, so an arrival
+    assert len(run.program) == recorded + 1 and "arrives" in run.program[-1][0]
