@@ -189,7 +189,10 @@ def obligations(model: sy.Model) -> list[tuple[int, int]]:
 
 
 def case_name(case: sy.Case) -> str:
-    return " ".join(f"{point[0]}={','.join(map(str, choice))}" for point, choice in case)
+    return " ".join(
+        f"{point[0]}={choice if isinstance(choice, str) else ','.join(map(str, choice))}"
+        for point, choice in case
+    )
 
 
 class Prover:
