@@ -6,7 +6,7 @@ with ``--action`` (and at most ``--limit`` of them), builds each on a fresh ``Pr
 in this process (process CPU): the build, the one combined query as the prover asks it, and,
 with ``--per-conjunct``, each changed conjunct alone on a one-shot solver
 (``--one-query``: every action in one query without a budget, as before
-``induction.COMBINED_BUDGET_S``). Every answer must be
+``induction.COMBINED_BUDGET``). Every answer must be
 unsat for an inductive cell; any other is printed as such and the run exits 1.
 
     PYTHONPATH=... python bench/bench_obligation.py --sizes 6,3,3 --policy deferred \\
@@ -48,7 +48,7 @@ def main() -> int:
         print(f"bench_obligation: bad --sizes/--cell/--policy: {exc}", file=sys.stderr)
         return 2
     if args.one_query:
-        induction.COMBINED_BUDGET_S = {}
+        induction.COMBINED_BUDGET = {}
     print(f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {fragment.describe()}")
     c0 = time.process_time()
     prover = induction.Prover(fragment)

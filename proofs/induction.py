@@ -66,14 +66,17 @@ def new_solver() -> Any:
     return solver
 
 
-def one_shot_solver(timeout_s: float | None = None) -> Any:
+def one_shot_solver(timeout_s: float | None = None, rlimit: int | None = None) -> Any:
     """A solver for one query: ``PREPROCESS``, then Z3's SMT core with ``SOLVER_PARAMS``.
-    Each ``check`` preprocesses all its assertions again, so it suits one check per solver;
-    verdicts are those of ``new_solver`` (a model may differ)."""
+        Each ``check`` preprocesses all its assertions again, so it suits one check per solver;
+        verdicts are those of ``new_solver`` (a model may differ); ``rlimit`` bounds the check's Z3
+    resource units (then ``unknown``)."""
     tactic = z3.Then(*PREPROCESS, z3.With("smt", **SOLVER_PARAMS))
     solver = tactic.solver()
     if timeout_s is not None:
         solver.set("timeout", max(1, int(timeout_s * 1000)))
+    if rlimit is not None:
+        solver.set("rlimit", max(1, rlimit))  # units from this check on (0 would be none)
     return solver
 
 
@@ -90,12 +93,13 @@ class Cti:
     """The case of the instance (``Model.cases``) the step was checked in."""
 
 
-COMBINED_BUDGET_S: dict[str, float] = {"commit": 1.0}
-"""Per action, the wall seconds an obligation's one query for all changed conjuncts may take
-before each conjunct is asked on its own one-shot solver instead (``Prover.check``; actions not
-named have no budget). For commit the one query grows far faster with the sizes than the
-parts: at N=6, R=3, D=3, deferred vllm/fcfs, 121 s against 13 s for its 36 conjuncts one by
-one; at the default sizes it is the faster (0.4 s)."""
+COMBINED_BUDGET: dict[str, int] = {"commit": 30_000_000}
+"""Per action, the Z3 resource units (``rlimit``, deterministic, unlike seconds under load) an
+obligation's one query for all changed conjuncts may spend before each conjunct is asked on its
+own one-shot solver instead (``Prover.check``; actions not named have no budget). For commit
+the one query grows far faster with the sizes than the parts: at N=6, R=3, D=3, deferred
+vllm/fcfs, 121 s against 13 s for its 36 conjuncts one by one; at the default sizes it is the
+faster, and spends 3.5 to 10 million units (0.3 to 0.9 s)."""
 
 ALL = "(all changed)"
 """The conjunct name of an obligation's first query, which asks all the changed conjuncts at
@@ -248,15 +252,15 @@ class Prover:
         built = time.process_time() - cpu
         if todo and combined:
             # one query for all the conjuncts the step may change; unsat is the proof of the
-            # obligation. An action with a budget (``COMBINED_BUDGET_S``) that it runs out of
+            # obligation. An action with a budget (``COMBINED_BUDGET``) that it runs out of
             # asks each conjunct on its own one-shot solver instead, in order. From the first
             # conjunct not unsat on, the incremental solver below asks them one by one (the
             # same answer and failing conjunct as asking them all one by one there).
-            budget = COMBINED_BUDGET_S.get(inst[0])
+            budget = COMBINED_BUDGET.get(inst[0])
             left = None if deadline is None else deadline - time.monotonic()
             if left is None or left > 0:
-                limit = left if budget is None else min(budget, left or budget)
-                verdict = self._one_shot(guard, z3.Or([z3.Not(c) for _, c in todo]), limit)
+                goal = z3.Or([z3.Not(c) for _, c in todo])
+                verdict = self._one_shot(guard, goal, left, budget)
                 times.append(QueryTime(*where, ALL, str(verdict[0]), *verdict[1:]))
                 if verdict[0] == z3.unsat:
                     todo = []
@@ -305,9 +309,11 @@ class Prover:
             "build_cpu": built,
         }
 
-    def _one_shot(self, guard: Any, goal: Any, timeout_s: float | None) -> tuple[Any, float, float]:
+    def _one_shot(
+        self, guard: Any, goal: Any, timeout_s: float | None, rlimit: int | None = None
+    ) -> tuple[Any, float, float]:
         """I(S), the guard and ``goal`` on a one-shot solver: the answer, wall and CPU seconds."""
-        one = one_shot_solver(timeout_s)
+        one = one_shot_solver(timeout_s, rlimit)
         one.add(*self.pre.values())
         one.add(guard, goal)
         t0, c0 = time.monotonic(), time.process_time()

@@ -142,20 +142,20 @@ def test_z3_counterexample_is_confirmed_on_the_engine() -> None:
     assert outcome.induction is not None and outcome.induction.verdict == "cti"
 
 
-@pytest.mark.parametrize("budget", [None, 0.0])
+@pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("policy", ["eager-unsafe", "deferred"])
 def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(
-    policy: str, budget: float | None, monkeypatch: pytest.MonkeyPatch
+    policy: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The step's fast path (all changed conjuncts in one query on a one-shot solver, then one
     by one only if that is not unsat) gives every obligation the answer and the failing
     conjunct of asking the conjuncts one by one, failing obligations included; so does an
-    action's one query that runs out of its budget (``COMBINED_BUDGET_S``; 0 s here for every
+    action's one query that runs out of its budget (``COMBINED_BUDGET``; 1 unit here for every
     action), whose conjuncts are then asked on one-shot solvers one by one."""
     model = sy.Model(fragment(policy, "general"))
     if budget is not None:
         actions = {inst[0] for inst in model.instances}
-        monkeypatch.setattr(induction, "COMBINED_BUDGET_S", dict.fromkeys(actions, budget))
+        monkeypatch.setattr(induction, "COMBINED_BUDGET", dict.fromkeys(actions, budget))
     prover = induction.Prover(fragment(policy, "general"))
     answers, firsts = [], set()
     for i, c in induction.obligations(prover.model):
