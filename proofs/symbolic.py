@@ -606,9 +606,11 @@ class Model:
         execute and commit run their step's entries in its scheduling order, which a case fixes
         (one case per permutation of the requests), so that a case's successor has no branch on
         the order. (Splitting commit further, on which requests finish, was measured slower.)"""
-        if inst[0] in ("execute", "commit"):
-            k = inst[1] if inst[0] == "execute" else 0
-            return [((("order", k), o),) for o in itertools.permutations(self.R)]
+        if inst[0] == "execute":
+            k = inst[1]
+            return [((("reads", k), "good"),), ((("reads", k), "bad"),)]
+        if inst[0] == "commit":
+            return [((("order", 0), o),) for o in itertools.permutations(self.R)]
         return [()]
 
     # -- pool mechanisms ----------------------------------------------------------------------
@@ -980,7 +982,6 @@ class Model:
         return S
 
     def _execute(self, S: SState, g: list[Term], p: Params, k: int) -> SState:
-        B = self.B
         g += [S["nst"] > k, S["ph", k] == SUBMITTED, S["sid", k] == p["sid"]]
         g += [S["ph", kk] == EXECUTED for kk in range(k)]
         pre = S
@@ -1006,20 +1007,21 @@ class Model:
             S["pa", b, k] = And(pre["pa", b, k], Not(w))
 
         # reads, entry by entry in scheduling order; a bad read garbles what the entry wrote
+        reads = self._case.get(("reads", k))
+        if reads is not None:
+            # proofs only (``cases``): either no entry's read is bad (then the reads change
+            # nothing, whatever the order) or one is (then they run as below)
+            good = conj([Implies(S["ea", k, r], Not(self._bad_read(S, k, r))) for r in self.R])
+            if reads == "good":
+                self._case_guards.append(good)
+                S["ph", k] = z3.IntVal(EXECUTED)
+                return S
+            self._case_guards.append(Not(good))
+
         def read(S: SState, r: int) -> SState:
-            nblk = self.ceil_blocks(S["ee", k, r])
             first = self.floor_blocks(S["es", k, r])
-            bad = []
-            for m in self.M:
-                block = S["eblk", k, r, m]
-                prefix = self.reader_prefix(S, r, zmin(S["ee", k, r], (m + 1) * B))
-
-                def holds_prefix(b: int, p: tuple[Any, ...] = prefix) -> Term:
-                    return self.holds(S, self.written(S, b), p)
-
-                held = self.at_block(block, holds_prefix)
-                bad.append(And(nblk > m, Not(held)))
-            isbad = disj(bad)
+            nblk = self.ceil_blocks(S["ee", k, r])
+            isbad = self._bad_read(S, k, r)
             S = dict(S)
             S["bad"] = Or(S["bad"], And(isbad, S["elive", k, r]))
             for b in self.blocks:
@@ -1030,6 +1032,22 @@ class Model:
         S = self.in_order(S, k, lambda r: z3.BoolVal(True), read)
         S["ph", k] = z3.IntVal(EXECUTED)
         return S
+
+    def _bad_read(self, S: SState, k: int, r: int) -> Term:
+        """Some block that request r's entry in slot k reads does not hold the entry's prefix
+        up to that block's end (in state S, after the step's writes)."""
+        nblk = self.ceil_blocks(S["ee", k, r])
+        bad = []
+        for m in self.M:
+            block = S["eblk", k, r, m]
+            prefix = self.reader_prefix(S, r, zmin(S["ee", k, r], (m + 1) * self.B))
+
+            def holds_prefix(b: int, p: tuple[Any, ...] = prefix) -> Term:
+                return self.holds(S, self.written(S, b), p)
+
+            held = self.at_block(block, holds_prefix)
+            bad.append(And(nblk > m, Not(held)))
+        return disj(bad)
 
     def _commit(self, S: SState, g: list[Term], p: Params) -> SState:
         c = self.config

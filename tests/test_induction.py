@@ -4,6 +4,7 @@ the reference engine (proofs/enact.py)."""
 from __future__ import annotations
 
 import pytest
+import z3
 
 from kvspec.proofs import induction, prove
 from kvspec.proofs import lemmas as lm
@@ -141,17 +142,71 @@ def test_z3_counterexample_is_confirmed_on_the_engine() -> None:
     assert outcome.induction is not None and outcome.induction.verdict == "cti"
 
 
+@pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("policy", ["eager-unsafe", "deferred"])
-def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(policy: str) -> None:
+def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(
+    policy: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The step's fast path (all changed conjuncts in one query on a one-shot solver, then one
     by one only if that is not unsat) gives every obligation the answer and the failing
-    conjunct of asking the conjuncts one by one, failing obligations included."""
+    conjunct of asking the conjuncts one by one, failing obligations included; so does an
+    action's one query that runs out of its budget (``COMBINED_BUDGET``; 1 unit here for every
+    action), whose conjuncts are then asked on one-shot solvers one by one."""
+    model = sy.Model(fragment(policy, "general"))
+    if budget is not None:
+        actions = {inst[0] for inst in model.instances}
+        monkeypatch.setattr(induction, "COMBINED_BUDGET", dict.fromkeys(actions, budget))
     prover = induction.Prover(fragment(policy, "general"))
-    answers = []
+    answers, firsts = [], set()
     for i, c in induction.obligations(prover.model):
         fast = prover.check(i, c, None)
         slow = prover.check(i, c, None, combined=False)
         assert (fast["answer"], fast["failing"]) == (slow["answer"], slow["failing"]), (i, c)
         assert all(q.conjunct != induction.ALL for q in slow["queries"])
         answers.append(fast["answer"])
+        if fast["queries"]:
+            firsts.add(fast["queries"][0].answer)
     assert ("sat" in answers) == (policy == "eager-unsafe")
+    assert ("unknown" in firsts) == (budget is not None)  # the budget bites
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        ("deferred", "vllm", "fcfs", {"depth": 2}, ("execute", "commit")),
+        (
+            "hide-uncommitted",
+            "vllm",
+            "priority",
+            {"depth": 2, "async_scheduling": True},
+            ("execute",),
+        ),
+        ("eager-rollback-fifo", "general", "fcfs", {"depth": 2, "requests": 3}, ("execute",)),
+    ],
+)
+def test_cases_cover_the_guard_and_keep_the_successor(cell) -> None:  # type: ignore[no-untyped-def]
+    """``Model.cases`` may split an instance only into cases whose guards together are the
+    instance's guard and whose successors are the instance's under their guard (for any state,
+    not only the strengthening's): then proving every case proves the instance. (Checked for
+    the actions named; the others' cases are only counted, the check being slow at R=3.)"""
+    policy, discipline, preemption, sizes, actions = cell
+    model = sy.Model(fragment(policy, discipline, preemption, **{"blocks": 4, **sizes}))
+    S = model.fresh("s")
+    split = [inst for inst in model.instances if model.cases(inst) != [()]]
+    assert {inst[0] for inst in split} == {"execute", "commit"}
+    for inst in split:
+        if inst[0] not in actions:
+            continue
+        params = model.fresh_params(inst, "p")
+        guard, succ = model.apply(inst, S, params)
+        guards = []
+        for case in model.cases(inst):
+            g, s = model.apply(inst, S, params, case)
+            guards.append(g)
+            differ = [s[key] != succ[key] for key, _ in model.schema if s[key] is not succ[key]]
+            solver = z3.Solver()
+            solver.add(g, z3.Or(z3.Not(guard), *differ))
+            assert solver.check() == z3.unsat, (inst, case)
+        solver = z3.Solver()
+        solver.add(z3.Distinct(guard, z3.Or(*guards)))
+        assert solver.check() == z3.unsat, inst
