@@ -71,7 +71,7 @@ from typing import BinaryIO
 from kvspec.spec import Config
 
 from .judge import Finding
-from .monitor import Monitor, Violation
+from .monitor import MalformedEvent, Monitor, Violation
 from .report import Report
 
 Event = tuple[object, ...]
@@ -100,18 +100,17 @@ class JudgeDied(RuntimeError):
     """The child process ended without a verdict (its error, if any, is on stderr)."""
 
 
-class UnsendableEvent(ValueError):
-    """An event that does not pickle (so cannot reach the child): bad input, not a finding. The
-    message is one line naming the event's number in the stream (1 for the first fed, as a
-    report's ``line``); the child is stopped, there is no verdict (``close`` raises
-    ``JudgeDied``)."""
+class UnsendableEvent(MalformedEvent):
+    """An event that does not pickle (so cannot reach the child): bad input, not a finding, one
+    line naming the event's number in the stream (``MalformedEvent``'s); the child is stopped,
+    there is no verdict (``close`` raises ``JudgeDied``)."""
 
     def __init__(self, name: str, number: int, event: object, err: Exception) -> None:
         why = " ".join(f"{type(err).__name__}: {err}".split())
-        shown = " ".join(repr(event).split())
-        super().__init__(f"{name}:{number}: the event does not pickle ({why}): {shown}")
-        self.number = number
-        self.event = event
+        super().__init__(name, number, event, f"the event does not pickle ({why})")
+
+    def __reduce__(self) -> tuple[object, ...]:  # its message already made
+        return (MalformedEvent, (self.name, self.number, self.event, self.why))
 
 
 class BackgroundMonitor:

@@ -168,6 +168,10 @@ an action's choice is to end the run there, and Hypothesis's simplest examples (
 and the first few of each) stop at once instead of running as many idle steps as a run has
 actions; and being below 100 it is never one of the literals Hypothesis draws more often."""
 
+RUN_OUT_STEPS = 500
+"""The most engine steps ``run_out`` takes (a bound, not a choice: never drawn, so its being over
+100 does not matter; a run's requests finish in far fewer)."""
+
 SIMPLEST = STOP + 1
 """The simplest action, the first value of the mix's first slot (a step in every mix): the one
 value of the action choice whose kind is not replaced when it can do nothing (``perform``'s
@@ -472,7 +476,7 @@ def lockstep_machine(
 
         def _until_idle(self) -> int:
             steps = 0
-            while steps < 500 and self.engine.step():
+            while steps < RUN_OUT_STEPS and self.engine.step():
                 steps += 1
             return steps
 
@@ -624,10 +628,10 @@ def lockstep_test(
     actions: before each, a span is opened and one integer choice made, from 0 to ``ACTIONS``:
     ``STOP`` ends the run (forced after ``stateful_step_count - 1`` actions, as Hypothesis's own
     stateful runner forces its "stop" boolean, the initialize step counted), with ``run_out``
-    (under the vLLM discipline, the engine runs until idle) and ``agree``; any other value is the kind of the action (a
-    slot of the run's mix, replaced by the next kind that can do something unless the value is
-    ``SIMPLEST``), which ``perform`` runs, drawing its own parameters; then ``agree`` (the
-    snapshot comparison); ``teardown`` always. (The state machine's own runs, under
+    (under the vLLM discipline, the engine runs until idle) and ``agree``; any other value is the
+    kind of the action (a slot of the run's mix, replaced by the next kind that can do something
+    unless the value is ``SIMPLEST``), which ``perform`` runs, drawing its own parameters; then
+    ``agree`` (the snapshot comparison); ``teardown`` always. (The state machine's own runs, under
     HypoFuzz or ``run_state_machine_as_test``, end where their last rule left them.) So the shrinker
     deletes whole actions (a span: the action's choice and its own) as it does in a state
     machine, one choice per action is saved against the stateful runner's stop boolean and rule

@@ -94,9 +94,7 @@ class Report:
 
 
 def describe(event: Event) -> str:
-    """One event as a short phrase (a malformed one as its repr)."""
-    if not event:
-        return repr(event)
+    """One event as a short phrase."""
     kind, args = event[0], event[1:]
     match kind, args:
         case "arrive", (rid, prompt, max_tokens, priority):
@@ -183,8 +181,8 @@ def format_counterexample(
 
 def describe_any(event: Event) -> str:
     """``describe`` plus the checker's own entries (a step's writes and reads of a block)."""
-    kind = event[0] if event else ""
-    if kind in ("wrote", "read") and len(event) == 4:
+    kind = event[0]
+    if kind in ("wrote", "read"):
         _, rid, block, step = event
         verb = "writes" if kind == "wrote" else "reads"
         return f"step {step} {verb} block {block} for r{rid}"
@@ -213,7 +211,7 @@ def report_of(judge: Judge, name: str, seconds: float = 0.0, note: str | None = 
     history = judge.recorder.minimal_history(blocks, requests, last)  # type: ignore[attr-defined]
     timeline = []
     for line, event in history:
-        kind = str(event[0]) if event else ""
+        kind = str(event[0])
         rid = event[1] if kind in ("wrote", "read") else request_of(event)
         ids: Iterable[object] = (event[2],) if kind in ("wrote", "read") else blocks_of(event)
         for block in ids:

@@ -432,10 +432,10 @@ in-process, an event without it is that default (a trace line must carry every f
 
 def event_error(event: object, num_blocks: int, hash_: object = None) -> str | None:
     """Why an in-process event (a tuple, as an engine feeds a ``Monitor``) is not one of the
-    format's events, or None: the same field checks as a trace line's (``parse_object``), a
-    list field given as a tuple or a list, a decision without its last field accepted where
-    ``spec.actions`` has a default for it (``SPEC_DEFAULTS``). ``Monitor`` asks only when judging raised or found
-    something (so the happy path pays nothing): bad input is not a finding."""
+    format's events, or None: the same field checks as a trace line's (``parse_object``), a list
+    field a tuple (of pairs, for ``sampled``), as the engines emit them and the compiled fast
+    model takes them; a decision without its last field accepted where ``spec.actions`` has a
+    default for it (``SPEC_DEFAULTS``). ``Monitor`` says when it asks (``_well_formed``)."""
     if not isinstance(event, tuple) or not event:
         return "an event is a non-empty tuple (KIND, field, ...)"
     kind = event[0]
@@ -449,7 +449,11 @@ def event_error(event: object, num_blocks: int, hash_: object = None) -> str | N
         return f"{kind}: {len(event) - 1} fields, expected {len(fields)} ({names})"
     try:
         for (name, type_), value in zip(fields, event[1:], strict=True):
-            if type_ == "sampled" and isinstance(value, (tuple, list)):
+            if isinstance(value, list):
+                return f'{kind}: "{name}" must be a tuple, got a list'
+            if type_ == "sampled" and isinstance(value, tuple):
+                if any(isinstance(pair, list) for pair in value):
+                    return f'{kind}: "{name}" must be a tuple of (req, token) tuples'
                 value = [list(x) if isinstance(x, tuple) else x for x in value]
             elif isinstance(value, tuple):
                 value = list(value)

@@ -28,8 +28,8 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
     """Before ``decision`` is applied: make the spec's pool choose what the engine chose in
     ``effects`` (the engine's effect events of that decision). Raises ``Illegal`` for a choice no
     pool may make."""
-    if decision[0] != "schedule" or len(decision) < 2:
-        return  # a malformed decision is the action's to report
+    if decision[0] != "schedule":
+        return
     rid = decision[1]
     req = s.requests.get(rid) if isinstance(rid, int) else None
     if req is None:

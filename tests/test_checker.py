@@ -142,7 +142,7 @@ def _malformed(event: tuple) -> list[tuple]:
     for i in range(1, len(event)):
         value = event[i]
         if isinstance(value, tuple):
-            wrong: list[object] = [{}, ("x",), (-1,)]
+            wrong: list[object] = [{}, ("x",), (-1,), list(value)]  # a list: not a tuple
         elif isinstance(value, str):  # a finish's reason
             wrong = ["nonsense", 1, None]
         else:

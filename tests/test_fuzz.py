@@ -361,13 +361,23 @@ def test_the_driver_rejects_refused_configurations() -> None:
     assert none.failure is None and none.runs == 0 and none.seconds < 30
 
 
+def generate_only(examples: int, steps: int) -> settings:
+    """Settings for a fixed-seed run of ``lockstep_test``: generation only, no database."""
+    from hypothesis import Phase
+
+    return settings(
+        max_examples=examples, stateful_step_count=steps, database=None, deadline=None,
+        phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+
+
 def test_a_run_ends_after_its_last_action_and_each_action_is_one_kind_choice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``lockstep_test``'s one choice per action ends the run at ``STOP`` (forced after
     ``stateful_step_count - 1`` actions) or picks the kind: every run performs at most that
     many actions, many exactly that many, and every kind of the mix is performed."""
-    from hypothesis import Phase, seed
+    from hypothesis import seed
 
     from kvspec.conformance.fuzz import lockstep_test
 
@@ -387,10 +397,7 @@ def test_a_run_ends_after_its_last_action_and_each_action_is_one_kind_choice(
 
     monkeypatch.setattr(run_class, "setup", counted_setup)
     monkeypatch.setattr(run_class, "perform", counted_perform)
-    config = settings(
-        max_examples=40, stateful_step_count=7, database=None, deadline=None,
-        phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    config = generate_only(40, 7)
     seed(3)(lockstep_test(machine, config))()
     lengths = [len(slots) for slots in performed]
     assert max(lengths) == 6 and lengths.count(6) >= 10  # Hypothesis's first examples are short
@@ -404,7 +411,7 @@ def test_a_run_ends_with_its_requests_run_to_the_end_as_one_entry(
     as one program entry (``LockstepRun.run_out``): every run that stopped ends with no live
     request and nothing to do, and those that stopped with requests live end with that entry,
     at no choice. (A run cut short by Hypothesis, an overrun of its choices, is not run out.)"""
-    from hypothesis import Phase, seed
+    from hypothesis import seed
 
     from kvspec.conformance.fuzz import lockstep_test
 
@@ -425,10 +432,7 @@ def test_a_run_ends_with_its_requests_run_to_the_end_as_one_entry(
 
     monkeypatch.setattr(run_class, "teardown", checked_teardown)
     monkeypatch.setattr(run_class, "run_out", counted_run_out)
-    config = settings(
-        max_examples=30, stateful_step_count=12, database=None, deadline=None,
-        phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    config = generate_only(30, 12)
     seed(5)(lockstep_test(machine, config))()
     assert len(ends) >= 25
     assert all(live == [] and not busy for live, busy, _ in ends)
@@ -443,7 +447,7 @@ def test_a_run_under_the_general_discipline_is_not_run_out(
     before the vLLM discipline's workload changes: a run ends where its last action left it
     (``run_out`` runs nothing, no program holds its entry), and a kind that can do nothing is
     not replaced (a step of an idle engine does nothing, not even as ``perform``'s default)."""
-    from hypothesis import Phase, seed
+    from hypothesis import seed
 
     from kvspec.conformance.fuzz import lockstep_test
 
@@ -458,10 +462,7 @@ def test_a_run_under_the_general_discipline_is_not_run_out(
         teardown(self)
 
     monkeypatch.setattr(run_class, "teardown", checked_teardown)
-    config = settings(
-        max_examples=30, stateful_step_count=12, database=None, deadline=None,
-        phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    config = generate_only(30, 12)
     seed(5)(lockstep_test(machine, config))()
     assert sum(live for live, _ in ends) >= 5  # runs that stopped with requests live
     assert not any("the engine runs until it is idle" in program for _, program in ends)

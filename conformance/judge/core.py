@@ -51,9 +51,6 @@ from .ids import IdSet, UnknownId, check_ids
 from .recorder import Recorder as HistoryRecorder
 from .spec_model import SpecModel
 
-NAMES_A_REQUEST: Final = frozenset(("arrive", "schedule", "preempt", "abort"))
-"""The decisions whose guards below read their request id (``event[1]``)."""
-
 Event = tuple[object, ...]
 KINDS_DECIDED: Final = DECISIONS
 """``spec.events.DECISIONS``, Final here (compiled: read from a C static, not looked up)."""
@@ -389,9 +386,6 @@ class Judge:
             for rid in fast.prune():
                 if self.recorder is not None:
                     self.recorder.pruned(rid)
-        if len(event) < 2 and kind in NAMES_A_REQUEST:  # a malformed decision, as spec.apply says
-            self._illegal(f"malformed decision {event!r}: no request", event, index)
-            return None
         if kind == "arrive":
             if cast(int, event[1]) in self.ids and not self._has_request(event[1]):
                 self._illegal(f"arrive r{event[1]}: the id is taken", event, index)
