@@ -20,9 +20,9 @@ The named constructors say how it judges:
 ``raise_on_finding=False`` makes ``feed`` return the ``Finding`` (or None) instead. An id that never
 existed is an ``Illegal`` finding here (a file would be unreadable instead). An event that is not
 one of the format's (a missing field, a field of the wrong type) is bad input, not a finding:
-``feed`` raises ``MalformedEvent`` (a ``ValueError``, one line naming it). The fast monitor checks arrivals and
-commits as they come and the rest only once judging raised or found something (``_well_formed``);
-the spec judges check every event first. ``compare`` checks
+``feed`` raises ``MalformedEvent`` (a ``ValueError``, one line naming it). The fast monitor
+checks arrivals and commits as they come and the rest only once judging raised or found
+something (``_well_formed``); the spec judges check every event first. ``compare`` checks
 the engine's refcounts and free queue against the spec's; ``settle`` that no effect is missing at a
 point where the engine has emitted everything (the lockstep fuzzer judges each run this way).
 """

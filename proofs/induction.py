@@ -68,8 +68,8 @@ def new_solver() -> Any:
 
 def one_shot_solver(timeout_s: float | None = None, rlimit: int | None = None) -> Any:
     """A solver for one query: ``PREPROCESS``, then Z3's SMT core with ``SOLVER_PARAMS``.
-        Each ``check`` preprocesses all its assertions again, so it suits one check per solver;
-        verdicts are those of ``new_solver`` (a model may differ); ``rlimit`` bounds the check's Z3
+    Each ``check`` preprocesses all its assertions again, so it suits one check per solver;
+    verdicts are those of ``new_solver`` (a model may differ); ``rlimit`` bounds the check's Z3
     resource units (then ``unknown``)."""
     tactic = z3.Then(*PREPROCESS, z3.With("smt", **SOLVER_PARAMS))
     solver = tactic.solver()
@@ -97,9 +97,9 @@ COMBINED_BUDGET: dict[str, int] = {"commit": 30_000_000}
 """Per action, the Z3 resource units (``rlimit``, deterministic, unlike seconds under load) an
 obligation's one query for all changed conjuncts may spend before each conjunct is asked on its
 own one-shot solver instead (``Prover.check``; actions not named have no budget). For commit
-the one query grows far faster with the sizes than the parts: at N=6, R=3, D=3, deferred
-vllm/fcfs, 121 s against 13 s for its 36 conjuncts one by one; at the default sizes it is the
-faster, and spends 3.5 to 10 million units (0.3 to 0.9 s)."""
+the one query grows far faster with the sizes than its parts; at the default sizes it stays
+within the budget and is the faster (figures: docs/proofs.md, "A budget for commit's one
+query")."""
 
 ALL = "(all changed)"
 """The conjunct name of an obligation's first query, which asks all the changed conjuncts at

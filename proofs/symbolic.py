@@ -602,10 +602,13 @@ class Model:
         return S["eo", k, a] < S["eo", k, b]
 
     def cases(self, inst: Instance) -> list[Case]:
-        """A split of the instance into cases whose guards cover its guard, for the proofs:
-        execute and commit run their step's entries in its scheduling order, which a case fixes
-        (one case per permutation of the requests), so that a case's successor has no branch on
-        the order. (Splitting commit further, on which requests finish, was measured slower.)"""
+        """A split of the instance into cases whose guards cover its guard, for the proofs.
+        Execute: no entry's read is bad after the step's writes (then the reads change nothing,
+        whatever the order: the successor is the writes alone), or some read is (the reads run
+        in scheduling order, as without a case). Commit runs its step's entries in scheduling
+        order, which a case fixes (one case per permutation of the requests), so that a case's
+        successor has no branch on the order. (Splitting commit further, on which requests
+        finish, was measured slower: docs/proofs.md.)"""
         if inst[0] == "execute":
             k = inst[1]
             return [((("reads", k), "good"),), ((("reads", k), "bad"),)]
