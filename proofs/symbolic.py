@@ -1407,7 +1407,7 @@ def encode(model: Model, s: State) -> dict[SKey, int | bool]:
     for rid, req in s.requests.items():
         if rid not in model.R or req.arrival != rid or len(req.tokens) > len(model.T):
             raise OutsideFragment(f"request r{rid} (arrival {req.arrival}) is outside the fragment")
-        if req.loading is not None or len(req.table) > len(model.M):
+        if req.loading is not None or req.loaded_last or len(req.table) > len(model.M):
             raise OutsideFragment(f"r{rid} loads, or holds too many blocks")
         v["st", rid] = STATUS[req.status]
         v["len", rid], v["plen", rid] = len(req.tokens), req.prompt_len

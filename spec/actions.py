@@ -159,7 +159,8 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         s.touched.content.add(req.table[i])
     s.touched.requests.add(rid)
     s.touched.entries.add((step.id, rid))
-    req.computed = end - 1 if load and end == len(tokens) else end  # recomputed over the load
+    req.loaded_last = load and end == len(tokens)
+    req.computed = end - 1 if req.loaded_last else end  # recomputed over the load
     samples = not load and end == len(tokens)
     step.entries[rid] = Entry(
         start, end, tuple(req.table[:span]), load, samples, max(drafts, 0), num_loaded

@@ -144,10 +144,22 @@ def refcount_is_ownership(s: State) -> Violation | None:
     return None
 
 
+def full_in(req: Request, i: int, bsz: int) -> bool:
+    """Block ``i`` of the request's table holds all its tokens for the request: they are computed,
+    or (``Request.loaded_last``) an asynchronous load wrote the block whole and only its last
+    token is left to recompute over it. That recomputation writes the K/V of the same prefix
+    (what the loaded bytes already hold), so another request may share the block meanwhile, as
+    vLLM lets it (``_update_waiting_for_remote_kv`` caches the loaded blocks, then steps
+    ``num_computed_tokens`` back by one); whether the load landed is judged where the block is
+    read (``NoUnwrittenRead``) and published (``NoUnwrittenPublish``)."""
+    return (i + 1) * bsz <= req.computed + (1 if req.loaded_last else 0)
+
+
 def shared_implies_same_prefix(s: State) -> Violation | None:
-    """A block in two tables sits at the same position in both, is full and computed in both, and
-    both requests' chained hashes agree there. Guards against sharing a partial block or a block
-    under two different prefixes."""
+    """A block in two tables sits at the same position in both, is full in both (``full_in``:
+    computed, or loaded whole with its last token left to recompute), and both requests'
+    chained hashes agree there. Guards against sharing a partial block or a block under two
+    different prefixes."""
     seen: dict[int, tuple[int, int]] = {}
     bsz = s.config.block_size
     for req in s.requests.values():
@@ -159,7 +171,7 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
                 continue
             other, j = seen[block]
             o = s.requests[other]
-            full = (i + 1) * bsz <= req.computed and (j + 1) * bsz <= o.computed
+            full = full_in(req, i, bsz) and full_in(o, j, bsz)
             if i != j or not full or s.key(req, i) != s.key(o, j):
                 return Violation(
                     "SharedImpliesSamePrefix",

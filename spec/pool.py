@@ -128,6 +128,7 @@ def clear_table(s: State, req: Request) -> None:
     handed to a ``Deferred`` holder)."""
     req.table = []
     req.computed = 0
+    req.loaded_last = False
     req.cached = 0
     s.touched.requests.add(req.id)
 

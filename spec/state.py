@@ -233,6 +233,12 @@ class Request:
     """Leading table blocks already registered (vLLM ``num_cached_block``)."""
     loading: int | None = None
     """The step of an external KV load not yet confirmed; the request waits for it."""
+    loaded_last: bool = False
+    """An asynchronous load wrote the block of the last known token whole (vLLM's whole-prompt
+    load, ``actions.loadable``): ``computed`` stops one short only so that the next step
+    recomputes that token over the loaded block, whose K/V is all there. Cleared when the request
+    is scheduled again or lets go of its table. ``SharedImpliesSamePrefix`` counts that block as
+    full."""
 
     @property
     def output_len(self) -> int:

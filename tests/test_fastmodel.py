@@ -28,6 +28,7 @@ from types import ModuleType
 
 import orjson
 import pytest
+from edges import with_effects
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from spec_walks import spec_runs
@@ -46,6 +47,8 @@ from kvspec.conformance.report import Report
 from kvspec.conformance.trace import write_trace
 from kvspec.spec import ACTIONS, POLICIES, Config
 from kvspec.spec.events import Event
+from kvspec.spec.pool import holds
+from kvspec.spec.state import State
 
 Verdict = tuple[str, object] | None
 
@@ -104,6 +107,7 @@ def lockstep(
             assert mine == want, event
             for a, b in zip(mine.steps, want.steps, strict=True):
                 assert list(a.entries) == list(b.entries)  # scheduling order
+            verified_reads_still_hold(fast.model, want, event)
             for rid, req in fast.model.requests.items() if config.async_scheduling else ():
                 # placeholders, kept incrementally (the synchronous fast model keeps none)
                 spec_req = want.requests[rid]
@@ -125,6 +129,18 @@ def lockstep(
     want = verdict(spec)
     assert verdict(fast) == want
     return want
+
+
+def verified_reads_still_hold(model: FastModel, s: State, event: Event) -> None:
+    """What the fast model's ``Req.verified`` promises, and what lets it skip those positions
+    when reads are checked again: each table block below it has no pending write and holds the
+    request's prefix (in the spec's state ``s``, equal to the model's)."""
+    bsz = s.config.block_size
+    for rid, req in model.requests.items():
+        for i in range(req.verified):
+            block = s.blocks[req.table[i]]
+            prefix = tuple(s.requests[rid].tokens[: (i + 1) * bsz])
+            assert not block.pending and holds(block.written, prefix), (event, rid, i)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -274,25 +290,65 @@ WHOLE_PROMPT_LOAD = (
     + [("commit", 0, ((0, 3), (1, 3))), ("free", 1), ("finish", 0, "length"), ("free", 2)]
     + [("finish", 1, "length"), ("begin", 1), ("schedule", 2, 0, 1), ("hit", 2, ())]
     + [("alloc", 2, 2), ("publish", 2, 0, 2), ("schedule", 3, 1, 0), ("hit", 3, (2,))]
-    + [("alloc", 3, 1), ("submit", 1), ("execute", 1, ()), ("commit", 1, ((3, 3),))],
+    + [("alloc", 3, 1), ("submit", 1), ("execute", 1, ()), ("commit", 1, ((3, 3),))]
+    + [("free", 1), ("free", 2), ("finish", 3, "length")],
 )
 """A reference-engine run (found by ``test_fast_model_and_spec_agree_on_traces_with_planted_bugs``
-on 2026-12-03): r2 loads its whole 2-token prompt (``spec.actions.loadable``: its computed tokens
-stop one short, the last recomputed over the load), eager publication registers the block at
-once, and r3 hits it in the same step. The spec's ``SharedImpliesSamePrefix`` (full *and computed*
-in both holders) fails at r3's schedule; the fast model, which leaves that invariant out as
-holding on every state its actions reach, finds nothing. Open: the invariant or ``loadable``'s
-whole-prompt load must change (docs/checker.md, "Known disagreement"); strict, so that the fix
-turns this test red until the marker goes."""
+on 2026-12-03): r2 loads its whole 2-token prompt (``spec.actions.loadable``: its computed
+tokens stop one short, the last recomputed over the load), eager publication registers the block
+at once, and r3 hits it in the same step (the run's first 30 events, then its last commit's
+effects). The spec's ``SharedImpliesSamePrefix`` counted the block as full only by computed
+tokens and failed at r3's schedule, while the fast model, which leaves that invariant out as
+holding on every state its actions reach, found nothing; the spec now counts a block loaded
+whole as full (``spec.invariants.full_in``, ``Request.loaded_last``), and both hold. The spec's
+side of it: ``tests/test_spec_loads.py``."""
 
 
-@pytest.mark.xfail(strict=True, reason="SharedImpliesSamePrefix after a whole-prompt load: open")
 @pytest.mark.parametrize("model", MODELS)
 def test_fast_model_and_spec_agree_after_a_whole_prompt_load_under_eager_publication(
     model: ModuleType,
 ) -> None:
     config, events = WHOLE_PROMPT_LOAD
-    lockstep(config, events, False, model)
+    assert lockstep(config, events, False, model) is None
+
+
+GENERAL = Config(num_blocks=8, block_size=2, depth=1, policy="deferred", discipline="general")
+RECOMPUTE_OVER_A_SHARED_LOAD = with_effects(
+    GENERAL,
+    [("arrive", 0, (1, 2), 2, 0), ("arrive", 1, (1, 2, 5), 2, 0), ("begin", 0)]
+    + [("schedule", 0, 0, 1), ("submit", 0), ("execute", 0, ()), ("commit", 0, ())]
+    + [("begin", 1), ("schedule", 1, 1, 0), ("schedule", 0, 1, 0), ("submit", 1)]
+    + [("execute", 1, ()), ("commit", 1, ((0, 7), (1, 8)))],
+)
+"""r0 loads its whole prompt (one block); r1 hits that block and reads it, with no write pending:
+the fast model marks it verified for r1. Then r0 recomputes its last token over the block, a
+pending write into a block r1 verified, which must take the mark back
+(``FastModel._content_changed``; ``verified_reads_still_hold`` in ``lockstep`` fails without)."""
+
+WITHDRAWN_UNDER_A_READER = (
+    Config(num_blocks=8, block_size=2, depth=1, policy="eager-unsafe", discipline="general"),
+    [("arrive", 0, (1, 2, 3), 2, 0), ("arrive", 1, (1, 2, 5), 2, 0), ("begin", 0)]
+    + [("schedule", 0, 3, 0), ("hit", 0, ()), ("alloc", 0, 1), ("alloc", 0, 2)]
+    + [("publish", 0, 0, 1), ("schedule", 1, 1, 0), ("hit", 1, (1,)), ("alloc", 1, 3)]
+    + [("preempt", 0), ("free", 2), ("free", 1)],
+)
+"""r0's first block is published as it is scheduled (eager), r1 hits it in the same step, and r0
+is preempted: its write is withdrawn under r1, whose read in the building step is now of garbage
+(NoUnwrittenRead at the preemption). r1 is then the block's first holder: a fast model that skips
+any holder when reads are checked again misses it."""
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_verified_read_is_taken_back_when_its_block_is_rewritten(model: ModuleType) -> None:
+    assert lockstep(GENERAL, RECOMPUTE_OVER_A_SHARED_LOAD, False, model) is None
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_write_withdrawn_under_a_reader_of_the_building_step_is_found(
+    model: ModuleType,
+) -> None:
+    config, events = WITHDRAWN_UNDER_A_READER
+    assert lockstep(config, events, False, model) == ("NoUnwrittenRead", 11)
 
 
 def same_report(path: Path, model: ModuleType) -> None:

@@ -136,6 +136,45 @@ def test_a_block_hit_before_its_load_has_landed_is_caught() -> None:
     assert not violations(s)
 
 
+@pytest.mark.parametrize("policy", ["deferred", "hide-uncommitted", "eager-unsafe"])
+def test_a_block_loaded_whole_may_be_shared_before_its_last_token_is_recomputed(
+    policy: str,
+) -> None:
+    """r0's whole-prompt load lands and is published (at its commit, or at once when eager); the
+    next step admits r1 first, which hits both loaded blocks while r0's computed tokens still stop
+    one short of them. The loaded bytes hold the whole prefix and r0's recomputation writes the
+    same K/V, so the sharing is sound and every invariant holds (``Request.loaded_last``, counted
+    as full by ``SharedImpliesSamePrefix``); without that flag the same state is the violation
+    the spec reported for every policy until 2026-12-03. After r0's recomputation the flag is
+    gone and the block is full by its computed tokens."""
+    cfg = Config(num_blocks=8, block_size=2, depth=1, policy=policy, discipline="general")
+    s, effects = run(
+        cfg,
+        [
+            ("arrive", 0, (1, 2, 3, 4), 2, 0),
+            ("arrive", 1, (1, 2, 3, 4, 5), 2, 0),
+            ("begin", 0),
+            ("schedule", 0, 0, 2),
+            ("submit", 0),
+            ("execute", 0, ()),
+            ("commit", 0, ()),
+            ("begin", 1),
+            ("schedule", 1, 1, 0),
+        ],
+    )
+    r0 = s.requests[0]
+    assert ("hit", 1, (1, 2)) in effects and (r0.computed, r0.loaded_last) == (3, True)
+    assert not violations(s)
+    r0.loaded_last = False
+    assert violations(s) == ["SharedImpliesSamePrefix"]
+    r0.loaded_last = True
+    for decision in [("schedule", 0, 1, 0), ("submit", 1), ("execute", 1, ())]:
+        apply(s, decision)
+    assert (r0.computed, r0.loaded_last) == (4, False) and not violations(s)
+    apply(s, ("commit", 1, ((0, 7), (1, 8))))
+    assert not violations(s)
+
+
 def test_an_asynchronous_load_may_end_at_the_last_token_which_is_then_recomputed() -> None:
     """vLLM's whole-prompt load (the decode side of prefill/decode disaggregation): a prompt of
     whole blocks loaded entirely; its request computes one token short of the load and, next

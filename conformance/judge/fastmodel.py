@@ -143,6 +143,7 @@ class Req:
         "computed",
         "cached",
         "loading",
+        "loaded_last",
         "chain",
         "verified",
         "ahead",
@@ -162,6 +163,8 @@ class Req:
         self.computed = 0
         self.cached = 0
         self.loading: int | None = None
+        self.loaded_last = False
+        """``spec.Request.loaded_last``: kept only for ``export``."""
         self.chain: list[int] = []
         """Interned ids of the full blocks' prefixes known so far (tokens only grow)."""
         self.verified = 0
@@ -668,6 +671,7 @@ class FastModel:
                     free.move_to_end(block, last=False)
         req.table = []
         req.computed = 0
+        req.loaded_last = False
         req.cached = 0
         req.verified = 0
 
@@ -841,7 +845,8 @@ class FastModel:
             content = self._prefix(req, min(end, (i + 1) * bsz))
             pending[block].append(Wr(sid, rid, content, load))
             self._content_changed(block)
-        req.computed = end - 1 if load and end == known else end  # recomputed over the load
+        req.loaded_last = load and end == known
+        req.computed = end - 1 if req.loaded_last else end  # recomputed over the load
         samples = not load and end == limit
         ph = 0
         if samples and self.async_scheduling:
@@ -1266,6 +1271,7 @@ class FastModel:
                 r.computed,
                 r.cached,
                 r.loading,
+                r.loaded_last,
             )
             for rid, r in self.requests.items()
         }

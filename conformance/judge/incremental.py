@@ -38,7 +38,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
-from kvspec.spec.invariants import INVARIANTS, Violation, table_fits, tables_append_only
+from kvspec.spec.invariants import (
+    INVARIANTS,
+    Violation,
+    full_in,
+    table_fits,
+    tables_append_only,
+)
 from kvspec.spec.pool import eventual_content, holds
 from kvspec.spec.state import NULL_BLOCK, Content, State, Touched
 
@@ -287,7 +293,7 @@ class Incremental:
                 continue
             other, j = next((o, j) for o, j in mine.items() if o != rid)
             req, o = s.requests[rid], s.requests[other]
-            full = (i + 1) * bsz <= req.computed and (j + 1) * bsz <= o.computed
+            full = full_in(req, i, bsz) and full_in(o, j, bsz)
             if i != j or not full or s.key(req, i) != s.key(o, j):
                 return True
         return False
