@@ -36,7 +36,8 @@ judges everything).
    judge's build (a fast model judging from source is about a third of the speed, and the engine
    then waits on it). ``--step-ms`` sleeps after each engine step (a model's forward pass);
    ``--monitor-only`` runs this part alone (no trace); with ``--baseline REF`` it runs the
-   engine alone and the two ``BackgroundMonitor`` rows of this tree and of REF, interleaved.
+   engine alone, the two ``BackgroundMonitor`` rows and ``Monitor.fast`` of this tree and of REF,
+   interleaved.
 
     .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
         [--every 16 64] [--memory 1000000 3000000 10000000] [--spec-memory 1000000]
@@ -436,6 +437,7 @@ COMPARED = (
     "engine alone (recording events)",
     "engine + BackgroundMonitor",
     "engine + BackgroundMonitor, depth 64",
+    "engine + Monitor.fast (sync)",
 )
 """The rows ``--monitor-only --baseline REF`` runs on both trees."""
 
