@@ -26,11 +26,18 @@ judges everything).
    events: memory must stay flat as L grows.
 4. The monitor's overhead on the reference engine: the engine alone (recording its events) versus
    the engine feeding every event to a ``Monitor`` as it runs (synchronous with each engine;
-   ``BackgroundMonitor``, with the default queue and with one that holds the whole run), median of
-   ``--rounds`` rounds, interleaved: the engine thread's time, the wall-clock to ``close()``'s
-   verdict, the CPU time of the engine's process and of it and the background judge together.
-   ``--step-ms`` sleeps after each engine step (a model's forward pass); ``--monitor-only`` runs
-   this part alone (no trace).
+   ``BackgroundMonitor``, with the default queue and a deeper one), and two rows that split a
+   ``BackgroundMonitor``'s cost: its capture alone (encoding and writes, no judge) and a busy
+   process beside the engine (what any neighbour costs it on this machine). Each run is a fresh
+   process after a warm-up run, rounds interleaved; each figure is the median over ``--rounds``,
+   its added share the median of each round's ratio to that round's engine alone, with the least
+   and greatest: the engine thread's time, the wall-clock to ``close()``'s verdict, the CPU time
+   of the engine's process and of it and the background judge together. The header names the
+   judge's build (a fast model judging from source is about a third of the speed, and the engine
+   then waits on it). ``--step-ms`` sleeps after each engine step (a model's forward pass);
+   ``--monitor-only`` runs this part alone (no trace); with ``--baseline REF`` it runs the
+   engine alone, the two ``BackgroundMonitor`` rows and ``Monitor.fast`` of this tree and of REF,
+   interleaved.
 
     .venv/bin/python bench/bench_checker.py [--events 10000000] [--sample 300000] [--rounds 3]
         [--every 16 64] [--memory 1000000 3000000 10000000] [--spec-memory 1000000]
@@ -311,13 +318,63 @@ def checkout(ref: str) -> Path:
 
 MONITORS: dict[str, dict[str, object] | None] = {
     "engine alone (recording events)": None,
-    "engine + Monitor.fast (sync)": {"judging": "fast"},
-    "engine + Monitor.on_spec (sync)": {"judging": "spec"},
+    "engine, a busy process beside (not fed)": {"beside": True},
+    "engine + capture only (no judge)": {"capture": True},
     "engine + BackgroundMonitor": {"background": True},
     "engine + BackgroundMonitor, depth 64": {"background": True, "queue_depth": 64},
+    "engine + Monitor.fast (sync)": {"judging": "fast"},
+    "engine + Monitor.on_spec (sync)": {"judging": "spec"},
 }
-"""The last one holds the whole run in its queue: its engine-thread time is the cost of feeding
-alone (buffer, pickle, pipe), i.e. what an engine pays while the judge keeps up."""
+"""Part 4's rows. Depth 64 holds most of a 3000-request run in its queue: its engine-thread time
+is the cost of feeding while the judge keeps up. *Capture only* is the engine's side of a
+``BackgroundMonitor`` without a judge (its encoding and its writes, to a reader that discards
+them); *a busy process beside* is the engine alone next to a process spinning on another core
+(not fed): what any busy neighbour costs the engine on this machine, whatever it runs. A
+``BackgroundMonitor``'s added CPU is about the sum of the two."""
+
+
+class CaptureOnly:
+    """The engine's side of a ``BackgroundMonitor`` and nothing else: events encoded into batches
+    as it encodes them (``background.Batch``), each full batch written to a child that discards
+    it (``cat``, widened as the monitor's pipe is)."""
+
+    def __init__(self) -> None:
+        from kvspec.conformance import background
+
+        self.batch, self.size, self.child = background.Batch(), background.BATCH_SIZE, None
+        self.proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        background._widen(self.proc.stdin)
+
+    def feed_all(self, events: list[tuple[object, ...]]) -> None:
+        batch = self.batch
+        batch.put(events, len(events))
+        if batch.events >= self.size:
+            with batch.frame() as frame:
+                self.proc.stdin.write(frame)  # type: ignore[union-attr]
+                self.proc.stdin.flush()  # type: ignore[union-attr]
+            batch.clear()
+
+    def close(self) -> None:
+        with self.batch.frame() as frame:
+            self.proc.stdin.write(frame)  # type: ignore[union-attr]
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.wait()
+
+
+class Beside:
+    """A process spinning beside the engine, fed nothing; killed at ``close`` (not reaped there:
+    its CPU is not the run's)."""
+
+    def __init__(self) -> None:
+        self.child = None
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.2)  # running before the clock starts
+
+    def feed_all(self, events: list[tuple[object, ...]]) -> None:
+        pass
+
+    def close(self) -> None:
+        self.proc.kill()
 
 
 def child_cpu(pid: int) -> float:
@@ -376,46 +433,11 @@ def monitor_start_seconds(rounds: int) -> float:
     return statistics.median(times)
 
 
-def monitor_overhead(requests: int, rounds: int, step_ms: float = 0.0) -> None:
-    """Part 4: each Monitor mode against the engine alone, interleaved rounds, medians."""
-    runs: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label in MONITORS}
-    for _ in range(rounds):
-        for label, options in MONITORS.items():
-            runs[label].append(monitored_run(requests, options, step_ms / 1000))
-    med = {
-        label: [statistics.median(r[i] for r in runs[label]) for i in range(4)] for label in runs
-    }
-    alone = med["engine alone (recording events)"]
-    events = engine_events_of(requests)
-    steps = sum(1 for event in events if event[0] == "commit")
-    model = f", a {step_ms} ms sleep per step for the model" if step_ms else ""
-    print(
-        f"monitor overhead on the reference engine ({requests} requests, {len(events):,} events, "
-        f"{steps:,} steps{model}, "
-        f"median of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.2f} on "
-        f"{os.cpu_count()} cores):"
-    )
-    print(
-        f"  {'':40s} {'engine thread':>13s} {'wall to verdict':>16s} {'+':>5s} "
-        f"{'CPU engine proc':>16s} {'+':>5s} {'CPU all procs':>14s} {'+':>5s}"
-    )
-    for label in MONITORS:
-        thread, wall, cpu, total = med[label]
-        print(
-            f"  {label:40s} {thread:11.3f} s {wall:14.3f} s {100 * (wall / alone[1] - 1):4.0f}% "
-            f"{cpu:14.3f} s {100 * (cpu / alone[2] - 1):4.0f}% "
-            f"{total:12.3f} s {100 * (total / alone[3] - 1):4.0f}%"
-        )
-    print(
-        f"  background Monitor: start-up and close with no events (once per engine): "
-        f"{monitor_start_seconds(rounds):.3f} s"
-    )
-
-
 COMPARED = (
     "engine alone (recording events)",
     "engine + BackgroundMonitor",
     "engine + BackgroundMonitor, depth 64",
+    "engine + Monitor.fast (sync)",
 )
 """The rows ``--monitor-only --baseline REF`` runs on both trees."""
 
@@ -423,90 +445,121 @@ COMPARED = (
 def monitor_child(label: str, requests: int, step_ms: float) -> None:
     """In a fresh process, with the kvspec on ``PYTHONPATH``: a warm-up run (a tenth of the
     requests; first-run costs such as cold caches are not counted), then ``label``'s run; its
-    figures as JSON."""
+    figures as JSON, and the fast model's note (None: the compiled build judges)."""
     options = MONITORS[label]
     monitored_run(max(requests // 10, 10), options)
-    print(json.dumps(monitored_run(requests, options, step_ms / 1000)))
+    figures = monitored_run(requests, options, step_ms / 1000)
+    note = Monitor.fast(Config(**COMMON)).note  # type: ignore[arg-type]
+    print(json.dumps([*figures, note]))
 
 
-def monitor_worker(tree: Path) -> Callable[[str, int, float], tuple[float, ...]]:
+def monitor_worker(tree: Path) -> Callable[[str, int, float], list[object]]:
     """``monitor_child`` of ``tree`` (this script, importing ``tree``'s package)."""
     env = {**os.environ, "PYTHONPATH": str(tree_link(tree))}
 
-    def run(label: str, requests: int, step_ms: float) -> tuple[float, ...]:
+    def run(label: str, requests: int, step_ms: float) -> list[object]:
         command = [sys.executable, __file__, "--monitor-child", label, str(requests), str(step_ms)]
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
         )
         if done.returncode != 0:
             raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
-        return tuple(json.loads(done.stdout.splitlines()[-1]))
+        return list(json.loads(done.stdout.splitlines()[-1]))
 
     return run
 
 
-def monitor_compare(ref: str, requests: int, rounds: int, step_ms: float = 0.0) -> None:
-    """``--monitor-only --baseline REF``: the engine alone and with a ``BackgroundMonitor``, of
-    this tree and of git revision ``ref``, each run in a fresh process, interleaved (the order
-    of the trees alternating from round to round), medians; each tree's overhead is against its
-    own engine alone."""
-    trees = {"this tree": monitor_worker(ROOT), ref: monitor_worker(checkout(ref))}
-    runs: dict[tuple[str, str], list[tuple[float, ...]]] = {
-        (tree, label): [] for tree in trees for label in COMPARED
+FIGURES = ("engine thread", "wall to verdict", "CPU engine proc", "CPU all procs")
+
+
+def monitor_rounds(
+    trees: dict[str, Path], labels: tuple[str, ...], requests: int, rounds: int, step_ms: float
+) -> None:
+    """Part 4, for the plain table and ``--baseline`` alike: each (tree, row) run in a fresh
+    process (a warm-up run first), rounds interleaved (the order of the rows and of the trees
+    reversed every other round, so that a drift in the machine's load hits them alike). Each
+    figure: the median over the rounds, and its added share against the engine alone of the
+    same tree *paired by round* (each round's row against that round's engine alone): the
+    median of those ratios, with their least and greatest. The same rows in one process (the
+    former plain table) share a heap and a warm interpreter, and the judge's build: a figure
+    from there is not one from here."""
+    workers = {tree: monitor_worker(path) for tree, path in trees.items()}
+    runs: dict[tuple[str, str], list[list[object]]] = {
+        (tree, label): [] for tree in trees for label in labels
     }
     for round_ in range(rounds):
-        order = list(trees.items())[:: 1 if round_ % 2 == 0 else -1]
-        for label in COMPARED:
-            for tree, run in order:
+        step = 1 if round_ % 2 == 0 else -1
+        for label in labels[::step]:
+            for tree, run in list(workers.items())[::step]:
                 runs[tree, label].append(run(label, requests, step_ms))
     events = engine_events_of(requests)
     model = f", a {step_ms} ms sleep per step for the model" if step_ms else ""
+    notes = {str(r[4]) for rows in runs.values() for r in rows if r[4] is not None}
+    judge = "compiled fast model" if not notes else "; ".join(sorted(notes))
     print(
-        f"BackgroundMonitor, this tree against {ref}: each run a fresh process ({requests} "
-        f"requests, {len(events):,} events{model}), median of {rounds} interleaved rounds; "
-        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores:"
+        f"monitor overhead on the reference engine ({requests} requests, {len(events):,} events"
+        f"{model}), each run a fresh process after a warm-up, {rounds} interleaved rounds; "
+        f"judge: {judge}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores:"
     )
     print(
-        f"  {'':50s} {'engine thread':>13s} {'+':>5s} {'wall to verdict':>16s} {'+':>5s} "
-        f"{'CPU engine proc':>16s} {'+':>5s} {'CPU all procs':>14s} {'+':>5s}"
+        f"  {'':58s}"
+        + "".join(f" {name:>21s}" for name in FIGURES)
+        + "   (median s, added: median of the rounds' ratios [least, greatest])"
     )
-    added: dict[tuple[str, str], list[float]] = {}
     for tree in trees:
-        med = {
-            label: [statistics.median(r[i] for r in runs[tree, label]) for i in range(4)]
-            for label in COMPARED
-        }
-        alone = med[COMPARED[0]]
-        for label in COMPARED:
-            figures = med[label]
-            added[tree, label] = [figures[i] / alone[i] - 1 for i in range(4)]
-            cells = " ".join(
-                f"{figures[i]:{width}.3f} s {100 * added[tree, label][i]:4.0f}%"
-                for i, width in enumerate((11, 14, 14, 12))
+        alone = runs[tree, labels[0]]
+        for label in labels:
+            rows = runs[tree, label]
+            cells = []
+            for i in range(4):
+                med = statistics.median(float(r[i]) for r in rows)  # type: ignore[arg-type]
+                added = [float(r[i]) / float(a[i]) - 1 for r, a in zip(rows, alone, strict=True)]  # type: ignore[arg-type]
+                cells.append(
+                    f"{med:6.3f} {100 * statistics.median(added):+5.1f}%"
+                    if label != labels[0]
+                    else f"{med:6.3f}      "
+                )
+                if i == 2 and label != labels[0]:
+                    spread = f"[{100 * min(added):+.1f}, {100 * max(added):+.1f}]"
+            name = label if len(trees) == 1 else f"{tree}: {label}"
+            print(f"  {name:58s}" + "".join(f" {cell:>21s}" for cell in cells), end="")
+            print(f"   CPU engine proc {spread}" if label != labels[0] else "")
+    for label in labels[1:]:
+        for tree in trees:
+            rows = runs[tree, label]
+            print(
+                f"  {tree}: {label}, CPU engine proc each round: "
+                f"[{', '.join(f'{float(r[2]):.3f}' for r in rows)}] "  # type: ignore[arg-type]
+                f"(engine alone [{', '.join(f'{float(r[2]):.3f}' for r in runs[tree, labels[0]])}])"  # type: ignore[arg-type]
             )
-            print(f"  {tree + ': ' + label:50s} {cells}")
-    for label in COMPARED[1:]:
-        cpu = [runs[tree, label] for tree in trees]
-        print(
-            f"  {label}, CPU engine proc each round: "
-            + "; ".join(
-                f"{tree} [{', '.join(f'{r[2]:.3f}' for r in rows)}]"
-                for tree, rows in zip(trees, cpu, strict=True)
-            )
-        )
-        this, then = (added[tree, label] for tree in trees)
-        print(
-            f"  {label}: added CPU of the engine process {100 * this[2]:.1f}% (this tree) vs "
-            f"{100 * then[2]:.1f}% ({ref}); engine thread {100 * this[0]:.1f}% vs {100 * then[0]:.1f}%"
-        )
+    print(f"  load average after: {os.getloadavg()[0]:.2f}")
 
 
-def _monitor(options: dict[str, object] | None) -> Monitor | BackgroundMonitor | None:
+def monitor_overhead(requests: int, rounds: int, step_ms: float = 0.0) -> None:
+    """Part 4: each row of ``MONITORS`` (this tree), then a background Monitor's start-up."""
+    monitor_rounds({"this tree": ROOT}, tuple(MONITORS), requests, rounds, step_ms)
+    print(
+        f"  background Monitor: start-up and close with no events (once per engine): "
+        f"{monitor_start_seconds(rounds):.3f} s"
+    )
+
+
+def monitor_compare(ref: str, requests: int, rounds: int, step_ms: float = 0.0) -> None:
+    """``--monitor-only --baseline REF``: the rows of ``COMPARED``, of this tree and of git
+    revision ``ref``, each tree against its own engine alone."""
+    monitor_rounds({"this tree": ROOT, ref: checkout(ref)}, COMPARED, requests, rounds, step_ms)
+
+
+def _monitor(options: dict[str, object] | None) -> object:
     config = Config(**COMMON)  # type: ignore[arg-type]
     if options is None:
         return None
     if options.get("background"):
         return BackgroundMonitor(config, queue_depth=options.get("queue_depth", 8))  # type: ignore[arg-type]
+    if options.get("capture"):
+        return CaptureOnly()
+    if options.get("beside"):
+        return Beside()
     return Monitor.fast(config) if options["judging"] == "fast" else Monitor.on_spec(config)
 
 

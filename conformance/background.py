@@ -4,8 +4,8 @@ synchronous ``Monitor`` (the fast path and its hand-over to the spec judge for t
 judging or report code here), so the report is the same, field for field.
 
 The child is a fresh interpreter (``python -c``), started once, that reads on its stdin (a
-reader thread takes the messages off the pipe at once, so the parent never waits on a full pipe)
-and answers with single bytes on its stdout:
+reader thread takes all the pipe holds at each read, so the parent does not wait on a full pipe
+while the judge is busy) and answers with single bytes on its stdout:
 
 * parent -> child: two pickles, the parent's ``sys.path`` and ``(config, monitor options)``,
   then *frames*: ``B`` + 8-byte length + a batch (``batch_size`` events, fewer at close), or
@@ -457,18 +457,33 @@ _GONE = object()
 def _read(source: BinaryIO, inbox: queue.SimpleQueue[object]) -> None:
     """The child's reader thread: take frames off the pipe as they come, so that the parent's
     writes never wait on a full pipe while the judge is busy (the parent's queue depth bounds
-    what waits here). A batch goes on as its bytes; unpickling is the judge's thread's."""
+    what waits here). Each read takes all the pipe holds (``read1``, up to ``READ_BYTES``): the
+    thread needs the GIL, which the judging thread gives up only every switch interval (5 ms),
+    so a frame per read would drain the pipe slower than the engine fills it. A batch goes on
+    as its bytes; unpickling is the judge's thread's."""
+    pending = bytearray()
     while True:
-        head = source.read(1 + _LENGTH)
-        size = int.from_bytes(head[1:], "little")
-        body = source.read(size) if size else b""
-        if len(head) < 1 + _LENGTH or len(body) < size or head[:1] not in (BATCH, CLOSE):
-            inbox.put(_GONE)  # end of input (or a torn frame): the parent is gone
+        data = source.read1(READ_BYTES)  # type: ignore[attr-defined]
+        if not data:  # end of input (a torn frame too): the parent is gone
+            inbox.put(_GONE)
             return
-        if head[:1] == CLOSE:
-            inbox.put(None)
-            return
-        inbox.put(body)
+        pending += data
+        while len(pending) >= 1 + _LENGTH:
+            tag, size = pending[:1], int.from_bytes(pending[1 : 1 + _LENGTH], "little")
+            if tag == CLOSE:
+                inbox.put(None)
+                return
+            if tag != BATCH:
+                inbox.put(_GONE)  # not a frame: the stream is torn
+                return
+            if len(pending) < 1 + _LENGTH + size:
+                break
+            inbox.put(bytes(pending[1 + _LENGTH : 1 + _LENGTH + size]))
+            del pending[: 1 + _LENGTH + size]
+
+
+READ_BYTES = PIPE_BYTES
+"""The most the child's reader takes off the pipe at once: all a widened pipe holds."""
 
 
 def chunks(body: bytes) -> Iterable[tuple[list[Event], dict[int, str] | None]]:
@@ -522,10 +537,8 @@ def _judge(monitor: Monitor, body: bytes) -> Finding | None:
             for i, event in enumerate(events):
                 if feed(event, hashes.get(i)) is not None:
                     return monitor.finding
-        else:
-            for event in events:
-                if feed(event) is not None:
-                    return monitor.finding
+        elif monitor.feed_all(events) is not None:
+            return monitor.finding
     return monitor.finding
 
 

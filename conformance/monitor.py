@@ -21,10 +21,14 @@ The named constructors say how it judges:
 existed is an ``Illegal`` finding here (a file would be unreadable instead). An event that is not
 one of the format's (a missing field, a field of the wrong type) is bad input, not a finding:
 ``feed`` raises ``MalformedEvent`` (a ``ValueError``, one line naming it). The fast monitor
-checks arrivals and commits as they come and the rest only once judging raised or found
-something (``_well_formed``); the spec judges check every event first. ``compare`` checks
-the engine's refcounts and free queue against the spec's; ``settle`` that no effect is missing at a
-point where the engine has emitted everything (the lockstep fuzzer judges each run this way).
+checks arrivals and commits as they come (``_fine``, exact and quick, passes most; the rest go
+to ``trace.event_error``) and the rest only once judging raised or found something
+(``_well_formed``); the spec judges check every event first. ``feed_all`` is ``feed``'s loop
+inlined (the fast judge's own call per event, and little else): engines that hand over a
+step's events at once pay less per event, as does the ``BackgroundMonitor``'s child.
+``compare`` checks the engine's refcounts and free queue against the spec's; ``settle`` that no
+effect is missing at a point where the engine has emitted everything (the lockstep fuzzer judges
+each run this way).
 """
 
 from __future__ import annotations
@@ -134,8 +138,8 @@ class Monitor:
         fast = run.fast
         number = fast.events_seen + 1
         kind = event[0] if event else None
-        if kind == "arrive" or kind == "commit":  # values the model keeps: checked as they come
-            self._well_formed(event, hash_, number)
+        if (kind == "arrive" or kind == "commit") and (hash_ is not None or not _fine(event)):
+            self._well_formed(event, hash_, number)  # values the model keeps: checked as they come
         if fast.events_seen >= run.due and kind in DECISIONS:
             run.checkpoint()
         run.newer_events.append((event, hash_))
@@ -148,9 +152,32 @@ class Monitor:
         return self._outcome(self._hand_over(None))
 
     def feed_all(self, events: Iterable[Event]) -> Finding | None:
+        """``feed`` of each event (no hashes), up to a finding. The fast monitor's loop is
+        ``feed``'s, inlined: per event, the judge's own call and little else."""
+        run = self.run
+        if run is None:
+            for event in events:
+                if self.feed(event) is not None:
+                    break
+            return self.finding
+        fast = run.fast
+        feed, kept, due = fast.feed, run.newer_events, run.due
         for event in events:
-            if self.feed(event) is not None:
-                break
+            kind = event[0] if event else None
+            if (kind == "arrive" or kind == "commit") and not _fine(event):
+                self._well_formed(event, None, fast.events_seen + 1)
+            if kind in DECISIONS and fast.events_seen >= due:
+                run.checkpoint()
+                kept, due = run.newer_events, run.due
+            kept.append((event, None))
+            try:
+                if feed(event, None) is None:
+                    continue
+            except Exception as err:  # a malformed event (or a bug): the spec decides
+                run.crash = (repr(err), fast.events_seen - 1)
+            self._kept_well_formed(run, fast.events_seen)
+            self._outcome(self._hand_over(None))
+            break
         return self.finding
 
     def compare(self, refcounts: tuple[int, ...], free: tuple[int, ...]) -> Finding | None:
@@ -244,3 +271,45 @@ class Monitor:
     def __exit__(self, kind: object, value: object, traceback: object) -> None:
         if kind is None:
             self.close()
+
+
+def _fine(event: object) -> bool:
+    """True only for an ``arrive`` or ``commit`` that ``trace.event_error`` passes (no hash):
+    exact types (a tuple, ints, not subclasses), ids and tokens >= 0, a prompt not empty. Most
+    events are; anything else (False) is left to ``event_error``, which says why or passes it
+    (a subclass, say). The fast monitor checks these two kinds as they come (their values are
+    kept), and ``event_error``'s general checks cost as much as judging them."""
+    if type(event) is not tuple:
+        return False
+    if len(event) == 5:  # ("arrive", req, tokens, max_tokens, priority)
+        _, req, tokens, most, priority = event
+        return (
+            event[0] == "arrive"
+            and type(req) is int
+            and type(most) is int
+            and type(priority) is int
+            and req >= 0
+            and most >= 0
+            and type(tokens) is tuple
+            and len(tokens) > 0
+            and all(type(token) is int for token in tokens)
+            and min(tokens) >= 0
+        )
+    if len(event) == 3:  # ("commit", step, ((req, token), ...))
+        _, step, sampled = event
+        return (
+            event[0] == "commit"
+            and type(step) is int
+            and step >= 0
+            and type(sampled) is tuple
+            and all(
+                type(pair) is tuple
+                and len(pair) == 2
+                and type(pair[0]) is int
+                and type(pair[1]) is int
+                and pair[0] >= 0
+                and pair[1] >= 0
+                for pair in sampled
+            )
+        )
+    return False

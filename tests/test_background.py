@@ -307,3 +307,42 @@ def test_an_event_that_does_not_pickle_is_bad_input_named_in_one_line(how: str) 
     assert monitor.child.proc.poll() is not None
     with pytest.raises(JudgeDied, match="stopped"):
         monitor.close()
+
+
+class Trickle(io.BytesIO):
+    """A pipe that hands over its bytes in pieces of the given sizes, cycled (``read1``)."""
+
+    def __init__(self, data: bytes, pieces: list[int]) -> None:
+        super().__init__(data)
+        self.pieces = itertools.cycle(pieces)
+
+    def read1(self, size: int = -1) -> bytes:
+        return super().read1(min(size, next(self.pieces)))
+
+
+@pytest.mark.parametrize("pieces", [[1], [5, 3, 17], [4096], [1 << 20]])
+def test_the_childs_reader_takes_frames_however_the_pipe_splits_them(
+    pieces: list[int],
+) -> None:
+    """The child's reader takes what the pipe holds at once, so a read may end inside a frame
+    or hold several: every batch comes out whole and in order, then the close; a stream cut
+    inside a frame is the parent gone (never a batch cut short)."""
+    config, events = safe_run(5)
+    frames = []
+    for start in range(0, 5 * BATCH, BATCH):
+        batch = Batch()
+        batch.put(events[start : start + BATCH], BATCH)
+        with batch.frame() as frame:
+            frames.append(bytes(frame))
+    close = background.CLOSE + bytes(background._LENGTH)
+    for stream, last in ((b"".join(frames) + close, None), (b"".join(frames)[:-3], "gone")):
+        inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        background._read(Trickle(stream, pieces), inbox)  # type: ignore[arg-type]
+        got = []
+        while not inbox.empty():
+            got.append(inbox.get())
+        want = [frame[1 + background._LENGTH :] for frame in frames]
+        if last is None:
+            assert got == [*want, None]
+        else:
+            assert got == [*want[:-1], background._GONE]
