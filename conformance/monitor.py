@@ -21,11 +21,11 @@ The named constructors say how it judges:
 existed is an ``Illegal`` finding here (a file would be unreadable instead). An event that is not
 one of the format's (a missing field, a field of the wrong type) is bad input, not a finding:
 ``feed`` raises ``MalformedEvent`` (a ``ValueError``, one line naming it). The fast monitor
-checks arrivals and commits as they come (``_fine``, exact and quick, passes most; the rest go
-to ``trace.event_error``) and the rest only once judging raised or found something
-(``_well_formed``); the spec judges check every event first. ``feed_all`` is ``feed``'s loop
-inlined (the fast judge's own call per event, and little else): engines that hand over a
-step's events at once pay less per event, as does the ``BackgroundMonitor``'s child.
+checks arrivals, commits and executions as they come (``KEPT``; ``_fine``, exact and quick,
+passes most; the rest go to ``trace.event_error``) and the rest only once judging raised or
+found something (``_well_formed``); the spec judges check every event first. ``feed_all`` is
+``feed``'s loop inlined (the fast judge's own call per event, and little else): engines that
+hand over a step's events at once pay less per event, as does the ``BackgroundMonitor``'s child.
 ``compare`` checks the engine's refcounts and free queue against the spec's; ``settle`` that no
 effect is missing at a point where the engine has emitted everything (the lockstep fuzzer judges
 each run this way).
@@ -138,7 +138,7 @@ class Monitor:
         fast = run.fast
         number = fast.events_seen + 1
         kind = event[0] if event else None
-        if (kind == "arrive" or kind == "commit") and (hash_ is not None or not _fine(event)):
+        if kind in KEPT and (hash_ is not None or not _fine(event)):
             self._well_formed(event, hash_, number)  # values the model keeps: checked as they come
         if fast.events_seen >= run.due and kind in DECISIONS:
             run.checkpoint()
@@ -164,7 +164,7 @@ class Monitor:
         feed, kept, due = fast.feed, run.newer_events, run.due
         for event in events:
             kind = event[0] if event else None
-            if (kind == "arrive" or kind == "commit") and not _fine(event):
+            if kind in KEPT and not _fine(event):
                 self._well_formed(event, None, fast.events_seen + 1)
             if kind in DECISIONS and fast.events_seen >= due:
                 run.checkpoint()
@@ -273,14 +273,29 @@ class Monitor:
             self.close()
 
 
+KEPT = frozenset(("arrive", "commit", "execute"))
+"""The kinds whose values the fast model keeps (an arrival's prompt and priority, a commit's
+samples, an execution's failed loads): the fast monitor checks them as they come, since a value
+of the wrong type may pass through the model (the source build turns a list of failed loads into
+a tuple) and never raise. One arrival per request, one commit and one execution per step."""
+
+
 def _fine(event: object) -> bool:
-    """True only for an ``arrive`` or ``commit`` that ``trace.event_error`` passes (no hash):
-    exact types (a tuple, ints, not subclasses), ids and tokens >= 0, a prompt not empty. Most
-    events are; anything else (False) is left to ``event_error``, which says why or passes it
-    (a subclass, say). The fast monitor checks these two kinds as they come (their values are
-    kept), and ``event_error``'s general checks cost as much as judging them."""
+    """True only for an ``arrive``, ``commit`` or ``execute`` that ``trace.event_error`` passes
+    (no hash): exact types (a tuple, ints, not subclasses), ids and tokens >= 0, a prompt not
+    empty. Most events are; anything else (False) is left to ``event_error``, which says why or
+    passes it (a subclass, say). The fast monitor checks these kinds as they come (``KEPT``),
+    and ``event_error``'s general checks cost as much as judging them."""
     if type(event) is not tuple:
         return False
+    if len(event) == 3 and event[0] == "execute":  # ("execute", step, (failed req, ...))
+        _, step, failed = event
+        return (
+            type(step) is int
+            and step >= 0
+            and type(failed) is tuple
+            and all(type(req) is int and req >= 0 for req in failed)
+        )
     if len(event) == 5:  # ("arrive", req, tokens, max_tokens, priority)
         _, req, tokens, most, priority = event
         return (

@@ -1,6 +1,6 @@
 """The fast ``Monitor``'s own loop (conformance/monitor.py): ``feed_all`` judges as ``feed`` does,
-event for event, and its quick check of arrivals and commits (``_fine``) never passes an event
-that ``trace.event_error`` refuses. Findings and reports against fuzzed runs are in
+event for event, and its quick check of arrivals, commits and executions (``_fine``) never passes
+an event that ``trace.event_error`` refuses. Findings and reports against fuzzed runs are in
 ``test_fastmodel.py``; malformed events fed one by one in ``test_checker.py``.
 """
 
@@ -11,7 +11,7 @@ import enum
 import pytest
 from test_checker import _malformed, safe_run
 
-from kvspec.conformance.monitor import MalformedEvent, Monitor, Violation, _fine
+from kvspec.conformance.monitor import KEPT, MalformedEvent, Monitor, Violation, _fine
 from kvspec.conformance.trace import event_error
 
 
@@ -28,7 +28,8 @@ class Pair(tuple):  # type: ignore[type-arg]
 
 
 def variants(event: tuple) -> list[object]:
-    """An arrival or a commit made wrong (or only unusual) in every way ``_fine`` looks at."""
+    """An arrival, a commit or an execution made wrong (or only unusual) in every way ``_fine``
+    looks at."""
     out: list[object] = [*_malformed(event), list(event), (), ("arrive",), ("commit",)]
     if event[0] == "arrive":
         _, req, prompt, most, priority = event
@@ -44,6 +45,23 @@ def variants(event: tuple) -> list[object]:
             ("arrive", req, prompt, Token(2), priority),
             ("commit", req, prompt, most, priority),
             ("arrive", req, prompt, most, priority, 0),
+        ]
+    elif event[0] == "execute":
+        _, step, failed = event
+        for value in (True, Token(1), Colour.RED, 1.0, -1, None, (1,)):
+            out.append(("execute", step, (*failed, value)))
+        out += [
+            ("execute", step, ()),  # nothing failed: fine
+            ("execute", step, (3,)),  # a failed load named: fine (here)
+            ("execute", step, list(failed)),
+            ("execute", step, {}),
+            ("execute", step, Pair(failed)),
+            ("execute", -1, failed),
+            ("execute", Token(step), failed),
+            ("execute", True, failed),
+            ("execute", step),  # the spec's short form: event_error passes it
+            ("execute", step, failed, 0),
+            ("commit", step, failed),
         ]
     else:
         _, step, sampled = event
@@ -69,11 +87,12 @@ def test_the_quick_check_passes_only_what_event_error_passes() -> None:
     asked); each made wrong in every way it looks at does not, unless ``event_error`` passes it
     too (a negative priority, an empty commit)."""
     config, events = safe_run(10)
-    kept = [event for event in events if event[0] in ("arrive", "commit")]
+    kept = [event for event in events if event[0] in KEPT]
     assert len(kept) > 20 and all(_fine(event) for event in kept)
-    assert not any(_fine(event) for event in events if event[0] not in ("arrive", "commit"))
+    assert not any(_fine(event) for event in events if event[0] not in KEPT)
     refused = 0
-    for event in [kept[0], next(e for e in kept if e[0] == "commit" and e[2])]:
+    commit = next(e for e in kept if e[0] == "commit" and e[2])
+    for event in [kept[0], commit, next(e for e in kept if e[0] == "execute")]:
         for bad in variants(event):
             why = event_error(bad, config.num_blocks)
             assert not _fine(bad) or why is None, (bad, why)
@@ -109,6 +128,7 @@ def test_feed_all_judges_as_feed_does(window: int) -> None:
     for at in (
         max(i for i, e in enumerate(events) if e[0] == "arrive"),
         next(i for i, e in enumerate(events) if e[0] == "commit" and e[2] and i > 50),
+        next(i for i, e in enumerate(events) if e[0] == "execute" and i > 50),
     ):
         for bad in variants(events[at]):
             stream = [*events[:at], bad, *events[at + 1 :]]
