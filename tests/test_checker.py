@@ -474,3 +474,32 @@ def test_an_effect_matched_as_a_line_is_judged_as_decoded(
         assert report.exit_code == exit_code, report.text()
         if exit_code:
             assert (report.line, report.invariant) == (at + 2, "Disagreement"), report.text()
+
+
+KIND_FIELD_LINES = [
+    b'{"ev":"schedule","req":1,"tokens":2,"loaded":0,"x_kvspec_kind":"schedule"}',
+    b'{"x_kvspec_kind":"schedule","ev":"schedule","req":1,"tokens":2,"loaded":0}',
+    b'{"ev":"schedule","req":1,"tokens":2,"loaded":0,"x_kvspec_kind":"free"}',
+    b'{"ev":"schedule","req":1,"tokens":2,"loaded":0,"x_kvspec_kind":null}',
+    b'{"ev":"free","block":3,"x_kvspec_kind":"free","x_kvspec_kind":"alloc"}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":"ab","x_kvspec_kind":7}',
+    b'{"ev":"reset","x_kvspec_kind":"reset"}',
+]
+
+
+@pytest.mark.parametrize("raw", KIND_FIELD_LINES)
+def test_a_line_that_carries_the_readers_kind_field_reads_as_parse_line_reads_it(
+    raw: bytes,
+) -> None:
+    """The fast reader's structs hold the kind in an ``x_`` field of their own
+    (``fastread.KIND_FIELD``): a line that carries it (any value) is the event ``parse_line``
+    reads, which ignores ``x_`` fields, or msgspec refuses it and ``parse_line`` decides."""
+    from kvspec.conformance.trace import parse_line
+
+    assert fastread.KIND_FIELD.encode() in raw
+    want = parse_line(raw + b"\n", 24)
+    try:
+        got = fastread.decoder(24)(raw + b"\n")
+    except fastread.Error:
+        return
+    assert got == want

@@ -61,8 +61,9 @@ LineParts = tuple[
     Callable[[object], tuple[object, ...]],
     object,
 ]
-"""``fastread.parts``: decode a line to a struct; its kind and whether it has a hash; astuple;
-the value of an absent hash (a ``FileFeed`` decodes lines with them)."""
+"""``fastread.parts``: decode a line to a struct; its kind and whether it has a hash; astuple (the
+event, and the hash last when the kind has one); the value of an absent hash (a ``FileFeed``
+decodes lines with them)."""
 
 
 class Model(Protocol):
@@ -688,14 +689,13 @@ class FileFeed:
                 except Exception:  # what msgspec refuses: parse_line decides
                     event, hash_ = slow(raw, number)
                 else:
-                    kind, hashed = kinds[type(obj)]
-                    values = astuple(obj)
-                    if hashed:
+                    values = astuple(obj)  # the event (``fastread.KIND_FIELD``)
+                    if kinds[type(obj)][1]:
                         last = values[-1]
-                        event = (kind,) + values[:-1]
+                        event = values[:-1]
                         hash_ = None if last is unset else cast(str, last)
                     else:
-                        event, hash_ = (kind,) + values, None
+                        event, hash_ = values, None
             self.number = number
             seen = judge.events_seen
             if seen >= self.frozen_at:  # the judge's state so far: long-lived
