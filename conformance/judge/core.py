@@ -29,9 +29,10 @@ engine's opaque hashes, one hash names one token prefix and one prefix one hash
 
 ``Judge.spec``, ``Judge.stream`` and ``Judge.fast`` are the usual compositions. This module is
 compiled by mypyc together with the fast model (``fastbuild.py``): it is the hot path of
-``kvspec check``, whose loop over a trace's lines (``FileFeed``: read, decode, feed) is here too,
-so that no interpreted code runs per event. A judge over the fast model calls it directly
-(``Judge.fast_model``: compiled, native calls), not through the ``Model`` protocol.
+``kvspec check``, whose loop over a trace's lines (``FileFeed``: read, match the effect due or
+decode, feed) is here too, so that no interpreted code runs per event. A judge over the fast
+model calls it directly (``Judge.fast_model``: compiled, native calls), not through the ``Model``
+protocol.
 """
 
 from __future__ import annotations
