@@ -4,13 +4,15 @@
 compiled loop with its ``parts``, the same steps inlined): msgspec parses
 and validates in one pass (types, ranges, required fields, no unknown field; a tagged union on
 ``"ev"``) and the line becomes ``parse_line``'s result. Each struct's first field is its kind
-(``KIND_FIELD``, of the kind's one value and defaulting to it), so that the struct's values are the
-event tuple itself (``msgspec.structs.astuple``: one tuple, none joined to the kind after). Anything msgspec refuses (an ``x_`` field,
-a null hash, a wrong type, a JSON error) goes to ``parse_line``, which accepts it or says what is
-wrong: the one-line errors are ``parse_line``'s, and this decoder must accept nothing
-``parse_line`` rejects. Where msgspec is more lenient than orjson it is narrowed here: integers
-outside orjson's 64-bit range (which orjson reads as floats, so ``parse_line`` rejects them) are
-refused (msgspec bounds fit int64: larger ones go to ``parse_line`` too). Measured against orjson plus a hand-written validator (``docs/checker.md``).
+(``KIND_FIELD``, of the kind's one value and defaulting to it), so that the struct's values are
+the event tuple itself (``msgspec.structs.astuple``: one tuple, none joined to the kind after).
+Anything msgspec refuses (an ``x_`` field, a null hash, a wrong type, a JSON error) goes to
+``parse_line``, which accepts it or says what is wrong: the one-line errors are
+``parse_line``'s, and this decoder must accept nothing ``parse_line`` rejects. Where msgspec is
+more lenient than orjson it is narrowed here: integers outside orjson's 64-bit range (which orjson
+reads as floats, so ``parse_line`` rejects them) are refused (msgspec bounds fit int64: larger ones
+go to ``parse_line`` too). Measured against orjson plus a hand-written validator
+(``docs/checker.md``).
 """
 
 from __future__ import annotations
