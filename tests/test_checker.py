@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspec.cli import main
+from kvspec.conformance import fastread
 from kvspec.conformance.check import check_file
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.judge import Judge, fastbuild
+from kvspec.conformance.judge import Judge, core, fastbuild
 from kvspec.conformance.monitor import MalformedEvent, Monitor, Violation
 from kvspec.conformance.trace import (
     FIELDS,
@@ -25,6 +26,7 @@ from kvspec.conformance.trace import (
     TraceError,
     iter_trace,
     read_trace,
+    to_json,
     write_events,
     write_trace,
 )
@@ -428,3 +430,87 @@ def test_the_fast_path_freezes_the_judges_state_and_unfreezes_it_at_the_end(
     assert len(calls) >= report.events // 50 - 1
     assert gc.get_freeze_count() == 0
     assert {t[0] for t in thresholds} == {check.YOUNG} and gc.get_threshold() == before
+
+
+FAST_BUILDS = [pytest.param(core, id="source")] + (
+    [pytest.param(fastbuild.compiled()[0], id="compiled")] if fastbuild.compiled()[0] else []
+)
+
+
+@pytest.mark.parametrize("build", FAST_BUILDS)
+def test_an_effects_line_is_the_writers_and_decodes_to_the_effect(build: object) -> None:
+    """``FileFeed.due_line``: the line of each effect it makes is the one ``write_trace`` writes
+    (else the effect due is never matched as a line) and decodes to that effect (else a line
+    would be fed as another event than it is); ``b""`` for the kinds it does not make."""
+    config = Config(**{**SAFE, "num_blocks": 300})  # type: ignore[arg-type]
+    judge = build.Judge.fast(config)  # type: ignore[attr-defined]
+    feed = judge.file_feed(iter(()), 1, fastread.parts(300), None, 1 << 20)
+    decode = fastread.decoder(300)
+    effects = [("free", 0), ("free", 299), ("evict", 17), ("unpublish", 12), ("alloc", 0, 1)]
+    effects += [("alloc", 123_456, 299)] + [
+        ("finish", 7, why) for why in ("length", "stop", "abort")
+    ]
+    for effect in effects:
+        line = feed.due_line(effect)
+        assert line == orjson.dumps(to_json(effect)) + b"\n"
+        assert decode(line) == (effect, None)
+        assert feed.due_line(effect) == line  # a block's line, once made, is kept
+    for other in [("publish", 1, 0, 3), ("hit", 1, (2, 3)), ("load_failed", 4)]:
+        assert feed.due_line(other) == b""
+
+
+@pytest.mark.parametrize("build", FAST_BUILDS)
+@pytest.mark.parametrize("spaced", [False, True], ids=["written", "spaced"])
+def test_an_effect_matched_as_a_line_is_judged_as_decoded(
+    tmp_path: Path, build: object, spaced: bool
+) -> None:
+    """The effect due matched as a line (``FileFeed``) or decoded (the same trace with spaces
+    in every line, which no made line equals): the same verdicts, a wrong block at its line."""
+    config, events = safe_run(40)
+    kinds = {"free", "evict", "alloc", "finish"}
+    assert kinds <= {e[0] for e in events}
+    at = max(i for i, e in enumerate(events) if e[0] == "free")
+    wrong = list(events)
+    wrong[at] = ("free", (events[at][1] + 1) % config.num_blocks)
+    for trace, exit_code in ((events, 0), (wrong, 1)):
+        path = tmp_path / "t.jsonl"
+        write_trace(path, config, trace)
+        if spaced:
+            lines = path.read_bytes().splitlines()
+            path.write_bytes(
+                b"\n".join(lines[:1] + [json.dumps(orjson.loads(x)).encode() for x in lines[1:]])
+                + b"\n"
+            )
+        report = check_file(path, build=build)  # type: ignore[arg-type]
+        assert report.exit_code == exit_code, report.text()
+        if exit_code:
+            assert (report.line, report.invariant) == (at + 2, "Disagreement"), report.text()
+
+
+KIND_FIELD_LINES = [
+    b'{"ev":"schedule","req":1,"tokens":2,"loaded":0,"x_kvspec_kind":"schedule"}',
+    b'{"x_kvspec_kind":"schedule","ev":"schedule","req":1,"tokens":2,"loaded":0}',
+    b'{"ev":"schedule","req":1,"tokens":2,"loaded":0,"x_kvspec_kind":"free"}',
+    b'{"ev":"schedule","req":1,"tokens":2,"loaded":0,"x_kvspec_kind":null}',
+    b'{"ev":"free","block":3,"x_kvspec_kind":"free","x_kvspec_kind":"alloc"}',
+    b'{"ev":"publish","req":1,"index":0,"block":3,"hash":"ab","x_kvspec_kind":7}',
+    b'{"ev":"reset","x_kvspec_kind":"reset"}',
+]
+
+
+@pytest.mark.parametrize("raw", KIND_FIELD_LINES)
+def test_a_line_that_carries_the_readers_kind_field_reads_as_parse_line_reads_it(
+    raw: bytes,
+) -> None:
+    """The fast reader's structs hold the kind in an ``x_`` field of their own
+    (``fastread.KIND_FIELD``): a line that carries it (any value) is the event ``parse_line``
+    reads, which ignores ``x_`` fields, or msgspec refuses it and ``parse_line`` decides."""
+    from kvspec.conformance.trace import parse_line
+
+    assert fastread.KIND_FIELD.encode() in raw
+    want = parse_line(raw + b"\n", 24)
+    try:
+        got = fastread.decoder(24)(raw + b"\n")
+    except fastread.Error:
+        return
+    assert got == want

@@ -29,9 +29,10 @@ engine's opaque hashes, one hash names one token prefix and one prefix one hash
 
 ``Judge.spec``, ``Judge.stream`` and ``Judge.fast`` are the usual compositions. This module is
 compiled by mypyc together with the fast model (``fastbuild.py``): it is the hot path of
-``kvspec check``, whose loop over a trace's lines (``FileFeed``: read, decode, feed) is here too,
-so that no interpreted code runs per event. A judge over the fast model calls it directly
-(``Judge.fast_model``: compiled, native calls), not through the ``Model`` protocol.
+``kvspec check``, whose loop over a trace's lines (``FileFeed``: read, match the effect due or
+decode, feed) is here too, so that no interpreted code runs per event. A judge over the fast
+model calls it directly (``Judge.fast_model``: compiled, native calls), not through the ``Model``
+protocol.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ LineParts = tuple[
     Callable[[object], tuple[object, ...]],
     object,
 ]
-"""``fastread.parts``: decode a line to a struct; its kind and whether it has a hash; astuple;
-the value of an absent hash (a ``FileFeed`` decodes lines with them)."""
+"""``fastread.parts``: decode a line to a struct; its kind and whether it has a hash; astuple (the
+event, and the hash last when the kind has one); the value of an absent hash (a ``FileFeed``
+decodes lines with them)."""
 
 
 class Model(Protocol):
@@ -295,6 +297,17 @@ class Judge:
         check_ids(event[0] if event else None, event, self.ids, self.max_step)
         want = expected[pos] if pos < len(expected) else None
         return self._mismatch(event, want, index)
+
+    def effect_due(self, event: Event, pos: int, line: int) -> None:
+        """``_feed`` of the effect the model computed at ``pos`` (strict, no recorder, no
+        finding yet, no hash): what ``FileFeed`` feeds without decoding its line."""
+        self.events_seen += 1
+        self.line = line
+        self.last = event
+        self.epos = pos + 1
+        kind = event[0]
+        if (kind == "unpublish" or kind == "evict") and self.block_hash:
+            self._drop_hash(event[1])  # type: ignore[arg-type]
 
     def file_feed(
         self,
@@ -587,6 +600,8 @@ class Judge:
         return self.finding
 
 
+BLOCK_EFFECTS: Final = ("free", "evict", "unpublish")
+"""Effects whose only value is a block: ``FileFeed`` makes each one's line once per block."""
 END: Final = 0
 FOUND: Final = 1
 DUE: Final = 2
@@ -604,7 +619,13 @@ class FileFeed:
     ``slow``, which accepts it or raises ``TraceError``) and feeds the events to the judge, until
     something the caller handles: ``run`` says what (``END`` ... ``EFFECT_FIRST``). Every
     ``freeze_every`` events what is alive is frozen (``gc.freeze``: the judge's state so far is
-    long-lived; ``check.long_lived``)."""
+    long-lived; ``check.long_lived``).
+
+    Most lines of a trace are effects the model computed already. Judging strictly, a line is
+    first compared with the line of the effect due, as ``trace.write_trace`` writes it
+    (``due_line``: a free, evict, unpublish, alloc or finish); an equal line is that effect and
+    is fed as it (``Judge.effect_due``) without being decoded. Any other line (another form, a
+    different effect, a decision) is decoded and fed as before."""
 
     def __init__(
         self,
@@ -625,6 +646,11 @@ class FileFeed:
         self.frozen_at = freeze_every
         self.pending: tuple[Event, str | None] | None = None
         """The event of line ``number``, read but not fed (``DUE``, ``EFFECT_FIRST``)."""
+        self.block_lines: dict[str, list[bytes | None]] = {
+            kind: [None] * judge.model.config.num_blocks for kind in BLOCK_EFFECTS
+        }
+        """Per kind of ``BLOCK_EFFECTS``, the line of the effect on each block (``due_line``),
+        made once."""
         self.crash = ""
         """``repr`` of what the judge raised (``CRASH``): a bug in the model."""
 
@@ -640,8 +666,22 @@ class FileFeed:
             why = self._feed_one(pending[0], pending[1], number)
             if why != -1:
                 return why
+        # the effect due compared as a line (``due_line``): strict judging, no history
+        bytewise = parts is not None and not judge.observed and judge.recorder is None
         for raw in self.lines:
             number += 1
+            if bytewise:
+                pos, expected = judge.epos, judge.expected
+                if pos < len(expected) and judge.finding is None:
+                    want = expected[pos]
+                    if raw == self.due_line(want):
+                        self.number = number
+                        seen = judge.events_seen
+                        if seen >= self.frozen_at:
+                            gc.freeze()
+                            self.frozen_at = seen + self.freeze_every
+                        judge.effect_due(want, pos, number)
+                        continue
             if parts is None:
                 event, hash_ = slow(raw, number)
             else:
@@ -650,14 +690,13 @@ class FileFeed:
                 except Exception:  # what msgspec refuses: parse_line decides
                     event, hash_ = slow(raw, number)
                 else:
-                    kind, hashed = kinds[type(obj)]
-                    values = astuple(obj)
-                    if hashed:
+                    values = astuple(obj)  # the event (``fastread.KIND_FIELD``)
+                    if kinds[type(obj)][1]:
                         last = values[-1]
-                        event = (kind,) + values[:-1]
+                        event = values[:-1]
                         hash_ = None if last is unset else cast(str, last)
                     else:
-                        event, hash_ = (kind,) + values, None
+                        event, hash_ = values, None
             self.number = number
             seen = judge.events_seen
             if seen >= self.frozen_at:  # the judge's state so far: long-lived
@@ -674,6 +713,26 @@ class FileFeed:
             if why != -1:
                 return why
         return END
+
+    def due_line(self, want: Event) -> bytes:
+        """The line an engine's trace holds for the effect ``want`` (the form
+        ``trace.write_trace`` writes, without a hash), for the kinds it is made for; else
+        ``b""``, which no line equals. A line equal to it decodes to ``want``
+        (``tests/test_checker.py``), so it is fed as ``want`` without being decoded."""
+        kind = want[0]
+        if kind == "free" or kind == "evict" or kind == "unpublish":
+            block = cast(int, want[1])
+            lines = self.block_lines[cast(str, kind)]
+            line = lines[block]
+            if line is None:
+                line = f'{{"ev":"{kind}","block":{block}}}\n'.encode()
+                lines[block] = line
+            return line
+        if kind == "alloc":
+            return f'{{"ev":"alloc","req":{want[1]},"block":{want[2]}}}\n'.encode()
+        if kind == "finish":
+            return f'{{"ev":"finish","req":{want[1]},"reason":"{want[2]}"}}\n'.encode()
+        return b""
 
     def _feed_one(self, event: Event, hash_: str | None, number: int) -> int:
         """Feed one event: -1, or why ``run`` returns."""
