@@ -17,18 +17,20 @@ why ``kvspec prove`` runs bounded model checking after a failed induction: the s
 counterexample, or a bounded proof. A solver ``unknown`` is never a proof.
 
 **How the step is checked.** The work is split into *obligations*, one per action instance and case
-(``Model.cases``: execute and commit get one case per scheduling order of their step, whose guards
-together cover the instance's guard), in a fixed canonical order. Each obligation asks whether the
-successor can break any conjunct of I that the step can change: first one query for all of them on
-a one-shot solver that preprocesses (``one_shot_solver``), or for commit (``ASKED_ALONE``) one such
-query per conjunct, some asked part by part (``ASKED_BY_PARTS``); from the first conjunct not
-shown unsat on, one query per conjunct, in order, pushed and popped over a solver that holds I(S)
-once (a worker keeps that solver for all its obligations of the cell). A conjunct is not rebuilt for the successor unless it
-reads a variable the step changed (its read set is traced once on the pre-state), and it is skipped
-when its term is literally the pre-state's (then the step leaves what it reads alone). Obligations
-run in parallel processes (``parallel.Pool``); the verdict is that of the first obligation in
-canonical order that is not unsat, so it does not depend on the number of workers or their timing,
-and the CTI is then recomputed alone in a fresh process, so that its values do not either.
+(``Model.cases``: execute gets two cases, its reads good or bad, and commit one per scheduling
+order of its step; an instance's cases' guards together cover its guard), in a fixed canonical
+order. Each obligation asks whether the successor can break any conjunct of I that the step can
+change: first one query for all of them on a one-shot solver that preprocesses
+(``one_shot_solver``), or for commit past the default sizes (``ASKED_ALONE``) one such query per
+conjunct, some part by part (``ASKED_BY_PARTS``); from the first conjunct not shown unsat on, one
+query per conjunct, in order, pushed and popped over a solver that holds I(S) once (a worker
+keeps that solver for all its obligations of the cell). A conjunct is not rebuilt for the
+successor unless it reads a variable the step changed (its read set is traced once on the
+pre-state), and it is skipped when its term is literally the pre-state's (then the step leaves
+what it reads alone). Obligations run in parallel processes (``parallel.Pool``); the verdict is
+that of the first obligation in canonical order that is not unsat, so it does not depend on the
+number of workers or their timing, and the CTI is then recomputed alone in a fresh process, so
+that its values do not either.
 
 Sizes are fixed (N, R, D, T, B of the fragment): the proof is unbounded in path length, not in the
 sizes. ``bench/bench_prove.py`` runs it over a range of sizes.
@@ -91,17 +93,30 @@ class Cti:
     """The case of the instance (``Model.cases``) the step was checked in."""
 
 
-ASKED_ALONE: frozenset[str] = frozenset({"commit"})
-"""Actions whose obligations ask each changed conjunct on its own one-shot solver, in order,
-with no query for all of them (``Prover.check``). For commit the one query grows far faster
-with the sizes than its parts and loses at every size measured beyond the defaults (at the
-defaults the two cost about the same; figures: docs/proofs.md, "Commit's conjuncts asked
-alone")."""
+ASKED_ALONE: dict[str, int] = {"commit": 17}
+"""Per action, the model size (``model_size``) from which its obligations ask each changed
+conjunct on its own one-shot solver, in order, with no query for all of them
+(``Prover.check``; actions not named always ask the one query first). Commit's one query
+grows far faster with the sizes than its parts and loses at every size measured beyond the
+defaults (size 16), where it is the faster (figures: docs/proofs.md, "Commit's conjuncts
+asked alone")."""
+
+
+def model_size(model: sy.Model) -> int:
+    """Blocks (the null block counted) x requests x step slots: 16 at the default sizes."""
+    return model.config.num_blocks * len(model.R) * model.D
+
+
+def asks_alone(model: sy.Model, action: str) -> bool:
+    """Whether the action's obligations ask their changed conjuncts alone (``ASKED_ALONE``)."""
+    least = ASKED_ALONE.get(action)
+    return least is not None and model_size(model) >= least
+
 
 ASKED_BY_PARTS: dict[str, frozenset[str]] = {
     "commit": frozenset({"FreeQueueExact", "DeadEntriesReadWell", "NoUnwrittenPublish"})
 }
-"""Per action of ``ASKED_ALONE``, the conjuncts asked part by part (one one-shot query per
+"""Per action, the conjuncts asked part by part when it asks them alone (``ASKED_ALONE``) (one one-shot query per
 part of the conjunct's top-level ``And``; the conjunct is unsat exactly when every part is).
 Each is a conjunction over blocks or entries whose parts share nothing the solver needs to
 see at once; asked whole under commit at N=6, R=3, D=3 they cost more than twice their parts
@@ -259,11 +274,11 @@ class Prover:
         built = time.process_time() - cpu
         if todo and combined:
             # unsat of the one query for all the conjuncts the step may change proves the
-            # obligation; an action of ``ASKED_ALONE`` asks each conjunct on its own one-shot
+            # obligation; an action that asks them alone (``ASKED_ALONE``) asks each on its own one-shot
             # solver instead, in order. From the first conjunct not shown unsat on, the
             # incremental solver below asks them one by one (the same answer and failing
             # conjunct as asking them all one by one there).
-            if inst[0] in ASKED_ALONE:
+            if asks_alone(self.model, inst[0]):
                 todo = todo[self._alone(inst[0], guard, todo, where, times, deadline) :]
             else:
                 left = None if deadline is None else deadline - time.monotonic()

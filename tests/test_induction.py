@@ -150,13 +150,16 @@ def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(
     """The step's fast path (all changed conjuncts in one query on a one-shot solver, then one
     by one only if that is not unsat) gives every obligation the answer and the failing
     conjunct of asking the conjuncts one by one, failing obligations included; so does asking
-    each conjunct on its own one-shot solver first (``ASKED_ALONE``: commit; here also every
-    action, with every conjunct asked part by part, ``ASKED_BY_PARTS``)."""
+    each conjunct on its own one-shot solver first (``ASKED_ALONE``: commit past the default
+    sizes, here at any size; then also every action, with every conjunct asked part by part,
+    ``ASKED_BY_PARTS``)."""
     model = sy.Model(fragment(policy, "general"))
     actions = {inst[0] for inst in model.instances}
-    if alone != "commit":
+    if alone == "commit":
+        monkeypatch.setattr(induction, "ASKED_ALONE", {"commit": 0})
+    else:
         names = frozenset(induction.conjunct_names(model))
-        monkeypatch.setattr(induction, "ASKED_ALONE", frozenset(actions))
+        monkeypatch.setattr(induction, "ASKED_ALONE", dict.fromkeys(actions, 0))
         monkeypatch.setattr(induction, "ASKED_BY_PARTS", dict.fromkeys(actions, names))
     prover = induction.Prover(fragment(policy, "general"))
     answers: list[str] = []
@@ -174,6 +177,19 @@ def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(
     # which obligations asked the one query first: all but commit's, or none
     assert first["commit"] == {False}
     assert first["schedule"] == {alone == "commit"}
+
+
+def test_commit_asks_its_conjuncts_alone_past_the_default_sizes() -> None:
+    """The default sizes (N=4, R=2, D=2) keep commit's one query, where it is the faster;
+    larger ones ask commit's conjuncts alone, and never another action's."""
+
+    def alone(action: str, blocks: int, requests: int, depth: int) -> bool:
+        sizes = {"blocks": blocks, "requests": requests, "depth": depth}
+        return induction.asks_alone(sy.Model(fragment("deferred", **sizes)), action)
+
+    assert not alone("commit", 4, 2, 2)
+    assert alone("commit", 5, 2, 2) and alone("commit", 4, 2, 3) and alone("commit", 6, 3, 3)
+    assert not alone("schedule", 6, 3, 3) and not alone("execute", 6, 3, 3)
 
 
 @pytest.mark.parametrize(
