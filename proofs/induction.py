@@ -97,9 +97,9 @@ ASKED_ALONE: dict[str, int] = {"commit": 17}
 """Per action, the model size (``model_size``) from which its obligations ask each changed
 conjunct on its own one-shot solver, in order, with no query for all of them
 (``Prover.check``; actions not named always ask the one query first). Commit's one query
-grows far faster with the sizes than its parts and loses at every size measured beyond the
-defaults (size 16), where it is the faster (figures: docs/proofs.md, "Commit's conjuncts
-asked alone")."""
+grows far faster with the sizes than its parts and loses at every size measured past the
+defaults (model size 16); at the defaults, over all cells, it is the faster (figures:
+docs/proofs.md, "Commit's conjuncts asked alone")."""
 
 
 def model_size(model: sy.Model) -> int:
@@ -116,11 +116,12 @@ def asks_alone(model: sy.Model, action: str) -> bool:
 ASKED_BY_PARTS: dict[str, frozenset[str]] = {
     "commit": frozenset({"FreeQueueExact", "DeadEntriesReadWell", "NoUnwrittenPublish"})
 }
-"""Per action, the conjuncts asked part by part when it asks them alone (``ASKED_ALONE``) (one one-shot query per
-part of the conjunct's top-level ``And``; the conjunct is unsat exactly when every part is).
-Each is a conjunction over blocks or entries whose parts share nothing the solver needs to
-see at once; asked whole under commit at N=6, R=3, D=3 they cost more than twice their parts
-(docs/proofs.md). Splitting every conjunct is slower: a query has a fixed cost."""
+"""Per action, the conjuncts asked part by part when it asks them alone (``ASKED_ALONE``): one
+one-shot query per part of the conjunct's top-level ``And`` (the conjunct is unsat exactly when
+every part is). Each is a conjunction over blocks or entries whose parts share nothing the
+solver needs to see at once, and under commit past the default sizes its parts cost less than
+it does whole; splitting every conjunct costs more, a query having a fixed cost (figures:
+docs/proofs.md, "Commit's conjuncts asked alone")."""
 
 ALL = "(all changed)"
 """The conjunct name of an obligation's first query, which asks all the changed conjuncts at
