@@ -1,12 +1,12 @@
 """Where one inductive-step obligation of a cell spends its time (issue #15), per conjunct.
 
 ``kvspec.proofs.induction`` checks one obligation (action instance, case) by one query over all
-the conjuncts the step may change; this script takes the obligations whose instance name starts
-with ``--action`` (and at most ``--limit`` of them), builds each on a fresh ``Prover`` and times,
-in this process (process CPU): the build, the one combined query as the prover asks it, and,
-with ``--per-conjunct``, each changed conjunct alone on a one-shot solver
-(``--one-query``: every action in one query without a budget, as before
-``induction.COMBINED_BUDGET``). Every answer must be
+the conjuncts the step may change (commit past the default sizes: one query per conjunct); this
+script takes the obligations whose instance name starts with ``--action`` (and at most
+``--limit`` of them), builds each on a fresh ``Prover`` and times, in this process (process
+CPU): the build, the queries as the prover asks them, and, with ``--per-conjunct``, each changed
+conjunct alone on a one-shot solver (``--one-query``: every action's obligation starts with one
+query for all its changed conjuncts, as before ``induction.ASKED_ALONE``). Every answer must be
 unsat for an inductive cell; any other is printed as such and the run exits 1.
 
     PYTHONPATH=... python bench/bench_obligation.py --sizes 6,3,3 --policy deferred \\
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=0, help="skip the first SKIP matching")
     ap.add_argument("--per-conjunct", action="store_true")
     ap.add_argument("--conjuncts", nargs="*", help="only these, with --per-conjunct")
-    ap.add_argument("--one-query", action="store_true", help="no action's one query has a budget")
+    ap.add_argument("--one-query", action="store_true", help="no action asks its conjuncts alone")
     args = ap.parse_args()
     try:
         n, r, d = (int(x) for x in args.sizes.split(","))
@@ -48,7 +48,7 @@ def main() -> int:
         print(f"bench_obligation: bad --sizes/--cell/--policy: {exc}", file=sys.stderr)
         return 2
     if args.one_query:
-        induction.COMBINED_BUDGET = {}
+        induction.ASKED_ALONE = {}
     print(f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {fragment.describe()}")
     c0 = time.process_time()
     prover = induction.Prover(fragment)

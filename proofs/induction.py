@@ -17,17 +17,20 @@ why ``kvspec prove`` runs bounded model checking after a failed induction: the s
 counterexample, or a bounded proof. A solver ``unknown`` is never a proof.
 
 **How the step is checked.** The work is split into *obligations*, one per action instance and case
-(``Model.cases``: execute and commit get one case per scheduling order of their step, whose guards
-together cover the instance's guard), in a fixed canonical order. Each obligation asks whether the
-successor can break any conjunct of I that the step can change: first one query for all of them on
-a one-shot solver that preprocesses (``one_shot_solver``); only if that is not unsat, one query per
-conjunct, in order, pushed and popped over a solver that holds I(S) once (a worker keeps that
-solver for all its obligations of the cell). A conjunct is not rebuilt for the successor unless it
-reads a variable the step changed (its read set is traced once on the pre-state), and it is skipped
-when its term is literally the pre-state's (then the step leaves what it reads alone). Obligations
-run in parallel processes (``parallel.Pool``); the verdict is that of the first obligation in
-canonical order that is not unsat, so it does not depend on the number of workers or their timing,
-and the CTI is then recomputed alone in a fresh process, so that its values do not either.
+(``Model.cases``: execute gets two cases, its reads good or bad, and commit one per scheduling
+order of its step; an instance's cases' guards together cover its guard), in a fixed canonical
+order. Each obligation asks whether the successor can break any conjunct of I that the step can
+change: first one query for all of them on a one-shot solver that preprocesses
+(``one_shot_solver``), or for commit past the default sizes (``ASKED_ALONE``) one such query per
+conjunct, some part by part (``ASKED_BY_PARTS``); from the first conjunct not shown unsat on, one
+query per conjunct, in order, pushed and popped over a solver that holds I(S) once (a worker
+keeps that solver for all its obligations of the cell). A conjunct is not rebuilt for the
+successor unless it reads a variable the step changed (its read set is traced once on the
+pre-state), and it is skipped when its term is literally the pre-state's (then the step leaves
+what it reads alone). Obligations run in parallel processes (``parallel.Pool``); the verdict is
+that of the first obligation in canonical order that is not unsat, so it does not depend on the
+number of workers or their timing, and the CTI is then recomputed alone in a fresh process, so
+that its values do not either.
 
 Sizes are fixed (N, R, D, T, B of the fragment): the proof is unbounded in path length, not in the
 sizes. ``bench/bench_prove.py`` runs it over a range of sizes.
@@ -66,17 +69,14 @@ def new_solver() -> Any:
     return solver
 
 
-def one_shot_solver(timeout_s: float | None = None, rlimit: int | None = None) -> Any:
+def one_shot_solver(timeout_s: float | None = None) -> Any:
     """A solver for one query: ``PREPROCESS``, then Z3's SMT core with ``SOLVER_PARAMS``.
     Each ``check`` preprocesses all its assertions again, so it suits one check per solver;
-    verdicts are those of ``new_solver`` (a model may differ); ``rlimit`` bounds the check's Z3
-    resource units (then ``unknown``)."""
+    verdicts are those of ``new_solver`` (a model may differ)."""
     tactic = z3.Then(*PREPROCESS, z3.With("smt", **SOLVER_PARAMS))
     solver = tactic.solver()
     if timeout_s is not None:
         solver.set("timeout", max(1, int(timeout_s * 1000)))
-    if rlimit is not None:
-        solver.set("rlimit", max(1, rlimit))  # units from this check on (0 would be none)
     return solver
 
 
@@ -93,13 +93,35 @@ class Cti:
     """The case of the instance (``Model.cases``) the step was checked in."""
 
 
-COMBINED_BUDGET: dict[str, int] = {"commit": 30_000_000}
-"""Per action, the Z3 resource units (``rlimit``, deterministic, unlike seconds under load) an
-obligation's one query for all changed conjuncts may spend before each conjunct is asked on its
-own one-shot solver instead (``Prover.check``; actions not named have no budget). For commit
-the one query grows far faster with the sizes than its parts; at the default sizes it stays
-within the budget and is the faster (figures: docs/proofs.md, "A budget for commit's one
-query")."""
+ASKED_ALONE: dict[str, int] = {"commit": 17}
+"""Per action, the model size (``model_size``) from which its obligations ask each changed
+conjunct on its own one-shot solver, in order, with no query for all of them
+(``Prover.check``; actions not named always ask the one query first). Commit's one query
+grows far faster with the sizes than its parts and loses at every size measured past the
+defaults (model size 16); at the defaults, over all cells, it is the faster (figures:
+docs/proofs.md, "Commit's conjuncts asked alone")."""
+
+
+def model_size(model: sy.Model) -> int:
+    """Blocks (the null block counted) x requests x step slots: 16 at the default sizes."""
+    return model.config.num_blocks * len(model.R) * model.D
+
+
+def asks_alone(model: sy.Model, action: str) -> bool:
+    """Whether the action's obligations ask their changed conjuncts alone (``ASKED_ALONE``)."""
+    least = ASKED_ALONE.get(action)
+    return least is not None and model_size(model) >= least
+
+
+ASKED_BY_PARTS: dict[str, frozenset[str]] = {
+    "commit": frozenset({"FreeQueueExact", "DeadEntriesReadWell", "NoUnwrittenPublish"})
+}
+"""Per action, the conjuncts asked part by part when it asks them alone (``ASKED_ALONE``): one
+one-shot query per part of the conjunct's top-level ``And`` (the conjunct is unsat exactly when
+every part is). Each is a conjunction over blocks or entries whose parts share nothing the
+solver needs to see at once, and under commit past the default sizes its parts cost less than
+it does whole; splitting every conjunct costs more, a query having a fixed cost (figures:
+docs/proofs.md, "Commit's conjuncts asked alone")."""
 
 ALL = "(all changed)"
 """The conjunct name of an obligation's first query, which asks all the changed conjuncts at
@@ -246,37 +268,27 @@ class Prover:
         started, cpu = time.monotonic(), time.process_time()
         inst = self.model.instances[i]
         where = (_name(inst), case_name(self.model.cases(inst)[c]))
-        answer, failing, times = "unsat", None, []
+        answer, failing = "unsat", None
+        times: list[QueryTime] = []
         guard, succ, changed = self.step(i, c)
         todo = self.changed_conjuncts(succ, changed)
         built = time.process_time() - cpu
         if todo and combined:
-            # one query for all the conjuncts the step may change; unsat is the proof of the
-            # obligation. An action with a budget (``COMBINED_BUDGET``) that it runs out of
-            # asks each conjunct on its own one-shot solver instead, in order. From the first
-            # conjunct not unsat on, the incremental solver below asks them one by one (the
-            # same answer and failing conjunct as asking them all one by one there).
-            budget = COMBINED_BUDGET.get(inst[0])
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is None or left > 0:
-                goal = z3.Or([z3.Not(c) for _, c in todo])
-                verdict = self._one_shot(guard, goal, left, budget)
-                times.append(QueryTime(*where, ALL, str(verdict[0]), *verdict[1:]))
-                if verdict[0] == z3.unsat:
-                    todo = []
-                elif budget is not None and verdict[0] == z3.unknown:
-                    n = 0
-                    while n < len(todo):
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
-                            break
-                        name, cond = todo[n]
-                        verdict = self._one_shot(guard, z3.Not(cond), left)
-                        times.append(QueryTime(*where, name, str(verdict[0]), *verdict[1:]))
-                        if verdict[0] != z3.unsat:
-                            break
-                        n += 1
-                    todo = todo[n:]
+            # unsat of the one query for all the conjuncts the step may change proves the
+            # obligation; an action that asks them alone (``ASKED_ALONE``) asks each on its own one-shot
+            # solver instead, in order. From the first conjunct not shown unsat on, the
+            # incremental solver below asks them one by one (the same answer and failing
+            # conjunct as asking them all one by one there).
+            if asks_alone(self.model, inst[0]):
+                todo = todo[self._alone(inst[0], guard, todo, where, times, deadline) :]
+            else:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is None or left > 0:
+                    goal = z3.Or([z3.Not(c) for _, c in todo])
+                    verdict = self._one_shot(guard, goal, left)
+                    times.append(QueryTime(*where, ALL, str(verdict[0]), *verdict[1:]))
+                    if verdict[0] == z3.unsat:
+                        todo = []
         solver = self.solver
         solver.push()
         solver.add(guard)
@@ -309,11 +321,39 @@ class Prover:
             "build_cpu": built,
         }
 
-    def _one_shot(
-        self, guard: Any, goal: Any, timeout_s: float | None, rlimit: int | None = None
-    ) -> tuple[Any, float, float]:
+    def _alone(
+        self,
+        action: str,
+        guard: Any,
+        todo: list[tuple[str, Any]],
+        where: tuple[str, str],
+        times: list[QueryTime],
+        deadline: float | None,
+    ) -> int:
+        """Ask the conjuncts of ``todo`` in order, each on its own one-shot solver (by parts,
+        ``ASKED_BY_PARTS``), and return how many of them came out unsat before the first that
+        did not (or before the deadline)."""
+        by_parts = ASKED_BY_PARTS.get(action, frozenset())
+        for n, (name, cond) in enumerate(todo):
+            parts = cond.children() if name in by_parts and z3.is_and(cond) else [cond]
+            answer, seconds, cpu = "unsat", 0.0, 0.0
+            for part in parts:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return n
+                verdict = self._one_shot(guard, z3.Not(part), left)
+                seconds, cpu = seconds + verdict[1], cpu + verdict[2]
+                if verdict[0] != z3.unsat:
+                    answer = str(verdict[0])
+                    break
+            times.append(QueryTime(*where, name, answer, seconds, cpu))
+            if answer != "unsat":
+                return n
+        return len(todo)
+
+    def _one_shot(self, guard: Any, goal: Any, timeout_s: float | None) -> tuple[Any, float, float]:
         """I(S), the guard and ``goal`` on a one-shot solver: the answer, wall and CPU seconds."""
-        one = one_shot_solver(timeout_s, rlimit)
+        one = one_shot_solver(timeout_s)
         one.add(*self.pre.values())
         one.add(guard, goal)
         t0, c0 = time.monotonic(), time.process_time()

@@ -142,22 +142,28 @@ def test_z3_counterexample_is_confirmed_on_the_engine() -> None:
     assert outcome.induction is not None and outcome.induction.verdict == "cti"
 
 
-@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("alone", ["commit", "every action, by parts"])
 @pytest.mark.parametrize("policy", ["eager-unsafe", "deferred"])
 def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(
-    policy: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
+    policy: str, alone: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The step's fast path (all changed conjuncts in one query on a one-shot solver, then one
     by one only if that is not unsat) gives every obligation the answer and the failing
-    conjunct of asking the conjuncts one by one, failing obligations included; so does an
-    action's one query that runs out of its budget (``COMBINED_BUDGET``; 1 unit here for every
-    action), whose conjuncts are then asked on one-shot solvers one by one."""
+    conjunct of asking the conjuncts one by one, failing obligations included; so does asking
+    each conjunct on its own one-shot solver first (``ASKED_ALONE``: commit past the default
+    sizes, here at any size; then also every action, with every conjunct asked part by part,
+    ``ASKED_BY_PARTS``)."""
     model = sy.Model(fragment(policy, "general"))
-    if budget is not None:
-        actions = {inst[0] for inst in model.instances}
-        monkeypatch.setattr(induction, "COMBINED_BUDGET", dict.fromkeys(actions, budget))
+    actions = {inst[0] for inst in model.instances}
+    if alone == "commit":
+        monkeypatch.setattr(induction, "ASKED_ALONE", {"commit": 0})
+    else:
+        names = frozenset(induction.conjunct_names(model))
+        monkeypatch.setattr(induction, "ASKED_ALONE", dict.fromkeys(actions, 0))
+        monkeypatch.setattr(induction, "ASKED_BY_PARTS", dict.fromkeys(actions, names))
     prover = induction.Prover(fragment(policy, "general"))
-    answers, firsts = [], set()
+    answers: list[str] = []
+    first: dict[str, set[bool]] = {}
     for i, c in induction.obligations(prover.model):
         fast = prover.check(i, c, None)
         slow = prover.check(i, c, None, combined=False)
@@ -165,9 +171,25 @@ def test_one_query_per_obligation_answers_as_the_conjuncts_one_by_one(
         assert all(q.conjunct != induction.ALL for q in slow["queries"])
         answers.append(fast["answer"])
         if fast["queries"]:
-            firsts.add(fast["queries"][0].answer)
+            action = prover.model.instances[i][0]
+            first.setdefault(action, set()).add(fast["queries"][0].conjunct == induction.ALL)
     assert ("sat" in answers) == (policy == "eager-unsafe")
-    assert ("unknown" in firsts) == (budget is not None)  # the budget bites
+    # which obligations asked the one query first: all but commit's, or none
+    assert first["commit"] == {False}
+    assert first["schedule"] == {alone == "commit"}
+
+
+def test_commit_asks_its_conjuncts_alone_past_the_default_sizes() -> None:
+    """The default sizes (N=4, R=2, D=2) keep commit's one query, where it is the faster;
+    larger ones ask commit's conjuncts alone, and never another action's."""
+
+    def alone(action: str, blocks: int, requests: int, depth: int) -> bool:
+        sizes = {"blocks": blocks, "requests": requests, "depth": depth}
+        return induction.asks_alone(sy.Model(fragment("deferred", **sizes)), action)
+
+    assert not alone("commit", 4, 2, 2)
+    assert alone("commit", 5, 2, 2) and alone("commit", 4, 2, 3) and alone("commit", 6, 3, 3)
+    assert not alone("schedule", 6, 3, 3) and not alone("execute", 6, 3, 3)
 
 
 @pytest.mark.parametrize(
