@@ -442,10 +442,18 @@ COMPARED = (
 """The rows ``--monitor-only --baseline REF`` runs on both trees."""
 
 
-def monitor_child(label: str, requests: int, step_ms: float) -> None:
-    """In a fresh process, with the kvspec on ``PYTHONPATH``: a warm-up run (a tenth of the
-    requests; first-run costs such as cold caches are not counted), then ``label``'s run; its
-    figures as JSON, and the fast model's note (None: the compiled build judges)."""
+def monitor_child(label: str, requests: int, step_ms: float, folder: Path, link: Path) -> None:
+    """In a fresh process, with the kvspec on ``PYTHONPATH``: that tree's own compiled build, in
+    ``folder`` (built there by the first child, as ``CHECK_CHILD`` does; ``link`` holds the
+    ``mypy-path`` it builds with), a warm-up run (a tenth of the requests; first-run costs such
+    as cold caches are not counted), then ``label``'s run; its figures as JSON, and the fast
+    model's note (None: the compiled build judges)."""
+    sys.prefix = str(link)
+    fastbuild.FOLDER = folder
+    fastbuild._compiled = None
+    if fastbuild.compiled()[0] is None:
+        fastbuild.build(folder)
+        fastbuild._compiled = None
     options = MONITORS[label]
     monitored_run(max(requests // 10, 10), options)
     figures = monitored_run(requests, options, step_ms / 1000)
@@ -454,11 +462,19 @@ def monitor_child(label: str, requests: int, step_ms: float) -> None:
 
 
 def monitor_worker(tree: Path) -> Callable[[str, int, float], list[object]]:
-    """``monitor_child`` of ``tree`` (this script, importing ``tree``'s package)."""
-    env = {**os.environ, "PYTHONPATH": str(tree_link(tree))}
+    """``monitor_child`` of ``tree`` (this script, importing ``tree``'s package), judged by that
+    tree's own compiled build in a temporary folder: a baseline whose judge's sources differ
+    from this tree's would otherwise run from source, a third of the speed."""
+    link = tree_link(tree)
+    (link / "mypy-path").mkdir()
+    (link / "mypy-path" / "kvspec").symlink_to(tree)
+    folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
+    atexit.register(shutil.rmtree, folder, True)
+    env = {**os.environ, "PYTHONPATH": str(link), "MYPYPATH": str(link / "mypy-path")}
 
     def run(label: str, requests: int, step_ms: float) -> list[object]:
-        command = [sys.executable, __file__, "--monitor-child", label, str(requests), str(step_ms)]
+        command = [sys.executable, __file__, "--monitor-child", label, str(requests)]
+        command += [str(step_ms), str(folder), str(link)]
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
         )
@@ -588,7 +604,7 @@ def main() -> None:
         "--step-ms", type=float, default=0.0, help="monitor part: sleep per step (the model)"
     )
     parser.add_argument("--monitor-only", action="store_true", help="only part 4 (no trace needed)")
-    parser.add_argument("--monitor-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--monitor-child", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--baseline", metavar="REF", help="also kvspec check of git revision REF")
     parser.add_argument(
         "--compare-only",
@@ -597,8 +613,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.monitor_child:
-        label, requests, step_ms = args.monitor_child
-        monitor_child(label, int(requests), float(step_ms))
+        label, requests, step_ms, folder, link = args.monitor_child
+        monitor_child(label, int(requests), float(step_ms), Path(folder), Path(link))
         return
     if args.monitor_only:
         if args.baseline:
