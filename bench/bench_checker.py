@@ -246,15 +246,23 @@ def tree_link(tree: Path) -> Path:
     return link
 
 
-def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
-    """``kvspec check`` of ``tree`` in a fresh process (its own compiled build, in a temporary
-    folder); its ``took`` is the child's own timing of the check, start-up excluded."""
+def own_build(tree: Path) -> tuple[Path, Path, dict[str, str]]:
+    """For children that import ``tree`` and judge with a compiled build of its own: the folder
+    to put on ``PYTHONPATH`` (with the ``mypy-path`` the build reads), an empty temporary folder
+    for the build, and the children's environment."""
     link = tree_link(tree)
     (link / "mypy-path").mkdir()
     (link / "mypy-path" / "kvspec").symlink_to(tree)
     folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
     atexit.register(shutil.rmtree, folder, True)
     env = {**os.environ, "PYTHONPATH": str(link), "MYPYPATH": str(link / "mypy-path")}
+    return link, folder, env
+
+
+def worker(tree: Path, sample: Path) -> Callable[[Path, int], int]:
+    """``kvspec check`` of ``tree`` in a fresh process (its own compiled build, in a temporary
+    folder); its ``took`` is the child's own timing of the check, start-up excluded."""
+    link, folder, env = own_build(tree)
 
     def run(path: Path, sample_size: int) -> int:
         done = subprocess.run(
@@ -465,12 +473,7 @@ def monitor_worker(tree: Path) -> Callable[[str, int, float], list[object]]:
     """``monitor_child`` of ``tree`` (this script, importing ``tree``'s package), judged by that
     tree's own compiled build in a temporary folder: a baseline whose judge's sources differ
     from this tree's would otherwise run from source, a third of the speed."""
-    link = tree_link(tree)
-    (link / "mypy-path").mkdir()
-    (link / "mypy-path" / "kvspec").symlink_to(tree)
-    folder = Path(tempfile.mkdtemp(prefix="kvspec-mypyc-"))
-    atexit.register(shutil.rmtree, folder, True)
-    env = {**os.environ, "PYTHONPATH": str(link), "MYPYPATH": str(link / "mypy-path")}
+    link, folder, env = own_build(tree)
 
     def run(label: str, requests: int, step_ms: float) -> list[object]:
         command = [sys.executable, __file__, "--monitor-child", label, str(requests)]
