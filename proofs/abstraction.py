@@ -22,7 +22,7 @@ from typing import Any
 
 import z3
 
-from kvspec.spec.state import NULL_BLOCK, State
+from kvspec.spec.state import NULL_BLOCK, Placeholder, State
 
 from . import parametric as pm
 
@@ -43,19 +43,19 @@ TWIN_KINDS = (
 
 
 def in_fragment(s: State) -> bool:
-    """The parametric model's fragment: block size 1, synchronous, stale output dropped, no
-    loads, drafts, window, deferred frees; prefix caching on; a safe policy."""
+    """The parametric model's fragment: block size 1, stale output dropped (synchronous or
+    async scheduling), no drafts, window, deferred frees; prefix caching on; a safe policy
+    (external loads, which the spec allows only at block size 1 below the last token, are
+    in)."""
     c = s.config
     return (
         c.block_size == 1
-        and not c.async_scheduling
         and c.stale_output == "drop"
         and c.prefix_caching
         and not c.spec_tokens
         and c.sliding_window is None
         and not c.defer_free
         and c.policy in ("deferred", "hide-uncommitted")
-        and all(not e.load and not e.loaded for st in s.steps for e in st.entries.values())
     )
 
 
@@ -80,6 +80,19 @@ class Checker:
             self.hashes[key] = z3.Const(f"h{len(self.hashes)}", self.v.Hash)
         return self.hashes[key]
 
+    def content(self, s: State, c: Sequence[Any]) -> tuple[bool, Any]:
+        """Whether bytes holding ``c`` are valid, and the hash they hold. Known tokens: the
+        prefix's own constant. Under async scheduling placeholders: valid while every one is
+        the sample of a live entry of a step in flight (it will resolve to the request's token
+        there: ``hk`` of that position, not fixed yet), garbage once one was discarded."""
+        marks = [x for x in c if isinstance(x, Placeholder)]
+        if not marks:
+            return True, self.h(c)
+        live = {(st.id, r) for st in s.steps for r in st.live if st.entries[r].samples}
+        if any((p.step, p.req) not in live for p in marks):
+            return False, None
+        return True, self.v.hk(self.v.req[marks[0].req], len(c) - 1)
+
     def distinct_hashes(self) -> Any:
         hs = list(self.hashes.values())
         return z3.Distinct(*hs) if len(hs) > 1 else z3.BoolVal(True)
@@ -97,6 +110,7 @@ class Checker:
             q = s.requests.get(i)
             out.append(x.status(r) == (STATUS[q.status] if q else pm.ABSENT))
             out.append(x.comp(r) == (q.computed if q else 0))
+            out.append(x.loading(r) == (q is not None and q.loading is not None))
             tokens = q.tokens if q is not None else []
             for j in range(len(tokens)):
                 out.append(v.hk(r, j) == self.h(tokens[: j + 1]))
@@ -113,9 +127,12 @@ class Checker:
             out.append(x.pub(b) == (kv.key is not None))
             if kv.key is not None:
                 out.append(x.key(b) == self.h(kv.key))
-            out.append(x.wv(b) == (kv.written is not None))
+            written: tuple[bool, Any] = (False, None)
             if kv.written is not None:
-                out.append(x.wh(b) == self.h(kv.written))
+                written = self.content(s, kv.written)
+            out.append(x.wv(b) == written[0])
+            if written[0]:
+                out.append(x.wh(b) == written[1])
             by_step = {w.step - base: w for w in kv.pending}
             if len(by_step) != len(kv.pending):
                 raise ValueError(f"block {bi + 1} has two pending writes of one step")
@@ -123,7 +140,10 @@ class Checker:
                 w = by_step.get(t)
                 out.append(x.pw(t, b) == (w is not None))
                 if w is not None:
-                    out += [x.pwr(t, b) == req[w.req], x.pwh(t, b) == self.h(w.prefix)]
+                    out.append(x.pwr(t, b) == req[w.req])
+                    valid, held = self.content(s, w.prefix)
+                    if valid:  # else a withdrawn write of garbage: its execution garbles
+                        out.append(x.pwh(t, b) == held)
         for t in range(self.steps):
             st = next((st for st in s.steps if st.id - base == t), None)
             if st is not None:
@@ -132,9 +152,11 @@ class Checker:
                 e = st.entries.get(i) if st is not None else None
                 live = e is not None and st is not None and i in st.live
                 out.append(x.live(t, r) == live)
+                out.append(x.failed(t, r) == (st is not None and i in st.failed))
                 if live:
                     assert e is not None
                     out += [x.estart(t, r) == e.start, x.eend(t, r) == e.end]
+                    out.append(x.eload(t, r) == e.load)
         assert NULL_BLOCK == 0
         return out
 
@@ -145,11 +167,14 @@ class Checker:
         out += [a.lo == b.lo, a.hi == b.hi, a.bad == b.bad]
         for r in v.req:
             out += [a.status(r) == b.status(r), a.comp(r) == b.comp(r)]
+            out.append(a.loading(r) == b.loading(r))
             for x in v.blk:
                 out += [a.tab(r, x) == b.tab(r, x), a.ref(r, x) == b.ref(r, x)]
                 out.append(z3.Implies(a.tab(r, x), a.pos(r, x) == b.pos(r, x)))
             for t in ints:
                 out.append(a.live(t, r) == b.live(t, r))
+                out.append(a.failed(t, r) == b.failed(t, r))
+                out.append(z3.Implies(a.live(t, r), a.eload(t, r) == b.eload(t, r)))
                 out.append(
                     z3.Implies(
                         a.live(t, r),

@@ -32,8 +32,8 @@ import z3
 from . import parametric as pm
 
 SAFE_POLICIES = ("deferred", "hide-uncommitted")
-"""The policies whose sync cells the parametric model covers (both refine its commit-time
-publish, ``parametric.py``)."""
+"""The policies the parametric model covers, synchronous or async with stale output dropped
+(both refine its commit-time publish, ``parametric.py``)."""
 
 QUERY_TIMEOUT_MS = 60_000
 
@@ -60,14 +60,9 @@ class AllSizesResult:
         return next((o for o in self.obligations if o.verdict != "unsat"), None)
 
 
-def _solver() -> Any:
+def _ask(hyps: list[Any], goal: Any, timeout_ms: int = QUERY_TIMEOUT_MS) -> tuple[str, str | None]:
     solver = z3.Solver()
-    solver.set("timeout", QUERY_TIMEOUT_MS)
-    return solver
-
-
-def _ask(hyps: list[Any], goal: Any) -> tuple[str, str | None]:
-    solver = _solver()
+    solver.set("timeout", timeout_ms)
     solver.add(*hyps)
     solver.add(z3.Not(goal))
     answer = solver.check()
@@ -83,8 +78,11 @@ def fresh_holders(model: pm.Model, t: pm.Transition, s: pm.PState) -> Any:
     return model.fa([v.Blk], lambda b: z3.Implies(z3.Or(hit(b), alloc(b)), z3.Not(s.ref(r, b))))
 
 
-def prove(planted: str | None = None, stop_at_first: bool = True) -> AllSizesResult:
-    """Discharge every obligation; stop at the first that is not unsat (``stop_at_first``)."""
+def prove(
+    planted: str | None = None, stop_at_first: bool = True, timeout_ms: int = QUERY_TIMEOUT_MS
+) -> AllSizesResult:
+    """Discharge every obligation (each query limited to ``timeout_ms``); stop at the first
+    that is not unsat (``stop_at_first``)."""
     began = time.perf_counter()
     v = pm.Vocab()
     model = pm.Model(v, planted=planted)
@@ -93,7 +91,7 @@ def prove(planted: str | None = None, stop_at_first: bool = True) -> AllSizesRes
 
     def record(action: str, conjunct: str, hyps: list[Any], goal: Any) -> bool:
         t0 = time.perf_counter()
-        verdict, info = _ask(hyps, goal)
+        verdict, info = _ask(hyps, goal, timeout_ms)
         result.obligations.append(
             pm_obligation(action, conjunct, verdict, time.perf_counter() - t0, info)
         )
@@ -206,13 +204,13 @@ def run_all_sizes(
     counterexample at the smallest sizes, from the bounded model, confirmed by the spec and
     the reference engine), 3 not decided for every size (printed why)."""
     cell = f"{policy}, {discipline}/{preemption}" + (", async" if async_scheduling else "")
-    if async_scheduling or stale_output != "drop":
+    if stale_output != "drop":
         print(
-            f"NOT PROVED FOR EVERY SIZE ({cell}): the parametric model is synchronous with "
-            "stale output dropped. Under async scheduling a pending write holds placeholders "
-            "whose value is known only when the sampling step commits, or never (a discarded "
-            "sample), so a write's content is not a hash of known tokens; docs/proofs.md, "
-            "'Every size', says what stands in the way. Per-size results: kvspec prove --async."
+            f"NOT PROVED FOR EVERY SIZE ({cell}, stale output delivered): the parametric model "
+            "drops a preempted request's output in submitted steps; delivered, a waiting "
+            "request's entries stay live and its sample is appended later, which the model's "
+            "lemmas (a live entry's request runs) do not state; docs/proofs.md, 'Every "
+            "size'. Per-size results: kvspec prove --async --stale-output deliver."
         )
         return 3
     if policy in SAFE_POLICIES:
@@ -228,8 +226,9 @@ def run_all_sizes(
             print(f"inductive invariant: the five and {len(lemmas)} lemmas ({', '.join(lemmas)})")
             print(describe(result))
             print(
-                "fragment: block size 1, synchronous scheduling, no external loads, no draft "
-                "tokens, prefix caching on; the model over-approximates the scheduler (any "
+                "fragment: block size 1, synchronous or async scheduling (one proof covers "
+                "both; stale output dropped), external loads (async and sync) and load "
+                "failures, no draft tokens, prefix caching on; the model over-approximates the scheduler (any "
                 "admission, preemption, lookup hit, allocation, finish); its agreement with the "
                 "spec: tests/test_parametric_twin.py"
             )
@@ -260,4 +259,10 @@ def run_all_sizes(
     from .prove import run_prove
 
     code = run_prove(policy, discipline, preemption, out=out, timeout_s=timeout_s)
-    return 1 if code == 1 else 3
+    if code == 1:
+        return 1
+    print(
+        f"NOT DECIDED FOR EVERY SIZE ({cell}): no counterexample at the smallest sizes, and the "
+        "parametric model has no rollback, so nothing is claimed past those sizes."
+    )
+    return 3

@@ -12,8 +12,12 @@ from the initial one for any number of blocks, requests, steps in flight and tok
 What is modelled, and how it relates to the spec (the twin: ``tests/test_parametric_twin.py``
 checks that every spec transition is one of this model's, on random reachable states):
 
-* **Fragment**: block size 1, synchronous scheduling, stale output dropped, no external loads,
-  no draft tokens, prefix caching on, no sliding window, no deferred frees. The policies
+* **Fragment**: block size 1, synchronous or async scheduling with stale output dropped,
+  external loads (asynchronous, which may fail, and synchronous, a computation here), no draft
+  tokens, prefix caching on, no sliding window, no deferred frees. Under async scheduling a
+  byte computed on a placeholder is modelled as the token it resolves to (``hk`` is rigid),
+  and the bytes of a leaving request's unpublished blocks may turn to garbage (a discarded
+  sample's placeholder never resolves: ``lost``). The policies
   ``deferred`` and ``hide-uncommitted`` both refine ``commit_publish``: under that fragment
   each publishes at a step's commit, after its writes, only blocks of live entries at positions
   the entry covers (the param model lets a commit publish *any* such set).
@@ -53,12 +57,22 @@ ABSENT, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
 BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
 """A step's phase."""
 
-PLANTS = ("eager-publish", "no-evict", "lemma-too-strong", "hit-any-block")
+PLANTS = (
+    "eager-publish",
+    "no-evict",
+    "lemma-too-strong",
+    "hit-any-block",
+    "publish-failed-load",
+    "placeholders-resolve",
+)
 """Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
 bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
 cached block without dropping its hash; ``lemma-too-strong`` states a false lemma (every
 published block is held by someone); ``hit-any-block`` lets a lookup hit a block published
-under another hash."""
+under another hash; ``publish-failed-load`` lets a commit publish the blocks of a load that
+failed (``deferred`` without its ``rid not in step.failed``); ``placeholders-resolve`` keeps
+a leaving request's bytes valid (as if a discarded sample's placeholder resolved: a model that
+is not the spec under async scheduling, which the twin test refuses)."""
 
 Term = Any
 """A Z3 term (z3's stubs are untyped)."""
@@ -146,7 +160,10 @@ class PState:
     prefix hashed pwh (at most one per step and block at block size 1); hw(b): a ghost, the step
     of the pending write of b's holder; live(t, r), estart(t, r), eend(t, r): r has a live entry
     in step t computing tokens estart..eend-1; phase(t); lo, hi: the steps in flight are
-    lo..hi-1 (the building one, if any, is hi-1); bad: a live read found the wrong bytes."""
+    lo..hi-1 (the building one, if any, is hi-1); bad: a live read found the wrong bytes.
+    External loads: loading(r), r waits for an asynchronous load; eload(t, r), r's entry in
+    step t is such a load (it writes the loaded blocks, computes and reads nothing);
+    failed(t, r), that load failed when step t executed (its writes did not happen)."""
 
     status: Callable[[Term], Term]
     comp: Callable[[Term], Term]
@@ -166,6 +183,9 @@ class PState:
     estart: Callable[[Term, Term], Term]
     eend: Callable[[Term, Term], Term]
     phase: Callable[[Term], Term]
+    loading: Callable[[Term], Term]
+    eload: Callable[[Term, Term], Term]
+    failed: Callable[[Term, Term], Term]
     lo: Term
     hi: Term
     bad: Term
@@ -196,6 +216,9 @@ def symbolic_state(v: Vocab, tag: str) -> PState:
         "estart": (I, R, I),
         "eend": (I, R, I),
         "phase": (I, I),
+        "loading": (R, Bo),
+        "eload": (I, R, Bo),
+        "failed": (I, R, Bo),
     }
     fns = {name: z3.Function(f"{tag}.{name}", *s) for name, s in sig.items()}
     return PState(
@@ -231,6 +254,9 @@ def initial_state(v: Vocab) -> PState:
         estart=lambda t, r: zero,
         eend=lambda t, r: zero,
         phase=lambda t: zero,
+        loading=lambda r: false,
+        eload=lambda t, r: false,
+        failed=lambda t, r: false,
         lo=zero,
         hi=zero,
         bad=false,
@@ -271,10 +297,31 @@ class Model:
         n = f"p{next(self._n)}.{name}"
         return z3.Function(n, *sig) if len(sig) > 1 else z3.Const(n, sig[0])
 
-    def _release(self, s: PState, leaving: Callable[[Term], Term]) -> dict[str, Any]:
+    def _release(
+        self, s: PState, leaving: Callable[[Term], Term]
+    ) -> tuple[dict[str, Any], Term, Any]:
         """The leaving requests (``leaving(r)``) drop their tables: a block none of its other
-        holders keeps goes to the free queue (refcount reaches 0)."""
+        holders keeps goes to the free queue (refcount reaches 0). Under async scheduling the
+        bytes of their unpublished blocks may hold a placeholder that now never resolves
+        (a discarded sample): ``lost`` says which turn to garbage (any of them may; the spec's
+        are those whose placeholder's step was discarded). Returns the changed fields, the
+        condition on ``lost`` and ``lost``."""
         v = self.v
+        lost = self.fresh("lost", v.Blk, z3.BoolSort())
+        lost_ok = self.fa(
+            [v.Blk],
+            lambda b: (
+                z3.Not(lost(b))
+                if self.planted == "placeholders-resolve"
+                else z3.Implies(
+                    lost(b),
+                    z3.And(
+                        z3.Not(s.pub(b)),
+                        self.ex([v.Req], lambda q: z3.And(leaving(q), s.tab(q, b))),
+                    ),
+                )
+            ),
+        )
 
         def kept(b: Term) -> Term:
             return self.ex([v.Req], lambda q: z3.And(s.ref(q, b), z3.Not(leaving(q))))
@@ -282,12 +329,15 @@ class Model:
         def dropped(b: Term) -> Term:
             return self.ex([v.Req], lambda q: z3.And(s.ref(q, b), leaving(q)))
 
-        return {
+        changed = {
+            "wv": lambda b: z3.And(s.wv(b), z3.Not(lost(b))),
             "tab": lambda r, b: z3.And(s.tab(r, b), z3.Not(leaving(r))),
             "ref": lambda r, b: z3.And(s.ref(r, b), z3.Not(leaving(r))),
             "free": lambda b: z3.Or(s.free(b), z3.And(dropped(b), z3.Not(kept(b)))),
             "comp": lambda r: z3.If(leaving(r), 0, s.comp(r)),
+            "loading": lambda r: z3.And(s.loading(r), z3.Not(leaving(r))),
         }
+        return changed, lost_ok, lost
 
     # -- actions ---------------------------------------------------------------------------
     def arrive(self, s: PState) -> Transition:
@@ -307,10 +357,13 @@ class Model:
         """Give request r tokens start..end-1 in the building step; a waiting r is admitted
         first with hits (``hit``: published blocks under its hashes, at positions below
         start). The blocks at positions start..end-1 are allocated (``alloc``: free blocks,
-        their hashes evicted) and get the step's pending writes of r's prefixes there."""
+        their hashes evicted) and get the step's pending writes of r's prefixes there. An
+        admission may instead load them (``load``: an asynchronous external load; r waits for
+        it; a synchronous load, landed before the step computes, is a computation here)."""
         v = self.v
         R, B, I, Bo = v.Req, v.Blk, z3.IntSort(), z3.BoolSort()  # noqa: E741
         r, n, h = self.fresh("r", R), self.fresh("n", I), self.fresh("h", I)
+        load = self.fresh("load", Bo)
         hit, alloc = self.fresh("hit", B, Bo), self.fresh("alloc", B, Bo)
         np_ = self.fresh("np", B, I)
         tb = s.hi - 1
@@ -348,6 +401,8 @@ class Model:
             self.building(s),
             z3.Or(admit, s.status(r) == RUNNING),
             z3.Not(s.live(tb, r)),
+            z3.Not(s.loading(r)),
+            z3.Implies(load, admit),
             n >= 1,
             h >= 0,
             hit_ok,
@@ -375,8 +430,11 @@ class Model:
             live=lambda t, q: z3.Or(s.live(t, q), z3.And(t == tb, q == r)),
             estart=lambda t, q: z3.If(z3.And(t == tb, q == r), start, s.estart(t, q)),
             eend=lambda t, q: z3.If(z3.And(t == tb, q == r), end, s.eend(t, q)),
+            eload=lambda t, q: z3.If(z3.And(t == tb, q == r), load, s.eload(t, q)),
+            failed=lambda t, q: z3.And(s.failed(t, q), z3.Not(z3.And(t == tb, q == r))),
+            loading=lambda q: z3.Or(s.loading(q), z3.And(q == r, load)),
         )
-        params = {"r": r, "n": n, "h": h, "hit": hit, "alloc": alloc, "np": np_}
+        params = {"r": r, "n": n, "h": h, "hit": hit, "alloc": alloc, "np": np_, "load": load}
         return Transition("schedule", guard, post, params)
 
     def preempt(self, s: PState) -> Transition:
@@ -385,7 +443,7 @@ class Model:
         writes still run), and its table is freed."""
         r = self.fresh("r", self.v.Req)
         tb = s.hi - 1
-        rel = self._release(s, lambda q: q == r)
+        rel, lost_ok, lost = self._release(s, lambda q: q == r)
         post = replace(
             s,
             status=lambda q: z3.If(q == r, WAITING, s.status(q)),
@@ -393,12 +451,12 @@ class Model:
             live=lambda t, q: z3.And(s.live(t, q), q != r),
             **rel,
         )
-        guard = z3.And(self.building(s), s.status(r) == RUNNING)
-        return Transition("preempt", guard, post, {"r": r})
+        guard = z3.And(self.building(s), s.status(r) == RUNNING, lost_ok)
+        return Transition("preempt", guard, post, {"r": r, "lost": lost})
 
     def abort(self, s: PState) -> Transition:
         r = self.fresh("r", self.v.Req)
-        rel = self._release(s, lambda q: q == r)
+        rel, lost_ok, lost = self._release(s, lambda q: q == r)
         post = replace(
             s,
             status=lambda q: z3.If(q == r, FINISHED, s.status(q)),
@@ -408,8 +466,9 @@ class Model:
         guard = z3.And(
             z3.Not(self.building(s)),
             z3.Or(s.status(r) == WAITING, s.status(r) == RUNNING),
+            lost_ok,
         )
-        return Transition("abort", guard, post, {"r": r})
+        return Transition("abort", guard, post, {"r": r, "lost": lost})
 
     def submit(self, s: PState) -> Transition:
         tb = s.hi - 1
@@ -424,13 +483,16 @@ class Model:
         v = self.v
         t = self.fresh("t", z3.IntSort())
         garble = self.fresh("garble", v.Req, z3.BoolSort())
-        wv1 = lambda b: z3.Or(s.pw(t, b), s.wv(b))  # noqa: E731
-        wh1 = lambda b: z3.If(s.pw(t, b), s.pwh(t, b), s.wh(b))  # noqa: E731
+        fail = self.fresh("fail", v.Req, z3.BoolSort())
+        lands = lambda b: z3.And(s.pw(t, b), z3.Not(fail(s.pwr(t, b))))  # noqa: E731
+        wv1 = lambda b: z3.Or(lands(b), s.wv(b))  # noqa: E731
+        wh1 = lambda b: z3.If(lands(b), s.pwh(t, b), s.wh(b))  # noqa: E731
 
         def bad_read(q: Term) -> Term:
             return self.ex(
                 [v.Blk],
                 lambda b: z3.And(
+                    z3.Not(s.eload(t, q)),  # a load reads nothing
                     s.tab(q, b),
                     s.pos(q, b) < s.estart(t, q),
                     z3.Not(z3.And(wv1(b), wh1(b) == v.hk(q, s.pos(q, b)))),
@@ -442,7 +504,12 @@ class Model:
             lambda u: z3.Implies(z3.And(s.lo <= u, u < t), s.phase(u) == EXECUTED),
         )
         live_garbles = self.fa(
-            [v.Req], lambda q: z3.Implies(z3.And(garble(q), s.live(t, q)), bad_read(q))
+            [v.Req],
+            lambda q: z3.And(
+                z3.Implies(z3.And(garble(q), s.live(t, q)), bad_read(q)),
+                z3.Implies(fail(q), s.eload(t, q)),
+                z3.Implies(s.eload(t, q), z3.Not(garble(q))),
+            ),
         )
         guard = z3.And(s.lo <= t, t < s.hi, s.phase(t) == SUBMITTED, older_done, live_garbles)
         any_bad = self.ex([v.Req], lambda q: z3.And(s.live(t, q), bad_read(q)))
@@ -452,15 +519,17 @@ class Model:
             wh=wh1,
             pw=lambda u, b: z3.And(s.pw(u, b), u != t),
             phase=lambda u: z3.If(u == t, EXECUTED, s.phase(u)),
+            failed=lambda u, q: z3.Or(s.failed(u, q), z3.And(u == t, fail(q))),
             bad=z3.Or(s.bad, any_bad),
         )
-        return Transition("execute", guard, post, {"t": t, "garble": garble})
+        return Transition("execute", guard, post, {"t": t, "garble": garble, "fail": fail})
 
     def commit(self, s: PState) -> Transition:
-        """The oldest step, executed, with no step building: publish (``publish``, by request
-        ``publisher``: unpublished blocks of live entries at positions the entry covers), then
-        sample; ``finish`` says which live requests finish (their tables are freed and their
-        entries in later steps stop being live)."""
+        """The oldest step, executed, with no step building: a request whose load failed there
+        leaves and waits again; publish (``publish``, by request ``publisher``: unpublished
+        blocks of live entries, not failed, at positions the entry covers), then sample;
+        ``finish`` says which live requests finish (their tables are freed and their entries
+        in later steps stop being live)."""
         v = self.v
         B, R, Bo = v.Blk, v.Req, z3.BoolSort()
         t = s.lo
@@ -473,12 +542,17 @@ class Model:
                 z3.And(
                     z3.Not(s.pub(b)),
                     s.live(t, publisher(b)),
+                    z3.Not(s.failed(t, publisher(b)))
+                    if self.planted != "publish-failed-load"
+                    else z3.BoolVal(True),
                     s.tab(publisher(b), b),
                     s.pos(publisher(b), b) < s.eend(t, publisher(b)),
                 ),
             ),
         )
-        finish_ok = self.fa([R], lambda q: z3.Implies(finish(q), s.live(t, q)))
+        finish_ok = self.fa(
+            [R], lambda q: z3.Implies(finish(q), z3.And(s.live(t, q), z3.Not(s.eload(t, q))))
+        )
         guard = z3.And(
             s.lo < s.hi,
             s.phase(t) == EXECUTED,
@@ -488,17 +562,26 @@ class Model:
         )
         if self.planted == "eager-publish":  # eager publishes at schedule, not here
             guard = z3.And(guard, self.fa([B], lambda b: z3.Not(publish(b))))
-        rel = self._release(s, finish)
+
+        def back(q: Term) -> Term:  # a failed load: the request goes back to waiting
+            return z3.And(s.live(t, q), s.failed(t, q))
+
+        rel, lost_ok, lost = self._release(s, lambda q: z3.Or(finish(q), back(q)))
+        unpublished = self.fa([B], lambda b: z3.Implies(lost(b), z3.Not(publish(b))))
+        guard = z3.And(guard, lost_ok, unpublished)
+        landed = rel.pop("loading")
         post = replace(
             s,
-            status=lambda q: z3.If(finish(q), FINISHED, s.status(q)),
+            status=lambda q: z3.If(finish(q), FINISHED, z3.If(back(q), WAITING, s.status(q))),
+            loading=lambda q: z3.And(landed(q), z3.Not(z3.And(s.live(t, q), s.eload(t, q)))),
             pub=lambda b: z3.Or(s.pub(b), publish(b)),
             key=lambda b: z3.If(publish(b), v.hk(publisher(b), s.pos(publisher(b), b)), s.key(b)),
-            live=lambda u, q: z3.And(s.live(u, q), u != t, z3.Not(finish(q))),
+            live=lambda u, q: z3.And(s.live(u, q), u != t, z3.Not(finish(q)), z3.Not(back(q))),
+            failed=lambda u, q: z3.And(s.failed(u, q), u != t),
             lo=s.lo + 1,
             **rel,
         )
-        params = {"publish": publish, "publisher": publisher, "finish": finish}
+        params = {"publish": publish, "publisher": publisher, "finish": finish, "lost": lost}
         return Transition("commit", guard, post, params)
 
     def reset(self, s: PState) -> Transition:
@@ -610,6 +693,13 @@ class Model:
             s.pos(r, b) < s.eend(s.hw(b), r),
             self.fa([I], lambda u: z3.Implies(s.pw(u, b), u <= s.hw(b))),
         )
+        load_failed = lambda r, b: z3.And(  # noqa: E731
+            s.live(s.hw(b), r),
+            s.failed(s.hw(b), r),
+            s.estart(s.hw(b), r) <= s.pos(r, b),
+            s.pos(r, b) < s.eend(s.hw(b), r),
+            self.fa([I], lambda u: z3.Not(s.pw(u, b))),
+        )
         written_ok = lambda r, b: z3.And(  # noqa: E731
             s.wv(b),
             s.wh(b) == v.hk(r, s.pos(r, b)),
@@ -662,6 +752,19 @@ class Model:
                 lambda t, b: z3.Implies(s.pw(t, b), z3.And(in_flight(t), s.phase(t) != EXECUTED)),
             ),
             "ComputedNonNegative": self.fa([R], lambda r: s.comp(r) >= 0),
+            "LoadsAlone": self.fa(
+                [I, I, R],
+                lambda t, u, r: z3.Implies(
+                    z3.And(s.live(t, r), s.eload(t, r)),
+                    z3.And(s.loading(r), z3.Implies(s.live(u, r), u == t)),
+                ),
+            ),
+            "FailedLoads": self.fa(
+                [I, R],
+                lambda t, r: z3.Implies(
+                    s.failed(t, r), z3.And(in_flight(t), s.eload(t, r), s.phase(t) == EXECUTED)
+                ),
+            ),
             "TablesOfRunning": self.fa(
                 [R, B],
                 lambda r, b: z3.Implies(
@@ -671,7 +774,9 @@ class Model:
             ),
             "HeldBlocksHold": self.fa(
                 [R, B],
-                lambda r, b: z3.Implies(s.tab(r, b), z3.Or(own_write(r, b), written_ok(r, b))),
+                lambda r, b: z3.Implies(
+                    s.tab(r, b), z3.Or(own_write(r, b), written_ok(r, b), load_failed(r, b))
+                ),
             ),
             "PublishedWritten": self.fa(
                 [B],
