@@ -309,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "bmc"),
         help="auto: induction first, then bounded model checking; bmc: only the latter",
     )
+    prove.add_argument(
+        "--all-sizes",
+        action="store_true",
+        help="prove for every number of blocks, requests and steps (the parametric model; "
+        "unsafe cells: the shortest counterexample at the smallest sizes)",
+    )
     _prove_scheduling(prove)
     _common(prove)
 
@@ -640,6 +646,18 @@ def _prove(args: argparse.Namespace) -> int:
     _requires("z3", "proofs")
     from kvspec.proofs.prove import run_prove
 
+    if args.all_sizes:
+        from kvspec.proofs.all_sizes import run_all_sizes
+
+        return run_all_sizes(
+            args.policy,
+            args.discipline,
+            args.preemption,
+            async_scheduling=args.async_scheduling,
+            stale_output=args.stale_output,
+            out=args.out,
+            timeout_s=args.timeout,
+        )
     return run_prove(
         args.policy,
         args.discipline,

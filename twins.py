@@ -117,6 +117,27 @@ TWINS: tuple[Twin, ...] = (
         ),
     ),
     Twin(
+        "kvspec.proofs.parametric",
+        "the parametric model: the block lifecycle over unbounded sorts (requests, blocks, "
+        "hashes; steps and positions as integers), for proofs at every size; synchronous or async "
+        "(stale output dropped), "
+        "block size 1, external loads and their failures, deferred and hide-uncommitted "
+        "(``proofs/abstraction.py`` "
+        "maps a spec state onto a finite instance)",
+        "an over-approximation of the spec: every spec step in its fragment is one of its "
+        "steps, every state the walks reach is inside its invariant, and its five safety "
+        "predicates have the spec invariants' values there",
+        (
+            "tests/test_parametric_twin.py::test_every_spec_step_is_a_parametric_step",
+            "tests/test_parametric_twin.py::test_the_twin_covers_withdrawn_writes_reuse_and_eviction",
+            "tests/test_parametric_twin.py::test_the_twin_covers_sharing_and_failed_loads",
+            "tests/test_parametric_twin.py::test_the_twin_covers_placeholders_resolved_and_discarded",
+            "tests/test_parametric_twin.py::test_a_drifting_model_fails_the_twin_test",
+            "tests/test_parametric.py::test_the_invariant_is_inductive_for_every_size",
+            "tests/test_parametric.py::test_a_planted_bug_fails_the_proof",
+        ),
+    ),
+    Twin(
         "kvspec.proofs.contracts",
         "CrossHair contracts: the spec's pool mechanisms as pure functions of a flat pool, "
         "with prefix caching on (``pool.free_batch``, the free without it, is not among them: "

@@ -1,0 +1,250 @@
+"""The abstraction from a spec state to a finite instance of the parametric model.
+
+``parametric.py`` proves its invariant for every size; the proof speaks of the spec only through
+this map and the twin test built on it (``tests/test_parametric_twin.py``): for a spec state s
+of the fragment, ``encode`` gives the constraints saying that a parametric state, over finite
+sorts holding the state's requests and blocks, *is* s (tables, holders, the free queue as a set,
+published keys, written and pending contents as hashes, the live entries, the steps in flight);
+``Checker.step_agrees`` asks Z3 whether the model's action of the same kind takes the encoding
+of s to the encoding of the spec's successor, for some parameters (the model is an
+over-approximation, so *some* is the refinement: every spec step is a model step), and
+``Checker.invariant_holds`` whether the encoding satisfies the model's invariant for some value of
+the ghost ``hw`` (so every reachable spec state the walks visit is inside it).
+
+Hashes are the spec's keys themselves: each distinct token prefix gets a distinct ``Hash``
+constant, and ``hk(r, i)`` is r's prefix of i + 1 tokens (block size 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import z3
+
+from kvspec.spec.state import NULL_BLOCK, Placeholder, State
+
+from . import parametric as pm
+
+STATUS = {"waiting": pm.WAITING, "running": pm.RUNNING, "finished": pm.FINISHED}
+PHASE = {"building": pm.BUILDING, "submitted": pm.SUBMITTED, "executed": pm.EXECUTED}
+
+TWIN_KINDS = (
+    "arrive",
+    "begin",
+    "schedule",
+    "preempt",
+    "submit",
+    "execute",
+    "commit",
+    "abort",
+    "reset",
+)
+
+
+def in_fragment(s: State) -> bool:
+    """The parametric model's fragment: block size 1, stale output dropped (synchronous or
+    async scheduling), no drafts, window, deferred frees; prefix caching on; a safe policy
+    (external loads, which the spec allows only at block size 1 below the last token, are
+    in)."""
+    c = s.config
+    return (
+        c.block_size == 1
+        and c.stale_output == "drop"
+        and c.prefix_caching
+        and not c.spec_tokens
+        and c.sliding_window is None
+        and not c.defer_free
+        and c.policy in ("deferred", "hide-uncommitted")
+    )
+
+
+class Checker:
+    """A finite instance: ``requests`` request ids, the config's blocks, step ids
+    0 .. ``steps`` - 1; a pre- and a post-state over it, and the model's actions built once."""
+
+    def __init__(self, requests: int, blocks: int, steps: int, planted: str | None = None):
+        self.v = v = pm.Vocab(requests, blocks - 1, range(steps))
+        self.model = pm.Model(v, planted=planted)
+        self.steps = steps
+        self.pre, self.post = pm.symbolic_state(v, "A"), pm.symbolic_state(v, "B")
+        self.hashes: dict[tuple[Any, ...], Any] = {}
+        self.actions = {k: self.model.transition(k, self.pre) for k in TWIN_KINDS}
+        self.invariant = z3.And(list(self.model.invariant(self.pre).values()))
+        self.safety = self.model.safety(self.pre)
+        self.axioms = v.axioms()
+
+    def h(self, prefix: Sequence[Any]) -> Any:
+        key = tuple(prefix)
+        if key not in self.hashes:
+            self.hashes[key] = z3.Const(f"h{len(self.hashes)}", self.v.Hash)
+        return self.hashes[key]
+
+    def content(self, s: State, c: Sequence[Any]) -> tuple[bool, Any]:
+        """Whether bytes holding ``c`` are valid, and the hash they hold. Known tokens: the
+        prefix's own constant. Under async scheduling placeholders: valid while every one is
+        the sample of a live entry of a step in flight (it will resolve to the request's token
+        there: ``hk`` of that position, not fixed yet), garbage once one was discarded."""
+        marks = [x for x in c if isinstance(x, Placeholder)]
+        if not marks:
+            return True, self.h(c)
+        live = {(st.id, r) for st in s.steps for r in st.live if st.entries[r].samples}
+        if any((p.step, p.req) not in live for p in marks):
+            return False, None
+        return True, self.v.hk(self.v.req[marks[0].req], len(c) - 1)
+
+    def distinct_hashes(self) -> Any:
+        hs = list(self.hashes.values())
+        return z3.Distinct(*hs) if len(hs) > 1 else z3.BoolVal(True)
+
+    def encode(self, x: pm.PState, s: State, base: int) -> list[Any]:
+        """Constraints saying that x is s (the parts the model gives a meaning to); step id t
+        of the spec is ``t - base`` in the instance (ids only matter by their order)."""
+        v, out = self.v, []
+        req, blk = v.req, v.blk
+        lo = s.steps[0].id if s.steps else s.next_step
+        out += [x.lo == lo - base, x.hi == s.next_step - base, x.bad == bool(s.bad_reads)]
+        if not 0 <= lo - base <= s.next_step - base < self.steps:
+            raise ValueError(f"steps {lo}..{s.next_step} are beyond the instance's ids")
+        for i, r in enumerate(req):
+            q = s.requests.get(i)
+            out.append(x.status(r) == (STATUS[q.status] if q else pm.ABSENT))
+            out.append(x.comp(r) == (q.computed if q else 0))
+            out.append(x.loading(r) == (q is not None and q.loading is not None))
+            tokens = q.tokens if q is not None else []
+            for j in range(len(tokens)):
+                out.append(v.hk(r, j) == self.h(tokens[: j + 1]))
+            for bi, b in enumerate(blk):
+                block = bi + 1
+                held = q is not None and block in q.table
+                out += [x.tab(r, b) == held, x.ref(r, b) == held]
+                if held:
+                    assert q is not None
+                    out.append(x.pos(r, b) == q.table.index(block))
+        for bi, b in enumerate(blk):
+            kv = s.blocks[bi + 1]
+            out.append(x.free(b) == ((bi + 1) in s.free))
+            out.append(x.pub(b) == (kv.key is not None))
+            if kv.key is not None:
+                out.append(x.key(b) == self.h(kv.key))
+            written: tuple[bool, Any] = (False, None)
+            if kv.written is not None:
+                written = self.content(s, kv.written)
+            out.append(x.wv(b) == written[0])
+            if written[0]:
+                out.append(x.wh(b) == written[1])
+            by_step = {w.step - base: w for w in kv.pending}
+            if len(by_step) != len(kv.pending):
+                raise ValueError(f"block {bi + 1} has two pending writes of one step")
+            for t in range(self.steps):
+                w = by_step.get(t)
+                out.append(x.pw(t, b) == (w is not None))
+                if w is not None:
+                    out.append(x.pwr(t, b) == req[w.req])
+                    valid, held = self.content(s, w.prefix)
+                    if valid:  # else a withdrawn write of garbage: its execution garbles
+                        out.append(x.pwh(t, b) == held)
+        for t in range(self.steps):
+            st = next((st for st in s.steps if st.id - base == t), None)
+            if st is not None:
+                out.append(x.phase(t) == PHASE[st.phase])
+            for i, r in enumerate(req):
+                e = st.entries.get(i) if st is not None else None
+                live = e is not None and st is not None and i in st.live
+                out.append(x.live(t, r) == live)
+                out.append(x.failed(t, r) == (st is not None and i in st.failed))
+                if live:
+                    assert e is not None
+                    out += [x.estart(t, r) == e.start, x.eend(t, r) == e.end]
+                    out.append(x.eload(t, r) == e.load)
+        assert NULL_BLOCK == 0
+        return out
+
+    def same(self, a: pm.PState, b: pm.PState) -> list[Any]:
+        """a and b agree everywhere on the instance (every field, pointwise)."""
+        v, out = self.v, []
+        ints = [z3.IntVal(t) for t in range(self.steps)]
+        out += [a.lo == b.lo, a.hi == b.hi, a.bad == b.bad]
+        for r in v.req:
+            out += [a.status(r) == b.status(r), a.comp(r) == b.comp(r)]
+            out.append(a.loading(r) == b.loading(r))
+            for x in v.blk:
+                out += [a.tab(r, x) == b.tab(r, x), a.ref(r, x) == b.ref(r, x)]
+                out.append(z3.Implies(a.tab(r, x), a.pos(r, x) == b.pos(r, x)))
+            for t in ints:
+                out.append(a.live(t, r) == b.live(t, r))
+                out.append(a.failed(t, r) == b.failed(t, r))
+                out.append(z3.Implies(a.live(t, r), a.eload(t, r) == b.eload(t, r)))
+                out.append(
+                    z3.Implies(
+                        a.live(t, r),
+                        z3.And(a.estart(t, r) == b.estart(t, r), a.eend(t, r) == b.eend(t, r)),
+                    )
+                )
+        for x in v.blk:
+            out += [a.free(x) == b.free(x), a.pub(x) == b.pub(x), a.wv(x) == b.wv(x)]
+            out.append(z3.Implies(a.pub(x), a.key(x) == b.key(x)))
+            out.append(z3.Implies(a.wv(x), a.wh(x) == b.wh(x)))
+            for t in ints:
+                out.append(a.pw(t, x) == b.pw(t, x))
+                out.append(
+                    z3.Implies(
+                        a.pw(t, x), z3.And(a.pwr(t, x) == b.pwr(t, x), a.pwh(t, x) == b.pwh(t, x))
+                    )
+                )
+        for t in ints:
+            out.append(z3.Implies(z3.And(a.lo <= t, t < a.hi), a.phase(t) == b.phase(t)))
+        return out
+
+    def step_agrees(self, s: State, decision: tuple[Any, ...], post: State) -> bool:
+        """Whether the model's action of the decision's kind (its request or step fixed) takes
+        the encoding of s to the encoding of the spec's successor ``post``."""
+        kind = str(decision[0])
+        t = self.actions[kind]
+        solver = z3.Solver()
+        solver.set("timeout", 30_000)
+        base = _base(s)
+        pre, after = self.encode(self.pre, s, base), self.encode(self.post, post, base)
+        solver.add(self.axioms, *pre, *after)
+        solver.add(t.guard, *self.same(t.post, self.post), self.distinct_hashes())
+        if kind in ("arrive", "schedule", "preempt", "abort"):
+            solver.add(t.params["r"] == self.v.req[int(str(decision[1]))])
+        if kind == "execute":
+            solver.add(t.params["t"] == int(str(decision[1])) - base)
+        return bool(_decided(solver) == z3.sat)
+
+    def invariant_holds(self, s: State) -> bool:
+        """Whether the encoding of s satisfies the model's invariant (for some ghost ``hw``)."""
+        solver = z3.Solver()
+        solver.set("timeout", 30_000)
+        solver.add(self.axioms, *self.encode(self.pre, s, _base(s)), self.distinct_hashes())
+        solver.add(self.invariant)
+        return bool(_decided(solver) == z3.sat)
+
+    def safety_values(self, s: State) -> dict[str, bool]:
+        """Each safety predicate's value on the encoding of s (it does not read the ghost, so
+        the encoding fixes it: checked by asking both ways)."""
+        out = {}
+        for name, term in self.safety.items():
+            values = []
+            for goal in (term, z3.Not(term)):
+                solver = z3.Solver()
+                solver.set("timeout", 30_000)
+                encoded = self.encode(self.pre, s, _base(s))
+                solver.add(self.axioms, *encoded, self.distinct_hashes(), goal)
+                values.append(_decided(solver) == z3.sat)
+            if values[0] == values[1]:
+                raise AssertionError(f"{name} is not fixed by the encoding of {s}")
+            out[name] = values[0]
+        return out
+
+
+def _base(s: State) -> int:
+    return s.steps[0].id if s.steps else s.next_step
+
+
+def _decided(solver: Any) -> Any:
+    answer = solver.check()
+    if answer == z3.unknown:
+        raise AssertionError(f"the twin query is undecided: {solver.reason_unknown()}")
+    return answer

@@ -1,0 +1,822 @@
+"""The parametric model: the block lifecycle over unbounded sorts, for proofs at every size.
+
+``symbolic.py`` encodes the spec at fixed sizes (N blocks, R requests, D steps, T tokens). This
+module restates the part of it that the safety invariants depend on with **no sizes at all**:
+requests (``Req``), blocks (``Blk``) and hashes (``Hash``) are uninterpreted sorts, step ids are
+integers, and the state is a set of functions over them (the Ivy/EPR style: refcounts as a
+holder relation, the free queue as a set, the index as each block's key). An inductive
+invariant stated with quantifiers over those sorts, proved by Z3, holds in every state reachable
+from the initial one for any number of blocks, requests, steps in flight and tokens
+(``all_sizes.py`` runs the proof; ``docs/proofs.md``, "Every size", has the argument).
+
+What is modelled, and how it relates to the spec (the twin: ``tests/test_parametric_twin.py``
+checks that every spec transition is one of this model's, on random reachable states):
+
+* **Fragment**: block size 1, synchronous or async scheduling with stale output dropped,
+  external loads (asynchronous, which may fail, and synchronous, a computation here), no draft
+  tokens, prefix caching on, no sliding window, no deferred frees. Under async scheduling a
+  byte computed on a placeholder is modelled as the token it resolves to (``hk`` is rigid),
+  and the bytes of a leaving request's unpublished blocks may turn to garbage (a discarded
+  sample's placeholder never resolves: ``lost``). The policies
+  ``deferred`` and ``hide-uncommitted`` both refine ``commit_publish``: under that fragment
+  each publishes at a step's commit, after its writes, only blocks of live entries at positions
+  the entry covers (the param model lets a commit publish *any* such set).
+* **Over-approximation.** Every guard the safety argument does not need is dropped: any waiting
+  request may be admitted and any running one preempted (so both disciplines and both
+  preemption orders are covered), a lookup may hit any published blocks under the request's
+  hashes, an allocation may take any free blocks (the queue's order is not modelled), any
+  depth of steps in flight, no token budget, no ``max_running``, any finish at a commit, and
+  every token sequence (``hk(r, i)``, the hash of request r's tokens 0..i, is a rigid
+  uninterpreted function: any prompts and any sampled tokens; a run's final tokens fix it). A
+  withdrawn entry's bad read may garble any of its writes (the spec garbles them exactly when
+  the read is bad); a live entry's garbles only if a read was bad, which the invariant rules
+  out. Since the spec's transitions are among the model's, an invariant of the model is one of
+  the spec (through the abstraction ``tests/test_parametric_twin.py`` computes).
+* **Refcounts as holders.** ``ref(r, b)``: request r holds a reference on block b (the spec's
+  refcount is the number of holders, ``RefcountIsOwnership``); the pool adds a holder at a hit
+  or an allocation and drops one at a free. The proof shows each added holder is new and each
+  dropped one present, so the integer refcount of the spec is the holder count.
+
+``planted`` names a deliberate bug (``PLANTS``), for the tests that require the proof or the
+twin test to fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import z3
+
+TWIN_OF = "kvspec.spec"
+
+ABSENT, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
+"""A request's status (ABSENT: not arrived yet)."""
+BUILDING, SUBMITTED, EXECUTED = 0, 1, 2
+"""A step's phase."""
+
+PLANTS = (
+    "eager-publish",
+    "no-evict",
+    "lemma-too-strong",
+    "hit-any-block",
+    "publish-failed-load",
+    "placeholders-resolve",
+)
+"""Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
+bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
+cached block without dropping its hash; ``lemma-too-strong`` states a false lemma (every
+published block is held by someone); ``hit-any-block`` lets a lookup hit a block published
+under another hash; ``publish-failed-load`` lets a commit publish the blocks of a load that
+failed (``deferred`` without its ``rid not in step.failed``); ``placeholders-resolve`` keeps
+a leaving request's bytes valid (as if a discarded sample's placeholder resolved: a model that
+is not the spec under async scheduling, which the twin test refuses)."""
+
+Term = Any
+"""A Z3 term (z3's stubs are untyped)."""
+
+
+class Domains:
+    """How quantifiers are made: over the unbounded sorts (no constants given: ``z3.ForAll`` /
+    ``Exists``) or, for a finite instance (the twin test, a CTI search at small sizes), expanded
+    over the finite sorts' constants and the given step ids, which keeps its queries
+    quantifier-free."""
+
+    def __init__(
+        self, consts: dict[Any, Sequence[Term]] | None = None, steps: Sequence[int] = ()
+    ) -> None:
+        self.finite = consts is not None
+        self.consts = consts or {}
+        self.steps = steps
+        self._fresh = itertools.count()
+
+    def forall(self, sorts: Sequence[Any], body: Callable[..., Term]) -> Term:
+        if not self.finite:
+            xs = [z3.Const(f"q{next(self._fresh)}", s) for s in sorts]
+            return z3.ForAll(xs, body(*xs))
+        return z3.And([body(*xs) for xs in itertools.product(*(self._of(s) for s in sorts))])
+
+    def exists(self, sorts: Sequence[Any], body: Callable[..., Term]) -> Term:
+        if not self.finite:
+            xs = [z3.Const(f"q{next(self._fresh)}", s) for s in sorts]
+            return z3.Exists(xs, body(*xs))
+        return z3.Or([body(*xs) for xs in itertools.product(*(self._of(s) for s in sorts))])
+
+    def _of(self, sort: Any) -> Sequence[Term]:
+        if sort == z3.IntSort():
+            return [z3.IntVal(t) for t in self.steps]
+        return self.consts[sort]
+
+
+_instances = itertools.count()
+
+
+class Vocab:
+    """The sorts and the rigid functions: ``hk(r, i)`` is the hash of request r's tokens 0..i
+    (block i at block size 1); ``hlen(h)`` the number of tokens a hash names, so hashes of
+    different positions differ (a key is the token prefix itself in the spec).
+
+    ``Vocab()``: requests and blocks are uninterpreted sorts (every size). ``Vocab(reqs, blks,
+    steps)``: a finite instance, requests and blocks enumerated (``req[i]``, ``blk[i]``), step
+    ids ``steps``; ``dom`` expands quantifiers over them."""
+
+    def __init__(self, reqs: int = 0, blks: int = 0, steps: Sequence[int] = ()) -> None:
+        I = z3.IntSort()  # noqa: E741
+        self.Hash = z3.DeclareSort("Hash")
+        if reqs:
+            n = next(_instances)
+            self.Req, self.req = z3.EnumSort(f"Req{n}", [f"r{i}" for i in range(reqs)])
+            self.Blk, self.blk = z3.EnumSort(f"Blk{n}", [f"b{i}" for i in range(blks)])
+            self.dom = Domains({self.Req: self.req, self.Blk: self.blk}, steps)
+        else:
+            self.Req, self.Blk = z3.DeclareSort("Req"), z3.DeclareSort("Blk")
+            self.req, self.blk = [], []
+            self.dom = Domains()
+        self.hk = z3.Function("hk", self.Req, I, self.Hash)
+        self.hlen = z3.Function("hlen", self.Hash, I)
+
+    def axioms(self) -> Term:
+        """Hashes of different positions differ (``hlen(hk(r, i)) = i``). A finite instance
+        encoding a spec state fixes ``hk`` by the tokens (distinct prefixes, distinct
+        constants), which implies it where the state names a hash."""
+        if self.dom.finite:
+            return z3.BoolVal(True)
+        r, i = z3.Const("ax_r", self.Req), z3.Int("ax_i")
+        return z3.ForAll([r, i], self.hlen(self.hk(r, i)) == i, patterns=[self.hk(r, i)])
+
+
+@dataclass
+class PState:
+    """A state of the parametric model: each field a callable returning a Z3 term (a symbolic
+    pre-state's are uninterpreted functions; a successor's are terms over the pre-state's).
+
+    status(r), comp(r): the request's status and computed tokens (= its table's length);
+    tab(r, b), pos(r, b): b is in r's table, at position pos; ref(r, b): r holds a reference on
+    b (the refcount as a holder relation); free(b): b is on the free queue; pub(b), key(b): b
+    is published, under key; wv(b), wh(b): b's bytes are valid and hold the prefix hashed wh;
+    pw(t, b), pwr(t, b), pwh(t, b): step t has a pending write on b, for request pwr, of the
+    prefix hashed pwh (at most one per step and block at block size 1); hw(b): a ghost, the step
+    of the pending write of b's holder; live(t, r), estart(t, r), eend(t, r): r has a live entry
+    in step t computing tokens estart..eend-1; phase(t); lo, hi: the steps in flight are
+    lo..hi-1 (the building one, if any, is hi-1); bad: a live read found the wrong bytes.
+    External loads: loading(r), r waits for an asynchronous load; eload(t, r), r's entry in
+    step t is such a load (it writes the loaded blocks, computes and reads nothing);
+    failed(t, r), that load failed when step t executed (its writes did not happen)."""
+
+    status: Callable[[Term], Term]
+    comp: Callable[[Term], Term]
+    tab: Callable[[Term, Term], Term]
+    pos: Callable[[Term, Term], Term]
+    ref: Callable[[Term, Term], Term]
+    free: Callable[[Term], Term]
+    pub: Callable[[Term], Term]
+    key: Callable[[Term], Term]
+    wv: Callable[[Term], Term]
+    wh: Callable[[Term], Term]
+    pw: Callable[[Term, Term], Term]
+    pwr: Callable[[Term, Term], Term]
+    pwh: Callable[[Term, Term], Term]
+    hw: Callable[[Term], Term]
+    live: Callable[[Term, Term], Term]
+    estart: Callable[[Term, Term], Term]
+    eend: Callable[[Term, Term], Term]
+    phase: Callable[[Term], Term]
+    loading: Callable[[Term], Term]
+    eload: Callable[[Term, Term], Term]
+    failed: Callable[[Term, Term], Term]
+    lo: Term
+    hi: Term
+    bad: Term
+
+
+FIELDS = tuple(f for f in PState.__dataclass_fields__)
+
+
+def symbolic_state(v: Vocab, tag: str) -> PState:
+    """A fully symbolic state: every field an uninterpreted function named ``tag.field``."""
+    R, B, H, I, Bo = v.Req, v.Blk, v.Hash, z3.IntSort(), z3.BoolSort()  # noqa: E741
+    sig: dict[str, tuple[Any, ...]] = {
+        "status": (R, I),
+        "comp": (R, I),
+        "tab": (R, B, Bo),
+        "pos": (R, B, I),
+        "ref": (R, B, Bo),
+        "free": (B, Bo),
+        "pub": (B, Bo),
+        "key": (B, H),
+        "wv": (B, Bo),
+        "wh": (B, H),
+        "pw": (I, B, Bo),
+        "pwr": (I, B, R),
+        "pwh": (I, B, H),
+        "hw": (B, I),
+        "live": (I, R, Bo),
+        "estart": (I, R, I),
+        "eend": (I, R, I),
+        "phase": (I, I),
+        "loading": (R, Bo),
+        "eload": (I, R, Bo),
+        "failed": (I, R, Bo),
+    }
+    fns = {name: z3.Function(f"{tag}.{name}", *s) for name, s in sig.items()}
+    return PState(
+        **fns,
+        lo=z3.Int(f"{tag}.lo"),
+        hi=z3.Int(f"{tag}.hi"),
+        bad=z3.Bool(f"{tag}.bad"),
+    )
+
+
+def initial_state(v: Vocab) -> PState:
+    """No request has arrived, every block is free, unpublished and unwritten, no step."""
+    false = z3.BoolVal(False)
+    zero = z3.IntVal(0)
+    anyh = z3.Const("init.h", v.Hash)
+    anyr = z3.Const("init.r", v.Req)
+    return PState(
+        status=lambda r: z3.IntVal(ABSENT),
+        comp=lambda r: zero,
+        tab=lambda r, b: false,
+        pos=lambda r, b: zero,
+        ref=lambda r, b: false,
+        free=lambda b: z3.BoolVal(True),
+        pub=lambda b: false,
+        key=lambda b: anyh,
+        wv=lambda b: false,
+        wh=lambda b: anyh,
+        pw=lambda t, b: false,
+        pwr=lambda t, b: anyr,
+        pwh=lambda t, b: anyh,
+        hw=lambda b: zero,
+        live=lambda t, r: false,
+        estart=lambda t, r: zero,
+        eend=lambda t, r: zero,
+        phase=lambda t: zero,
+        loading=lambda r: false,
+        eload=lambda t, r: false,
+        failed=lambda t, r: false,
+        lo=zero,
+        hi=zero,
+        bad=false,
+    )
+
+
+@dataclass
+class Transition:
+    """One action: its parameters (fresh constants and functions), guard and successor."""
+
+    name: str
+    guard: Term
+    post: PState
+    params: dict[str, Any]
+
+
+class Model:
+    """The actions (``transitions``), the invariant (``invariant``: the five safety predicates
+    and the lemmas, each named), and the safety predicates alone (``SAFETY``)."""
+
+    def __init__(self, vocab: Vocab, planted: str | None = None):
+        if planted is not None and planted not in PLANTS:
+            raise ValueError(f"unknown plant {planted!r}; one of {', '.join(PLANTS)}")
+        self.v, self.dom, self.planted = vocab, vocab.dom, planted
+        self._n = itertools.count()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def fa(self, sorts: Sequence[Any], body: Callable[..., Term]) -> Term:
+        return self.dom.forall(sorts, body)
+
+    def ex(self, sorts: Sequence[Any], body: Callable[..., Term]) -> Term:
+        return self.dom.exists(sorts, body)
+
+    def building(self, s: PState) -> Term:
+        return z3.And(s.lo < s.hi, s.phase(s.hi - 1) == BUILDING)
+
+    def fresh(self, name: str, *sig: Any) -> Any:
+        n = f"p{next(self._n)}.{name}"
+        return z3.Function(n, *sig) if len(sig) > 1 else z3.Const(n, sig[0])
+
+    def _release(
+        self, s: PState, leaving: Callable[[Term], Term]
+    ) -> tuple[dict[str, Any], Term, Any]:
+        """The leaving requests (``leaving(r)``) drop their tables: a block none of its other
+        holders keeps goes to the free queue (refcount reaches 0). Under async scheduling the
+        bytes of their unpublished blocks may hold a placeholder that now never resolves
+        (a discarded sample): ``lost`` says which turn to garbage (any of them may; the spec's
+        are those whose placeholder's step was discarded). Returns the changed fields, the
+        condition on ``lost`` and ``lost``."""
+        v = self.v
+        lost = self.fresh("lost", v.Blk, z3.BoolSort())
+        lost_ok = self.fa(
+            [v.Blk],
+            lambda b: (
+                z3.Not(lost(b))
+                if self.planted == "placeholders-resolve"
+                else z3.Implies(
+                    lost(b),
+                    z3.And(
+                        z3.Not(s.pub(b)),
+                        self.ex([v.Req], lambda q: z3.And(leaving(q), s.tab(q, b))),
+                    ),
+                )
+            ),
+        )
+
+        def kept(b: Term) -> Term:
+            return self.ex([v.Req], lambda q: z3.And(s.ref(q, b), z3.Not(leaving(q))))
+
+        def dropped(b: Term) -> Term:
+            return self.ex([v.Req], lambda q: z3.And(s.ref(q, b), leaving(q)))
+
+        changed = {
+            "wv": lambda b: z3.And(s.wv(b), z3.Not(lost(b))),
+            "tab": lambda r, b: z3.And(s.tab(r, b), z3.Not(leaving(r))),
+            "ref": lambda r, b: z3.And(s.ref(r, b), z3.Not(leaving(r))),
+            "free": lambda b: z3.Or(s.free(b), z3.And(dropped(b), z3.Not(kept(b)))),
+            "comp": lambda r: z3.If(leaving(r), 0, s.comp(r)),
+            "loading": lambda r: z3.And(s.loading(r), z3.Not(leaving(r))),
+        }
+        return changed, lost_ok, lost
+
+    # -- actions ---------------------------------------------------------------------------
+    def arrive(self, s: PState) -> Transition:
+        r = self.fresh("r", self.v.Req)
+        post = replace(
+            s,
+            status=lambda q: z3.If(q == r, WAITING, s.status(q)),
+            comp=lambda q: z3.If(q == r, 0, s.comp(q)),
+        )
+        return Transition("arrive", s.status(r) == ABSENT, post, {"r": r})
+
+    def begin(self, s: PState) -> Transition:
+        post = replace(s, hi=s.hi + 1, phase=lambda t: z3.If(t == s.hi, BUILDING, s.phase(t)))
+        return Transition("begin", z3.Not(self.building(s)), post, {})
+
+    def schedule(self, s: PState) -> Transition:
+        """Give request r tokens start..end-1 in the building step; a waiting r is admitted
+        first with hits (``hit``: published blocks under its hashes, at positions below
+        start). The blocks at positions start..end-1 are allocated (``alloc``: free blocks,
+        their hashes evicted) and get the step's pending writes of r's prefixes there. An
+        admission may instead load them (``load``: an asynchronous external load; r waits for
+        it; a synchronous load, landed before the step computes, is a computation here)."""
+        v = self.v
+        R, B, I, Bo = v.Req, v.Blk, z3.IntSort(), z3.BoolSort()  # noqa: E741
+        r, n, h = self.fresh("r", R), self.fresh("n", I), self.fresh("h", I)
+        load = self.fresh("load", Bo)
+        hit, alloc = self.fresh("hit", B, Bo), self.fresh("alloc", B, Bo)
+        np_ = self.fresh("np", B, I)
+        tb = s.hi - 1
+        admit = s.status(r) == WAITING
+        start = z3.If(admit, h, s.comp(r))
+        end = start + n
+
+        def new(b: Term) -> Term:
+            return z3.Or(hit(b), alloc(b))
+
+        hit_ok = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                hit(b),
+                z3.And(
+                    admit,
+                    s.pub(b),
+                    0 <= np_(b),
+                    np_(b) < start,
+                    s.key(b) == (v.hk(r, np_(b)) if self.planted != "hit-any-block" else s.key(b)),
+                ),
+            ),
+        )
+        alloc_ok = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                alloc(b), z3.And(s.free(b), z3.Not(hit(b)), start <= np_(b), np_(b) < end)
+            ),
+        )
+        injective = self.fa(
+            [B, B],
+            lambda b1, b2: z3.Implies(z3.And(new(b1), new(b2), np_(b1) == np_(b2)), b1 == b2),
+        )
+        guard = z3.And(
+            self.building(s),
+            z3.Or(admit, s.status(r) == RUNNING),
+            z3.Not(s.live(tb, r)),
+            z3.Not(s.loading(r)),
+            z3.Implies(load, admit),
+            n >= 1,
+            h >= 0,
+            hit_ok,
+            alloc_ok,
+            injective,
+        )
+        written = (lambda b: z3.Or(s.pub(b), alloc(b))) if self.planted == "eager-publish" else None
+        evict = self.planted != "no-evict"
+        post = replace(
+            s,
+            status=lambda q: z3.If(q == r, RUNNING, s.status(q)),
+            comp=lambda q: z3.If(q == r, end, s.comp(q)),
+            tab=lambda q, b: z3.Or(s.tab(q, b), z3.And(q == r, new(b))),
+            pos=lambda q, b: z3.If(z3.And(q == r, new(b)), np_(b), s.pos(q, b)),
+            ref=lambda q, b: z3.Or(s.ref(q, b), z3.And(q == r, new(b))),
+            free=lambda b: z3.And(s.free(b), z3.Not(new(b))),
+            pub=written or (lambda b: z3.And(s.pub(b), z3.Not(alloc(b))) if evict else s.pub(b)),
+            key=(lambda b: z3.If(alloc(b), v.hk(r, np_(b)), s.key(b)))
+            if self.planted == "eager-publish"
+            else s.key,
+            pw=lambda t, b: z3.Or(s.pw(t, b), z3.And(t == tb, alloc(b))),
+            pwr=lambda t, b: z3.If(z3.And(t == tb, alloc(b)), r, s.pwr(t, b)),
+            pwh=lambda t, b: z3.If(z3.And(t == tb, alloc(b)), v.hk(r, np_(b)), s.pwh(t, b)),
+            hw=lambda b: z3.If(alloc(b), tb, s.hw(b)),
+            live=lambda t, q: z3.Or(s.live(t, q), z3.And(t == tb, q == r)),
+            estart=lambda t, q: z3.If(z3.And(t == tb, q == r), start, s.estart(t, q)),
+            eend=lambda t, q: z3.If(z3.And(t == tb, q == r), end, s.eend(t, q)),
+            eload=lambda t, q: z3.If(z3.And(t == tb, q == r), load, s.eload(t, q)),
+            failed=lambda t, q: z3.And(s.failed(t, q), z3.Not(z3.And(t == tb, q == r))),
+            loading=lambda q: z3.Or(s.loading(q), z3.And(q == r, load)),
+        )
+        params = {"r": r, "n": n, "h": h, "hit": hit, "alloc": alloc, "np": np_, "load": load}
+        return Transition("schedule", guard, post, params)
+
+    def preempt(self, s: PState) -> Transition:
+        """A running request leaves in the building step: its entry there and that entry's
+        pending writes are withdrawn, its entries in submitted steps stop being live (their
+        writes still run), and its table is freed."""
+        r = self.fresh("r", self.v.Req)
+        tb = s.hi - 1
+        rel, lost_ok, lost = self._release(s, lambda q: q == r)
+        post = replace(
+            s,
+            status=lambda q: z3.If(q == r, WAITING, s.status(q)),
+            pw=lambda t, b: z3.And(s.pw(t, b), z3.Not(z3.And(t == tb, s.pwr(t, b) == r))),
+            live=lambda t, q: z3.And(s.live(t, q), q != r),
+            **rel,
+        )
+        guard = z3.And(self.building(s), s.status(r) == RUNNING, lost_ok)
+        return Transition("preempt", guard, post, {"r": r, "lost": lost})
+
+    def abort(self, s: PState) -> Transition:
+        r = self.fresh("r", self.v.Req)
+        rel, lost_ok, lost = self._release(s, lambda q: q == r)
+        post = replace(
+            s,
+            status=lambda q: z3.If(q == r, FINISHED, s.status(q)),
+            live=lambda t, q: z3.And(s.live(t, q), q != r),
+            **rel,
+        )
+        guard = z3.And(
+            z3.Not(self.building(s)),
+            z3.Or(s.status(r) == WAITING, s.status(r) == RUNNING),
+            lost_ok,
+        )
+        return Transition("abort", guard, post, {"r": r, "lost": lost})
+
+    def submit(self, s: PState) -> Transition:
+        tb = s.hi - 1
+        post = replace(s, phase=lambda t: z3.If(t == tb, SUBMITTED, s.phase(t)))
+        return Transition("submit", self.building(s), post, {})
+
+    def execute(self, s: PState) -> Transition:
+        """The oldest submitted step t: every write, then every read. A live entry whose read
+        finds the wrong bytes sets ``bad``; ``garble`` says which entries' writes turn to
+        garbage (a withdrawn entry's may, as the spec's do after a bad read; a live entry's
+        only after a bad read)."""
+        v = self.v
+        t = self.fresh("t", z3.IntSort())
+        garble = self.fresh("garble", v.Req, z3.BoolSort())
+        fail = self.fresh("fail", v.Req, z3.BoolSort())
+        lands = lambda b: z3.And(s.pw(t, b), z3.Not(fail(s.pwr(t, b))))  # noqa: E731
+        wv1 = lambda b: z3.Or(lands(b), s.wv(b))  # noqa: E731
+        wh1 = lambda b: z3.If(lands(b), s.pwh(t, b), s.wh(b))  # noqa: E731
+
+        def bad_read(q: Term) -> Term:
+            return self.ex(
+                [v.Blk],
+                lambda b: z3.And(
+                    z3.Not(s.eload(t, q)),  # a load reads nothing
+                    s.tab(q, b),
+                    s.pos(q, b) < s.estart(t, q),
+                    z3.Not(z3.And(wv1(b), wh1(b) == v.hk(q, s.pos(q, b)))),
+                ),
+            )
+
+        older_done = self.fa(
+            [z3.IntSort()],
+            lambda u: z3.Implies(z3.And(s.lo <= u, u < t), s.phase(u) == EXECUTED),
+        )
+        live_garbles = self.fa(
+            [v.Req],
+            lambda q: z3.And(
+                z3.Implies(z3.And(garble(q), s.live(t, q)), bad_read(q)),
+                z3.Implies(fail(q), s.eload(t, q)),
+                z3.Implies(s.eload(t, q), z3.Not(garble(q))),
+            ),
+        )
+        guard = z3.And(s.lo <= t, t < s.hi, s.phase(t) == SUBMITTED, older_done, live_garbles)
+        any_bad = self.ex([v.Req], lambda q: z3.And(s.live(t, q), bad_read(q)))
+        post = replace(
+            s,
+            wv=lambda b: z3.And(wv1(b), z3.Not(z3.And(s.pw(t, b), garble(s.pwr(t, b))))),
+            wh=wh1,
+            pw=lambda u, b: z3.And(s.pw(u, b), u != t),
+            phase=lambda u: z3.If(u == t, EXECUTED, s.phase(u)),
+            failed=lambda u, q: z3.Or(s.failed(u, q), z3.And(u == t, fail(q))),
+            bad=z3.Or(s.bad, any_bad),
+        )
+        return Transition("execute", guard, post, {"t": t, "garble": garble, "fail": fail})
+
+    def commit(self, s: PState) -> Transition:
+        """The oldest step, executed, with no step building: a request whose load failed there
+        leaves and waits again; publish (``publish``, by request ``publisher``: unpublished
+        blocks of live entries, not failed, at positions the entry covers), then sample;
+        ``finish`` says which live requests finish (their tables are freed and their entries
+        in later steps stop being live)."""
+        v = self.v
+        B, R, Bo = v.Blk, v.Req, z3.BoolSort()
+        t = s.lo
+        publish, publisher = self.fresh("publish", B, Bo), self.fresh("publisher", B, R)
+        finish = self.fresh("finish", R, Bo)
+        publish_ok = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                publish(b),
+                z3.And(
+                    z3.Not(s.pub(b)),
+                    s.live(t, publisher(b)),
+                    z3.Not(s.failed(t, publisher(b)))
+                    if self.planted != "publish-failed-load"
+                    else z3.BoolVal(True),
+                    s.tab(publisher(b), b),
+                    s.pos(publisher(b), b) < s.eend(t, publisher(b)),
+                ),
+            ),
+        )
+        finish_ok = self.fa(
+            [R], lambda q: z3.Implies(finish(q), z3.And(s.live(t, q), z3.Not(s.eload(t, q))))
+        )
+        guard = z3.And(
+            s.lo < s.hi,
+            s.phase(t) == EXECUTED,
+            z3.Not(self.building(s)),
+            publish_ok,
+            finish_ok,
+        )
+        if self.planted == "eager-publish":  # eager publishes at schedule, not here
+            guard = z3.And(guard, self.fa([B], lambda b: z3.Not(publish(b))))
+
+        def back(q: Term) -> Term:  # a failed load: the request goes back to waiting
+            return z3.And(s.live(t, q), s.failed(t, q))
+
+        rel, lost_ok, lost = self._release(s, lambda q: z3.Or(finish(q), back(q)))
+        unpublished = self.fa([B], lambda b: z3.Implies(lost(b), z3.Not(publish(b))))
+        guard = z3.And(guard, lost_ok, unpublished)
+        landed = rel.pop("loading")
+        post = replace(
+            s,
+            status=lambda q: z3.If(finish(q), FINISHED, z3.If(back(q), WAITING, s.status(q))),
+            loading=lambda q: z3.And(landed(q), z3.Not(z3.And(s.live(t, q), s.eload(t, q)))),
+            pub=lambda b: z3.Or(s.pub(b), publish(b)),
+            key=lambda b: z3.If(publish(b), v.hk(publisher(b), s.pos(publisher(b), b)), s.key(b)),
+            live=lambda u, q: z3.And(s.live(u, q), u != t, z3.Not(finish(q)), z3.Not(back(q))),
+            failed=lambda u, q: z3.And(s.failed(u, q), u != t),
+            lo=s.lo + 1,
+            **rel,
+        )
+        params = {"publish": publish, "publisher": publisher, "finish": finish, "lost": lost}
+        return Transition("commit", guard, post, params)
+
+    def reset(self, s: PState) -> Transition:
+        v = self.v
+        idle = self.fa([v.Req, v.Blk], lambda r, b: z3.Not(s.ref(r, b)))
+        guard = z3.And(s.lo == s.hi, idle)
+        post = replace(s, pub=lambda b: z3.BoolVal(False))
+        return Transition("reset", guard, post, {})
+
+    ACTIONS = (
+        "arrive",
+        "begin",
+        "schedule",
+        "preempt",
+        "submit",
+        "execute",
+        "commit",
+        "abort",
+        "reset",
+    )
+
+    def transition(self, name: str, s: PState) -> Transition:
+        action: Callable[[PState], Transition] = getattr(self, name)
+        return action(s)
+
+    # -- predicates ------------------------------------------------------------------------
+    def ev_holds(self, s: PState, b: Term, t: Term | None, h: Term) -> Term:
+        """Once every pending write of a step <= t (every step if t is None) has run, b holds
+        the prefix hashed h: the newest such write's prefix, else the written bytes (the spec's
+        ``eventual_content``, then ``holds``)."""
+        I = z3.IntSort()  # noqa: E741
+
+        def upto(u: Term) -> Term:
+            return z3.BoolVal(True) if t is None else u <= t
+
+        newest = self.ex(
+            [I],
+            lambda u: z3.And(
+                s.pw(u, b),
+                upto(u),
+                s.pwh(u, b) == h,
+                self.fa([I], lambda w: z3.Implies(z3.And(s.pw(w, b), upto(w)), w <= u)),
+            ),
+        )
+        none = self.fa([I], lambda u: z3.Not(z3.And(s.pw(u, b), upto(u))))
+        return z3.Or(newest, z3.And(none, s.wv(b), s.wh(b) == h))
+
+    def safety(self, s: PState) -> dict[str, Term]:
+        """The five safety invariants in the model's terms (``docs/proofs.md`` says how each
+        is the spec's)."""
+        v = self.v
+        R, B, I = v.Req, v.Blk, z3.IntSort()  # noqa: E741
+        nur = self.fa(
+            [I, R, B],
+            lambda t, r, b: z3.Implies(
+                z3.And(
+                    s.live(t, r),
+                    s.phase(t) != EXECUTED,
+                    s.tab(r, b),
+                    s.pos(r, b) < s.estart(t, r),
+                ),
+                self.ev_holds(s, b, t, v.hk(r, s.pos(r, b))),
+            ),
+        )
+        nup = self.fa([B], lambda b: z3.Implies(s.pub(b), self.ev_holds(s, b, None, s.key(b))))
+        rio = self.fa([R, B], lambda r, b: s.ref(r, b) == s.tab(r, b))
+        tab_once = self.fa(
+            [R, B, B],
+            lambda r, b1, b2: z3.Implies(
+                z3.And(s.tab(r, b1), s.tab(r, b2), s.pos(r, b1) == s.pos(r, b2)), b1 == b2
+            ),
+        )
+        shared = self.fa(
+            [R, R, B],
+            lambda r1, r2, b: z3.Implies(
+                z3.And(s.tab(r1, b), s.tab(r2, b), r1 != r2),
+                z3.And(
+                    s.pos(r1, b) == s.pos(r2, b),
+                    s.pos(r1, b) < s.comp(r1),
+                    s.pos(r2, b) < s.comp(r2),
+                    v.hk(r1, s.pos(r1, b)) == v.hk(r2, s.pos(r2, b)),
+                ),
+            ),
+        )
+        fqe = self.fa([B], lambda b: s.free(b) == z3.Not(self.ex([R], lambda r: s.ref(r, b))))
+        return {
+            "NoUnwrittenRead": z3.And(z3.Not(s.bad), nur),
+            "NoUnwrittenPublish": nup,
+            "RefcountIsOwnership": z3.And(rio, tab_once),
+            "SharedImpliesSamePrefix": shared,
+            "FreeQueueExact": fqe,
+        }
+
+    def lemmas(self, s: PState) -> dict[str, Term]:
+        """The strengthening: each a fact of every reachable state, named, with why it holds
+        in ``docs/proofs.md``."""
+        v = self.v
+        R, B, I = v.Req, v.Blk, z3.IntSort()  # noqa: E741
+
+        def in_flight(t: Term) -> Term:
+            return z3.And(s.lo <= t, t < s.hi)
+
+        own_write = lambda r, b: z3.And(  # noqa: E731
+            s.pw(s.hw(b), b),
+            s.pwr(s.hw(b), b) == r,
+            s.pwh(s.hw(b), b) == v.hk(r, s.pos(r, b)),
+            s.live(s.hw(b), r),
+            s.estart(s.hw(b), r) <= s.pos(r, b),
+            s.pos(r, b) < s.eend(s.hw(b), r),
+            self.fa([I], lambda u: z3.Implies(s.pw(u, b), u <= s.hw(b))),
+        )
+        load_failed = lambda r, b: z3.And(  # noqa: E731
+            s.live(s.hw(b), r),
+            s.failed(s.hw(b), r),
+            s.estart(s.hw(b), r) <= s.pos(r, b),
+            s.pos(r, b) < s.eend(s.hw(b), r),
+            self.fa([I], lambda u: z3.Not(s.pw(u, b))),
+        )
+        written_ok = lambda r, b: z3.And(  # noqa: E731
+            s.wv(b),
+            s.wh(b) == v.hk(r, s.pos(r, b)),
+            self.fa([I], lambda u: z3.Not(s.pw(u, b))),
+        )
+        out = {
+            "StepsInOrder": z3.And(
+                s.lo <= s.hi,
+                self.fa(
+                    [I],
+                    lambda t: z3.Implies(
+                        in_flight(t),
+                        z3.And(
+                            s.phase(t) >= BUILDING,
+                            s.phase(t) <= EXECUTED,
+                            z3.Implies(s.phase(t) == BUILDING, t == s.hi - 1),
+                        ),
+                    ),
+                ),
+                self.fa(
+                    [I, I],
+                    lambda t1, t2: z3.Implies(
+                        z3.And(s.lo <= t1, t1 < t2, t2 < s.hi, s.phase(t2) == EXECUTED),
+                        s.phase(t1) == EXECUTED,
+                    ),
+                ),
+            ),
+            "LiveEntries": self.fa(
+                [I, R],
+                lambda t, r: z3.Implies(
+                    s.live(t, r),
+                    z3.And(
+                        in_flight(t),
+                        s.status(r) == RUNNING,
+                        0 <= s.estart(t, r),
+                        s.estart(t, r) < s.eend(t, r),
+                        s.eend(t, r) <= s.comp(r),
+                    ),
+                ),
+            ),
+            "ChunksInOrder": self.fa(
+                [I, I, R],
+                lambda t1, t2, r: z3.Implies(
+                    z3.And(s.live(t1, r), s.live(t2, r), t1 < t2),
+                    s.eend(t1, r) <= s.estart(t2, r),
+                ),
+            ),
+            "PendingInFlight": self.fa(
+                [I, B],
+                lambda t, b: z3.Implies(s.pw(t, b), z3.And(in_flight(t), s.phase(t) != EXECUTED)),
+            ),
+            "ComputedNonNegative": self.fa([R], lambda r: s.comp(r) >= 0),
+            "LoadsAlone": self.fa(
+                [I, I, R],
+                lambda t, u, r: z3.Implies(
+                    z3.And(s.live(t, r), s.eload(t, r)),
+                    z3.And(s.loading(r), z3.Implies(s.live(u, r), u == t)),
+                ),
+            ),
+            "FailedLoads": self.fa(
+                [I, R],
+                lambda t, r: z3.Implies(
+                    s.failed(t, r), z3.And(in_flight(t), s.eload(t, r), s.phase(t) == EXECUTED)
+                ),
+            ),
+            "TablesOfRunning": self.fa(
+                [R, B],
+                lambda r, b: z3.Implies(
+                    s.tab(r, b),
+                    z3.And(s.status(r) == RUNNING, 0 <= s.pos(r, b), s.pos(r, b) < s.comp(r)),
+                ),
+            ),
+            "HeldBlocksHold": self.fa(
+                [R, B],
+                lambda r, b: z3.Implies(
+                    s.tab(r, b), z3.Or(own_write(r, b), written_ok(r, b), load_failed(r, b))
+                ),
+            ),
+            "PublishedWritten": self.fa(
+                [B],
+                lambda b: z3.Implies(
+                    s.pub(b),
+                    z3.And(
+                        s.wv(b),
+                        s.wh(b) == s.key(b),
+                        self.fa([I], lambda u: z3.Not(s.pw(u, b))),
+                    ),
+                ),
+            ),
+            "HeldKeysMatch": self.fa(
+                [R, B],
+                lambda r, b: z3.Implies(
+                    z3.And(s.pub(b), s.tab(r, b)), s.key(b) == v.hk(r, s.pos(r, b))
+                ),
+            ),
+            "SharedIsPublished": self.fa(
+                [R, R, B],
+                lambda r1, r2, b: z3.Implies(
+                    z3.And(s.tab(r1, b), s.tab(r2, b), r1 != r2), s.pub(b)
+                ),
+            ),
+        }
+        if self.planted == "lemma-too-strong":
+            out["PublishedIsHeld"] = self.fa(
+                [B], lambda b: z3.Implies(s.pub(b), self.ex([R], lambda r: s.tab(r, b)))
+            )
+        return out
+
+    def invariant(self, s: PState) -> dict[str, Term]:
+        """The inductive invariant: the safety predicates, then the lemmas."""
+        return {**self.safety(s), **self.lemmas(s)}
+
+
+SAFETY = (
+    "NoUnwrittenRead",
+    "NoUnwrittenPublish",
+    "RefcountIsOwnership",
+    "SharedImpliesSamePrefix",
+    "FreeQueueExact",
+)
