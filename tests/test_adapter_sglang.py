@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-sglang"
 CASES = (
     "clean sync retract retract-sync dedup known known-read known-none known-off known-decoded "
-    "late late-reuse late-read late-off fuzz refused"
+    "late late-reuse late-read late-off fuzz refused tree clean-legacy sync-legacy "
+    "retract-legacy dedup-legacy clean-python retract-python leak leak-python leak-legacy"
 ).split()
 
 needs_sglang = pytest.mark.skipif(
@@ -101,3 +102,35 @@ def test_a_cell_sglang_does_not_run_is_refused_in_one_line(case: dict[str, str])
     words = case["refused"].split(maxsplit=3)
     assert words[:3] == ["exit", "2", "False"], case["refused"]
     assert words[3].startswith("kvspec fuzz: error: --target") and "sync_factory" in words[3]
+
+
+@needs_sglang
+def test_the_default_factories_build_the_tree_cache_sglang_builds(case: dict[str, str]) -> None:
+    """``factory`` and ``sync_factory`` build what SGLang 0.5.23's ``create_tree_cache`` builds
+    for a plain model (``UnifiedRadixCache``, the FULL component alone, the Rust ``TreeCore``);
+    the Python ``TreeCore`` and the legacy ``RadixCache`` stay reachable by name."""
+    assert case["tree"] == (
+        "factory UnifiedRadixCache full rust | sync_factory UnifiedRadixCache full rust | "
+        "python_core_factory UnifiedRadixCache full python | legacy_factory RadixCache - legacy"
+    ), case["tree"]
+
+
+@needs_sglang
+def test_the_other_tree_caches_hold_on_the_same_cells(case: dict[str, str]) -> None:
+    """The shared-prefix, retraction and dedup workloads on the legacy ``RadixCache`` and on
+    ``UnifiedRadixCache`` over the Python ``TreeCore``: every event legal, every invariant held."""
+    for name in ("clean-legacy", "sync-legacy", "clean-python"):
+        _clean(case[name], "dedup", "publish", "hit", "finish")
+    for name in ("retract-legacy", "retract-python"):
+        _clean(case[name], "preempt", "evict", "unpublish")
+    _clean(case["dedup-legacy"], "dedup")
+
+
+@needs_sglang
+def test_a_lost_unlock_is_caught_on_every_tree_cache(case: dict[str, str]) -> None:
+    """A planted bug in SGLang's tree (the first finishing request's ``unlock`` lost): over the
+    Rust ``TreeCore``, which shows only which pages are unlocked, the free set disagrees; where
+    the lock counts are readable, the refcounts do."""
+    assert case["leak"].startswith("Disagreement: free blocks"), case["leak"]
+    for name in ("leak-python", "leak-legacy"):
+        assert case[name].startswith("Disagreement: refcounts"), case[name]

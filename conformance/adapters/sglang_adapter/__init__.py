@@ -5,7 +5,9 @@ default *overlap* event loop (``kvspec fuzz --target kvspec.conformance.adapters
 Importable only where SGLang 0.5.23 is installed (``make thirdparty`` builds ``.venv-sglang``).
 The adapter runs SGLang's own ``Req``, ``ScheduleBatch`` (``prepare_for_extend``,
 ``prepare_for_decode``, ``check_decode_mem``, ``retract_decode``, ``filter_batch``,
-``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, ``RadixCache``,
+``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, the tree cache
+SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Rust ``TreeCore``;
+``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
@@ -53,7 +55,15 @@ from kvspec.spec import Config
 
 from .loops import SglangAdapter
 
-__all__ = ["SglangAdapter", "factory", "supported", "sync_factory"]
+__all__ = [
+    "SglangAdapter",
+    "factory",
+    "legacy_factory",
+    "legacy_sync_factory",
+    "python_core_factory",
+    "supported",
+    "sync_factory",
+]
 
 
 def supported(config: Config, overlap: bool = True) -> str | None:
@@ -81,17 +91,37 @@ def supported(config: Config, overlap: bool = True) -> str | None:
     return None
 
 
-def factory(config: Config, choices: Choices) -> SglangAdapter:
-    """SGLang as it runs by default: the overlap scheduler (depth 2, placeholder decodes)."""
-    why = supported(config)
+def _build(config: Config, choices: Choices, overlap: bool, tree: str) -> SglangAdapter:
+    why = supported(config, overlap)
     if why is not None:
         raise ValueError(why)
-    return SglangAdapter(config, choices, overlap=True)
+    return SglangAdapter(config, choices, overlap=overlap, tree=tree)
+
+
+def factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang as it runs by default: the overlap scheduler (depth 2, placeholder decodes) over the
+    tree cache SGLang's ``create_tree_cache`` builds for a plain model (``UnifiedRadixCache``,
+    FULL component, Rust ``TreeCore``)."""
+    return _build(config, choices, True, "unified")
 
 
 def sync_factory(config: Config, choices: Choices) -> SglangAdapter:
-    """SGLang with ``--disable-overlap-schedule`` (depth 1)."""
-    why = supported(config, overlap=False)
-    if why is not None:
-        raise ValueError(why)
-    return SglangAdapter(config, choices, overlap=False)
+    """SGLang with ``--disable-overlap-schedule`` (depth 1), its default tree cache."""
+    return _build(config, choices, False, "unified")
+
+
+def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """The overlap scheduler over ``UnifiedRadixCache`` with SGLang's Python ``TreeCore``
+    (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``), whose lock counts the adapter reads."""
+    return _build(config, choices, True, "python-core")
+
+
+def legacy_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """The overlap scheduler over the legacy ``RadixCache``, which SGLang built by default before
+    ``UnifiedRadixCache`` (and which its other tree caches still derive from)."""
+    return _build(config, choices, True, "legacy")
+
+
+def legacy_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``legacy_factory`` without overlap (depth 1)."""
+    return _build(config, choices, False, "legacy")

@@ -83,7 +83,7 @@ class _MutantAdapter(SglangAdapter):
     scheduler_class: type[Scheduler] = Scheduler
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
-        return self.scheduler_class(config, choices, overlap)
+        return self.scheduler_class(config, choices, overlap, self.tree)
 
 
 def mutant(scheduler_class: type[Scheduler], overlap: bool = True) -> type[SglangAdapter]:

@@ -45,20 +45,24 @@ from .build import (
     prepare_abort,
     release_kv_cache,
 )
-from .record import Event, Recorder, rid
+from .record import Event, recorder, rid
 
 
 class Scheduler:
-    def __init__(self, config: Config, choices: Choices, overlap: bool) -> None:
+    def __init__(
+        self, config: Config, choices: Choices, overlap: bool, tree: str = "unified"
+    ) -> None:
         self.config, self.choices, self.overlap = config, choices, overlap
         self.events: list[Event] = []
         ps = config.block_size
         self.page_size = ps
         # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
         # max_running counts the chunked request too, and so do SGLang's rows.
-        self.pool, self.allocator, self.tree = memory(ps, config.num_blocks - 1, config.max_running)
+        self.pool, self.allocator, self.tree = memory(
+            ps, config.num_blocks - 1, config.max_running, tree
+        )
         self.hook_tree()
-        self.record = Recorder(self.tree, self.pool, ps, self.events)
+        self.record = recorder(self.tree, self.pool, ps, self.events)
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
         self.ratio = NewTokenRatioTracker.from_config()
         self.token_budget = config.token_budget
@@ -443,7 +447,7 @@ class Scheduler:
         """S 5518: only when fully idle (and nothing waits)."""
         if self.waiting or not self.is_fully_idle():
             return False
-        cached = sorted(page for page, _ in self.record.tree_pages())
+        cached = sorted(self.record.cached_pages())
         self.last_batch = None
         self.tree.reset()
         self.pool.clear()
