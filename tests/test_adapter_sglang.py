@@ -19,7 +19,8 @@ VENV = ROOT / ".venv-sglang"
 CASES = (
     "clean sync retract retract-sync dedup known known-read known-none known-off known-decoded "
     "late late-reuse late-read late-off fuzz refused tree clean-legacy sync-legacy "
-    "retract-legacy dedup-legacy clean-python retract-python leak leak-python leak-legacy"
+    "retract-legacy dedup-legacy clean-python retract-python leak leak-python leak-legacy "
+    "retract-test retract-test-off fuzz-retract keeps-lock"
 ).split()
 
 needs_sglang = pytest.mark.skipif(
@@ -134,3 +135,29 @@ def test_a_lost_unlock_is_caught_on_every_tree_cache(case: dict[str, str]) -> No
     assert case["leak"].startswith("Disagreement: free blocks"), case["leak"]
     for name in ("leak-python", "leak-legacy"):
         assert case[name].startswith("Disagreement: refcounts"), case[name]
+
+
+@needs_sglang
+def test_sglangs_retraction_test_mode_is_judged_and_reached_by_fuzzing(
+    case: dict[str, str],
+) -> None:
+    """``retract_factory`` (SGLang's ``SGLANG_TEST_RETRACT``: every third batch retracts): three
+    requests decoding together with pages to spare are retracted and the run holds (without the
+    test mode nothing is retracted); 15 s of ``kvspec fuzz`` on it find nothing and the coverage
+    line counts the retractions (preemptions by steps in flight)."""
+    _clean(case["retract-test"], "preempt", "publish", "hit")
+    assert "preempt" not in case["retract-test-off"].split(), case["retract-test-off"]
+    _clean(case["retract-test-off"], "publish", "hit")
+    line = case["fuzz-retract"]
+    assert line.startswith("exit 0 False no counterexample"), line
+    depths = line.rsplit("preemptions with 0/1/2/3 steps in flight: ", 1)[1].split()[0]
+    assert sum(int(n) for n in depths.split("/")) > 0, line
+
+
+@needs_sglang
+def test_a_planted_retraction_bug_is_found_by_fuzzing(case: dict[str, str]) -> None:
+    """``mutants.RetractKeepsLock`` (a retracted request's tree lock is never released) in
+    SGLang's retraction test mode: ``kvspec fuzz`` finds it (the free sets disagree)."""
+    line = case["keeps-lock"]
+    assert line.startswith("exit 1 False counterexample found"), line
+    assert "violated: Disagreement: free blocks" in line, line

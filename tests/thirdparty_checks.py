@@ -338,6 +338,12 @@ DEDUP = [  # r2 recomputes r0's cached page (a match leaves the last token); whe
     ("step", (3,)),
     ("step", (30,)),
 ]
+CONCURRENT = [  # three short requests decoding together in 11 pages of 4 tokens: room to spare
+    ("arrive", (0, (1, 2), 6, 0)),
+    ("arrive", (1, (2, 1), 6, 0)),
+    ("arrive", (2, (3, 3, 1), 6, 0)),
+    ("step", (40,)),
+]
 DEDUP_CELL = dict(SGLANG, num_blocks=9, block_size=2, token_budget=3, max_running=3, depth=2)
 ROOMY = dict(SGLANG, num_blocks=12, block_size=2, token_budget=6, max_running=3, depth=2)
 MUTANTS = "kvspec.conformance.adapters.sglang_adapter.mutants"
@@ -379,6 +385,8 @@ SGLANG_CASES: dict[str, tuple[list[tuple[str, tuple]], str, dict[str, object]]] 
     "retract-legacy": (RETRACT, "legacy_factory", dict(SGLANG, **SMALL, depth=2, env=DECAYED)),
     "dedup-legacy": (DEDUP, "legacy_factory", DEDUP_CELL),
     "clean-python": (CLEAN, "python_core_factory", dict(SGLANG, **BIG, depth=2)),
+    "retract-test": (CONCURRENT, "retract_factory", dict(SGLANG, **BIG, depth=2)),
+    "retract-test-off": (CONCURRENT, "factory", dict(SGLANG, **BIG, depth=2)),
     "retract-python": (
         RETRACT,
         "python_core_factory",
@@ -392,7 +400,9 @@ all invariants, with NoUnwrittenRead alone, with neither it nor NoUnwrittenPubli
 order on the same workload, and the mutant where the launched step writes what it inserts;
 ``late*``: the ``LateRepoint`` mutant (judged in full; without the refcount comparison; also
 and without the legality check of allocations, NoUnwrittenRead alone) and SGLang's order on the
-same workload; ``*-legacy``, ``*-python``: the legacy ``RadixCache`` and ``UnifiedRadixCache`` over
+same workload; ``retract-test``: three requests decoding together with pages to spare, in SGLang's
+retraction test mode (``retract-test-off``: the same without it);
+``*-legacy``, ``*-python``: the legacy ``RadixCache`` and ``UnifiedRadixCache`` over
 SGLang's Python ``TreeCore`` (the default is its Rust one)."""
 
 
@@ -457,12 +467,36 @@ def kvspec(*argv: str) -> None:
 
 OVERLAP_TARGET = "kvspec.conformance.adapters.sglang_adapter:factory"
 SGLANG_CELL = ("--policy", "engine-registers", "--discipline", "general")
+RETRACT_TARGET = "kvspec.conformance.adapters.sglang_adapter:retract_factory"
+KEEPS_LOCK = f"{MUTANTS}:retract_keeps_lock_retract_factory"
 SGLANG_KVSPEC = {
     "fuzz": ("fuzz", "--target", OVERLAP_TARGET, *SGLANG_CELL, "--depth", "2", "--seconds", "10"),
+    "fuzz-retract": (
+        "fuzz",
+        "--target",
+        RETRACT_TARGET,
+        *SGLANG_CELL,
+        "--depth",
+        "2",
+        "--seconds",
+        "15",
+    ),
+    "keeps-lock": (
+        "fuzz",
+        "--target",
+        KEEPS_LOCK,
+        *SGLANG_CELL,
+        "--depth",
+        "2",
+        "--seconds",
+        "30",
+    ),
     "refused": ("fuzz", "--target", OVERLAP_TARGET, *SGLANG_CELL, "--depth", "1", "--seconds", "1"),
 }
-"""``fuzz``: 10 s of ``kvspec fuzz`` on the overlap loop (seed 0); ``refused``: the overlap
-factory at depth 1, bad input."""
+"""``fuzz``: 10 s of ``kvspec fuzz`` on the overlap loop (seed 0); ``fuzz-retract``: 15 s on it
+in SGLang's retraction test mode (``retract_factory``); ``keeps-lock``: up to 30 s on that with
+a planted retraction bug (``mutants.RetractKeepsLock``); ``refused``: the overlap factory at
+depth 1, bad input."""
 
 
 def fuzz_vllm() -> None:

@@ -7,7 +7,8 @@ The adapter runs SGLang's own ``Req``, ``ScheduleBatch`` (``prepare_for_extend``
 ``prepare_for_decode``, ``check_decode_mem``, ``retract_decode``, ``filter_batch``,
 ``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, the tree cache
 SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Rust ``TreeCore``;
-``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``),
+``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``;
+``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
@@ -61,6 +62,7 @@ __all__ = [
     "legacy_factory",
     "legacy_sync_factory",
     "python_core_factory",
+    "retract_factory",
     "supported",
     "sync_factory",
 ]
@@ -80,7 +82,7 @@ def supported(config: Config, overlap: bool = True) -> str | None:
     if config.stop_token not in (None, 0):
         return f"the fake model runner's stop token is 0, not {config.stop_token}"
     if not config.prefix_caching:
-        return "the SGLang adapter drives a RadixCache: prefix caching on"
+        return "the SGLang adapter drives SGLang's radix tree cache: prefix caching on"
     if overlap and config.depth != 2:
         return (
             "SGLang's default overlap scheduler keeps a batch in flight while it forms the next: "
@@ -91,11 +93,13 @@ def supported(config: Config, overlap: bool = True) -> str | None:
     return None
 
 
-def _build(config: Config, choices: Choices, overlap: bool, tree: str) -> SglangAdapter:
+def _build(
+    config: Config, choices: Choices, overlap: bool, tree: str, test_retract: bool | None = None
+) -> SglangAdapter:
     why = supported(config, overlap)
     if why is not None:
         raise ValueError(why)
-    return SglangAdapter(config, choices, overlap=overlap, tree=tree)
+    return SglangAdapter(config, choices, overlap=overlap, tree=tree, test_retract=test_retract)
 
 
 def factory(config: Config, choices: Choices) -> SglangAdapter:
@@ -108,6 +112,14 @@ def factory(config: Config, choices: Choices) -> SglangAdapter:
 def sync_factory(config: Config, choices: Choices) -> SglangAdapter:
     """SGLang with ``--disable-overlap-schedule`` (depth 1), its default tree cache."""
     return _build(config, choices, False, "unified")
+
+
+def retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``factory`` in SGLang's own retraction test mode (``SGLANG_TEST_RETRACT=1``: every
+    ``SGLANG_TEST_RETRACT_INTERVAL``-th batch, 3 by default, retracts decoding requests as a full
+    pool would): the fuzzer's pools, a few pages, rarely run SGLang's decodes out of memory,
+    since its admission reserves each new request's whole ``max_new_tokens`` (docs/adapters.md)."""
+    return _build(config, choices, True, "unified", test_retract=True)
 
 
 def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:

@@ -87,6 +87,7 @@ _publish_server_args()
 import torch  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.disaggregation.utils import prepare_abort  # noqa: E402
+from sglang.srt.environ import envs  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import (  # noqa: E402
     AddReqResult,
@@ -129,6 +130,7 @@ __all__ = [
     "get_hash_str",
     "hash_str_to_int64",
     "checkpoint_kv_cache",
+    "envs",
     "prepare_abort",
     "release_kv_cache",
 ]

@@ -34,14 +34,19 @@ class SglangAdapter:
     supports_loads = False
 
     def __init__(
-        self, config: Config, choices: Choices, overlap: bool = True, tree: str = "unified"
+        self,
+        config: Config,
+        choices: Choices,
+        overlap: bool = True,
+        tree: str = "unified",
+        test_retract: bool | None = None,
     ) -> None:
         budget = max(config.token_budget, config.max_running, config.block_size)
         config = replace(config, token_budget=budget)
         if overlap:
             config = replace(config, async_scheduling=True)
         self.config = config
-        self.overlap, self.tree = overlap, tree
+        self.overlap, self.tree, self.test_retract = overlap, tree, test_retract
         self.scheduler = self.new_scheduler(config, choices, overlap)
         self.events: list[Event] = self.scheduler.events
         self._published: set[int] = set()  # for self_check: pages the events registered
@@ -52,7 +57,7 @@ class SglangAdapter:
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""
-        return Scheduler(config, choices, overlap, self.tree)
+        return Scheduler(config, choices, overlap, self.tree, self.test_retract)
 
     # -- the protocol ---------------------------------------------------------------------------
 
@@ -78,6 +83,7 @@ class SglangAdapter:
         if step is not None:
             self.events.append(("submit", step))  # run_batch
             if batch is not None:
+                s.forward_ct += 1
                 s.result_queue.append((batch.copy(), step))
         processed = s.last_batch is not None
         if processed:
@@ -99,6 +105,7 @@ class SglangAdapter:
             if batch is None:
                 self.events += [("execute", step, ()), ("commit", step, ())]
             else:
+                s.forward_ct += 1  # run_batch
                 s.process_batch_result(batch, step)
         s.last_batch = batch
         return step is not None
