@@ -20,7 +20,7 @@ CASES = (
     "clean sync retract retract-sync dedup known known-read known-none known-off known-decoded "
     "late late-reuse late-read late-off fuzz refused tree clean-legacy sync-legacy "
     "retract-legacy dedup-legacy clean-python retract-python leak leak-python leak-legacy "
-    "retract-test retract-test-off fuzz-retract keeps-lock"
+    "retract-test retract-test-off fuzz-retract keeps-lock refusals"
 ).split()
 
 needs_sglang = pytest.mark.skipif(
@@ -161,3 +161,17 @@ def test_a_planted_retraction_bug_is_found_by_fuzzing(case: dict[str, str]) -> N
     line = case["keeps-lock"]
     assert line.startswith("exit 1 False counterexample found"), line
     assert "violated: Disagreement: free blocks" in line, line
+
+
+@needs_sglang
+def test_a_sliding_window_cell_is_refused_by_name(case: dict[str, str]) -> None:
+    """SGLang runs a sliding-window model with UnifiedRadixCache's SWA component, which the
+    spec's one window group does not model: the factory refuses the cell, naming why (running a
+    plain model against a window judge would only raise false alarms); likewise drafts."""
+    window, drafts = case["refusals"].split(" | ")
+    assert window.startswith("{'sliding_window': 4}: SGLang serves a sliding-window model"), window
+    assert "SWA component" in window and "sliding_window refused" in window, window
+    assert (
+        drafts
+        == "{'spec_tokens': 2}: the SGLang adapter drives no speculative decoding: spec_tokens 0"
+    )

@@ -421,6 +421,21 @@ def sglang_tree() -> None:
     print(" | ".join(said))
 
 
+def sglang_refusals() -> None:
+    """What the SGLang factory says of the cells its tree cache cannot run: one line each."""
+    from kvspec.conformance.adapters import sglang_adapter
+
+    said = []
+    for extra in (dict(sliding_window=4), dict(spec_tokens=2)):
+        config = Config(**SGLANG, **SMALL, depth=2, stop_token=0, **extra)  # type: ignore[arg-type]
+        try:
+            sglang_adapter.factory(config, Ones())
+            said.append(f"{extra}: built")
+        except ValueError as refusal:
+            said.append(f"{extra}: {refusal}")
+    print(" | ".join(said))
+
+
 def leak_first_unlock(adapter: Any) -> None:
     """Plant a bug in SGLang's tree: the ``unlock`` of the first request released at its finish
     (``release_kv_cache``) is lost, so its pages stay locked (unevictable) after it is gone."""
@@ -538,6 +553,8 @@ if __name__ == "__main__":
             kvspec(*SGLANG_KVSPEC[case], "--seed", "0")
         elif engine == "sglang" and case == "tree":
             sglang_tree()
+        elif engine == "sglang" and case == "refusals":
+            sglang_refusals()
         elif engine == "sglang" and case in SGLANG_PLANTED:
             workload, factory, plant, options = SGLANG_PLANTED[case]
             run(engine, workload, factory, plant=plant, **options)  # type: ignore[arg-type]

@@ -81,6 +81,17 @@ def supported(config: Config, overlap: bool = True) -> str | None:
         return "SGLang's default scheduling and retraction ignore priorities: preemption fcfs"
     if config.stop_token not in (None, 0):
         return f"the fake model runner's stop token is 0, not {config.stop_token}"
+    if config.sliding_window is not None:
+        return (
+            "SGLang serves a sliding-window model with UnifiedRadixCache's SWA component beside "
+            "FULL (a second pool, per-component locks and eviction, window tombstones), which "
+            "the spec's one sliding-window group does not model: sliding_window refused "
+            "(docs/adapters.md, SGLang, hybrid models)"
+        )
+    if config.spec_tokens:
+        return "the SGLang adapter drives no speculative decoding: spec_tokens 0"
+    if config.defer_free or config.defer_loads or config.delay_load_registration:
+        return "defer_free, defer_loads and delay_load_registration are vLLM's, not SGLang's"
     if not config.prefix_caching:
         return "the SGLang adapter drives SGLang's radix tree cache: prefix caching on"
     if overlap and config.depth != 2:
