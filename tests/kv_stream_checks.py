@@ -7,7 +7,8 @@ ENGINE is ``vllm`` or ``sglang``. Cases: ``clean`` (a shared-prefix workload wit
 reset; for vLLM under every factory: ``factory`` (vLLM's defaults: the synchronous scheduler at
 depth 1, async scheduling from 2) at depths 1 and 2, ``drop_factory`` at 3, ``sync_factory`` at 2,
 ``async_drop_factory`` at 3; for SGLang its overlap loop, ``factory`` at depth 2, and
-``sync_factory`` at depth 1), ``drop-removal`` (the publisher loses
+``sync_factory`` at depth 1, and its other tree caches: ``legacy_factory`` and
+``python_core_factory``), ``drop-removal`` (the publisher loses
 the first ``BlockRemoved``: ``ViewEqualsCache``), ``duplicate`` (vLLM: a block-aligned prompt
 twice, judged as a set-based router would: ``StoreNamesNewHash``).
 """
@@ -132,6 +133,8 @@ if __name__ == "__main__":
             run(engine, WORKLOAD, depth=2, **BIG)
             run(engine, SHORT, depth=2, **SMALL)
             run(engine, WORKLOAD, "sync_factory", **BIG)
+            run(engine, WORKLOAD, "legacy_factory", depth=2, **BIG)  # the legacy RadixCache
+            run(engine, SHORT, "python_core_factory", depth=2, **SMALL)  # the Python TreeCore
         elif case == "drop-removal":
             run(engine, SHORT, fault="drop-removal", depth=DEPTH[engine], **SMALL)
         elif case == "duplicate":

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-sglang"
 CASES = (
     "clean sync retract retract-sync dedup known known-read known-none known-off known-decoded "
-    "late late-reuse late-read late-off fuzz refused"
+    "late late-reuse late-read late-off fuzz refused tree clean-legacy sync-legacy "
+    "retract-legacy dedup-legacy clean-python retract-python leak leak-python leak-legacy "
+    "retract-test retract-test-off fuzz-retract keeps-lock refusals"
 ).split()
 
 needs_sglang = pytest.mark.skipif(
@@ -101,3 +103,75 @@ def test_a_cell_sglang_does_not_run_is_refused_in_one_line(case: dict[str, str])
     words = case["refused"].split(maxsplit=3)
     assert words[:3] == ["exit", "2", "False"], case["refused"]
     assert words[3].startswith("kvspec fuzz: error: --target") and "sync_factory" in words[3]
+
+
+@needs_sglang
+def test_the_default_factories_build_the_tree_cache_sglang_builds(case: dict[str, str]) -> None:
+    """``factory`` and ``sync_factory`` build what SGLang 0.5.23's ``create_tree_cache`` builds
+    for a plain model (``UnifiedRadixCache``, the FULL component alone, the Rust ``TreeCore``);
+    the Python ``TreeCore`` and the legacy ``RadixCache`` stay reachable by name."""
+    assert case["tree"] == (
+        "factory UnifiedRadixCache full rust | sync_factory UnifiedRadixCache full rust | "
+        "python_core_factory UnifiedRadixCache full python | legacy_factory RadixCache - legacy"
+    ), case["tree"]
+
+
+@needs_sglang
+def test_the_other_tree_caches_hold_on_the_same_cells(case: dict[str, str]) -> None:
+    """The shared-prefix, retraction and dedup workloads on the legacy ``RadixCache`` and on
+    ``UnifiedRadixCache`` over the Python ``TreeCore``: every event legal, every invariant held."""
+    for name in ("clean-legacy", "sync-legacy", "clean-python"):
+        _clean(case[name], "dedup", "publish", "hit", "finish")
+    for name in ("retract-legacy", "retract-python"):
+        _clean(case[name], "preempt", "evict", "unpublish")
+    _clean(case["dedup-legacy"], "dedup")
+
+
+@needs_sglang
+def test_a_lost_unlock_is_caught_on_every_tree_cache(case: dict[str, str]) -> None:
+    """A planted bug in SGLang's tree (the first finishing request's ``unlock`` lost): over the
+    Rust ``TreeCore``, which shows only which pages are unlocked, the free set disagrees; where
+    the lock counts are readable, the refcounts do."""
+    assert case["leak"].startswith("Disagreement: free blocks"), case["leak"]
+    for name in ("leak-python", "leak-legacy"):
+        assert case[name].startswith("Disagreement: refcounts"), case[name]
+
+
+@needs_sglang
+def test_sglangs_retraction_test_mode_is_judged_and_reached_by_fuzzing(
+    case: dict[str, str],
+) -> None:
+    """``retract_factory`` (SGLang's ``SGLANG_TEST_RETRACT``: every third batch retracts): three
+    requests decoding together with pages to spare are retracted and the run holds (without the
+    test mode nothing is retracted); 15 s of ``kvspec fuzz`` on it find nothing and the coverage
+    line counts the retractions (preemptions by steps in flight)."""
+    _clean(case["retract-test"], "preempt", "publish", "hit")
+    assert "preempt" not in case["retract-test-off"].split(), case["retract-test-off"]
+    _clean(case["retract-test-off"], "publish", "hit")
+    line = case["fuzz-retract"]
+    assert line.startswith("exit 0 False no counterexample"), line
+    depths = line.rsplit("preemptions with 0/1/2/3 steps in flight: ", 1)[1].split()[0]
+    assert sum(int(n) for n in depths.split("/")) > 0, line
+
+
+@needs_sglang
+def test_a_planted_retraction_bug_is_found_by_fuzzing(case: dict[str, str]) -> None:
+    """``mutants.RetractKeepsLock`` (a retracted request's tree lock is never released) in
+    SGLang's retraction test mode: ``kvspec fuzz`` finds it (the free sets disagree)."""
+    line = case["keeps-lock"]
+    assert line.startswith("exit 1 False counterexample found"), line
+    assert "violated: Disagreement: free blocks" in line, line
+
+
+@needs_sglang
+def test_a_sliding_window_cell_is_refused_by_name(case: dict[str, str]) -> None:
+    """SGLang runs a sliding-window model with UnifiedRadixCache's SWA component, which the
+    spec's one window group does not model: the factory refuses the cell, naming why (running a
+    plain model against a window judge would only raise false alarms); likewise drafts."""
+    window, drafts = case["refusals"].split(" | ")
+    assert window.startswith("{'sliding_window': 4}: SGLang serves a sliding-window model"), window
+    assert "SWA component" in window and "sliding_window refused" in window, window
+    assert (
+        drafts
+        == "{'spec_tokens': 2}: the SGLang adapter drives no speculative decoding: spec_tokens 0"
+    )

@@ -49,6 +49,7 @@ def test_sglangs_stream_with_a_planted_fault() -> None:
     *clean, dropped, duplicate = _run(
         ".venv-sglang", "sglang", "clean", "drop-removal", "duplicate"
     )
+    assert len(clean) == 5, clean  # the default tree cache in both loops, then the other two
     for line in clean:
         words = line.split()
         assert words[0] == "none" and int(words[1]) >= 4 and int(words[3]) >= 6, line

@@ -338,6 +338,12 @@ DEDUP = [  # r2 recomputes r0's cached page (a match leaves the last token); whe
     ("step", (3,)),
     ("step", (30,)),
 ]
+CONCURRENT = [  # three short requests decoding together in 11 pages of 4 tokens: room to spare
+    ("arrive", (0, (1, 2), 6, 0)),
+    ("arrive", (1, (2, 1), 6, 0)),
+    ("arrive", (2, (3, 3, 1), 6, 0)),
+    ("step", (40,)),
+]
 DEDUP_CELL = dict(SGLANG, num_blocks=9, block_size=2, token_budget=3, max_running=3, depth=2)
 ROOMY = dict(SGLANG, num_blocks=12, block_size=2, token_budget=6, max_running=3, depth=2)
 MUTANTS = "kvspec.conformance.adapters.sglang_adapter.mutants"
@@ -373,6 +379,19 @@ SGLANG_CASES: dict[str, tuple[list[tuple[str, tuple]], str, dict[str, object]]] 
         dict(DEDUP_CELL, compare=False, free_check=False, invariants=["NoUnwrittenRead"]),
     ),
     "late-off": (DEDUP, "factory", DEDUP_CELL),
+    # the same cells on the tree caches SGLang does not build by default (build.TREES)
+    "clean-legacy": (CLEAN, "legacy_factory", dict(SGLANG, **BIG, depth=2)),
+    "sync-legacy": (CLEAN, "legacy_sync_factory", dict(SGLANG, **BIG)),
+    "retract-legacy": (RETRACT, "legacy_factory", dict(SGLANG, **SMALL, depth=2, env=DECAYED)),
+    "dedup-legacy": (DEDUP, "legacy_factory", DEDUP_CELL),
+    "clean-python": (CLEAN, "python_core_factory", dict(SGLANG, **BIG, depth=2)),
+    "retract-test": (CONCURRENT, "retract_factory", dict(SGLANG, **BIG, depth=2)),
+    "retract-test-off": (CONCURRENT, "factory", dict(SGLANG, **BIG, depth=2)),
+    "retract-python": (
+        RETRACT,
+        "python_core_factory",
+        dict(SGLANG, **SMALL, depth=2, env=DECAYED),
+    ),
 }
 """``clean``/``sync``: a shared-prefix workload (two requests computing the same prefix in one
 step, a later one hitting it); ``retract*``: decodes that run out of pages; ``dedup``: SGLang's
@@ -381,7 +400,63 @@ all invariants, with NoUnwrittenRead alone, with neither it nor NoUnwrittenPubli
 order on the same workload, and the mutant where the launched step writes what it inserts;
 ``late*``: the ``LateRepoint`` mutant (judged in full; without the refcount comparison; also
 and without the legality check of allocations, NoUnwrittenRead alone) and SGLang's order on the
-same workload."""
+same workload; ``retract-test``: three requests decoding together with pages to spare, in SGLang's
+retraction test mode (``retract-test-off``: the same without it);
+``*-legacy``, ``*-python``: the legacy ``RadixCache`` and ``UnifiedRadixCache`` over
+SGLang's Python ``TreeCore`` (the default is its Rust one)."""
+
+
+def sglang_tree() -> None:
+    """The tree cache each SGLang factory builds: its class, components and ``TreeCore``."""
+    from kvspec.conformance.adapters import sglang_adapter
+    from kvspec.conformance.adapters.sglang_adapter.build import core_backend
+
+    config = Config(**SGLANG, **SMALL, stop_token=0)  # type: ignore[arg-type]
+    said = []
+    for name in ("factory", "sync_factory", "python_core_factory", "legacy_factory"):
+        cell = config if name == "sync_factory" else dataclasses.replace(config, depth=2)
+        tree = getattr(sglang_adapter, name)(cell, Ones()).scheduler.tree
+        parts = sorted(str(c) for c in getattr(tree, "components", {}))
+        said.append(f"{name} {type(tree).__name__} {'+'.join(parts) or '-'} {core_backend(tree)}")
+    print(" | ".join(said))
+
+
+def sglang_refusals() -> None:
+    """What the SGLang factory says of the cells its tree cache cannot run: one line each."""
+    from kvspec.conformance.adapters import sglang_adapter
+
+    said = []
+    for extra in (dict(sliding_window=4), dict(spec_tokens=2)):
+        config = Config(**SGLANG, **SMALL, depth=2, stop_token=0, **extra)  # type: ignore[arg-type]
+        try:
+            sglang_adapter.factory(config, Ones())
+            said.append(f"{extra}: built")
+        except ValueError as refusal:
+            said.append(f"{extra}: {refusal}")
+    print(" | ".join(said))
+
+
+def leak_first_unlock(adapter: Any) -> None:
+    """Plant a bug in SGLang's tree: the ``unlock`` of the first request released at its finish
+    (``release_kv_cache``) is lost, so its pages stay locked (unevictable) after it is gone."""
+    tree, record = adapter.scheduler.tree, adapter.scheduler.record
+    unlock = tree.unlock
+
+    def unlock_(lock: Any) -> None:
+        if lock is not None and record.finishing and not getattr(tree, "leaked", False):
+            tree.leaked = True
+            return
+        unlock(lock)
+
+    tree.unlock = unlock_
+
+
+SGLANG_PLANTED = {
+    # case: (workload, factory, plant, cell): a lost unlock, on each tree cache
+    "leak": (CLEAN, "factory", leak_first_unlock, dict(SGLANG, **BIG, depth=2)),
+    "leak-python": (CLEAN, "python_core_factory", leak_first_unlock, dict(SGLANG, **BIG, depth=2)),
+    "leak-legacy": (CLEAN, "legacy_factory", leak_first_unlock, dict(SGLANG, **BIG, depth=2)),
+}
 
 
 def kvspec(*argv: str) -> None:
@@ -407,12 +482,36 @@ def kvspec(*argv: str) -> None:
 
 OVERLAP_TARGET = "kvspec.conformance.adapters.sglang_adapter:factory"
 SGLANG_CELL = ("--policy", "engine-registers", "--discipline", "general")
+RETRACT_TARGET = "kvspec.conformance.adapters.sglang_adapter:retract_factory"
+KEEPS_LOCK = f"{MUTANTS}:retract_keeps_lock_retract_factory"
 SGLANG_KVSPEC = {
     "fuzz": ("fuzz", "--target", OVERLAP_TARGET, *SGLANG_CELL, "--depth", "2", "--seconds", "10"),
+    "fuzz-retract": (
+        "fuzz",
+        "--target",
+        RETRACT_TARGET,
+        *SGLANG_CELL,
+        "--depth",
+        "2",
+        "--seconds",
+        "15",
+    ),
+    "keeps-lock": (
+        "fuzz",
+        "--target",
+        KEEPS_LOCK,
+        *SGLANG_CELL,
+        "--depth",
+        "2",
+        "--seconds",
+        "30",
+    ),
     "refused": ("fuzz", "--target", OVERLAP_TARGET, *SGLANG_CELL, "--depth", "1", "--seconds", "1"),
 }
-"""``fuzz``: 10 s of ``kvspec fuzz`` on the overlap loop (seed 0); ``refused``: the overlap
-factory at depth 1, bad input."""
+"""``fuzz``: 10 s of ``kvspec fuzz`` on the overlap loop (seed 0); ``fuzz-retract``: 15 s on it
+in SGLang's retraction test mode (``retract_factory``); ``keeps-lock``: up to 30 s on that with
+a planted retraction bug (``mutants.RetractKeepsLock``); ``refused``: the overlap factory at
+depth 1, bad input."""
 
 
 def fuzz_vllm() -> None:
@@ -452,6 +551,13 @@ if __name__ == "__main__":
     for case in sys.argv[2:]:  # one line each, in one process (vLLM takes seconds to import)
         if engine == "sglang" and case in SGLANG_KVSPEC:
             kvspec(*SGLANG_KVSPEC[case], "--seed", "0")
+        elif engine == "sglang" and case == "tree":
+            sglang_tree()
+        elif engine == "sglang" and case == "refusals":
+            sglang_refusals()
+        elif engine == "sglang" and case in SGLANG_PLANTED:
+            workload, factory, plant, options = SGLANG_PLANTED[case]
+            run(engine, workload, factory, plant=plant, **options)  # type: ignore[arg-type]
         elif engine == "sglang":
             workload, factory, options = SGLANG_CASES[case]
             run(engine, workload, factory, **options)  # type: ignore[arg-type]

@@ -5,7 +5,10 @@ default *overlap* event loop (``kvspec fuzz --target kvspec.conformance.adapters
 Importable only where SGLang 0.5.23 is installed (``make thirdparty`` builds ``.venv-sglang``).
 The adapter runs SGLang's own ``Req``, ``ScheduleBatch`` (``prepare_for_extend``,
 ``prepare_for_decode``, ``check_decode_mem``, ``retract_decode``, ``filter_batch``,
-``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, ``RadixCache``,
+``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, the tree cache
+SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Rust ``TreeCore``;
+``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``;
+``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
@@ -53,7 +56,16 @@ from kvspec.spec import Config
 
 from .loops import SglangAdapter
 
-__all__ = ["SglangAdapter", "factory", "supported", "sync_factory"]
+__all__ = [
+    "SglangAdapter",
+    "factory",
+    "legacy_factory",
+    "legacy_sync_factory",
+    "python_core_factory",
+    "retract_factory",
+    "supported",
+    "sync_factory",
+]
 
 
 def supported(config: Config, overlap: bool = True) -> str | None:
@@ -69,8 +81,19 @@ def supported(config: Config, overlap: bool = True) -> str | None:
         return "SGLang's default scheduling and retraction ignore priorities: preemption fcfs"
     if config.stop_token not in (None, 0):
         return f"the fake model runner's stop token is 0, not {config.stop_token}"
+    if config.sliding_window is not None:
+        return (
+            "SGLang serves a sliding-window model with UnifiedRadixCache's SWA component beside "
+            "FULL (a second pool, per-component locks and eviction, window tombstones), which "
+            "the spec's one sliding-window group does not model: sliding_window refused "
+            "(docs/adapters.md, SGLang, hybrid models)"
+        )
+    if config.spec_tokens:
+        return "the SGLang adapter drives no speculative decoding: spec_tokens 0"
+    if config.defer_free or config.defer_loads or config.delay_load_registration:
+        return "defer_free, defer_loads and delay_load_registration are vLLM's, not SGLang's"
     if not config.prefix_caching:
-        return "the SGLang adapter drives a RadixCache: prefix caching on"
+        return "the SGLang adapter drives SGLang's radix tree cache: prefix caching on"
     if overlap and config.depth != 2:
         return (
             "SGLang's default overlap scheduler keeps a batch in flight while it forms the next: "
@@ -81,17 +104,47 @@ def supported(config: Config, overlap: bool = True) -> str | None:
     return None
 
 
-def factory(config: Config, choices: Choices) -> SglangAdapter:
-    """SGLang as it runs by default: the overlap scheduler (depth 2, placeholder decodes)."""
-    why = supported(config)
+def _build(
+    config: Config, choices: Choices, overlap: bool, tree: str, test_retract: bool | None = None
+) -> SglangAdapter:
+    why = supported(config, overlap)
     if why is not None:
         raise ValueError(why)
-    return SglangAdapter(config, choices, overlap=True)
+    return SglangAdapter(config, choices, overlap=overlap, tree=tree, test_retract=test_retract)
+
+
+def factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang as it runs by default: the overlap scheduler (depth 2, placeholder decodes) over the
+    tree cache SGLang's ``create_tree_cache`` builds for a plain model (``UnifiedRadixCache``,
+    FULL component, Rust ``TreeCore``)."""
+    return _build(config, choices, True, "unified")
 
 
 def sync_factory(config: Config, choices: Choices) -> SglangAdapter:
-    """SGLang with ``--disable-overlap-schedule`` (depth 1)."""
-    why = supported(config, overlap=False)
-    if why is not None:
-        raise ValueError(why)
-    return SglangAdapter(config, choices, overlap=False)
+    """SGLang with ``--disable-overlap-schedule`` (depth 1), its default tree cache."""
+    return _build(config, choices, False, "unified")
+
+
+def retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``factory`` in SGLang's own retraction test mode (``SGLANG_TEST_RETRACT=1``: every
+    ``SGLANG_TEST_RETRACT_INTERVAL``-th batch, 3 by default, retracts decoding requests as a full
+    pool would): the fuzzer's pools, a few pages, rarely run SGLang's decodes out of memory,
+    since its admission reserves each new request's whole ``max_new_tokens`` (docs/adapters.md)."""
+    return _build(config, choices, True, "unified", test_retract=True)
+
+
+def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """The overlap scheduler over ``UnifiedRadixCache`` with SGLang's Python ``TreeCore``
+    (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``), whose lock counts the adapter reads."""
+    return _build(config, choices, True, "python-core")
+
+
+def legacy_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """The overlap scheduler over the legacy ``RadixCache``, which SGLang built by default before
+    ``UnifiedRadixCache`` (and which its other tree caches still derive from)."""
+    return _build(config, choices, True, "legacy")
+
+
+def legacy_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``legacy_factory`` without overlap (depth 1)."""
+    return _build(config, choices, False, "legacy")

@@ -85,7 +85,9 @@ def _publish_server_args() -> None:
 _publish_server_args()
 
 import torch  # noqa: E402
+from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.disaggregation.utils import prepare_abort  # noqa: E402
+from sglang.srt.environ import envs  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import (  # noqa: E402
     AddReqResult,
@@ -103,6 +105,13 @@ from sglang.srt.mem_cache.common import (  # noqa: E402
 )
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode  # noqa: E402
+from sglang.srt.mem_cache.registry import (  # noqa: E402
+    TreeCacheBuildContext,
+    create_tree_cache,
+)
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
@@ -117,7 +126,11 @@ __all__ = [
     "SchedulePolicy",
     "SpeculativeAlgorithm",
     "TreeNode",
+    "UnifiedRadixCache",
+    "get_hash_str",
+    "hash_str_to_int64",
     "checkpoint_kv_cache",
+    "envs",
     "prepare_abort",
     "release_kv_cache",
 ]
@@ -131,26 +144,84 @@ MODEL = types.SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False)
 whether the model has an encoder."""
 
 
-def memory(page_size: int, pages: int, rows: int) -> tuple[Any, Any, Any]:
+TREES = ("unified", "python-core", "legacy")
+"""The tree caches the adapter can build (``memory``): ``unified``, SGLang 0.5.23's default;
+``python-core``, the same ``UnifiedRadixCache`` over SGLang's Python ``TreeCore`` instead of its
+Rust one; ``legacy``, the ``RadixCache`` SGLang built before ``UnifiedRadixCache``."""
+
+
+def memory(page_size: int, pages: int, rows: int, tree: str = "unified") -> tuple[Any, Any, Any]:
     """SGLang's ``ReqToTokenPool`` (``rows`` requests), ``PagedTokenToKVPoolAllocator`` over
-    ``pages`` pages (its page 0 is the padding slot, so pages 1..pages are usable) and
-    ``RadixCache`` over both, as ``Scheduler.__init__`` builds them for a CPU worker."""
+    ``pages`` pages (its page 0 is the padding slot, so pages 1..pages are usable) and a tree cache
+    over both (``TREES``), with its KV-event recorder on (for ``kv_stream.py``).
+
+    The default tree is the one ``mem_cache/kv_cache_builder.py``'s ``build_kv_cache`` builds for a
+    plain model (neither hybrid sliding-window nor SSM, no hierarchical cache, radix cache on):
+    SGLang's own ``mem_cache/registry.py`` ``create_tree_cache`` on a ``TreeCacheBuildContext``,
+    which takes ``default_radix_cache_factory`` and ``create_unified_radix_cache``: a
+    ``UnifiedRadixCache`` with ``ComponentType.FULL`` alone, over the ``TreeCore`` SGLang selects
+    (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default ``rust``: the bundled extension). Nothing
+    of that call needs a GPU: the model worker and model config are read only for hierarchical
+    cache, LMCache and the external linker, all off. ``python-core`` is the same call with
+    ``CacheInitParams.tree_core_backend="python"``; ``legacy`` builds ``RadixCache`` directly."""
+    if tree not in TREES:
+        raise ValueError(f"tree {tree!r}: one of {', '.join(TREES)}")
     pool = ReqToTokenPool(
         size=rows, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
     )
     allocator = PagedTokenToKVPoolAllocator(
         pages * page_size, page_size, torch.float32, "cpu", None, need_sort=False
     )
-    tree = RadixCache(
-        CacheInitParams(
+    if tree == "legacy":
+        params = CacheInitParams(
             disable=False,
             req_to_token_pool=pool,
             token_to_kv_pool_allocator=allocator,
             page_size=page_size,
-            enable_kv_cache_events=True,  # its KV events, for its publisher (kv_stream.py)
+            enable_kv_cache_events=True,
         )
+        return pool, allocator, RadixCache(params)
+    settings = runtime_context.get_memory()
+    params = CacheInitParams(  # as build_kv_cache fills it on one CPU rank, no draft, no SWA
+        disable=False,
+        req_to_token_pool=pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        eviction_policy=settings.radix_eviction_policy,
+        eviction_policy_config=settings.radix_eviction_policy_config,
+        enable_kv_cache_events=True,
+        enable_session_radix_cache=settings.enable_session_radix_cache,
+        chunked_prefill_size=None,
+        sliding_window_size=None,
+        tree_core_backend="python" if tree == "python-core" else None,
     )
-    return pool, allocator, tree
+    context = TreeCacheBuildContext(
+        server_args=None,  # read only where a hierarchical cache is attached
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+        full_tokens_per_layer=None,
+    )
+    cache = create_tree_cache(context)
+    if not isinstance(cache, UnifiedRadixCache) or set(cache.components) != {ComponentType.FULL}:
+        raise RuntimeError(
+            f"SGLang's create_tree_cache built {type(cache).__name__}, not a UnifiedRadixCache "
+            "with the FULL component alone: the adapter supports SGLang 0.5.23's default"
+        )
+    return pool, allocator, cache
+
+
+def core_backend(tree: Any) -> str:
+    """The tree's kind as ``docs/adapters.md`` names it: ``legacy``, or the unified tree's
+    ``TreeCore`` (``rust`` or ``python``)."""
+    return getattr(tree, "_tree_core_backend", "legacy")
 
 
 def new_request(rid: int, prompt: tuple[int, ...], max_new_tokens: int) -> Req:

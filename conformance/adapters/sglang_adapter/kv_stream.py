@@ -1,20 +1,24 @@
 """SGLang 0.5.23's own KV-event publisher over loopback, its stream judged against its radix tree.
 
 SGLang 0.5.23 has a publisher of its own (``sglang.srt.disaggregation.kv_events``:
-``ZmqEventPublisher``, vLLM's wire format and replay protocol) fed by its tree's
-``KVCacheEventRecorder`` (``sglang.srt.mem_cache.events``: ``BlockStored`` per new tree node,
-``BlockRemoved`` per evicted node, ``AllBlocksCleared`` at a reset). The adapter builds its
-``RadixCache`` with the recorder on (``build.memory``: ``enable_kv_cache_events``) and calls
-``attach`` here, which publishes what the recorder took where SGLang's scheduler does, in either
-event loop (``loops.py``): at the end of processing a batch's result (``report_prefill_stats`` /
-``report_decode_stats`` call ``publish_kv_events``; under overlap this also carries what forming
-the next batch inserted and evicted, since that ran before the result was processed), and when
-fully idle (``on_idle``), i.e. after a cache flush. One publisher (bound to 127.0.0.1, a port the
-system picks) and one subscriber per process serve the fuzzer's engines in turn.
+``ZmqEventPublisher``, vLLM's wire format and replay protocol) fed by its tree's event recorder
+(``BlockStored`` for new tree pages, ``BlockRemoved`` for evicted ones, ``AllBlocksCleared`` at a
+reset): the Rust ``TreeCore``'s queue under ``UnifiedRadixCache`` (SGLang's default), a
+``KVCacheEventRecorder`` (``sglang.srt.mem_cache.events``) under the Python ``TreeCore`` and the
+legacy ``RadixCache``. The adapter builds its tree with the recorder on (``build.memory``:
+``enable_kv_cache_events``) and calls ``attach`` here, which publishes what the recorder took
+where SGLang's scheduler does, in either event loop (``loops.py``): at the end of processing a
+batch's result (``report_prefill_stats`` / ``report_decode_stats`` call ``publish_kv_events``;
+under overlap this also carries what forming the next batch inserted and evicted, since that ran
+before the result was processed), and when fully idle (``on_idle``), i.e. after a cache flush.
+One publisher (bound to 127.0.0.1, a port the system picks) and one subscriber per process serve
+the fuzzer's engines in turn.
 
-The engine's cache, as the stream names it: every page of every tree node, under the hash SGLang's
-recorder publishes for it (its own ``_node_event_hash_values``, ``hash_str_to_int64`` and
-``namespaced_block_hash``). SGLang publishes no group index (None) and medium ``GPU``.
+The engine's cache, as the stream names it: every page of the tree under the hash SGLang
+publishes for it: for the legacy tree its recorder's own ``_node_event_hash_values``; for the
+unified tree, whose Rust core exposes no nodes, SGLang's ``get_hash_str`` over the tokens of the
+page's key up to its end (``record.UnifiedRecorder.tokens``), then ``hash_str_to_int64`` and
+``namespaced_block_hash``. SGLang publishes no group index (None) and medium ``GPU``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from sglang.srt.disaggregation.kv_events import (
     ZmqEventPublisher,
     namespaced_block_hash,
 )
-from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from kvspec.conformance.judge.findings import Finding
 from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
 from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
+
+from .build import core_backend, get_hash_str, hash_str_to_int64
 
 TOPIC = "kvspec"
 
@@ -78,6 +83,7 @@ class SglangKvStream:
         self.loop = loopback()
         scheduler = adapter.scheduler
         self.tree, self.page_size = scheduler.tree, scheduler.page_size
+        self.record = scheduler.record
         self.first_seq = self.loop.published
         self.engine = EngineStream(self.first_seq, "GPU", chosen_invariants())
         process, reset = scheduler.process_batch_result, adapter.reset_prefix_cache
@@ -102,6 +108,20 @@ class SglangKvStream:
         self.engine.at_boundary(frames, self.cache())
 
     def cache(self) -> Cache:
+        """Every tree page under the name SGLang's recorder publishes for it."""
+        if core_backend(self.tree) == "legacy":
+            return self._legacy_cache()
+        record, page = self.record, self.page_size
+        out: dict[tuple[int | None, Any], tuple[int, ...]] = {}
+        for block in record.cached_pages():
+            tokens = list(record.tokens[block])
+            value = get_hash_str(tokens, None, page_size=page)[-1]  # the page's chained hash
+            name = (None, namespaced_block_hash(hash_str_to_int64(value), namespace_seed=None))
+            out[name] = out.get(name, ()) + (block,)
+        return out
+
+    def _legacy_cache(self) -> Cache:
+        """``RadixCache``: its nodes' hashes, as its ``KVCacheEventRecorder`` computes them."""
         recorder, page = self.tree.kv_events, self.page_size
         out: dict[tuple[int | None, Any], tuple[int, ...]] = {}
         stack = [self.tree.root_node]

@@ -33,13 +33,20 @@ class SglangAdapter:
     judging = "observed"
     supports_loads = False
 
-    def __init__(self, config: Config, choices: Choices, overlap: bool = True) -> None:
+    def __init__(
+        self,
+        config: Config,
+        choices: Choices,
+        overlap: bool = True,
+        tree: str = "unified",
+        test_retract: bool | None = None,
+    ) -> None:
         budget = max(config.token_budget, config.max_running, config.block_size)
         config = replace(config, token_budget=budget)
         if overlap:
             config = replace(config, async_scheduling=True)
         self.config = config
-        self.overlap = overlap
+        self.overlap, self.tree, self.test_retract = overlap, tree, test_retract
         self.scheduler = self.new_scheduler(config, choices, overlap)
         self.events: list[Event] = self.scheduler.events
         self._published: set[int] = set()  # for self_check: pages the events registered
@@ -50,7 +57,7 @@ class SglangAdapter:
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""
-        return Scheduler(config, choices, overlap)
+        return Scheduler(config, choices, overlap, self.tree, self.test_retract)
 
     # -- the protocol ---------------------------------------------------------------------------
 
@@ -76,6 +83,7 @@ class SglangAdapter:
         if step is not None:
             self.events.append(("submit", step))  # run_batch
             if batch is not None:
+                s.forward_ct += 1
                 s.result_queue.append((batch.copy(), step))
         processed = s.last_batch is not None
         if processed:
@@ -97,6 +105,7 @@ class SglangAdapter:
             if batch is None:
                 self.events += [("execute", step, ()), ("commit", step, ())]
             else:
+                s.forward_ct += 1  # run_batch
                 s.process_batch_result(batch, step)
         s.last_batch = batch
         return step is not None
@@ -112,20 +121,30 @@ class SglangAdapter:
         return [rid for rid in s.requests if rid not in s.gone]
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Refcounts: a tree page's node ``lock_ref`` (the requests whose locked path holds it),
-        a page outside the tree the rows holding it past ``cache_protected_len``. Free: the
-        allocator's free pages and the unlocked tree pages (evictable, like the spec's cached
-        free blocks)."""
-        s = self.scheduler
+        """Refcounts: a tree page's ``lock_ref`` (the requests whose locked path holds it) where
+        SGLang keeps it on a Python node; over the Rust ``TreeCore``, which says only which tree
+        pages are unlocked, an unlocked page counts 0 and a locked one the rows whose protected
+        prefix (``cache_protected_len``) holds it. A page outside the tree counts the rows
+        holding it past ``cache_protected_len``. Free: the allocator's free pages and the
+        unlocked tree pages (evictable, like the spec's cached free blocks)."""
+        s, record = self.scheduler, self.scheduler.record
         refcounts = [0] * self.config.num_blocks
         free = set(int(p) for p in s.allocator.get_all_free_pages().tolist())
-        for page, node in s.record.tree_pages():
-            refcounts[page] = node.lock_ref
-            if node.lock_ref == 0:
-                free.add(page)
+        unlocked, locks = record.unlocked(), record.locks()
+        protected: dict[int, int] = {}
         for req in s.holders():
-            for page in s.record.row(req)[req.kv.cache_protected_len // s.page_size :]:
+            row = record.row(req)
+            cut = req.kv.cache_protected_len // s.page_size
+            for page in row[:cut]:
+                protected[page] = protected.get(page, 0) + 1
+            for page in row[cut:]:
                 refcounts[page] += 1
+        for page in record.cached_pages():
+            if locks is not None:
+                refcounts[page] = locks[page]
+            elif page not in unlocked:
+                refcounts[page] = protected.get(page, 0)
+        free |= unlocked
         return tuple(refcounts), tuple(sorted(free))
 
     def check_kv_stream(self, judge: Any) -> Any:
@@ -143,7 +162,7 @@ class SglangAdapter:
             elif event[0] == "reset":
                 self._published.clear()
         self._seen = len(self.events)
-        tree = {page for page, _ in self.scheduler.record.tree_pages()}
+        tree = set(self.scheduler.record.cached_pages())
         if tree != self._published:
             return (
                 f"SGLang's tree holds pages {sorted(tree)}; the events registered "

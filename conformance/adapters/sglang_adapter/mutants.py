@@ -21,10 +21,17 @@ drops) is reused only by batches launched after that forward.
   it). Batches formed meanwhile still read the freed copies through the row, and the allocator
   hands them out again: an allocation of a page the spec counts as the request's (``Illegal``),
   else RefcountIsOwnership.
+* ``RetractKeepsLock`` (a retraction that leaks): a retracted request's tree lock is never
+  released, so its matched prefix stays pinned though no request holds it. Reached by fuzzing
+  only in SGLang's retraction test mode (``retract_keeps_lock_retract_factory``; with SGLang's
+  defaults, ``retract_keeps_lock_factory``, the fuzzer's pools rarely retract): the free sets
+  disagree after the retraction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvspec.reference.choices import Choices
@@ -79,11 +86,22 @@ class LateRepoint(Scheduler):
                     self.events.append(("dedup", rid(req), index, new))
 
 
+class RetractKeepsLock(Scheduler):
+    @contextmanager
+    def retracting(self, req: Req) -> Iterator[None]:
+        unlock = self.tree.unlock
+        self.tree.unlock = lambda lock: None
+        try:
+            yield
+        finally:
+            self.tree.unlock = unlock
+
+
 class _MutantAdapter(SglangAdapter):
     scheduler_class: type[Scheduler] = Scheduler
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
-        return self.scheduler_class(config, choices, overlap)
+        return self.scheduler_class(config, choices, overlap, self.tree, self.test_retract)
 
 
 def mutant(scheduler_class: type[Scheduler], overlap: bool = True) -> type[SglangAdapter]:
@@ -95,11 +113,16 @@ def mutant(scheduler_class: type[Scheduler], overlap: bool = True) -> type[Sglan
     )
 
 
-def _build(scheduler_class: type[Scheduler], config: Config, choices: Choices) -> SglangAdapter:
+def _build(
+    scheduler_class: type[Scheduler],
+    config: Config,
+    choices: Choices,
+    test_retract: bool | None = None,
+) -> SglangAdapter:
     why = supported(config)
     if why is not None:
         raise ValueError(why)
-    return mutant(scheduler_class)(config, choices, overlap=True)
+    return mutant(scheduler_class)(config, choices, overlap=True, test_retract=test_retract)
 
 
 def insert_known_factory(config: Config, choices: Choices) -> SglangAdapter:
@@ -108,3 +131,14 @@ def insert_known_factory(config: Config, choices: Choices) -> SglangAdapter:
 
 def late_repoint_factory(config: Config, choices: Choices) -> SglangAdapter:
     return _build(LateRepoint, config, choices)
+
+
+def retract_keeps_lock_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``RetractKeepsLock`` under SGLang's defaults: reached only where a decode runs out of
+    pages, which the fuzzer's pools rarely make happen."""
+    return _build(RetractKeepsLock, config, choices)
+
+
+def retract_keeps_lock_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``RetractKeepsLock`` in SGLang's retraction test mode (``retract_factory``)."""
+    return _build(RetractKeepsLock, config, choices, test_retract=True)

@@ -1,17 +1,26 @@
 """SGLang's own memory operations as kvspec effect events, by wrapping methods of the real objects
 on the instance (no file of SGLang is changed), and the views of SGLang's state that the events and
-``snapshot`` read.
+``snapshot`` read. One recorder per kind of tree (``build.TREES``), the same events from each:
 
-* ``RadixCache.kv_events.record_store`` (a new tree node): ``publish`` of each of its pages at its
-  position in the request's key (the request whose insert runs is ``Recorder.acting``);
-* ``record_remove`` (an evicted node): its pages, held in ``evicted`` until the decision they belong
-  to says whether each is allocated again at once (``evict`` before its ``alloc``) or left free
-  (``unpublish``);
-* ``RadixCache.checkpoint`` (an insert of a running request): ``dedup`` for each row position it
-  repointed at the tree's page; at a request's final insert (``Recorder.finishing``) its copies
-  are simply freed, which its ``free`` events say.
+* a tree insert by a running or finishing request (``Recorder.acting``): ``publish`` of each new
+  page at its position in the request's key. ``LegacyRecorder`` hooks ``RadixCache``'s
+  ``kv_events.record_store`` (a new node); ``UnifiedRecorder`` compares the tree's pages before
+  and after ``UnifiedRadixCache.insert``, read through SGLang's backend-neutral
+  ``TreeCore.walk_for_kv_canary`` (every FULL slot with its position), since the Rust
+  ``TreeCore``, SGLang's default, exposes no nodes;
+* an eviction (``RadixCache``'s ``record_remove``; ``UnifiedRadixCache._evict``, which both
+  ``evict`` and ``evict_for_alloc`` run): its pages, held in ``evicted`` until the decision they
+  belong to says whether each is allocated again at once (``evict`` before its ``alloc``) or
+  left free (``unpublish``);
+* ``checkpoint`` (an insert of a running request): ``dedup`` for each row position it repointed
+  at the tree's page; at a request's final insert (``Recorder.finishing``) its copies are simply
+  freed, which its ``free`` events say.
 
-SGLang's page 0 is its padding slot, so its pages 1..N-1 are the spec's blocks 1..N-1.
+Lock state: ``locks`` gives each tree page's ``lock_ref`` where SGLang keeps it on a node that
+Python can read (``RadixCache``, the Python ``TreeCore``); the Rust ``TreeCore`` says only which
+pages are unlocked (``walk_for_kv_canary(unlocked_only=True)``), and ``snapshot`` counts the others
+(``loops.py``). SGLang's page 0 is its padding slot, so its pages 1..N-1 are the spec's blocks
+1..N-1.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .build import RadixCache, Req, TreeNode
+from .build import ComponentType, Req, core_backend
 
 Event = tuple[object, ...]
 
@@ -30,8 +39,17 @@ def rid(req: Req) -> int:
     return int(req.rid)
 
 
+def recorder(tree: Any, pool: Any, page_size: int, events: list[Event]) -> Recorder:
+    """The recorder for the tree ``build.memory`` built."""
+    kind = LegacyRecorder if core_backend(tree) == "legacy" else UnifiedRecorder
+    return kind(tree, pool, page_size, events)
+
+
 class Recorder:
-    def __init__(self, tree: RadixCache, pool: Any, page_size: int, events: list[Event]) -> None:
+    """What every tree's recorder shares: the views of the rows, the acting request, the
+    evictions to report, the ``checkpoint`` wrapper (``dedup``)."""
+
+    def __init__(self, tree: Any, pool: Any, page_size: int, events: list[Event]) -> None:
         self.tree, self.pool, self.page_size, self.events = tree, pool, page_size, events
         self.acting: Req | None = None
         """The request whose insert or release runs (``record_store`` names it)."""
@@ -53,23 +71,17 @@ class Recorder:
         slots = self.pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len]
         return [int(s) // self.page_size for s in slots[:: self.page_size].tolist()]
 
-    def tree_pages(self) -> list[tuple[int, TreeNode]]:
-        pages, stack = [], [self.tree.root_node]
-        while stack:
-            node = stack.pop()
-            if node is not self.tree.root_node and node.value is not None:
-                pages += [(int(s) // self.page_size, node) for s in node.value[:: self.page_size]]
-            stack += list(node.children.values())
-        return pages
+    def cached_pages(self) -> dict[int, int]:
+        """Every page of the tree, with its position in its key (in pages)."""
+        raise NotImplementedError
 
-    def _depth(self, node: TreeNode) -> int:
-        """Tokens on the path above ``node``."""
-        tokens = 0
-        node = node.parent
-        while node is not None and node is not self.tree.root_node:
-            tokens += len(node.key)
-            node = node.parent
-        return tokens
+    def unlocked(self) -> set[int]:
+        """The tree's pages no request holds (evictable)."""
+        raise NotImplementedError
+
+    def locks(self) -> dict[int, int] | None:
+        """Each tree page's ``lock_ref``, or None where SGLang keeps it out of Python's reach."""
+        raise NotImplementedError
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -94,25 +106,7 @@ class Recorder:
         self.events += [("unpublish", page) for page in evicted]
 
     def _wrap(self) -> None:
-        tree, recorder = self.tree, self.tree.kv_events
-        record_store, record_remove, checkpoint = (
-            recorder.record_store,
-            recorder.record_remove,
-            tree.checkpoint,
-        )
-
-        def record_store_(node: TreeNode, *args: Any, **kw: Any) -> None:
-            req = self.acting
-            if req is None:
-                raise AssertionError("SGLang inserted into its tree outside a request's insert")
-            first = self._depth(node) // self.page_size
-            for i, slot in enumerate(node.value[:: self.page_size].tolist()):
-                self.events.append(("publish", rid(req), first + i, int(slot) // self.page_size))
-            record_store(node, *args, **kw)
-
-        def record_remove_(node: TreeNode, *args: Any, **kw: Any) -> None:
-            self.evicted += [int(s) // self.page_size for s in node.value[:: self.page_size]]
-            record_remove(node, *args, **kw)
+        checkpoint = self.tree.checkpoint
 
         def checkpoint_(req: Req, *args: Any, **kw: Any) -> Any:
             before = self.row(req)
@@ -124,6 +118,134 @@ class Recorder:
                         self.events.append(("dedup", rid(req), index, new))
             return result
 
+        self.tree.checkpoint = checkpoint_
+
+    def _publish(self, index: int, page: int) -> None:
+        req = self.acting
+        if req is None:
+            raise AssertionError("SGLang inserted into its tree outside a request's insert")
+        self.events.append(("publish", rid(req), index, page))
+
+
+class LegacyRecorder(Recorder):
+    """``RadixCache``: its nodes, and its recorder's ``record_store``/``record_remove``."""
+
+    def _nodes(self) -> list[Any]:
+        nodes, stack = [], [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            if node is not self.tree.root_node and node.value is not None:
+                nodes.append(node)
+            stack += list(node.children.values())
+        return nodes
+
+    def _node_pages(self, node: Any) -> list[int]:
+        return [int(s) // self.page_size for s in node.value[:: self.page_size].tolist()]
+
+    def cached_pages(self) -> dict[int, int]:
+        out = {}
+        for node in self._nodes():
+            first = self._depth(node) // self.page_size
+            out.update({page: first + i for i, page in enumerate(self._node_pages(node))})
+        return out
+
+    def locks(self) -> dict[int, int] | None:
+        return {page: node.lock_ref for node in self._nodes() for page in self._node_pages(node)}
+
+    def unlocked(self) -> set[int]:
+        return {page for page, refs in (self.locks() or {}).items() if refs == 0}
+
+    def _depth(self, node: Any) -> int:
+        """Tokens on the path above ``node``."""
+        tokens = 0
+        node = node.parent
+        while node is not None and node is not self.tree.root_node:
+            tokens += len(node.key)
+            node = node.parent
+        return tokens
+
+    def _wrap(self) -> None:
+        super()._wrap()
+        recorder = self.tree.kv_events
+        record_store, record_remove = recorder.record_store, recorder.record_remove
+
+        def record_store_(node: Any, *args: Any, **kw: Any) -> None:
+            first = self._depth(node) // self.page_size
+            for i, page in enumerate(self._node_pages(node)):
+                self._publish(first + i, page)
+            record_store(node, *args, **kw)
+
+        def record_remove_(node: Any, *args: Any, **kw: Any) -> None:
+            self.evicted += self._node_pages(node)
+            record_remove(node, *args, **kw)
+
         recorder.record_store = record_store_
         recorder.record_remove = record_remove_
-        tree.checkpoint = checkpoint_
+
+
+class UnifiedRecorder(Recorder):
+    """``UnifiedRadixCache`` (FULL component) over either ``TreeCore``: the tree's pages read
+    through ``walk_for_kv_canary`` around each ``insert`` and ``_evict``; ``tokens`` keeps, per
+    tree page, the tokens of its key up to its end (the KV stream's names, ``kv_stream.py``)."""
+
+    def __init__(self, tree: Any, pool: Any, page_size: int, events: list[Event]) -> None:
+        self.tokens: dict[int, tuple[int, ...]] = {}
+        super().__init__(tree, pool, page_size, events)
+
+    def _walk(self, unlocked_only: bool) -> dict[int, int]:
+        walk = self.tree.tree_core.walk_for_kv_canary(unlocked_only, False)
+        ps = self.page_size
+        return {
+            int(slot) // ps: int(position) // ps
+            for slot, position in zip(
+                walk.slot_indices.tolist(), walk.positions.tolist(), strict=True
+            )
+            if int(position) % ps == 0
+        }
+
+    def cached_pages(self) -> dict[int, int]:
+        return self._walk(False)
+
+    def unlocked(self) -> set[int]:
+        return set(self._walk(True))
+
+    def locks(self) -> dict[int, int] | None:
+        if core_backend(self.tree) != "python":
+            return None
+        out, stack = {}, [self.tree.tree_core.root_node]
+        while stack:
+            node = stack.pop()
+            stack += list(node.children.values())
+            full = node.component_data[ComponentType.FULL]
+            if node is self.tree.tree_core.root_node or full.value is None:
+                continue
+            for slot in full.value[:: self.page_size].tolist():
+                out[int(slot) // self.page_size] = full.lock_ref
+        return out
+
+    def _wrap(self) -> None:
+        super()._wrap()
+        tree = self.tree
+        insert, evict = tree.insert, tree._evict
+
+        def insert_(params: Any) -> Any:
+            before = self.cached_pages()
+            result = insert(params)
+            after = self.cached_pages()
+            tokens = tuple(int(t) for t in params.key.raw_token_ids())
+            for page, index in sorted(after.items(), key=lambda item: item[1]):
+                if page not in before:
+                    self._publish(index, page)
+                    self.tokens[page] = tokens[: (index + 1) * self.page_size]
+            self.evicted += [page for page in before if page not in after]
+            return result
+
+        def evict_(*args: Any, **kw: Any) -> Any:
+            before = self.cached_pages()
+            result = evict(*args, **kw)
+            after = self.cached_pages()
+            self.evicted += [page for page in before if page not in after]
+            return result
+
+        tree.insert = insert_
+        tree._evict = evict_

@@ -22,6 +22,8 @@ calls are ``loops.py``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvspec.reference.choices import Choices
@@ -40,25 +42,35 @@ from .build import (
     SpeculativeAlgorithm,
     checkpoint_kv_cache,
     empty_batch,
+    envs,
     memory,
     new_request,
     prepare_abort,
     release_kv_cache,
 )
-from .record import Event, Recorder, rid
+from .record import Event, recorder, rid
 
 
 class Scheduler:
-    def __init__(self, config: Config, choices: Choices, overlap: bool) -> None:
+    def __init__(
+        self,
+        config: Config,
+        choices: Choices,
+        overlap: bool,
+        tree: str = "unified",
+        test_retract: bool | None = None,
+    ) -> None:
         self.config, self.choices, self.overlap = config, choices, overlap
         self.events: list[Event] = []
         ps = config.block_size
         self.page_size = ps
         # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
         # max_running counts the chunked request too, and so do SGLang's rows.
-        self.pool, self.allocator, self.tree = memory(ps, config.num_blocks - 1, config.max_running)
+        self.pool, self.allocator, self.tree = memory(
+            ps, config.num_blocks - 1, config.max_running, tree
+        )
         self.hook_tree()
-        self.record = Recorder(self.tree, self.pool, ps, self.events)
+        self.record = recorder(self.tree, self.pool, ps, self.events)
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
         self.ratio = NewTokenRatioTracker.from_config()
         self.token_budget = config.token_budget
@@ -73,6 +85,17 @@ class Scheduler:
         self.result_queue: deque[tuple[ScheduleBatch, int]] = deque()
         self.pending_chunked_abort: Req | None = None
         self.next_step = 0
+        self.forward_ct = 0
+        """Batches run (``run_batch``, S 4621: the loops count them)."""
+        on = envs.SGLANG_TEST_RETRACT.get() if test_retract is None else test_retract
+        self.test_retract = (
+            (envs.SGLANG_TEST_RETRACT_INTERVAL.get(), envs.SGLANG_TEST_RETRACT_NO_PREFILL_BS.get())
+            if on
+            else None
+        )
+        """SGLang's own retraction test mode (``SGLANG_TEST_RETRACT``, read at S 399, off by
+        default; ``test_retract`` overrides it): (interval, running batch size above which no
+        prefill is formed), or None."""
 
     def hook_tree(self) -> None:
         """Called before the recorder wraps the tree (a mutant wraps SGLang's methods here)."""
@@ -204,6 +227,8 @@ class Scheduler:
             running.batch_is_full = True
             return None
         self.policy.calc_priority(self.waiting, running)
+        if self.test_retract is not None and running_bs > self.test_retract[1]:
+            return None  # S 4135: keep the requests waiting while testing retraction
         adder = PrefillAdder(
             self.page_size,
             self.tree,
@@ -304,7 +329,8 @@ class Scheduler:
         if kv_full and finishing:
             batch.batch_is_full = False
             return None  # the queued result frees the finishing requests' pages
-        if kv_full:
+        forced = self.test_retract is not None and self.forward_ct % self.test_retract[0] == 0
+        if kv_full or forced:  # S 4477: out of memory, or SGLang's test mode
             retracted, ratio = self._retract_decode(batch)
             self.ratio.current = ratio
             self.waiting += retracted  # _add_request_to_queue(req, is_retracted=True)
@@ -338,7 +364,7 @@ class Scheduler:
             events = self._before_begin if aborting else self.events
             self.record.report_evictions()  # what check_decode_mem evicted before this
             events.append(("abort" if aborting else "preempt", rid(req)))
-            with self.record.acting_for(req):
+            with self.record.acting_for(req), self.retracting(req):
                 ok = original(idx, remaining, offload_kv=offload_kv)
             events += [("free", page) for page in reversed(table)]
             evicted, self.record.evicted = self.record.evicted, []
@@ -355,6 +381,11 @@ class Scheduler:
             del batch.release_req
         self.record.report_evictions()
         return retracted, ratio
+
+    @contextmanager
+    def retracting(self, req: Req) -> Iterator[None]:
+        """Around ``release_req`` of a request ``retract_decode`` retracts (a mutant's hook)."""
+        yield
 
     # -- processing a batch's result ------------------------------------------------------------
 
@@ -443,7 +474,7 @@ class Scheduler:
         """S 5518: only when fully idle (and nothing waits)."""
         if self.waiting or not self.is_fully_idle():
             return False
-        cached = sorted(page for page, _ in self.record.tree_pages())
+        cached = sorted(self.record.cached_pages())
         self.last_batch = None
         self.tree.reset()
         self.pool.clear()
