@@ -89,6 +89,21 @@ REACHED_BY_SPEC_ACTIONS = Exempt(
     unreachable=True,
 )
 NO_CONFIG = "takes no Config"
+DECLARED = (
+    "NoUnwrittenRead",
+    "NoUnwrittenPublish",
+    "RefcountIsOwnership",
+    "SharedImpliesSamePrefix",
+    "FreeQueueExact",
+    "FreedAfterWrites",
+    "HashIndexConsistent",
+    "NullBlockPinned",
+    "TableMatchesComputed",
+    "StepsInOrder",
+    "NoLeakAtQuiescence",
+)
+"""The invariants this table was written for, spelled out (not read from ``REGISTRY``): an
+invariant added to the registry is in no row until someone declares it there."""
 Z3_FEATURES: dict[str, str | Refused] = {
     "async_scheduling": FOLLOWS,
     "stale_output_deliver": FOLLOWS,
@@ -218,22 +233,7 @@ TWINS: tuple[Twin, ...] = (
             ),
             "loads": FOLLOWS,
         },
-        invariants={
-            name: IMPLEMENTS
-            for name in (
-                "NoUnwrittenRead",
-                "NoUnwrittenPublish",
-                "RefcountIsOwnership",
-                "SharedImpliesSamePrefix",
-                "FreeQueueExact",
-                "FreedAfterWrites",
-                "HashIndexConsistent",
-                "NullBlockPinned",
-                "TableMatchesComputed",
-                "StepsInOrder",
-                "NoLeakAtQuiescence",
-            )
-        },
+        invariants={name: IMPLEMENTS for name in DECLARED},
         traits=dict(AXES),
     ),
     Twin(
@@ -252,21 +252,7 @@ TWINS: tuple[Twin, ...] = (
         label="the Z3 model",
         features=Z3_FEATURES,
         invariants={
-            **{
-                name: IMPLEMENTS
-                for name in (
-                    "NoUnwrittenRead",
-                    "NoUnwrittenPublish",
-                    "RefcountIsOwnership",
-                    "SharedImpliesSamePrefix",
-                    "FreeQueueExact",
-                    "HashIndexConsistent",
-                    "NullBlockPinned",
-                    "TableMatchesComputed",
-                    "StepsInOrder",
-                    "NoLeakAtQuiescence",
-                )
-            },
+            **{name: IMPLEMENTS for name in DECLARED if name != "FreedAfterWrites"},
             "FreedAfterWrites": Exempt(
                 "vacuous without deferred frees, which the model refuses", unreachable=True
             ),
