@@ -19,7 +19,7 @@ import importlib.util
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -123,7 +123,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _cell_arguments(p: argparse.ArgumentParser, policies: tuple[str, ...] = POLICIES) -> None:
+def _cell_arguments(p: argparse.ArgumentParser, policies: Collection[str] = POLICIES) -> None:
     p.add_argument("--policy", required=True, choices=policies, help="registration policy (README)")
     p.add_argument(
         "--discipline", default="vllm", choices=DISCIPLINES, help="scheduling discipline"
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fuzz = command("fuzz", "lockstep-fuzz an engine (default: the reference) against the spec")
     # engine-registers: for --target engines that register on their own (observed judging).
-    _cell_arguments(fuzz, POLICIES + OBSERVED_POLICIES)
+    _cell_arguments(fuzz, (*POLICIES, *OBSERVED_POLICIES))
     fuzz.add_argument(
         "--target",
         metavar="MODULE:FACTORY",

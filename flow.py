@@ -131,7 +131,9 @@ def simulate(
         for name in EngineConfig.__dataclass_fields__
         if hasattr(config, name)
     }
-    engine = Engine(EngineConfig(**fields))
+    from kvspec.conformance.adapter import engine_traits
+
+    engine = Engine(EngineConfig(**fields, policy_traits=engine_traits(config)))
     started = time.perf_counter()
     bsz = config.block_size
     for rid, prompt, max_tokens, priority in shared_prefix_workload(

@@ -1,6 +1,7 @@
 """The build backend's one hook beyond pyproject.toml: the fast model compiled into the wheel.
 
-setuptools reads everything else from ``pyproject.toml``. Here, a wheel build compiles the fast
+setuptools reads everything else from ``pyproject.toml``, but the package list
+(``packages``), derived here from the folders. Here, a wheel build compiles the fast
 hot path (the judge's core and the fast model) with mypyc into the package ``kvspec_fast``
 (``conformance/judge/fastbuild.py`` owns the list of sources and the copies compiled;
 ``fastbuild.fast_judge()`` finds the installed package). The compiled extension is
@@ -17,10 +18,29 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+NOT_PACKAGES = ("tests", "bench", "docs", "build", "dist", "examples", "thirdparty")
+"""Top-level folders that are not part of the installed package (folders whose name holds a
+dot, such as the virtual environments, are skipped by setuptools' finder)."""
+
+
+def packages() -> list[str]:
+    """``kvspec`` (the root) and every folder below it that holds Python sources, as
+    ``kvspec.<dotted path>``: derived, so that a new subpackage, with or without an
+    ``__init__.py``, ships (``tests/test_packaging.py`` builds the wheel and imports each
+    adapter from it)."""
+    exclude = [*NOT_PACKAGES, *(f"{name}.*" for name in NOT_PACKAGES)]
+    found = find_namespace_packages(where=str(ROOT), exclude=exclude)
+    return ["kvspec"] + sorted(
+        f"kvspec.{name}"
+        for name in found
+        if "__pycache__" not in name and any((ROOT / name.replace(".", "/")).glob("*.py"))
+    )
+
+
 COMPILING = ("bdist_wheel", "build_ext", "build", "install")
 """Commands that build what the wheel ships (metadata and sdist commands compile nothing)."""
 
@@ -74,4 +94,4 @@ def ext_modules() -> list[object]:
     return list(extensions)
 
 
-setup(ext_modules=ext_modules(), cmdclass={"build_py": BuildPy})
+setup(packages=packages(), ext_modules=ext_modules(), cmdclass={"build_py": BuildPy})

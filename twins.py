@@ -1,16 +1,62 @@
-"""The declared twins: every other executable form of the spec, what it must equal, and the tests
-that show it, the way a TLA+ module says which module ``INSTANCE``s which and states the
-``THEOREM`` that one refines the other.
+"""The declared twins: every other executable form of the spec, what it must equal, the tests
+that show it, and what it follows, as a table, the way a TLA+ module says which module
+``INSTANCE``s which and states the ``THEOREM`` that one refines the other.
 
 ``kvspec.spec`` is the definition. Every module below restates some of it in another form (for
 speed, for a solver, for an engine) and would be worthless if it drifted; each declares
-``TWIN_OF = "kvspec.spec"`` so that ``tests/test_twins.py`` can check that no form goes
-unregistered and that every test named here exists. ``docs/architecture.md`` draws them.
+``TWIN_OF`` so that ``tests/test_twins.py`` can check that no form goes unregistered and that
+every test named here exists. Each row is also the form's support, read by the form itself
+(``follows``, ``refuse``) instead of decided in its own prose:
+
+* ``features``: every configuration feature of ``spec/features.py``, followed (``FOLLOWS``) or
+  refused (``Refused``, with the reason; the form raises ``NotFollowed`` naming it);
+* ``invariants``: every invariant of ``spec/invariants.py``'s ``REGISTRY``, evaluated
+  (``IMPLEMENTS``) or left out (``Exempt``, with the reason; an exemption that says the
+  invariant holds on every state the form reaches is only valid when the form refuses whatever
+  can break it, ``Invariant.broken_by``);
+* ``traits``: per axis of ``spec/policies.py``'s ``AXES``, the values it follows.
+
+A form with no configuration, or no invariants of its own, says so once for the whole column
+(``Refused`` or ``Exempt`` in place of the mapping). ``problems()`` lists every gap;
+``tests/test_twins.py`` fails on any, and checks that each declared refusal is the one the form
+raises. ``docs/architecture.md`` draws the table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from kvspec.spec.features import FEATURES
+from kvspec.spec.invariants import REGISTRY
+from kvspec.spec.policies import AXES, traits
+from kvspec.spec.state import Config
+
+FOLLOWS = "follows"
+IMPLEMENTS = "implements"
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Exempt:
+    reason: str
+    unreachable: bool = False
+    """The reason is that no state the form reaches violates it (only the spec's own actions
+    change its state): valid only while the form refuses everything in ``broken_by``."""
+
+
+class NotFollowed(ValueError):
+    """A form was given a configuration feature or policy trait its row of the table refuses."""
+
+    def __init__(self, form: str, what: str, message: str) -> None:
+        super().__init__(message)
+        self.form = form
+        self.what = what
+        """The feature's name, or ``axis=value`` for a trait."""
 
 
 @dataclass(frozen=True)
@@ -22,7 +68,59 @@ class Twin:
     """What it must equal: the theorem its tests check."""
     shown_by: tuple[str, ...]
     """The tests that show it (``tests/file.py::test_name``)."""
+    label: str = ""
+    """How a refusal names the form ("the fast model")."""
+    features: Mapping[str, str | Refused] | Refused = Refused("")
+    invariants: Mapping[str, str | Exempt] | Exempt = Exempt("")
+    traits: Mapping[str, tuple[str, ...]] | Refused = Refused("")
 
+
+def _all_axes_but(*refused: str) -> dict[str, tuple[str, ...]]:
+    return {axis: tuple(v for v in values if v not in refused) for axis, values in AXES.items()}
+
+
+ENGINE_ONLY = Exempt(
+    "an engine, not a checker: its effects are judged by the spec's invariants in lockstep"
+)
+REACHED_BY_SPEC_ACTIONS = Exempt(
+    "holds on every state the spec's actions reach (inductive at small sizes, docs/proofs.md; "
+    "fuzzed in tests/test_incremental.py), and only the spec's actions change this form's state "
+    "(strict judging)",
+    unreachable=True,
+)
+NO_CONFIG = "takes no Config"
+DECLARED = (
+    "NoUnwrittenRead",
+    "NoUnwrittenPublish",
+    "RefcountIsOwnership",
+    "SharedImpliesSamePrefix",
+    "FreeQueueExact",
+    "FreedAfterWrites",
+    "HashIndexConsistent",
+    "NullBlockPinned",
+    "TableMatchesComputed",
+    "StepsInOrder",
+    "NoLeakAtQuiescence",
+)
+"""The invariants this table was written for, spelled out (not read from ``REGISTRY``): an
+invariant added to the registry is in no row until someone declares it there."""
+Z3_FEATURES: dict[str, str | Refused] = {
+    "async_scheduling": FOLLOWS,
+    "stale_output_deliver": FOLLOWS,
+    "prefix_caching_off": Refused(
+        "a pool that publishes nothing has none of the registration races the proofs are "
+        "about, and its batch free order would need its own free-queue terms"
+    ),
+    "spec_tokens": Refused(
+        "the model's contents have no draft values and its commits one token per request"
+    ),
+    "delay_load_registration": FOLLOWS,
+    "defer_free": Refused("the model has no holder but tables"),
+    "defer_loads": Refused("it needs defer_free, which the model refuses"),
+    "sliding_window": Refused("its tables have no null positions and its reads no window"),
+    "loads": Refused("the fragment has no external KV loads (nor their failures)"),
+}
+"""The Z3 model's features (its ``Fragment``), which the lemmas share."""
 
 TWINS: tuple[Twin, ...] = (
     Twin(
@@ -47,15 +145,28 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_window.py::test_the_reference_engine_with_a_window_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
         ),
+        label="the reference engine",
+        features={
+            name: FOLLOWS
+            for name in (
+                "async_scheduling",
+                "stale_output_deliver",
+                "prefix_caching_off",
+                "spec_tokens",
+                "delay_load_registration",
+                "defer_free",
+                "defer_loads",
+                "sliding_window",
+                "loads",
+            )
+        },
+        invariants=ENGINE_ONLY,
+        traits=_all_axes_but("by-engine"),
     ),
     Twin(
         "kvspec.conformance.judge.fastmodel",
-        "the fast model: the state machine for speed, interned prefixes, prefix caching on "
-        "and off (the reference traces and spec walks its tests draw include caching off); "
-        "not speculative decoding, deferred frees nor a sliding window (``Config.spec_tokens`` "
-        "> 0, ``Config.defer_free``, which ``Config.defer_loads`` needs, and "
-        "``Config.sliding_window`` are refused by ``FastModel``, and ``kvspec check`` and "
-        "``Monitor.fast`` judge such traces by the spec throughout)",
+        "the fast model: the state machine for speed, interned prefixes; what it refuses "
+        "(``features`` below) ``kvspec check`` and ``Monitor.fast`` judge by the spec",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
         "same event) and its state, exported, is the spec's before every decision",
         (
@@ -68,13 +179,37 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
             "tests/test_spec_window.py::test_kvspec_check_judges_a_window_by_the_spec",
         ),
+        label="the fast model",
+        features={
+            "async_scheduling": FOLLOWS,
+            "stale_output_deliver": FOLLOWS,
+            "prefix_caching_off": FOLLOWS,
+            "spec_tokens": Refused("judged by the spec only (kvspec check, Monitor.fast)"),
+            "delay_load_registration": FOLLOWS,
+            "defer_free": Refused("judged by the spec only: the model has no deferred holders"),
+            "defer_loads": Refused("judged by the spec only: it needs defer_free"),
+            "sliding_window": Refused("judged by the spec only: no null positions, no window"),
+            "loads": FOLLOWS,
+        },
+        invariants={
+            "NoUnwrittenRead": IMPLEMENTS,
+            "NoUnwrittenPublish": IMPLEMENTS,
+            "RefcountIsOwnership": REACHED_BY_SPEC_ACTIONS,
+            "SharedImpliesSamePrefix": REACHED_BY_SPEC_ACTIONS,
+            "FreeQueueExact": REACHED_BY_SPEC_ACTIONS,
+            "FreedAfterWrites": REACHED_BY_SPEC_ACTIONS,
+            "HashIndexConsistent": REACHED_BY_SPEC_ACTIONS,
+            "NullBlockPinned": REACHED_BY_SPEC_ACTIONS,
+            "TableMatchesComputed": REACHED_BY_SPEC_ACTIONS,
+            "StepsInOrder": REACHED_BY_SPEC_ACTIONS,
+            "NoLeakAtQuiescence": REACHED_BY_SPEC_ACTIONS,
+        },
+        traits=_all_axes_but("by-engine"),
     ),
     Twin(
         "kvspec.conformance.judge.incremental",
-        "the incremental invariants: each evaluated only where a decision changed the state "
-        "(prefix caching on and off, draft tokens, synchronous and under async scheduling, and "
-        "deferred frees: the traces and walks its tests draw include them); not a sliding "
-        "window (``SpecModel`` judges ``Config.sliding_window`` with the full definitions)",
+        "the incremental invariants: each evaluated only where a decision changed the state; "
+        "what it refuses (``features`` below) ``SpecModel`` judges with the full definitions",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "
         "and the same answer on every corrupted state",
         (
@@ -83,19 +218,28 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_incremental.py::test_corrupting_a_changed_item_is_found_as_by_the_full_check",
             "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
         ),
+        label="the incremental checks",
+        features={
+            "async_scheduling": FOLLOWS,
+            "stale_output_deliver": FOLLOWS,
+            "prefix_caching_off": FOLLOWS,
+            "spec_tokens": FOLLOWS,
+            "delay_load_registration": FOLLOWS,
+            "defer_free": FOLLOWS,
+            "defer_loads": FOLLOWS,
+            "sliding_window": Refused(
+                "its footprints do not restate the null-block positions: SpecModel judges a "
+                "window with the full definitions"
+            ),
+            "loads": FOLLOWS,
+        },
+        invariants={name: IMPLEMENTS for name in DECLARED},
+        traits=dict(AXES),
     ),
     Twin(
         "kvspec.proofs.symbolic",
-        "the Z3 model: actions and invariants as Z3 terms at fixed sizes, synchronous and "
-        "async scheduling (placeholders), stale output dropped or delivered; prefix caching on "
-        "only (``Config.prefix_caching`` off is refused by ``Fragment``: a pool that publishes "
-        "nothing has none of the registration races the proofs are about, and its batch free "
-        "order would need its own free-queue terms); no draft tokens (``Config.spec_tokens`` "
-        "> 0 is refused by ``Fragment``: the model's contents have no draft values and its "
-        "commits one token per request); no deferred frees (``Config.defer_free`` is refused "
-        "by ``Fragment``: the model has no holder but tables); no sliding window "
-        "(``Config.sliding_window`` is refused by ``Fragment``: its tables have no null "
-        "positions and its reads no window)",
+        "the Z3 model: actions and invariants as Z3 terms at fixed sizes (``Fragment``, which "
+        "refuses what ``Z3_FEATURES`` refuses)",
         "it admits exactly the executable spec's successor of every (state, decision) pair "
         "the walks reach, and its invariants are the spec's there",
         (
@@ -105,6 +249,15 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_defer.py::test_the_fast_and_z3_models_refuse_deferred_frees",
             "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
         ),
+        label="the Z3 model",
+        features=Z3_FEATURES,
+        invariants={
+            **{name: IMPLEMENTS for name in DECLARED if name != "FreedAfterWrites"},
+            "FreedAfterWrites": Exempt(
+                "vacuous without deferred frees, which the model refuses", unreachable=True
+            ),
+        },
+        traits=_all_axes_but("by-engine"),
     ),
     Twin(
         "kvspec.proofs.lemmas",
@@ -115,6 +268,12 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_induction.py::test_safe_cells_are_inductive",
             "tests/test_induction.py::test_a_missing_lemma_leaves_a_counterexample_to_induction",
         ),
+        label="the lemmas",
+        features=Z3_FEATURES,
+        invariants=Exempt(
+            "strengthening lemmas over the Z3 model: the spec's invariants are the Z3 model's row"
+        ),
+        traits=_all_axes_but("by-engine"),
     ),
     Twin(
         "kvspec.proofs.parametric",
@@ -148,12 +307,150 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_contracts.py::test_crosshair_finds_planted_bugs",
             "tests/test_contracts.py::test_crosshair_spec_and_reference_agree",
         ),
+        label="the spec's pool contracts",
+        features=Refused(f"{NO_CONFIG}: pure functions of a flat pool, caching on"),
+        invariants=Exempt("the pool invariants restated over a flat pool, function by function"),
+        traits=Refused(f"{NO_CONFIG}: the pool publishes what it is told"),
     ),
     Twin(
         "kvspec.reference.contracts",
         "CrossHair contracts: the reference engine's pool as pure functions of the same flat pool",
         "the spec's contracts, function by function (CrossHair's diffbehavior)",
         ("tests/test_contracts.py::test_crosshair_spec_and_reference_agree",),
+        label="the reference engine's pool contracts",
+        features=Refused(f"{NO_CONFIG}: pure functions of a flat pool, caching on"),
+        invariants=Exempt("the spec's contracts, function by function"),
+        traits=Refused(f"{NO_CONFIG}: the pool publishes what it is told"),
+    ),
+    Twin(
+        "kvspec.spec.pool_machine",
+        "the block pool on its own (lookup, touch, allocate, free, publish, evict, reset) as a "
+        "state machine of its own, for code that drives a pool with no scheduler",
+        "the spec's pool mechanisms (spec/pool.py): the same refcounts, hashes, index and free "
+        "queue after every operation of a random sequence, its batch free as ``free_batch``",
+        ("tests/test_twins.py::test_the_pool_machine_is_the_spec_pool",),
+        label="the pool machine",
+        features=Refused(f"{NO_CONFIG}: a block count and caching on or off (initial_pool)"),
+        invariants=Exempt("its own pool invariants (POOL_INVARIANTS), over opaque keys"),
+        traits=Refused(f"{NO_CONFIG}: the pool publishes what it is told"),
     ),
 )
 """Every form, in the order of ``docs/architecture.md``."""
+
+
+def twin(form: str) -> Twin:
+    """The row of ``form``; ``KeyError`` for a form that is not declared."""
+    for t in TWINS:
+        if t.form == form:
+            return t
+    raise KeyError(form)
+
+
+def refusal(form: str, config: Config) -> NotFollowed | None:
+    """What ``form``'s row refuses of ``config`` (its first refused feature that is on, else
+    its first trait value not followed), or None when the form follows it all."""
+    row = twin(form)
+    label = row.label or form
+    if isinstance(row.features, Refused):
+        return NotFollowed(form, "config", f"{label} {row.features.reason}")
+    for name, feature in FEATURES.items():
+        support = row.features.get(name)
+        if feature.on is None or not feature.on(config):
+            continue
+        if support is None:
+            return NotFollowed(form, name, f"{label}: no support declared for {name}")
+        if isinstance(support, Refused):
+            return refused(form, name)
+    if isinstance(row.traits, Refused):
+        return NotFollowed(form, "policy", f"{label} {row.traits.reason}")
+    t = traits(config)
+    for axis, followed in row.traits.items():
+        value = getattr(t, axis)
+        if value not in followed:
+            return NotFollowed(
+                form,
+                f"{axis}={value}",
+                f"{label} does not follow the policy trait {axis}={value!r} of "
+                f"{config.policy!r} (it follows {', '.join(followed)})",
+            )
+    return None
+
+
+def refused(form: str, feature: str) -> NotFollowed:
+    """The refusal ``form``'s row declares for ``feature`` (its message names both)."""
+    row = twin(form)
+    assert not isinstance(row.features, Refused)
+    support = row.features[feature]
+    assert isinstance(support, Refused)
+    meaning = FEATURES[feature].meaning
+    return NotFollowed(
+        form, feature, f"{row.label} does not follow {meaning} ({feature}): {support.reason}"
+    )
+
+
+def follows(form: str, config: Config) -> bool:
+    """Whether ``form`` follows every feature and trait of ``config``."""
+    return refusal(form, config) is None
+
+
+def refuse(form: str, config: Config) -> None:
+    """Raise ``NotFollowed`` for what ``form`` does not follow of ``config``."""
+    problem = refusal(form, config)
+    if problem is not None:
+        raise problem
+
+
+def implemented(form: str) -> frozenset[str]:
+    """The invariants ``form`` evaluates, by its row."""
+    row = twin(form)
+    if isinstance(row.invariants, Exempt):
+        return frozenset()
+    return frozenset(name for name, s in row.invariants.items() if s == IMPLEMENTS)
+
+
+def problems() -> list[str]:
+    """Every gap in the table: a feature, invariant or axis a row does not cover, a name it
+    covers that the registries do not have, an exemption whose invariant a followed feature or
+    trait can break."""
+    out: list[str] = []
+    for row in TWINS:
+        if not row.label:
+            out.append(f"{row.form}: no label")
+        if not isinstance(row.features, Refused):
+            missing = set(FEATURES) - set(row.features)
+            extra = set(row.features) - set(FEATURES)
+            out += [f"{row.form}: feature {n} neither followed nor refused" for n in missing]
+            out += [f"{row.form}: unknown feature {n}" for n in extra]
+        if not isinstance(row.traits, Refused):
+            for axis, values in AXES.items():
+                followed = row.traits.get(axis)
+                if followed is None:
+                    out.append(f"{row.form}: trait axis {axis} not declared")
+                    continue
+                out += [
+                    f"{row.form}: unknown {axis} trait {v}" for v in followed if v not in values
+                ]
+        if isinstance(row.invariants, Exempt):
+            continue
+        missing = set(REGISTRY) - set(row.invariants)
+        out += [f"{row.form}: invariant {n} neither implemented nor exempt" for n in missing]
+        out += [f"{row.form}: unknown invariant {n}" for n in set(row.invariants) - set(REGISTRY)]
+        for name, support in row.invariants.items():
+            if not isinstance(support, Exempt) or not support.unreachable or name not in REGISTRY:
+                continue
+            for breaker in REGISTRY[name].broken_by:
+                if _follows_breaker(row, breaker):
+                    out.append(
+                        f"{row.form}: {name} is exempt as unreachable, but {breaker}, which "
+                        f"breaks it, is followed"
+                    )
+    return out
+
+
+def _follows_breaker(row: Twin, breaker: str) -> bool:
+    axis, _, value = breaker.partition("=")
+    if value:
+        return not isinstance(row.traits, Refused) and value in row.traits.get(axis, ())
+    if isinstance(row.features, Refused):
+        return False
+    return row.features.get(breaker, FOLLOWS) == FOLLOWS

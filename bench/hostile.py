@@ -58,6 +58,8 @@ import orjson
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from kvspec.spec.policies import POLICIES as SPEC_POLICIES
+
 # -- the oracle's own rules (written from docs/trace-format.md and docs/events.md) -------------
 
 KINDS: dict[str, tuple[str, ...]] = {
@@ -80,7 +82,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "finish": ("id", "reason"),
     "dedup": ("id", "nat", "block"),
 }
-POLICIES = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo", "hide-uncommitted", "deferred")  # fmt: skip
+POLICIES = tuple(SPEC_POLICIES)
+"""The registration policies a configuration may name: the spec's registry."""
 MAX_BLOCKS = 1 << 24
 INT64 = (-(1 << 63), (1 << 64) - 1)
 """The integers kvspec's JSON parser reads exactly; others are refused, which is within the

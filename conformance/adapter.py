@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.choices import Choices
-from kvspec.spec import Config
+from kvspec.spec import POLICIES, Config
 
 Event = tuple[object, ...]
 Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
@@ -80,6 +80,14 @@ Factory = Callable[[Config, Choices], Adapter]
 engine's native events; a message is reported as a ``Disagreement``)."""
 
 
+def engine_traits(config: Config) -> tuple[str, str, str, str] | None:
+    """The configuration's policy as the reference engine takes it: the spec's traits (the
+    engine derives its behaviour from them, ``reference/policies.py``), so a policy registered
+    in ``spec.policies.POLICIES`` alone runs on the engine too; None for a policy not there."""
+    traits = POLICIES.get(config.policy)
+    return traits.values() if traits is not None else None
+
+
 class ReferenceAdapter:
     """The reference engine (``kvspec.reference.Engine``) through the protocol."""
 
@@ -89,7 +97,8 @@ class ReferenceAdapter:
         unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
         if unknown:  # a spec constant the engine has no setting for: refuse, never ignore
             raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")
-        self.engine = Engine(EngineConfig(**fields, vocab=4), choices=choices)
+        traits = engine_traits(config)
+        self.engine = Engine(EngineConfig(**fields, vocab=4, policy_traits=traits), choices=choices)
         self.events = self.engine.events
 
     supports_loads = True

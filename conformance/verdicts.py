@@ -55,7 +55,10 @@ class CellError:
 
 
 def all_cells(
-    seconds: float, seed_value: int = 0, policies: tuple[str, ...] = POLICIES, workers: int = 0
+    seconds: float,
+    seed_value: int = 0,
+    policies: tuple[str, ...] = tuple(POLICIES),
+    workers: int = 0,
 ) -> Iterator[CellResult | CellError]:
     """Fuzz every cell for ``seconds`` each, ``workers`` processes at once (0: one per core);
     results come in table order."""

@@ -16,7 +16,8 @@ lemmas* carry the safety argument: a running request's table will hold its compu
 that is then withdrawn: the deferring policies never let anyone share a block being written; the
 eager ones record what they published in the building step, so that a preemption can roll it
 back before anyone could have hit it (vLLM's discipline admits nothing in a step before a
-preemption). A lemma can be limited to some policies; the proof lists the lemmas it used.
+preemption). A lemma can be limited to a family of policies, named by their traits
+(``spec.policies.Traits``, never by name); the proof lists the lemmas it used.
 
 The lemmas were found the usual way: run the proof, read the counterexample to induction (an
 unreachable state that steps out), state the fact that rules it out, repeat. 26 lemmas make all
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import z3
+
+from kvspec.spec.policies import POLICIES, Traits
 
 from .symbolic import (
     BUILDING,
@@ -58,20 +61,20 @@ class Lemma:
     why: str
     """One sentence: why every reachable state satisfies it."""
     predicate: Callable[[Model, SState], Term]
-    policies: frozenset[str] | None = None
-    """The policies it is stated for (None: all)."""
+    family: Callable[[Traits], bool] | None = None
+    """The policies it is stated for, by their traits (``spec.policies``; None: all)."""
 
     def applies(self, policy: str) -> bool:
-        return self.policies is None or policy in self.policies
+        return self.family is None or self.family(POLICIES[policy])
 
 
 LEMMAS: list[Lemma] = []
 
 
-def lemma(why: str, policies: tuple[str, ...] | None = None) -> Callable:
+def lemma(why: str, family: Callable[[Traits], bool] | None = None) -> Callable:
     def register(fn: Callable[[Model, SState], Term]) -> Callable[[Model, SState], Term]:
         name = "".join(part.title() for part in fn.__name__.split("_"))
-        LEMMAS.append(Lemma(name, why, fn, None if policies is None else frozenset(policies)))
+        LEMMAS.append(Lemma(name, why, fn, family))
         return fn
 
     return register
@@ -463,14 +466,16 @@ def dead_entries_read_well(m: Model, S: SState) -> Term:
 # -- the deferring policies (deferred, hide-uncommitted): nobody shares a block being written -----
 
 
-_DEFERRING = ("deferred", "hide-uncommitted")
+def _deferring(t: Traits) -> bool:
+    """deferred, hide-uncommitted: nothing is visible before its step is written."""
+    return t.publish in ("at-written", "hidden-until-written")
 
 
 @lemma(
     "under the deferring policies a block is published only by the commit of a step that "
     "wrote it to its end, after which no step writes it again: a block with a pending write "
     "is unpublished, and nobody else can hit it.",
-    policies=_DEFERRING,
+    family=_deferring,
 )
 def pending_blocks_unpublished(m: Model, S: SState) -> Term:
     return conj([Implies(S["pa", b, k], Not(S["hk", b])) for b in m.blocks for k in range(m.D)])
@@ -479,7 +484,7 @@ def pending_blocks_unpublished(m: Model, S: SState) -> Term:
 @lemma(
     "under the deferring policies the blocks a live entry writes are its request's alone "
     "(refcount 1): they were allocated to it, and they are unpublished until written.",
-    policies=_DEFERRING,
+    family=_deferring,
 )
 def written_blocks_unshared(m: Model, S: SState) -> Term:
     parts = []
@@ -500,7 +505,7 @@ def written_blocks_unshared(m: Model, S: SState) -> Term:
     "under the deferring policies a block that a withdrawn entry will still write is held "
     "again only after being allocated anew, by a newer step that will write it later: the "
     "withdrawn write never is the block's last.",
-    policies=_DEFERRING,
+    family=_deferring,
 )
 def dead_writes_overwritten(m: Model, S: SState) -> Term:
     parts = []
@@ -520,7 +525,7 @@ def dead_writes_overwritten(m: Model, S: SState) -> Term:
     "a step's bucket (hide-uncommitted, eager-rollback-fifo) is the range of table blocks the "
     "request's live entry there fills to their end, from the block its entry starts in; "
     "preempt and abort drop the request's buckets with its liveness.",
-    policies=("hide-uncommitted", "eager-rollback-fifo"),
+    family=lambda t: t.track == "per-step",  # hide-uncommitted, eager-rollback-fifo
 )
 def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     parts = []
@@ -534,7 +539,7 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
 @lemma(
     "the policies that register at scheduling time advance a running request's cached count "
     "to its full computed blocks at every schedule (hits are full blocks too).",
-    policies=("hide-uncommitted", "eager-unsafe", "eager-rollback-single", "eager-rollback-fifo"),
+    family=lambda t: t.publish in ("at-schedule", "hidden-until-written"),  # all but deferred
 )
 def cached_tracks_computed(m: Model, S: SState) -> Term:
     return conj(
@@ -570,11 +575,11 @@ def building_writes_unshared_until_admission(m: Model, S: SState) -> Term:
     "that is published was published by that entry's own schedule (a block is published "
     "only once full, and this step is the one filling it), so it is in the request's record "
     "of this step's registrations, which a preemption rolls back.",
-    policies=("eager-rollback-single", "eager-rollback-fifo"),
+    family=lambda t: t.leave == "unpublish",  # eager-rollback-single, eager-rollback-fifo
 )
 def building_publications_recorded(m: Model, S: SState) -> Term:
     parts = []
-    single = m.config.policy == "eager-rollback-single"
+    single = m.traits.track == "one-dict"
     for k in range(m.D):
         for r in m.R:
             first = m.floor_blocks(S["es", k, r])
@@ -595,7 +600,7 @@ def building_publications_recorded(m: Model, S: SState) -> Term:
     "while steps are in flight, eager-rollback-single's record names only running requests "
     "scheduled in the newest step (begin clears it, preempt and abort drop the leaver), and "
     "covers blocks that request's entry there fills to their end.",
-    policies=("eager-rollback-single",),
+    family=lambda t: t.track == "one-dict",  # eager-rollback-single
 )
 def single_record_is_newest_step(m: Model, S: SState) -> Term:
     parts = []

@@ -40,6 +40,8 @@ from typing import Any
 
 import z3
 
+from kvspec import twins
+from kvspec.spec.policies import registers_after_output, traits
 from kvspec.spec.state import NULL_BLOCK, Config, Placeholder, State
 
 from .terms import And, If, Implies, Not, Or
@@ -63,8 +65,20 @@ STATUS = {"waiting": WAITING, "running": RUNNING, "finished": FINISHED}
 PHASE = {"building": BUILDING, "submitted": SUBMITTED, "executed": EXECUTED}
 
 
+FORM = "kvspec.proofs.symbolic"
+
+
 class OutsideFragment(ValueError):
     """A concrete state or decision the symbolic model does not represent."""
+
+
+class LoadsNotFollowed(OutsideFragment, twins.NotFollowed):
+    """A load decision: the refusal kvspec/twins.py declares for ``loads``."""
+
+
+def refuse_loads() -> LoadsNotFollowed:
+    declared = twins.refused(FORM, "loads")
+    return LoadsNotFollowed(declared.form, declared.what, str(declared))
 
 
 @dataclass(frozen=True)
@@ -90,17 +104,11 @@ class Fragment:
             (1 <= self.requests <= 3, f"requests must be 1..3 here, got {self.requests}"),
             (2 <= self.max_len <= 8, f"tokens per request must be 2..8, got {self.max_len}"),
             (self.vocab >= 1 and self.priorities >= 1, "vocab and priorities must be >= 1"),
-            (c.prefix_caching, "prefix caching off is not in the Z3 model (kvspec/twins.py)"),
-            (not c.spec_tokens, "draft tokens are not in the Z3 model (kvspec/twins.py)"),
-            (not c.defer_free, "deferred block freeing is not in the Z3 model (kvspec/twins.py)"),
-            (
-                c.sliding_window is None,
-                "a sliding window is not in the Z3 model (kvspec/twins.py)",
-            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        twins.refuse(FORM, c)  # what the Z3 model does not follow: its row in kvspec/twins.py
 
     @property
     def slots(self) -> int:
@@ -215,6 +223,9 @@ class Model:
         self.G = c.depth - 1 if self.async_ else 0
         """Most placeholders in one content: one per other step in flight that samples."""
         self.deliver = c.stale_output == "deliver"
+        self.traits = traits(c)
+        """The registration policy as traits (``spec.policies``): every branch below reads
+        them, never the policy's name."""
         self.schema = self._schema()
         self.instances = self._instances()
         self._case: dict[Any, Any] = {}
@@ -685,7 +696,7 @@ class Model:
         the building step when stale output is delivered), the policy's rollback, then free the
         table."""
         S = dict(S)
-        pol = self.config.policy
+        t = self.traits
         if k is not None:
             was = S["ea", k, r]
             S["bud", k] = If(was, S["bud", k] - (S["ee", k, r] - S["es", k, r]), S["bud", k])
@@ -700,10 +711,10 @@ class Model:
                 S["elive", kk, r] = z3.BoolVal(False)
         # on_remove: which table indices the policy tracks for r
         tracked: list[Term] = []
-        if pol == "eager-rollback-single":
+        if t.track == "one-dict":
             tracked = [And(S["son", r], S["slo", r] <= m, S["shi", r] > m) for m in self.M]
             S["son", r] = z3.BoolVal(False)
-        elif pol in ("eager-rollback-fifo", "hide-uncommitted"):
+        elif t.track == "per-step":
             tracked = [
                 disj(
                     [
@@ -721,7 +732,7 @@ class Model:
             lost = []
             for m in self.M:
                 block = S["tab", r, m]
-                if pol == "hide-uncommitted":
+                if t.leave == "drop-hidden":
                     own_key = (r, (m + 1) * self.B)
                     live = tracked[m]
 
@@ -743,7 +754,7 @@ class Model:
 
                     lost.append(self.count_if_lost(S, block, hashed, kept_hashed, own=1))
             S["lost"] = S["lost"] + total(lost)
-            if pol != "hide-uncommitted":
+            if t.leave == "unpublish":
                 for b in self.blocks:
                     dropped = disj([And(tracked[m], S["tab", r, m] == b) for m in self.M])
                     S["hk", b] = And(S["hk", b], Not(dropped))
@@ -825,9 +836,18 @@ class Model:
         for r in self.R:
             for name in ("ea", "esam", "elive", "ra"):
                 S[name, k, r] = z3.BoolVal(False)
-        if self.config.policy == "eager-rollback-single":
-            for r in self.R:
+        if self.traits.clear == "on-begin":
+            S = self.clear_tracking(S, k)
+        return S
+
+    def clear_tracking(self, S: SState, k: int) -> SState:
+        """``policies._clear``: the one dict, or step slot ``k``'s bucket, is forgotten."""
+        S = dict(S)
+        for r in self.R:
+            if self.traits.track == "one-dict":
                 S["son", r] = z3.BoolVal(False)
+            elif self.traits.track == "per-step":
+                S["ra", k, r] = z3.BoolVal(False)
         return S
 
     def _schedule(self, S: SState, g: list[Term], p: Params, r: int, k: int) -> SState:
@@ -922,20 +942,22 @@ class Model:
         return self.on_schedule(S, r, k, upto)
 
     def on_schedule(self, S: SState, r: int, k: int, upto: Term) -> SState:
-        pol = self.config.policy
+        t = self.traits
         cached = S["cach", r]
-        if pol in ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo"):
+        if t.publish not in ("at-schedule", "hidden-until-written"):
+            return S
+        if t.publish == "at-schedule":
             S = self.register(S, r, upto)
-        if pol == "eager-rollback-single":
+        if t.track == "one-dict":
             S["slo", r] = If(S["son", r], S["slo", r], cached)
             S["shi", r] = If(upto > cached, upto, If(S["son", r], S["shi", r], cached))
             S["son", r] = z3.BoolVal(True)
-        elif pol in ("eager-rollback-fifo", "hide-uncommitted"):
+        elif t.track == "per-step":
             S["rlo", k, r] = If(S["ra", k, r], S["rlo", k, r], cached)
             S["rhi", k, r] = If(upto > cached, upto, If(S["ra", k, r], S["rhi", k, r], cached))
             S["ra", k, r] = z3.BoolVal(True)
-            if pol == "hide-uncommitted":
-                S["cach", r] = zmax(cached, upto)
+        if t.publish == "hidden-until-written":
+            S["cach", r] = zmax(cached, upto)
         return S
 
     def is_waiting_head(self, S: SState, r: int) -> Term:
@@ -1053,16 +1075,14 @@ class Model:
         return disj(bad)
 
     def _commit(self, S: SState, g: list[Term], p: Params) -> SState:
-        c = self.config
-        pol = c.policy
+        c, t = self.config, self.traits
         g += [S["nst"] >= 1, self.no_building(S), S["ph", 0] == EXECUTED, S["sid", 0] == p["sid"]]
         expected = {r: And(S["ea", 0, r], S["esam", 0, r], S["elive", 0, r]) for r in self.R}
         g += [p["has"][r] == expected[r] for r in self.R]
         S = dict(S)
-        if pol == "eager-rollback-fifo":  # on_confirmed
-            for r in self.R:
-                S["ra", 0, r] = z3.BoolVal(False)
-        if pol == "hide-uncommitted":  # on_written
+        if t.clear == "on-confirmed":  # on_confirmed
+            S = self.clear_tracking(S, 0)
+        if t.publish == "hidden-until-written":  # on_written
 
             def reveal(S: SState, r: int) -> SState:
                 lo, hi = S["rlo", 0, r], S["rhi", 0, r]
@@ -1083,9 +1103,7 @@ class Model:
                 return S
 
             S = self.in_order(S, 0, lambda r: S["ra", 0, r], reveal)
-            for r in self.R:
-                S["ra", 0, r] = z3.BoolVal(False)
-        elif pol == "deferred":
+        elif t.publish == "at-written":
             pre = S
 
             def registers(r: int) -> Term:
@@ -1099,9 +1117,11 @@ class Model:
                 registers,
                 lambda S, r: self.register(S, r, self.floor_blocks(S["ee", 0, r])),
             )
+        if t.clear == "on-written":  # on_written, after the publications
+            S = self.clear_tracking(S, 0)
         stop = c.stop_token
         sid0 = S["sid", 0]
-        post_output = self.async_ and pol != "deferred"
+        post_output = self.async_ and registers_after_output(t)
 
         def sample(S: SState, r: int) -> SState:
             S = dict(S)
@@ -1588,7 +1608,7 @@ def instances_for(model: Model, decision: tuple[Any, ...]) -> tuple[list[Instanc
     if kind == "schedule":
         rid, tokens, loaded = args
         if loaded:
-            raise OutsideFragment("external loads are outside the fragment")
+            raise refuse_loads()
         if rid not in model.R:
             return [], {}
         return [("schedule", rid, k) for k in D], {"n": iv(tokens)}

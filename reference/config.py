@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-POLICIES = (
-    "eager-unsafe",
-    "eager-rollback-single",
-    "eager-rollback-fifo",
-    "hide-uncommitted",
-    "deferred",
-)
+
+class PolicyTraits(NamedTuple):
+    """A registration policy as the engine follows it (``policies.TraitPolicy``): when a block
+    is published (``at-schedule``, ``hidden-until-written``, ``at-written``), what is tracked
+    for a rollback (``nothing``, ``one-dict``, ``per-step``), what a leaving request undoes
+    (``nothing``, ``unpublish``, ``drop-hidden``) and when the tracking is forgotten
+    (``never``, ``on-begin``, ``on-confirmed``, ``on-written``). The engine's own vocabulary:
+    the spec's ``Traits`` use the same words, which a test checks (the engine imports no spec)."""
+
+    publish: str
+    track: str
+    leave: str
+    clear: str
+
+
+POLICIES: dict[str, PolicyTraits] = {
+    "eager-unsafe": PolicyTraits("at-schedule", "nothing", "nothing", "never"),
+    "eager-rollback-single": PolicyTraits("at-schedule", "one-dict", "unpublish", "on-begin"),
+    "eager-rollback-fifo": PolicyTraits("at-schedule", "per-step", "unpublish", "on-confirmed"),
+    "hide-uncommitted": PolicyTraits(
+        "hidden-until-written", "per-step", "drop-hidden", "on-written"
+    ),
+    "deferred": PolicyTraits("at-written", "nothing", "nothing", "never"),
+}
+"""The policies the engine knows by name. Another combination of the same traits is run by
+naming it with ``EngineConfig.policy_traits`` (the conformance layer hands over the spec's)."""
 DISCIPLINES = ("vllm", "general")
 PREEMPTIONS = ("fcfs", "priority")
 STALE_OUTPUTS = ("drop", "deliver")
@@ -78,10 +98,20 @@ class EngineConfig:
     end and hold the null block before them; a running request's blocks wholly before the
     window of its next processed token are freed and nulled when it is scheduled. None: full
     attention."""
+    policy_traits: tuple[str, str, str, str] | None = None
+    """The policy's traits (``PolicyTraits``), for a policy not in ``POLICIES``; None: the
+    traits ``POLICIES`` gives its name."""
     defer_loads: bool = False
     """vLLM's ``defer_async_loads`` (the spec's ``Config.defer_loads``; needs ``defer_free``):
     an asynchronous load admitted while a counted step is in flight starts only once that step
     has been committed, so until then its request counts as computed for by it."""
+
+    @property
+    def traits(self) -> PolicyTraits:
+        """The policy's traits: ``policy_traits`` when given, else its name's in ``POLICIES``."""
+        if self.policy_traits is not None:
+            return PolicyTraits(*self.policy_traits)
+        return POLICIES[self.policy]
 
     @property
     def reach(self) -> int:
@@ -97,7 +127,10 @@ class EngineConfig:
             (_is_int(self.num_blocks) and self.num_blocks >= 2, "num_blocks must be an int >= 2"),
             (_is_int(self.block_size) and self.block_size >= 1, "block_size must be an int >= 1"),
             (_is_int(self.depth) and self.depth >= 1, "depth must be an int >= 1"),
-            (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}"),
+            (
+                self.policy in POLICIES or self.policy_traits is not None,
+                f"policy must be one of {', '.join(POLICIES)}, or come with its policy_traits",
+            ),
             (self.discipline in DISCIPLINES, f"discipline must be one of {', '.join(DISCIPLINES)}"),
             (self.preemption in PREEMPTIONS, f"preemption must be one of {', '.join(PREEMPTIONS)}"),
             (

@@ -53,7 +53,7 @@ class Engine:
             config.spec_tokens > 0,
             config.sliding_window,
         )
-        policy = make_policy(config.policy, self.kv) if config.prefix_caching else Policy(self.kv)
+        policy = make_policy(config.traits, self.kv) if config.prefix_caching else Policy(self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
         self.worker: Worker = (
             FakeWorker(self.choices, config.block_size, config.vocab, record)

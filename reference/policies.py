@@ -16,17 +16,19 @@ Hooks, called by the scheduler at fixed points:
 A block is only ever registered under known tokens: registrations at schedule time stop at
 them (``known_upto``), since under async scheduling an entry may run into placeholders.
 
-The five policies: ``eager-unsafe`` (vLLM 0.33.0), ``eager-rollback-single`` (PR 43569's first
-version: one dict cleared when a step begins), ``eager-rollback-fifo`` (PR 43569: one bucket per
-step, popped when the worker's output arrives), ``hide-uncommitted`` (eager bookkeeping, hidden
-until written) and ``deferred`` (publish at commit what the step wrote). The unsafe ones are
-implemented as they are, unsafe.
+A policy is its traits (``config.PolicyTraits``): ``TraitPolicy`` follows any combination of
+the values in ``FOLLOWED``. The five named ones (``config.POLICIES``): ``eager-unsafe`` (vLLM
+0.33.0), ``eager-rollback-single`` (PR 43569's first version: one dict cleared when a step
+begins), ``eager-rollback-fifo`` (PR 43569: one bucket per step, popped when the worker's output
+arrives), ``hide-uncommitted`` (eager bookkeeping, hidden until written) and ``deferred``
+(publish at commit what the step wrote). The unsafe ones are implemented as they are, unsafe.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .config import PolicyTraits
 from .kv_cache_manager import KVCacheManager
 from .request import FINISHED, RUNNING, Entry, Request, Step
 
@@ -74,108 +76,124 @@ class Policy:
         return (end if end < tokens else tokens) // self.block_size
 
 
-class PostOutput(Policy):
-    """Registers, at commit under async scheduling, the blocks the committed entry completed
-    (the eager policies and ``hide-uncommitted``; ``deferred`` does it in ``on_written``)."""
+FOLLOWED: dict[str, tuple[str, ...]] = {
+    "publish": ("at-schedule", "hidden-until-written", "at-written"),
+    "track": ("nothing", "one-dict", "per-step"),
+    "leave": ("nothing", "unpublish", "drop-hidden"),
+    "clear": ("never", "on-begin", "on-confirmed", "on-written"),
+}
+"""The trait values this engine follows, per axis (``config.PolicyTraits``); any other is
+refused by name when a policy is made."""
 
-    __slots__ = ()
+
+class TraitPolicy(Policy):
+    """A policy made from its traits (``config.PolicyTraits``): each hook does what the traits
+    say, with the decisions taken once, here, as flags."""
+
+    __slots__ = (
+        "at_schedule",
+        "hidden",
+        "at_written",
+        "single",
+        "per_step",
+        "unpublish",
+        "clear_begin",
+        "clear_confirmed",
+        "clear_written",
+        "post_output",
+        "pending",
+    )
+
+    def __init__(self, kv: KVCacheManager, traits: PolicyTraits) -> None:
+        for axis, value in zip(PolicyTraits._fields, traits, strict=True):
+            if value not in FOLLOWED[axis]:
+                raise ValueError(
+                    f"the reference engine does not follow {axis}={value!r} "
+                    f"(one of {', '.join(FOLLOWED[axis])})"
+                )
+        super().__init__(kv)
+        self.at_schedule = traits.publish == "at-schedule"
+        self.hidden = traits.publish == "hidden-until-written"
+        self.at_written = traits.publish == "at-written"
+        self.single = traits.track == "one-dict"
+        self.per_step = traits.track == "per-step"
+        self.unpublish = traits.leave == "unpublish"
+        self.clear_begin = traits.clear == "on-begin"
+        self.clear_confirmed = traits.clear == "on-confirmed"
+        self.clear_written = traits.clear == "on-written"
+        self.post_output = not self.at_written
+        """Registers, at commit under async scheduling, the blocks the committed entry
+        completed (every policy but ``at-written``, which does it in ``on_written``)."""
+        self.pending: dict[int, list[int]] = {}
+        """The one dict of ``one-dict`` tracking."""
+
+    def _clear(self, step: Step) -> None:
+        if self.single:
+            self.pending.clear()
+        elif self.per_step:
+            step.registrations.clear()
+
+    def on_begin(self, step: Step) -> None:
+        if self.clear_begin:
+            self._clear(step)
+
+    def on_schedule(self, req: Request, step: Step, end: int) -> None:
+        if self.at_schedule:
+            indices = self.register(req, self.known_upto(req, end))
+            if self.single:
+                self.pending.setdefault(req.rid, []).extend(indices)
+            elif self.per_step:
+                step.registrations.setdefault(req.rid, []).extend(indices)
+        elif self.hidden:
+            upto = self.known_upto(req, end)
+            step.registrations.setdefault(req.rid, []).extend(range(req.cached, upto))
+            if upto > req.cached:
+                req.cached = upto
+
+    def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
+        tracked: list[int] = []
+        if self.single:
+            tracked = self.pending.pop(req.rid, [])
+        elif self.per_step:
+            for step in steps:
+                tracked += step.registrations.pop(req.rid, ())
+        if self.unpublish:  # else the hidden entries are dropped with the buckets
+            table, unpublish = req.table, self.kv.pool.unpublish
+            for i in tracked:
+                unpublish(table[i])
+
+    def on_confirmed(self, step: Step) -> None:
+        if self.clear_confirmed:
+            self._clear(step)
+
+    def on_written(self, step: Step, requests: dict[int, Request]) -> None:
+        if self.hidden:
+            publish = self.kv.publish
+            for rid, indices in step.registrations.items():
+                req = requests[rid]
+                if req.status == FINISHED:  # finished at an earlier commit (async): it left
+                    continue
+                for i in indices:
+                    publish(req, i)
+        elif self.at_written:
+            live, failed = step.live, step.failed
+            for rid, entry in step.entries.items():
+                if rid in live and rid not in failed:
+                    req = requests[rid]
+                    if req.status == RUNNING:  # not preempted with its stale output delivered
+                        self.register(req, self.known_upto(req, entry.end))  # never a draft
+        if self.clear_written:
+            self._clear(step)
 
     def on_output(self, req: Request, entry: Entry, rejected: int = 0) -> None:
         """vLLM's ``cache_blocks(request, num_computed_tokens - num_in_flight_tokens)``: the
         entry's end less its rejected drafts, and never the newest token (not computed yet)."""
-        end = entry.end - rejected
-        known = len(req.tokens) - 1
-        self.register(req, (end if end < known else known) // self.block_size)
+        if self.post_output:
+            end = entry.end - rejected
+            known = len(req.tokens) - 1
+            self.register(req, (end if end < known else known) // self.block_size)
 
 
-class EagerUnsafe(PostOutput):
-    __slots__ = ()
-
-    def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        self.register(req, self.known_upto(req, end))
-
-
-class EagerRollbackSingle(PostOutput):
-    __slots__ = ("pending",)
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        super().__init__(kv)
-        self.pending: dict[int, list[int]] = {}
-
-    def on_begin(self, step: Step) -> None:
-        self.pending.clear()
-
-    def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        indices = self.register(req, self.known_upto(req, end))
-        self.pending.setdefault(req.rid, []).extend(indices)
-
-    def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
-        table, unpublish = req.table, self.kv.pool.unpublish
-        for i in self.pending.pop(req.rid, ()):
-            unpublish(table[i])
-
-
-class EagerRollbackFifo(PostOutput):
-    __slots__ = ()
-
-    def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        indices = self.register(req, self.known_upto(req, end))
-        step.registrations.setdefault(req.rid, []).extend(indices)
-
-    def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
-        table, unpublish = req.table, self.kv.pool.unpublish
-        for step in steps:
-            for i in step.registrations.pop(req.rid, ()):
-                unpublish(table[i])
-
-    def on_confirmed(self, step: Step) -> None:
-        step.registrations.clear()
-
-
-class HideUncommitted(PostOutput):
-    __slots__ = ()
-
-    def on_schedule(self, req: Request, step: Step, end: int) -> None:
-        upto = self.known_upto(req, end)
-        step.registrations.setdefault(req.rid, []).extend(range(req.cached, upto))
-        if upto > req.cached:
-            req.cached = upto
-
-    def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
-        for step in steps:
-            step.registrations.pop(req.rid, None)
-
-    def on_written(self, step: Step, requests: dict[int, Request]) -> None:
-        publish = self.kv.publish
-        for rid, indices in step.registrations.items():
-            req = requests[rid]
-            if req.status == FINISHED:  # finished at an earlier commit (async): it left
-                continue
-            for i in indices:
-                publish(req, i)
-        step.registrations.clear()
-
-
-class Deferred(Policy):
-    __slots__ = ()
-
-    def on_written(self, step: Step, requests: dict[int, Request]) -> None:
-        live, failed = step.live, step.failed
-        for rid, entry in step.entries.items():
-            if rid in live and rid not in failed:
-                req = requests[rid]
-                if req.status == RUNNING:  # not preempted with its stale output delivered
-                    self.register(req, self.known_upto(req, entry.end))  # never a draft
-
-
-_POLICIES: dict[str, type[Policy]] = {
-    "eager-unsafe": EagerUnsafe,
-    "eager-rollback-single": EagerRollbackSingle,
-    "eager-rollback-fifo": EagerRollbackFifo,
-    "hide-uncommitted": HideUncommitted,
-    "deferred": Deferred,
-}
-
-
-def make_policy(name: str, kv: KVCacheManager) -> Policy:
-    return _POLICIES[name](kv)
+def make_policy(traits: PolicyTraits, kv: KVCacheManager) -> Policy:
+    """The policy the traits describe (``EngineConfig.traits``)."""
+    return TraitPolicy(kv, traits)

@@ -10,11 +10,11 @@ Pure standard-library Python; it imports nothing else of kvspec.
 
 from .actions import ACTIONS, apply, waiting_order
 from .invariants import INVARIANTS, Violation, check, running_tables, tables_append_only
+from .policies import POLICIES, Traits
 from .state import (
     DISCIPLINES,
     NULL_BLOCK,
     OBSERVED_POLICIES,
-    POLICIES,
     PREEMPTIONS,
     STALE_OUTPUTS,
     Config,
@@ -37,6 +37,7 @@ __all__ = [
     "Config",
     "Illegal",
     "State",
+    "Traits",
     "Violation",
     "apply",
     "check",

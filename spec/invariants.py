@@ -3,7 +3,8 @@
 Each is a function ``(state) -> Violation | None``: None when it holds, else the first
 counterexample found, as data (the blocks, requests and step it is about, and one sentence).
 ``INVARIANTS`` lists them in the order they are checked; the first two are the end-to-end safety
-properties, the rest are the bookkeeping that keeps them true. ``tables_append_only`` is a
+properties, the rest are the bookkeeping that keeps them true. ``REGISTRY`` holds each once,
+with what can break it. ``tables_append_only`` is a
 property of a transition, so it compares two snapshots.
 """
 
@@ -340,19 +341,49 @@ def no_leak_at_quiescence(s: State) -> Violation | None:
     return None
 
 
-INVARIANTS: dict[str, Callable[[State], Violation | None]] = {
-    "NoUnwrittenRead": no_unwritten_read,
-    "NoUnwrittenPublish": no_unwritten_publish,
-    "RefcountIsOwnership": refcount_is_ownership,
-    "SharedImpliesSamePrefix": shared_implies_same_prefix,
-    "FreeQueueExact": free_queue_exact,
-    "FreedAfterWrites": freed_after_writes,
-    "HashIndexConsistent": hash_index_consistent,
-    "NullBlockPinned": null_block_pinned,
-    "TableMatchesComputed": table_matches_computed,
-    "StepsInOrder": steps_in_order,
-    "NoLeakAtQuiescence": no_leak_at_quiescence,
+@dataclass(frozen=True)
+class Invariant:
+    """One invariant, once: its name, its definition, why it matters and what can break it."""
+
+    name: str
+    definition: Callable[[State], Violation | None]
+    broken_by: tuple[str, ...] = ()
+    """The policy traits (``axis=value``, ``policies.AXES``) and configuration features
+    (``features.FEATURES``) under which the spec's own actions reach a state that violates it:
+    a form that follows any of them must evaluate it. Empty: only a wrong effect an engine
+    applies by itself (observed judging) or a bug of the spec can break it, so a form whose
+    state only the spec's actions change may leave it out, saying so (``kvspec/twins.py``)."""
+
+    @property
+    def explanation(self) -> str:
+        """The definition's docstring, on one line."""
+        return " ".join((self.definition.__doc__ or "").split())
+
+
+REGISTRY: dict[str, Invariant] = {
+    inv.name: inv
+    for inv in (
+        Invariant("NoUnwrittenRead", no_unwritten_read, ("publish=at-schedule",)),
+        Invariant("NoUnwrittenPublish", no_unwritten_publish, ("publish=at-schedule",)),
+        Invariant("RefcountIsOwnership", refcount_is_ownership),
+        Invariant("SharedImpliesSamePrefix", shared_implies_same_prefix),
+        Invariant("FreeQueueExact", free_queue_exact),
+        Invariant("FreedAfterWrites", freed_after_writes, ("defer_free",)),
+        Invariant("HashIndexConsistent", hash_index_consistent),
+        Invariant("NullBlockPinned", null_block_pinned),
+        Invariant("TableMatchesComputed", table_matches_computed),
+        Invariant("StepsInOrder", steps_in_order),
+        Invariant("NoLeakAtQuiescence", no_leak_at_quiescence),
+    )
 }
+"""Every invariant, in the order they are checked: THE list. The incremental checks, the fast
+model's and the Z3 model's sets are checked against it (``tests/test_twins.py``, through
+``kvspec/twins.py``'s table)."""
+
+INVARIANTS: dict[str, Callable[[State], Violation | None]] = {
+    name: inv.definition for name, inv in REGISTRY.items()
+}
+"""The definitions by name, in ``REGISTRY`` order."""
 
 
 def check(s: State, names: Collection[str] | None = None) -> Violation | None:

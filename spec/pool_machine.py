@@ -42,6 +42,9 @@ from dataclasses import dataclass, field
 from .invariants import Violation
 from .state import NULL_BLOCK, Illegal
 
+TWIN_OF = "kvspec.spec.pool"
+"""This module restates the spec's pool in another form (kvspec/twins.py says what it must equal)."""
+
 Event = tuple[object, ...]
 Holder = Hashable
 """Who holds a reference: a request id, or None (a bare pool's caller)."""

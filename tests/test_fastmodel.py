@@ -47,6 +47,7 @@ from kvspec.conformance.report import Report
 from kvspec.conformance.trace import write_trace
 from kvspec.spec import ACTIONS, POLICIES, Config
 from kvspec.spec.events import Event
+from kvspec.spec.policies import eager
 from kvspec.spec.pool import holds
 from kvspec.spec.state import State
 
@@ -647,7 +648,7 @@ def sync_report(config: Config, events: list[Event]) -> Report:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    run=engine_runs().filter(lambda run: run[0].policy in POLICIES[:3]),
+    run=engine_runs().filter(lambda run: eager(POLICIES[run[0].policy])),
     batch=st.integers(1, 6),
     depth=st.integers(1, 3),
     one_by_one=st.booleans(),

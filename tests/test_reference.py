@@ -27,7 +27,7 @@ from kvspec.reference import (
 )
 from kvspec.reference.block_pool import Block, BlockPool, FreeBlockQueue
 from kvspec.reference.hashing import SEED_HASH, hash_block
-from kvspec.reference.policies import Policy, PostOutput
+from kvspec.reference.policies import Policy, TraitPolicy
 from kvspec.reference.request import Request
 from kvspec.reference.scheduler import Scheduler
 from kvspec.spec import (
@@ -537,7 +537,7 @@ PLANTED = {
         (RuntimeError, "its tokens are not all known"),  # the KV cache manager's guard
     ),
     "no post-output registration": (
-        PostOutput,
+        TraitPolicy,
         "on_output",
         lambda original: lambda self, req, entry, rejected=0: None,
         ("eager-rollback-fifo", "hide-uncommitted"),

@@ -215,7 +215,7 @@ def test_the_fast_and_z3_models_refuse_drafts() -> None:
 
     with pytest.raises(ValueError, match="speculative decoding"):
         FastModel(Config(8, 4, spec_tokens=2))
-    with pytest.raises(ValueError, match="draft tokens are not in the Z3 model"):
+    with pytest.raises(ValueError, match="spec_tokens"):
         Fragment(Config(4, 1, spec_tokens=1))
     assert Monitor.fast(Config(8, 4, spec_tokens=2)).run is None  # the spec judges
 

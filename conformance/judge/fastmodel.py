@@ -41,7 +41,9 @@ from typing import Final, cast
 
 from kvspec.spec import Config, Illegal, Placeholder, Violation
 from kvspec.spec.observed import refuse_strict
+from kvspec.spec.policies import registers_after_output, traits
 from kvspec.spec.state import Block, Content, Entry, Request, State, Step, Write
+from kvspec.twins import follows, refuse
 
 TWIN_OF = "kvspec.spec"
 """This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
@@ -62,13 +64,10 @@ BUILDING: Final = 0
 SUBMITTED: Final = 1
 EXECUTED: Final = 2
 PHASE: Final = ("building", "submitted", "executed")
-EAGER: Final = ("eager-unsafe", "eager-rollback-single", "eager-rollback-fifo")
 READ: Final = "NoUnwrittenRead"
 PUBLISH: Final = "NoUnwrittenPublish"
 FAST_INVARIANTS: Final = frozenset((READ, PUBLISH))
 """The invariants this model evaluates; the others hold on every state its actions reach."""
-OUTPUT: Final = (*EAGER, "hide-uncommitted")
-"""Policies that register after the output under async scheduling (``spec.policies.on_output``)."""
 ROOT: Final = 0
 """The id of the empty prefix."""
 ARITY: Final = {
@@ -112,22 +111,21 @@ def _negative(tokens: tuple[object, ...]) -> bool:
     return negative
 
 
+FORM: Final = "kvspec.conformance.judge.fastmodel"
+"""This module's row in kvspec/twins.py: the features and policy traits it follows."""
+
+
 def restates(config: Config) -> bool:
-    """Whether this model restates ``config``: everything but speculative decoding
-    (``Config.spec_tokens`` > 0), deferred block freeing (``Config.defer_free``) and a sliding
-    window (``Config.sliding_window``; all in kvspec/twins.py). ``kvspec check`` and ``Monitor.fast`` judge any other configuration by
-    the spec throughout."""
-    return not config.spec_tokens and not config.defer_free and config.sliding_window is None
+    """Whether this model restates ``config`` (its row in kvspec/twins.py follows every feature
+    and trait ``config`` has). ``kvspec check`` and ``Monitor.fast`` judge any other
+    configuration by the spec throughout."""
+    return follows(FORM, config)
 
 
 def refuse_drafts(config: Config) -> None:
-    """Raise ``ValueError`` for a configuration this model does not restate (``restates``)."""
-    if config.spec_tokens:
-        raise ValueError("speculative decoding (spec_tokens > 0) is judged by the spec only")
-    if config.defer_free:
-        raise ValueError("deferred block freeing (defer_free) is judged by the spec only")
-    if config.sliding_window is not None:
-        raise ValueError("a sliding window (sliding_window) is judged by the spec only")
+    """Raise ``twins.NotFollowed`` (a ``ValueError``) for a configuration this model does not
+    restate (``restates``), naming what its row refuses."""
+    refuse(FORM, config)
 
 
 class Req:
@@ -265,9 +263,20 @@ class FastModel:
         self.deliver = config.stale_output == "deliver"
         self.caching = config.prefix_caching
         self.delay_loads = config.delay_load_registration
-        self.policy = config.policy if config.prefix_caching else ""
-        """The registration policy; none without prefix caching (``spec.policies``: nothing is
-        registered, tracked or rolled back)."""
+        # the registration policy as flags, from its traits (``spec.policies``); nothing is
+        # registered, tracked or rolled back without prefix caching
+        t, caching = traits(config), config.prefix_caching
+        self.at_schedule = caching and t.publish == "at-schedule"
+        self.hidden = caching and t.publish == "hidden-until-written"
+        self.at_written = caching and t.publish == "at-written"
+        self.post_output = caching and registers_after_output(t)
+        self.track_single = t.track == "one-dict"
+        self.track_step = t.track == "per-step"
+        self.leave_unpublish = t.leave == "unpublish"
+        self.leave_drop = t.leave == "drop-hidden"
+        self.clear_begin = t.clear == "on-begin"
+        self.clear_confirmed = t.clear == "on-confirmed"
+        self.clear_written = t.clear == "on-written"
         n = config.num_blocks
         self.bsz = config.block_size
         # the configuration's fields the actions read, as native attributes (a Config is a
@@ -752,9 +761,17 @@ class FastModel:
         ):
             raise Illegal()
         self.next_step += 1
-        steps.append(Stp(step_id))
-        if self.policy == "eager-rollback-single":
+        step = Stp(step_id)
+        steps.append(step)
+        if self.clear_begin:  # policies.on_begin
+            self._clear(step)
+
+    def _clear(self, step: Stp) -> None:
+        """The policy's tracking is forgotten (``policies._clear``)."""
+        if self.track_single:
             self.single.clear()
+        elif self.track_step:
+            step.registrations.clear()
 
     def _building(self) -> Stp:
         steps = self.steps
@@ -858,16 +875,16 @@ class FastModel:
             req.loading = sid
         self.new_step, self.new_rid = step, rid
         # policies.on_schedule
-        policy, upto = self.policy, min(end, known) // bsz
+        upto = min(end, known) // bsz
         if load and self.delay_loads:
-            policy = ""  # registered when the request is next scheduled
-        if policy in EAGER:
+            pass  # registered when the request is next scheduled
+        elif self.at_schedule:
             indices = self._register(req, upto)
-            if policy == "eager-rollback-single":
+            if self.track_single:
                 self.single.setdefault(rid, []).extend(indices)
-            elif policy == "eager-rollback-fifo":
+            elif self.track_step:
                 step.registrations.setdefault(rid, []).extend(indices)
-        elif policy == "hide-uncommitted":
+        elif self.hidden:
             step.registrations.setdefault(rid, []).extend(range(req.cached, upto))
             if upto > req.cached:
                 req.cached = upto
@@ -991,9 +1008,9 @@ class FastModel:
         for e in expected:
             if e.req.id not in tokens:
                 raise Illegal()
-        policy, requests = self.policy, self.requests
-        if policy == "eager-rollback-fifo":  # policies.on_confirmed
-            step.registrations.clear()
+        requests = self.requests
+        if self.clear_confirmed:  # policies.on_confirmed
+            self._clear(step)
         if step.failed:
             for rid, e in entries.items():
                 req = requests[rid]
@@ -1014,19 +1031,20 @@ class FastModel:
                     if loading is not None and loading == step.id:
                         req.loading = None
         # policies.on_written
-        if policy == "hide-uncommitted":
+        if self.hidden:
             for rid, indices in step.registrations.items():
                 req = requests[rid]
                 for i in indices:
                     self._publish(req, i)
-            step.registrations.clear()
-        elif policy == "deferred":
+        elif self.at_written:
             bsz, failed = self.bsz, step.failed
             for rid, e in entries.items():
                 req = e.req
                 if e.live and rid not in failed and req.status == RUNNING:
                     self._register_upto(req, e.end // bsz)
-        stop, output = self.stop_token, self.async_scheduling and policy in OUTPUT
+        if self.clear_written:
+            self._clear(step)
+        stop, output = self.stop_token, self.async_scheduling and self.post_output
         for e in expected:
             req = e.req
             rid = req.id
@@ -1116,17 +1134,16 @@ class FastModel:
                     e.live = False
         if not deliver:
             req.ahead = []
-        policy = self.policy
         tracked: list[int] = []
-        if policy == "eager-rollback-single":
+        if self.track_single:
             tracked = self.single.pop(rid, [])
-        elif policy in ("eager-rollback-fifo", "hide-uncommitted"):
+        elif self.track_step:
             for st in steps:
                 tracked += st.registrations.pop(rid, [])
         for i in tracked:
-            if policy == "hide-uncommitted":
+            if self.leave_drop:
                 self._count_if_lost(req.table[i], self._chain(req, i), req)
-            else:
+            elif self.leave_unpublish:
                 self._unpublish(req.table[i], req)
         req.loading = None
         self._free_table(req)

@@ -46,12 +46,21 @@ from kvspec.spec.invariants import (
     tables_append_only,
 )
 from kvspec.spec.pool import eventual_content, holds
-from kvspec.spec.state import NULL_BLOCK, Content, State, Touched
+from kvspec.spec.state import NULL_BLOCK, Config, Content, State, Touched
+from kvspec.twins import follows, refuse
 
 TWIN_OF = "kvspec.spec"
 """This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
 
 TABLES_APPEND_ONLY = "TablesAppendOnly"
+FORM = "kvspec.conformance.judge.incremental"
+"""This module's row in kvspec/twins.py: the features it follows, the invariants it restates."""
+
+
+def restates(config: Config) -> bool:
+    """Whether these checks follow ``config`` (kvspec/twins.py); ``SpecModel`` judges any other
+    configuration with the full definitions."""
+    return follows(FORM, config)
 
 
 class Incremental:
@@ -61,7 +70,9 @@ class Incremental:
     of the last check. Memory: O(blocks + live table entries)."""
 
     def __init__(self, s: State) -> None:
-        """Start from ``s``, which must satisfy every invariant (e.g. an initial state)."""
+        """Start from ``s``, which must satisfy every invariant (e.g. an initial state).
+        Raises ``twins.NotFollowed`` for a configuration its row refuses."""
+        refuse(FORM, s.config)
         self.tables: dict[int, tuple[int, ...]] = {}
         self.running: set[int] = set(s.running)
         self.holders: dict[int, dict[int, int]] = {}

@@ -26,7 +26,7 @@ from kvspec.spec import (
 from kvspec.spec.observed import engine_effect, steer
 from kvspec.spec.state import State, Touched
 
-from .incremental import TABLES_APPEND_ONLY, Incremental
+from .incremental import TABLES_APPEND_ONLY, Incremental, restates
 
 Event = tuple[object, ...]
 
@@ -40,10 +40,10 @@ class SpecModel:
         """``state``: start from this spec state (between decisions) instead of the initial one."""
         self.config = config
         self.state = initial_state(config) if state is None else state
-        # A sliding window (Config.sliding_window) is judged by the full definitions: the
-        # incremental forms do not restate its null-block positions (kvspec/twins.py).
-        windowed = config.sliding_window is not None
-        self.incremental = Incremental(self.state) if incremental and not windowed else None
+        # What the incremental forms do not follow (kvspec/twins.py: a sliding window) is
+        # judged by the full definitions.
+        follows = incremental and restates(config)
+        self.incremental = Incremental(self.state) if follows else None
         self.touched = Touched()
         """What the decisions (and engine effects) since the last check touched, but the last."""
         self.tables = running_tables(self.state)

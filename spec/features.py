@@ -1,0 +1,117 @@
+"""The configuration features: what a ``Config`` (or a stream's decisions) can turn on beyond the
+plain synchronous pool, each once, with what it means and how to tell it is on.
+
+Every other form of the spec follows a feature or refuses it by name (``kvspec/twins.py``'s
+table, which ``tests/test_twins.py`` checks against this registry): a feature added here fails
+that test until every form declares it. ``PARAMETERS`` are the ``Config`` fields that are sizes
+and choices every form takes (and the policy, whose traits have their own registry,
+``policies.POLICIES``); a field that is in neither fails ``tests/test_twins.py`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .state import Config
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    meaning: str
+    """What it is, in a few words (a refusal's message names it so)."""
+    on: Callable[[Config], bool] | None
+    """Whether ``config`` turns it on; None for a feature of the decisions (a stream has it or
+    not whatever the configuration), refused where such a decision is read."""
+    example: dict[str, Any] = field(default_factory=dict)
+    """``Config`` fields that turn it on (with what it needs), for the tests that ask each form
+    to refuse it."""
+
+
+FEATURES: dict[str, Feature] = {
+    f.name: f
+    for f in (
+        Feature(
+            "async_scheduling",
+            "async scheduling (placeholders)",
+            lambda c: c.async_scheduling,
+            {"async_scheduling": True, "depth": 2},
+        ),
+        Feature(
+            "stale_output_deliver",
+            "stale output delivered",
+            lambda c: c.stale_output == "deliver",
+            {"stale_output": "deliver", "depth": 2},
+        ),
+        Feature(
+            "prefix_caching_off",
+            "a pool without prefix caching",
+            lambda c: not c.prefix_caching,
+            {"prefix_caching": False},
+        ),
+        Feature(
+            "spec_tokens",
+            "speculative decoding (draft tokens)",
+            lambda c: c.spec_tokens > 0,
+            {"spec_tokens": 1},
+        ),
+        Feature(
+            "delay_load_registration",
+            "loads registered when their request is next scheduled",
+            lambda c: c.delay_load_registration,
+            {"delay_load_registration": True},
+        ),
+        Feature(
+            "defer_free",
+            "deferred block freeing",
+            lambda c: c.defer_free,
+            {"defer_free": True},
+        ),
+        Feature(
+            "defer_loads",
+            "deferred asynchronous loads",
+            lambda c: c.defer_loads,
+            {"defer_free": True, "defer_loads": True},
+        ),
+        Feature(
+            "sliding_window",
+            "a sliding window",
+            lambda c: c.sliding_window is not None,
+            {"sliding_window": 2},
+        ),
+        Feature("loads", "external KV loads (and their failures)", None),
+    )
+}
+"""Every feature, by name."""
+
+PARAMETERS = (
+    "num_blocks",
+    "block_size",
+    "depth",
+    "policy",
+    "discipline",
+    "preemption",
+    "token_budget",
+    "max_running",
+    "stop_token",
+)
+"""The ``Config`` fields that are no feature: sizes, limits and choices every form takes."""
+
+FIELDS_OF: dict[str, str] = {
+    "async_scheduling": "async_scheduling",
+    "stale_output": "stale_output_deliver",
+    "prefix_caching": "prefix_caching_off",
+    "spec_tokens": "spec_tokens",
+    "delay_load_registration": "delay_load_registration",
+    "defer_free": "defer_free",
+    "defer_loads": "defer_loads",
+    "sliding_window": "sliding_window",
+}
+"""Each ``Config`` field that is a feature's, and the feature."""
+
+
+def features_on(config: Config) -> list[str]:
+    """The configuration features ``config`` turns on, in registry order."""
+    return [f.name for f in FEATURES.values() if f.on is not None and f.on(config)]
