@@ -294,7 +294,61 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_parametric_twin.py::test_a_drifting_model_fails_the_twin_test",
             "tests/test_parametric.py::test_the_invariant_is_inductive_for_every_size",
             "tests/test_parametric.py::test_a_planted_bug_fails_the_proof",
+            "tests/test_twins.py::test_each_declared_refusal_is_the_refusal_the_form_raises",
         ),
+        label="the parametric model",
+        features={
+            "async_scheduling": FOLLOWS,
+            "stale_output_deliver": Refused(
+                "a delivered sample of a preempted request keeps its entries live, which the "
+                "lemmas (a live entry's request runs) do not state"
+            ),
+            "prefix_caching_off": Refused(
+                "a pool that publishes nothing has none of the races the proof is about"
+            ),
+            "spec_tokens": Refused("its commits append one token per request, never drafts"),
+            "delay_load_registration": Refused(
+                "its loads register with the schedule that took them"
+            ),
+            "defer_free": Refused("its only holders are tables"),
+            "defer_loads": Refused("it needs defer_free, which the model refuses"),
+            "sliding_window": Refused("its tables have no null positions and its reads no window"),
+            "loads": FOLLOWS,
+        },
+        invariants={
+            **{
+                name: IMPLEMENTS
+                for name in (
+                    "NoUnwrittenRead",
+                    "NoUnwrittenPublish",
+                    "RefcountIsOwnership",
+                    "SharedImpliesSamePrefix",
+                )
+            },
+            "FreeQueueExact": Exempt(
+                "stated as a set (a block is queued exactly when nobody holds it): the queue's "
+                "order is the bounded proofs' (docs/proofs.md, 'Every size')"
+            ),
+            "FreedAfterWrites": Exempt(
+                "vacuous without deferred frees, which the model refuses", unreachable=True
+            ),
+            **{
+                name: Exempt("a bookkeeping invariant the bounded proofs carry, not restated here")
+                for name in (
+                    "HashIndexConsistent",
+                    "NullBlockPinned",
+                    "TableMatchesComputed",
+                    "StepsInOrder",
+                    "NoLeakAtQuiescence",
+                )
+            },
+        },
+        traits={
+            "publish": ("hidden-until-written", "at-written"),
+            "track": ("nothing", "per-step"),
+            "leave": ("nothing", "drop-hidden"),
+            "clear": ("never", "on-written"),
+        },
     ),
     Twin(
         "kvspec.proofs.contracts",

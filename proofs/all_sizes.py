@@ -29,9 +29,24 @@ from typing import Any
 
 import z3
 
+from kvspec import twins
+from kvspec.spec.policies import POLICIES
+from kvspec.spec.state import Config
+
 from . import parametric as pm
 
-SAFE_POLICIES = ("deferred", "hide-uncommitted")
+FORM = "kvspec.proofs.parametric"
+"""This form's row of ``kvspec/twins.py``: the features and policy traits it follows."""
+
+
+def admit(config: Config) -> None:
+    """Raise ``twins.NotFollowed`` for what the parametric model does not follow of ``config``
+    (its row of the table decides, not this module)."""
+    twins.refuse(FORM, config)
+
+
+SAFE_POLICIES = tuple(name for name in POLICIES if twins.follows(FORM, Config(4, 1, policy=name)))
+"""The policies whose traits the parametric model follows: the ones it proves for every size."""
 """The policies the parametric model covers, synchronous or async with stale output dropped
 (both refine its commit-time publish, ``parametric.py``)."""
 
@@ -204,16 +219,24 @@ def run_all_sizes(
     counterexample at the smallest sizes, from the bounded model, confirmed by the spec and
     the reference engine), 3 not decided for every size (printed why)."""
     cell = f"{policy}, {discipline}/{preemption}" + (", async" if async_scheduling else "")
-    if stale_output != "drop":
+    config = Config(
+        4,
+        1,
+        depth=2 if async_scheduling or stale_output != "drop" else 1,
+        policy=policy,
+        discipline=discipline,
+        preemption=preemption,
+        async_scheduling=async_scheduling,
+        stale_output=stale_output,
+    )
+    problem = twins.refusal(FORM, config)
+    if problem is not None and problem.what in twins.FEATURES:
         print(
-            f"NOT PROVED FOR EVERY SIZE ({cell}, stale output delivered): the parametric model "
-            "drops a preempted request's output in submitted steps; delivered, a waiting "
-            "request's entries stay live and its sample is appended later, which the model's "
-            "lemmas (a live entry's request runs) do not state; docs/proofs.md, 'Every "
-            "size'. Per-size results: kvspec prove --async --stale-output deliver."
+            f"NOT PROVED FOR EVERY SIZE ({cell}): {problem}; docs/proofs.md, 'Every size'. "
+            "Per-size results: kvspec prove without --all-sizes."
         )
         return 3
-    if policy in SAFE_POLICIES:
+    if problem is None:
         result = prove()
         if result.verdict == "proved":
             invariant = pm.Model(pm.Vocab()).invariant(pm.symbolic_state(pm.Vocab(), "S"))

@@ -25,6 +25,7 @@ from kvspec.twins import TWINS, twin
 FAST = "kvspec.conformance.judge.fastmodel"
 INCREMENTAL = "kvspec.conformance.judge.incremental"
 SYMBOLIC = "kvspec.proofs.symbolic"
+PARAMETRIC = "kvspec.proofs.parametric"
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = ("kvspec.impl", "kvspec.conformance.adapters", "kvspec.pytest_plugin")
@@ -84,6 +85,10 @@ def test_each_form_evaluates_what_its_row_says() -> None:
     from kvspec.proofs.symbolic import Z3_INVARIANTS
 
     assert set(Z3_INVARIANTS) == twins.implemented(SYMBOLIC)
+    from kvspec.proofs.parametric import SAFETY
+
+    # its FreeQueueExact is a set (who is queued), not the queue: declared exempt, with why
+    assert set(SAFETY) - {"FreeQueueExact"} == twins.implemented(PARAMETRIC)
 
 
 def test_an_invariant_added_to_the_registry_alone_fails_until_every_form_declares_it(
@@ -93,7 +98,7 @@ def test_an_invariant_added_to_the_registry_alone_fails_until_every_form_declare
         REGISTRY, "NewInvariant", Invariant("NewInvariant", lambda s: None, ("spec_tokens",))
     )
     checkers = {row.form for row in TWINS if not isinstance(row.invariants, twins.Exempt)}
-    assert checkers == {FAST, INCREMENTAL, SYMBOLIC}
+    assert checkers == {FAST, INCREMENTAL, SYMBOLIC, PARAMETRIC}
     assert {p.split(":")[0] for p in twins.problems()} == checkers
     for form in checkers:
         monkeypatch.setitem(twin(form).invariants, "NewInvariant", twins.Exempt("planted"))  # type: ignore[index]
@@ -145,6 +150,10 @@ def _probe(form: str, feature: str) -> Callable[[], object]:
 
         return lambda: ReferenceAdapter(config, DefaultChoices())
     pytest.importorskip("z3")
+    if form == "kvspec.proofs.parametric":
+        from kvspec.proofs.all_sizes import admit
+
+        return lambda: admit(config)
     from kvspec.proofs import symbolic
 
     if feature == "loads":  # a stream feature: refused where a load decision is read
