@@ -318,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chk.add_argument("--json", action="store_true", help="print a machine-readable report")
     chk.add_argument(
+        "--observed",
+        action="store_true",
+        help="judge with observed matching whatever the trace's header says: the engine's own "
+        "legal choices of free and hit blocks accepted (docs/adapters.md)",
+    )
+    chk.add_argument(
         "--html",
         metavar="REPORT",
         type=output_path,
@@ -469,7 +475,7 @@ def _hypothesis_home() -> Iterator[None]:
 def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.enginelog import engine_logs
-    from kvspec.conformance.report import format_counterexample
+    from kvspec.conformance.report import format_counterexample, observed_hint
     from kvspec.conformance.witness import extend
 
     if args.policy in OBSERVED_POLICIES and not args.target:
@@ -519,7 +525,14 @@ def _fuzz(args: argparse.Namespace) -> int:
         return HOLDS
     failure = result.failure
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
-    print(format_counterexample(failure.program, failure.finding, failure.config))
+    print(
+        format_counterexample(failure.program, failure.finding, failure.config, failure.consequence)
+    )
+    hint = observed_hint(
+        failure.config, failure.events, failure.finding, judging, failure.snapshots
+    )
+    if hint is not None:
+        print(hint + (f" FILE (e.g. {args.out})" if args.out else " FILE (write it with --out)"))
     if args.out:
         finding = failure.finding
         shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
@@ -667,7 +680,7 @@ def _check(args: argparse.Namespace) -> int:
         _requires("matplotlib", "html", "--html")
     if args.witness and (len(args.traces) != 1 or args.kv_events):
         raise ValueError(f"--witness takes one TRACE and no --kv-events, got {len(args.traces)}")
-    reports = list(flow.check(args.traces, args.check_every, args.engine))
+    reports = list(flow.check(args.traces, args.check_every, args.engine, args.observed))
     reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
         if report.exit_code == 2:

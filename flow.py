@@ -156,12 +156,15 @@ def write(
     return write_events(path, config, events)
 
 
-def check(paths: list[str], check_every: int = 1, engine: str = "fast") -> Iterator[Report]:
-    """events -> verdict: judge each trace file; its ``report.Report``."""
+def check(
+    paths: list[str], check_every: int = 1, engine: str = "fast", observed: bool = False
+) -> Iterator[Report]:
+    """events -> verdict: judge each trace file; its ``report.Report`` (``observed``: with
+    observed matching, whatever the file's header says)."""
     from kvspec.conformance.check import check_file
 
     for path in paths:
-        yield check_file(path, check_every, engine)
+        yield check_file(path, check_every, engine, observed=observed)
 
 
 def check_kv_events(

@@ -97,6 +97,7 @@ from kvspec.spec import STALE_OUTPUTS, Config
 from .adapter import Factory, reference
 from .fuzz_coverage import Coverage, RunCoverage
 from .judge import Finding, Judge
+from .judge.consequence import Consequence, follow
 from .judge.core import FAST_INVARIANTS
 from .monitor import Monitor
 
@@ -229,6 +230,28 @@ class Failure:
     config: Config
     program: list[tuple[str, list[Event]]]
     events: list[Event]
+    consequence: Consequence | None = None
+    """A deviation's (``Disagreement``'s) consequence: what it breaks, judged on past it."""
+    snapshots: list[tuple[int, Any]] = field(default_factory=list)
+    """The engine's (events emitted, snapshot) after each action of the run."""
+
+
+def consequence_of(
+    finding: Finding, config: Config, events: list[Event], snapshots: list[tuple[int, Any]]
+) -> Consequence | None:
+    """A ``Disagreement``'s consequence over the run's events (its run to idle included); None
+    for any other finding."""
+    if finding.invariant != "Disagreement":
+        return None
+    return follow(config, events, finding, snapshots)
+
+
+def named_invariant(finding: Finding, consequence: Consequence | None) -> str:
+    """The property a failing run is shrunk for: the invariant it (or its deviation) breaks,
+    else its kind of finding."""
+    if consequence is not None and consequence.invariant is not None:
+        return consequence.invariant
+    return finding.invariant
 
 
 @dataclass
@@ -241,6 +264,9 @@ class Tally:
     failure: Failure | None = None
     first_failure_at: float | None = None
     first_failure_length: int | None = None
+    target: str | None = None
+    """``named_invariant`` of the first failing run: a later run that names another is not a
+    failure of the one being shrunk."""
     """Workload steps of the first failing run, before shrinking."""
     started: float = field(default_factory=time.monotonic)
     steps_per_run: list[int] = field(default_factory=list)
@@ -369,6 +395,9 @@ def lockstep_machine(
             self.config = self.engine.config
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
+            self.snapshots: list[tuple[int, Any]] = []
+            """(events emitted, the engine's snapshot) after each action: a deviation's
+            consequence is judged with them (``judge/consequence.py``)."""
             self.next_id = 0
             self.mix = mix
             self.idle = True
@@ -490,6 +519,8 @@ def lockstep_machine(
             if problem is not None:
                 self._raise_if(Finding("Disagreement", problem, self.judge.events_seen))
             snapshot = self.engine.snapshot()
+            if snapshot is not None:
+                self.snapshots.append((len(self.engine.events), snapshot))
             if snapshot is None:
                 self._raise_if(self.judge.settle())
             else:
@@ -541,7 +572,16 @@ def lockstep_machine(
                 tally.first_failure_length = len(self.program)
             program = list(self.program)
             self._drain()
-            tally.failure = Failure(finding, self.config, program, list(self.engine.events))
+            events = list(self.engine.events)
+            consequence = consequence_of(finding, self.config, events, self.snapshots)
+            named = named_invariant(finding, consequence)
+            if tally.target is None:
+                tally.target = named
+            elif named != tally.target:  # shrinking keeps the property first named
+                reject()
+            tally.failure = Failure(
+                finding, self.config, program, events, consequence, list(self.snapshots)
+            )
             raise CounterexampleFound(finding)
 
         def _drain(self) -> None:

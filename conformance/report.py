@@ -13,9 +13,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvspec.spec import Config
-from kvspec.spec.events import EFFECTS, blocks_of, request_of, requests_of
+from kvspec.spec.events import DECISIONS, EFFECTS, blocks_of, request_of, requests_of
 
 from .judge import Finding, Judge
+from .judge.consequence import Consequence
+from .judge.findings import explanation
 
 Event = tuple[object, ...]
 
@@ -39,6 +41,10 @@ class Report:
     timeline: list[tuple[int, int, str, int | None]] = field(default_factory=list)
     """(line, block, what, request) for the picture: the involved blocks' history."""
     note: str | None = field(default=None, compare=False)
+    consequence: Consequence | None = field(default=None, compare=False)
+    observed_hint: str | None = field(default=None, compare=False)
+    """A strict finding observed judging would accept: the sentence and the command."""
+    """A ``Disagreement``'s consequence: the events judged on past it (``judge/consequence.py``)."""
     """How it was judged, when not as usual: the fast model from source (``fastbuild.py``)."""
 
     @property
@@ -67,6 +73,10 @@ class Report:
                 "event": self.event,
                 "arose_after_line": self.arose_after,
                 "history": [{"line": ln, "event": text} for ln, text in self.history],
+                "safety": None if self.consequence is None else self.consequence.safety,
+                "consequence": None if self.consequence is None else self.consequence.as_dict(),
+                "observed_accepts": self.observed_hint is not None,
+                "observed_hint": self.observed_hint,
             }
         return out
 
@@ -76,7 +86,8 @@ class Report:
         note = "" if self.note is None else f" [note: {self.note}]"
         if self.exit_code == 0:
             return f"{self.path}: holds ({self.events} events, {self.seconds:.2f} s){note}"
-        lines = [
+        lines = [] if self.consequence is None else [consequence_line(self.consequence)]
+        lines += [
             f"{self.path}:{self.line}: {self.invariant}: {self.message}",
             f"  event: {self.event}",
             f"  ({self.explanation})",
@@ -88,6 +99,8 @@ class Report:
             )
         lines.append("  minimal history (events that touched the blocks and requests involved):")
         lines += [f"    {self.path}:{ln}: {text}" for ln, text in self.history]
+        if self.observed_hint is not None:
+            lines.append(f"  {self.observed_hint}")
         if note:
             lines.append(f" {note}")
         return "\n".join(lines)
@@ -143,11 +156,17 @@ def describe(event: Event) -> str:
 
 
 def format_counterexample(
-    program: Sequence[tuple[str, list[Event]]], finding: Finding, config: Config
+    program: Sequence[tuple[str, list[Event]]],
+    finding: Finding,
+    config: Config,
+    consequence: Consequence | None = None,
 ) -> str:
     """The counterexample as a numbered list of workload steps, each with the engine's decisions
-    and their effects, ending with the violated invariant and what it guards."""
-    lines = [
+    and their effects, ending with the violated invariant and what it guards. A deviation's
+    ``consequence`` (``judge/consequence.py``) comes first: what it breaks, or that it breaks
+    nothing."""
+    lines = [] if consequence is None else [consequence_line(consequence)]
+    lines += [
         f"config: {config.num_blocks} blocks of {config.block_size} tokens, depth {config.depth}, "
         f"budget {config.token_budget}, at most {config.max_running} running, "
         f"policy {config.policy}, discipline {config.discipline}, "
@@ -176,7 +195,18 @@ def format_counterexample(
             break
     lines.append(f"violated: {finding.invariant}: {finding.message}")
     lines.append(f"  ({finding.explanation})")
+    if consequence is not None and consequence.invariant is not None:
+        lines.append(f"  {consequence.invariant}: {explanation(consequence.invariant)}")
     return "\n".join(lines)
+
+
+def consequence_line(consequence: Consequence) -> str:
+    """A deviation's consequence as the report's first line."""
+    if consequence.invariant is not None:
+        return f"SAFETY: {consequence.headline()}"
+    if consequence.stopped is not None:
+        return f"DEVIATION: {consequence.headline()}"
+    return f"EFFICIENCY: {consequence.headline()}"
 
 
 def describe_any(event: Event) -> str:
@@ -232,3 +262,52 @@ def report_of(judge: Judge, name: str, seconds: float = 0.0, note: str | None = 
         timeline=timeline,  # type: ignore[arg-type]
         note=note,
     )
+
+
+def observed_accepts(
+    config: Config,
+    events: Iterable[Event],
+    finding: Finding,
+    snapshots: Sequence[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]] = (),
+) -> bool:
+    """Whether observed matching (the engine's legal choices of free and hit blocks and its own
+    unpublishes accepted: ``docs/adapters.md``) judges ``events`` past the strict judge's first
+    ``finding`` without a finding at or before it: the difference is one observed judging
+    accepts. ``snapshots``: the engine's (events emitted, (refcounts, free queue)), compared
+    where they were taken."""
+    judge = Judge.spec(config, observed=True)
+    pending = list(snapshots)
+    for i, event in enumerate(events):
+        while pending and pending[0][0] <= i and judge.finding is None:
+            judge.compare(*pending.pop(0)[1])
+        if judge.finding is not None or judge.feed(event) is not None:
+            break
+        if i > finding.event and event[0] in DECISIONS:  # the decision held there is judged
+            break
+    else:
+        judge.settle()
+    found = judge.finding
+    return found is None or found.event > finding.event
+
+
+def observed_hint_text() -> str:
+    return (
+        "observed judging accepts this difference (the engine may order its free and hit "
+        "blocks its own way, docs/adapters.md): judge it so with kvspec check --observed"
+    )
+
+
+def observed_hint(
+    config: Config,
+    events: Sequence[Event],
+    finding: Finding,
+    judging: str,
+    snapshots: Sequence[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]] = (),
+) -> str | None:
+    """For a strict run's first finding, a ``Disagreement`` observed judging accepts: the
+    sentence that says so and the command (else None)."""
+    if judging != "strict" or finding.invariant != "Disagreement":
+        return None
+    if not observed_accepts(config, events, finding, snapshots):
+        return None
+    return observed_hint_text()
