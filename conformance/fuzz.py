@@ -75,6 +75,7 @@ shrank worse.)
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -244,6 +245,38 @@ def consequence_of(
     if finding.invariant != "Disagreement":
         return None
     return follow(config, events, finding, snapshots)
+
+
+ENGINE_FRAMES = 3
+"""How many of the innermost frames of an engine's exception its ``EngineError`` names."""
+
+
+def engine_error(err: BaseException, where: int) -> Finding:
+    """An engine's exception as a finding: its type, its message (or that it has none) and the
+    innermost frames below the fuzzer's call (file:line in function), innermost last."""
+    frames = [
+        frame for frame in traceback.extract_tb(err.__traceback__) if frame.filename != __file__
+    ][-ENGINE_FRAMES:]
+    named = tuple(f"{_short(frame.filename)}:{frame.lineno} in {frame.name}" for frame in frames)
+    text = " ".join(str(err).split()) or "(no message)"
+    where_text = f" at {named[-1]}" if named else ""
+    calls = f" (called from {'; '.join(reversed(named[:-1]))})" if len(named) > 1 else ""
+    return Finding(
+        "EngineError",
+        f"{type(err).__name__}: {text}{where_text}{calls}",
+        where,
+        error_type=type(err).__name__,
+        frames=named,
+    )
+
+
+def _short(path: str) -> str:
+    """A source path from its package folder on (``.../site-packages/vllm/x.py``: ``vllm/x.py``)."""
+    parts = path.replace("\\", "/").split("/")
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1 :])
+    return "/".join(parts[-3:])
 
 
 def named_invariant(finding: Finding, consequence: Consequence | None) -> str:
@@ -551,9 +584,12 @@ def lockstep_machine(
             try:
                 result = call()
             except Exception as err:  # an engine that crashes is a finding, not a fuzzer crash
-                self.program.append((action, events[start:]))
-                where = self.judge.events_seen
-                self._raise_if(Finding("EngineError", f"{type(err).__name__}: {err}", where))
+                emitted = events[start:]
+                self.program.append((action, emitted))
+                # what it emitted before the exception is judged first: an earlier violation
+                # is the finding, not masked by the crash it may have caused
+                self._raise_if(self.judge.feed_all(emitted))
+                self._raise_if(engine_error(err, self.judge.events_seen))
             if len(events) == start:
                 if result is not idle:
                     self.program.append((action, []))

@@ -53,6 +53,22 @@ def _free_reversed_double(self: BlockPool, blocks: list[Block]) -> None:
     self.n_freed += len(blocks)
 
 
+def _free_double_checked(self: BlockPool, blocks: list[Block]) -> None:
+    """The double free of ``_free_reversed_double``, then the pool's own check (an assertion
+    with no message) that nothing lost two references in the call: the engine crashes right
+    after emitting the double free's events, in the same call."""
+    before = [block.ref_cnt for block in blocks]
+    _free_reversed_double(self, blocks)
+    assert all(b.ref_cnt >= n - 1 for b, n in zip(blocks, before, strict=True))
+
+
+def _free_crashes(self: BlockPool, blocks: list[Block]) -> None:
+    """Freeing a table of three or more blocks raises (no event is wrong before it)."""
+    if len(blocks) >= 3:
+        raise KeyError(blocks[0].block_id)
+    BlockPool.__dict__["_original_free_reversed"](self, blocks)
+
+
 def _touch_no_ref(self: BlockPool, blocks: list[Block]) -> None:
     """A hit on a block another request holds takes no reference."""
     for block in blocks:
@@ -133,6 +149,26 @@ def _lookup_first_only(self: KVCacheManager, req: object) -> list[Block]:
     """A lookup stops after its first hit."""
     return _original_lookup(self, req)[:1]  # type: ignore[arg-type]
 
+
+BlockPool._original_free_reversed = BlockPool.free_reversed  # type: ignore[attr-defined]
+
+CRASHING = (
+    Plant(
+        "double-free-asserted",
+        "safety",
+        "RefcountIsOwnership",
+        lambda: _patched(BlockPool, "free_reversed", _free_double_checked),
+        "a double free, then the pool's own assertion fails in the same call",
+    ),
+    Plant(
+        "crash",
+        "crash",
+        None,
+        lambda: _patched(BlockPool, "free_reversed", _free_crashes),
+        "freeing a long table raises KeyError",
+    ),
+)
+"""Bugs that make the engine raise: ``EngineError`` unless an earlier event is the finding."""
 
 PLANTS = (
     Plant(

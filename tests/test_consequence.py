@@ -6,7 +6,7 @@ they break, or say that they break none (efficiency)."""
 from __future__ import annotations
 
 import pytest
-from planted import PLANTS, Plant
+from planted import CRASHING, PLANTS, Plant
 
 from kvspec.conformance.check import check_file
 from kvspec.conformance.fuzz import Failure, run_cell
@@ -65,3 +65,24 @@ def test_check_reports_the_consequence_as_fields(tmp_path) -> None:  # type: ign
     assert fields["safety"] is True  # type: ignore[index]
     assert fields["consequence"]["invariant"] == "RefcountIsOwnership"  # type: ignore[index]
     assert report.text().startswith("SAFETY: ")
+
+
+def test_events_before_an_engine_exception_are_judged_first() -> None:
+    """The double free's events come before the assertion that it later trips, in the same
+    program entry (the run to idle): the deviation and what it breaks are the finding, not
+    ``AssertionError:`` with no message."""
+    failure = fuzzed(CRASHING[0])
+    assert failure.finding.invariant == "Disagreement"
+    assert failure.consequence is not None
+    assert failure.consequence.invariant == "RefcountIsOwnership"
+
+
+def test_an_engine_exception_names_its_type_message_and_innermost_frames() -> None:
+    failure = fuzzed(CRASHING[1])
+    finding = failure.finding
+    assert finding.invariant == "EngineError" and finding.error_type == "KeyError"
+    assert "tests/planted.py:" in finding.frames[-1]  # where it was raised
+    assert finding.frames[-1].endswith(" in _free_crashes")
+    assert any("kv_cache_manager.py" in frame for frame in finding.frames)
+    assert "fuzz.py" not in " ".join(finding.frames)  # the driver's own frames are not named
+    assert finding.message.startswith("KeyError: 1 at ") and "planted.py:" in finding.message

@@ -47,6 +47,11 @@ class Finding:
     """Where that event is in its file (its index + 1 for an in-process stream)."""
     arose_after: int | None = None
     """Checking every k decisions: the line of the last check that passed before it."""
+    error_type: str | None = None
+    """``EngineError``: the exception's type."""
+    frames: tuple[str, ...] = ()
+    """``EngineError``: the innermost frames of the engine's code, ``file:line in function``,
+    innermost last."""
 
     @property
     def explanation(self) -> str:
