@@ -71,14 +71,18 @@ def fuzz(
     target: str | None = None,
     database: ExampleDatabase | None = None,
     shrink: bool = True,
+    check_protocol: bool = False,
 ) -> tuple[CellResult, str]:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
     result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
     ``database``: Hypothesis's example database; ``shrink=False`` reports the first
-    counterexample as found (``fuzz.run_cell``)."""
+    counterexample as found (``fuzz.run_cell``). A ``target``'s adapter is checked against the
+    protocol first (``protocol.check_adapter``: its mistakes are bad input, ``ProtocolError``);
+    ``check_protocol``: also every call of every run."""
     from kvspec.conformance.adapter import load_factory, probe, reference
     from kvspec.conformance.fuzz import DataChoices, run_cell
+    from kvspec.conformance.protocol import check_adapter, checking
 
     factory, judging = reference, "strict"
     if target:
@@ -97,6 +101,9 @@ def fuzz(
         )
         adapter = probe(factory, config, DataChoices(), target, cell.loads)
         judging = getattr(adapter, "judging", "strict")
+        check_adapter(factory, config, target)
+    if check_protocol:
+        factory = checking(factory)
     result = run_cell(
         cell.policy,
         cell.discipline,
@@ -154,6 +161,48 @@ def write(
     if judging != "strict":
         raise ValueError(f"--format v0 has no judging field for this {judging} engine; use v1")
     return write_events(path, config, events)
+
+
+def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
+    """adapter -> protocol: build ``target``'s adapter and check every method's results and
+    every event it emits on a small workload (``protocol.check_adapter``; ``ProtocolError`` at
+    the first problem). ``policy`` None: the first cell (policy, discipline) the factory does not
+    refuse. The number of events checked and the cell."""
+    from kvspec.conformance.adapter import load_factory
+    from kvspec.conformance.protocol import ProtocolError, check_adapter
+    from kvspec.spec.state import OBSERVED_POLICIES, POLICIES
+
+    factory = load_factory(target, from_cwd=True)
+    refused = ""
+    for name in (policy,) if policy else POLICIES + OBSERVED_POLICIES:
+        for discipline in ("vllm", "general"):
+            cell = Cell(name, discipline)
+            try:
+                return check_adapter(factory, _probe_config(cell), target), cell
+            except ProtocolError:
+                raise
+            except ValueError as err:  # the factory refuses the cell: the next one
+                if "the factory failed" in str(err) or "is not an adapter" in str(err):
+                    raise
+                if not refused:
+                    refused = str(err)
+    raise ValueError(refused)
+
+
+def _probe_config(cell: Cell) -> Config:
+    """The configuration an adapter is probed with before fuzzing."""
+    return Config(
+        num_blocks=8,
+        block_size=4,
+        depth=cell.depth or (2 if cell.overlaps else 1),
+        policy=cell.policy,
+        discipline=cell.discipline,
+        preemption=cell.preemption,
+        stop_token=0,
+        async_scheduling=cell.async_scheduling,
+        stale_output=cell.stale_output,
+        prefix_caching=cell.prefix_caching,
+    )
 
 
 def check(

@@ -101,6 +101,7 @@ from .judge import Finding, Judge
 from .judge.consequence import Consequence, follow
 from .judge.core import FAST_INVARIANTS
 from .monitor import Monitor
+from .protocol import AdapterMistake, ProtocolError
 
 Event = tuple[object, ...]
 
@@ -879,6 +880,8 @@ def run_cell(
             test()
         except (CounterexampleFound, Unsatisfiable, BudgetSpent):
             break
+        except AdapterMistake as err:  # --check-protocol: bad input, not a counterexample
+            raise ProtocolError(str(err)) from None
     return CellResult(
         policy,
         discipline,
