@@ -767,6 +767,11 @@ def _check(args: argparse.Namespace) -> int:
                 print(report.text())
     if args.html:
         from kvspec.conformance.html import write_html
+        from kvspec.conformance.trace_events import of_file
+
+        for report, path in zip(reports, args.traces, strict=False):  # the traces come first
+            if report.exit_code != 2 and report.path == path:
+                report.lanes = of_file(path, report)
 
         code = _write_late(code, lambda: write_html(reports, args.html), args.html, "kvspec check")
     if args.trace_events and reports[0].exit_code != 2:

@@ -42,6 +42,8 @@ class Report:
     """(line, block, what, request) for the picture: the involved blocks' history."""
     note: str | None = field(default=None, compare=False)
     consequence: Consequence | None = field(default=None, compare=False)
+    lanes: object = field(default=None, compare=False)
+    """The trace's timeline (``trace_events.Timeline``) for the HTML report, where made."""
     observed_hint: str | None = field(default=None, compare=False)
     """A strict finding observed judging would accept: the sentence and the command."""
     """A ``Disagreement``'s consequence: the events judged on past it (``judge/consequence.py``)."""
