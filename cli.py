@@ -612,7 +612,7 @@ def _adapter_check(args: argparse.Namespace) -> int:
         count, cell = flow.adapter_check(args.target, args.policy)
     print(
         f"{args.target}: follows the adapter protocol ({count} events checked, policy "
-        f"{cell.policy}, discipline {cell.discipline})"
+        f"{cell.policy}, discipline {cell.discipline}, depth {cell.depth})"
     )
     return HOLDS
 

@@ -22,6 +22,7 @@ Each function imports what it uses when it is called, so that a command loads on
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +168,8 @@ def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
     """adapter -> protocol: build ``target``'s adapter and check every method's results and
     every event it emits on a small workload (``protocol.check_adapter``; ``ProtocolError`` at
     the first problem). ``policy`` None: the first cell (policy, discipline) the factory does not
-    refuse. The number of events checked and the cell."""
+    refuse (discipline vllm or general, depth 1 or 2). The number of events checked and the
+    cell."""
     from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.protocol import ProtocolError, check_adapter
     from kvspec.spec.state import OBSERVED_POLICIES, POLICIES
@@ -175,8 +177,8 @@ def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
     factory = load_factory(target, from_cwd=True)
     refused = ""
     for name in (policy,) if policy else POLICIES + OBSERVED_POLICIES:
-        for discipline in ("vllm", "general"):
-            cell = Cell(name, discipline)
+        for discipline, depth in itertools.product(("vllm", "general"), (1, 2)):
+            cell = Cell(name, discipline, depth=depth)
             try:
                 return check_adapter(factory, _probe_config(cell), target), cell
             except ProtocolError:
