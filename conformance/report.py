@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvspec.spec import Config
-from kvspec.spec.events import DECISIONS, EFFECTS, blocks_of, request_of, requests_of
+from kvspec.spec.events import DECISIONS, EFFECTS, KINDS, blocks_of, request_of, requests_of
 
 from .judge import Finding, Judge
 from .judge.consequence import Consequence
@@ -38,6 +38,8 @@ class Report:
     event: str | None = None
     arose_after: int | None = None
     history: list[tuple[int, str]] = field(default_factory=list)
+    history_events: list[tuple[int, Event]] = field(default_factory=list, compare=False)
+    """The history's events themselves (``--json`` gives each as its kind and named fields)."""
     timeline: list[tuple[int, int, str, int | None]] = field(default_factory=list)
     """(line, block, what, request) for the picture: the involved blocks' history."""
     note: str | None = field(default=None, compare=False)
@@ -74,7 +76,14 @@ class Report:
                 "explanation": self.explanation,
                 "event": self.event,
                 "arose_after_line": self.arose_after,
-                "history": [{"line": ln, "event": text} for ln, text in self.history],
+                "history": [
+                    {"line": ln, "event": text, **event_fields(event)}
+                    for (ln, text), (_, event) in zip(
+                        self.history,
+                        self.history_events or [(ln, ()) for ln, _ in self.history],
+                        strict=True,
+                    )
+                ],
                 "safety": None if self.consequence is None else self.consequence.safety,
                 "consequence": None if self.consequence is None else self.consequence.as_dict(),
                 "observed_accepts": self.observed_hint is not None,
@@ -211,6 +220,27 @@ def consequence_line(consequence: Consequence) -> str:
     return f"EFFICIENCY: {consequence.headline()}"
 
 
+def event_fields(event: Event) -> dict[str, object]:
+    """An event as fields: ``{"kind": ..., "fields": {name: value}}`` (``spec/events.py``'s
+    names; the checker's own ``wrote`` and ``read``: req, block, step); empty for none."""
+    if not event:
+        return {}
+    kind = str(event[0])
+    names: tuple[str, ...]
+    if kind in ("wrote", "read"):
+        names = ("req", "block", "step")
+    elif kind in KINDS:
+        names = tuple(name for name, _ in KINDS[kind].fields)
+    else:
+        return {"kind": kind}
+    return {"kind": kind, "fields": dict(zip(names, _plain(event[1:]), strict=False))}
+
+
+def _plain(values: object) -> list[object]:
+    """Tuples as lists, recursively (JSON)."""
+    return [_plain(v) if isinstance(v, tuple) else v for v in values]  # type: ignore[attr-defined]
+
+
 def describe_any(event: Event) -> str:
     """``describe`` plus the checker's own entries (a step's writes and reads of a block)."""
     kind = event[0]
@@ -261,6 +291,7 @@ def report_of(judge: Judge, name: str, seconds: float = 0.0, note: str | None = 
         event=describe_any(judge.last) if judge.last is not None else None,
         arose_after=finding.arose_after,
         history=[(ln, describe_any(e)) for ln, e in history],
+        history_events=list(history),
         timeline=timeline,  # type: ignore[arg-type]
         note=note,
     )

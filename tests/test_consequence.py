@@ -86,3 +86,20 @@ def test_an_engine_exception_names_its_type_message_and_innermost_frames() -> No
     assert any("kv_cache_manager.py" in frame for frame in finding.frames)
     assert "fuzz.py" not in " ".join(finding.frames)  # the driver's own frames are not named
     assert finding.message.startswith("KeyError: 1 at ") and "planted.py:" in finding.message
+
+
+def test_check_json_gives_the_history_as_fields(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    failure = fuzzed(PLANTS[0])
+    path = tmp_path / "double-free.jsonl"
+    write_trace(path, failure.config, failure.events)
+    history = check_file(path).as_dict()["violation"]["history"]  # type: ignore[index]
+    assert history and all("kind" in item and "fields" in item for item in history)
+    frees = [item for item in history if item["kind"] == "free"]
+    assert frees and set(frees[0]["fields"]) == {"block"}
+
+
+def test_a_kv_stream_finding_has_its_explanation() -> None:
+    """Stream findings inside ``kvspec fuzz`` printed ``()`` for what their invariant guards."""
+    from kvspec.conformance.judge.findings import Finding
+
+    assert Finding("ViewEqualsCache", "", 0).explanation.startswith("At a step boundary")

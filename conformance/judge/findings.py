@@ -26,8 +26,11 @@ EXPLANATIONS = {
 
 
 def explanation(invariant: str) -> str:
-    """What a finding's invariant guards against, in a sentence or two."""
-    predicate = INVARIANTS.get(invariant)
+    """What a finding's invariant guards against, in a sentence or two (a KV-event stream's
+    invariants, ``spec/stream.py``, included: a stream finding inside ``kvspec fuzz``)."""
+    from kvspec.spec.stream import INVARIANTS as STREAM
+
+    predicate = INVARIANTS.get(invariant) or STREAM.get(invariant)
     doc = predicate.__doc__ if predicate is not None else EXPLANATIONS.get(invariant, "")
     return " ".join((doc or "").split())
 
