@@ -2,6 +2,7 @@
 ``planted.py`` plants them in the reference engine: each patches one method of the class before
 the adapter builds its engine."""
 
+# ruff: noqa: I001 (the adapter, which installs nanovllm without its CUDA __init__, first)
 from __future__ import annotations
 
 from typing import Any
