@@ -571,7 +571,10 @@ def _fuzz(args: argparse.Namespace) -> int:
         shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
         count = _write(args, failure.config, shown.events, judging)
         print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
-        _fuzz_trace_events(args.out, failure, shown.events, judging)
+        try:
+            _fuzz_trace_events(args.out, failure, shown.events, judging)
+        except OSError as err:  # the finding stays 1; its picture is a courtesy
+            _say(f"kvspec fuzz: error: cannot write {args.out}.perfetto.json: {err}", FINDING)
     return FINDING
 
 

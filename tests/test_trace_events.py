@@ -130,3 +130,12 @@ def test_the_html_timeline_renders_in_headless_chromium(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False,
     ).stdout  # fmt: skip
     assert 'class="mark witness"' in dom or "class='mark witness'" in dom
+
+
+def test_fuzz_out_writes_the_timeline_beside_the_trace(tmp_path: Path) -> None:
+    out = tmp_path / "cex.jsonl"
+    done = run(["fuzz", "--policy", "eager-unsafe", "--preemption", "priority", "--seconds",
+                "60", "--out", str(out)])  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    events = valid_shape(json.loads((tmp_path / "cex.jsonl.perfetto.json").read_text()))
+    assert [e for e in events if str(e["name"]).startswith("VIOLATION ")]
