@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="look only for violations of this invariant (repeatable; default: all)",
     )
     fuzz.add_argument(
+        "--check-protocol",
+        action="store_true",
+        help="check every adapter call's result and every event against the protocol as the "
+        "runs go (a mistake is bad input, exit 2; slower)",
+    )
+    fuzz.add_argument(
         "--no-shrink",
         dest="shrink",
         action="store_false",
@@ -243,6 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the --target engine's own log output (default: silenced)",
     )
     _common(fuzz)
+
+    ach = command(
+        "adapter-check",
+        "check an engine's adapter against the protocol: 0 it follows it, 2 a mistake (named)",
+    )
+    ach.add_argument("target", metavar="MODULE:FACTORY", help="the adapter factory")
+    ach.add_argument(
+        "--policy",
+        choices=POLICIES + OBSERVED_POLICIES,
+        help="registration policy the adapter is built for (default: the first the factory "
+        "does not refuse)",
+    )
+    _common(ach)
 
     sim = command("simulate", "run the reference engine on a shared-prefix workload")
     _cell_arguments(sim)
@@ -323,6 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
         "traces", nargs="*", metavar="TRACE", type=_path, help="trace files (v1, or v0 events)"
     )
     chk.add_argument("--json", action="store_true", help="print a machine-readable report")
+    chk.add_argument(
+        "--trace-events",
+        metavar="FILE",
+        type=output_path,
+        help="write the trace as Chrome trace-event JSON (Perfetto, chrome://tracing): a track "
+        "per step, request and block, the finding marked (one TRACE)",
+    )
+    chk.add_argument(
+        "--observed",
+        action="store_true",
+        help="judge with observed matching whatever the trace's header says: the engine's own "
+        "legal choices of free and hit blocks accepted (docs/adapters.md)",
+    )
     chk.add_argument(
         "--html",
         metavar="REPORT",
@@ -475,7 +507,7 @@ def _hypothesis_home() -> Iterator[None]:
 def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.enginelog import engine_logs
-    from kvspec.conformance.report import format_counterexample
+    from kvspec.conformance.report import format_counterexample, observed_hint
     from kvspec.conformance.witness import extend
 
     if args.policy in OBSERVED_POLICIES and not args.target:
@@ -503,7 +535,14 @@ def _fuzz(args: argparse.Namespace) -> int:
         if args.target:  # imported as python -m would: the current folder first
             load_factory(args.target, from_cwd=True)
         result, judging = flow.fuzz(
-            cell, args.seconds, args.seed, args.invariant, args.target, database, args.shrink
+            cell,
+            args.seconds,
+            args.seed,
+            args.invariant,
+            args.target,
+            database,
+            args.shrink,
+            args.check_protocol,
         )
     timing = ", async" if args.async_scheduling else ""
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""
@@ -525,13 +564,43 @@ def _fuzz(args: argparse.Namespace) -> int:
         return HOLDS
     failure = result.failure
     print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
-    print(format_counterexample(failure.program, failure.finding, failure.config))
+    print(
+        format_counterexample(failure.program, failure.finding, failure.config, failure.consequence)
+    )
+    hint = observed_hint(
+        failure.config, failure.events, failure.finding, judging, failure.snapshots
+    )
+    if hint is not None:
+        print(hint + (f" FILE (e.g. {args.out})" if args.out else " FILE (write it with --out)"))
     if args.out:
         finding = failure.finding
         shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
         count = _write(args, failure.config, shown.events, judging)
         print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
+        try:
+            _fuzz_trace_events(args.out, failure, shown.events, judging)
+        except OSError as err:  # the finding stays 1; its picture is a courtesy
+            _say(f"kvspec fuzz: error: cannot write {args.out}.perfetto.json: {err}", FINDING)
     return FINDING
+
+
+def _fuzz_trace_events(out: str, failure: object, events: list, judging: str) -> None:  # type: ignore[type-arg]
+    """Beside ``--out``'s trace, its timeline as Chrome trace-event JSON (``OUT.perfetto.json``)."""
+    from kvspec.conformance.trace_events import timeline, write_chrome_trace
+
+    finding = failure.finding  # type: ignore[attr-defined]
+    line = timeline(
+        failure.config,  # type: ignore[attr-defined]
+        events,
+        finding.event,
+        finding.invariant,
+        finding.message,
+        finding.blocks,
+        judging,
+    )
+    path = f"{out}.perfetto.json"
+    write_chrome_trace(path, line, out)
+    print(f"wrote its timeline to {path} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
 def _fuzz_depth(result: CellResult) -> None:
@@ -541,6 +610,23 @@ def _fuzz_depth(result: CellResult) -> None:
         p90 = steps[min(len(steps) - 1, int(0.9 * len(steps)))]
         print(f"engine steps per run: median {steps[len(steps) // 2]}, p90 {p90}, max {steps[-1]}")
     print(result.coverage.line())
+
+
+@_command
+def _adapter_check(args: argparse.Namespace) -> int:
+    """0 the adapter follows the protocol; 2 (one line, the method and the field) it does not."""
+    from kvspec.conformance.enginelog import engine_logs
+
+    with engine_logs(shown=False):
+        count, cell = flow.adapter_check(args.target, args.policy)
+    print(
+        f"{args.target}: follows the adapter protocol ({count} events checked, policy "
+        f"{cell.policy}, discipline {cell.discipline}, depth {cell.depth})"
+    )
+    return HOLDS
+
+
+COMMANDS["adapter-check"] = COMMANDS.pop("adapter_check")
 
 
 @_command
@@ -683,9 +769,11 @@ def _check(args: argparse.Namespace) -> int:
         raise ValueError("name a TRACE file or --kv-events FILE")
     if args.html:
         _requires("matplotlib", "html", "--html")
+    if args.trace_events and len(args.traces) != 1:
+        raise ValueError(f"--trace-events takes one TRACE, got {len(args.traces)}")
     if args.witness and (len(args.traces) != 1 or args.kv_events):
         raise ValueError(f"--witness takes one TRACE and no --kv-events, got {len(args.traces)}")
-    reports = list(flow.check(args.traces, args.check_every, args.engine))
+    reports = list(flow.check(args.traces, args.check_every, args.engine, args.observed))
     reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
         if report.exit_code == 2:
@@ -700,8 +788,23 @@ def _check(args: argparse.Namespace) -> int:
                 print(report.text())
     if args.html:
         from kvspec.conformance.html import write_html
+        from kvspec.conformance.trace_events import of_file
+
+        for report, path in zip(reports, args.traces, strict=False):  # the traces come first
+            if report.exit_code != 2 and report.path == path:
+                report.lanes = of_file(path, report)
 
         code = _write_late(code, lambda: write_html(reports, args.html), args.html, "kvspec check")
+    if args.trace_events and reports[0].exit_code != 2:
+        from kvspec.conformance.trace_events import of_file, write_chrome_trace
+
+        line = of_file(args.traces[0], reports[0])
+        code = _write_late(
+            code,
+            lambda: write_chrome_trace(args.trace_events, line, args.traces[0]),
+            args.trace_events,
+            "kvspec check",
+        )
     if args.witness:
         from kvspec.conformance.witness import extend_file
 

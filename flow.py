@@ -22,6 +22,7 @@ Each function imports what it uses when it is called, so that a command loads on
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +72,18 @@ def fuzz(
     target: str | None = None,
     database: ExampleDatabase | None = None,
     shrink: bool = True,
+    check_protocol: bool = False,
 ) -> tuple[CellResult, str]:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
     result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
     ``database``: Hypothesis's example database; ``shrink=False`` reports the first
-    counterexample as found (``fuzz.run_cell``)."""
+    counterexample as found (``fuzz.run_cell``). A ``target``'s adapter is checked against the
+    protocol first (``protocol.check_adapter``: its mistakes are bad input, ``ProtocolError``);
+    ``check_protocol``: also every call of every run."""
     from kvspec.conformance.adapter import load_factory, probe, reference
     from kvspec.conformance.fuzz import DataChoices, run_cell
+    from kvspec.conformance.protocol import check_adapter, checking
 
     factory, judging = reference, "strict"
     if target:
@@ -97,6 +102,9 @@ def fuzz(
         )
         adapter = probe(factory, config, DataChoices(), target, cell.loads)
         judging = getattr(adapter, "judging", "strict")
+        check_adapter(factory, config, target)
+    if check_protocol:
+        factory = checking(factory)
     result = run_cell(
         cell.policy,
         cell.discipline,
@@ -158,12 +166,58 @@ def write(
     return write_events(path, config, events)
 
 
-def check(paths: list[str], check_every: int = 1, engine: str = "fast") -> Iterator[Report]:
-    """events -> verdict: judge each trace file; its ``report.Report``."""
+def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
+    """adapter -> protocol: build ``target``'s adapter and check every method's results and
+    every event it emits on a small workload (``protocol.check_adapter``; ``ProtocolError`` at
+    the first problem). ``policy`` None: the first cell (policy, discipline) the factory does not
+    refuse (discipline vllm or general, depth 1 or 2). The number of events checked and the
+    cell."""
+    from kvspec.conformance.adapter import load_factory
+    from kvspec.conformance.protocol import ProtocolError, check_adapter
+    from kvspec.spec.state import OBSERVED_POLICIES, POLICIES
+
+    factory = load_factory(target, from_cwd=True)
+    refused = ""
+    for name in (policy,) if policy else POLICIES + OBSERVED_POLICIES:
+        for discipline, depth in itertools.product(("vllm", "general"), (1, 2)):
+            cell = Cell(name, discipline, depth=depth)
+            try:
+                return check_adapter(factory, _probe_config(cell), target), cell
+            except ProtocolError:
+                raise
+            except ValueError as err:  # the factory refuses the cell: the next one
+                if "the factory failed" in str(err) or "is not an adapter" in str(err):
+                    raise
+                if not refused:
+                    refused = str(err)
+    raise ValueError(refused)
+
+
+def _probe_config(cell: Cell) -> Config:
+    """The configuration an adapter is probed with before fuzzing."""
+    return Config(
+        num_blocks=8,
+        block_size=4,
+        depth=cell.depth or (2 if cell.overlaps else 1),
+        policy=cell.policy,
+        discipline=cell.discipline,
+        preemption=cell.preemption,
+        stop_token=0,
+        async_scheduling=cell.async_scheduling,
+        stale_output=cell.stale_output,
+        prefix_caching=cell.prefix_caching,
+    )
+
+
+def check(
+    paths: list[str], check_every: int = 1, engine: str = "fast", observed: bool = False
+) -> Iterator[Report]:
+    """events -> verdict: judge each trace file; its ``report.Report`` (``observed``: with
+    observed matching, whatever the file's header says)."""
     from kvspec.conformance.check import check_file
 
     for path in paths:
-        yield check_file(path, check_every, engine)
+        yield check_file(path, check_every, engine, observed=observed)
 
 
 def check_kv_events(

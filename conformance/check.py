@@ -33,10 +33,12 @@ from types import ModuleType
 from kvspec.spec.events import DECISIONS
 
 from .judge import Judge, UnknownId, handover
+from .judge.consequence import Consequence, follow
 from .judge.core import CRASH, DUE, EFFECT_FIRST, FOUND
 from .judge.fastbuild import fast_judge
 from .judge.fastmodel import restates
-from .report import Report, report_of
+from .judge.findings import Finding
+from .report import Report, observed_accepts, observed_hint_text, report_of
 from .trace import Trace, TraceError, open_trace
 
 FREEZE_EVERY = 16_384
@@ -55,6 +57,7 @@ def check_file(
     engine: str = "fast",
     limit: int | None = None,
     build: ModuleType | None = None,
+    observed: bool = False,
 ) -> Report:
     """Judge one trace file. ``limit`` (bench): stop at the first decision after that many
     events, without the end-of-stream check. ``build``: the module whose ``Judge`` judges on the
@@ -70,6 +73,8 @@ def check_file(
     except OSError as err:
         return Report(name, 2, error=f"{name}:1: {err}")
     with trace:
+        if observed:
+            trace.judging = "observed"
         fast = engine == "fast" and check_every == 1 and trace.judging == "strict"
         if fast and restates(trace.config):
             return _fast(trace, name, started, limit, build)
@@ -101,7 +106,46 @@ def _judged(trace: Trace, judge: Judge, name: str, started: float, start: int = 
     seconds = time.perf_counter() - started
     if judge.finding is None:
         return Report(name, 0, judge.events_seen, seconds)
-    return report_of(judge, name, seconds)
+    report = report_of(judge, name, seconds)
+    if judge.finding.invariant == "Disagreement" and not judge.observed:
+        report.consequence = _consequence(trace, judge)
+        if _observed_accepts(trace, judge.finding):
+            report.observed_hint = observed_hint_text() + f" {trace.path}"
+    return report
+
+
+def _observed_accepts(trace: Trace, finding: Finding) -> bool:
+    """Whether observed matching judges the trace past ``finding`` (strict's first finding)
+    without a finding of its own there (``report.observed_accepts``)."""
+    if finding.event > FOLLOW_AT_MOST:
+        return False
+    return observed_accepts(trace.config, _readable(trace), finding)
+
+
+FOLLOW_AT_MOST = 200_000
+"""The most events a deviation's consequence is judged over (from the trace's start, with
+every invariant's full definition after every decision)."""
+
+
+def _consequence(trace: Trace, judge: Judge) -> Consequence | None:
+    """A strict trace's ``Disagreement`` judged on to the end of the file
+    (``judge/consequence.py``); None for a trace too long to follow."""
+    assert judge.finding is not None
+    if judge.events_seen > FOLLOW_AT_MOST:
+        return None
+    return follow(trace.config, _readable(trace), judge.finding)
+
+
+def _readable(trace: Trace) -> Iterator[tuple[object, ...]]:
+    """The trace's events from its start, at most ``FOLLOW_AT_MOST``, up to a line that cannot
+    be read (a finding's consequence is judged on what can)."""
+    try:
+        for i, (_, event, _) in enumerate(trace.events(2)):
+            if i >= FOLLOW_AT_MOST:
+                return
+            yield event
+    except (TraceError, ValueError, OSError):
+        return
 
 
 @contextlib.contextmanager

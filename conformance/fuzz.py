@@ -75,6 +75,7 @@ shrank worse.)
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,8 +98,10 @@ from kvspec.spec import STALE_OUTPUTS, Config
 from .adapter import Factory, reference
 from .fuzz_coverage import Coverage, RunCoverage
 from .judge import Finding, Judge
+from .judge.consequence import Consequence, follow
 from .judge.core import FAST_INVARIANTS
 from .monitor import Monitor
+from .protocol import AdapterMistake, ProtocolError
 
 Event = tuple[object, ...]
 
@@ -229,6 +232,60 @@ class Failure:
     config: Config
     program: list[tuple[str, list[Event]]]
     events: list[Event]
+    consequence: Consequence | None = None
+    """A deviation's (``Disagreement``'s) consequence: what it breaks, judged on past it."""
+    snapshots: list[tuple[int, Any]] = field(default_factory=list)
+    """The engine's (events emitted, snapshot) after each action of the run."""
+
+
+def consequence_of(
+    finding: Finding, config: Config, events: list[Event], snapshots: list[tuple[int, Any]]
+) -> Consequence | None:
+    """A ``Disagreement``'s consequence over the run's events (its run to idle included); None
+    for any other finding."""
+    if finding.invariant != "Disagreement":
+        return None
+    return follow(config, events, finding, snapshots)
+
+
+ENGINE_FRAMES = 3
+"""How many of the innermost frames of an engine's exception its ``EngineError`` names."""
+
+
+def engine_error(err: BaseException, where: int) -> Finding:
+    """An engine's exception as a finding: its type, its message (or that it has none) and the
+    innermost frames below the fuzzer's call (file:line in function), innermost last."""
+    frames = [
+        frame for frame in traceback.extract_tb(err.__traceback__) if frame.filename != __file__
+    ][-ENGINE_FRAMES:]
+    named = tuple(f"{_short(frame.filename)}:{frame.lineno} in {frame.name}" for frame in frames)
+    text = " ".join(str(err).split()) or "(no message)"
+    where_text = f" at {named[-1]}" if named else ""
+    calls = f" (called from {'; '.join(reversed(named[:-1]))})" if len(named) > 1 else ""
+    return Finding(
+        "EngineError",
+        f"{type(err).__name__}: {text}{where_text}{calls}",
+        where,
+        error_type=type(err).__name__,
+        frames=named,
+    )
+
+
+def _short(path: str) -> str:
+    """A source path from its package folder on (``.../site-packages/vllm/x.py``: ``vllm/x.py``)."""
+    parts = path.replace("\\", "/").split("/")
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1 :])
+    return "/".join(parts[-3:])
+
+
+def named_invariant(finding: Finding, consequence: Consequence | None) -> str:
+    """The property a failing run is shrunk for: the invariant it (or its deviation) breaks,
+    else its kind of finding."""
+    if consequence is not None and consequence.invariant is not None:
+        return consequence.invariant
+    return finding.invariant
 
 
 @dataclass
@@ -241,6 +298,9 @@ class Tally:
     failure: Failure | None = None
     first_failure_at: float | None = None
     first_failure_length: int | None = None
+    target: str | None = None
+    """``named_invariant`` of the first failing run: a later run that names another is not a
+    failure of the one being shrunk."""
     """Workload steps of the first failing run, before shrinking."""
     started: float = field(default_factory=time.monotonic)
     steps_per_run: list[int] = field(default_factory=list)
@@ -369,6 +429,9 @@ def lockstep_machine(
             self.config = self.engine.config
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
+            self.snapshots: list[tuple[int, Any]] = []
+            """(events emitted, the engine's snapshot) after each action: a deviation's
+            consequence is judged with them (``judge/consequence.py``)."""
             self.next_id = 0
             self.mix = mix
             self.idle = True
@@ -490,6 +553,8 @@ def lockstep_machine(
             if problem is not None:
                 self._raise_if(Finding("Disagreement", problem, self.judge.events_seen))
             snapshot = self.engine.snapshot()
+            if snapshot is not None:
+                self.snapshots.append((len(self.engine.events), snapshot))
             if snapshot is None:
                 self._raise_if(self.judge.settle())
             else:
@@ -520,9 +585,12 @@ def lockstep_machine(
             try:
                 result = call()
             except Exception as err:  # an engine that crashes is a finding, not a fuzzer crash
-                self.program.append((action, events[start:]))
-                where = self.judge.events_seen
-                self._raise_if(Finding("EngineError", f"{type(err).__name__}: {err}", where))
+                emitted = events[start:]
+                self.program.append((action, emitted))
+                # what it emitted before the exception is judged first: an earlier violation
+                # is the finding, not masked by the crash it may have caused
+                self._raise_if(self.judge.feed_all(emitted))
+                self._raise_if(engine_error(err, self.judge.events_seen))
             if len(events) == start:
                 if result is not idle:
                     self.program.append((action, []))
@@ -541,7 +609,16 @@ def lockstep_machine(
                 tally.first_failure_length = len(self.program)
             program = list(self.program)
             self._drain()
-            tally.failure = Failure(finding, self.config, program, list(self.engine.events))
+            events = list(self.engine.events)
+            consequence = consequence_of(finding, self.config, events, self.snapshots)
+            named = named_invariant(finding, consequence)
+            if tally.target is None:
+                tally.target = named
+            elif named != tally.target:  # shrinking keeps the property first named
+                reject()
+            tally.failure = Failure(
+                finding, self.config, program, events, consequence, list(self.snapshots)
+            )
             raise CounterexampleFound(finding)
 
         def _drain(self) -> None:
@@ -803,6 +880,8 @@ def run_cell(
             test()
         except (CounterexampleFound, Unsatisfiable, BudgetSpent):
             break
+        except AdapterMistake as err:  # --check-protocol: bad input, not a counterexample
+            raise ProtocolError(str(err)) from None
     return CellResult(
         policy,
         discipline,

@@ -13,9 +13,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvspec.spec import Config
-from kvspec.spec.events import EFFECTS, blocks_of, request_of, requests_of
+from kvspec.spec.events import DECISIONS, EFFECTS, KINDS, blocks_of, request_of, requests_of
 
 from .judge import Finding, Judge
+from .judge.consequence import Consequence
+from .judge.findings import explanation
 
 Event = tuple[object, ...]
 
@@ -36,9 +38,17 @@ class Report:
     event: str | None = None
     arose_after: int | None = None
     history: list[tuple[int, str]] = field(default_factory=list)
+    history_events: list[tuple[int, Event]] = field(default_factory=list, compare=False)
+    """The history's events themselves (``--json`` gives each as its kind and named fields)."""
     timeline: list[tuple[int, int, str, int | None]] = field(default_factory=list)
     """(line, block, what, request) for the picture: the involved blocks' history."""
     note: str | None = field(default=None, compare=False)
+    consequence: Consequence | None = field(default=None, compare=False)
+    lanes: object = field(default=None, compare=False)
+    """The trace's timeline (``trace_events.Timeline``) for the HTML report, where made."""
+    observed_hint: str | None = field(default=None, compare=False)
+    """A strict finding observed judging would accept: the sentence and the command."""
+    """A ``Disagreement``'s consequence: the events judged on past it (``judge/consequence.py``)."""
     """How it was judged, when not as usual: the fast model from source (``fastbuild.py``)."""
 
     @property
@@ -66,7 +76,18 @@ class Report:
                 "explanation": self.explanation,
                 "event": self.event,
                 "arose_after_line": self.arose_after,
-                "history": [{"line": ln, "event": text} for ln, text in self.history],
+                "history": [
+                    {"line": ln, "event": text, **event_fields(event)}
+                    for (ln, text), (_, event) in zip(
+                        self.history,
+                        self.history_events or [(ln, ()) for ln, _ in self.history],
+                        strict=True,
+                    )
+                ],
+                "safety": None if self.consequence is None else self.consequence.safety,
+                "consequence": None if self.consequence is None else self.consequence.as_dict(),
+                "observed_accepts": self.observed_hint is not None,
+                "observed_hint": self.observed_hint,
             }
         return out
 
@@ -76,7 +97,8 @@ class Report:
         note = "" if self.note is None else f" [note: {self.note}]"
         if self.exit_code == 0:
             return f"{self.path}: holds ({self.events} events, {self.seconds:.2f} s){note}"
-        lines = [
+        lines = [] if self.consequence is None else [consequence_line(self.consequence)]
+        lines += [
             f"{self.path}:{self.line}: {self.invariant}: {self.message}",
             f"  event: {self.event}",
             f"  ({self.explanation})",
@@ -88,6 +110,8 @@ class Report:
             )
         lines.append("  minimal history (events that touched the blocks and requests involved):")
         lines += [f"    {self.path}:{ln}: {text}" for ln, text in self.history]
+        if self.observed_hint is not None:
+            lines.append(f"  {self.observed_hint}")
         if note:
             lines.append(f" {note}")
         return "\n".join(lines)
@@ -143,11 +167,17 @@ def describe(event: Event) -> str:
 
 
 def format_counterexample(
-    program: Sequence[tuple[str, list[Event]]], finding: Finding, config: Config
+    program: Sequence[tuple[str, list[Event]]],
+    finding: Finding,
+    config: Config,
+    consequence: Consequence | None = None,
 ) -> str:
     """The counterexample as a numbered list of workload steps, each with the engine's decisions
-    and their effects, ending with the violated invariant and what it guards."""
-    lines = [
+    and their effects, ending with the violated invariant and what it guards. A deviation's
+    ``consequence`` (``judge/consequence.py``) comes first: what it breaks, or that it breaks
+    nothing."""
+    lines = [] if consequence is None else [consequence_line(consequence)]
+    lines += [
         f"config: {config.num_blocks} blocks of {config.block_size} tokens, depth {config.depth}, "
         f"budget {config.token_budget}, at most {config.max_running} running, "
         f"policy {config.policy}, discipline {config.discipline}, "
@@ -176,7 +206,39 @@ def format_counterexample(
             break
     lines.append(f"violated: {finding.invariant}: {finding.message}")
     lines.append(f"  ({finding.explanation})")
+    if consequence is not None and consequence.invariant is not None:
+        lines.append(f"  {consequence.invariant}: {explanation(consequence.invariant)}")
     return "\n".join(lines)
+
+
+def consequence_line(consequence: Consequence) -> str:
+    """A deviation's consequence as the report's first line."""
+    if consequence.invariant is not None:
+        return f"SAFETY: {consequence.headline()}"
+    if consequence.stopped is not None:
+        return f"DEVIATION: {consequence.headline()}"
+    return f"EFFICIENCY: {consequence.headline()}"
+
+
+def event_fields(event: Event) -> dict[str, object]:
+    """An event as fields: ``{"kind": ..., "fields": {name: value}}`` (``spec/events.py``'s
+    names; the checker's own ``wrote`` and ``read``: req, block, step); empty for none."""
+    if not event:
+        return {}
+    kind = str(event[0])
+    names: tuple[str, ...]
+    if kind in ("wrote", "read"):
+        names = ("req", "block", "step")
+    elif kind in KINDS:
+        names = tuple(name for name, _ in KINDS[kind].fields)
+    else:
+        return {"kind": kind}
+    return {"kind": kind, "fields": dict(zip(names, _plain(event[1:]), strict=False))}
+
+
+def _plain(values: object) -> list[object]:
+    """Tuples as lists, recursively (JSON)."""
+    return [_plain(v) if isinstance(v, tuple) else v for v in values]  # type: ignore[attr-defined]
 
 
 def describe_any(event: Event) -> str:
@@ -229,6 +291,56 @@ def report_of(judge: Judge, name: str, seconds: float = 0.0, note: str | None = 
         event=describe_any(judge.last) if judge.last is not None else None,
         arose_after=finding.arose_after,
         history=[(ln, describe_any(e)) for ln, e in history],
+        history_events=list(history),
         timeline=timeline,  # type: ignore[arg-type]
         note=note,
     )
+
+
+def observed_accepts(
+    config: Config,
+    events: Iterable[Event],
+    finding: Finding,
+    snapshots: Sequence[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]] = (),
+) -> bool:
+    """Whether observed matching (the engine's legal choices of free and hit blocks and its own
+    unpublishes accepted: ``docs/adapters.md``) judges ``events`` past the strict judge's first
+    ``finding`` without a finding at or before it: the difference is one observed judging
+    accepts. ``snapshots``: the engine's (events emitted, (refcounts, free queue)), compared
+    where they were taken."""
+    judge = Judge.spec(config, observed=True)
+    pending = list(snapshots)
+    for i, event in enumerate(events):
+        while pending and pending[0][0] <= i and judge.finding is None:
+            judge.compare(*pending.pop(0)[1])
+        if judge.finding is not None or judge.feed(event) is not None:
+            break
+        if i > finding.event and event[0] in DECISIONS:  # the decision held there is judged
+            break
+    else:
+        judge.settle()
+    found = judge.finding
+    return found is None or found.event > finding.event
+
+
+def observed_hint_text() -> str:
+    return (
+        "observed judging accepts this difference (the engine may order its free and hit "
+        "blocks its own way, docs/adapters.md): judge it so with kvspec check --observed"
+    )
+
+
+def observed_hint(
+    config: Config,
+    events: Sequence[Event],
+    finding: Finding,
+    judging: str,
+    snapshots: Sequence[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]] = (),
+) -> str | None:
+    """For a strict run's first finding, a ``Disagreement`` observed judging accepts: the
+    sentence that says so and the command (else None)."""
+    if judging != "strict" or finding.invariant != "Disagreement":
+        return None
+    if not observed_accepts(config, events, finding, snapshots):
+        return None
+    return observed_hint_text()

@@ -120,6 +120,21 @@ class Model(Protocol):
         ...
 
 
+class Follower(Protocol):
+    """What observed matching asks of a follower (``consequence.Follower``): the engine's effects
+    of a decision, around the model's ``steer`` and ``apply``."""
+
+    def before(self, model: Model, decision: Event, effects: list[Event], index: int) -> None:
+        """Before the engine's choices are steered into the model."""
+        ...
+
+    def after(
+        self, model: Model, decision: Event, expected: list[Event], effects: list[tuple[Event, int]]
+    ) -> None:
+        """After the decision is applied: the model made to have the engine's effects."""
+        ...
+
+
 class Recorder(Protocol):
     """What a judge tells its recorder (``recorder.Recorder``, ``plan.PlanRecorder``)."""
 
@@ -195,6 +210,9 @@ class Judge:
         """Opaque hash -> (the prefix key it names, how many blocks carry it)."""
         self.key_hash: dict[Hashable, tuple[str, int]] = {}
         model.hold(self.key_hash)
+        self.follower: Follower | None = None
+        """Observed matching only: judging a deviation's consequence (``consequence.py``), the
+        engine's effects the spec would not have are followed instead of reported."""
 
     # -- compositions ---------------------------------------------------------------------------
 
@@ -476,6 +494,9 @@ class Judge:
         self.line, self.last = line, decision
         model = self.model
         self.max_step = check_ids(decision[0], decision, self.ids, self.max_step)
+        follower = self.follower
+        if follower is not None:
+            follower.before(model, decision, [effect for effect, _, _, _ in effects], index)
         try:
             model.steer(decision, [effect for effect, _, _, _ in effects])
         except Illegal as err:
@@ -483,6 +504,10 @@ class Judge:
         expected = self._apply(decision, index)
         if expected is None:
             return self.finding
+        if follower is not None:
+            follower.after(model, decision, expected, [(e, i) for e, _, _, i in effects])
+            self.line, self.last = line, decision
+            return self._maybe_check(index)
         pos = 0
         for effect, at, hash_, eindex in effects:
             self.line, self.last = at, effect

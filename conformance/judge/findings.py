@@ -26,8 +26,11 @@ EXPLANATIONS = {
 
 
 def explanation(invariant: str) -> str:
-    """What a finding's invariant guards against, in a sentence or two."""
-    predicate = INVARIANTS.get(invariant)
+    """What a finding's invariant guards against, in a sentence or two (a KV-event stream's
+    invariants, ``spec/stream.py``, included: a stream finding inside ``kvspec fuzz``)."""
+    from kvspec.spec.stream import INVARIANTS as STREAM
+
+    predicate = INVARIANTS.get(invariant) or STREAM.get(invariant)
     doc = predicate.__doc__ if predicate is not None else EXPLANATIONS.get(invariant, "")
     return " ".join((doc or "").split())
 
@@ -47,6 +50,11 @@ class Finding:
     """Where that event is in its file (its index + 1 for an in-process stream)."""
     arose_after: int | None = None
     """Checking every k decisions: the line of the last check that passed before it."""
+    error_type: str | None = None
+    """``EngineError``: the exception's type."""
+    frames: tuple[str, ...] = ()
+    """``EngineError``: the innermost frames of the engine's code, ``file:line in function``,
+    innermost last."""
 
     @property
     def explanation(self) -> str:
