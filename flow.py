@@ -22,7 +22,7 @@ Each function imports what it uses when it is called, so that a command loads on
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ from kvspec.spec import Config
 if TYPE_CHECKING:
     from hypothesis.database import ExampleDatabase
 
+    from kvspec.conformance.adapter import Factory
     from kvspec.conformance.fuzz import CellResult
     from kvspec.conformance.report import Report
     from kvspec.conformance.verdicts import CellError
@@ -71,32 +72,17 @@ def fuzz(
     target: str | None = None,
     database: ExampleDatabase | None = None,
     shrink: bool = True,
+    bounded: bool = False,
 ) -> tuple[CellResult, str]:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
     result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
     ``database``: Hypothesis's example database; ``shrink=False`` reports the first
-    counterexample as found (``fuzz.run_cell``)."""
-    from kvspec.conformance.adapter import load_factory, probe, reference
-    from kvspec.conformance.fuzz import DataChoices, run_cell
+    counterexample as found; ``bounded``: ``seconds`` bounds shrinking too and a hung engine
+    call is a finding (``fuzz.run_cell``)."""
+    from kvspec.conformance.fuzz import run_cell
 
-    factory, judging = reference, "strict"
-    if target:
-        factory = load_factory(target)
-        config = Config(
-            num_blocks=8,
-            block_size=4,
-            depth=cell.depth or (2 if cell.overlaps else 1),
-            policy=cell.policy,
-            discipline=cell.discipline,
-            preemption=cell.preemption,
-            stop_token=0,
-            async_scheduling=cell.async_scheduling,
-            stale_output=cell.stale_output,
-            prefix_caching=cell.prefix_caching,
-        )
-        adapter = probe(factory, config, DataChoices(), target, cell.loads)
-        judging = getattr(adapter, "judging", "strict")
+    factory, judging = probe_target(cell, target)
     result = run_cell(
         cell.policy,
         cell.discipline,
@@ -112,8 +98,35 @@ def fuzz(
         prefix_caching=cell.prefix_caching,
         database=database,
         shrink=shrink,
+        bounded=bounded,
     )
     return result, judging
+
+
+def probe_target(cell: Cell, target: str | None) -> tuple[Factory, str]:
+    """The engine ``fuzz`` drives (the reference engine, or ``target``'s factory, built once on
+    a small config and checked against the protocol: ``ValueError`` when it is not an adapter)
+    and how its traces are judged (strict or observed), known before any fuzzing."""
+    from kvspec.conformance.adapter import load_factory, probe, reference
+    from kvspec.conformance.fuzz import DataChoices
+
+    if not target:
+        return reference, "strict"
+    factory = load_factory(target)
+    config = Config(
+        num_blocks=8,
+        block_size=4,
+        depth=cell.depth or (2 if cell.overlaps else 1),
+        policy=cell.policy,
+        discipline=cell.discipline,
+        preemption=cell.preemption,
+        stop_token=0,
+        async_scheduling=cell.async_scheduling,
+        stale_output=cell.stale_output,
+        prefix_caching=cell.prefix_caching,
+    )
+    adapter = probe(factory, config, DataChoices(), target, cell.loads)
+    return factory, getattr(adapter, "judging", "strict")
 
 
 def simulate(
@@ -161,7 +174,7 @@ def check(paths: list[str], check_every: int = 1, engine: str = "fast") -> Itera
     from kvspec.conformance.check import check_file
 
     for path in paths:
-        yield check_file(path, check_every, engine)
+        yield _read_as_file(path, lambda real: check_file(real, check_every, engine))
 
 
 def check_kv_events(
@@ -172,7 +185,20 @@ def check_kv_events(
     from kvspec.conformance.kvevents.stream_judge import check_capture
 
     for path in paths:
-        yield check_capture(path, invariants, capacity)
+        yield _read_as_file(path, lambda real: check_capture(real, invariants, capacity))
+
+
+def _read_as_file(path: str, judge: Callable[[str], Report]) -> Report:
+    """``judge``'s report of ``path``, a file or a stream (``-``, a pipe: read through a
+    temporary copy, ``conformance/inputs.py``), named as the user named it."""
+    from kvspec.conformance.inputs import name_of, relabel, seekable
+    from kvspec.conformance.report import Report
+
+    try:
+        with seekable(path) as real:
+            return relabel(judge(real), real, path)
+    except (OSError, ValueError) as err:
+        return Report(name_of(path), 2, error=str(err))
 
 
 def replay(path: str | Path, options: Options) -> tuple[Config, Result]:

@@ -116,7 +116,7 @@ def rows(results: list[CellResult | CellError]) -> list[tuple[str, ...]]:
         out.append(
             (
                 *cell,
-                "FAILS" if failure else "holds",
+                verdict(r),
                 failure.finding.invariant if failure else "-",
                 str(len(failure.program)) if failure else "-",
                 f"{r.seconds_to_failure:.1f}" if r.seconds_to_failure is not None else "-",
@@ -124,6 +124,14 @@ def rows(results: list[CellResult | CellError]) -> list[tuple[str, ...]]:
             )
         )
     return out
+
+
+def verdict(result: CellResult) -> str:
+    """``FAILS`` (a counterexample), ``holds`` (runs, none found) or ``undecided`` (no example
+    ran in the budget: nothing was checked, which is not "holds")."""
+    if result.failure is not None:
+        return "FAILS"
+    return "holds" if result.runs else "undecided"
 
 
 HEADERS = (
@@ -149,6 +157,8 @@ def print_table(
     for header in HEADERS:
         table.add_column(header)
     for row in rows(results):
-        style = {"FAILS": "red", "ERROR": "bold magenta"}.get(row[4], "green")
+        style = {"FAILS": "red", "ERROR": "bold magenta", "undecided": "yellow"}.get(
+            row[4], "green"
+        )
         table.add_row(*row, style=style)
     (echo or Console(width=180).print)(table)

@@ -1,0 +1,137 @@
+"""A deadline over an engine under test: ``kvspec fuzz --seconds`` holds even when a third-party
+engine's call never returns.
+
+The fuzzer calls an engine's ``step()``, ``add_request()``, ... in the main thread. A call that
+never returns would otherwise keep ``kvspec fuzz`` running, silent, until killed. ``Watchdog`` is
+armed over the whole command's budget: the fuzzer marks each engine call (``calling``); at the
+deadline plus ``GRACE`` a ``SIGALRM`` is delivered to the main thread, and if an engine call is
+under way, its handler raises ``EngineHung`` there, carrying the engine's stack at that moment
+(the frames of the interrupted call). That is a finding about the engine (exit 1, as an engine
+that raises is): the run so far is reported as its counterexample, not shrunk (each try would
+hang again), and written with ``--out``. ``EngineHung`` is a ``KeyboardInterrupt``, the one
+exception Hypothesis passes through without recording, replaying or shrinking it.
+
+A call blocked where Python's signal handlers cannot run (inside C code that never returns to the
+interpreter) is caught by a thread instead, ``HARD_GRACE`` later: it prints the finding and every
+thread's stack on stderr and ends the process with exit 1 (an engine call under way) or 4 (none:
+kvspec itself is stuck, an internal error). Where ``signal.setitimer`` is missing (Windows) or
+the fuzzer runs outside the main thread, only that thread watches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from types import FrameType
+
+GRACE = 2.0
+"""Seconds past the budget before an engine call under way is reported as hung."""
+
+HARD_GRACE = 5.0
+"""Seconds past that before the thread ends a process whose handler could not run."""
+
+STACK_FRAMES = 12
+"""The innermost frames of the hung call shown."""
+
+
+class EngineHung(KeyboardInterrupt):
+    """An engine call that did not return within the budget (a finding, exit 1)."""
+
+    def __init__(self, call: str, seconds: float, stack: str) -> None:
+        super().__init__(f"{call} did not return within {seconds:.1f} s")
+        self.call, self.seconds, self.stack = call, seconds, stack
+
+    @property
+    def message(self) -> str:
+        return f"{self.args[0]}; the engine's stack then:\n{self.stack}"
+
+
+class Watchdog:
+    """The deadline ``deadline`` (``time.monotonic``) over the engine calls marked ``calling``."""
+
+    def __init__(self, deadline: float, grace: float = GRACE, hard_grace: float = HARD_GRACE):
+        self.deadline, self.grace, self.hard_grace = deadline, grace, hard_grace
+        self.calling: str | None = None
+        """What engine call is under way (set by the fuzzer around each), or None."""
+        self.started = time.monotonic()
+
+    def _hung(self, signum: int, frame: FrameType | None) -> None:
+        call = self.calling
+        if call is None:  # kvspec's own work ran late (the fuzzer's own checks end it): look
+            signal.setitimer(signal.ITIMER_REAL, 0.2)  # again soon, for an engine call after it
+            return
+        stack = _engine_stack(frame) if frame else ""
+        raise EngineHung(call, time.monotonic() - self.started, stack)
+
+    def _hard_stop(self) -> None:
+        call = self.calling
+        what = f"the engine's {call}" if call else "kvspec"
+        sys.stderr.write(
+            f"kvspec fuzz: {what} did not return within "
+            f"{time.monotonic() - self.started:.1f} s and could not be interrupted; "
+            "every thread's stack:\n"
+        )
+        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(1 if call else 4)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[Watchdog]:
+        """The deadline in force inside: the alarm (main thread, where it exists) and the
+        thread; both disarmed at the end."""
+        left = max(0.01, self.deadline - time.monotonic())
+        use_alarm = hasattr(signal, "setitimer") and (
+            threading.current_thread() is threading.main_thread()
+        )
+        previous = None
+        if use_alarm:
+            previous = signal.signal(signal.SIGALRM, self._hung)
+            signal.setitimer(signal.ITIMER_REAL, left + self.grace)
+        hard = threading.Timer(left + self.grace + self.hard_grace, self._hard_stop)
+        hard.daemon = True
+        hard.start()
+        try:
+            yield self
+        finally:
+            hard.cancel()
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+
+
+def _engine_stack(frame: FrameType) -> str:
+    """The stack of the interrupted call from the engine's first frame on (the frames under the
+    fuzzer's ``_run``), at most ``STACK_FRAMES`` of the innermost."""
+    frames = traceback.extract_stack(frame)
+    calls = [i for i, f in enumerate(frames) if f.name in ("_run", "setup") and
+             f.filename.endswith(os.path.join("conformance", "fuzz.py"))]  # fmt: skip
+    engine = frames[calls[-1] + 1 :] if calls else frames
+    return "".join(traceback.format_list(engine[-STACK_FRAMES:])).rstrip()
+
+
+ACTIVE: Watchdog | None = None
+"""The watchdog of the fuzzing under way in this process, or None (no deadline)."""
+
+
+@contextlib.contextmanager
+def watching(deadline: float | None) -> Iterator[Watchdog | None]:
+    """``ACTIVE`` set to a ``Watchdog`` armed over ``deadline`` inside (nothing when None)."""
+    global ACTIVE
+    if deadline is None:
+        yield None
+        return
+    dog = Watchdog(deadline)
+    ACTIVE = dog
+    try:
+        with dog.armed():
+            yield dog
+    finally:
+        ACTIVE = None
