@@ -81,6 +81,8 @@ building; removed again when this run made them, so that ``pip install .`` leave
 it was (the wheel is already written elsewhere by then)."""
 
 made_here = [ROOT / name for name in BUILD_OUTPUTS if not (ROOT / name).exists()]
+if "editable_wheel" in sys.argv:  # an editable install (make venv) keeps its metadata as before
+    made_here = []
 try:
     setup(ext_modules=ext_modules(), cmdclass={"build_py": BuildPy})
 finally:
