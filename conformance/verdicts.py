@@ -37,6 +37,15 @@ CELLS: tuple[tuple[str, str, bool, bool, str | None], ...] = (
 """(discipline, preemption, KV-load failures, async scheduling, stale output; None: drawn). The
 fourth cell adds requests whose prompt sits in an external KV store, and loads that fail."""
 
+QUICK_CELLS = CELLS[:4]
+"""``kvspec demo`` without ``--full``: the synchronous cells (the ones ``kvspec prove`` also
+decides, and kv-load failures), so that the table takes under two minutes on two cores; the
+async cells are ``--full``'s."""
+
+QUICK_SECONDS, FULL_SECONDS = 10.0, 12.0
+"""Fuzzing seconds per cell of the quick and the full table (every seeded bug of the quick
+cells is found well within 10 s: README's table, "1st failure s")."""
+
 
 @dataclass
 class CellError:
@@ -55,14 +64,18 @@ class CellError:
 
 
 def all_cells(
-    seconds: float, seed_value: int = 0, policies: tuple[str, ...] = POLICIES, workers: int = 0
+    seconds: float,
+    seed_value: int = 0,
+    policies: tuple[str, ...] = POLICIES,
+    workers: int = 0,
+    cells: tuple[tuple[str, str, bool, bool, str | None], ...] = CELLS,
 ) -> Iterator[CellResult | CellError]:
-    """Fuzz every cell for ``seconds`` each, ``workers`` processes at once (0: one per core);
-    results come in table order."""
+    """Fuzz every cell (of ``cells``, for each policy) for ``seconds`` each, ``workers``
+    processes at once (0: one per core); results come in table order."""
     jobs = [
         (policy, discipline, preemption, loads, overlap, stale, seconds, seed_value)
         for policy in policies
-        for discipline, preemption, loads, overlap, stale in CELLS
+        for discipline, preemption, loads, overlap, stale in cells
     ]
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         yield from pool.map(_run, jobs)

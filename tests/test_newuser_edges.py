@@ -162,3 +162,11 @@ def test_a_huge_line_is_priced_against_the_memory_budget(tmp_path: Path, zombie:
         assert done.returncode == 2 and one_line(done.stderr), done.stderr
         assert done.stderr.startswith(f"{path}:2:") and "--max-memory" in done.stderr
     assert run(["check", str(path), "--max-memory", "512M"]).returncode == 0
+
+
+def test_demo_shows_the_synchronous_cells_and_full_shows_all() -> None:
+    quick = run(["demo", "--seconds", "0.001"])
+    full = run(["demo", "--seconds", "0.001", "--full"])
+    assert "20 cells in" in quick.stdout and "kvspec demo --full" in quick.stdout, quick.stdout
+    assert "45 cells in" in full.stdout and "async, deliver" in full.stdout, full.stdout
+    assert "async" not in quick.stdout.split("kvspec verdicts")[1].split("cells in")[0]
