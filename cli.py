@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=60.0,
         help="time budget of the whole command, searching and shrinking (a counterexample "
-        "found late is shrunk less); an engine call still running 2 s past it is reported as "
-        "hung, with its stack (exit 1)",
+        "found late is shrunk less); an engine call still running 2 s past it (and for 10 s) is "
+        "reported as hung, with its stack (exit 1)",
     )
     fuzz.add_argument(
         "--out",

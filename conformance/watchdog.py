@@ -5,14 +5,16 @@ The fuzzer calls an engine's ``step()``, ``add_request()``, ... in the main thre
 never returns would otherwise keep ``kvspec fuzz`` running, silent, until killed. ``Watchdog`` is
 armed over the whole command's budget: the fuzzer marks each engine call (``calling``); at the
 deadline plus ``GRACE`` a ``SIGALRM`` is delivered to the main thread, and if an engine call is
-under way, its handler raises ``EngineHung`` there, carrying the engine's stack at that moment
+under way and has run for ``HUNG_AFTER`` (else the alarm comes again when it has), its handler
+raises ``EngineHung`` there, carrying the engine's stack at that moment
 (the frames of the interrupted call). That is a finding about the engine (exit 1, as an engine
 that raises is): the run so far is reported as its counterexample, not shrunk (each try would
 hang again), and written with ``--out``. ``EngineHung`` is a ``KeyboardInterrupt``, the one
 exception Hypothesis passes through without recording, replaying or shrinking it.
 
 A call blocked where Python's signal handlers cannot run (inside C code that never returns to the
-interpreter) is caught by a thread instead, ``HARD_GRACE`` later: it prints the finding and every
+interpreter) is caught by a thread instead, ``HARD_GRACE`` later (``STUCK_AFTER`` past the
+deadline when no engine call is under way): it prints the finding and every
 thread's stack on stderr and ends the process with exit 1 (an engine call under way) or 4 (none:
 kvspec itself is stuck, an internal error). Where ``signal.setitimer`` is missing (Windows) or
 the fuzzer runs outside the main thread, only that thread watches.
@@ -34,8 +36,16 @@ from types import FrameType
 GRACE = 2.0
 """Seconds past the budget before an engine call under way is reported as hung."""
 
+HUNG_AFTER = 10.0
+"""The least time a call must have run to be called hung: a slow call that began just before
+the deadline (a large engine built for one example) is given this long."""
+
 HARD_GRACE = 5.0
 """Seconds past that before the thread ends a process whose handler could not run."""
+
+STUCK_AFTER = 120.0
+"""Seconds past the deadline before the thread ends a process stuck outside any engine call
+(kvspec's own work: exit 4)."""
 
 STACK_FRAMES = 12
 """The innermost frames of the hung call shown."""
@@ -58,17 +68,45 @@ class Watchdog:
 
     def __init__(self, deadline: float, grace: float = GRACE, hard_grace: float = HARD_GRACE):
         self.deadline, self.grace, self.hard_grace = deadline, grace, hard_grace
-        self.calling: str | None = None
-        """What engine call is under way (set by the fuzzer around each), or None."""
+        self._calling: str | None = None
+        self.since = time.monotonic()
+        """When the call under way began."""
         self.started = time.monotonic()
+        self.done = threading.Event()
+
+    @property
+    def calling(self) -> str | None:
+        """What engine call is under way (set by the fuzzer around each), or None."""
+        return self._calling
+
+    @calling.setter
+    def calling(self, call: str | None) -> None:
+        if call is not None:
+            self.since = time.monotonic()
+        self._calling = call
 
     def _hung(self, signum: int, frame: FrameType | None) -> None:
-        call = self.calling
+        call, now = self.calling, time.monotonic()
         if call is None:  # kvspec's own work ran late (the fuzzer's own checks end it): look
             signal.setitimer(signal.ITIMER_REAL, 0.2)  # again soon, for an engine call after it
             return
+        if now - self.since < HUNG_AFTER:  # a slow call begun just now: give it its time
+            signal.setitimer(signal.ITIMER_REAL, self.since + HUNG_AFTER - now)
+            return
         stack = _engine_stack(frame) if frame else ""
-        raise EngineHung(call, time.monotonic() - self.started, stack)
+        raise EngineHung(call, now - self.started, stack)
+
+    def _watch(self) -> None:
+        """The thread: ends the process when the alarm could not (``_hard_stop``)."""
+        past = self.deadline + self.grace + self.hard_grace
+        while not self.done.wait(0.5):
+            now = time.monotonic()
+            if now < past:
+                continue
+            if self.calling is not None and now - self.since >= HUNG_AFTER + self.hard_grace:
+                self._hard_stop()
+            if self.calling is None and now >= self.deadline + STUCK_AFTER:
+                self._hard_stop()
 
     def _hard_stop(self) -> None:
         call = self.calling
@@ -95,13 +133,12 @@ class Watchdog:
         if use_alarm:
             previous = signal.signal(signal.SIGALRM, self._hung)
             signal.setitimer(signal.ITIMER_REAL, left + self.grace)
-        hard = threading.Timer(left + self.grace + self.hard_grace, self._hard_stop)
-        hard.daemon = True
+        hard = threading.Thread(target=self._watch, name="kvspec-watchdog", daemon=True)
         hard.start()
         try:
             yield self
         finally:
-            hard.cancel()
+            self.done.set()
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)

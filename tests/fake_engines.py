@@ -131,3 +131,9 @@ def miscounts_then_ctrl_c(config: Config, choices: object) -> MiscountsAfterThre
     if MiscountsAfterThree.FAILED["runs"] >= 3:
         os.kill(os.getpid(), signal.SIGINT)
     return MiscountsAfterThree(config, choices)
+
+
+def slow_factory(config: Config, choices: object) -> ReferenceAdapter:
+    """A factory that takes 3 s per engine (a large engine built per example): slow, not hung."""
+    time.sleep(3)
+    return ReferenceAdapter(config, choices)  # type: ignore[arg-type]

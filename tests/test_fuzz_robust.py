@@ -73,3 +73,11 @@ def test_ctrl_c_before_any_finding_is_still_an_interruption() -> None:
     process.send_signal(2)
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in err, out + err
+
+
+def test_a_slow_engine_call_at_the_deadline_is_not_called_hung() -> None:
+    """Each example builds its engine in 3 s: one is under way when the budget ends. It is given
+    ``HUNG_AFTER`` to return, and the cell holds."""
+    done, took = fuzz("slow_factory", 4)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "EngineHung" not in done.stdout
