@@ -545,12 +545,13 @@ def _fuzz(args: argparse.Namespace) -> int:
     with engine_logs(shown=args.engine_log), _hypothesis_home():
         if args.target:  # imported as python -m would: the current folder first
             load_factory(args.target, from_cwd=True)
-            _, judging = flow.probe_target(cell, args.target)
-            if args.out and args.format == "v0" and judging != "strict":
-                raise ValueError(  # before fuzzing, so that a finding is not lost to it
-                    f"--format v0 has no judging field for this {judging} engine "
-                    f"(--target {args.target}); use --format v1"
-                )
+            if args.out and args.format == "v0":  # (probed again by flow.fuzz: only then)
+                _, judging = flow.probe_target(cell, args.target)
+                if judging != "strict":  # before fuzzing, so that a finding is not lost to it
+                    raise ValueError(
+                        f"--format v0 has no judging field for this {judging} engine "
+                        f"(--target {args.target}); use --format v1"
+                    )
         result, judging = flow.fuzz(
             cell,
             args.seconds,
