@@ -47,6 +47,10 @@ STUCK_AFTER = 120.0
 """Seconds past the deadline before the thread ends a process stuck outside any engine call
 (kvspec's own work: exit 4)."""
 
+MAX_ALARM = 86_400.0
+"""The furthest ahead an alarm is set (``setitimer`` refuses a time past the platform's
+``time_t``: ``--seconds 1e308``); it is set again when it comes early."""
+
 STACK_FRAMES = 12
 """The innermost frames of the hung call shown."""
 
@@ -87,6 +91,9 @@ class Watchdog:
 
     def _hung(self, signum: int, frame: FrameType | None) -> None:
         call, now = self.calling, time.monotonic()
+        if now < self.deadline + self.grace:  # an alarm capped at MAX_ALARM: not yet
+            signal.setitimer(signal.ITIMER_REAL, min(self.deadline + self.grace - now, MAX_ALARM))
+            return
         if call is None:  # kvspec's own work ran late (the fuzzer's own checks end it): look
             signal.setitimer(signal.ITIMER_REAL, 0.2)  # again soon, for an engine call after it
             return
@@ -132,7 +139,7 @@ class Watchdog:
         previous = None
         if use_alarm:
             previous = signal.signal(signal.SIGALRM, self._hung)
-            signal.setitimer(signal.ITIMER_REAL, left + self.grace)
+            signal.setitimer(signal.ITIMER_REAL, min(left + self.grace, MAX_ALARM))
         hard = threading.Thread(target=self._watch, name="kvspec-watchdog", daemon=True)
         hard.start()
         try:

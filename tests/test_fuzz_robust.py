@@ -81,3 +81,15 @@ def test_a_slow_engine_call_at_the_deadline_is_not_called_hung() -> None:
     done, took = fuzz("slow_factory", 4)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "EngineHung" not in done.stdout
+
+
+def test_a_budget_beyond_the_clock_arms_no_impossible_alarm() -> None:
+    """``--seconds 1e308`` is a valid budget: the alarm is set at most ``MAX_ALARM`` ahead
+    (``setitimer`` refuses a time past ``time_t``: exit 4 before)."""
+    from kvspec.conformance.watchdog import watching
+
+    with watching(time.monotonic() + 1e308) as dog:
+        assert dog is not None
+    done = run(["fuzz", "--policy", "eager-unsafe", "--discipline", "general",
+                "--seconds", "1e308"], cwd=TESTS)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
