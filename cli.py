@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib.util
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -62,7 +63,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
             "default" in text
             or "%(default)" in text
             or default is None
-            or default is False
+            or isinstance(default, bool)  # a flag: its help says what it does, not True/False
             or default is argparse.SUPPRESS
             or not action.option_strings
         ):
@@ -93,7 +94,7 @@ def _number(kind: type, low: float = 0.0, high: float | None = None) -> Callable
 
 _positive = _number
 
-MAX_DEPTH = 64
+MAX_DEPTH = budget.MAX_DEPTH
 """The most steps in flight a command takes (engines run 1 to 3; more only costs memory)."""
 
 
@@ -167,6 +168,15 @@ def _depth(args: argparse.Namespace) -> int:
     return int(args.depth or (2 if overlap else 1))
 
 
+def _junit_argument(p: argparse.ArgumentParser, cases: str) -> None:
+    p.add_argument(
+        "--junit",
+        metavar="FILE",
+        type=output_path,
+        help=f"also write a JUnit XML report here for CI ({cases}; a finding is a failure)",
+    )
+
+
 def _format_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
@@ -206,7 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         "first; docs/adapters.md); default: the reference engine",
     )
     fuzz.add_argument(
-        "--seconds", type=_positive(float), default=60.0, help="time budget of the search"
+        "--seconds",
+        type=_positive(float),
+        default=60.0,
+        help="time budget of the whole command, searching and shrinking (a counterexample "
+        "found late is shrunk less); an engine call still running 2 s past it (and for 10 s) is "
+        "reported as hung, with its stack (exit 1)",
     )
     fuzz.add_argument(
         "--out",
@@ -243,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         "first next time, and --seed no longer fixes the run (default: none; Hypothesis's own "
         "files go to the user cache folder)",
     )
+    _junit_argument(fuzz, "one test case for the cell")
     fuzz.add_argument(
         "--engine-log",
         action="store_true",
@@ -257,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     ach.add_argument("target", metavar="MODULE:FACTORY", help="the adapter factory")
     ach.add_argument(
         "--policy",
-        choices=POLICIES + OBSERVED_POLICIES,
+        choices=(*POLICIES, *OBSERVED_POLICIES),
         help="registration policy the adapter is built for (default: the first the factory "
         "does not refuse)",
     )
@@ -374,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="evaluate invariants every K decisions (1: every decision; see docs)",
     )
+    _junit_argument(chk, "one test case per trace")
     chk.add_argument(
         "--engine",
         choices=("fast", "spec"),
@@ -383,12 +400,30 @@ def build_parser() -> argparse.ArgumentParser:
     _common(chk)
     _kv_events_arguments(chk, command("watch", "judge a live KV-event stream over ZMQ"))
 
+    which = command(
+        "which-policy", "judge a trace under every policy and discipline; say which it fits"
+    )
+    which.add_argument("trace", type=_path, metavar="TRACE", help="a trace file (v1, or v0)")
+    _junit_argument(which, "one test case per policy and discipline")
+    _common(which)
+
     _generate_arguments(
         command("generate", "generate text with a Llama model through the reference engine")
     )
 
     demo = command("demo", "fuzz every policy under every discipline; print verdicts")
-    demo.add_argument("--seconds", type=_positive(float), default=12.0, help="budget per cell")
+    demo.add_argument(
+        "--seconds",
+        type=_positive(float),
+        default=None,
+        help="budget per cell (default: 10, with --full 12)",
+    )
+    demo.add_argument(
+        "--full",
+        action="store_true",
+        help="every cell, async scheduling and stale output too (45; default: the 20 "
+        "synchronous ones, under two minutes on two cores)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     _common(demo)
     return parser
@@ -452,7 +487,7 @@ def _crashed(name: str, err: BaseException, words: list[str]) -> int:
 
 
 def _command(function: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    COMMANDS[function.__name__.lstrip("_")] = function
+    COMMANDS[function.__name__.lstrip("_").replace("_", "-")] = function
     return function
 
 
@@ -481,6 +516,20 @@ def _write(
     judging: str = "strict",
 ) -> int:
     return flow.write(args.out, config, events, 1 if args.format == "v1" else 0, judging)
+
+
+def _database_folder(path: str) -> str:
+    """``--db DIR``: a folder that exists or can be made, and that kvspec can write (Hypothesis's
+    database would otherwise drop every example it cannot save, silently); ValueError if not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--db {path}: not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--db {path}: cannot make the folder: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--db {path}: the folder is not writable")
+    return path
 
 
 @contextlib.contextmanager
@@ -520,7 +569,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     if args.db:
         from hypothesis.database import DirectoryBasedExampleDatabase
 
-        database = DirectoryBasedExampleDatabase(args.db)
+        database = DirectoryBasedExampleDatabase(_database_folder(args.db))
     cell = flow.Cell(
         args.policy,
         args.discipline,
@@ -534,6 +583,13 @@ def _fuzz(args: argparse.Namespace) -> int:
     with engine_logs(shown=args.engine_log), _hypothesis_home():
         if args.target:  # imported as python -m would: the current folder first
             load_factory(args.target, from_cwd=True)
+            if args.out and args.format == "v0":  # (probed again by flow.fuzz: only then)
+                _, judging = flow.probe_target(cell, args.target)
+                if judging != "strict":  # before fuzzing, so that a finding is not lost to it
+                    raise ValueError(
+                        f"--format v0 has no judging field for this {judging} engine "
+                        f"(--target {args.target}); use --format v1"
+                    )
         result, judging = flow.fuzz(
             cell,
             args.seconds,
@@ -543,17 +599,19 @@ def _fuzz(args: argparse.Namespace) -> int:
             database,
             args.shrink,
             args.check_protocol,
+            bounded=True,
         )
     timing = ", async" if args.async_scheduling else ""
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""
     timing += "" if args.prefix_caching else ", no prefix caching"
     name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
     if result.failure is None and result.runs == 0:
-        print(
+        text = (
             f"nothing checked for {name} in {result.seconds:.1f} s: no example ran (the time "
             "budget is too small, or the engine refused every configuration drawn)"
         )
-        return UNDECIDED
+        print(text)
+        return _fuzz_junit(args, name, result.seconds, "undecided", text, UNDECIDED)
     if result.failure is None:
         print(
             f"no counterexample for {name} in "
@@ -561,17 +619,20 @@ def _fuzz(args: argparse.Namespace) -> int:
             f"{result.lost_hits_per_1000_steps:.1f} lost hits per 1,000 steps"
         )
         _fuzz_depth(result)
-        return HOLDS
+        return _fuzz_junit(args, name, result.seconds, "holds", "", HOLDS)
     failure = result.failure
-    print(f"counterexample found after {result.seconds_to_failure:.1f} s, shrunk:")
-    print(
-        format_counterexample(failure.program, failure.finding, failure.config, failure.consequence)
+    text = f"counterexample found after {result.seconds_to_failure:.1f} s, {_shrunk(result, args)}:"
+    text += "\n" + format_counterexample(
+        failure.program, failure.finding, failure.config, failure.consequence
     )
     hint = observed_hint(
         failure.config, failure.events, failure.finding, judging, failure.snapshots
     )
     if hint is not None:
-        print(hint + (f" FILE (e.g. {args.out})" if args.out else " FILE (write it with --out)"))
+        text += "\n" + hint
+        text += f" FILE (e.g. {args.out})" if args.out else " FILE (write it with --out)"
+    print(text)
+    _fuzz_junit(args, name, result.seconds, "finding", text, FINDING)
     if args.out:
         finding = failure.finding
         shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
@@ -603,6 +664,30 @@ def _fuzz_trace_events(out: str, failure: object, events: list, judging: str) ->
     print(f"wrote its timeline to {path} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
+def _fuzz_junit(
+    args: argparse.Namespace, name: str, seconds: float, outcome: str, text: str, code: int
+) -> int:
+    """``--junit``: the cell as one test case; ``code``, or 2 when the file cannot be written
+    (a finding stays 1)."""
+    if not args.junit:
+        return code
+    from kvspec.conformance.junit import fuzz_suite, write_junit
+
+    suite = fuzz_suite(f"kvspec fuzz {name}", seconds, outcome, text)
+    return _write_late(code, lambda: write_junit(args.junit, [suite]), args.junit, "kvspec fuzz")
+
+
+def _shrunk(result: CellResult, args: argparse.Namespace) -> str:
+    """How far the counterexample printed was shrunk (``CellResult.stopped``)."""
+    if result.stopped == "hung":
+        return "not shrunk (an engine call hung: each try would hang again)"
+    if result.stopped == "budget":
+        return f"shrinking stopped at the --seconds {args.seconds:g} budget (the shortest so far)"
+    if result.stopped == "interrupted":
+        return "shrinking interrupted (the shortest so far)"
+    return "shrunk" if args.shrink else "not shrunk (--no-shrink)"
+
+
 def _fuzz_depth(result: CellResult) -> None:
     """Two lines after a fuzzing verdict: how deep the runs went and what they reached."""
     steps = sorted(result.steps_per_run)
@@ -626,7 +711,6 @@ def _adapter_check(args: argparse.Namespace) -> int:
     return HOLDS
 
 
-COMMANDS["adapter-check"] = COMMANDS.pop("adapter_check")
 
 
 @_command
@@ -773,6 +857,13 @@ def _check(args: argparse.Namespace) -> int:
         raise ValueError(f"--trace-events takes one TRACE, got {len(args.traces)}")
     if args.witness and (len(args.traces) != 1 or args.kv_events):
         raise ValueError(f"--witness takes one TRACE and no --kv-events, got {len(args.traces)}")
+    outputs = {
+        "--html": args.html,
+        "--witness": args.witness,
+        "--junit": args.junit,
+        "--trace-events": args.trace_events,
+    }
+    _inputs_kept(args.traces + args.kv_events, outputs)
     reports = list(flow.check(args.traces, args.check_every, args.engine, args.observed))
     reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
     for report in reports:
@@ -786,6 +877,15 @@ def _check(args: argparse.Namespace) -> int:
         for report in reports:
             if report.exit_code != 2:
                 print(report.text())
+    if args.junit:
+        from kvspec.conformance.junit import check_suite, write_junit
+
+        code = _write_late(
+            code,
+            lambda: write_junit(args.junit, [check_suite(reports)]),
+            args.junit,
+            "kvspec check",
+        )
     if args.html:
         from kvspec.conformance.html import write_html
         from kvspec.conformance.trace_events import of_file
@@ -812,6 +912,21 @@ def _check(args: argparse.Namespace) -> int:
         if report.exit_code == 1:
             print(extend_file(report.path, report.invariant, report.line, args.witness))
     return code
+
+
+def _inputs_kept(inputs: list[str], outputs: dict[str, str | None]) -> None:
+    """ValueError (exit 2, before any work) for an output that would overwrite an input, and for
+    ``--witness`` of a stream (it reads its TRACE again)."""
+    from kvspec.conformance.inputs import STDIN, is_stream, same_file
+
+    if inputs.count(STDIN) > 1:
+        raise ValueError("standard input (-) can be read once: name it once")
+    for option, output in outputs.items():
+        for path in inputs if output else ():
+            if same_file(path, output):  # type: ignore[arg-type]
+                raise ValueError(f"{option} {output} would overwrite the input {path}")
+    if outputs.get("--witness") and inputs and is_stream(inputs[0]):
+        raise ValueError("--witness reads its TRACE again: give a file, not a stream")
 
 
 def _kv_events_arguments(chk: argparse.ArgumentParser, watch: argparse.ArgumentParser) -> None:
@@ -878,29 +993,67 @@ def _watch(args: argparse.Namespace) -> int:
 @_command
 def _demo(args: argparse.Namespace) -> int:
     """0 with the table; 4 when a cell's fuzzing raised (its traceback in the crash report)."""
-    from kvspec.conformance.verdicts import CellError, print_table, scheduling
+    from kvspec.conformance.verdicts import CellError, print_table, scheduling, verdict
 
     results = []
     errors: list[CellError] = []
     started = time.monotonic()
+    from kvspec.conformance.verdicts import FULL_SECONDS, QUICK_SECONDS
+
+    if args.seconds is None:
+        args.seconds = FULL_SECONDS if args.full else QUICK_SECONDS
     with _hypothesis_home():
-        for result in flow.demo(args.seconds, args.seed):
+        for result in flow.demo(args.seconds, args.seed, args.full):
             if isinstance(result, CellError):
-                verdict = "ERROR"
+                shown = "ERROR"
                 errors.append(result)
             else:
-                verdict = "FAILS" if result.failure else "holds"
+                shown = verdict(result)
             loads = "kv-load failures" if result.loads else "preempt/abort"
             timing = scheduling(result.async_scheduling, result.stale_output)
             print(
                 f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
-                f"{timing:20s} {verdict}"
+                f"{timing:20s} {shown}"
             )
             results.append(result)
     print_table(results)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
+    if not args.full:
+        print("the async scheduling and stale-output cells: kvspec demo --full")
     if errors:
         raise CellsFailed(errors)
+    empty = sum(1 for r in results if verdict(r) == "undecided")
+    if empty:
+        print(f"{empty} cell(s) undecided: no example ran in {args.seconds:g} s (raise --seconds)")
+        return UNDECIDED
+    return HOLDS
+
+
+@_command
+def _which_policy(args: argparse.Namespace) -> int:
+    """0 the trace conforms to some (policy, discipline), 1 to none, 2 unreadable."""
+    from kvspec.conformance.inputs import seekable
+    from kvspec.conformance.which import which_policy
+
+    _inputs_kept([args.trace], {"--junit": args.junit})
+    with seekable(args.trace) as real:
+        cells, unreadable = which_policy(real)
+    if unreadable is not None:
+        sys.stderr.write(f"{unreadable.error}\n")
+        return BAD_INPUT
+    width = max(len(c.policy) for c in cells)
+    for cell in cells:
+        mark = "  (declared)" if cell.declared else ""
+        print(f"  {cell.policy:{width}s}  {cell.discipline:8s}  {cell.verdict()}{mark}")
+    fits = [f"{c.policy} ({c.discipline})" for c in cells if c.holds]
+    if args.junit:
+        from kvspec.conformance.junit import which_suite, write_junit
+
+        write_junit(args.junit, [which_suite(args.trace, cells)])
+    if not fits:
+        print(f"{args.trace}: conforms to no policy and discipline (each finding above)")
+        return FINDING
+    print(f"{args.trace}: conforms to {', '.join(fits)}")
     return HOLDS
 
 

@@ -23,7 +23,7 @@ Each function imports what it uses when it is called, so that a command loads on
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +33,7 @@ from kvspec.spec import Config
 if TYPE_CHECKING:
     from hypothesis.database import ExampleDatabase
 
+    from kvspec.conformance.adapter import Factory
     from kvspec.conformance.fuzz import CellResult
     from kvspec.conformance.report import Report
     from kvspec.conformance.verdicts import CellError
@@ -73,36 +74,20 @@ def fuzz(
     database: ExampleDatabase | None = None,
     shrink: bool = True,
     check_protocol: bool = False,
+    bounded: bool = False,
 ) -> tuple[CellResult, str]:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
     result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
     ``database``: Hypothesis's example database; ``shrink=False`` reports the first
-    counterexample as found (``fuzz.run_cell``). A ``target``'s adapter is checked against the
-    protocol first (``protocol.check_adapter``: its mistakes are bad input, ``ProtocolError``);
-    ``check_protocol``: also every call of every run."""
-    from kvspec.conformance.adapter import load_factory, probe, reference
-    from kvspec.conformance.fuzz import DataChoices, run_cell
-    from kvspec.conformance.protocol import check_adapter, checking
+    counterexample as found; ``bounded``: ``seconds`` bounds shrinking too and a hung engine
+    call is a finding (``fuzz.run_cell``). A ``target``'s adapter is checked against the
+    protocol first (``probe_target``: its mistakes are bad input, ``ProtocolError``, never a
+    finding); ``check_protocol``: also every call of every run."""
+    from kvspec.conformance.fuzz import run_cell
+    from kvspec.conformance.protocol import checking
 
-    factory, judging = reference, "strict"
-    if target:
-        factory = load_factory(target)
-        config = Config(
-            num_blocks=8,
-            block_size=4,
-            depth=cell.depth or (2 if cell.overlaps else 1),
-            policy=cell.policy,
-            discipline=cell.discipline,
-            preemption=cell.preemption,
-            stop_token=0,
-            async_scheduling=cell.async_scheduling,
-            stale_output=cell.stale_output,
-            prefix_caching=cell.prefix_caching,
-        )
-        adapter = probe(factory, config, DataChoices(), target, cell.loads)
-        judging = getattr(adapter, "judging", "strict")
-        check_adapter(factory, config, target)
+    factory, judging = probe_target(cell, target, seconds)
     if check_protocol:
         factory = checking(factory)
     result = run_cell(
@@ -120,8 +105,41 @@ def fuzz(
         prefix_caching=cell.prefix_caching,
         database=database,
         shrink=shrink,
+        bounded=bounded,
     )
     return result, judging
+
+
+PROTOCOL_CHECK_SECONDS = 10.0
+"""The most a ``--target``'s protocol check before fuzzing may take (bounded further by the
+budget): an engine call that does not return is left to the fuzzing's watchdog, which reports it
+with the engine's stack."""
+
+
+def probe_target(
+    cell: Cell, target: str | None, seconds: float | None = None
+) -> tuple[Factory, str]:
+    """The engine ``fuzz`` drives (the reference engine, or ``target``'s factory, built once on
+    a small config: ``ValueError`` when it is not an adapter) and how its traces are judged
+    (strict or observed), known before any fuzzing. With ``seconds`` (the fuzzing's budget) the
+    adapter is also checked against the protocol (``protocol.check_adapter``), within
+    ``PROTOCOL_CHECK_SECONDS`` and the budget."""
+    from kvspec.conformance import watchdog
+    from kvspec.conformance.adapter import load_factory, probe, reference
+    from kvspec.conformance.fuzz import DataChoices
+    from kvspec.conformance.protocol import check_adapter
+
+    if not target:
+        return reference, "strict"
+    factory = load_factory(target)
+    adapter = probe(factory, _probe_config(cell), DataChoices(), target, cell.loads)
+    if seconds is not None:  # before fuzzing: the protocol (bad input, never a finding)
+        try:
+            with watchdog.time_limit(min(seconds, PROTOCOL_CHECK_SECONDS)):
+                check_adapter(factory, _probe_config(cell), target)
+        except watchdog.OutOfTime:
+            pass  # an engine call that does not return: the fuzzing reports it, with its stack
+    return factory, getattr(adapter, "judging", "strict")
 
 
 def simulate(
@@ -174,11 +192,11 @@ def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
     cell."""
     from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.protocol import ProtocolError, check_adapter
-    from kvspec.spec.state import OBSERVED_POLICIES, POLICIES
+    from kvspec.spec import OBSERVED_POLICIES, POLICIES
 
     factory = load_factory(target, from_cwd=True)
     refused = ""
-    for name in (policy,) if policy else POLICIES + OBSERVED_POLICIES:
+    for name in (policy,) if policy else (*POLICIES, *OBSERVED_POLICIES):
         for discipline, depth in itertools.product(("vllm", "general"), (1, 2)):
             cell = Cell(name, discipline, depth=depth)
             try:
@@ -217,7 +235,9 @@ def check(
     from kvspec.conformance.check import check_file
 
     for path in paths:
-        yield check_file(path, check_every, engine, observed=observed)
+        yield _read_as_file(
+            path, lambda real: check_file(real, check_every, engine, observed=observed)
+        )
 
 
 def check_kv_events(
@@ -228,7 +248,20 @@ def check_kv_events(
     from kvspec.conformance.kvevents.stream_judge import check_capture
 
     for path in paths:
-        yield check_capture(path, invariants, capacity)
+        yield _read_as_file(path, lambda real: check_capture(real, invariants, capacity))
+
+
+def _read_as_file(path: str, judge: Callable[[str], Report]) -> Report:
+    """``judge``'s report of ``path``, a file or a stream (``-``, a pipe: read through a
+    temporary copy, ``conformance/inputs.py``), named as the user named it."""
+    from kvspec.conformance.inputs import name_of, relabel, seekable
+    from kvspec.conformance.report import Report
+
+    try:
+        with seekable(path) as real:
+            return relabel(judge(real), real, path)
+    except (OSError, ValueError) as err:
+        return Report(name_of(path), 2, error=str(err))
 
 
 def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
@@ -268,9 +301,10 @@ def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
     return config, run(plan, config.num_blocks, config.block_size, options)
 
 
-def demo(seconds: float, seed: int = 0) -> Iterator[CellResult | CellError]:
-    """Every cell of the verdict table fuzzed for ``seconds`` each (``conformance/verdicts.py``);
-    a ``CellError`` for a cell whose fuzzing raised (an internal error, not a verdict)."""
-    from kvspec.conformance.verdicts import all_cells
+def demo(seconds: float, seed: int = 0, full: bool = True) -> Iterator[CellResult | CellError]:
+    """Every cell of the verdict table (``full``; else its synchronous cells, ``QUICK_CELLS``)
+    fuzzed for ``seconds`` each (``conformance/verdicts.py``); a ``CellError`` for a cell whose
+    fuzzing raised (an internal error, not a verdict)."""
+    from kvspec.conformance.verdicts import CELLS, QUICK_CELLS, all_cells
 
-    yield from all_cells(seconds, seed)
+    yield from all_cells(seconds, seed, cells=CELLS if full else QUICK_CELLS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -94,4 +95,16 @@ def ext_modules() -> list[object]:
     return list(extensions)
 
 
-setup(packages=packages(), ext_modules=ext_modules(), cmdclass={"build_py": BuildPy})
+BUILD_OUTPUTS = ("build", "kvspec.egg-info")
+"""What setuptools (and the mypyc copies, ``build/kvspec-mypyc``) write into the checkout while
+building; removed again when this run made them, so that ``pip install .`` leaves the checkout as
+it was (the wheel is already written elsewhere by then)."""
+
+made_here = [ROOT / name for name in BUILD_OUTPUTS if not (ROOT / name).exists()]
+if "editable_wheel" in sys.argv:  # an editable install (make venv) keeps its metadata as before
+    made_here = []
+try:
+    setup(packages=packages(), ext_modules=ext_modules(), cmdclass={"build_py": BuildPy})
+finally:
+    for output in made_here:
+        shutil.rmtree(output, ignore_errors=True)

@@ -42,6 +42,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -507,9 +508,9 @@ def judge_trace(data: bytes, path: Path, tally: Tally) -> None:
 POSITIVE_INT = ("--depth", "--requests", "--blocks", "--block-size", "--heads", "--kv-heads", "--head-dim", "--layers", "--max-tokens", "--check-every", "--bound")  # fmt: skip
 POSITIVE_FLOAT = ("--seconds", "--timeout")
 PROVE_RANGES = {"--blocks": (2, 8), "--requests": (1, 3), "--depth": (1, 3), "--bound": (1, 40)}
-OUTPUTS = ("--out", "--html", "--witness")
+OUTPUTS = ("--out", "--html", "--witness", "--junit")
 REQUIRED = {"fuzz": ("--policy",), "simulate": ("--policy", "--out"), "prove": ("--policy",), "generate": ("--model", "--prompt")}  # fmt: skip
-POSITIONAL = {"check": "traces", "replay": "trace"}
+POSITIONAL = {"check": "traces", "replay": "trace", "which-policy": "trace"}
 
 
 class Slow(BaseException):
@@ -524,7 +525,7 @@ def value_pool(folder: Path, traces: list[Path]) -> dict[str, list[str]]:
         "seconds": ["0.01", "0.2", "nan", "inf", "-1", "0", "1e-9", "x", "", "1e308"],
         "path-out": [good_out, "/nonexistent/x", str(folder), "", str(folder / "sub" / "x")],
         "path-in": [str(t) for t in traces]
-        + ["/nonexistent/t.jsonl", str(folder), "/dev/null", ""],
+        + ["/nonexistent/t.jsonl", str(folder), "/dev/null", "", "-"],
         "size": ["1G", "512M", "64K", "1", "0", "-1G", "lots", "1e3G", "1Y", "1.5"],
         "text": ["", "x", "é", "--", "-1", "a" * 1000],
         "target": [
@@ -534,6 +535,7 @@ def value_pool(folder: Path, traces: list[Path]) -> dict[str, list[str]]:
             "kvspec.conformance.adapter",
             ":",
             "os:getcwd",
+            "sys:exit",
         ],  # fmt: skip
         "model": ["/nonexistent/model", str(folder), str(traces[0])],
     }
@@ -608,7 +610,7 @@ def _options_of(name: str) -> tuple[set[str], set[str]]:
 
 def expect_refused(argv: list[str]) -> str | None:
     """Why the documented constraints refuse ``argv`` (then kvspec must exit 2), else None."""
-    if not argv or argv[0] not in ("fuzz", "simulate", "replay", "prove", "check", "generate", "demo"):  # fmt: skip
+    if not argv or argv[0] not in ("fuzz", "simulate", "replay", "prove", "check", "generate", "demo", "which-policy"):  # fmt: skip
         return None if argv in (["--version"], ["--help"]) else "no command"
     name, rest = argv[0], argv[1:]
     if "--help" in rest:
@@ -706,8 +708,13 @@ def expect_refused(argv: list[str]) -> str | None:
             return "--heads not a multiple of --kv-heads"
         if not os.path.isfile(positional[0]):
             return "no such trace"
-    if name == "check" and any(not os.path.isfile(p) for p in positional):
-        return "no such trace"
+    if name in ("check", "which-policy") and any(not os.path.isfile(p) for p in positional):
+        return "no such trace"  # ("-", standard input: empty here, so refused too)
+    if name == "which-policy" and len(positional) != 1:
+        return "which-policy takes one trace"
+    inputs = {os.path.realpath(p) for p in positional if p != "-"}
+    if any(os.path.realpath(pairs[o]) in inputs for o in OUTPUTS if pairs.get(o)):
+        return "an output would overwrite an input"
     return None
 
 
@@ -734,8 +741,8 @@ def judge_command(argv: list[str], folder: Path, tally: Tally, limit: float) -> 
         code, out, err = _in_process(argv, folder, limit)
     else:
         code, out, err = _subprocess(argv, folder, limit)
-    for leftover in folder.glob("out.jsonl*"):
-        leftover.unlink()
+    for leftover in folder.glob("out.jsonl*"):  # (a folder: made by --db)
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     if code is None:
         tally.slow += 1
         return
@@ -783,6 +790,7 @@ def _subprocess(argv: list[str], folder: Path, limit: float) -> tuple[int | None
         stderr=subprocess.PIPE,
         text=True,
         errors="replace",
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
     ) as proc:
         try:

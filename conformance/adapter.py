@@ -165,8 +165,8 @@ def probe(
         adapter = factory(config, choices)
     except ValueError as err:  # the documented refusal
         raise ValueError(f"--target {target}: {err}") from None
-    except Exception as err:  # a factory that does not follow the protocol
-        message = " ".join(str(err).split())
+    except (Exception, SystemExit) as err:  # a factory that does not follow the protocol
+        message = " ".join(str(err).split())  # (one that exits is bad input, never "holds")
         raise ValueError(
             f"--target {target}: the factory failed: {type(err).__name__}: {message}"
         ) from None

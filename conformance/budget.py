@@ -30,6 +30,10 @@ from pathlib import Path
 
 ENV = "KVSPEC_MAX_MEMORY"
 
+MAX_DEPTH = 64
+"""The most steps in flight a command or a trace header may claim (engines run 1 to 3; more
+only costs memory): ``kvspec fuzz --depth``, ``simulate``, ``generate`` and a header's depth."""
+
 # -- prices (bytes), measured with tracemalloc and rounded up by about half ----------------------
 
 SPEC_JUDGE_PER_BLOCK = 1_400
@@ -45,6 +49,9 @@ CHECKPOINT_MIN_BYTES = 100_000 * 15
 READ_WHOLE_PER_BYTE = 16
 """Events read whole into tuples (a v0 event file, ``kvspec replay``): 5 to 9 times the file's
 bytes measured, up to about 16 for lines of short integers."""
+LINE_PER_BYTE = 26
+"""A trace line decoded and judged (a prompt of a million tokens on one line): 9 times the
+line's bytes on the fast path, 17 on the spec judge's, measured with short integers."""
 SPEC_STATE_PER_BLOCK = 400
 """The spec's own state (``replay``'s plan, ``simulate``'s engine): a block record and a free
 queue slot."""
@@ -142,6 +149,16 @@ def check_header(num_blocks: int, path: str | Path) -> None:
     except OSError:
         size = None
     require(judge_need(num_blocks, size), f"judging {num_blocks:,} blocks", f"{path}:1")
+
+
+def line_cap() -> int:
+    """The longest trace line the budget can decode and judge (``LINE_PER_BYTE``)."""
+    return max(1, limit() // LINE_PER_BYTE)
+
+
+def line_over(length: int, where: str) -> OverBudget:
+    """The refusal of a line of ``length`` bytes (longer than ``line_cap``)."""
+    return OverBudget(where, f"a line of {length:,} bytes", length * LINE_PER_BYTE, limit())
 
 
 def check_read_whole(path: str | Path, what: str = "reading it whole") -> None:

@@ -95,6 +95,7 @@ from hypothesis.stateful import (
 
 from kvspec.spec import STALE_OUTPUTS, Config
 
+from . import watchdog
 from .adapter import Factory, reference
 from .fuzz_coverage import Coverage, RunCoverage
 from .judge import Finding, Judge
@@ -181,6 +182,10 @@ value of the action choice whose kind is not replaced when it can do nothing (``
 ``redirect``), so that the shrinker can still lower any action to a step that does nothing on an
 idle engine (not even recorded), rather than to an arrival that would stay in the
 counterexample."""
+
+
+class TargetExited(ValueError):
+    """The engine's factory raised ``SystemExit`` while a run was set up: bad input (exit 2)."""
 
 
 class CounterexampleFound(AssertionError):
@@ -302,6 +307,9 @@ class Tally:
     """``named_invariant`` of the first failing run: a later run that names another is not a
     failure of the one being shrunk."""
     """Workload steps of the first failing run, before shrinking."""
+    best: Failure | None = None
+    """The failing run with the fewest workload steps so far (what is reported when shrinking
+    is cut short: the budget, Ctrl-C)."""
     started: float = field(default_factory=time.monotonic)
     steps_per_run: list[int] = field(default_factory=list)
     """Engine steps (commits) of each run, in order."""
@@ -422,10 +430,18 @@ def lockstep_machine(
             )
             mix = MIXES[draw(0, len(MIXES) - 1)]
             self.choices = DataChoices()
+            dog = watchdog.ACTIVE
             try:
+                if dog is not None:
+                    dog.calling = "factory"
                 self.engine = factory(Config(**common), self.choices)
             except ValueError:  # a geometry or depth this engine does not run: not a finding
                 reject()
+            except SystemExit as err:  # a factory that exits: bad input, never "holds"
+                raise TargetExited(f"the factory exited (SystemExit({err.code!r}))") from None
+            finally:
+                if dog is not None:
+                    dog.calling = None
             self.config = self.engine.config
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
@@ -533,9 +549,19 @@ def lockstep_machine(
             if not hasattr(self, "judge") or discipline != "vllm":
                 return
             self.choices.use(draw)
-            self._run("the engine runs until it is idle", self._until_idle, idle=0)
+            steps = self._run("the engine runs until it is idle", self._until_idle, idle=0)
             self.choices.use(None)
             self.idle = True
+            if steps == RUN_OUT_STEPS:  # liveness: nothing new arrives, it must become idle
+                live = self.engine.live_requests()
+                self._raise_if(
+                    Finding(
+                        "EngineNeverIdle",
+                        f"the engine still had work after {RUN_OUT_STEPS} steps with no new "
+                        f"request ({len(live)} live: {live[:8]})",
+                        self.judge.events_seen,
+                    )
+                )
 
         def _until_idle(self) -> int:
             steps = 0
@@ -582,15 +608,27 @@ def lockstep_machine(
             recorded."""
             events = self.engine.events
             start = len(events)
+            dog = watchdog.ACTIVE
             try:
+                if dog is not None:
+                    dog.calling = action
                 result = call()
-            except Exception as err:  # an engine that crashes is a finding, not a fuzzer crash
+            except watchdog.EngineHung as hung:  # a finding, reported unshrunk (watchdog.py)
+                self.program.append((action, events[start:]))
+                where = self.judge.events_seen if hasattr(self, "judge") else 0
+                self._record(Finding("EngineHung", hung.message, where), drain=False)
+                raise
+            except (Exception, SystemExit) as err:  # an engine that crashes (or exits) is a
+                # finding, not a fuzzer crash
                 emitted = events[start:]
                 self.program.append((action, emitted))
                 # what it emitted before the exception is judged first: an earlier violation
                 # is the finding, not masked by the crash it may have caused
                 self._raise_if(self.judge.feed_all(emitted))
                 self._raise_if(engine_error(err, self.judge.events_seen))
+            finally:
+                if dog is not None:
+                    dog.calling = None
             if len(events) == start:
                 if result is not idle:
                     self.program.append((action, []))
@@ -604,11 +642,17 @@ def lockstep_machine(
         def _raise_if(self, finding: Finding | None) -> None:
             if finding is None:
                 return
+            self._record(finding)
+            raise CounterexampleFound(finding)
+
+        def _record(self, finding: Finding, drain: bool = True) -> None:
+            """The run so far as the cell's failure (and ``tally.best``, the fewest steps yet)."""
             if tally.first_failure_at is None:
                 tally.first_failure_at = time.monotonic() - tally.started
                 tally.first_failure_length = len(self.program)
             program = list(self.program)
-            self._drain()
+            if drain:
+                self._drain()
             events = list(self.engine.events)
             consequence = consequence_of(finding, self.config, events, self.snapshots)
             named = named_invariant(finding, consequence)
@@ -619,7 +663,8 @@ def lockstep_machine(
             tally.failure = Failure(
                 finding, self.config, program, events, consequence, list(self.snapshots)
             )
-            raise CounterexampleFound(finding)
+            if tally.best is None or len(program) <= len(tally.best.program):
+                tally.best = tally.failure
 
         def _drain(self) -> None:
             """Run the engine on (with its default choices) until idle, so that the event file
@@ -687,8 +732,9 @@ class BudgetSpent(KeyboardInterrupt):
     """Raised by ``lockstep_test`` before an example once ``spent()`` says so, ending the batch
     (``run_cell`` catches it). A ``KeyboardInterrupt``: the one exception Hypothesis lets through
     without recording the example (an example that stopped drawing where an earlier one went on
-    would be reported as flaky data generation) and without reporting or shrinking it. Never
-    raised once a failure has been found (its shrinking runs to the end)."""
+    would be reported as flaky data generation) and without reporting or shrinking it. Once a
+    failure has been found, raised only under ``run_cell(bounded=True)`` (otherwise its shrinking
+    runs to the end)."""
 
 
 def lockstep_test(
@@ -788,6 +834,10 @@ class CellResult:
     """Engine steps (commits) of each run."""
     coverage: Coverage = field(default_factory=Coverage)
     """The rare situations the runs reached (``fuzz_coverage.py``)."""
+    stopped: str | None = None
+    """Why the failure is not shrunk to the end, when it is not: ``"hung"`` (an engine call
+    did not return, ``watchdog.py``), ``"budget"`` (shrinking reached the budget),
+    ``"interrupted"`` (Ctrl-C)."""
 
     @property
     def lost_hits_per_1000_steps(self) -> float:
@@ -823,6 +873,7 @@ def run_cell(
     database: ExampleDatabase | None = None,
     shrink: bool = True,
     engine: str = "fast",
+    bounded: bool = False,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
     or ``seconds`` run out.
@@ -835,6 +886,12 @@ def run_cell(
     ends, before its next example, once ``seconds`` are spent (``BudgetSpent``; never while a
     failure is shrunk), so the budget holds whatever ``chunk`` is. ``engine``: how the runs are
     judged (``run_judge``). Each Hypothesis setting, and why: docs/fuzzing.md.
+
+    ``bounded`` (``kvspec fuzz``): ``seconds`` bounds the whole cell, shrinking included (cut
+    short, the failing run with the fewest steps so far is reported, ``stopped``), and every
+    engine call is watched (``watchdog.py``: a call still under way ``GRACE`` seconds past the
+    budget is an ``EngineHung`` finding, unshrunk). Ctrl-C while a failure is being shrunk
+    reports the best one so far the same way; before any, it propagates.
 
     The batches run one test function, re-seeded (``seed`` sets an attribute of the function),
     not one built per batch: building it hashes the machine's source (Hypothesis's database key),
@@ -869,19 +926,30 @@ def run_cell(
     digest = repr((machine.__name__, sorted(invariants or ()), engine)).encode()
 
     def spent() -> bool:
-        return tally.first_failure_at is None and time.monotonic() - tally.started >= seconds
+        searching = tally.first_failure_at is None
+        return (searching or bounded) and time.monotonic() - tally.started >= seconds
 
     test = lockstep_test(machine, config, digest, spent)
-    while not spent():
-        if database is None:  # Hypothesis uses no database under an explicit seed
-            test = seed(seed_value * 1_000_003 + batch)(test)
-        batch += 1
-        try:
-            test()
-        except (CounterexampleFound, Unsatisfiable, BudgetSpent):
-            break
-        except AdapterMistake as err:  # --check-protocol: bad input, not a counterexample
-            raise ProtocolError(str(err)) from None
+    stopped = None
+    with watchdog.watching(tally.started + seconds if bounded else None):
+        while not spent():
+            if database is None:  # Hypothesis uses no database under an explicit seed
+                test = seed(seed_value * 1_000_003 + batch)(test)
+            batch += 1
+            try:
+                test()
+            except (CounterexampleFound, Unsatisfiable):
+                break
+            except AdapterMistake as err:  # --check-protocol: bad input, not a counterexample
+                raise ProtocolError(str(err)) from None
+            except KeyboardInterrupt as stop:  # BudgetSpent, EngineHung, Ctrl-C
+                if tally.failure is not None:
+                    stopped = _stopped(stop)
+                    if stopped != "hung":
+                        tally.failure = tally.best
+                elif not isinstance(stop, BudgetSpent):
+                    raise
+                break
     return CellResult(
         policy,
         discipline,
@@ -899,4 +967,12 @@ def run_cell(
         stale_output,
         tally.steps_per_run,
         tally.coverage,
+        stopped,
     )
+
+
+def _stopped(stop: KeyboardInterrupt) -> str:
+    """``CellResult.stopped`` for what ended the batch while a failure was being shrunk."""
+    if isinstance(stop, watchdog.EngineHung):
+        return "hung"
+    return "budget" if isinstance(stop, BudgetSpent) else "interrupted"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -243,6 +244,7 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     for name in ("depth", "token_budget", "max_running", "spec_tokens"):
         if name in model and not _is_int(model[name]):
             raise bad(f'"model.{name}" must be an integer, got {json_type(model[name])}')
+    _depth_claim(model.get("depth"), "model.depth", bad)
     judging = header.get("judging", "strict")
     if judging not in JUDGING:
         raise bad(f'"judging" must be one of {", ".join(JUDGING)}, got {judging!r}')
@@ -256,6 +258,12 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
         return Config(header["num_blocks"], header["block_size"], **model), judging
     except (ValueError, TypeError) as err:
         raise bad(f"bad model: {err}") from None
+
+
+def _depth_claim(depth: object, name: str, bad: Callable[[str], TraceError]) -> None:
+    """A header's steps in flight, within what ``kvspec fuzz --depth`` takes (``budget.MAX_DEPTH``)."""
+    if _is_int(depth) and depth > budget.MAX_DEPTH:  # type: ignore[operator]  (< 1: Config's)
+        raise bad(f'"{name}" must be 1..{budget.MAX_DEPTH} (as kvspec fuzz --depth), got {depth}')
 
 
 def _claim(num_blocks: int, path: str | Path) -> None:
@@ -326,6 +334,7 @@ def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
                 want += " or null"
         if not fits:
             raise bad(f'"config.{name}" must be {want}, got {json_type(value)}')
+    _depth_claim(config.get("depth"), "config.depth", bad)
     if config.get("policy") in OBSERVED_POLICIES:
         raise bad(
             f"policy {config['policy']} is judged observed, which only a v1 trace can declare "
@@ -480,9 +489,14 @@ class Trace:
         self.path = path
         self.file = open(path, "rb")  # noqa: SIM115 -- closed by close() or the context
         try:
-            first = self.file.readline()
+            self.line_cap = budget.line_cap()
+            """The longest line the memory budget can decode (``budget.LINE_PER_BYTE``)."""
+            first = self.file.readline(self.line_cap + 1)
             if not first:
                 raise TraceError(path, 1, "empty file")
+            self._line_fits(first, 1)
+            self.capped = os.fstat(self.file.fileno()).st_size > self.line_cap
+            """Whether a line of this file could be over ``line_cap`` (read line by line then)."""
             header = _header_object(first, path)
             self.version = 0 if header.get("format") == V0_FORMAT else VERSION
             read = _v0_header if self.version == 0 else _v1_header
@@ -501,15 +515,34 @@ class Trace:
         """The fast decoder's parts (``fastread.parts``), for a loop that decodes lines itself
         (``lines`` and ``slow``); None: every line goes to ``slow``."""
 
+    def _line_fits(self, raw: bytes, number: int) -> None:
+        """``TraceError`` at line ``number`` when ``raw`` is longer than the budget can judge."""
+        if len(raw) > self.line_cap:
+            length, part = len(raw), raw
+            while part and not part.endswith(b"\n"):  # the line's length, for the advice
+                part = self.file.readline(1 << 20)
+                length += len(part)
+            reason = budget.line_over(length, "").reason
+            raise TraceError(self.path, number, f"decoding it: {reason}")
+
+    def _capped_lines(self, number: int) -> Iterator[bytes]:
+        """The file's lines from line ``number`` + 1, each read at most ``line_cap`` + 1 bytes
+        and refused beyond (``_line_fits``): a file larger than the cap, line by line."""
+        readline, cap = self.file.readline, self.line_cap + 1
+        while raw := readline(cap):
+            number += 1
+            self._line_fits(raw, number)
+            yield raw
+
     def lines(self, start: int = 2) -> Iterator[bytes]:
         """The raw lines from line ``start`` on (earlier lines skipped unread), for a loop that
         decodes them itself as ``events`` does: with ``parts``, and ``slow`` for any line the
         fast decoder refuses (or every line, without ``parts``)."""
         f = self.file
         f.seek(0)
-        for _ in itertools.islice(f, start - 1):
+        for _ in itertools.islice(self._capped_lines(0) if self.capped else f, start - 1):
             pass
-        return f
+        return self._capped_lines(start - 1) if self.capped else f
 
     def slow(self, raw: bytes, number: int) -> tuple[Event, str | None]:
         """Line ``number`` by ``parse_line`` (or a v0 line's reader): the event, or
@@ -527,9 +560,9 @@ class Trace:
         decode, refused, line = self._decode, self._refused, self._line
         f.seek(0)
         number = start - 1
-        for _ in itertools.islice(f, start - 1):
+        for _ in itertools.islice(self._capped_lines(0) if self.capped else f, start - 1):
             pass
-        for raw in f:
+        for raw in self._capped_lines(number) if self.capped else f:
             number += 1
             try:
                 got = decode(raw)

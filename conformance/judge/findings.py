@@ -1,7 +1,7 @@
 """Findings: what a judge found, as data, and what each kind of finding guards against.
 
 A ``Finding`` names an invariant (or ``Disagreement``, ``Illegal``, ``HashChainConsistent``,
-``EngineError``), the event at which it was found, the blocks and requests it is about and a
+``EngineError``, ``EngineHung``, ``EngineNeverIdle``), the event at which it was found, the blocks and requests it is about and a
 sentence; reports (``conformance/report.py``) render it, never parse it.
 """
 
@@ -15,6 +15,10 @@ HASH_CHAIN = "HashChainConsistent"
 EXPLANATIONS = {
     "Disagreement": "The engine and the spec disagree on an observable: a bug in one of them.",
     "EngineError": "The engine raised an exception on an input the workload may send.",
+    "EngineHung": "An engine call did not return within the time budget (kvspec fuzz --seconds, "
+    "conformance/watchdog.py): a deadlock or an endless loop the workload can reach.",
+    "EngineNeverIdle": "With no new request, an engine must finish its work and become idle "
+    "(step() returns False); this one kept working, a livelock the workload can reach.",
     "Illegal": "The engine took a decision that no action of the spec allows in this state.",
     "TablesAppendOnly": "While a request stays running its table only grows at its end: a block "
     "it has computed into is never swapped for another under it.",

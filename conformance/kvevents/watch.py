@@ -209,6 +209,26 @@ def summary_table(judge: StreamJudge, endpoint: str, sub: Subscriber) -> Any:
     return table
 
 
+def check_endpoint(endpoint: str, what: str = "ENDPOINT") -> None:
+    """``ValueError`` (exit 2, one line) for an endpoint that cannot be connected to: not
+    ``tcp://``, ``ipc://`` or ``inproc://``; a TCP port outside 1..65535; a host that does not
+    resolve. (ZMQ connects in the background and would wait for such an endpoint forever.)"""
+    import socket
+
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"{what} {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT)")
+    if not endpoint.startswith("tcp://"):
+        return
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} {endpoint!r}: expected tcp://HOST:PORT with a port 1..65535")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"{what} {endpoint!r}: host {host!r} does not resolve ({err})") from None
+
+
 def watch(
     endpoint: str,
     replay: str | None = None,
@@ -226,8 +246,9 @@ def watch(
     from rich.console import Console
     from rich.live import Live
 
-    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT)")
+    check_endpoint(endpoint)
+    if replay:
+        check_endpoint(replay, "--replay")
     judge = StreamJudge(invariants, capacity)
     writer = CaptureWriter(capture, endpoint, replay) if capture else None
     try:
