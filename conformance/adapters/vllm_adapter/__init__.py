@@ -70,12 +70,18 @@ can be unhashed, so a free never holds two.
 
 from __future__ import annotations
 
-from kvspec.reference.choices import Choices
-from kvspec.spec import Config
+import os
 
-from .attach import Attachment, Refusal, attach, config_of
-from .loop import VOCAB, VllmAdapter
-from .pool_attach import PoolAttachment, attach_pool
+# vLLM resolves its platform at the first import that asks for it (this package's first import
+# of vLLM): a CPU one here, whatever the wheel was built for (build.py, cpu_platform.py).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from kvspec.reference.choices import Choices  # noqa: E402
+from kvspec.spec import Config  # noqa: E402
+
+from .attach import Attachment, Refusal, attach, config_of  # noqa: E402
+from .loop import VOCAB, VllmAdapter  # noqa: E402
+from .pool_attach import PoolAttachment, attach_pool  # noqa: E402
 
 __all__ = [
     "MAX_DEPTH",
