@@ -148,3 +148,13 @@ def test_vllm_names_per_release_and_new_features_refused(venv: Path) -> None:
     done = _run(venv, *argv, "tests/test_vllm_versions.py")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "script", ["vllm_duplicate_block_stored.py", "vllm_async_chunked_prefill_zombie.py"]
+)
+def test_the_findings_reproduce_on_every_release(venv: Path, script: str) -> None:
+    """``docs/findings``' standalone reproducers, on vLLM's own objects: exit 1, the behaviour
+    seen (both still in 0.34.0)."""
+    done = _run(venv, f"docs/findings/{script}")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
