@@ -1,7 +1,9 @@
-"""vLLM 0.33.0's real ``Scheduler``/``AsyncScheduler``, ``KVCacheManager`` and ``BlockPool``
+"""vLLM's real ``Scheduler``/``AsyncScheduler``, ``KVCacheManager`` and ``BlockPool``
 through the adapter protocol (``kvspec fuzz --target kvspec.conformance.adapters.vllm_adapter:factory``).
 
-Importable only where vLLM 0.33.0 is installed (``make thirdparty`` builds ``.venv-vllm``). Nothing
+Importable only where vLLM is installed: 0.33.0 or 0.34.0 (``make thirdparty`` builds
+``.venv-vllm`` and ``.venv-vllm-0.34.0``; ``versions.py`` names what each release calls the
+non-public names read here, ``cpu_platform.py`` builds 0.34.0's configs on a CPU). Nothing
 of vLLM is reimplemented here: the adapter builds vLLM's own objects (one KV-cache group, full
 attention, prefix caching on, chunked prefill), plays the engine core's loop and the model runner
 (one sampled token per request whose chunk reached the end of its tokens, the token drawn by
@@ -108,7 +110,7 @@ MAX_DEPTH = 4
 def supported(config: Config) -> str | None:
     """Why vLLM cannot run this cell, or None."""
     if config.policy != "eager-unsafe":
-        return f"vLLM 0.33.0 registers eagerly and never rolls back: policy eager-unsafe, not {config.policy}"
+        return f"vLLM (0.33.0, 0.34.0) registers eagerly and never rolls back: policy eager-unsafe, not {config.policy}"
     if config.discipline != "vllm":
         return f"vLLM's scheduler is the vllm discipline, not {config.discipline}"
     if config.depth > MAX_DEPTH:

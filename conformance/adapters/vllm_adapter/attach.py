@@ -1201,7 +1201,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
     ``AsyncScheduler``) and what becomes of stale output (dropped where ``requires_kv_delivery``,
     else delivered), whether frees wait for the steps in flight (``defer_block_free``) and
     asynchronous loads too (``defer_async_loads``, which vLLM sets only beside it); vLLM
-    0.33.0 registers eagerly."""
+    0.33.0 and 0.34.0 register eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
     asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
     return Config(
