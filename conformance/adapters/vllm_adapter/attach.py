@@ -966,7 +966,7 @@ class Attachment:
             loaded, extra = slots or (0, 0)
             if admission:
                 self._safe(self._admission_room, request)
-                if read(self.scheduler, "aux_output_connector") is not None:
+                if self._safe(read, self.scheduler, "aux_output_connector") is not None:
                     self._safe(self._bounded_hit, request, hits)
                 for check in (skipped_read, lora_skips):
                     for feature in self._safe(check, self.scheduler, request) or ():
