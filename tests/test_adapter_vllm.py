@@ -158,3 +158,19 @@ def test_the_findings_reproduce_on_every_release(venv: Path, script: str) -> Non
     seen (both still in 0.34.0)."""
     done = _run(venv, f"docs/findings/{script}")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_suite_runner_refuses_another_releases_tests(venv: Path, tmp_path: Path) -> None:
+    """``thirdparty/vllm_suite.py run`` judges a release's tests on that release only: a suite
+    folder marked with another version, or ``--version`` naming another, is bad input (exit 2,
+    one line), before pytest starts."""
+    suite = tmp_path / "suite"
+    (suite / "tests" / "v1" / "core").mkdir(parents=True)
+    (suite / "VERSION").write_text("0.0.1\n")
+    done = _run(venv, "thirdparty/vllm_suite.py", "run", "--suite", str(suite))
+    assert done.returncode == 2, done.stderr
+    assert "holds vLLM 0.0.1's tests, not 0." in done.stderr, done.stderr
+    done = _run(
+        venv, "thirdparty/vllm_suite.py", "run", "--suite", str(suite), "--version", "0.0.1"
+    )
+    assert done.returncode == 2 and "but this environment has vLLM 0." in done.stderr, done.stderr
