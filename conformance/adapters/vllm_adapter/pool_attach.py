@@ -45,7 +45,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from .attach import Refusal, guarded
 from .methods import Method, Wrappers
-from .versions import MissingName, cached_block_ids, evict_first, read
+from .versions import MissingName, cached_block_ids, evict_first, max_cache_hit_length, read
 
 Event = tuple[object, ...]
 
@@ -238,9 +238,9 @@ class PoolAttachment:
 
     def _lookup(self, request: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
         manager = self.manager
-        cap = kw.get("max_cache_hit_length", args[0] if args else None)
-        if cap is None:
-            cap = request.num_tokens - 1
+        cap = max_cache_hit_length(
+            request, kw.get("max_cache_hit_length", args[0] if args else None)
+        )
         block_size = manager.coordinator.single_type_managers[0].block_size
         keys: tuple[int, ...] = ()
         if manager.prefix_cache_lookup_enabled(request):

@@ -217,6 +217,16 @@ def prefix_read_limit(request: Any) -> int | None:
     return None if limit is None else int(limit)
 
 
+def max_cache_hit_length(request: Any, bound: int | None) -> int:
+    """The longest prefix-cache hit ``KVCacheManager.get_computed_blocks(request, bound)``
+    looks for: 0.33.0 takes ``bound`` as given, else the request's tokens but the last; 0.34.0
+    tightens that by the request's ``prefix_cache_hit_limit`` too."""
+    if installed().prefix_read == "skip_reading_prefix_cache":
+        return int(request.num_tokens - 1 if bound is None else bound)
+    limits = (request.num_tokens - 1, prefix_read_limit(request), bound)
+    return int(min(limit for limit in limits if limit is not None))
+
+
 def admission_window(scheduler: Any) -> int:
     """Cache-aware admission's window (0: off, and always so before 0.34.0)."""
     if not installed().admission_window:
@@ -250,6 +260,7 @@ __all__ = [
     "evict_first",
     "inflight_kv_loads",
     "installed",
+    "max_cache_hit_length",
     "output_index",
     "prefix_read_limit",
     "read",
