@@ -44,13 +44,19 @@ $(FASTMODEL): $(STAMP) $(FAST_SOURCES)
 
 # Third-party engines, each in its own virtual environment (their pins conflict with ours and
 # with each other); tests/test_adapter_*.py run their adapters when these exist, skip otherwise.
-# vLLM 0.33.0 on a CPU machine: --no-deps (its requirements pull CUDA builds), then the
-# pure-Python modules its scheduler imports (thirdparty/vllm-requirements.txt), over our CPU
-# torch. kvspec goes in editable with --no-deps and only what `kvspec fuzz` needs at run time
-# (thirdparty/kvspec-runtime.txt), so that .venv-*/bin/kvspec runs the adapters; pip then warns
-# about the requirements --no-deps left out, which is expected.
-VLLM_VENV  := .venv-vllm
+# vLLM on a CPU machine, one environment per supported release (VLLM_VERSIONS; the adapter's
+# names per release: conformance/adapters/vllm_adapter/versions.py): --no-deps (its requirements
+# pull CUDA builds), then the pure-Python modules its scheduler imports
+# (thirdparty/vllm-requirements.txt), over our CPU torch. kvspec goes in editable with --no-deps
+# and only what `kvspec fuzz` needs at run time (thirdparty/kvspec-runtime.txt), so that
+# .venv-*/bin/kvspec runs the adapters; pip then warns about the requirements --no-deps left out,
+# which is expected. 0.33.0 lives in .venv-vllm (its path since the first adapter), every other
+# release in .venv-vllm-VERSION. One recipe for all (vllm_rules below), the version its argument.
+VLLM_VERSIONS := 0.33.0 0.34.0
+vllm_venv = $(if $(filter 0.33.0,$(1)),.venv-vllm,.venv-vllm-$(1))
+VLLM_VENV  := $(call vllm_venv,0.33.0)
 VLLM_STAMP := $(VLLM_VENV)/.stamp
+VLLM_STAMPS := $(foreach v,$(VLLM_VERSIONS),$(call vllm_venv,$(v))/.stamp)
 # nano-vllm-fork: its scheduler and block manager need xxhash, numpy and transformers (for the
 # type of its Config), not torch; --no-deps keeps out torch and triton.
 NANO_VENV  := .venv-nano
@@ -61,18 +67,40 @@ NANO_STAMP := $(NANO_VENV)/.stamp
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.stamp
 
-thirdparty: $(VLLM_STAMP) $(NANO_STAMP) $(SGLANG_STAMP)
+thirdparty: $(VLLM_STAMPS) $(NANO_STAMP) $(SGLANG_STAMP)
 
-$(VLLM_STAMP): thirdparty/vllm-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
-	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+# $(1): the vLLM version. Its environment (above), then (`make vllm-suite`) its sdist's tests/ in
+# $(venv)/vllm-$(1) with what they import (thirdparty/vllm-suite-requirements.txt). The import
+# check at the end runs the adapter's version check (versions.py) and its CPU platform
+# (cpu_platform.py: 0.34.0 raises without triton-cpu, which is not on the registry).
+define vllm_rules
+$(call vllm_venv,$(1))/.stamp: thirdparty/vllm-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
+	test -x $(call vllm_venv,$(1))/bin/python || $$(PYTHON) -m venv $(call vllm_venv,$(1))
+	$(call vllm_venv,$(1))/bin/python -m pip install -q $$(FIND_LINKS) -c thirdparty/torch-cpu.txt torch==2.13.0+cpu
+	$(call vllm_venv,$(1))/bin/python -m pip install -q --no-deps vllm==$(1)
+	$(call vllm_venv,$(1))/bin/python -m pip install -q $$(FIND_LINKS) -c thirdparty/torch-cpu.txt \
 		-r thirdparty/vllm-requirements.txt -r thirdparty/kvspec-runtime.txt
-	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
-	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import kvspec.conformance.adapters.vllm_adapter"
-	touch $(VLLM_STAMP)
+	$$(EDITABLE_LOCK) $(call vllm_venv,$(1))/bin/python -m pip install -q --no-deps -e .
+	$(call vllm_venv,$(1))/bin/python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'"
+	VLLM_TARGET_DEVICE=cpu $(call vllm_venv,$(1))/bin/python -c "import kvspec.conformance.adapters.vllm_adapter as a; assert a.versions.installed().version == '$(1)'"
+	touch $$@
+
+$(call vllm_venv,$(1))/vllm-$(1)/.stamp: $(call vllm_venv,$(1))/.stamp thirdparty/vllm-suite-requirements.txt
+	$(call vllm_venv,$(1))/bin/python -m pip install -q $$(FIND_LINKS) -c thirdparty/torch-cpu.txt \
+		-r thirdparty/vllm-suite-requirements.txt
+	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py fetch --version $(1) \
+		--suite $(call vllm_venv,$(1))/vllm-$(1)
+	touch $$@
+
+.PHONY: vllm-suite-$(1) vllm-suite-ci-$(1)
+vllm-suite-$(1): $(call vllm_venv,$(1))/vllm-$(1)/.stamp
+	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py run --suite $(call vllm_venv,$(1))/vllm-$(1) tests/v1/core
+
+vllm-suite-ci-$(1): $(call vllm_venv,$(1))/vllm-$(1)/.stamp
+	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py run --suite $(call vllm_venv,$(1))/vllm-$(1) \
+		--ci --parallel --out $(call vllm_venv,$(1))/vllm-$(1)/run-ci
+endef
+$(foreach v,$(VLLM_VERSIONS),$(eval $(call vllm_rules,$(v))))
 
 $(NANO_STAMP): thirdparty/nano-requirements.txt thirdparty/kvspec-runtime.txt pyproject.toml
 	test -x $(NANO_VENV)/bin/python || $(PYTHON) -m venv $(NANO_VENV)
@@ -94,27 +122,14 @@ $(SGLANG_STAMP): thirdparty/sglang-requirements.txt thirdparty/kvspec-runtime.tx
 	$(SGLANG_VENV)/bin/python -c "import kvspec.conformance.adapters.sglang_adapter"
 	touch $(SGLANG_STAMP)
 
-# vLLM 0.33.0's own tests under kvspec's judge (thirdparty/vllm_suite.py, docs/vllm-suite.md):
-# the sdist's tests/ in $(VLLM_SUITE), what they import (thirdparty/vllm-suite-requirements.txt),
+# vLLM's own tests under kvspec's judge (thirdparty/vllm_suite.py, docs/vllm-suite.md), per
+# release (vllm_rules above: vllm-suite-VERSION, vllm-suite-ci-VERSION): the sdist's tests/,
 # model folders of one config.json each; then tests/v1/core without and with kvspec's pytest
 # plugin, and the table (exit 1 if an outcome differs or a violation is found). vllm-suite-ci:
 # the subset CI runs (test_scheduler.py, test_prefix_caching.py, test_async_scheduler.py), both
-# passes at once.
-VLLM_SUITE       := $(VLLM_VENV)/vllm-0.33.0
-VLLM_SUITE_STAMP := $(VLLM_SUITE)/.stamp
-
-$(VLLM_SUITE_STAMP): $(VLLM_STAMP) thirdparty/vllm-suite-requirements.txt
-	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -c thirdparty/torch-cpu.txt \
-		-r thirdparty/vllm-suite-requirements.txt
-	$(VLLM_VENV)/bin/python thirdparty/vllm_suite.py fetch --suite $(VLLM_SUITE)
-	touch $(VLLM_SUITE_STAMP)
-
-vllm-suite: $(VLLM_SUITE_STAMP)
-	$(VLLM_VENV)/bin/python thirdparty/vllm_suite.py run --suite $(VLLM_SUITE) tests/v1/core
-
-vllm-suite-ci: $(VLLM_SUITE_STAMP)
-	$(VLLM_VENV)/bin/python thirdparty/vllm_suite.py run --suite $(VLLM_SUITE) --ci --parallel \
-		--out $(VLLM_SUITE)/run-ci
+# passes at once, on every release in turn (the two passes already fill CI's two cores).
+vllm-suite: $(foreach v,$(VLLM_VERSIONS),vllm-suite-$(v))
+vllm-suite-ci: $(foreach v,$(VLLM_VERSIONS),vllm-suite-ci-$(v))
 
 # HypoFuzz campaigns over tests/fuzz_targets.py (docs/fuzzing.md): its own venv, since
 # hypofuzz 25.11.1 needs hypothesis 6.148.2. Not part of CI.
@@ -154,5 +169,5 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(NANO_VENV) $(SGLANG_VENV) .venv-hypofuzz build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(foreach v,$(VLLM_VERSIONS),$(call vllm_venv,$(v))) $(NANO_VENV) $(SGLANG_VENV) .venv-hypofuzz build dist *.egg-info .hypothesis .mypy_cache .ruff_cache .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,7 +1,9 @@
-"""vLLM 0.33.0's real scheduler and block pool through the adapter, judged by the spec.
+"""vLLM's real scheduler and block pool through the adapter, judged by the spec, on every
+supported release (0.33.0 and 0.34.0).
 
-These run in ``.venv-vllm`` (``make thirdparty``) as subprocesses, since vLLM's pins conflict with
-ours; without that environment they are skipped with the reason.
+These run in each release's environment (``make thirdparty``; ``tests/vllm_venvs.py``) as
+subprocesses, since vLLM's pins conflict with ours; without one, its cases are skipped with the
+reason.
 """
 
 from __future__ import annotations
@@ -11,20 +13,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from vllm_venvs import VENVS
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv-vllm"
 TARGET = "kvspec.conformance.adapters.vllm_adapter:factory"
 
-pytestmark = pytest.mark.skipif(
-    not (VENV / ".stamp").exists(), reason="no .venv-vllm: run `make thirdparty` to build it"
-)
+pytestmark = pytest.mark.parametrize("venv", VENVS)
 
 
-def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _run(venv: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     return subprocess.run(
-        [str(VENV / "bin" / "python"), *argv],
+        [str(venv / "bin" / "python"), *argv],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -39,7 +39,7 @@ def _cover(line: str) -> dict[str, int]:
     return {name: int(value) for name, value in (c.split("=") for c in counts)}
 
 
-def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
+def test_the_seed_bug_in_vllm_and_clean_workloads(venv: Path) -> None:
     """The shrunk counterexamples, replayed on vLLM's own code: the victim's block was published
     when it was scheduled and stays published after PRIORITY preempts it in the same step, at
     depth 1 and with a batch queue of 2 steps (vLLM without async scheduling). A shared-prefix
@@ -59,7 +59,7 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     ``attach`` derives from vLLM's entry points held to the loop's own record of the engine core's
     decisions: an attachment whose ``commit`` loses its tokens is caught."""
     cases = ("seed", "seed2", "clean", "clean3", "async", "stale", "ahead", "chunked", "decisions")
-    done = _run("tests/thirdparty_checks.py", "vllm", *cases)
+    done = _run(venv, "tests/thirdparty_checks.py", "vllm", *cases)
     assert done.returncode == 0, done.stderr[-2000:]
     seed, seed2, clean, clean3, *rest, ahead, chunked, unchunked, decisions = (
         done.stdout.splitlines()
@@ -95,27 +95,27 @@ def test_the_seed_bug_in_vllm_and_clean_workloads() -> None:
     )
 
 
-def test_kvspec_fuzz_finds_the_seed_bug_in_vllm() -> None:
+def test_kvspec_fuzz_finds_the_seed_bug_in_vllm(venv: Path) -> None:
     argv = ["-m", "kvspec", "fuzz", "--target", TARGET, "--policy", "eager-unsafe"]
     # seeded: where the search finds the bug does not depend on the machine; 600 s bounds a failing run
     argv += ["--preemption", "priority", "--depth", "1", "--seconds", "600", "--seed", "0"]
     argv += [
         "--no-shrink"
     ]  # shrinking rebuilds vLLM per attempt: minutes; tests/ shrink the reference's
-    done = _run(*argv, timeout=900)
+    done = _run(venv, *argv, timeout=900)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "counterexample found" in done.stdout
     assert "NoUnwrittenPublish" in done.stdout or "NoUnwrittenRead" in done.stdout
     assert "preempt r" in done.stdout
 
 
-def test_kvspec_fuzz_on_vllm_defaults() -> None:
+def test_kvspec_fuzz_on_vllm_defaults(venv: Path) -> None:
     """No false alarm: under fcfs vLLM's effects equal the spec's, block ids and free order
     included, with vLLM's defaults at 1 to 3 steps in flight (async scheduling from 2, stale
     output delivered). Under priority, vLLM without async scheduling at depth 2 (a batch queue of
     2) has the seed bug. One process (vLLM takes seconds to import); the command line's path is
     the other test's."""
-    done = _run("tests/thirdparty_checks.py", "vllm", "fuzz")
+    done = _run(venv, "tests/thirdparty_checks.py", "vllm", "fuzz")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line.split() for line in done.stdout.splitlines()]
     cells = [line[:2] for line in lines]
@@ -125,17 +125,52 @@ def test_kvspec_fuzz_on_vllm_defaults() -> None:
     assert lines[3][4] in ("NoUnwrittenPublish", "NoUnwrittenRead"), done.stdout
 
 
-def test_a_cell_vllm_does_not_run_is_refused_in_one_line() -> None:
+def test_a_cell_vllm_does_not_run_is_refused_in_one_line(venv: Path) -> None:
     argv = ["-m", "kvspec", "fuzz", "--target", TARGET, "--policy", "deferred", "--seconds", "1"]
-    done = _run(*argv)
+    done = _run(venv, *argv)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("kvspec fuzz: error: --target")
     assert "eager-unsafe" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_engine_reuse_leaks_nothing_between_examples() -> None:
+def test_engine_reuse_leaks_nothing_between_examples(venv: Path) -> None:
     """``tests/test_vllm_reuse.py`` (engines on kept ``VllmConfig``s equal engines built from
     scratch, action by action), run where vLLM imports."""
-    done = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vllm_reuse.py")
+    done = _run(venv, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vllm_reuse.py")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+def test_vllm_names_per_release_and_new_features_refused(venv: Path) -> None:
+    """``tests/test_vllm_versions.py`` (the names kvspec reads per vLLM release, a missing one
+    refused by name, the CPU platform, 0.34.0's new features refused), run where vLLM imports."""
+    argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:kvspec.pytest_plugin"]
+    done = _run(venv, *argv, "tests/test_vllm_versions.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "script", ["vllm_duplicate_block_stored.py", "vllm_async_chunked_prefill_zombie.py"]
+)
+def test_the_findings_reproduce_on_every_release(venv: Path, script: str) -> None:
+    """``docs/findings``' standalone reproducers, on vLLM's own objects: exit 1, the behaviour
+    seen (both still in 0.34.0)."""
+    done = _run(venv, f"docs/findings/{script}")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_suite_runner_refuses_another_releases_tests(venv: Path, tmp_path: Path) -> None:
+    """``thirdparty/vllm_suite.py run`` judges a release's tests on that release only: a suite
+    folder marked with another version, or ``--version`` naming another, is bad input (exit 2,
+    one line), before pytest starts."""
+    suite = tmp_path / "suite"
+    (suite / "tests" / "v1" / "core").mkdir(parents=True)
+    (suite / "VERSION").write_text("0.0.1\n")
+    done = _run(venv, "thirdparty/vllm_suite.py", "run", "--suite", str(suite))
+    assert done.returncode == 2, done.stderr
+    assert "holds vLLM 0.0.1's tests, not 0." in done.stderr, done.stderr
+    done = _run(
+        venv, "thirdparty/vllm_suite.py", "run", "--suite", str(suite), "--version", "0.0.1"
+    )
+    assert done.returncode == 2 and "but this environment has vLLM 0." in done.stderr, done.stderr

@@ -1,4 +1,4 @@
-"""The streams vLLM 0.33.0's and SGLang 0.5.23's own publishers send over loopback while the
+"""The streams vLLM's (every supported release) and SGLang 0.5.23's own publishers send over loopback while the
 adapters drive them, judged in process against their caches (``tests/kv_stream_checks.py``, run
 in each engine's venv; skipped without it)."""
 
@@ -9,11 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from vllm_venvs import VENVS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(venv: str, *argv: str) -> list[str]:
+def _run(venv: str | Path, *argv: str) -> list[str]:
     python = ROOT / venv / "bin" / "python"
     if not (ROOT / venv / ".stamp").exists():
         pytest.skip(f"no {venv}: run `make thirdparty` to build it")
@@ -30,8 +31,9 @@ def _run(venv: str, *argv: str) -> list[str]:
     return done.stdout.splitlines()
 
 
-def test_vllms_stream_under_every_factory_and_with_planted_faults() -> None:
-    *clean, dropped, duplicate = _run(".venv-vllm", "vllm", "clean", "drop-removal", "duplicate")
+@pytest.mark.parametrize("venv", VENVS)
+def test_vllms_stream_under_every_factory_and_with_planted_faults(venv: Path) -> None:
+    *clean, dropped, duplicate = _run(venv, "vllm", "clean", "drop-removal", "duplicate")
     assert len(clean) == 5, clean
     cells = ("factory depth 1", "factory depth 2", "drop_factory depth 3", "sync_factory depth 2", "async_drop_factory depth 3")  # fmt: skip
     for line, where in zip(clean, cells, strict=True):

@@ -521,6 +521,9 @@ def fuzz_vllm() -> None:
     from kvspec.conformance.adapters import vllm_adapter
     from kvspec.conformance.fuzz import CounterexampleFound, lockstep_machine, run_cell
 
+    # warm-up, not counted: the first example pays for vLLM's lazy imports and first configs,
+    # which on a loaded machine took most of the first cell's 6 s
+    run_cell("eager-unsafe", "vllm", "fcfs", 1, seconds=1, factory=vllm_adapter.factory)
     for depth in (1, 2, 3):
         r = run_cell("eager-unsafe", "vllm", "fcfs", depth, seconds=6, factory=vllm_adapter.factory)
         print("fcfs", depth, r.runs, r.commits, r.failure.finding.invariant if r.failure else None)

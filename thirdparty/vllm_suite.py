@@ -1,11 +1,21 @@
-"""vLLM 0.33.0's own tests under kvspec's judge (``make vllm-suite``, ``make vllm-suite-ci``).
+"""vLLM's own tests under kvspec's judge (``make vllm-suite``, ``make vllm-suite-ci``), for each
+supported release (0.33.0, 0.34.0).
 
-Run with ``.venv-vllm/bin/python`` (standard library only here; pytest and vLLM are that venv's).
+Run with the release's environment's python (``.venv-vllm/bin/python`` for 0.33.0,
+``.venv-vllm-0.34.0/bin/python``; standard library only here; pytest and vLLM are that venv's).
 
-``fetch``: vLLM's sdist has the ``tests/`` its wheel lacks. ``pip download --no-binary :all:
---no-deps vllm==0.33.0`` fetches it and unpacks it, then fails building it (the build needs CUDA
-torch); with ``--no-clean`` and a temporary folder of ours, the unpacked tree stays, and its
-``tests/`` and ``pyproject.toml`` (vLLM's pytest settings) are moved to the suite folder.
+``fetch --version V`` (default: the installed vLLM's): vLLM's sdist has the ``tests/`` its wheel
+lacks. ``pip download --no-binary :all: --no-deps vllm==V`` fetches it and unpacks it, then fails
+building it (the build needs CUDA torch); with ``--no-clean`` and a temporary folder of ours, the
+unpacked tree stays, and its ``tests/`` and ``pyproject.toml`` (vLLM's pytest settings) are moved
+to the suite folder, which records the version (``VERSION``). ``run`` refuses a suite whose
+version is not the installed vLLM's (a release's tests judge that release only).
+
+Both passes load ``kvspec.conformance.adapters.vllm_adapter.cpu_platform`` as a pytest plugin: from
+0.34.0 vLLM's CPU platform refuses to build a ``VllmConfig`` on an x86 CPU without triton-cpu,
+and that module waives the requirement as 0.33.0 did (``docs/adapters.md``, "vLLM on a CPU
+without triton-cpu"); on 0.33.0 it does nothing. The same in both passes, it changes no outcome
+between them.
 
 ``models``: the model folders the tests name, each a small ``config.json`` (no weights, no
 tokenizer: the tests build schedulers and pools, never a model), and ``redirect.json``, which
@@ -35,8 +45,10 @@ import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+from typing import NoReturn
 
-VLLM = "vllm==0.33.0"
+PLATFORM_PLUGIN = "kvspec.conformance.adapters.vllm_adapter.cpu_platform"
+VERSION_FILE = "VERSION"
 
 OPT = {
     "architectures": ["OPTForCausalLM"],
@@ -193,9 +205,40 @@ OUTCOMES = (
 )
 
 
-def fetch(suite: Path) -> None:
+def bad_input(message: str) -> NoReturn:
+    """One line on stderr and exit 2 (kvspec's code for bad input)."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def installed_version() -> str:
+    """The vLLM of this environment (its metadata: vLLM is not imported here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        bad_input(f"vllm_suite: no vLLM in {sys.prefix}: run it with a vLLM environment's python")
+
+
+def suite_version(suite: Path) -> str | None:
+    marker = suite / VERSION_FILE
+    return marker.read_text().strip() if marker.is_file() else None
+
+
+def fetch(suite: Path, version: str) -> None:
     if (suite / "tests" / "v1" / "core").is_dir():
+        have = suite_version(suite)
+        if have is None:  # fetched before suites recorded their version: the folder's name says
+            have = version if suite.name == f"vllm-{version}" else None
+            if have is not None:
+                (suite / VERSION_FILE).write_text(have + "\n")
+        if have != version:
+            bad_input(
+                f"vllm_suite: {suite} holds vLLM {have or 'an unknown version'}'s tests, not {version}'s"
+            )
         return
+    VLLM = f"vllm=={version}"
     suite.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=suite) as tmp:
         env = dict(os.environ, TMPDIR=tmp, PIP_NO_INPUT="1")
@@ -210,6 +253,7 @@ def fetch(suite: Path) -> None:
         source = found[0].parents[2]
         shutil.move(str(source / "tests"), str(suite / "tests"))
         shutil.copy(source / "pyproject.toml", suite / "pyproject.toml")
+        (suite / VERSION_FILE).write_text(version + "\n")
 
 
 def models(suite: Path) -> Path:
@@ -239,7 +283,7 @@ def environment(suite: Path) -> dict[str, str]:
 
 def pytest_argv(paths: list[str], junit: Path, plugin: bool, report: Path) -> list[str]:
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
-    argv += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    argv += [f"--junitxml={junit}", "-o", "junit_family=xunit1", "-p", PLATFORM_PLUGIN]
     if plugin:
         argv += ["-p", "kvspec.pytest_plugin", f"--kvspec-report={report}"]
     else:
@@ -367,6 +411,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="vllm_suite")
     parser.add_argument("command", choices=("fetch", "run"))
     parser.add_argument("--suite", type=Path, required=True, help="the suite folder")
+    parser.add_argument(
+        "--version", help="the vLLM release whose tests to fetch (default: the installed one)"
+    )
     parser.add_argument("--out", type=Path, help="where the run's files go (default SUITE/run)")
     parser.add_argument("--ci", action="store_true", help=f"only {', '.join(CI_TESTS)}")
     parser.add_argument("--parallel", action="store_true", help="both passes at once")
@@ -378,9 +425,16 @@ def main() -> int:
     parser.add_argument("paths", nargs="*", default=["tests/v1/core"])
     args = parser.parse_intermixed_args()
     suite = args.suite.resolve()
-    fetch(suite)
+    installed = installed_version()
     if args.command == "fetch":
+        fetch(suite, args.version or installed)
         return 0
+    if args.version and args.version != installed:
+        bad_input(
+            f"vllm_suite: --version {args.version}, but this environment has vLLM {installed}"
+        )
+    fetch(suite, installed)  # refuses a suite of another release
+
     paths = list(CI_TESTS) if args.ci else args.paths
     bare_from = args.bare_from.resolve() if args.bare_from else None
     return run(suite, paths, (args.out or suite / "run").resolve(), args.parallel, bare_from)

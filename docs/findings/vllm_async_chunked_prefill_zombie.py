@@ -1,6 +1,7 @@
-"""vLLM 0.33.0, async scheduling: a prefill chunk's blocks are published and never written.
+"""vLLM 0.33.0 and 0.34.0, async scheduling: a prefill chunk's blocks are published and never written.
 
-Standalone (vLLM's own objects only; no kvspec import). Run it with vLLM 0.33.0's Python, e.g.
+Standalone (vLLM's own objects only; kvspec only for vLLM 0.34.0's CPU platform where it is
+installed). Run it with vLLM 0.33.0's or 0.34.0's Python, e.g.
 ``.venv-vllm/bin/python docs/findings/vllm_async_chunked_prefill_zombie.py``. Exit 1 when the
 bug shows (a later request hits a block whose K/V no step writes), 0 when it does not, 2 on a bad
 argument. The one optional argument is ``long_prefill_token_threshold`` (default 32); with 0,
@@ -26,6 +27,7 @@ runner is a fake: it returns one sampled token per request whose chunk reaches i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -54,6 +56,23 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+try:  # vLLM 0.34.0 on an x86 CPU without triton-cpu (docs/adapters.md); nothing to do on a GPU
+    from kvspec.conformance.adapters.vllm_adapter import cpu_platform
+
+    cpu_platform.install()
+except ImportError:  # no kvspec here: a GPU machine, or vLLM 0.33.0, needs none
+    pass
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+    """The step's output: vLLM 0.33.0 indexes its rows by ``req_id_to_index``, 0.34.0 by the
+    order of ``req_ids`` (it has no such field)."""
+    fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    index = {r: i for i, r in enumerate(req_ids)}
+    extra = {"req_id_to_index": index} if "req_id_to_index" in fields else {}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
+
 
 BLOCK = 16
 NUM_BLOCKS = 10  # block 0 is vLLM's null block: 9 usable
@@ -179,11 +198,7 @@ class Driver:
             request = self.scheduler.requests.get(rid)
             samples = request is not None and not request.is_prefill_chunk
             sampled.append([7] if samples else [])
-        runner = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        runner = runner_output(req_ids, sampled)
         self.scheduler.update_from_output(output, runner)
         print(f"step {step} executed and processed (wrote blocks {sorted(writes)})")
 

@@ -1,7 +1,7 @@
-"""vLLM 0.33.0: one hash stored twice on the KV-event stream, then removed while still cached.
+"""vLLM 0.33.0 and 0.34.0: one hash stored twice on the KV-event stream, then removed while still cached.
 
 Standalone: only vLLM's own objects (its ``Scheduler``, ``KVCacheManager``, ``BlockPool`` and KV
-events), no kvspec. Run it in an environment with vLLM 0.33.0 (``.venv-vllm``)::
+events); kvspec only for vLLM 0.34.0's CPU platform, where it is installed. Run it in an environment with vLLM 0.33.0 or 0.34.0 (``.venv-vllm``, ``.venv-vllm-0.34.0``)::
 
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python docs/findings/vllm_duplicate_block_stored.py
 
@@ -21,6 +21,7 @@ seen (as it is in 0.33.0), 0 otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -54,6 +55,23 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+try:  # vLLM 0.34.0 on an x86 CPU without triton-cpu (docs/adapters.md); nothing to do on a GPU
+    from kvspec.conformance.adapters.vllm_adapter import cpu_platform
+
+    cpu_platform.install()
+except ImportError:  # no kvspec here: a GPU machine, or vLLM 0.33.0, needs none
+    pass
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+    """The step's output: vLLM 0.33.0 indexes its rows by ``req_id_to_index``, 0.34.0 by the
+    order of ``req_ids`` (it has no such field)."""
+    fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    index = {r: i for i, r in enumerate(req_ids)}
+    extra = {"req_id_to_index": index} if "req_id_to_index" in fields else {}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
+
 
 BLOCK, BLOCKS = 2, 6
 
@@ -139,7 +157,7 @@ def main() -> int:
         while s.has_requests():
             out = s.schedule()
             ids = list(out.num_scheduled_tokens)
-            runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids])  # fmt: skip
+            runner = runner_output(ids, [[7] for _ in ids])
             s.update_from_output(out, runner)
             boundary()
 

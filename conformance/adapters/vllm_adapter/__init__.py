@@ -1,7 +1,9 @@
-"""vLLM 0.33.0's real ``Scheduler``/``AsyncScheduler``, ``KVCacheManager`` and ``BlockPool``
+"""vLLM's real ``Scheduler``/``AsyncScheduler``, ``KVCacheManager`` and ``BlockPool``
 through the adapter protocol (``kvspec fuzz --target kvspec.conformance.adapters.vllm_adapter:factory``).
 
-Importable only where vLLM 0.33.0 is installed (``make thirdparty`` builds ``.venv-vllm``). Nothing
+Importable only where vLLM is installed: 0.33.0 or 0.34.0 (``make thirdparty`` builds
+``.venv-vllm`` and ``.venv-vllm-0.34.0``; ``versions.py`` names what each release calls the
+non-public names read here, ``cpu_platform.py`` builds 0.34.0's configs on a CPU). Nothing
 of vLLM is reimplemented here: the adapter builds vLLM's own objects (one KV-cache group, full
 attention, prefix caching on, chunked prefill), plays the engine core's loop and the model runner
 (one sampled token per request whose chunk reached the end of its tokens, the token drawn by
@@ -70,12 +72,18 @@ can be unhashed, so a free never holds two.
 
 from __future__ import annotations
 
-from kvspec.reference.choices import Choices
-from kvspec.spec import Config
+import os
 
-from .attach import Attachment, Refusal, attach, config_of
-from .loop import VOCAB, VllmAdapter
-from .pool_attach import PoolAttachment, attach_pool
+# vLLM resolves its platform at the first import that asks for it (this package's first import
+# of vLLM): a CPU one here, whatever the wheel was built for (build.py, cpu_platform.py).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from kvspec.reference.choices import Choices  # noqa: E402
+from kvspec.spec import Config  # noqa: E402
+
+from .attach import Attachment, Refusal, attach, config_of  # noqa: E402
+from .loop import VOCAB, VllmAdapter  # noqa: E402
+from .pool_attach import PoolAttachment, attach_pool  # noqa: E402
 
 __all__ = [
     "MAX_DEPTH",
@@ -102,7 +110,7 @@ MAX_DEPTH = 4
 def supported(config: Config) -> str | None:
     """Why vLLM cannot run this cell, or None."""
     if config.policy != "eager-unsafe":
-        return f"vLLM 0.33.0 registers eagerly and never rolls back: policy eager-unsafe, not {config.policy}"
+        return f"vLLM (0.33.0, 0.34.0) registers eagerly and never rolls back: policy eager-unsafe, not {config.policy}"
     if config.discipline != "vllm":
         return f"vLLM's scheduler is the vllm discipline, not {config.discipline}"
     if config.depth > MAX_DEPTH:

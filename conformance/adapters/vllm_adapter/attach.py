@@ -101,6 +101,7 @@ from .features import (
     sliding_window_of,
 )
 from .methods import Method, Wrappers
+from .versions import MissingName, evict_first, output_index, read
 
 Event = tuple[object, ...]
 
@@ -122,6 +123,9 @@ def guarded(owner: Any, fn: Callable[..., Any], *args: Any) -> Any:
     a bug there is recorded and refused as an internal error, never raised into vLLM."""
     try:
         return fn(*args)
+    except MissingName as err:  # a vLLM name kvspec reads moved: refused by name (versions.py)
+        owner.refuse(err.feature, err.detail)
+        return None
     except Exception as err:  # kvspec's bug: the test must not see it
         if owner.error is None:
             owner.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
@@ -250,7 +254,10 @@ class Attachment:
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
         self._wrap()
-        found = scheduler_features(self.scheduler)
+        try:
+            found = scheduler_features(self.scheduler)
+        except MissingName as err:
+            found = [(err.feature, err.detail)]
         if found:
             (feature, detail), others = found[0], tuple(name for name, _ in found[1:])
             self.refuse(feature, detail, at="construction", also=others)
@@ -607,7 +614,7 @@ class Attachment:
         sampled: list[tuple[int, int]] = []
         requests = self.scheduler.requests
         tokens_of = runner.sampled_token_ids or []
-        index = runner.req_id_to_index or {}
+        index = output_index(runner)
         transfers = runner.kv_connector_output
         if transfers is not None:
             if transfers.failed_recving or transfers.invalid_block_ids:
@@ -959,7 +966,7 @@ class Attachment:
             loaded, extra = slots or (0, 0)
             if admission:
                 self._safe(self._admission_room, request)
-                if getattr(self.scheduler, "aux_output_connector", None) is not None:
+                if self._safe(read, self.scheduler, "aux_output_connector") is not None:
                     self._safe(self._bounded_hit, request, hits)
                 for check in (skipped_read, lora_skips):
                     for feature in self._safe(check, self.scheduler, request) or ():
@@ -1129,16 +1136,18 @@ class Attachment:
         return insert
 
     def _free_blocks(self, original: Method) -> Method:
-        def free_blocks(ordered_blocks: Iterable[Any]) -> None:
+        def free_blocks(ordered_blocks: Iterable[Any], *args: Any, **kw: Any) -> None:
             self._inner("free_blocks")
             blocks = list(ordered_blocks)
             self._safe(self._free_features, blocks)
+            if self._safe(evict_first, args, kw):
+                self.refuse("freed cached blocks evicted first", "free_blocks(evict_first=True)")
             freed = [("free", b.block_id) for b in blocks if not b.is_null]
             if self._current is not None and self.config.sliding_window is not None:
                 self._pending += freed  # blocks before the window: effects of the schedule
             else:
                 self.events.extend(freed)
-            original(blocks)
+            original(blocks, *args, **kw)
 
         return free_blocks
 
@@ -1192,7 +1201,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
     ``AsyncScheduler``) and what becomes of stale output (dropped where ``requires_kv_delivery``,
     else delivered), whether frees wait for the steps in flight (``defer_block_free``) and
     asynchronous loads too (``defer_async_loads``, which vLLM sets only beside it); vLLM
-    0.33.0 registers eagerly."""
+    0.33.0 and 0.34.0 register eagerly."""
     priority = scheduler.policy == SchedulingPolicy.PRIORITY
     asynchronous = AsyncScheduler is not None and isinstance(scheduler, AsyncScheduler)
     return Config(
@@ -1208,12 +1217,12 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         async_scheduling=asynchronous,
         stale_output="drop" if scheduler.requires_kv_delivery else "deliver",
         prefix_caching=bool(scheduler.kv_cache_manager.enable_caching),
-        spec_tokens=int(getattr(scheduler, "num_spec_tokens", 0) or 0),
+        spec_tokens=int(read(scheduler, "num_spec_tokens") or 0),
         delay_load_registration=scheduler.connector is not None,
-        defer_free=bool(getattr(scheduler, "defer_block_free", False)),
+        defer_free=bool(read(scheduler, "defer_block_free")),
         sliding_window=sliding_window_of(scheduler),
-        defer_loads=bool(getattr(scheduler, "defer_async_loads", False))
-        and bool(getattr(scheduler, "defer_block_free", False)),
+        defer_loads=bool(read(scheduler, "defer_async_loads"))
+        and bool(read(scheduler, "defer_block_free")),
     )
 
 
@@ -1227,9 +1236,22 @@ def attach(
     """Attach to a ``Scheduler`` the caller built: events from now on (``Attachment``).
     ``config`` defaults to ``config_of(scheduler)``; ``on_preempt`` hears of each preemption
     (the fuzzer's runner marks that request's in-flight output stale)."""
-    return Attachment(
-        scheduler, config or config_of(scheduler), on_preempt, listener, hold_arrivals=hold_arrivals
-    )
+    missing: MissingName | None = None
+    if config is None:
+        try:
+            config = config_of(scheduler)
+        except MissingName as err:  # refused by name, judged against nothing
+            missing = err
+            config = Config(
+                num_blocks=scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+                block_size=scheduler.block_size,
+                policy="eager-unsafe",
+            )
+    attachment = Attachment(scheduler, config, on_preempt, listener, hold_arrivals=hold_arrivals)
+    if missing is not None:
+        attachment.refusal = None
+        attachment.refuse(missing.feature, missing.detail, at="construction")
+    return attachment
 
 
 def _drift(claimed: Config, now: Config) -> str:

@@ -1,12 +1,12 @@
-"""Building vLLM 0.33.0's own objects for one fuzzed cell: its ``VllmConfig`` (kept per
+"""Building vLLM's own objects (0.33.0 and 0.34.0, ``versions.py``) for one fuzzed cell: its ``VllmConfig`` (kept per
 construction key, ``reuse.py``: it costs many times the rest of an engine's construction), the
 KV-cache config of one full-attention group, the ``Scheduler`` or ``AsyncScheduler``, and the
 request block hasher (built fresh for every example).
 
 A batch queue of D steps is what ``VllmConfig.max_concurrent_batches`` makes of the parallel and
 scheduler configs: the synchronous ``Scheduler`` keeps ``pipeline_parallel_size`` steps in flight;
-async scheduling with Model Runner V2 (vLLM 0.33.0's default runner on a GPU) keeps
-``pipeline_parallel_size + 1``. So a synchronous cell of depth D gets ``pipeline_parallel_size = D``
+async scheduling with Model Runner V2 (vLLM 0.33.0's default runner on a GPU, 0.34.0's only one)
+keeps ``pipeline_parallel_size + 1``. So a synchronous cell of depth D gets ``pipeline_parallel_size = D``
 and an async one ``D - 1``, with Model Runner V2 (whose pipeline-parallel decode cadence, one decode
 of a request every ``pipeline_parallel_size`` steps, lives in ``AsyncScheduler``)."""
 
@@ -19,6 +19,8 @@ from functools import lru_cache
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from . import versions  # noqa: E402
 
 try:
     from vllm.config import (
@@ -37,8 +39,8 @@ try:
     from vllm.v1.structured_output import StructuredOutputManager
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"the vLLM adapter needs vLLM 0.33.0 ({err}); run `make thirdparty` and use "
-        ".venv-vllm/bin/kvspec"
+        f"the vLLM adapter needs vLLM ({', '.join(versions.SUPPORTED)}) ({err}); run "
+        "`make thirdparty` and use .venv-vllm/bin/kvspec (or .venv-vllm-0.34.0/bin/kvspec)"
     ) from None
 
 import torch
@@ -46,7 +48,10 @@ import torch
 from kvspec.conformance.adapters import tiny_model_folder
 from kvspec.spec import Config
 
+from . import cpu_platform
 from . import reuse as reuse_
+
+cpu_platform.install()
 
 
 @lru_cache(maxsize=1)
@@ -60,10 +65,10 @@ def runner_v2(on: bool) -> Iterator[None]:
     """Model Runner V2 while vLLM reads which runner it has (``VllmConfig.use_v2_model_runner``
     reads ``VLLM_USE_V2_MODEL_RUNNER`` each time): on a GPU it is vLLM 0.33.0's default; on this
     CPU-only build vLLM falls back to V1 for want of Triton's GPU backend, though the scheduler
-    does not depend on the device."""
+    does not depend on the device. 0.34.0 has no other runner: nothing to set."""
     name = "VLLM_USE_V2_MODEL_RUNNER"
     before = os.environ.get(name)
-    if on:
+    if on and versions.installed().runner_v2_flag:
         os.environ[name] = "1"
     try:
         yield
@@ -136,6 +141,13 @@ def build_scheduler(
     key += (config.depth, async_scheduling, long_prefill_token_threshold, config.prefix_caching)
     built = lambda: new_vllm_config(*key)  # noqa: E731
     vconfig = reuse_.configs.get(key, built) if reuse else built()
+    return scheduler_on(vconfig, config, async_scheduling)
+
+
+def scheduler_on(vconfig: VllmConfig, config: Config, async_scheduling: bool) -> Any:
+    """The scheduler of ``build_scheduler`` on a ``VllmConfig`` the caller has (tests set
+    scheduler options the factories never do on a fresh one)."""
+    bsz = config.block_size
     kv_cache_config = KVCacheConfig(
         num_blocks=config.num_blocks,
         kv_cache_tensors=[],
@@ -153,7 +165,7 @@ def build_scheduler(
             structured_output_manager=StructuredOutputManager(vconfig),
             block_size=bsz,
         )
-    assert scheduler.use_v2_model_runner or not async_scheduling
+    assert versions.uses_runner_v2(scheduler) or not async_scheduling
     return scheduler
 
 

@@ -19,6 +19,9 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
+from . import versions
+from .versions import read
+
 try:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 except ImportError:  # pragma: no cover - an older vLLM
@@ -82,13 +85,13 @@ def scheduler_features(sched: Any) -> list[Feature]:
         name = type(connector).__name__
         need(name not in MODELLED_CONNECTORS, "KV connector", name)
         need(
-            getattr(connector, "supports_divergent_local_hybrid_hits", False),
+            read(connector, "supports_divergent_local_hybrid_hits"),
             "KV connector",
             f"{name} takes hits the local prefix cache did not",
         )
     # ec_connector and aux_output_connector are judged (the docstring says why)
     need(
-        getattr(sched.scheduler_config, "async_scheduling", False)
+        read(sched.scheduler_config, "async_scheduling")
         and not (AsyncScheduler is not None and isinstance(sched, AsyncScheduler)),
         "async scheduling without AsyncScheduler",
         "scheduler_config.async_scheduling on a synchronous Scheduler",
@@ -107,46 +110,59 @@ def scheduler_features(sched: Any) -> list[Feature]:
     # by config_of); CoW retentions released against a fence are not (attach.py). HiSparse,
     # whose reads of released pages are why vLLM defers loads, is refused below.
     need(
-        getattr(sched, "defer_async_loads", False)
-        and not getattr(sched, "defer_block_free", False),
+        read(sched, "defer_async_loads") and not read(sched, "defer_block_free"),
         "deferred async loads",
         "defer_async_loads without defer_block_free",
     )
     need(
-        getattr(sched, "num_hash_lookahead_tokens", 0),
+        read(sched, "num_hash_lookahead_tokens"),
         "lookahead hashing",
-        f"{getattr(sched, 'num_hash_lookahead_tokens', 0)} tokens after each block in its hash",
+        f"{read(sched, 'num_hash_lookahead_tokens')} tokens after each block in its hash",
     )
     need(
-        getattr(sched, "hash_block_size", sched.block_size) != sched.block_size,
+        read(sched, "hash_block_size") != sched.block_size,
         "hash block size",
-        f"hashes of {getattr(sched, 'hash_block_size', None)} tokens, blocks of {sched.block_size}",
+        f"hashes of {read(sched, 'hash_block_size')} tokens, blocks of {sched.block_size}",
     )
     need(
-        getattr(kv.coordinator, "enable_partial_hash_hits", False),
+        read(kv.coordinator, "enable_partial_hash_hits"),
         "partial prefix-cache hits",
         "hits inside a block",
     )
-    need(getattr(sched, "is_encoder_decoder", False), "encoder-decoder model", "cross-attention")
-    need(getattr(sched, "is_mm_encoder_only", False), "multimodal encoder-only", "no sampling")
-    need(getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "pooling or diffusion model", "")
-    need(getattr(sched, "prefix_replay_tokens", 0), "prefix replay", "recomputed hit tails")
+    need(read(sched, "is_encoder_decoder"), "encoder-decoder model", "cross-attention")
+    need(read(sched, "is_mm_encoder_only"), "multimodal encoder-only", "no sampling")
+    need(read(sched, "num_sampled_tokens_per_step") != 1, "pooling or diffusion model", "")
+    need(read(sched, "prefix_replay_tokens"), "prefix replay", "recomputed hit tails")
     need(  # the chunk vLLM shortens for it is a chunk size like any (attach.py)
-        getattr(kv.coordinator, "num_reprefillable_tokens", 0),
+        read(kv.coordinator, "num_reprefillable_tokens"),
         "prefill lookahead (MTP)",
-        f"the last {getattr(kv.coordinator, 'num_reprefillable_tokens', 0)} computed tokens "
+        f"the last {read(kv.coordinator, 'num_reprefillable_tokens')} computed tokens "
         "registered late",
     )
     need(
-        getattr(sched, "dcp_world_size", 1) > 1 or getattr(sched, "pcp_world_size", 1) > 1,
+        read(sched, "dcp_world_size") > 1 or read(sched, "pcp_world_size") > 1,
         "context parallelism",
         "",
     )
-    need(getattr(sched.kv_cache_config, "has_mamba_layers", False), "Mamba layers", "")
+    need(read(sched.kv_cache_config, "has_mamba_layers"), "Mamba layers", "")
     need(
-        getattr(sched.kv_cache_config, "hisparse_host_num_blocks", None) is not None,
+        read(sched.kv_cache_config, "hisparse_host_num_blocks") is not None,
         "HiSparse",
         "",
+    )
+    # 0.34.0's admission changes (versions.py reads them as off on 0.33.0)
+    window = versions.admission_window(sched)
+    need(
+        window,
+        "cache-aware admission",
+        f"the first {window} waiting requests reordered by cached prefix "
+        "(cache_aware_admission_window)",
+    )
+    loads = versions.inflight_kv_loads(sched)
+    need(
+        loads is not None,
+        "in-flight KV load limit",
+        f"max_num_inflight_kv_loads={loads}: loads start from async_kv_waiting",
     )
     need(
         type(sched) is not Scheduler and not (AsyncScheduler and type(sched) is AsyncScheduler),
@@ -164,9 +180,9 @@ def sliding_window_of(sched: Any) -> int | None:
     if len(groups) != 1:
         return None
     spec = groups[0].kv_cache_spec
-    if type(spec) is not SlidingWindowSpec or getattr(spec, "extra_retained_tokens", 0):
+    if type(spec) is not SlidingWindowSpec or read(spec, "extra_retained_tokens"):
         return None
-    managers = getattr(sched.kv_cache_manager.coordinator, "single_type_managers", ())
+    managers = read(sched.kv_cache_manager.coordinator, "single_type_managers")
     if len(managers) != 1 or type(managers[0]) is not SlidingWindowManager:
         return None
     return int(spec.sliding_window)
@@ -179,7 +195,7 @@ def window_features(sched: Any, spec: Any) -> list[Feature]:
     detail = f"{type(spec).__name__}({spec.sliding_window})"
     if sliding_window_of(sched) is None:
         return [("sliding window", detail)]
-    if getattr(sched, "num_spec_tokens", 0) or getattr(sched, "use_eagle", False):
+    if read(sched, "num_spec_tokens") or read(sched, "use_eagle"):
         return [("sliding window", f"{detail} with speculative decoding")]
     if sched.connector is not None:
         return [("sliding window", f"{detail} beside a KV connector")]
@@ -200,13 +216,13 @@ def speculation_features(sched: Any) -> list[Feature]:
     after one, is padded with drafts like any admission's (``tests/vllm_cases/case_loads.py``).
     Lookahead hashing and prefill lookahead are refused on their own."""
     spec = sched.vllm_config.speculative_config
-    k = getattr(sched, "num_spec_tokens", 0)
-    if spec is None and not k and not getattr(sched, "num_lookahead_tokens", 0):
+    k = read(sched, "num_spec_tokens")
+    if spec is None and not k and not read(sched, "num_lookahead_tokens"):
         return []
     found: list[Feature] = []
-    if getattr(sched, "num_lookahead_tokens", 0):
+    if read(sched, "num_lookahead_tokens"):
         found.append(("draft lookahead slots", f"{sched.num_lookahead_tokens} (EAGLE, MTP, ...)"))
-    if getattr(sched, "dynamic_sd_lookup", None) is not None:
+    if read(sched, "dynamic_sd_lookup") is not None:
         found.append(("dynamic speculative decoding", "draft tokens per batch size"))
     if spec is None or not k:
         found.append(("speculative decoding", f"{k} draft tokens without a speculative config"))
@@ -223,17 +239,17 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
 
     params = request.sampling_params
     need(request.request_id in sched.requests, "streaming input", "a request id added twice")
-    need(getattr(request, "resumable", False), "streaming input", "a resumable request")
+    need(read(request, "resumable"), "streaming input", "a resumable request")
     # Multimodal inputs need nothing here: their part in the hashes is checked as LoRA's is
     # (``lora_skips``), the encoder's scheduling only sizes chunks or passes a request over
     # (``passed_over``).
-    need(getattr(request, "cache_salt", None), "cache salt", "a salt in the first block's hash")
+    need(read(request, "cache_salt"), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
     # A request that skips the prefix-cache read (prompt logprobs) is refused only at an
     # admission where the read would have hit (``skipped_read``).
-    caching = bool(getattr(sched.kv_cache_manager, "enable_caching", True))
-    need(getattr(request, "kv_transfer_params", None), "KV connector", "kv_transfer_params")
+    caching = bool(read(sched.kv_cache_manager, "enable_caching"))
+    need(read(request, "kv_transfer_params"), "KV connector", "kv_transfer_params")
     fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
     need(  # structured output arrives waiting for its grammar (pending_features)
         request.status not in fresh or request.num_computed_tokens,
@@ -257,19 +273,32 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
 
 
 def skipped_read(sched: Any, request: Any) -> list[Feature]:
-    """A request that skips the prefix-cache read (``skip_reading_prefix_cache``: prompt
-    logprobs, all-token pooling) admitted where the read would have hit: vLLM then computes
-    from scratch what the spec's lookup hits. Where the read would hit nothing (its first
-    full block's hash not cached, or no full block before its last token) the two agree, so
-    it is judged. Checked at each admission (a preempted request is read again)."""
+    """A request whose prefix-cache read is skipped or bounded (``versions.prefix_read_limit``:
+    0.33.0's ``skip_reading_prefix_cache``, prompt logprobs and all-token pooling; 0.34.0's
+    ``prefix_cache_hit_limit``, 0 skipped, n > 0 at most n tokens read, prompt scoring) admitted
+    where the bound cuts the hit short: vLLM then computes from scratch what the spec's lookup
+    hits. Where the read would hit no further than the bound (the cached run of its full blocks
+    before its last token ends there) the two agree, so it is judged. Checked at each admission
+    (a preempted request is read again). On 0.34.0 any bound also drops a KV connector's
+    external hit (``skip_reading_external_kv``), which the spec would load: refused beside a
+    connector."""
     pool = sched.kv_cache_manager.block_pool
-    if not (pool.enable_caching and getattr(request, "skip_reading_prefix_cache", False)):
+    limit = versions.prefix_read_limit(request)
+    if limit is None or not pool.enable_caching:
         return []
+    name = "prefix-cache read skipped" if limit == 0 else "bounded prefix-cache read"
+    if sched.connector is not None and versions.installed().prefix_read == "prefix_cache_hit_limit":
+        return [(name, f"{request.request_id}: the KV connector's external hit dropped")]
     bsz = sched.block_size
     readable = (request.num_tokens - 1) // bsz  # vLLM's hits stop before the last token
     hashes = request.block_hashes
-    if readable and hashes and pool.get_cached_block(hashes[0], [0]) is not None:
-        return [("prefix-cache read skipped", f"{request.request_id} would hit its first block")]
+    bound = min(readable, limit // bsz)
+    cached = 0
+    while cached < min(readable, len(hashes)) and pool.get_cached_block(hashes[cached], [0]):
+        cached += 1
+        if cached > bound:
+            detail = f"{request.request_id} would hit block {cached - 1}, past its bound"
+            return [(name, detail)]
     return []
 
 
@@ -282,12 +311,12 @@ def lora_skips(sched: Any, request: Any) -> list[Feature]:
     queue meanwhile: read from ``requests``) carries an adapter outside that full set. The
     adapter's part in the block hashes needs nothing of its own: hashes that are not a
     function of the tokens are refused where they are checked (``attach._check_hashes``)."""
-    config = getattr(sched, "lora_config", None)
+    config = read(sched, "lora_config")
     if config is None:
         return []
 
     def adapter(r: Any) -> int:
-        lora = getattr(r, "lora_request", None)
+        lora = read(r, "lora_request")
         return lora.lora_int_id if lora is not None and lora.lora_int_id > 0 else 0
 
     held = {adapter(r) for r in sched.running} - {0}
@@ -312,8 +341,8 @@ def passed_over(sched: Any, request: Any, modelled: Collection[str]) -> list[Fea
     passes over, so a request still in them is behind this one, in the order it had (a pass
     puts the requests it passed over back at the head, in their order)."""
     queued = {id(r) for r in sched.waiting}
-    queued |= {id(r) for r in getattr(sched, "kv_holding_waiting", ())}
-    for other in getattr(sched, "deferred_waiting", ()):
+    queued |= {id(r) for r in read(sched, "kv_holding_waiting")}
+    for other in read(sched, "deferred_waiting"):
         if other is request or other.request_id in modelled or id(other) in queued:
             continue
         if other.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -331,7 +360,7 @@ def grammar_ready(request: Any) -> bool:
     finishes in error, a finish the spec does not have)."""
     if request.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
         return False
-    structured = getattr(request, "structured_output_request", None)
+    structured = read(request, "structured_output_request")
     grammar = structured.grammar if structured is not None else None
     return grammar is not None and not isinstance(grammar, Exception)
 
@@ -357,7 +386,7 @@ def pending_features(
         if blocked and request.request_id not in loaders and request.request_id not in held:
             found.append(("blocked waiting request", f"{request.request_id}: {request.status}"))
         drafts = len(request.spec_token_ids or ()) if not request.is_finished() else 0
-        if drafts > getattr(sched, "num_spec_tokens", 0):  # the rest: scheduler_features
+        if drafts > read(sched, "num_spec_tokens"):  # the rest: scheduler_features
             found.append(("speculative decoding", f"{drafts} draft tokens on {request.request_id}"))
         if (
             request.num_stale_output_tokens
@@ -366,9 +395,11 @@ def pending_features(
         ):
             mode = "drop" if request.drop_stale_output else "deliver"
             found.append(("stale output mode per request", f"{request.request_id}: {mode}"))
-    holding = getattr(sched, "kv_holding_waiting", ())
+    if versions.async_kv_waiting(sched):
+        found.append(("in-flight KV load limit", "async_kv_waiting is not empty"))
+    holding = read(sched, "kv_holding_waiting")
     if any(request.request_id not in loaders for request in holding):
         found.append(("blocks held while waiting", "kv_holding_waiting is not empty"))
-    if getattr(sched, "num_waiting_for_streaming_input", 0):
+    if read(sched, "num_waiting_for_streaming_input"):
         found.append(("streaming input", "a session waits for input"))
     return found

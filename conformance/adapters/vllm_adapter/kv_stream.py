@@ -31,6 +31,8 @@ from kvspec.conformance.judge.findings import Finding
 from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
 from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
 
+from . import versions
+
 TOPIC = "kvspec"
 
 
@@ -114,8 +116,7 @@ class VllmKvStream:
     def cache(self) -> Cache:
         """vLLM's prefix cache as the stream names it: (group, external hash) -> block ids."""
         out: dict[tuple[int | None, Any], tuple[int, ...]] = {}
-        for key, blocks in self.pool.cached_block_hash_to_block._cache.items():
-            ids = (blocks.block_id,) if hasattr(blocks, "block_id") else tuple(blocks)
+        for key, ids in versions.cached_block_ids(self.pool).items():
             name = (get_group_id(key), maybe_convert_block_hash(get_block_hash(key)))
             out[name] = out.get(name, ()) + ids
         return out

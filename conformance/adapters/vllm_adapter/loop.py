@@ -19,13 +19,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
-from . import kv_stream
+from . import kv_stream, versions
 from .attach import Event, attach
 from .build import block_hasher, build_scheduler
 from .reuse import enabled as reuse_enabled
@@ -232,11 +231,7 @@ class VllmAdapter:
                     f"{position}, vLLM appends it at {request.num_tokens}"
                 )
         req_ids = list(oldest.output.num_scheduled_tokens)
-        runner = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[tokens.get(r, []) for r in req_ids],
-        )
+        runner = versions.runner_output(req_ids, [tokens.get(r, []) for r in req_ids])
         start = len(self.events)
         self.decisions.append((start, ("execute", oldest.step, ())))
         self.decisions.append((start + 1, ("commit", oldest.step, tuple(sampled))))

@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from .attach import Refusal, guarded
 from .methods import Method, Wrappers
+from .versions import MissingName, cached_block_ids, evict_first, max_cache_hit_length, read
 
 Event = tuple[object, ...]
 
@@ -68,14 +69,22 @@ class PoolAttachment:
         self.holder: int | None = None
         self._allocating = False
         self._evicted: list[int] = []
-        self.lookups = self.manager is not None and _plain_lookups(self.manager)
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
         self._wrap()
-        config = getattr(self.manager, "kv_cache_config", None)
-        if getattr(config, "hisparse_host_num_blocks", None) is not None:
-            self.refuse("HiSparse", "host-backed pages move beneath the manager", "construction")
-        self._last = self.snapshot()
+        try:
+            self.lookups = self.manager is not None and _plain_lookups(self.manager)
+            if self.manager is not None:
+                config = read(self.manager, "kv_cache_config")
+                if read(config, "hisparse_host_num_blocks") is not None:
+                    self.refuse(
+                        "HiSparse", "host-backed pages move beneath the manager", "construction"
+                    )
+            self._last = self.snapshot()
+        except MissingName as err:  # a vLLM name kvspec reads moved (versions.py)
+            self.lookups = False
+            self.refuse(err.feature, err.detail, "construction")
+            self._last = None  # type: ignore[assignment]
 
     def refuse(self, feature: str, detail: str = "", at: str = "run") -> None:
         if self.refusal is None:
@@ -94,9 +103,9 @@ class PoolAttachment:
         refcounts = (0,) + tuple(b.ref_cnt for b in pool.blocks[1:])
         free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
         cached: dict[int, Hashable] = {}
-        for value, blocks in pool.cached_block_hash_to_block._cache.items():
-            for block in blocks.values() if isinstance(blocks, dict) else (blocks,):
-                cached[block.block_id] = self.key(value)
+        for value, ids in cached_block_ids(pool).items():
+            for block_id in ids:
+                cached[block_id] = self.key(value)
         return refcounts, free, cached
 
     def self_check(self) -> str | None:
@@ -229,9 +238,9 @@ class PoolAttachment:
 
     def _lookup(self, request: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
         manager = self.manager
-        cap = kw.get("max_cache_hit_length", args[0] if args else None)
-        if cap is None:
-            cap = request.num_tokens - 1
+        cap = max_cache_hit_length(
+            request, kw.get("max_cache_hit_length", args[0] if args else None)
+        )
         block_size = manager.coordinator.single_type_managers[0].block_size
         keys: tuple[int, ...] = ()
         if manager.prefix_cache_lookup_enabled(request):
@@ -299,13 +308,17 @@ class PoolAttachment:
         return touch
 
     def _free_blocks(self, original: Method) -> Method:
-        def free_blocks(ordered_blocks: Iterable[Any]) -> None:
+        def free_blocks(ordered_blocks: Iterable[Any], *args: Any, **kw: Any) -> None:
             def body() -> None:
                 blocks = list(ordered_blocks)
                 self._safe(self._free_features, blocks)
+                if self._safe(evict_first, args, kw):
+                    self.refuse(
+                        "freed cached blocks evicted first", "free_blocks(evict_first=True)"
+                    )
                 ids = tuple(b.block_id for b in blocks if not b.is_null)
                 self.events.append(("free", self.holder, ids))
-                original(blocks)
+                original(blocks, *args, **kw)
 
             return self._call("free_blocks", None, body)  # type: ignore[no-any-return]
 
@@ -382,10 +395,10 @@ def _plain_lookups(manager: Any) -> bool:
     return (
         type(single.kv_cache_spec) is FullAttentionSpec
         and manager.block_pool.hash_block_size == single.block_size
-        and not getattr(coordinator, "drop_eagle_group_ids", ())
-        and not getattr(coordinator, "enable_partial_hash_hits", False)
-        and getattr(coordinator, "dcp_world_size", 1) == 1
-        and not getattr(manager.block_pool, "num_hash_lookahead_tokens", 0)
+        and not read(coordinator, "drop_eagle_group_ids")
+        and not read(coordinator, "enable_partial_hash_hits")
+        and read(coordinator, "dcp_world_size") == 1
+        and not read(manager.block_pool, "num_hash_lookahead_tokens")
     )
 
 
