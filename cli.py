@@ -503,6 +503,8 @@ def _fuzz(args: argparse.Namespace) -> int:
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""
     timing += "" if args.prefix_caching else ", no prefix caching"
     name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
+    if result.failure is None and result.refusal is not None:
+        return _fuzz_refused(args, result)
     if result.failure is None and result.runs == 0:
         print(
             f"nothing checked for {name} in {result.seconds:.1f} s: no example ran (the time "
@@ -526,6 +528,18 @@ def _fuzz(args: argparse.Namespace) -> int:
         count = _write(args, failure.config, shown.events, judging)
         print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
     return FINDING
+
+
+def _fuzz_refused(args: argparse.Namespace, result: CellResult) -> int:
+    """A run ended by the adapter's refusal mid-run: the search ends as at a factory's refusal
+    (bad input, the feature named), after the coverage line counting runs ended so."""
+    print(result.coverage.line())
+    if str(result.refusal).startswith("kvspec internal error"):  # kvspec's bug: exit 4
+        raise RuntimeError(f"while attached: {result.refusal}")
+    raise ValueError(
+        f"--target {args.target or 'the reference engine'}: the engine refused mid-run, "
+        f"after {result.runs} runs: {result.refusal}"
+    )
 
 
 def _fuzz_depth(result: CellResult) -> None:

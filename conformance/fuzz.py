@@ -180,6 +180,18 @@ idle engine (not even recorded), rather than to an arrival that would stay in th
 counterexample."""
 
 
+class RunRefused(KeyboardInterrupt):
+    """Raised inside a run when the engine's adapter refuses mid-run (its ``refusal``: a
+    feature the spec does not model, seen only at run time). The search ends there, as at a
+    factory's refusal: nothing after a refusal is judged. A ``KeyboardInterrupt``, as
+    ``BudgetSpent``, so that Hypothesis lets it through without shrinking it; while a failure
+    found earlier is being shrunk, a refused candidate is rejected instead."""
+
+    def __init__(self, refusal: str) -> None:
+        super().__init__(refusal)
+        self.refusal = refusal
+
+
 class CounterexampleFound(AssertionError):
     """Raised inside a run when the judge reports a finding."""
 
@@ -246,6 +258,8 @@ class Tally:
     steps_per_run: list[int] = field(default_factory=list)
     """Engine steps (commits) of each run, in order."""
     coverage: Coverage = field(default_factory=Coverage)
+    refusal: str | None = None
+    """The adapter's refusal that ended the search (``RunRefused``), or None."""
 
 
 def timings(
@@ -367,6 +381,8 @@ def lockstep_machine(
             except ValueError:  # a geometry or depth this engine does not run: not a finding
                 reject()
             self.config = self.engine.config
+            self.coverage = RunCoverage()
+            self._refused()  # refused at construction, without a ValueError
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
             self.next_id = 0
@@ -375,7 +391,6 @@ def lockstep_machine(
             """Whether the engine's last step did nothing and no request arrived since (a fresh
             engine has nothing to do): a step action would do nothing (``able``)."""
             self.loads = loads
-            self.coverage = RunCoverage()
             tally.runs += 1
 
         def perform(
@@ -485,6 +500,7 @@ def lockstep_machine(
             judge's settled state), its native KV-event stream: a difference is a finding."""
             if not hasattr(self, "judge"):
                 return
+            self._refused()
             self_check = getattr(self.engine, "self_check", None)
             problem = self_check() if self_check is not None else None
             if problem is not None:
@@ -521,8 +537,10 @@ def lockstep_machine(
                 result = call()
             except Exception as err:  # an engine that crashes is a finding, not a fuzzer crash
                 self.program.append((action, events[start:]))
+                self._refused()
                 where = self.judge.events_seen
                 self._raise_if(Finding("EngineError", f"{type(err).__name__}: {err}", where))
+            self._refused()  # before its events are judged: none after a refusal is
             if len(events) == start:
                 if result is not idle:
                     self.program.append((action, []))
@@ -532,6 +550,20 @@ def lockstep_machine(
             self.coverage.observe(new)
             self._raise_if(self.judge.feed_all(new))
             return result
+
+        def _refused(self) -> None:
+            """End the run if the adapter has refused (its optional ``refusal``, ``adapter.py``):
+            what it does from there on is not the spec's to judge. Ends the search
+            (``RunRefused``), counted in the coverage; while an earlier failure is being
+            shrunk, the candidate is rejected instead."""
+            refusal = getattr(self.engine, "refusal", None)
+            if refusal is None:
+                return
+            if tally.failure is not None:
+                reject()
+            tally.coverage.refused_runs += 1  # not the run's: it may end before its judge
+            tally.refusal = str(refusal)
+            raise RunRefused(str(refusal))
 
         def _raise_if(self, finding: Finding | None) -> None:
             if finding is None:
@@ -711,6 +743,8 @@ class CellResult:
     """Engine steps (commits) of each run."""
     coverage: Coverage = field(default_factory=Coverage)
     """The rare situations the runs reached (``fuzz_coverage.py``)."""
+    refusal: str | None = None
+    """The adapter's refusal, seen mid-run, that ended the search (``RunRefused``), or None."""
 
     @property
     def lost_hits_per_1000_steps(self) -> float:
@@ -801,7 +835,7 @@ def run_cell(
         batch += 1
         try:
             test()
-        except (CounterexampleFound, Unsatisfiable, BudgetSpent):
+        except (CounterexampleFound, Unsatisfiable, BudgetSpent, RunRefused):
             break
     return CellResult(
         policy,
@@ -820,4 +854,5 @@ def run_cell(
         stale_output,
         tally.steps_per_run,
         tally.coverage,
+        tally.refusal,
     )

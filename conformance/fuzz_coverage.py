@@ -25,7 +25,9 @@ Counters:
   added by the caller from the model's state at the end of the run: a zombie read);
 * ``load_failures``: ``load_failed`` effects (an external KV load that failed);
 * ``preempt_at_depth``: preemptions by the number of submitted steps in flight at that moment
-  (0: none, as in a synchronous engine between steps; up to the cell's depth).
+  (0: none, as in a synchronous engine between steps; up to the cell's depth);
+* ``refused_runs``: runs ended by the adapter's refusal (a feature the spec does not model, seen
+  mid-run: ``fuzz.RunRefused``), counted by the fuzzer, not read from the events.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Coverage:
     zombie_hits: int = 0
     unwritten_reads: int = 0
     load_failures: int = 0
+    refused_runs: int = 0
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
     def add(self, other: Coverage) -> None:
@@ -75,6 +78,7 @@ class Coverage:
             f"{self.hit_same_step} same-step and {self.hit_in_flight} in-flight hits of unwritten "
             f"blocks, {self.zombie_hits} zombie hits, {self.unwritten_reads} unwritten reads, {self.load_failures} load failures; "
             f"preemptions with 0/1/2/3 steps in flight: {depths}"
+            + (f"; {self.refused_runs} runs ended by a refusal" if self.refused_runs else "")
         )
 
 
