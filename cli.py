@@ -219,6 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--loads", action="store_true", help="also external KV loads, some of which fail"
     )
     fuzz.add_argument(
+        "--spec-tokens",
+        metavar="K",
+        type=_number(int, 0, 64),
+        default=0,
+        help="speculative decoding: up to K draft tokens per decode, some rejected",
+    )
+    fuzz.add_argument(
+        "--sliding-window",
+        metavar="W",
+        type=_number(int, 1, 1 << 20),
+        default=None,
+        help="one sliding-window group of W tokens (default: full attention)",
+    )
+    fuzz.add_argument(
         "--invariant",
         action="append",
         choices=tuple(INVARIANTS) + ("TablesAppendOnly",),
@@ -492,6 +506,8 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.async_scheduling,
         args.stale_output,
         args.prefix_caching,
+        args.spec_tokens,
+        args.sliding_window,
     )
     with engine_logs(shown=args.engine_log), _hypothesis_home():
         if args.target:  # imported as python -m would: the current folder first
@@ -502,6 +518,8 @@ def _fuzz(args: argparse.Namespace) -> int:
     timing = ", async" if args.async_scheduling else ""
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""
     timing += "" if args.prefix_caching else ", no prefix caching"
+    timing += f", {args.spec_tokens} draft tokens" if args.spec_tokens else ""
+    timing += f", window {args.sliding_window}" if args.sliding_window is not None else ""
     name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
     if result.failure is None and result.refusal is not None:
         return _fuzz_refused(args, result)

@@ -45,8 +45,9 @@ class Cell:
     """What is fuzzed: a registration policy, a scheduling discipline and preemption, the steps in
     flight (None: drawn 1 to 3, or 2 to 3 when steps overlap), whether external KV loads happen
     (some failing), async scheduling (decodes on placeholder tokens), what becomes of a
-    preempted request's output still in flight (``docs/async.md``) and whether the pool caches
-    prefixes at all (``Config.prefix_caching``)."""
+    preempted request's output still in flight (``docs/async.md``), whether the pool caches
+    prefixes at all (``Config.prefix_caching``), the draft tokens per decode (``spec_tokens``,
+    speculative decoding) and a sliding window (``sliding_window``)."""
 
     policy: str
     discipline: str = "vllm"
@@ -56,6 +57,8 @@ class Cell:
     async_scheduling: bool = False
     stale_output: str = "drop"
     prefix_caching: bool = True
+    spec_tokens: int = 0
+    sliding_window: int | None = None
 
     @property
     def overlaps(self) -> bool:
@@ -94,9 +97,21 @@ def fuzz(
             async_scheduling=cell.async_scheduling,
             stale_output=cell.stale_output,
             prefix_caching=cell.prefix_caching,
+            spec_tokens=cell.spec_tokens,
+            sliding_window=cell.sliding_window,
         )
         adapter = probe(factory, config, DataChoices(), target, cell.loads)
         judging = getattr(adapter, "judging", "strict")
+        claimed = getattr(adapter, "config", config)
+        for name, flag in (
+            ("spec_tokens", "--spec-tokens"),
+            ("sliding_window", "--sliding-window"),
+        ):
+            if getattr(claimed, name) != getattr(config, name):
+                raise ValueError(
+                    f"--target {target}: the engine does not run {flag} (its {name} "
+                    f"is {getattr(claimed, name)})"
+                )
     result = run_cell(
         cell.policy,
         cell.discipline,
@@ -112,6 +127,8 @@ def fuzz(
         prefix_caching=cell.prefix_caching,
         database=database,
         shrink=shrink,
+        spec_tokens=cell.spec_tokens,
+        sliding_window=cell.sliding_window,
     )
     return result, judging
 

@@ -336,6 +336,8 @@ def lockstep_machine(
     stale_output: str | None = "drop",
     prefix_caching: bool = True,
     engine: str = "fast",
+    spec_tokens: int = 0,
+    sliding_window: int | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3 (2 to 3
     under async scheduling or delivered stale output). With ``loads``, some requests find their
@@ -343,7 +345,9 @@ def lockstep_machine(
     engine schedules on placeholders) and ``stale_output`` (``"drop"`` or ``"deliver"``) are
     fixed, or drawn when None; ``prefix_caching`` False: a pool without prefix caching
     (``Config.prefix_caching``). ``factory`` builds the engine under test (``adapter.py``; default:
-    the reference engine). ``engine``: how the runs are judged (``run_judge``)."""
+    the reference engine). ``engine``: how the runs are judged (``run_judge``). ``spec_tokens``
+    (K draft tokens per decode, speculative decoding) and ``sliding_window`` (W, one
+    sliding-window group) are the configuration's (``Config``), fixed for the cell."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     timings(depth, async_scheduling, stale_output)  # the arguments' check (ValueError)
@@ -373,6 +377,8 @@ def lockstep_machine(
                 async_scheduling=overlap,
                 stale_output=stale,
                 prefix_caching=prefix_caching,
+                spec_tokens=spec_tokens,
+                sliding_window=sliding_window,
             )
             mix = MIXES[draw(0, len(MIXES) - 1)]
             self.choices = DataChoices()
@@ -391,6 +397,12 @@ def lockstep_machine(
             """Whether the engine's last step did nothing and no request arrived since (a fresh
             engine has nothing to do): a step action would do nothing (``able``)."""
             self.loads = loads
+            k = spec_tokens
+            self.reach = k + (run_depth - 1) * (k + 1) if k and overlap else k
+            """Positions past a request's tokens its table may reach (its drafts, and under
+            async scheduling those of the other steps in flight): kept free of prompts."""
+            if (num_blocks - 1) * block_size - self.reach < 2:
+                reject()  # no request of two tokens fits beside its drafts: not a finding
             tally.runs += 1
 
         def perform(
@@ -441,7 +453,7 @@ def lockstep_machine(
             suffix = PROMPT_SUFFIXES[draw(0, len(PROMPT_SUFFIXES) - 1)]
             max_tokens, priority = BUDGETS[draw(0, len(BUDGETS) - 1)]
             external = self.loads and draw(0, 1) == 1
-            capacity = (self.config.num_blocks - 1) * self.config.block_size
+            capacity = (self.config.num_blocks - 1) * self.config.block_size - self.reach
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
             prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
             rid, self.next_id = self.next_id, self.next_id + 1
@@ -613,6 +625,8 @@ def lockstep_machine(
             self.agree()
 
     loads_tag = (",loads" if loads else "") + ("" if prefix_caching else ",no-caching")
+    loads_tag += f",drafts={spec_tokens}" if spec_tokens else ""
+    loads_tag += f",window={sliding_window}" if sliding_window is not None else ""
     timing_tag = _timing_tag(async_scheduling, stale_output)
     target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
     LockstepMachine.__name__ = (
@@ -780,6 +794,8 @@ def run_cell(
     database: ExampleDatabase | None = None,
     shrink: bool = True,
     engine: str = "fast",
+    spec_tokens: int = 0,
+    sliding_window: int | None = None,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
     or ``seconds`` run out.
@@ -808,6 +824,8 @@ def run_cell(
         stale_output,
         prefix_caching,
         engine,
+        spec_tokens,
+        sliding_window,
     )
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
