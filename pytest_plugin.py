@@ -272,7 +272,7 @@ class Plugin:
                 depth = getattr(plugin.local, "building", 0)
                 plugin.local.building = depth + 1
             except Exception:  # kvspec's bug: vLLM's constructor runs as without kvspec
-                return original(obj, *args, **kwargs)  # type: ignore[no-any-return]
+                return original(obj, *args, **kwargs)
             try:
                 original(obj, *args, **kwargs)
             finally:
