@@ -234,6 +234,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--loads", action="store_true", help="also external KV loads, some of which fail"
     )
     fuzz.add_argument(
+        "--spec-tokens",
+        metavar="K",
+        type=_number(int, 0, 64),
+        default=0,
+        help="speculative decoding: up to K draft tokens per decode, some rejected",
+    )
+    fuzz.add_argument(
+        "--sliding-window",
+        metavar="W",
+        type=_number(int, 1, 1 << 20),
+        default=None,
+        help="one sliding-window group of W tokens (default: full attention)",
+    )
+    fuzz.add_argument(
         "--invariant",
         action="append",
         choices=tuple(INVARIANTS) + ("TablesAppendOnly",),
@@ -579,6 +593,8 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.async_scheduling,
         args.stale_output,
         args.prefix_caching,
+        args.spec_tokens,
+        args.sliding_window,
     )
     with engine_logs(shown=args.engine_log), _hypothesis_home():
         if args.target:  # imported as python -m would: the current folder first
@@ -604,7 +620,11 @@ def _fuzz(args: argparse.Namespace) -> int:
     timing = ", async" if args.async_scheduling else ""
     timing += ", stale output delivered" if args.stale_output == "deliver" else ""
     timing += "" if args.prefix_caching else ", no prefix caching"
+    timing += f", {args.spec_tokens} draft tokens" if args.spec_tokens else ""
+    timing += f", window {args.sliding_window}" if args.sliding_window is not None else ""
     name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
+    if result.failure is None and result.refusal is not None:
+        return _fuzz_refused(args, result)
     if result.failure is None and result.runs == 0:
         text = (
             f"nothing checked for {name} in {result.seconds:.1f} s: no example ran (the time "
@@ -688,6 +708,18 @@ def _shrunk(result: CellResult, args: argparse.Namespace) -> str:
     return "shrunk" if args.shrink else "not shrunk (--no-shrink)"
 
 
+def _fuzz_refused(args: argparse.Namespace, result: CellResult) -> int:
+    """A run ended by the adapter's refusal mid-run: the search ends as at a factory's refusal
+    (bad input, the feature named), after the coverage line counting runs ended so."""
+    print(result.coverage.line())
+    if str(result.refusal).startswith("kvspec internal error"):  # kvspec's bug: exit 4
+        raise RuntimeError(f"while attached: {result.refusal}")
+    raise ValueError(
+        f"--target {args.target or 'the reference engine'}: the engine refused mid-run, "
+        f"after {result.runs} runs: {result.refusal}"
+    )
+
+
 def _fuzz_depth(result: CellResult) -> None:
     """Two lines after a fuzzing verdict: how deep the runs went and what they reached."""
     steps = sorted(result.steps_per_run)
@@ -709,8 +741,6 @@ def _adapter_check(args: argparse.Namespace) -> int:
         f"{cell.policy}, discipline {cell.discipline}, depth {cell.depth})"
     )
     return HOLDS
-
-
 
 
 @_command

@@ -47,8 +47,9 @@ class Cell:
     """What is fuzzed: a registration policy, a scheduling discipline and preemption, the steps in
     flight (None: drawn 1 to 3, or 2 to 3 when steps overlap), whether external KV loads happen
     (some failing), async scheduling (decodes on placeholder tokens), what becomes of a
-    preempted request's output still in flight (``docs/async.md``) and whether the pool caches
-    prefixes at all (``Config.prefix_caching``)."""
+    preempted request's output still in flight (``docs/async.md``), whether the pool caches
+    prefixes at all (``Config.prefix_caching``), the draft tokens per decode (``spec_tokens``,
+    speculative decoding) and a sliding window (``sliding_window``)."""
 
     policy: str
     discipline: str = "vllm"
@@ -58,6 +59,8 @@ class Cell:
     async_scheduling: bool = False
     stale_output: str = "drop"
     prefix_caching: bool = True
+    spec_tokens: int = 0
+    sliding_window: int | None = None
 
     @property
     def overlaps(self) -> bool:
@@ -106,6 +109,8 @@ def fuzz(
         database=database,
         shrink=shrink,
         bounded=bounded,
+        spec_tokens=cell.spec_tokens,
+        sliding_window=cell.sliding_window,
     )
     return result, judging
 
@@ -132,11 +137,19 @@ def probe_target(
     if not target:
         return reference, "strict"
     factory = load_factory(target)
-    adapter = probe(factory, _probe_config(cell), DataChoices(), target, cell.loads)
+    config = _probe_config(cell)
+    adapter = probe(factory, config, DataChoices(), target, cell.loads)
+    claimed = getattr(adapter, "config", config)
+    for name, flag in (("spec_tokens", "--spec-tokens"), ("sliding_window", "--sliding-window")):
+        if getattr(claimed, name) != getattr(config, name):
+            raise ValueError(
+                f"--target {target}: the engine does not run {flag} (its {name} "
+                f"is {getattr(claimed, name)})"
+            )
     if seconds is not None:  # before fuzzing: the protocol (bad input, never a finding)
         try:
             with watchdog.time_limit(min(seconds, PROTOCOL_CHECK_SECONDS)):
-                check_adapter(factory, _probe_config(cell), target)
+                check_adapter(factory, config, target)
         except watchdog.OutOfTime:
             pass  # an engine call that does not return: the fuzzing reports it, with its stack
     return factory, getattr(adapter, "judging", "strict")
@@ -224,6 +237,8 @@ def _probe_config(cell: Cell) -> Config:
         async_scheduling=cell.async_scheduling,
         stale_output=cell.stale_output,
         prefix_caching=cell.prefix_caching,
+        spec_tokens=cell.spec_tokens,
+        sliding_window=cell.sliding_window,
     )
 
 

@@ -75,7 +75,9 @@ class Adapter(Protocol):
 
 
 Factory = Callable[[Config, Choices], Adapter]
-"""Optional adapter attributes: ``supports_loads = True`` (it can run ``kvspec fuzz --loads``),
+"""Optional adapter attributes: ``refusal`` (None, or what names a feature the spec does not
+model, seen at run time: the fuzzer ends the run and the search there, ``kvspec fuzz`` exits 2
+naming it, as at a factory's refusal), ``supports_loads = True`` (it can run ``kvspec fuzz --loads``),
 ``judging = "observed"`` (``observed.py``; default strict) and ``self_check() -> str | None`` (the adapter's own consistency check, e.g. its wrappers against the
 engine's native events; a message is reported as a ``Disagreement``)."""
 

@@ -188,6 +188,18 @@ class TargetExited(ValueError):
     """The engine's factory raised ``SystemExit`` while a run was set up: bad input (exit 2)."""
 
 
+class RunRefused(KeyboardInterrupt):
+    """Raised inside a run when the engine's adapter refuses mid-run (its ``refusal``: a
+    feature the spec does not model, seen only at run time). The search ends there, as at a
+    factory's refusal: nothing after a refusal is judged. A ``KeyboardInterrupt``, as
+    ``BudgetSpent``, so that Hypothesis lets it through without shrinking it; while a failure
+    found earlier is being shrunk, a refused candidate is rejected instead."""
+
+    def __init__(self, refusal: str) -> None:
+        super().__init__(refusal)
+        self.refusal = refusal
+
+
 class CounterexampleFound(AssertionError):
     """Raised inside a run when the judge reports a finding."""
 
@@ -314,6 +326,8 @@ class Tally:
     steps_per_run: list[int] = field(default_factory=list)
     """Engine steps (commits) of each run, in order."""
     coverage: Coverage = field(default_factory=Coverage)
+    refusal: str | None = None
+    """The adapter's refusal that ended the search (``RunRefused``), or None."""
 
 
 def timings(
@@ -390,6 +404,8 @@ def lockstep_machine(
     stale_output: str | None = "drop",
     prefix_caching: bool = True,
     engine: str = "fast",
+    spec_tokens: int = 0,
+    sliding_window: int | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3 (2 to 3
     under async scheduling or delivered stale output). With ``loads``, some requests find their
@@ -397,7 +413,9 @@ def lockstep_machine(
     engine schedules on placeholders) and ``stale_output`` (``"drop"`` or ``"deliver"``) are
     fixed, or drawn when None; ``prefix_caching`` False: a pool without prefix caching
     (``Config.prefix_caching``). ``factory`` builds the engine under test (``adapter.py``; default:
-    the reference engine). ``engine``: how the runs are judged (``run_judge``)."""
+    the reference engine). ``engine``: how the runs are judged (``run_judge``). ``spec_tokens``
+    (K draft tokens per decode, speculative decoding) and ``sliding_window`` (W, one
+    sliding-window group) are the configuration's (``Config``), fixed for the cell."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     timings(depth, async_scheduling, stale_output)  # the arguments' check (ValueError)
@@ -427,6 +445,8 @@ def lockstep_machine(
                 async_scheduling=overlap,
                 stale_output=stale,
                 prefix_caching=prefix_caching,
+                spec_tokens=spec_tokens,
+                sliding_window=sliding_window,
             )
             mix = MIXES[draw(0, len(MIXES) - 1)]
             self.choices = DataChoices()
@@ -443,6 +463,8 @@ def lockstep_machine(
                 if dog is not None:
                     dog.calling = None
             self.config = self.engine.config
+            self.coverage = RunCoverage()
+            self._refused()  # refused at construction, without a ValueError
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
             self.snapshots: list[tuple[int, Any]] = []
@@ -454,7 +476,12 @@ def lockstep_machine(
             """Whether the engine's last step did nothing and no request arrived since (a fresh
             engine has nothing to do): a step action would do nothing (``able``)."""
             self.loads = loads
-            self.coverage = RunCoverage()
+            k = spec_tokens
+            self.reach = k + (run_depth - 1) * (k + 1) if k and overlap else k
+            """Positions past a request's tokens its table may reach (its drafts, and under
+            async scheduling those of the other steps in flight): kept free of prompts."""
+            if (num_blocks - 1) * block_size - self.reach < 2:
+                reject()  # no request of two tokens fits beside its drafts: not a finding
             tally.runs += 1
 
         def perform(
@@ -505,7 +532,7 @@ def lockstep_machine(
             suffix = PROMPT_SUFFIXES[draw(0, len(PROMPT_SUFFIXES) - 1)]
             max_tokens, priority = BUDGETS[draw(0, len(BUDGETS) - 1)]
             external = self.loads and draw(0, 1) == 1
-            capacity = (self.config.num_blocks - 1) * self.config.block_size
+            capacity = (self.config.num_blocks - 1) * self.config.block_size - self.reach
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
             prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
             rid, self.next_id = self.next_id, self.next_id + 1
@@ -574,6 +601,7 @@ def lockstep_machine(
             judge's settled state), its native KV-event stream: a difference is a finding."""
             if not hasattr(self, "judge"):
                 return
+            self._refused()
             self_check = getattr(self.engine, "self_check", None)
             problem = self_check() if self_check is not None else None
             if problem is not None:
@@ -622,6 +650,7 @@ def lockstep_machine(
                 # finding, not a fuzzer crash
                 emitted = events[start:]
                 self.program.append((action, emitted))
+                self._refused()
                 # what it emitted before the exception is judged first: an earlier violation
                 # is the finding, not masked by the crash it may have caused
                 self._raise_if(self.judge.feed_all(emitted))
@@ -629,6 +658,7 @@ def lockstep_machine(
             finally:
                 if dog is not None:
                     dog.calling = None
+            self._refused()  # before its events are judged: none after a refusal is
             if len(events) == start:
                 if result is not idle:
                     self.program.append((action, []))
@@ -638,6 +668,20 @@ def lockstep_machine(
             self.coverage.observe(new)
             self._raise_if(self.judge.feed_all(new))
             return result
+
+        def _refused(self) -> None:
+            """End the run if the adapter has refused (its optional ``refusal``, ``adapter.py``):
+            what it does from there on is not the spec's to judge. Ends the search
+            (``RunRefused``), counted in the coverage; while an earlier failure is being
+            shrunk, the candidate is rejected instead."""
+            refusal = getattr(self.engine, "refusal", None)
+            if refusal is None:
+                return
+            if tally.failure is not None:
+                reject()
+            tally.coverage.refused_runs += 1  # not the run's: it may end before its judge
+            tally.refusal = str(refusal)
+            raise RunRefused(str(refusal))
 
         def _raise_if(self, finding: Finding | None) -> None:
             if finding is None:
@@ -703,6 +747,8 @@ def lockstep_machine(
             self.agree()
 
     loads_tag = (",loads" if loads else "") + ("" if prefix_caching else ",no-caching")
+    loads_tag += f",drafts={spec_tokens}" if spec_tokens else ""
+    loads_tag += f",window={sliding_window}" if sliding_window is not None else ""
     timing_tag = _timing_tag(async_scheduling, stale_output)
     target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
     LockstepMachine.__name__ = (
@@ -838,6 +884,8 @@ class CellResult:
     """Why the failure is not shrunk to the end, when it is not: ``"hung"`` (an engine call
     did not return, ``watchdog.py``), ``"budget"`` (shrinking reached the budget),
     ``"interrupted"`` (Ctrl-C)."""
+    refusal: str | None = None
+    """The adapter's refusal, seen mid-run, that ended the search (``RunRefused``), or None."""
 
     @property
     def lost_hits_per_1000_steps(self) -> float:
@@ -874,6 +922,8 @@ def run_cell(
     shrink: bool = True,
     engine: str = "fast",
     bounded: bool = False,
+    spec_tokens: int = 0,
+    sliding_window: int | None = None,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
     or ``seconds`` run out.
@@ -908,6 +958,8 @@ def run_cell(
         stale_output,
         prefix_caching,
         engine,
+        spec_tokens,
+        sliding_window,
     )
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
@@ -938,7 +990,7 @@ def run_cell(
             batch += 1
             try:
                 test()
-            except (CounterexampleFound, Unsatisfiable):
+            except (CounterexampleFound, Unsatisfiable, RunRefused):
                 break
             except AdapterMistake as err:  # --check-protocol: bad input, not a counterexample
                 raise ProtocolError(str(err)) from None
@@ -968,6 +1020,7 @@ def run_cell(
         tally.steps_per_run,
         tally.coverage,
         stopped,
+        tally.refusal,
     )
 
 

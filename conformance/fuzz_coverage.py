@@ -25,7 +25,13 @@ Counters:
   added by the caller from the model's state at the end of the run: a zombie read);
 * ``load_failures``: ``load_failed`` effects (an external KV load that failed);
 * ``preempt_at_depth``: preemptions by the number of submitted steps in flight at that moment
-  (0: none, as in a synchronous engine between steps; up to the cell's depth).
+  (0: none, as in a synchronous engine between steps; up to the cell's depth);
+* ``accepted_drafts``: draft tokens accepted (speculative decoding: a ``commit`` lists a request
+  once per token it samples, so each listing past its first is an accepted draft);
+* ``window_frees``: blocks freed by a ``schedule`` decision (a sliding window's blocks before
+  its window, freed when their request is scheduled);
+* ``refused_runs``: runs ended by the adapter's refusal (a feature the spec does not model, seen
+  mid-run: ``fuzz.RunRefused``), counted by the fuzzer, not read from the events.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class Coverage:
     zombie_hits: int = 0
     unwritten_reads: int = 0
     load_failures: int = 0
+    accepted_drafts: int = 0
+    window_frees: int = 0
+    refused_runs: int = 0
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
     def add(self, other: Coverage) -> None:
@@ -75,6 +84,9 @@ class Coverage:
             f"{self.hit_same_step} same-step and {self.hit_in_flight} in-flight hits of unwritten "
             f"blocks, {self.zombie_hits} zombie hits, {self.unwritten_reads} unwritten reads, {self.load_failures} load failures; "
             f"preemptions with 0/1/2/3 steps in flight: {depths}"
+            + (f"; {self.accepted_drafts} accepted draft tokens" if self.accepted_drafts else "")
+            + (f"; {self.window_frees} blocks freed before a window" if self.window_frees else "")
+            + (f"; {self.refused_runs} runs ended by a refusal" if self.refused_runs else "")
         )
 
 
@@ -99,10 +111,14 @@ class RunCoverage(Coverage):
         """Blocks published now."""
         self.zombies: set[int] = set()
         """Published blocks of entries withdrawn from the step being built."""
+        self.decision: object = None
+        """The kind of the last decision while a step is built (``window_frees``)."""
 
     def observe(self, events: Iterable[Event]) -> None:
         for event in events:
             kind = event[0]
+            if kind in ("schedule", "preempt", "abort", "finish", "begin", "submit"):
+                self.decision = kind
             if kind == "alloc":
                 block = event[2]
                 if self.building is not None:
@@ -154,6 +170,10 @@ class RunCoverage(Coverage):
                 self.writer = {b: s for b, s in self.writer.items() if s != step}
             elif kind == "commit":
                 self.in_flight -= 1
+                sampled = event[2]
+                self.accepted_drafts += len(sampled) - len({r for r, _ in sampled})  # type: ignore[arg-type,misc]
+            elif kind == "free" and self.building is not None and self.decision == "schedule":
+                self.window_frees += 1
             elif kind == "evict":
                 self.writer.pop(event[1], None)  # type: ignore[call-overload]
                 self.published.discard(event[1])  # type: ignore[arg-type]

@@ -30,6 +30,8 @@ import importlib.metadata
 import json
 import os
 import subprocess
+import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -56,7 +58,7 @@ def _pytest(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str
     redirect.write_text(json.dumps({"facebook/opt-125m": str(model)}))
     env["VLLM_MODEL_REDIRECT_PATH"] = str(redirect)
     if "no:kvspec.pytest_plugin" not in argv:
-        argv += (f"--kvspec-report={report}",)
+        argv += ("--kvspec", f"--kvspec-report={report}")
     done = subprocess.run(
         [str(VENV / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv]
         + ["--rootdir", str(tmp_path)],
@@ -330,3 +332,125 @@ def test_the_plugin_judges_kv_connector_edges(tmp_path: Path) -> None:
     (tmp_path / "bare").mkdir()
     bare, _ = _pytest(tmp_path / "bare", case, "-p", "no:kvspec.pytest_plugin")
     assert bare.returncode == 0 and f"{len(LOADS)} passed" in bare.stdout, bare.stdout[-3000:]
+
+
+VENVS = [
+    pytest.param(ROOT / name, id=name)
+    for name in (".venv-vllm", ".venv-vllm-0.34.0")
+    if (ROOT / name / "bin" / "python").exists()
+]
+
+
+def _junit(tmp_path: Path, name: str, *argv: str, venv: Path = VENV) -> tuple[str, dict, dict]:
+    """pytest in ``venv`` with a JUnit file: (its output, test -> passed/failed, the report)."""
+    global VENV
+    junit = tmp_path / f"{name}.xml"
+    folder = tmp_path / name
+    folder.mkdir()
+    saved, VENV = VENV, venv
+    try:
+        done, tests = _pytest(folder, *argv, f"--junitxml={junit}")
+    finally:
+        VENV = saved
+    report = folder / "report.json"
+    document = json.loads(report.read_text()) if report.exists() else {}
+    outcomes = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        failed = any(child.tag in ("failure", "error") for child in case)
+        outcomes[case.get("name")] = "failed" if failed else "passed"
+    return done.stdout, outcomes, {**document, "tests": tests}
+
+
+@pytest.mark.skipif(not VENVS, reason="no vLLM venv: run `make thirdparty` to build one")
+@pytest.mark.parametrize("venv", VENVS)
+def test_a_crash_inside_kvspec_never_changes_a_test_outcome(tmp_path: Path, venv: Path) -> None:
+    """``case_crash.py``: crashes planted in kvspec's wrappers (before and after vLLM's method
+    ran), its judge and its attaching; every test's outcome is the one it has without the plugin
+    (vLLM's methods called as often, its exceptions unchanged), each crash is counted as an
+    internal error, and no manager is kept alive. On kvspec before the safety net, 11 of the 25
+    items failed under the plugin (the planted crash raised into the test, and the plugin kept
+    a manager alive)."""
+    case = str(CASES / "case_crash.py")
+    _, bare, _ = _junit(tmp_path, "bare", case, "-p", "no:kvspec.pytest_plugin", venv=venv)
+    out, judged, report = _junit(tmp_path, "judged", case, "-p", "kvspec.pytest_plugin", venv=venv)
+    assert len(bare) == 25 and judged == bare, out[-3000:]
+    assert "test_the_plugin_keeps_no_manager_alive[none]" in bare
+    assert {n: o for n, o in bare.items() if o != "passed"} in (
+        {},  # every supported vLLM
+        {f"test_a_scheduler_runs_shared_prefixes[{p}]": "failed" for p in PLANTS},  # a VllmConfig
+    ), bare  # a vLLM whose VllmConfig cannot be built on this CPU fails that test either way
+    tests = report["tests"]
+    assert not [n for n, e in tests.items() if e["outcome"] == "violation"], tests
+    for plant in PLANTS[1:]:
+        planted = {n: e for n, e in tests.items() if n.endswith(f"[{plant}]")}
+        counted = [e for e in planted.values() if e["outcome"] == "error"]
+        assert len(counted) >= 3, planted  # counted, never raised into the test
+        for entry in counted:
+            assert any("a crash planted in kvspec" in e for e in entry["errors"]), entry
+    pool = tests["test_a_bare_pool_allocates_and_frees[none]"]
+    assert pool["outcome"] == "pool" and pool["events"] > 2, pool  # judged when nothing crashes
+    errors = sum(1 for entry in tests.values() if entry["outcome"] == "error")
+    assert f"{errors:6d}  kvspec internal errors" in out, out[-3000:]
+    assert (report["vllm"] in report["supported"]) == (report["unsupported"] is None), report
+    if report["unsupported"]:
+        assert f"kvspec: vLLM {report['vllm']} is not a version kvspec supports" in out
+
+
+PLANTS = ("none", "before", "after", "judge", "attach")
+
+TRIVIAL = "def test_nothing():\n    assert True\n"
+
+
+def _plain(tmp_path: Path, *argv: str, python: str = sys.executable) -> tuple[str, dict | None]:
+    """pytest on a trivial test in ``python``'s environment, kvspec's plugin from its entry point;
+    (its output, its --kvspec-report or None)."""
+    (tmp_path / "test_trivial.py").write_text(TRIVIAL)
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvspec.pytest_plugin"]
+        + ["--rootdir", str(tmp_path), f"--kvspec-report={report}", *argv, "test_trivial.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout, json.loads(report.read_text()) if report.exists() else None
+
+
+def test_unasked_the_plugin_judges_nothing_and_says_why(tmp_path: Path) -> None:
+    out, report = _plain(tmp_path)
+    assert report is not None and report["judged"] is False, report
+    assert report["reason"].startswith("not asked: pass --kvspec"), report
+    assert "kvspec: nothing judged: not asked" in out, out
+
+
+def test_without_vllm_the_plugin_says_so(tmp_path: Path) -> None:
+    """Asked where vLLM cannot be imported (this environment has none): said, and reported."""
+    out, report = _plain(tmp_path, "--kvspec")
+    assert report is not None and report["judged"] is False, report
+    assert report["reason"].startswith("vLLM cannot be imported (ModuleNotFoundError"), report
+    assert "kvspec: nothing judged: vLLM cannot be imported" in out, out
+
+
+def test_an_unsupported_vllm_is_said_once(tmp_path: Path) -> None:
+    """A stand-in vLLM of another version (its three classes only), asked by the ini option:
+    judged as far as it goes, and the summary says the version is not supported."""
+    fake = tmp_path / "fake"
+    for module, body in (
+        ("vllm/__init__.py", "__version__ = '0.0.1'\n"),
+        ("vllm/v1/__init__.py", ""),
+        ("vllm/v1/core/__init__.py", ""),
+        ("vllm/v1/core/sched/__init__.py", ""),
+        ("vllm/v1/core/block_pool.py", "class BlockPool:\n    pass\n"),
+        ("vllm/v1/core/kv_cache_manager.py", "class KVCacheManager:\n    pass\n"),
+        ("vllm/v1/core/sched/scheduler.py", "class Scheduler:\n    pass\n"),
+    ):
+        (fake / module).parent.mkdir(parents=True, exist_ok=True)
+        (fake / module).write_text(body)
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\nkvspec = true\npythonpath = {fake}\n")
+    out, report = _plain(tmp_path)
+    assert report is not None and report["judged"] is True and report["vllm"] == "0.0.1"
+    assert report["unsupported"].startswith("vLLM 0.0.1 is not a version kvspec supports")
+    assert out.count("is not a version kvspec supports") == 1, out
+    assert "(asked by the ini option kvspec)" in out, out

@@ -38,6 +38,12 @@ def test_the_installed_release_is_supported_and_named() -> None:
     assert versions.unsupported_message(vllm.__version__) is None
 
 
+def test_the_plugin_names_the_same_releases() -> None:
+    from kvspec import pytest_plugin
+
+    assert pytest_plugin.SUPPORTED_VLLM == versions.SUPPORTED == pytest_plugin.supported_versions()
+
+
 def test_another_release_is_tried_with_one_message_naming_the_supported_ones() -> None:
     message = versions.unsupported_message("0.35.1")
     assert message is not None and "0.33.0, 0.34.0" in message and "0.34.0's names" in message

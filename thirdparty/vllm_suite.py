@@ -22,7 +22,7 @@ tokenizer: the tests build schedulers and pools, never a model), and ``redirect.
 ``VLLM_MODEL_REDIRECT_PATH`` points vLLM at, with ``HF_HUB_OFFLINE=1``.
 
 ``run``: pytest over the given test paths twice, without kvspec's plugin (``-p
-no:kvspec.pytest_plugin``, since the installed entry point loads it) and with it, each writing a
+no:kvspec.pytest_plugin``: not even loaded) and judging with it (``--kvspec``), each writing a
 JUnit file; with the plugin also its per-test report (``--kvspec-report``). Then the table: the
 baseline (items, passing without the plugin), whether every test's outcome is the same with the
 plugin, and the plugin's outcome per test (``pytest_plugin.py``: no Scheduler built, a bare
@@ -285,7 +285,7 @@ def pytest_argv(paths: list[str], junit: Path, plugin: bool, report: Path) -> li
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
     argv += [f"--junitxml={junit}", "-o", "junit_family=xunit1", "-p", PLATFORM_PLUGIN]
     if plugin:
-        argv += ["-p", "kvspec.pytest_plugin", f"--kvspec-report={report}"]
+        argv += ["-p", "kvspec.pytest_plugin", "--kvspec", f"--kvspec-report={report}"]
     else:
         argv += ["-p", "no:kvspec.pytest_plugin"]
     return argv

@@ -127,10 +127,20 @@ def guarded(owner: Any, fn: Callable[..., Any], *args: Any) -> Any:
         owner.refuse(err.feature, err.detail)
         return None
     except Exception as err:  # kvspec's bug: the test must not see it
-        if owner.error is None:
-            owner.error = f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})"
-        owner.refuse("kvspec internal error", owner.error)
+        internal_error(owner, f"{type(err).__name__}: {err} (in {getattr(fn, '__name__', fn)})")
         return None
+
+
+def internal_error(owner: Any, why: str) -> None:
+    """A bug of kvspec met while attached (``guarded``, or a wrapper's, ``methods.Wrappers``):
+    the first is kept in ``owner.error``, and judging stops (a refusal as an internal error)."""
+    if owner.error is None:
+        owner.error = why
+    owner.refuse("kvspec internal error", owner.error)
+
+
+EVICT_FIRST = ("freed cached blocks to the free queue's head", "free_blocks(evict_first=True)")
+"""vLLM 0.34.0's ``free_blocks(..., evict_first=True)``: not the spec's free order."""
 
 
 @dataclass(frozen=True)
@@ -253,15 +263,20 @@ class Attachment:
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
-        self._wrap()
+        self.wrappers.on_error = lambda why: internal_error(self, why)
         try:
-            found = scheduler_features(self.scheduler)
-        except MissingName as err:
-            found = [(err.feature, err.detail)]
-        if found:
-            (feature, detail), others = found[0], tuple(name for name, _ in found[1:])
-            self.refuse(feature, detail, at="construction", also=others)
-        self._fingerprint = self.fingerprint()
+            self._wrap()
+            try:
+                found = scheduler_features(self.scheduler)
+            except MissingName as err:
+                found = [(err.feature, err.detail)]
+            if found:
+                (feature, detail), others = found[0], tuple(name for name, _ in found[1:])
+                self.refuse(feature, detail, at="construction", also=others)
+            self._fingerprint = self.fingerprint()
+        except BaseException:  # no half-made attachment stays on vLLM's objects
+            self.wrappers.uninstall()
+            raise
 
     # -- public -------------------------------------------------------------------------------
 
@@ -453,9 +468,10 @@ class Attachment:
         return make
 
     def _add_request(self, original: Method) -> Method:
-        def add_request(request: Request) -> None:
+        def add_request(request: Request, *args: Any, **kw: Any) -> None:
             self._outermost(
-                "add_request", lambda: (self._safe(self._arrive, request), original(request))[1]
+                "add_request",
+                lambda: (self._safe(self._arrive, request), original(request, *args, **kw))[1],
             )
 
         return add_request
@@ -582,11 +598,13 @@ class Attachment:
                 self.refuse("speculative decoding", f"{len(drafts)} draft tokens for {req_id}")
 
     def _update_from_output(self, original: Method) -> Method:
-        def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
+        def update_from_output(
+            scheduler_output: Any, model_runner_output: Any, *args: Any, **kw: Any
+        ) -> Any:
             def body() -> Any:
                 at = self._safe(self._commit, scheduler_output, model_runner_output)
                 self._finishing = {}
-                result = original(scheduler_output, model_runner_output)
+                result = original(scheduler_output, model_runner_output, *args, **kw)
                 if at is not None:
                     self._safe(self._stops, at)
                 return result
@@ -683,18 +701,18 @@ class Attachment:
         self.events[at] = (kind, step, tuple(fixed))
 
     def _finish_requests(self, original: Method) -> Method:
-        def finish_requests(request_ids: Any, finished_status: Any) -> Any:
+        def finish_requests(request_ids: Any, finished_status: Any, *args: Any, **kw: Any) -> Any:
             if self.depth:  # inside update_from_output: vLLM's own error path
                 ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
                 if request_ids is None or any(r not in self._grammars for r in ids):
                     self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
                 # a failed grammar's request, kept from the spec: it leaves unseen
-                return original(request_ids, finished_status)
+                return original(request_ids, finished_status, *args, **kw)
 
             def body() -> Any:
                 self._safe(self._mark_aborts, request_ids)
                 try:
-                    return original(request_ids, finished_status)
+                    return original(request_ids, finished_status, *args, **kw)
                 finally:
                     self._aborting = set()
 
@@ -759,11 +777,11 @@ class Attachment:
             self.events += [("submit", step), ("execute", step, ()), ("commit", step, ())]
 
     def _kv_reset(self, original: Method) -> Method:
-        def reset_prefix_cache() -> bool:
+        def reset_prefix_cache(*args: Any, **kw: Any) -> bool:
             def body() -> bool:
                 self._close_reset_step()  # the preemptions' step ends before the reset
                 cached = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
-                done = bool(original())
+                done = bool(original(*args, **kw))
                 if done:
                     if self.in_flight:
                         self.refuse("reset with steps in flight", f"{len(self.in_flight)} steps")
@@ -883,10 +901,14 @@ class Attachment:
         registers the last computed tokens late, ``num_reprefillable_tokens``, the scheduler
         is refused at every entry point.)"""
 
-        def reserve(request: Request, num_computed: int, num_new: int) -> Any:
-            tokens = original(request, num_computed, num_new)
+        def reserve(
+            request: Request, num_computed_tokens: int, num_new_tokens: int, *args: Any, **kw: Any
+        ) -> Any:
+            tokens = original(request, num_computed_tokens, num_new_tokens, *args, **kw)
             waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            if waiting and num_new > 0 and not tokens:  # shortened to nothing by the lookahead
+            if (
+                waiting and num_new_tokens > 0 and not tokens
+            ):  # shortened to nothing by the lookahead
                 self.refuse("prefill lookahead (MTP)", f"{request.request_id} passed over")
             return tokens
 
@@ -919,24 +941,24 @@ class Attachment:
         return free_request
 
     def _pop_blocks_for_free(self, original: Method) -> Method:
-        def pop_blocks_for_free(request: Request) -> Any:
+        def pop_blocks_for_free(request: Request, *args: Any, **kw: Any) -> Any:
             """``defer_block_free``: the request's table is given up, its references kept (the
             spec's ``Deferred`` holder, made by the ``finish``/``preempt``/``abort`` around it);
             the ``free`` events come when ``_drain_deferred_frees`` frees the blocks."""
             self._inner("pop_blocks_for_free")
             if not self.config.defer_free:
                 self.refuse("deferred block free", "pop_blocks_for_free() without defer_free")
-            return original(request)
+            return original(request, *args, **kw)
 
         return pop_blocks_for_free
 
     def _cache_blocks(self, original: Method) -> Method:
-        def cache_blocks(request: Request, num_computed_tokens: int) -> None:
+        def cache_blocks(request: Request, num_computed_tokens: int, *args: Any, **kw: Any) -> None:
             self._inner("cache_blocks")
             self._owner = request  # async scheduling, after the output; a landed load
             before = len(self.events)
             try:
-                original(request, num_computed_tokens)
+                original(request, num_computed_tokens, *args, **kw)
             finally:
                 self._owner = None
             if request.request_id in self.loads.waiting:
@@ -948,8 +970,8 @@ class Attachment:
         return cache_blocks
 
     def _take_events(self, original: Method) -> Method:
-        def take_events() -> list[Any]:
-            events = original()
+        def take_events(*args: Any, **kw: Any) -> list[Any]:
+            events = original(*args, **kw)
             self.native += events
             return events  # type: ignore[no-any-return]
 
@@ -1089,10 +1111,10 @@ class Attachment:
             self.refuse("aux output connector: a capped prefix-cache hit", f"{where}, more cached")
 
     def _get_new_blocks(self, original: Method) -> Method:
-        def get_new_blocks(num_blocks: int) -> list[Any]:
+        def get_new_blocks(num_blocks: int, *args: Any, **kw: Any) -> list[Any]:
             self._inner("get_new_blocks")
             self._evicted = set()
-            blocks = original(num_blocks)
+            blocks = original(num_blocks, *args, **kw)
             for block in blocks:
                 if block.block_id in self._evicted:
                     self._effect(("evict", block.block_id))
@@ -1102,16 +1124,16 @@ class Attachment:
         return get_new_blocks
 
     def _touch(self, original: Method) -> Method:
-        def touch(blocks: Any) -> None:
+        def touch(blocks: Any, *args: Any, **kw: Any) -> None:
             self._inner("touch")
             self._touched += [b.block_id for b in blocks if not b.is_null]
-            original(blocks)
+            original(blocks, *args, **kw)
 
         return touch
 
     def _evict(self, original: Method) -> Method:
-        def evict(block: Any) -> bool:
-            evicted = original(block)
+        def evict(block: Any, *args: Any, **kw: Any) -> bool:
+            evicted = original(block, *args, **kw)
             if evicted:
                 self._evicted.add(block.block_id)
             return evicted  # type: ignore[no-any-return]
@@ -1119,10 +1141,12 @@ class Attachment:
         return evict
 
     def _insert(self, original: Method) -> Method:
-        def insert(key: Any, block: Any, num_tokens: int | None) -> None:
+        def insert(block_hash_with_group_id: Any, block: Any, *args: Any, **kw: Any) -> None:
             self._inner("_insert_block_hash")
+            key = block_hash_with_group_id
+            num_tokens = kw.get("num_tokens", args[0] if args else None)
             before = block.block_hash
-            original(key, block, num_tokens)
+            original(key, block, *args, **kw)
             if before is not None and before != key:
                 self.refuse("partial prefix-cache hits", f"a second hash on block {block.block_id}")
             if before is None and block.block_hash is not None:
@@ -1141,7 +1165,7 @@ class Attachment:
             blocks = list(ordered_blocks)
             self._safe(self._free_features, blocks)
             if self._safe(evict_first, args, kw):
-                self.refuse("freed cached blocks evicted first", "free_blocks(evict_first=True)")
+                self.refuse(*EVICT_FIRST)
             freed = [("free", b.block_id) for b in blocks if not b.is_null]
             if self._current is not None and self.config.sliding_window is not None:
                 self._pending += freed  # blocks before the window: effects of the schedule

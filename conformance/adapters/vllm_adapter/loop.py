@@ -113,7 +113,7 @@ class VllmAdapter:
         # Before attaching: the stream wraps update_from_output on the instance too, and the
         # attachment takes a wrapper it finds there for the scheduler's own.
         self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if kv_stream.enabled() else None
-        # Refusals are not the fuzzer's business: it runs only cells the spec models.
+        # A refusal (``refusal``) ends the fuzzer's run and its search: nothing after is judged.
         self.attachment = attach(self.scheduler, self.config, on_preempt=self._left)
         self.events: list[Event] = self.attachment.events
         self.problems = self.attachment.problems
@@ -122,6 +122,11 @@ class VllmAdapter:
         where it emitted it before ``attach`` derived them from vLLM's entry points;
         ``self_check`` holds the attachment's events to them."""
         self._decisions_checked = 0
+
+    @property
+    def refusal(self) -> Any:
+        """The attachment's refusal (``attach.Refusal``), or None: the adapter protocol's."""
+        return self.attachment.refusal
 
     @property
     def stale_outputs(self) -> int:

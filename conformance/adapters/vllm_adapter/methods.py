@@ -15,6 +15,15 @@ wrapper it replaced, and puts a guard around it: every call of the replacement m
 wrapper exactly once (what vLLM did then is what kvspec records), else ``on_bypass`` is told
 (the attachments refuse, as for any other patch). A replacement that calls it conditionally
 (a spy that fails the first allocation by itself) is caught at its first call that does not.
+
+**Never kvspec's fault.** Every wrapper runs vLLM's method exactly once, whatever kvspec's own
+code inside it does: an exception raised by kvspec's part (not by vLLM's method, whose
+exceptions pass through unchanged) is handed to ``on_error`` (the attachments record it as an
+internal error and stop judging), and the call completes as if kvspec were absent: vLLM's method
+is called with the caller's arguments if kvspec had not called it yet, else its result (or its
+exception) is what the caller gets. kvspec's part returning without calling vLLM's method at
+all is such an error too; calling it a second time gets the first call's outcome, never a
+second run. After the first error (``failed``) every wrapper passes straight through to vLLM.
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ class Wrappers:
         """Calls of kvspec's own wrapper, per (object, name): what an adopted spy's guard counts."""
         self.on_bypass: Callable[[str], None] = lambda why: None
         """Told when an adopted replacement returned without calling kvspec's wrapper once."""
+        self.on_error: Callable[[str], None] = lambda why: None
+        """Told of a bug of kvspec inside a wrapper (module docstring: never kvspec's fault)."""
+        self.failed = False
+        """Whether ``on_error`` was told: from then on the wrappers only call vLLM."""
 
     def install(self, obj: Any, name: str, make: Callable[[Method], Method]) -> None:
         own = obj.__dict__.get(name)
@@ -48,18 +61,71 @@ class Wrappers:
             def original(*args: Any, **kwargs: Any) -> Any:
                 return getattr(type(obj), name)(obj, *args, **kwargs)
 
-        inner = make(original)
+        frames: list[_Call] = []  # the calls of this wrapper in progress, innermost last
+
+        def once(*args: Any, **kwargs: Any) -> Any:
+            """vLLM's method, as kvspec's part calls it: run once per call of the wrapper."""
+            if not frames:  # called after its wrapper returned: nothing to track
+                return original(*args, **kwargs)
+            call = frames[-1]
+            if call.state is not _NOT_CALLED:  # kvspec's second call: the first one's outcome
+                self._error(f"{where}: kvspec called vLLM's method twice")
+                return call.outcome()
+            call.state = _RUNNING
+            try:
+                call.value = original(*args, **kwargs)
+            except BaseException as err:
+                call.state, call.value = _RAISED, err
+                raise
+            call.state = _RETURNED
+            return call.value
+
+        where = f"{type(obj).__name__}.{name}"
+        inner = make(once)
         key = (id(obj), name)
         calls = self._calls
         calls[key] = 0
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             calls[key] += 1
-            return inner(*args, **kwargs)
+            if self.failed:
+                return original(*args, **kwargs)
+            call = _Call()
+            frames.append(call)
+            try:
+                result = inner(*args, **kwargs)
+            except BaseException as err:
+                if call.state is _RAISED:  # vLLM's own exception (or kvspec's on top of it)
+                    if err is call.value:
+                        raise
+                    self._error(f"{where}: {type(err).__name__}: {err} (after vLLM raised)")
+                    raise call.value from call.value.__cause__
+                if not isinstance(err, Exception):
+                    raise  # an interrupt: the user's, not kvspec's part
+                self._error(f"{where}: {type(err).__name__}: {err}")
+                if call.state is _RETURNED:
+                    return call.value
+                return original(*args, **kwargs)  # as if kvspec were absent
+            finally:
+                frames.pop()
+            if call.state is _NOT_CALLED:
+                self._error(f"{where}: kvspec's wrapper did not call vLLM's method")
+                return original(*args, **kwargs)
+            return result
 
         wrapper.__doc__ = inner.__doc__
         setattr(obj, name, wrapper)
         self.installed.append((obj, name, wrapper, cls_attr))
+
+    def _error(self, why: str) -> None:
+        """A bug of kvspec in a wrapper: told once (``on_error``), then the wrappers step aside.
+        ``on_error`` failing in turn changes nothing for vLLM."""
+        first, self.failed = not self.failed, True
+        if first:
+            try:
+                self.on_error(why)
+            except Exception:  # the last line of defence: vLLM's call goes on regardless
+                pass
 
     def tampered(self) -> str | None:
         """What replaced a wrapper or patched a wrapped class method since install, or None. A
@@ -100,6 +166,24 @@ class Wrappers:
                 else:
                     delattr(obj, name)
         self.installed.clear()
+
+
+_NOT_CALLED, _RUNNING, _RETURNED, _RAISED = "not called", "running", "returned", "raised"
+
+
+class _Call:
+    """One call of a wrapper: whether vLLM's method ran, and its result or exception."""
+
+    __slots__ = ("state", "value")
+
+    def __init__(self) -> None:
+        self.state = _NOT_CALLED
+        self.value: Any = None
+
+    def outcome(self) -> Any:
+        if self.state is _RAISED:
+            raise self.value
+        return self.value
 
 
 def _delegates(replacement: object, wrapper: Method) -> bool:

@@ -43,7 +43,7 @@ from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .attach import Refusal, guarded
+from .attach import EVICT_FIRST, Refusal, guarded, internal_error
 from .methods import Method, Wrappers
 from .versions import MissingName, cached_block_ids, evict_first, max_cache_hit_length, read
 
@@ -71,20 +71,25 @@ class PoolAttachment:
         self._evicted: list[int] = []
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
-        self._wrap()
+        self.wrappers.on_error = lambda why: internal_error(self, why)
         try:
-            self.lookups = self.manager is not None and _plain_lookups(self.manager)
-            if self.manager is not None:
-                config = read(self.manager, "kv_cache_config")
-                if read(config, "hisparse_host_num_blocks") is not None:
-                    self.refuse(
-                        "HiSparse", "host-backed pages move beneath the manager", "construction"
-                    )
-            self._last = self.snapshot()
-        except MissingName as err:  # a vLLM name kvspec reads moved (versions.py)
-            self.lookups = False
-            self.refuse(err.feature, err.detail, "construction")
-            self._last = None  # type: ignore[assignment]
+            self._wrap()
+            try:
+                self.lookups = self.manager is not None and _plain_lookups(self.manager)
+                if self.manager is not None:
+                    config = read(self.manager, "kv_cache_config")
+                    if read(config, "hisparse_host_num_blocks") is not None:
+                        self.refuse(
+                            "HiSparse", "host-backed pages move beneath the manager", "construction"
+                        )
+                self._last = self.snapshot()
+            except MissingName as err:  # a vLLM name kvspec reads moved (versions.py)
+                self.lookups = False
+                self.refuse(err.feature, err.detail, "construction")
+                self._last = None  # type: ignore[assignment]
+        except BaseException:  # no half-made attachment stays on vLLM's objects
+            self.wrappers.uninstall()
+            raise
 
     def refuse(self, feature: str, detail: str = "", at: str = "run") -> None:
         if self.refusal is None:
@@ -275,11 +280,11 @@ class PoolAttachment:
         self.events.append(("slots", self.holder, tuple(b.block_id for b in blocks)))
 
     def _get_new_blocks(self, original: Method) -> Method:
-        def get_new_blocks(num_blocks: int) -> Any:
+        def get_new_blocks(num_blocks: int, *args: Any, **kw: Any) -> Any:
             def body() -> Any:
                 self._allocating, self._evicted = True, []
                 try:
-                    blocks = original(num_blocks)
+                    blocks = original(num_blocks, *args, **kw)
                 finally:
                     self._allocating = False
                 self.events.append(("allocate", self.holder, num_blocks))
@@ -295,11 +300,11 @@ class PoolAttachment:
         return get_new_blocks
 
     def _touch(self, original: Method) -> Method:
-        def touch(blocks: Any) -> None:
+        def touch(blocks: Any, *args: Any, **kw: Any) -> None:
             def body() -> None:
                 blocks_ = list(blocks)
                 self._safe(self._foreign, blocks_, "touch")
-                original(blocks_)
+                original(blocks_, *args, **kw)
                 ids = tuple(b.block_id for b in blocks_ if not b.is_null)
                 self.events.append(("touch", self.holder, ids))
 
@@ -313,9 +318,7 @@ class PoolAttachment:
                 blocks = list(ordered_blocks)
                 self._safe(self._free_features, blocks)
                 if self._safe(evict_first, args, kw):
-                    self.refuse(
-                        "freed cached blocks evicted first", "free_blocks(evict_first=True)"
-                    )
+                    self.refuse(*EVICT_FIRST)
                 ids = tuple(b.block_id for b in blocks if not b.is_null)
                 self.events.append(("free", self.holder, ids))
                 original(blocks, *args, **kw)
@@ -345,11 +348,13 @@ class PoolAttachment:
                 self.refuse("pool driven beneath its manager", "a request's block freed")
 
     def _insert(self, original: Method) -> Method:
-        def insert(key: Any, block: Any, num_tokens: int | None) -> None:
+        def insert(block_hash_with_group_id: Any, block: Any, *args: Any, **kw: Any) -> None:
+            key = block_hash_with_group_id
+
             def body() -> None:
                 self._safe(self._foreign, (block,), "_insert_block_hash")
                 before = block.block_hash
-                original(key, block, num_tokens)
+                original(key, block, *args, **kw)
                 if before is not None and before != key:
                     self.refuse("partial prefix-cache hits", f"a second hash on {block.block_id}")
                 elif before is None and block.block_hash is not None:
@@ -360,9 +365,9 @@ class PoolAttachment:
         return insert
 
     def _evict(self, original: Method) -> Method:
-        def evict(block: Any) -> bool:
+        def evict(block: Any, *args: Any, **kw: Any) -> bool:
             def body() -> bool:
-                evicted = bool(original(block))
+                evicted = bool(original(block, *args, **kw))
                 if evicted and self._allocating:
                     self._evicted.append(block.block_id)
                 elif evicted:
@@ -374,9 +379,9 @@ class PoolAttachment:
         return evict
 
     def _reset(self, original: Method) -> Method:
-        def reset_prefix_cache() -> bool:
+        def reset_prefix_cache(*args: Any, **kw: Any) -> bool:
             def body() -> bool:
-                done = bool(original())
+                done = bool(original(*args, **kw))
                 if done:
                     self.events.append(("reset",))
                 return done
