@@ -29,17 +29,8 @@ from . import parametric as pm
 STATUS = {"waiting": pm.WAITING, "running": pm.RUNNING, "finished": pm.FINISHED}
 PHASE = {"building": pm.BUILDING, "submitted": pm.SUBMITTED, "executed": pm.EXECUTED}
 
-TWIN_KINDS = (
-    "arrive",
-    "begin",
-    "schedule",
-    "preempt",
-    "submit",
-    "execute",
-    "commit",
-    "abort",
-    "reset",
-)
+TWIN_KINDS = pm.Model.ACTIONS
+"""Every action of the parametric model: each spec step must be one of them."""
 
 
 def in_fragment(s: State) -> bool:

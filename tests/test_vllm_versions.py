@@ -26,6 +26,7 @@ from kvspec.conformance.adapters.vllm_adapter import (  # noqa: E402
     cpu_platform,
     versions,
 )
+from kvspec.conformance.adapters.vllm_adapter.attach import EVICT_FIRST  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
 
 ON_034 = pytest.mark.skipif(vllm.__version__ != "0.34.0", reason="a feature new in vLLM 0.34.0")
@@ -184,6 +185,6 @@ def test_freed_cached_blocks_evicted_first_are_refused_and_freed_as_vllm_frees_t
     pool.free_blocks(blocks, evict_first=True)
     assert attachment.error is None
     assert attachment.refusal is not None
-    assert attachment.refusal.feature == "freed cached blocks evicted first"
+    assert attachment.refusal.feature == EVICT_FIRST[0]
     head = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()][:2]
     assert set(head) == {b.block_id for b in blocks}, head  # vLLM's effect, as without kvspec

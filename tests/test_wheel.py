@@ -87,6 +87,10 @@ def test_the_wheel_installs_and_runs_in_a_fresh_environment(tmp_path: Path) -> N
     assert proved.returncode == 0 and "PROVED" in proved.stdout, proved.stdout + proved.stderr
     replay = timed("replay", kvspec + ["replay", "cex.jsonl"], cwd=work, env=env)
     assert replay.returncode == 2 and "kvspec[tensors]" in replay.stderr
-    assert sorted(p.name for p in work.iterdir()) == ["cex.jsonl", "t.jsonl"]
+    assert sorted(p.name for p in work.iterdir()) == [
+        "cex.jsonl",
+        "cex.jsonl.perfetto.json",
+        "t.jsonl",
+    ]
     print(f"\nfresh environment: {size / 2**20:.0f} MiB (target < 300 MiB); seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))  # fmt: skip
     assert size < SIZE_TARGET
