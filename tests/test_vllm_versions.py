@@ -10,6 +10,7 @@ each refused by name where they show."""
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import pytest
@@ -43,6 +44,28 @@ def test_the_plugin_names_the_same_releases() -> None:
     from kvspec import pytest_plugin
 
     assert pytest_plugin.SUPPORTED_VLLM == versions.SUPPORTED == pytest_plugin.supported_versions()
+
+
+def test_an_error_after_a_refusal_is_kept_apart_not_counted() -> None:
+    """Once a feature is refused, judging has stopped and kvspec's bookkeeping no longer follows
+    vLLM: an error there is kept apart; before any refusal it is kvspec's internal error."""
+    from kvspec.conformance.adapters.vllm_adapter.attach import Refusal, internal_error
+
+    refused: list[tuple[str, str]] = []
+    owner = types.SimpleNamespace(
+        refusal=Refusal("streaming input", "a resumable request", "run"),
+        error=None,
+        error_after_refusal=None,
+        refuse=lambda feature, detail="", at="run": refused.append((feature, detail)),
+    )
+    internal_error(owner, "KeyError: 's' (in _commit)")
+    assert owner.error is None and owner.error_after_refusal == "KeyError: 's' (in _commit)"
+    assert refused == []
+    owner.refusal = None
+    internal_error(owner, "KeyError: 't'")
+    assert owner.error == "KeyError: 't'" and refused == [
+        ("kvspec internal error", "KeyError: 't'")
+    ]
 
 
 def test_another_release_is_tried_with_one_message_naming_the_supported_ones() -> None:

@@ -133,7 +133,15 @@ def guarded(owner: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
 def internal_error(owner: Any, why: str) -> None:
     """A bug of kvspec met while attached (``guarded``, or a wrapper's, ``methods.Wrappers``):
-    the first is kept in ``owner.error``, and judging stops (a refusal as an internal error)."""
+    the first is kept in ``owner.error``, and judging stops (a refusal as an internal error).
+    Once the attachment has refused a feature, judging has already stopped and its bookkeeping
+    no longer follows vLLM (the refused feature is why): an error there is kept apart
+    (``owner.error_after_refusal``), not counted as kvspec's, and the wrappers step aside."""
+    refusal = owner.refusal
+    if refusal is not None and refusal.feature != "kvspec internal error":
+        if owner.error_after_refusal is None:
+            owner.error_after_refusal = why
+        return
     if owner.error is None:
         owner.error = why
     owner.refuse("kvspec internal error", owner.error)
@@ -220,6 +228,8 @@ class Attachment:
     problems: list[str] = field(default_factory=list)
     refusal: Refusal | None = None
     error: str | None = None
+    error_after_refusal: str | None = None
+    """kvspec's first error once a feature was refused (``internal_error``): not counted."""
     """A bug of kvspec met inside a wrapper (the wrapped call itself went on)."""
     ids: dict[str, int] = field(default_factory=dict)
     """vLLM request id -> the event stream's integer id, assigned at arrival."""

@@ -57,6 +57,8 @@ class PoolAttachment:
     events: list[Event] = field(default_factory=list)
     refusal: Refusal | None = None
     error: str | None = None
+    error_after_refusal: str | None = None
+    """kvspec's first error once a feature was refused (``internal_error``): not counted."""
     ids: dict[str, int] = field(default_factory=dict)
     keys: dict[Hashable, int] = field(default_factory=dict)
 
