@@ -14,16 +14,9 @@ import gc
 import weakref
 
 import pytest
-import torch
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
+from case_pool import BLOCK, admit, make_manager, make_request  # the same pool set-up
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.request import Request
 
-BLOCK = 4
 PLANTS = ("none", "before", "after", "judge", "attach")
 
 
@@ -86,33 +79,6 @@ def calls(monkeypatch):
 
         monkeypatch.setattr(BlockPool, name, counting)
     return counts
-
-
-def make_manager(num_blocks):
-    spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
-    return KVCacheManager(
-        config, max_model_len=1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK
-    )
-
-
-def make_request(request_id, prompt):
-    init_none_hash(sha256)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=4),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
-    )
-
-
-def admit(manager, request):
-    hits, num_hits, _ = manager.get_computed_blocks(request)
-    blocks = manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits)
-    assert blocks is not None
-    request.num_computed_tokens = request.num_tokens
-    return num_hits
 
 
 def test_a_manager_shares_a_prefix(calls):
