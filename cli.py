@@ -105,6 +105,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _groups(text: str) -> tuple[tuple[str, int | None, int | None], ...]:
+    """--groups: the groups it names (``fuzz_groups.parse_groups``); bad syntax is exit 2."""
+    from kvspec.conformance.fuzz_groups import parse_groups
+
+    try:
+        return parse_groups(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _path(text: str) -> str:
     """An input file's path: not empty (whether it can be read is the reader's to say)."""
     if not text:
@@ -246,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 1, 1 << 20),
         default=None,
         help="one sliding-window group of W tokens (default: full attention)",
+    )
+    fuzz.add_argument(
+        "--groups",
+        metavar="KINDS",
+        type=_groups,
+        default=None,
+        help="several KV-cache groups in the reference engine, KIND[:WINDOW][@BLOCK_SIZE] "
+        "comma separated (KIND full, window or state; e.g. full,window:8,state): its runs are "
+        "judged by the hybrid invariants of docs/hybrid.md (the spec does not model groups yet)",
     )
     fuzz.add_argument(
         "--invariant",
@@ -579,6 +598,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             "(the reference engine does not)"
         )
     _depth(args)  # --async with --depth 1 is bad input
+    if args.groups is not None:
+        return _fuzz_groups(args)
     database = None
     if args.db:
         from hypothesis.database import DirectoryBasedExampleDatabase
@@ -663,6 +684,62 @@ def _fuzz(args: argparse.Namespace) -> int:
         except OSError as err:  # the finding stays 1; its picture is a courtesy
             _say(f"kvspec fuzz: error: cannot write {args.out}.perfetto.json: {err}", FINDING)
     return FINDING
+
+
+def _fuzz_groups(args: argparse.Namespace) -> int:
+    """``kvspec fuzz --groups``: the reference engine's hybrid runs (``fuzz_groups``)."""
+    from kvspec.conformance.fuzz_groups import run_groups_cell
+
+    others = {
+        "--target": args.target,
+        "--loads": args.loads,
+        "--spec-tokens": args.spec_tokens,
+        "--sliding-window": args.sliding_window is not None,
+        "--invariant": args.invariant,
+        "--out": args.out,
+        "--db": args.db,
+    }
+    given = [flag for flag, value in others.items() if value]
+    if given:
+        raise ValueError(f"--groups does not combine with {', '.join(given)} yet")
+    depth = args.depth
+    result = run_groups_cell(
+        args.groups,
+        args.policy,
+        args.discipline,
+        args.preemption,
+        depth,
+        args.async_scheduling,
+        args.stale_output,
+        args.prefix_caching,
+        args.seconds,
+        args.seed,
+    )
+    text = ",".join(
+        kind + (f":{window}" if window else "") + (f"@{size}" if size else "")
+        for kind, size, window in args.groups
+    )
+    name = f"{args.policy} ({args.discipline}/{args.preemption}, groups {text})"
+    finding = result.finding
+    if finding is None and result.runs == 0:
+        line = f"nothing checked for {name} in {result.seconds:.1f} s: no run finished"
+        print(line)
+        return _fuzz_junit(args, name, result.seconds, "undecided", line, UNDECIDED)
+    if finding is None:
+        print(
+            f"no counterexample for {name} in {result.seconds:.1f} s: {result.runs} runs, "
+            f"{result.steps} engine steps"
+        )
+        print(result.coverage.line())
+        print(result.coverage.groups_line())
+        return _fuzz_junit(args, name, result.seconds, "holds", "", HOLDS)
+    line = (
+        f"counterexample found after {finding.seconds:.1f} s (run {finding.run} of seed "
+        f"{args.seed}, {finding.steps} engine calls, not shrunk): {finding.invariant}: "
+        f"{finding.detail}\n{finding.config}"
+    )
+    print(line)
+    return _fuzz_junit(args, name, result.seconds, "finding", line, FINDING)
 
 
 def _fuzz_trace_events(out: str, failure: object, events: list, judging: str) -> None:  # type: ignore[type-arg]

@@ -30,6 +30,12 @@ Counters:
   once per token it samples, so each listing past its first is an accepted draft);
 * ``window_frees``: blocks freed by a ``schedule`` decision (a sliding window's blocks before
   its window, freed when their request is scheduled);
+* several KV-cache groups (``RunCoverage(kinds)``, the groups' kinds in group order; events as
+  docs/hybrid.md fixes them): ``state_hits``, state blocks hit (a state group's ``hit`` naming
+  a block); ``window_nulled_shared``, window-group blocks freed by a ``schedule`` decision
+  while the request holds a block of another group that someone else holds too;
+  ``hits_shortened``, admissions whose hit a group shortened below what the first group alone
+  would serve (counted by the engine, ``fuzz_groups``, not read from the events);
 * ``refused_runs``: runs ended by the adapter's refusal (a feature the spec does not model, seen
   mid-run: ``fuzz.RunRefused``), counted by the fuzzer, not read from the events.
 """
@@ -61,6 +67,9 @@ class Coverage:
     load_failures: int = 0
     accepted_drafts: int = 0
     window_frees: int = 0
+    state_hits: int = 0
+    window_nulled_shared: int = 0
+    hits_shortened: int = 0
     refused_runs: int = 0
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
@@ -89,6 +98,14 @@ class Coverage:
             + (f"; {self.refused_runs} runs ended by a refusal" if self.refused_runs else "")
         )
 
+    def groups_line(self) -> str:
+        """One more line for ``kvspec fuzz --groups``: what the hybrid paths reached."""
+        return (
+            f"groups: {self.hits_shortened} hits shortened by a group, {self.state_hits} state "
+            f"blocks hit, {self.window_nulled_shared} window blocks nulled while the request "
+            "shared others"
+        )
+
 
 COUNTERS = tuple(f.name for f in fields(Coverage) if f.name != "preempt_at_depth")
 """The scalar counts of ``Coverage``, summed field by field."""
@@ -97,8 +114,18 @@ COUNTERS = tuple(f.name for f in fields(Coverage) if f.name != "preempt_at_depth
 class RunCoverage(Coverage):
     """One run's counts, and what it needs to know of the stream so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: tuple[str, ...] = ()) -> None:
         super().__init__()
+        self.kinds = kinds
+        """Several KV-cache groups: each group's kind, in group order (empty: one group)."""
+        self.group_of: dict[int, int] = {}
+        """Several groups: block -> the group it was last allocated or hit in."""
+        self.holders: dict[int, int] = {}
+        """Several groups: block -> how many tables hold it."""
+        self.held: dict[int, set[int]] = {}
+        """Several groups: request -> the blocks its tables hold."""
+        self.scheduling = -1
+        """The request of the last ``schedule`` decision."""
         self.building: int | None = None
         self.scheduled: dict[int, list[int]] = {}
         """Requests the step being built has scheduled -> the blocks it allocated or published
@@ -117,6 +144,8 @@ class RunCoverage(Coverage):
     def observe(self, events: Iterable[Event]) -> None:
         for event in events:
             kind = event[0]
+            if self.kinds:
+                self._observe_groups(event)
             if kind in ("schedule", "preempt", "abort", "finish", "begin", "submit"):
                 self.decision = kind
             if kind == "alloc":
@@ -181,3 +210,44 @@ class RunCoverage(Coverage):
                 self.published.discard(event[1])  # type: ignore[arg-type]
             elif kind == "load_failed":
                 self.load_failures += 1
+
+    def _observe_groups(self, event: Event) -> None:
+        """The group counters: tables' holders by the events, state hits, window frees."""
+        kind, holders, fields_ = event[0], self.holders, _ints(event)
+        if kind == "schedule":
+            self.scheduling = fields_[0]
+        elif kind == "alloc":
+            rid, block = fields_[0], fields_[1]
+            self.group_of[block] = fields_[2] if len(fields_) > 2 else 0
+            holders[block] = 1
+            self.held.setdefault(rid, set()).add(block)
+        elif kind == "hit":
+            blocks = event[2]
+            assert isinstance(blocks, tuple)
+            group = int(str(event[3])) if len(event) > 3 else 0
+            for block in blocks:
+                if block == 0:
+                    continue
+                self.group_of[block] = group
+                holders[block] = holders.get(block, 0) + 1
+                self.held.setdefault(fields_[0], set()).add(block)
+                if self.kinds[group] == "state":
+                    self.state_hits += 1
+        elif kind == "free":
+            block = fields_[0]
+            holders[block] = holders.get(block, 1) - 1
+            if self.building is not None and self.decision == "schedule":
+                mine = self.held.get(self.scheduling, set())
+                mine.discard(block)
+                group = self.group_of.get(block, 0)
+                if self.kinds[group] == "window" and any(
+                    holders.get(b, 0) > 1 and self.group_of.get(b) != group for b in mine
+                ):
+                    self.window_nulled_shared += 1
+        elif kind in ("finish", "preempt", "abort", "load_failed"):
+            self.held.pop(fields_[0], None)
+
+
+def _ints(event: Event) -> list[int]:
+    """The event's int fields after its kind, in order (block ids, request ids, groups)."""
+    return [x for x in event[1:] if isinstance(x, int) and not isinstance(x, bool)]

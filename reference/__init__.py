@@ -6,12 +6,22 @@ general scheduler, an engine loop with D steps in flight, a fake worker) that em
 event stream as ``kvspec.spec``, against which it is checked. It imports nothing of kvspec.
 
 Modules: ``config`` (EngineConfig), ``choices`` (nondeterminism), ``hashing``, ``block_pool``,
-``request`` (request and step records), ``kv_cache_manager``, ``policies``, ``scheduler``
-(state and decisions), ``disciplines`` (which decisions), ``worker`` (the worker protocol, the fake worker), ``engine``, ``workload``.
+``request`` (request and step records), ``kv_cache_manager``, ``groups`` (several KV-cache
+groups: the coordinator), ``memory`` (the fake device memory of several groups, naming wrong
+reads), ``policies``, ``scheduler`` (state and decisions), ``disciplines`` (which decisions),
+``worker`` (the worker protocol, the fake worker), ``engine``, ``workload``.
 """
 
 from .choices import Choices, DefaultChoices, RandomChoices
-from .config import DISCIPLINES, POLICIES, PREEMPTIONS, STALE_OUTPUTS, EngineConfig
+from .config import (
+    DISCIPLINES,
+    GROUP_KINDS,
+    POLICIES,
+    PREEMPTIONS,
+    STALE_OUTPUTS,
+    EngineConfig,
+    GroupSpec,
+)
 from .engine import Engine
 from .worker import FakeWorker, Worker
 from .workload import shared_prefix_workload
@@ -21,6 +31,7 @@ TWIN_OF = "kvspec.spec"
 
 __all__ = [
     "DISCIPLINES",
+    "GROUP_KINDS",
     "POLICIES",
     "PREEMPTIONS",
     "STALE_OUTPUTS",
@@ -29,6 +40,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "FakeWorker",
+    "GroupSpec",
     "RandomChoices",
     "Worker",
     "shared_prefix_workload",

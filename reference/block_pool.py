@@ -21,10 +21,12 @@ Event = tuple[object, ...]
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next", "generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        self.generation = 0
+        """How many times it was allocated: which use of its memory a step's table names."""
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         # Free-list links; a block outside the queue links to itself.
@@ -125,8 +127,9 @@ class BlockPool:
             block.ref_cnt += 1
         self.n_touched += len(blocks)
 
-    def allocate(self, rid: int) -> Block:
-        """Pop the free queue's head for request ``rid``, evicting its cached hash."""
+    def allocate(self, rid: int, group: int | None = None) -> Block:
+        """Pop the free queue's head for request ``rid``, evicting its cached hash; ``group``
+        (several KV-cache groups) is appended to the ``alloc`` event."""
         block = self.free_queue.popleft()
         events = self.events
         if block.block_hash is not None:
@@ -135,9 +138,13 @@ class BlockPool:
             if events is not None:
                 events.append(("evict", block.block_id))
         block.ref_cnt = 1
+        block.generation += 1
         self.n_allocated += 1
         if events is not None:
-            events.append(("alloc", rid, block.block_id))
+            if group is None:
+                events.append(("alloc", rid, block.block_id))
+            else:
+                events.append(("alloc", rid, block.block_id, group))
         return block
 
     def free_reversed(self, blocks: list[Block]) -> None:
@@ -177,8 +184,11 @@ class BlockPool:
                 queue.append(block)
         self.n_freed += len(blocks)
 
-    def publish(self, block: Block, block_hash: bytes, rid: int, index: int) -> None:
-        """Register the block under ``block_hash`` unless it already carries a hash."""
+    def publish(
+        self, block: Block, block_hash: bytes, rid: int, index: int, group: int | None = None
+    ) -> None:
+        """Register the block under ``block_hash`` unless it already carries a hash; ``group``
+        (several KV-cache groups) is appended to the ``publish`` event."""
         if block.block_hash is not None:
             return
         if block.block_id == 0:
@@ -191,7 +201,10 @@ class BlockPool:
             owners[block.block_id] = block
         self.n_published += 1
         if self.events is not None:
-            self.events.append(("publish", rid, index, block.block_id))
+            if group is None:
+                self.events.append(("publish", rid, index, block.block_id))
+            else:
+                self.events.append(("publish", rid, index, block.block_id, group))
 
     def unpublish(self, block: Block) -> None:
         """Roll back the block's registration, if it has one."""

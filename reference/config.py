@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +32,22 @@ POLICIES: dict[str, PolicyTraits] = {
 }
 """The policies the engine knows by name. Another combination of the same traits is run by
 naming it with ``EngineConfig.policy_traits`` (the conformance layer hands over the spec's)."""
+GROUP_KINDS = ("full", "window", "state")
+"""The KV-cache group kinds the engine follows (docs/hybrid.md): full attention, sliding-window
+attention, and a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode."""
+
+
+class GroupSpec(NamedTuple):
+    """One KV-cache group as the engine follows it: its kind (``GROUP_KINDS``), its block size
+    (a multiple of ``EngineConfig.block_size``, the hash block size) and, for a ``window``
+    group, its window in tokens. The engine's own representation of the spec's ``Group``, which
+    a test checks field by field (the engine imports no spec)."""
+
+    kind: str
+    block_size: int
+    window: int | None = None
+
+
 DISCIPLINES = ("vllm", "general")
 PREEMPTIONS = ("fcfs", "priority")
 STALE_OUTPUTS = ("drop", "deliver")
@@ -101,6 +118,11 @@ class EngineConfig:
     policy_traits: tuple[str, str, str, str] | None = None
     """The policy's traits (``PolicyTraits``), for a policy not in ``POLICIES``; None: the
     traits ``POLICIES`` gives its name."""
+    groups: tuple[GroupSpec, ...] = ()
+    """Several KV-cache groups over the one pool (the spec's ``Config.groups``, vLLM's
+    ``HybridKVCacheCoordinator``; ``groups.py``): empty, one group as ``sliding_window`` says.
+    ``block_size`` is then the hash block size, the unit tokens are chained and registered in.
+    External loads are not modelled with groups (no request loads), nor speculative decoding."""
     defer_loads: bool = False
     """vLLM's ``defer_async_loads`` (the spec's ``Config.defer_loads``; needs ``defer_free``):
     an asynchronous load admitted while a counted step is in flight starts only once that step
@@ -177,6 +199,51 @@ class EngineConfig:
             if not ok:
                 field = message.split()[0]
                 raise ValueError(f"{message}, got {getattr(self, field)!r}")
+        if self.groups:
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        if not isinstance(self.groups, tuple) or not all(
+            isinstance(g, GroupSpec) for g in self.groups
+        ):
+            raise ValueError(f"groups must be a tuple of GroupSpec, got {self.groups!r}")
+        if self.sliding_window is not None:
+            raise ValueError("groups and sliding_window are exclusive: give the window a group")
+        if self.spec_tokens:
+            raise ValueError("groups: speculative decoding is not modelled with groups")
+        for i, g in enumerate(self.groups):
+            where = f"groups[{i}]"
+            if g.kind not in GROUP_KINDS:
+                raise ValueError(f"{where}: kind must be one of {', '.join(GROUP_KINDS)}")
+            if not (_is_int(g.block_size) and g.block_size >= 1):
+                raise ValueError(f"{where}: block_size must be an int >= 1")
+            if g.block_size % self.block_size:
+                raise ValueError(
+                    f"{where}: block_size {g.block_size} is not a multiple of the hash "
+                    f"block size {self.block_size}"
+                )
+            if g.kind == "window":
+                if not (_is_int(g.window) and g.window is not None and g.window >= 1):
+                    raise ValueError(f"{where}: a window group needs a window, an int >= 1")
+            elif g.window is not None:
+                raise ValueError(f"{where}: only a window group has a window")
+
+    @property
+    def grouped(self) -> bool:
+        """The engine follows ``groups`` with the coordinator (``groups.GroupedKV``): several
+        groups, a state group, or a group block size other than the hash block size."""
+        groups = self.groups
+        return bool(groups) and (
+            len(groups) > 1 or groups[0].kind == "state" or groups[0].block_size != self.block_size
+        )
+
+    @property
+    def align(self) -> int:
+        """The unit of a hit's length: the least common multiple of the groups' block sizes."""
+        out = self.block_size
+        for g in self.groups:
+            out = out * g.block_size // math.gcd(out, g.block_size)
+        return out
 
 
 def _is_int(value: object) -> bool:

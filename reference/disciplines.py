@@ -36,9 +36,9 @@ def plan_admission(
     kv = sched.kv
     bsz = kv.block_size
     hits = kv.lookup(req)
-    num_hits = len(hits)
+    num_hits = kv.hit_length(hits) // bsz
     num_loaded = 0
-    if req.external and kv.window is None:  # no loads under a sliding window (not modelled)
+    if req.external and kv.window is None and not kv.grouped:  # loads not modelled there
         cfg = sched.config
         whole = cfg.load_last_block and not cfg.sync_loads and bsz > 1  # spec.actions.loadable
         stored = min(req.prompt_len // bsz, (len(req.tokens) - (0 if whole else 1)) // bsz)
@@ -51,7 +51,7 @@ def plan_admission(
         num_tokens = 0
         end = stored * bsz
     else:
-        num_tokens = min(len(req.tokens) - num_hits * bsz, budget)
+        num_tokens = sched.clip(req, num_hits * bsz, min(len(req.tokens) - num_hits * bsz, budget))
         end = num_hits * bsz + num_tokens
     return hits, num_tokens, num_loaded, not kv.blocks_short(req, end, hits)
 
@@ -72,7 +72,7 @@ def schedule_vllm(sched: Scheduler, step: Step) -> None:
         if req.loading is not None or req.computed >= limit:
             i += 1
             continue
-        num_tokens = min(limit - req.computed, budget)
+        num_tokens = sched.clip(req, req.computed, min(limit - req.computed, budget))
         end = req.computed + num_tokens
         gave_up = False
         while sched.blocks_short(req, end):
@@ -145,7 +145,7 @@ def schedule_general(sched: Scheduler, step: Step, choices: Choices) -> None:
         elif move == RUN:
             assert nxt is not None
             done.add(nxt.rid)
-            num_tokens = min(end_of(nxt) - nxt.computed, budget)
+            num_tokens = sched.clip(nxt, nxt.computed, min(end_of(nxt) - nxt.computed, budget))
             end = nxt.computed + num_tokens
             while sched.blocks_short(nxt, end):
                 victims = [r for r in reversed(running) if r is not nxt]

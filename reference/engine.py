@@ -24,8 +24,10 @@ from .block_pool import BlockPool, Event
 from .choices import Choices, DefaultChoices
 from .config import EngineConfig
 from .disciplines import schedule_general, schedule_vllm
+from .groups import GroupedKV
 from .hashing import pack_tokens
 from .kv_cache_manager import KVCacheManager
+from .memory import BadRead, GroupMemory
 from .policies import Policy, make_policy
 from .request import FINISHED, Request, Step
 from .scheduler import Scheduler
@@ -46,12 +48,17 @@ class Engine:
         self.events: list[Event] = []
         sink = self.events if record else None
         self.pool = BlockPool(config.num_blocks, sink)
-        self.kv = KVCacheManager(
-            self.pool,
-            config.block_size,
-            config.prefix_caching,
-            config.spec_tokens > 0,
-            config.sliding_window,
+        window = config.sliding_window
+        if config.groups and not config.grouped:  # one group as today's single one
+            window = config.groups[0].window
+        self.kv: KVCacheManager = (
+            GroupedKV(
+                self.pool, config.block_size, config.groups, config.align, config.prefix_caching
+            )
+            if config.grouped
+            else KVCacheManager(
+                self.pool, config.block_size, config.prefix_caching, config.spec_tokens > 0, window
+            )
         )
         policy = make_policy(config.traits, self.kv) if config.prefix_caching else Policy(self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
@@ -62,8 +69,13 @@ class Engine:
         )
         if config.spec_tokens and not isinstance(self.worker, FakeWorker):
             raise ValueError("speculative decoding runs on the fake worker only")
-        if config.sliding_window is not None and not isinstance(self.worker, FakeWorker):
-            raise ValueError("a sliding window runs on the fake worker only")
+        if (config.sliding_window is not None or config.groups) and not isinstance(
+            self.worker, FakeWorker
+        ):
+            raise ValueError("a sliding window or KV-cache groups run on the fake worker only")
+        if config.grouped:
+            assert isinstance(self.worker, FakeWorker)
+            self.worker.memory = GroupMemory(config.groups, self.pool.blocks)
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -76,6 +88,15 @@ class Engine:
         worker = self.worker
         if isinstance(worker, FakeWorker) and worker.log is not None:
             return worker.log
+        return []
+
+    @property
+    def bad_reads(self) -> list[BadRead]:
+        """Several KV-cache groups: every read of the wrong thing by a live entry so far, named
+        by its invariant (``memory.GroupMemory``); empty otherwise."""
+        worker = self.worker
+        if isinstance(worker, FakeWorker) and worker.memory is not None:
+            return worker.memory.bad_reads
         return []
 
     def add_request(
@@ -96,7 +117,9 @@ class Engine:
             raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
         if not isinstance(priority, int):
             raise ValueError(f"request {rid!r}: priority must be an int, got {priority!r}")
-        need = -(-(len(prompt) + max_tokens + cfg.reach) // cfg.block_size)
+        tokens = len(prompt) + max_tokens + cfg.reach
+        sizes = [g.block_size for g in cfg.groups] if cfg.grouped else [cfg.block_size]
+        need = sum(-(-tokens // size) for size in sizes)
         if need > cfg.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "

@@ -15,6 +15,9 @@ from .request import Request
 
 
 class KVCacheManager:
+    grouped = False
+    """Several KV-cache groups (``groups.GroupedKV``, a subclass) or one (this class)."""
+
     __slots__ = ("pool", "block_size", "prefix_caching", "batch_free", "window")
 
     def __init__(
@@ -80,6 +83,22 @@ class KVCacheManager:
                 pad = min(self.skipped(len(hits) * self.block_size), len(hits))
                 return [null] * pad + hits[pad:]  # (only W = 1 skips the run's own block)
         return run[::-1]
+
+    def hit_length(self, hits: list[Block]) -> int:
+        """A lookup's hit in tokens."""
+        return len(hits) * self.block_size
+
+    def blocks_short_running(self, req: Request, end: int, processed: int) -> bool:
+        """A running request cannot cover ``end`` tokens, even with the blocks its sliding
+        window would free first (``processed``: what no step in flight still reads below)."""
+        if self.window is None:
+            return self.blocks_short(req, end)
+        freed = self.skippable(req, processed)
+        return -(-end // self.block_size) - len(req.table) > self.pool.num_free + freed
+
+    def unpublish_at(self, req: Request, index: int) -> None:
+        """Roll back the registration of the request's block ``index``, if it has one."""
+        self.pool.unpublish(req.table[index])
 
     def skipped(self, processed: int) -> int:
         """Leading blocks wholly before the window of the token after ``processed`` tokens."""

@@ -158,9 +158,9 @@ class TraitPolicy(Policy):
             for step in steps:
                 tracked += step.registrations.pop(req.rid, ())
         if self.unpublish:  # else the hidden entries are dropped with the buckets
-            table, unpublish = req.table, self.kv.pool.unpublish
+            unpublish_at = self.kv.unpublish_at
             for i in tracked:
-                unpublish(table[i])
+                unpublish_at(req, i)
 
     def on_confirmed(self, step: Step) -> None:
         if self.clear_confirmed:

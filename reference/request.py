@@ -30,6 +30,7 @@ class Request:
         "placeholders",
         "holding",
         "drafts",
+        "tables",
     )
 
     def __init__(
@@ -74,6 +75,9 @@ class Request:
         self.holding = 0
         """With stale output delivered: steps in flight whose output holds an entry for it; a
         preempted request is not admitted again until this is 0. Always 0 in drop mode."""
+        self.tables: list[list[Block]] = []
+        """Several KV-cache groups: one table per group, ``table`` first (``groups.GroupedKV``
+        keeps them); empty with one group."""
         self.drafts = 0
         """Speculative decoding: draft tokens proposed for its next decode (vLLM's
         ``spec_token_ids``), set after each of its samples (under async scheduling when a decode
@@ -103,7 +107,17 @@ class Entry:
     they are all known when the step executes (its older steps have committed by then) unless
     their sample was discarded, in which case the entry is no longer live."""
 
-    __slots__ = ("start", "end", "table", "num_blocks", "load", "samples", "drafts", "loaded")
+    __slots__ = (
+        "start",
+        "end",
+        "table",
+        "num_blocks",
+        "load",
+        "samples",
+        "drafts",
+        "loaded",
+        "tables",
+    )
 
     def __init__(
         self,
@@ -126,6 +140,9 @@ class Entry:
         self.drafts = drafts
         """Draft tokens past the known ones (its last ``drafts`` positions): it samples 1 ..
         drafts + 1 tokens."""
+        self.tables: tuple[tuple[tuple[int, int], ...], ...] | None = None
+        """Several KV-cache groups: every group's table as (block id, generation) pairs when it
+        was scheduled (``groups.GroupedKV.snapshot``)."""
         self.loaded = loaded
         """Full blocks loaded from the external store from ``start`` on; computed tokens after
         them make the load synchronous (landed before the forward pass reads it)."""

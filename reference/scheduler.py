@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 from .block_pool import Block, Event
 from .config import EngineConfig
+from .groups import GroupedKV
 from .kv_cache_manager import KVCacheManager
 from .policies import Policy
 from .request import FINISHED, RUNNING, WAITING, Entry, Request, Step
@@ -102,6 +104,7 @@ class Scheduler:
         "processed_seq",
         "last_seq",
         "deferred",
+        "state_align",
     )
 
     def __init__(
@@ -134,6 +137,9 @@ class Scheduler:
         computes for it."""
         self.deferred: deque[tuple[int, list[Block]]] = deque()
         """Deferred freeing: (sequence number to wait for, a table given up), oldest first."""
+        self.state_align = math.lcm(*(g.block_size for g in config.groups if g.kind == "state"))
+        """Several KV-cache groups with a state group: the boundary prefill chunks stop at
+        (``clip``); 1 (no clipping) without one."""
         self.counters = dict.fromkeys(
             (
                 "steps",
@@ -229,7 +235,7 @@ class Scheduler:
         self.running.append(req)
         req.status = RUNNING
         step.admitted = True
-        start = len(hits) * kv.block_size
+        start = kv.hit_length(hits)
         counters = self.counters
         counters["hit_tokens" if req.admissions == 0 else "readmit_hit_tokens"] += start
         counters["lookup_tokens"] += len(req.tokens)
@@ -243,6 +249,23 @@ class Scheduler:
                 if self.config.defer_loads and self.sched_seq > self.processed_seq:
                     self.last_seq[req.rid] = self.sched_seq  # started once that step commits
             self.counters["loaded_blocks"] += num_loaded
+
+    def clip(self, req: Request, start: int, num_tokens: int) -> int:
+        """A prefill chunk from ``start`` clipped to end where a state can be kept (vLLM's align
+        mode, ``_mamba_block_aligned_split``, simplified): at the last state boundary before the
+        request's last known token when it crosses it, else at the last boundary it reaches
+        (unless that leaves nothing); decodes and models without a state group unclipped."""
+        align = self.state_align
+        known = len(req.tokens)
+        if align == 1 or start >= known - 1:
+            return num_tokens
+        end = start + num_tokens
+        last = (known - 1) // align * align
+        if start < last < end:
+            return last - start
+        if end < known and end // align * align > start:
+            return end // align * align - start
+        return num_tokens
 
     def processed(self, req: Request) -> int:
         """Its computed tokens less those its entries in uncommitted steps schedule (vLLM's
@@ -258,17 +281,16 @@ class Scheduler:
     def blocks_short(self, req: Request, end: int) -> bool:
         """A running request cannot cover ``end`` tokens, even with the blocks its sliding
         window would free first."""
-        if self.kv.window is None:
+        if self.kv.window is None and not self.kv.grouped:
             return self.kv.blocks_short(req, end)
-        freed = self.kv.skippable(req, self.processed(req))
-        return -(-end // self.kv.block_size) - len(req.table) > self.kv.pool.num_free + freed
+        return self.kv.blocks_short_running(req, end, self.processed(req))
 
     def schedule_running(self, step: Step, req: Request, num_tokens: int) -> None:
         """Give a running request ``num_tokens`` more tokens to compute in the step (a sliding
         window first frees the blocks before the window of its next processed token)."""
         if self.events is not None:
             self.events.append(("schedule", req.rid, num_tokens, 0))
-        if self.kv.window is not None:
+        if self.kv.window is not None or self.kv.grouped:
             self.kv.remove_skipped(req, self.processed(req))
         self._extend(step, req, req.computed, req.computed + num_tokens, False)
         step.budget_used += num_tokens
@@ -283,9 +305,11 @@ class Scheduler:
         drafts = max(0, end - len(req.tokens) - req.placeholders)
         req.drafts = 0  # used, or dropped by the budget (vLLM clears them either way)
         samples = not load and end - drafts == len(req.tokens) + req.placeholders
-        step.entries[req.rid] = Entry(
+        step.entries[req.rid] = entry = Entry(
             start, end, table, len(table), load, samples, drafts=drafts, loaded=loaded
         )
+        if isinstance(kv, GroupedKV):
+            entry.tables = kv.snapshot(req)
         step.live.add(req.rid)
         if self.async_scheduling:
             if end > len(req.tokens):

@@ -18,6 +18,7 @@ from typing import NamedTuple, Protocol
 from .block_pool import Block
 from .choices import Choices
 from .hashing import pack_token
+from .memory import GroupMemory
 from .request import Request, Step
 
 
@@ -91,13 +92,15 @@ class Worker(Protocol):
 
 
 class FakeWorker:
-    __slots__ = ("choices", "block_size", "vocab", "log")
+    __slots__ = ("choices", "block_size", "vocab", "log", "memory")
 
     def __init__(self, choices: Choices, block_size: int, vocab: int, record: bool) -> None:
         self.choices = choices
         self.block_size = block_size
         self.vocab = vocab
         self.log: list[StepLog] | None = [] if record else None
+        self.memory: GroupMemory | None = None
+        """Several KV-cache groups: the fake device memory that checks each step's reads."""
 
     def execute(self, step: Step, requests: Mapping[int, Request]) -> tuple[int, ...]:
         """Run the step; return the requests whose external load failed."""
@@ -107,6 +110,8 @@ class FakeWorker:
             if entry.load and self.choices.pick(2, "load-fails") == 1
         )
         step.failed = failed
+        if self.memory is not None:
+            self.memory.execute(step, requests)
         if self.log is not None:
             live = step.live
             entries = [

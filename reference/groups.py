@@ -1,0 +1,340 @@
+"""Several KV-cache groups over one shared pool (vLLM ``HybridKVCacheCoordinator`` and its
+per-kind managers): ``GroupedKV`` stands where ``KVCacheManager`` stands when
+``EngineConfig.grouped``, with the same methods, so the scheduler and the registration policies
+are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
+
+* A request's table is one table per group (``Request.tables``; ``Request.table`` is group 0's).
+  Tokens are chained in hash blocks (``EngineConfig.block_size``); a group's block of ``k`` hash
+  blocks is registered under the hash of its last one, keyed by ``(hash, group)``. The policies
+  speak hash-block indices: registering index ``i`` registers, in each group, the block that
+  hash block ``i`` completes.
+* The hit is the longest length, a multiple of every group's block size and short of the last
+  known token, that every group accepts: full (every block before it cached), window (the blocks
+  inside the window of the token after it cached, nulls before), state (a state registered at
+  exactly that boundary). It is found as vLLM does, each group shortening a candidate until none
+  does; that this is the largest length all accept is the spec's statement, checked in lockstep.
+* A window group frees (and nulls) its blocks wholly before the window of a running request's
+  next processed token when it is scheduled; a state group frees its states before the one the
+  oldest step in flight starts from (vLLM's align mode retires them).
+* A state group's table has one slot per block: the block a step's entry ends in holds the state
+  after that entry, and only a slot whose boundary an entry ended exactly at (``aimed``) may be
+  registered; the slots in between stay null.
+"""
+
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool
+from .config import GroupSpec
+from .hashing import extend_hashes
+from .kv_cache_manager import KVCacheManager
+from .request import Request
+
+
+class GroupHits(list[Block]):
+    """A lookup's answer: group 0's hit blocks as the list, every group's in ``groups``, and the
+    hit's length in tokens (``length``)."""
+
+    __slots__ = ("length", "groups")
+
+    def __init__(self, length: int, groups: list[list[Block]]) -> None:
+        super().__init__(groups[0])
+        self.length = length
+        self.groups = groups
+
+
+class GroupedTable(list[Block]):
+    """A table popped for freeing (``pop_table``): all its blocks, and ``parts``, each group's
+    non-null blocks in group order, freed group by group (vLLM frees manager by manager)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[list[Block]]) -> None:
+        super().__init__(b for part in parts for b in part)
+        self.parts = parts
+
+
+class GroupedKV(KVCacheManager):
+    """The coordinator: a ``KVCacheManager`` whose every method follows all the groups."""
+
+    grouped = True
+
+    __slots__ = ("groups", "align", "aimed", "n_shortened")
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        hash_block_size: int,
+        groups: tuple[GroupSpec, ...],
+        align: int,
+        prefix_caching: bool = True,
+    ) -> None:
+        super().__init__(pool, hash_block_size, prefix_caching)
+        self.groups = groups
+        self.align = align
+        self.n_shortened = 0
+        """Lookups whose hit another group shortened below what group 0 alone would serve."""
+        self.aimed: dict[int, set[tuple[int, int]]] = {}
+        """Per request, the (state group, slot) pairs an entry of it was scheduled to end at the
+        boundary of: the only state slots it may register."""
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def tables(self, req: Request) -> list[list[Block]]:
+        """The request's tables, group 0's being ``req.table``."""
+        tables = req.tables
+        if len(tables) != len(self.groups) or tables[0] is not req.table:
+            tables = req.tables = [req.table] + [[] for _ in self.groups[1:]]
+        return tables
+
+    def snapshot(self, req: Request) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Every group's table as (block id, generation) pairs, as a step scheduled now reads
+        and writes them (``worker.GroupMemory`` tells a recycled block by its generation)."""
+        return tuple(tuple((b.block_id, b.generation) for b in t) for t in self.tables(req))
+
+    def block_hash(self, req: Request, index: int) -> bytes:
+        """The chained hash of the request's full hash block ``index``."""
+        hashes = req.block_hashes
+        if index >= len(hashes):
+            extend_hashes(hashes, req.tokens, self.block_size, index + 1)
+        return hashes[index]
+
+    def _key(self, hashes: list[bytes], group: int, slot: int) -> bytes:
+        """The index key of the group's block ``slot``: its last hash block's hash and the group."""
+        k = self.groups[group].block_size // self.block_size
+        return hashes[(slot + 1) * k - 1] + group.to_bytes(2, "little")
+
+    # -- the hit -----------------------------------------------------------------------------
+
+    def lookup(self, req: Request) -> GroupHits:
+        """The longest hit every group serves, and each group's blocks for it."""
+        n = len(self.groups)
+        if not self.prefix_caching:
+            return GroupHits(0, [[] for _ in range(n)])
+        cap = (len(req.tokens) - 1) // self.align * self.align
+        hashes = req.block_hashes
+        need = (len(req.tokens) - 1) // self.block_size
+        if len(hashes) < need:
+            extend_hashes(hashes, req.tokens, self.block_size, need)
+        length = first = self._accepts(hashes, 0, cap)
+        shortened = True
+        while shortened:  # vLLM's iteration: until no group shortens the candidate
+            shortened = False
+            for g in range(n):
+                accepted = self._accepts(hashes, g, length)
+                if accepted < length:
+                    length, shortened = accepted, True
+        self.n_shortened += length < first
+        return GroupHits(length, [self._hit_blocks(hashes, g, length) for g in range(n)])
+
+    def _cached(self, hashes: list[bytes], g: int, slot: int) -> Block | None:
+        owners = self.pool.index.get(self._key(hashes, g, slot))
+        return next(iter(owners.values())) if owners else None
+
+    def _needed(self, g: int, length: int) -> range:
+        """The group's slots a hit of ``length`` tokens must find cached."""
+        spec = self.groups[g]
+        size = spec.block_size
+        if spec.kind == "full":
+            return range(length // size)
+        if spec.kind == "window":
+            return range(self._skipped(g, length), length // size)
+        return range(length // size - 1, length // size) if length else range(0)
+
+    def _accepts(self, hashes: list[bytes], g: int, length: int) -> int:
+        """The largest length ``<= length`` (a multiple of ``align``) the group accepts."""
+        if self.groups[g].kind == "full":
+            size, i = self.groups[g].block_size, 0
+            while (i + 1) * size <= length and self._cached(hashes, g, i) is not None:
+                i += 1
+            return i * size // self.align * self.align
+        while length > 0:
+            if all(self._cached(hashes, g, s) is not None for s in self._needed(g, length)):
+                return length
+            length -= self.align
+        return 0
+
+    def _hit_blocks(self, hashes: list[bytes], g: int, length: int) -> list[Block]:
+        null = self.pool.blocks[0]
+        out = [null] * (length // self.groups[g].block_size)
+        for slot in self._needed(g, length):
+            block = self._cached(hashes, g, slot)
+            assert block is not None
+            out[slot] = block
+        return out
+
+    def hit_length(self, hits: list[Block]) -> int:
+        """The hit's length in tokens."""
+        assert isinstance(hits, GroupHits)
+        return hits.length
+
+    # -- admission and growth ----------------------------------------------------------------
+
+    def _skipped(self, g: int, processed: int) -> int:
+        """A window group's leading slots wholly before the window of the token after
+        ``processed`` tokens; a state group's slots before the state ``processed`` ends in."""
+        spec = self.groups[g]
+        if spec.kind == "window":
+            assert spec.window is not None
+            return max(0, processed - spec.window + 1) // spec.block_size
+        if spec.kind == "state":
+            return max(0, -(-processed // spec.block_size) - 1)
+        return 0
+
+    def _new_blocks(self, g: int, table: list[Block], end: int) -> int:
+        """Blocks the group allocates for its table to cover ``end`` tokens."""
+        size = self.groups[g].block_size
+        if self.groups[g].kind != "state":
+            return max(0, -(-end // size) - len(table))
+        slot = -(-end // size) - 1
+        return int(slot >= 0 and (slot >= len(table) or table[slot].block_id == 0))
+
+    def blocks_short(self, req: Request, end: int, hits: list[Block] | None = None) -> bool:
+        """Admission (``hits``, about to be touched) or growth without frees: True when covering
+        ``end`` tokens needs more blocks than are free."""
+        if hits is not None:
+            assert isinstance(hits, GroupHits)
+            tables = hits.groups
+            free = self.pool.free_queue.num_free
+            for part in tables:
+                free -= sum(1 for b in part if b.ref_cnt == 0 and b.block_id != 0)
+        else:
+            tables = self.tables(req)
+            free = self.pool.free_queue.num_free
+        need = sum(self._new_blocks(g, t, end) for g, t in enumerate(tables))
+        return need > free
+
+    def blocks_short_running(self, req: Request, end: int, processed: int) -> bool:  # noqa: D102
+        """A running request cannot cover ``end`` tokens even with the blocks its window and
+        state groups would free first."""
+        tables = self.tables(req)
+        free = self.pool.free_queue.num_free + self.skippable(req, processed)
+        return sum(self._new_blocks(g, t, end) for g, t in enumerate(tables)) > free
+
+    def admit(self, req: Request, hits: list[Block]) -> None:
+        """Touch each group's hit blocks (not the nulls) and make them its table's start; one
+        ``hit`` event per group, in group order."""
+        assert isinstance(hits, GroupHits)
+        tables, pool, events = self.tables(req), self.pool, self.pool.events
+        for g, part in enumerate(hits.groups):
+            pool.touch([b for b in part if b.block_id != 0])
+            tables[g].extend(part)
+            if events is not None:
+                events.append(("hit", req.rid, tuple(b.block_id for b in part), g))
+        req.cached = hits.length // self.block_size
+
+    def grow(self, req: Request, end: int) -> None:
+        """Each group in order allocates what covering ``end`` tokens needs: full and window
+        groups every block up to it, a state group the slot ``end`` falls in (nulls before)."""
+        pool, rid, null = self.pool, req.rid, self.pool.blocks[0]
+        for g, table in enumerate(self.tables(req)):
+            spec = self.groups[g]
+            size = spec.block_size
+            if spec.kind != "state":
+                while len(table) * size < end:
+                    table.append(pool.allocate(rid, g))
+                continue
+            slot = -(-end // size) - 1
+            if slot < 0:
+                continue
+            while len(table) < slot:
+                table.append(null)
+            if len(table) == slot:
+                table.append(pool.allocate(rid, g))
+            elif table[slot].block_id == 0:
+                table[slot] = pool.allocate(rid, g)
+            if end % size == 0:
+                self.aimed.setdefault(rid, set()).add((g, slot))
+
+    def skippable(self, req: Request, processed: int) -> int:
+        """Blocks ``remove_skipped`` would put back on the free queue now."""
+        count = 0
+        for g, table in enumerate(self.tables(req)):
+            last = min(self._skipped(g, processed), len(table))
+            count += sum(1 for b in table[:last] if b.block_id != 0 and b.ref_cnt == 1)
+        return count
+
+    def remove_skipped(self, req: Request, processed: int) -> None:
+        """Each group in order frees (last first, as one batch) and nulls the slots no step in
+        flight reads any more: a window group's down to its first null, a state group's all."""
+        null = self.pool.blocks[0]
+        for g, table in enumerate(self.tables(req)):
+            kind = self.groups[g].kind
+            if kind == "full":
+                continue
+            freed: list[Block] = []
+            for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
+                if table[i] is null:
+                    if kind == "window":
+                        break
+                    continue
+                freed.append(table[i])
+                table[i] = null
+            if freed:
+                self.pool.free_batch(freed[::-1])
+
+    # -- registration ------------------------------------------------------------------------
+
+    def _slots(self, index: int) -> list[tuple[int, int]]:
+        """(group, slot) of the blocks that hash block ``index`` completes."""
+        out = []
+        for g, spec in enumerate(self.groups):
+            k = spec.block_size // self.block_size
+            if (index + 1) % k == 0:
+                out.append((g, (index + 1) // k - 1))
+        return out
+
+    def publish(self, req: Request, index: int) -> None:
+        """Register, in each group, the block hash block ``index`` completes: a full or window
+        block unless it is registered already, a state block only where an entry ended exactly
+        at its boundary."""
+        if (index + 1) * self.block_size > len(req.tokens):
+            raise RuntimeError(
+                f"publish of r{req.rid}'s hash block {index}: its tokens are not all known "
+                f"({len(req.tokens)} known)"
+            )
+        tables, aimed = self.tables(req), self.aimed.get(req.rid, ())
+        for g, slot in self._slots(index):
+            table = tables[g]
+            if slot >= len(table):
+                continue
+            block = table[slot]
+            if self.groups[g].kind == "state" and (block.block_id == 0 or (g, slot) not in aimed):
+                continue
+            if block.block_hash is None:
+                key = self._key(self._hashes(req, index), g, slot)
+                self.pool.publish(block, key, req.rid, slot, g)
+
+    def _hashes(self, req: Request, index: int) -> list[bytes]:
+        self.block_hash(req, index)
+        return req.block_hashes
+
+    def unpublish_at(self, req: Request, index: int) -> None:
+        """Roll back the registrations ``publish(req, index)`` made."""
+        tables = self.tables(req)
+        for g, slot in self._slots(index):
+            if slot < len(tables[g]) and tables[g][slot].block_id != 0:
+                self.pool.unpublish(tables[g][slot])
+
+    # -- freeing -----------------------------------------------------------------------------
+
+    def free(self, req: Request) -> None:
+        self.free_blocks(self.pop_table(req))
+
+    def pop_table(self, req: Request) -> list[Block]:
+        """Take the request's tables away (their nulls left out) without dropping references."""
+        parts = [[b for b in t if b.block_id != 0] for t in self.tables(req)]
+        req.table = []
+        req.tables = [req.table] + [[] for _ in self.groups[1:]]
+        req.computed = 0
+        req.cached = 0
+        self.aimed.pop(req.rid, None)
+        return GroupedTable(parts)
+
+    def free_blocks(self, table: list[Block]) -> None:
+        """Drop one reference on each block, group by group in group order, each last first."""
+        assert isinstance(table, GroupedTable)
+        for part in table.parts:
+            if self.batch_free:
+                self.pool.free_batch(part)
+            else:
+                self.pool.free_reversed(part)

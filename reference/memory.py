@@ -1,0 +1,179 @@
+"""The fake device memory of several KV-cache groups: what each block holds, and every read of
+the wrong thing, named by the invariant of docs/hybrid.md it breaks.
+
+With one group the spec replays the worker's log and finds the bad reads itself. With several,
+the fake worker keeps this memory (``FakeWorker`` with ``groups``) so that the engine's own run
+says what a step read: a K/V slot holds the identity of the prefix up to its position, a state
+block the identity of the prefix after which the recurrence was computed (its length and a crc
+of its tokens). Each write is stamped with the block's generation (``Block.generation``, one
+per allocation), so memory left by an earlier use of a recycled block reads as unwritten.
+
+A step writes, then reads (as the spec's ``execute``: every write of the batch, then every
+read), each entry through the tables it was scheduled with (``Entry.tables``): K/V slots before
+its first new token (a window group's only those inside the window of that token), and the
+state block it starts from as it was before its own write (a state is updated in place). An
+entry that read the wrong thing wrote garbage. The names:
+
+* ``NoReadOfRecycled``: the block read is the null block (nulled while the step was in flight)
+  or was allocated again since the step was scheduled (its bytes may still be the right ones
+  if no one wrote it since: then what the entry computes is right, though the read is named);
+* ``NoUnwrittenStateRead``, ``NoUnwrittenRead``: nothing was written there in this use of the
+  block (its writer never ran: preempted, aborted), or what was written is garbage;
+* ``StateAtItsBoundary``: the state read was computed after another number of tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from .block_pool import Block
+from .config import GroupSpec
+from .hashing import pack_token
+from .request import Entry, Request, Step
+
+Content = tuple[int, int]
+"""(tokens, crc32 of those tokens): the prefix a K/V slot closes or a state follows."""
+
+
+class BadRead(NamedTuple):
+    """One read of the wrong thing by a live entry."""
+
+    invariant: str
+    step: int
+    rid: int
+    group: int
+    block: int
+    position: int
+    """The K/V slot's token position, or the state's boundary."""
+
+
+class GroupMemory:
+    """Block contents per group kind; ``execute`` checks a step's reads, then does its writes."""
+
+    __slots__ = ("groups", "blocks", "kv", "state", "prefixes", "bad_reads")
+
+    def __init__(self, groups: Sequence[GroupSpec], blocks: Sequence[Block]) -> None:
+        self.groups = tuple(groups)
+        self.blocks = blocks
+        self.kv: dict[tuple[int, int], tuple[int, Content | None]] = {}
+        """(block, slot) -> (generation, content) of K/V groups."""
+        self.state: dict[int, tuple[int, Content | None]] = {}
+        """block -> (generation, content) of state groups."""
+        self.prefixes: dict[int, list[int]] = {}
+        """Per request, the crc32 of its first n tokens at index n (kept as tokens grow)."""
+        self.bad_reads: list[BadRead] = []
+
+    def _content(self, req: Request, n: int) -> Content | None:
+        """The identity of the request's first ``n`` tokens; None past its known tokens."""
+        if n > len(req.tokens):
+            return None
+        crcs = self.prefixes.setdefault(req.rid, [0])
+        tokens = req.tokens
+        while len(crcs) <= n:
+            crcs.append(zlib.crc32(pack_token(tokens[len(crcs) - 1]), crcs[-1]))
+        return (n, crcs[n])
+
+    def forget(self, rid: int) -> None:
+        """A finished request's prefixes are not needed any more."""
+        self.prefixes.pop(rid, None)
+
+    def execute(self, step: Step, requests: Mapping[int, Request]) -> None:
+        plans = []
+        for rid, entry in step.entries.items():
+            if entry.load or entry.tables is None:
+                continue
+            req = requests[rid]
+            kv_writes: list[tuple[int, int, int, Content | None]] = []
+            state_writes: list[tuple[int, int, Content | None]] = []
+            for g, spec in enumerate(self.groups):
+                table, size = entry.tables[g], spec.block_size
+                if spec.kind == "state":
+                    block, gen = table[-(-entry.end // size) - 1]
+                    state_writes.append((block, gen, self._content(req, entry.end)))
+                    continue
+                for p in range(entry.start, entry.end):
+                    block, gen = table[p // size]
+                    kv_writes.append((block, p % size, gen, self._content(req, p + 1)))
+            before = {block: self.state.get(block) for block, _, _ in state_writes}
+            plans.append((req, entry, kv_writes, state_writes, before))
+        for _, _, kv_writes, state_writes, _ in plans:
+            for block, slot, gen, content in kv_writes:
+                self.kv[(block, slot)] = (gen, content)
+            for block, gen, content in state_writes:
+                self.state[block] = (gen, content)
+        for req, entry, kv_writes, state_writes, before in plans:
+            if self._reads_bad(step, req, entry, before, req.rid in step.live):
+                for block, slot, gen, _ in kv_writes:  # computed from wrong inputs
+                    self.kv[(block, slot)] = (gen, None)
+                for block, gen, _ in state_writes:
+                    self.state[block] = (gen, None)
+
+    def _reads_bad(
+        self,
+        step: Step,
+        req: Request,
+        entry: Entry,
+        before: dict[int, tuple[int, Content | None] | None],
+        live: bool,
+    ) -> bool:
+        """Check the entry's reads (recorded when ``live``); True when what it read was wrong
+        (a recycled block whose bytes are still the right ones is named, but reads right)."""
+        start, wrong = entry.start, False
+        scratch: list[BadRead] = []
+        assert entry.tables is not None
+        for g, spec in enumerate(self.groups):
+            table, size = entry.tables[g], spec.block_size
+            if spec.kind == "state":
+                if start:
+                    block, gen = table[-(-start // size) - 1]
+                    held = before[block] if block in before else self.state.get(block)
+                    name, bytes_wrong = self._state_fault(req, block, gen, held, start)
+                    wrong |= bytes_wrong
+                    if name:
+                        scratch.append(BadRead(name, step.step_id, req.rid, g, block, start))
+                continue
+            lo = 0 if spec.window is None else max(0, start - spec.window + 1)
+            for p in range(lo, start):
+                block, gen = table[p // size]
+                name, bytes_wrong = self._kv_fault(req, block, gen, p, size)
+                wrong |= bytes_wrong
+                if name:
+                    scratch.append(BadRead(name, step.step_id, req.rid, g, block, p))
+        if live:
+            self.bad_reads += scratch
+        return wrong
+
+    def _state_fault(
+        self,
+        req: Request,
+        block: int,
+        gen: int,
+        held: tuple[int, Content | None] | None,
+        start: int,
+    ) -> tuple[str | None, bool]:
+        """(the invariant the read breaks or None, whether the bytes read are wrong)."""
+        expected = self._content(req, start)
+        right = block != 0 and held is not None and held[1] is not None and held[1] == expected
+        if block == 0 or self.blocks[block].generation != gen:
+            return "NoReadOfRecycled", not right
+        if held is None or held[0] != gen or held[1] is None:
+            return "NoUnwrittenStateRead", True
+        if held[1][0] != start:
+            return "StateAtItsBoundary", True
+        if not right:
+            return "NoUnwrittenStateRead", True
+        return None, False
+
+    def _kv_fault(
+        self, req: Request, block: int, gen: int, pos: int, size: int
+    ) -> tuple[str | None, bool]:
+        """(the invariant the read breaks or None, whether the bytes read are wrong)."""
+        held = self.kv.get((block, pos % size))
+        right = block != 0 and held is not None and held[1] == self._content(req, pos + 1)
+        if block == 0 or self.blocks[block].generation != gen:
+            return "NoReadOfRecycled", not right
+        if held is None or held[0] != gen or not right:
+            return "NoUnwrittenRead", True
+        return None, False

@@ -1,0 +1,403 @@
+"""Several KV-cache groups in the reference engine (issue #36, docs/hybrid.md): one group is
+today's engine exactly; the coordinator's hit is the largest length every group accepts; the
+hand-made scenarios of full + state and full + window groups emit the events docs/hybrid.md
+fixes; safe policies hold under ``kvspec fuzz --groups``; and a planted bug per new invariant is
+caught and named by it within 30 s.
+
+Until the spec models groups (h-groups' branch), the engine is judged by its own fake device
+memory (``reference.memory``) and the per-admission hit check of ``conformance.fuzz_groups``;
+the lockstep test joins here once the spec's groups are merged.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvspec.conformance.fuzz_groups import parse_groups, run_groups_cell
+from kvspec.reference import Engine, EngineConfig, GroupSpec, RandomChoices
+from kvspec.reference import scheduler as reference_scheduler
+from kvspec.reference.block_pool import BlockPool
+from kvspec.reference.groups import GroupedKV
+from kvspec.reference.hashing import pack_tokens
+from kvspec.reference.request import Request
+
+# -- one group is today's engine ------------------------------------------------------------
+
+
+def _workload_run(config: EngineConfig, seed: int) -> tuple[list[tuple[object, ...]], object]:
+    engine = Engine(config, RandomChoices(seed))
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(3) for _ in range(8)) for _ in range(2)]
+    for rid in range(8):
+        prompt = rng.choice(prefixes) + tuple(rng.randrange(3) for _ in range(rng.randint(1, 5)))
+        engine.add_request(rid, prompt, rng.randint(1, 6), rng.randrange(3))
+        engine.run(rng.randint(0, 3))
+        if rng.random() < 0.2:
+            engine.abort(rng.randrange(rid + 1))
+    engine.run()
+    return engine.events, engine.snapshot()
+
+
+@pytest.mark.parametrize("discipline", ["vllm", "general"])
+@pytest.mark.parametrize("policy", ["eager-unsafe", "deferred", "hide-uncommitted"])
+def test_one_group_is_todays_engine(policy: str, discipline: str) -> None:
+    """``groups=(full,)`` and ``groups=(window W,)`` at the hash block size run exactly as the
+    engine without groups and with ``sliding_window=W``: same events, same pool. (Planted:
+    routing a one-group config to the coordinator adds the group field to every event.)"""
+    for seed in range(4):
+        base = dict(
+            num_blocks=18, block_size=2, depth=1 + seed % 2, policy=policy, discipline=discipline
+        )
+        today = _workload_run(EngineConfig(**base), seed)  # type: ignore[arg-type]
+        one = _workload_run(EngineConfig(**base, groups=(GroupSpec("full", 2),)), seed)  # type: ignore[arg-type]
+        assert one == today
+        window = _workload_run(EngineConfig(**base, sliding_window=5), seed)  # type: ignore[arg-type]
+        one_window = _workload_run(
+            EngineConfig(**base, groups=(GroupSpec("window", 2, 5),)),  # type: ignore[arg-type]
+            seed,
+        )
+        assert one_window == window
+
+
+def test_group_config_is_checked() -> None:
+    """Bad groups are refused by name when the config is made."""
+    cases = [
+        (dict(groups=(GroupSpec("chunked", 2),)), "kind"),
+        (dict(groups=(GroupSpec("full", 3),)), "multiple"),
+        (dict(groups=(GroupSpec("window", 2),)), "window"),
+        (dict(groups=(GroupSpec("state", 2, 4),)), "only a window group"),
+        (dict(groups=(GroupSpec("full", 2),), sliding_window=4), "exclusive"),
+        (dict(groups=(GroupSpec("full", 2), GroupSpec("state", 2)), spec_tokens=1), "speculative"),
+    ]
+    for extra, words in cases:
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(num_blocks=8, block_size=2, **extra)  # type: ignore[arg-type]
+
+
+def test_group_spec_is_the_spec_group() -> None:
+    """The engine's ``GroupSpec`` and kinds are the spec's ``Group`` field for field (the engine
+    imports no spec)."""
+    from kvspec import spec
+    from kvspec.reference import GROUP_KINDS
+
+    group = getattr(spec, "Group", None)
+    if group is None:
+        pytest.skip("the spec does not model groups yet (h-groups' M1)")
+    assert tuple(GroupSpec._fields) == tuple(group.__dataclass_fields__)
+    kinds = getattr(spec, "GROUP_KINDS", None)
+    if kinds is not None:
+        assert set(GROUP_KINDS) <= set(kinds)
+
+
+# -- the hit across groups ------------------------------------------------------------------
+
+
+def _accepted(groups: tuple[GroupSpec, ...], cached: set[tuple[int, int]], length: int) -> bool:
+    """Each group's own rule, restated: does every group serve a hit of ``length`` tokens?"""
+    for g, spec in enumerate(groups):
+        blocks = length // spec.block_size
+        if spec.kind == "full":
+            need = range(blocks)
+        elif spec.kind == "window":
+            assert spec.window is not None
+            need = range(max(0, length - spec.window + 1) // spec.block_size, blocks)
+        else:
+            need = range(blocks - 1, blocks) if length else range(0)
+        if any((g, slot) not in cached for slot in need):
+            return False
+    return True
+
+
+GROUP_SETS = [
+    (GroupSpec("full", 2), GroupSpec("state", 4)),
+    (GroupSpec("state", 2), GroupSpec("full", 2)),
+    (GroupSpec("window", 2, 3), GroupSpec("full", 4), GroupSpec("state", 2)),
+    (GroupSpec("state", 4), GroupSpec("window", 2, 5)),
+]
+
+
+@pytest.mark.parametrize("groups", GROUP_SETS, ids=lambda gs: ",".join(g.kind for g in gs))
+def test_hit_is_the_largest_length_every_group_accepts(groups: tuple[GroupSpec, ...]) -> None:
+    """vLLM's iteration (each group shortens the candidate until none does) finds the spec's
+    maximum, on random published indexes. (Planted: one pass over the groups, no restart,
+    fails with a state group before the full one.)"""
+    rng = random.Random(36)
+    h = 2
+    align = math.lcm(*(g.block_size for g in groups))
+    for _ in range(300):
+        pool = BlockPool(64)
+        kv = GroupedKV(pool, h, groups, align)
+        tokens = tuple(rng.randrange(2) for _ in range(rng.randint(1, 24)))
+        req = Request(0, tokens, pack_tokens(tokens), 1, 0, 0, False)
+        if len(tokens) >= h:
+            kv.block_hash(req, len(tokens) // h - 1)
+        cached: set[tuple[int, int]] = set()
+        free_ids = iter(range(1, 64))
+        for g, spec in enumerate(groups):
+            for slot in range(len(tokens) // spec.block_size):
+                if rng.random() < 0.7:
+                    block = pool.blocks[next(free_ids)]
+                    pool.publish(block, kv._key(req.block_hashes, g, slot), 9, slot, g)
+                    cached.add((g, slot))
+        hits = kv.lookup(req)
+        cap = (len(tokens) - 1) // align * align
+        best = max(n for n in range(0, cap + 1, align) if _accepted(groups, cached, n))
+        assert hits.length == best
+        for g, spec in enumerate(groups):
+            assert len(hits.groups[g]) == best // spec.block_size
+
+
+# -- hand-made scenarios --------------------------------------------------------------------
+
+
+def _engine(groups: tuple[GroupSpec, ...], h: int, budget: int, **extra: object) -> Engine:
+    config = EngineConfig(
+        num_blocks=40,
+        block_size=h,
+        token_budget=budget,
+        groups=groups,
+        **extra,  # type: ignore[arg-type]
+    )
+    return Engine(config)
+
+
+def test_a_state_is_kept_only_where_a_step_ended() -> None:
+    """full@2 + state@4, deferred: a 9-token prompt with a budget of 4 is computed in chunks
+    ending at 4 and 8 (the state boundaries), so states are registered at 4 and 8 (group 1's
+    slots 0 and 1), and a request sharing 8 tokens hits all 8: four full blocks and the state
+    at 8, nulls before it, one ``hit`` per group."""
+    engine = _engine((GroupSpec("full", 2), GroupSpec("state", 4)), 2, 4)
+    prompt = (1, 2, 3, 4, 5, 6, 7, 0, 1)
+    engine.add_request(0, prompt, 1)
+    engine.run()
+    states = [e for e in engine.events if e[0] == "publish" and e[-1] == 1]
+    assert [e[2] for e in states] == [0, 1]
+    engine.add_request(1, prompt[:8] + (3, 3), 1)
+    engine.run()
+    hits = [(e[2], e[3]) for e in engine.events if e[0] == "hit" and e[1] == 1]
+    assert [(len(b), g) for b, g in hits] == [(4, 0), (2, 1)]  # type: ignore[arg-type]
+    assert hits[1][0] == (0, states[1][3])
+    assert engine.bad_reads == []
+
+
+def test_a_state_group_shortens_the_hit() -> None:
+    """full@4 + state@4: a 13-token prompt computed in one chunk cut at 12 keeps a state at 12
+    only; a request sharing its first 8 tokens finds both full blocks but no state at 8 or 4,
+    so its hit is empty: shortened by the state group (counted by the coordinator)."""
+    engine = _engine((GroupSpec("full", 4), GroupSpec("state", 4)), 4, 16)
+    prompt = tuple(range(13))
+    engine.add_request(0, prompt, 1)
+    engine.run()
+    schedules = [e[2] for e in engine.events if e[0] == "schedule" and e[1] == 0]
+    assert schedules[0] == 12  # clipped to the last state boundary before the last token
+    engine.add_request(1, prompt[:8] + (0, 0, 0), 1)
+    engine.run()
+    assert [e[2] for e in engine.events if e[0] == "hit" and e[1] == 1] == [(), ()]
+    assert isinstance(engine.kv, GroupedKV) and engine.kv.n_shortened == 1
+
+
+def test_window_and_state_groups_free_what_no_step_reads() -> None:
+    """full@2 + window 3@2 + state@2, one step at a time: while a 14-token prompt is computed
+    2 tokens a step, the window and state groups null and free their leading blocks, the full
+    group keeps all; the frees come first among a schedule's effects, group order."""
+    engine = _engine((GroupSpec("full", 2), GroupSpec("window", 2, 3), GroupSpec("state", 2)), 2, 2)
+    engine.add_request(0, tuple(range(14)), 1)
+    for _ in range(10):
+        engine.step()
+    req = engine.requests[0]
+    full, window, state = req.tables
+    assert all(b.block_id for b in full)
+    assert window[0].block_id == 0 and window[-1].block_id != 0
+    assert state[0].block_id == 0 and state[-1].block_id != 0
+    after_schedule = False
+    for event in engine.events:
+        if event[0] == "schedule":
+            after_schedule = True
+        elif event[0] == "alloc":
+            after_schedule = False
+        elif event[0] == "free":
+            assert after_schedule  # no free after an alloc of the same schedule
+    assert engine.bad_reads == []
+
+
+# -- kvspec fuzz --groups: safe cells hold, planted bugs are named ---------------------------
+
+
+def test_groups_syntax() -> None:
+    assert parse_groups("full,window:8,state") == (
+        ("full", None, None),
+        ("window", None, 8),
+        ("state", None, None),
+    )
+    assert parse_groups("full@2,state@4") == (("full", 2, None), ("state", 4, None))
+    assert parse_groups("state") == (("state", None, None),)
+    for bad in ("full,", "attn", "window", "full:3", "state@x", "full@0", "full", "window:4"):
+        with pytest.raises(ValueError):
+            parse_groups(bad)
+
+
+@pytest.mark.parametrize(
+    "policy,discipline,preemption,groups",
+    [
+        ("deferred", "vllm", "priority", "full,window:4,state"),
+        ("hide-uncommitted", "general", "fcfs", "full@2,window:3@2,state@4"),
+        ("eager-rollback-fifo", "vllm", "fcfs", "full,state"),
+    ],
+)
+def test_safe_cells_hold_with_groups(
+    policy: str, discipline: str, preemption: str, groups: str
+) -> None:
+    """Bounded (300 runs of seed 0): nothing found, and the hybrid paths reached."""
+    result = run_groups_cell(
+        parse_groups(groups), policy, discipline, preemption, seconds=60, max_runs=300
+    )
+    assert result.finding is None, result.finding
+    assert result.runs == 300
+    cov = result.coverage
+    assert cov.state_hits > 0 and cov.hits_shortened > 0
+    if "window" in groups:
+        assert cov.window_nulled_shared > 0
+
+
+def _plant_ignore_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator ignores the state group: it accepts any length, with no state block."""
+    accepts, hit_blocks = GroupedKV._accepts, GroupedKV._hit_blocks
+
+    def _accepts(self: GroupedKV, hashes: list[bytes], g: int, length: int) -> int:
+        return length if self.groups[g].kind == "state" else accepts(self, hashes, g, length)
+
+    def _hit_blocks(self: GroupedKV, hashes: list[bytes], g: int, length: int) -> list[object]:
+        if self.groups[g].kind == "state":
+            return [self.pool.blocks[0]] * (length // self.groups[g].block_size)
+        return hit_blocks(self, hashes, g, length)  # type: ignore[return-value]
+
+    monkeypatch.setattr(GroupedKV, "_accepts", _accepts)
+    monkeypatch.setattr(GroupedKV, "_hit_blocks", _hit_blocks)
+
+
+def _plant_state_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state block may be registered whatever boundary its step ended at."""
+    grow = GroupedKV.grow
+
+    def planted(self: GroupedKV, req: Request, end: int) -> None:
+        grow(self, req, end)
+        for g, spec in enumerate(self.groups):
+            if spec.kind == "state" and end:
+                self.aimed.setdefault(req.rid, set()).add((g, -(-end // spec.block_size) - 1))
+
+    monkeypatch.setattr(GroupedKV, "grow", planted)
+
+
+def _plant_window_ignores_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window is measured from the computed tokens, not from what no step in flight reads."""
+    monkeypatch.setattr(reference_scheduler.Scheduler, "processed", lambda self, req: req.computed)
+
+
+def _plant_state_not_carried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that ends in the state slot its request's previous step ended in gets a fresh
+    block for it (vLLM's align mode allocates one per step), but the state is not carried over:
+    the step starts from a block nothing wrote."""
+    grow = GroupedKV.grow
+
+    def planted(self: GroupedKV, req: Request, end: int) -> None:
+        tables = self.tables(req)
+        for g, spec in enumerate(self.groups):
+            slot = -(-end // spec.block_size) - 1
+            table = tables[g]
+            if spec.kind == "state" and 0 <= slot < len(table) and table[slot].block_id:
+                if table[slot].block_hash is None:  # (a registered state stays)
+                    self.pool.free_batch([table[slot]])
+                    table[slot] = self.pool.allocate(req.rid, g)
+        grow(self, req, end)
+
+    monkeypatch.setattr(GroupedKV, "grow", planted)
+
+
+PLANTS = [
+    ("HitServedByEveryGroup", _plant_ignore_state, "deferred", "vllm", "fcfs", "full,state"),
+    ("StateAtItsBoundary", _plant_state_anywhere, "deferred", "vllm", "fcfs", "full,state"),
+    (
+        "NoReadOfRecycled",
+        _plant_window_ignores_flight,
+        "eager-rollback-fifo",  # (a deferred registration of a nulled block is an engine error)
+        "vllm",
+        "fcfs",
+        "full,window:3",
+    ),
+    (
+        "NoUnwrittenStateRead",
+        _plant_state_not_carried,
+        "deferred",
+        "vllm",
+        "fcfs",
+        "full,state",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name,plant,policy,discipline,preemption,groups", PLANTS, ids=[p[0] for p in PLANTS]
+)
+def test_planted_bug_is_named_by_its_invariant(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    plant: object,
+    policy: str,
+    discipline: str,
+    preemption: str,
+    groups: str,
+) -> None:
+    """Each planted bug is caught by ``kvspec fuzz --groups`` (seed 0, derandomized) and named
+    by its invariant, within 30 s; the same cell without the plant holds over those runs."""
+    plant(monkeypatch)  # type: ignore[operator]
+    result = run_groups_cell(
+        parse_groups(groups), policy, discipline, preemption, seconds=30, max_runs=2000
+    )
+    assert result.finding is not None, "the planted bug was not caught"
+    assert result.finding.invariant == name, result.finding
+    assert result.finding.seconds < 30
+    monkeypatch.undo()
+    clean = run_groups_cell(
+        parse_groups(groups), policy, discipline, preemption, max_runs=result.runs
+    )
+    assert clean.finding is None, clean.finding
+
+
+def test_the_seed_question_for_a_state_group() -> None:
+    """eager-unsafe, vllm/priority, full + state: a state registered when its step was
+    scheduled, whose writer was preempted out of that step, stays registered holding nothing
+    (StateAtItsBoundary, found within the 30 s budget)."""
+    result = run_groups_cell(
+        parse_groups("full,state"), "eager-unsafe", "vllm", "priority", seconds=30
+    )
+    assert result.finding is not None
+    assert result.finding.invariant == "StateAtItsBoundary", result.finding
+    assert "holds nothing written" in result.finding.detail
+
+
+def test_fuzz_groups_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvspec fuzz --groups``: bad syntax or a flag it does not combine with is exit 2 with
+    one line naming ``--groups``; a safe cell holds (exit 0) and prints the groups' coverage
+    line; the seed's cell is a finding (exit 1) named by its invariant."""
+    from kvspec.cli import main
+
+    for argv in (
+        ["--groups", "full,mamba"],
+        ["--groups", "window"],
+        ["--groups", "full"],
+        ["--groups", "full,state", "--loads"],
+        ["--groups", "full,state", "--sliding-window", "4"],
+    ):
+        assert main(["fuzz", "--policy", "deferred", "--seconds", "1", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "--groups" in err and len(err.strip().splitlines()) == 1
+    base = ["fuzz", "--groups", "full,window:4,state", "--seconds", "2"]
+    assert main([*base, "--policy", "deferred"]) == 0
+    out = capsys.readouterr().out
+    assert "no counterexample" in out and "state blocks hit" in out
+    seed = ["fuzz", "--groups", "full,state", "--seconds", "30", "--preemption", "priority"]
+    assert main([*seed, "--policy", "eager-unsafe"]) == 1
+    assert "StateAtItsBoundary" in capsys.readouterr().out
