@@ -263,8 +263,9 @@ def _published_fault(
     assert memory is not None
     for event in events:
         kind, fields_ = event[0], [x for x in event[1:] if isinstance(x, int)]
-        if kind == "publish" and len(fields_) == 4 and groups[fields_[3]].kind == "state":
-            rid, slot, block, g = fields_
+        if kind == "publish" and groups[fields_[3] if len(fields_) > 3 else 0].kind == "state":
+            rid, slot, block = fields_[:3]
+            g = fields_[3] if len(fields_) > 3 else 0
             boundary = (slot + 1) * groups[g].block_size
             published[block] = (rid, memory._content(engine.requests[rid], boundary))
         elif kind in ("unpublish", "evict"):

@@ -17,8 +17,12 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
   next processed token when it is scheduled; a state group frees its states before the one the
   oldest step in flight starts from (vLLM's align mode retires them).
 * A state group's table has one slot per block: the block a step's entry ends in holds the state
-  after that entry, and only a slot whose boundary an entry ended exactly at (``aimed``) may be
-  registered; the slots in between stay null.
+  after that entry; the slots in between stay null.
+* Registration: the policies register group 0 as a single group's table (hash-block indices:
+  group 0 is at the hash block size, as the spec requires of several groups); groups 1 .. G - 1
+  register what a step ending at ``end`` makes registrable (``group_pending``, from each
+  group's own count of registered blocks): full and window blocks wholly inside the known
+  tokens, a state block only when ``end`` is its boundary (the step writes the state there).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class GroupedKV(KVCacheManager):
 
     grouped = True
 
-    __slots__ = ("groups", "align", "aimed", "n_shortened")
+    __slots__ = ("groups", "align", "group_cached", "n_shortened")
 
     def __init__(
         self,
@@ -73,9 +77,8 @@ class GroupedKV(KVCacheManager):
         self.align = align
         self.n_shortened = 0
         """Lookups whose hit another group shortened below what group 0 alone would serve."""
-        self.aimed: dict[int, set[tuple[int, int]]] = {}
-        """Per request, the (state group, slot) pairs an entry of it was scheduled to end at the
-        boundary of: the only state slots it may register."""
+        self.group_cached: dict[int, list[int]] = {}
+        """Per request, each group's (1 .. G - 1) leading blocks registered or tracked."""
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -212,15 +215,18 @@ class GroupedKV(KVCacheManager):
 
     def admit(self, req: Request, hits: list[Block]) -> None:
         """Touch each group's hit blocks (not the nulls) and make them its table's start; one
-        ``hit`` event per group, in group order."""
+        ``hit`` event per group, in group order (group 0's without the group field, as every
+        event of group 0: the canonical form of docs/hybrid.md)."""
         assert isinstance(hits, GroupHits)
         tables, pool, events = self.tables(req), self.pool, self.pool.events
         for g, part in enumerate(hits.groups):
             pool.touch([b for b in part if b.block_id != 0])
             tables[g].extend(part)
             if events is not None:
-                events.append(("hit", req.rid, tuple(b.block_id for b in part), g))
+                hit = ("hit", req.rid, tuple(b.block_id for b in part))
+                events.append((*hit, g) if g else hit)  # group 0's field is left out
         req.cached = hits.length // self.block_size
+        self.group_cached[req.rid] = [len(part) for part in hits.groups[1:]]
 
     def grow(self, req: Request, end: int) -> None:
         """Each group in order allocates what covering ``end`` tokens needs: full and window
@@ -231,7 +237,7 @@ class GroupedKV(KVCacheManager):
             size = spec.block_size
             if spec.kind != "state":
                 while len(table) * size < end:
-                    table.append(pool.allocate(rid, g))
+                    table.append(pool.allocate(rid, g or None))
                 continue
             slot = -(-end // size) - 1
             if slot < 0:
@@ -239,11 +245,9 @@ class GroupedKV(KVCacheManager):
             while len(table) < slot:
                 table.append(null)
             if len(table) == slot:
-                table.append(pool.allocate(rid, g))
+                table.append(pool.allocate(rid, g or None))
             elif table[slot].block_id == 0:
-                table[slot] = pool.allocate(rid, g)
-            if end % size == 0:
-                self.aimed.setdefault(rid, set()).add((g, slot))
+                table[slot] = pool.allocate(rid, g or None)
 
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""
@@ -274,46 +278,62 @@ class GroupedKV(KVCacheManager):
 
     # -- registration ------------------------------------------------------------------------
 
-    def _slots(self, index: int) -> list[tuple[int, int]]:
-        """(group, slot) of the blocks that hash block ``index`` completes."""
-        out = []
-        for g, spec in enumerate(self.groups):
-            k = spec.block_size // self.block_size
-            if (index + 1) % k == 0:
-                out.append((g, (index + 1) // k - 1))
-        return out
-
     def publish(self, req: Request, index: int) -> None:
-        """Register, in each group, the block hash block ``index`` completes: a full or window
-        block unless it is registered already, a state block only where an entry ended exactly
-        at its boundary."""
+        """Register group 0's block ``index`` (a single group's ``publish``)."""
         if (index + 1) * self.block_size > len(req.tokens):
             raise RuntimeError(
-                f"publish of r{req.rid}'s hash block {index}: its tokens are not all known "
+                f"publish of r{req.rid}'s block {index}: its tokens are not all known "
                 f"({len(req.tokens)} known)"
             )
-        tables, aimed = self.tables(req), self.aimed.get(req.rid, ())
-        for g, slot in self._slots(index):
-            table = tables[g]
-            if slot >= len(table):
-                continue
-            block = table[slot]
-            if self.groups[g].kind == "state" and (block.block_id == 0 or (g, slot) not in aimed):
-                continue
-            if block.block_hash is None:
-                key = self._key(self._hashes(req, index), g, slot)
-                self.pool.publish(block, key, req.rid, slot, g)
+        k = self.groups[0].block_size // self.block_size
+        if (index + 1) % k == 0:
+            self.publish_group(req, 0, (index + 1) // k - 1)
+
+    def unpublish_at(self, req: Request, index: int) -> None:
+        """Roll back group 0's block ``index``."""
+        k = self.groups[0].block_size // self.block_size
+        if (index + 1) % k == 0:
+            self.unpublish_group(req, 0, (index + 1) // k - 1)
+
+    def group_pending(self, req: Request, end: int, limit: int) -> list[tuple[int, int]]:
+        """The (group, index) of groups 1 .. G - 1 a step of the request ending at ``end`` makes
+        registrable, each group's count of registered blocks moving past them: full and window
+        blocks wholly inside the first ``min(end, limit)`` tokens, a state block only when
+        ``end`` is its boundary and within ``limit`` (``limit``: the known tokens, or fewer)."""
+        cached = self.group_cached.setdefault(req.rid, [0] * (len(self.groups) - 1))
+        out: list[tuple[int, int]] = []
+        for g in range(1, len(self.groups)):
+            size, done = self.groups[g].block_size, cached[g - 1]
+            upto = min(end, limit) // size
+            if self.groups[g].kind == "state":
+                if end % size == 0 and end <= limit and end // size > done:
+                    out.append((g, end // size - 1))
+            else:
+                out += [(g, i) for i in range(done, upto)]
+            cached[g - 1] = max(done, upto)
+        return out
+
+    def publish_group(self, req: Request, group: int, index: int) -> None:
+        """Register group ``group``'s block ``index`` under the prefix up to its end, unless it
+        is a null position (a skipped block, a state slot no step ended in) or registered."""
+        table = self.tables(req)[group]
+        if index >= len(table) or table[index].block_id == 0:
+            return
+        block = table[index]
+        if block.block_hash is None:
+            k = self.groups[group].block_size // self.block_size
+            key = self._key(self._hashes(req, (index + 1) * k - 1), group, index)
+            self.pool.publish(block, key, req.rid, index, group or None)
+
+    def unpublish_group(self, req: Request, group: int, index: int) -> None:
+        """Roll back group ``group``'s block ``index`` (nothing for a null position)."""
+        table = self.tables(req)[group]
+        if index < len(table) and table[index].block_id != 0:
+            self.pool.unpublish(table[index])
 
     def _hashes(self, req: Request, index: int) -> list[bytes]:
         self.block_hash(req, index)
         return req.block_hashes
-
-    def unpublish_at(self, req: Request, index: int) -> None:
-        """Roll back the registrations ``publish(req, index)`` made."""
-        tables = self.tables(req)
-        for g, slot in self._slots(index):
-            if slot < len(tables[g]) and tables[g][slot].block_id != 0:
-                self.pool.unpublish(tables[g][slot])
 
     # -- freeing -----------------------------------------------------------------------------
 
@@ -327,7 +347,7 @@ class GroupedKV(KVCacheManager):
         req.tables = [req.table] + [[] for _ in self.groups[1:]]
         req.computed = 0
         req.cached = 0
-        self.aimed.pop(req.rid, None)
+        self.group_cached.pop(req.rid, None)
         return GroupedTable(parts)
 
     def free_blocks(self, table: list[Block]) -> None:

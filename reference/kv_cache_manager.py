@@ -96,6 +96,19 @@ class KVCacheManager:
         freed = self.skippable(req, processed)
         return -(-end // self.block_size) - len(req.table) > self.pool.num_free + freed
 
+    def group_pending(self, req: Request, end: int, limit: int) -> list[tuple[int, int]]:
+        """Several groups: the (group, index) of groups 1 .. G - 1 a step ending at ``end``
+        makes registrable (``groups.GroupedKV``); none here."""
+        return []
+
+    def publish_group(self, req: Request, group: int, index: int) -> None:
+        """Several groups: register group ``group``'s block ``index`` (``groups.GroupedKV``)."""
+        raise NotImplementedError("one KV-cache group")
+
+    def unpublish_group(self, req: Request, group: int, index: int) -> None:
+        """Several groups: roll back group ``group``'s block ``index`` (``groups.GroupedKV``)."""
+        raise NotImplementedError("one KV-cache group")
+
     def unpublish_at(self, req: Request, index: int) -> None:
         """Roll back the registration of the request's block ``index``, if it has one."""
         self.pool.unpublish(req.table[index])

@@ -102,6 +102,7 @@ class TraitPolicy(Policy):
         "clear_written",
         "post_output",
         "pending",
+        "pending_groups",
     )
 
     def __init__(self, kv: KVCacheManager, traits: PolicyTraits) -> None:
@@ -126,12 +127,30 @@ class TraitPolicy(Policy):
         completed (every policy but ``at-written``, which does it in ``on_written``)."""
         self.pending: dict[int, list[int]] = {}
         """The one dict of ``one-dict`` tracking."""
+        self.pending_groups: dict[int, list[tuple[int, int]]] = {}
+        """Its (group, index) entries for groups 1 .. G - 1 (several KV-cache groups)."""
 
     def _clear(self, step: Step) -> None:
         if self.single:
             self.pending.clear()
+            self.pending_groups.clear()
         elif self.per_step:
             step.registrations.clear()
+            step.group_registrations.clear()
+
+    def _groups(self, req: Request, step: Step, end: int) -> None:
+        """Groups 1 .. G - 1 at schedule time (several KV-cache groups; ``groups.py``): what
+        the step makes registrable is tracked as group 0's is, and published or hidden."""
+        done = self.kv.group_pending(req, end, len(req.tokens))
+        if not done:
+            return
+        if self.single:
+            self.pending_groups.setdefault(req.rid, []).extend(done)
+        elif self.per_step or self.hidden:
+            step.group_registrations.setdefault(req.rid, []).extend(done)
+        if self.at_schedule:
+            for g, i in done:
+                self.kv.publish_group(req, g, i)
 
     def on_begin(self, step: Step) -> None:
         if self.clear_begin:
@@ -144,23 +163,32 @@ class TraitPolicy(Policy):
                 self.pending.setdefault(req.rid, []).extend(indices)
             elif self.per_step:
                 step.registrations.setdefault(req.rid, []).extend(indices)
+            if self.kv.grouped:
+                self._groups(req, step, end)
         elif self.hidden:
             upto = self.known_upto(req, end)
             step.registrations.setdefault(req.rid, []).extend(range(req.cached, upto))
             if upto > req.cached:
                 req.cached = upto
+            if self.kv.grouped:
+                self._groups(req, step, end)
 
     def on_remove(self, req: Request, steps: Iterable[Step]) -> None:
         tracked: list[int] = []
+        tracked_groups: list[tuple[int, int]] = []
         if self.single:
             tracked = self.pending.pop(req.rid, [])
+            tracked_groups = self.pending_groups.pop(req.rid, [])
         elif self.per_step:
             for step in steps:
                 tracked += step.registrations.pop(req.rid, ())
+                tracked_groups += step.group_registrations.pop(req.rid, ())
         if self.unpublish:  # else the hidden entries are dropped with the buckets
             unpublish_at = self.kv.unpublish_at
             for i in tracked:
                 unpublish_at(req, i)
+            for g, i in tracked_groups:
+                self.kv.unpublish_group(req, g, i)
 
     def on_confirmed(self, step: Step) -> None:
         if self.clear_confirmed:
@@ -175,6 +203,8 @@ class TraitPolicy(Policy):
                     continue
                 for i in indices:
                     publish(req, i)
+                for g, i in step.group_registrations.get(rid, ()):
+                    self.kv.publish_group(req, g, i)
         elif self.at_written:
             live, failed = step.live, step.failed
             for rid, entry in step.entries.items():
@@ -182,6 +212,8 @@ class TraitPolicy(Policy):
                     req = requests[rid]
                     if req.status == RUNNING:  # not preempted with its stale output delivered
                         self.register(req, self.known_upto(req, entry.end))  # never a draft
+                        for g, i in self.kv.group_pending(req, entry.end, len(req.tokens)):
+                            self.kv.publish_group(req, g, i)
         if self.clear_written:
             self._clear(step)
 
@@ -192,6 +224,8 @@ class TraitPolicy(Policy):
             end = entry.end - rejected
             known = len(req.tokens) - 1
             self.register(req, (end if end < known else known) // self.block_size)
+            for g, i in self.kv.group_pending(req, end, known):
+                self.kv.publish_group(req, g, i)
 
 
 def make_policy(traits: PolicyTraits, kv: KVCacheManager) -> Policy:

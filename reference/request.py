@@ -154,6 +154,7 @@ class Step:
         "entries",
         "live",
         "registrations",
+        "group_registrations",
         "failed",
         "budget_used",
         "preempted",
@@ -169,6 +170,8 @@ class Step:
         dropped) preempted since."""
         self.registrations: dict[int, list[int]] = {}
         """Block indices registered (or hidden) while scheduling this step, per request."""
+        self.group_registrations: dict[int, list[tuple[int, int]]] = {}
+        """Several KV-cache groups: the (group, index) of groups 1 .. G - 1 so registered."""
         self.failed: tuple[int, ...] = ()
         self.budget_used = 0
         self.preempted = False
