@@ -1,12 +1,18 @@
 """``kvspec fuzz --groups``: random runs of the reference engine with several KV-cache groups,
-each read and each hit judged by the invariants of docs/hybrid.md.
+judged by the spec in lockstep and by the engine's own checks, every finding named by its
+invariant.
 
-Until the spec models groups (issue #36, h-groups' branch) there is no lockstep partner for a
-hybrid engine, so this fuzzer judges the reference engine's own run: every read a step makes
-is checked by the fake device memory (``reference.memory``: ``NoUnwrittenRead``,
-``NoUnwrittenStateRead``, ``StateAtItsBoundary``, ``NoReadOfRecycled``), and every admission's
-per-group ``hit`` events by ``HitServedByEveryGroup`` (one length, each group's slots for it
-present). Runs are drawn from ``--seed`` alone (run ``i`` of seed ``s`` is the same run
+``SpecJudge`` applies each engine decision to the spec (``Config.groups``): the spec's effects
+must be the engine's, and the spec's invariants (the hybrid ones of docs/hybrid.md among them)
+hold after each. When the engine disagrees with the spec, the run goes on judged by the
+engine's own checks, which name what the engine's path breaks: every read a step makes, by the
+fake device memory (``reference.memory``: ``NoUnwrittenRead``, ``NoUnwrittenStateRead``,
+``StateAtItsBoundary``, ``NoReadOfRecycled``), every admission's per-group ``hit`` events by
+``HitServedByEveryGroup`` (one length, each group's slots for it present), every registered
+state by ``StateAtItsBoundary`` once no step in flight writes it; a disagreement they do not
+name is reported as ``Disagreement``. Only running requests are aborted (the spec at h-groups'
+471bfc7 raises on the abort of a request without group tables); a run whose spec judge raises
+is judged by the engine's checks alone (``GroupsResult.spec_errors``). Runs are drawn from ``--seed`` alone (run ``i`` of seed ``s`` is the same run
 everywhere), workloads share prefixes (and half the time whole prompts) across requests in a
 pool small enough to preempt, and
 the coverage line says what the hybrid paths reached.
@@ -30,6 +36,9 @@ from dataclasses import dataclass, field
 from kvspec.conformance.fuzz_coverage import Coverage, RunCoverage
 from kvspec.reference import Engine, EngineConfig, GroupSpec, RandomChoices
 from kvspec.reference.groups import GroupedKV
+from kvspec.spec import Config, Illegal, apply, check, initial_state
+from kvspec.spec.events import DECISIONS
+from kvspec.spec.state import Group
 
 SYNTAX = "KIND[:WINDOW][@BLOCK_SIZE],... (KIND full, window or state; e.g. full,window:8,state)"
 
@@ -104,6 +113,9 @@ class GroupsResult:
     seconds: float = 0.0
     coverage: Coverage = field(default_factory=Coverage)
     finding: GroupsFinding | None = None
+    spec_errors: int = 0
+    """Runs whose spec judge raised (not ``Illegal``): judged by the engine's checks alone
+    from there on."""
 
 
 def engine_groups(
@@ -135,9 +147,13 @@ def run_groups_cell(
     max_runs: int | None = None,
     stop_on: Collection[str] | None = None,
 ) -> GroupsResult:
-    """Runs until a finding, ``seconds`` or ``max_runs``; with ``stop_on``, only a finding of
-    one of those invariants stops (a run that breaks another is abandoned at it)."""
+    """Runs until a finding named by an invariant, ``seconds`` or ``max_runs`` (a
+    ``Disagreement`` alone is reported at the end: the spec and the engine part, and no run has
+    shown yet which invariant that breaks); with ``stop_on``, only a finding of one of those
+    invariants stops (a run that breaks another is abandoned at it)."""
     result = GroupsResult()
+    unnamed: GroupsFinding | None = None
+    """The first ``Disagreement`` no engine check named: reported if no run names one."""
     began = time.monotonic()
     run = 0
     while (max_runs is None or run < max_runs) and time.monotonic() - began < seconds:
@@ -163,16 +179,20 @@ def run_groups_cell(
             stale_output=stale_output,
             groups=groups,
         )
-        finding, steps, coverage = _one_run(
+        finding, steps, coverage, spec_error = _one_run(
             config, random.Random(f"{seed}:{run}:w"), run, began, stop_on
         )
+        result.spec_errors += spec_error
         result.runs += 1
         result.steps += steps
         result.coverage.add(coverage)
-        if finding is not None:
+        if finding is not None and finding.invariant == "Disagreement":
+            unnamed = unnamed or finding  # go on: a later run may name what it breaks
+        elif finding is not None:
             result.finding = finding
             break
         run += 1
+    result.finding = result.finding or unnamed
     result.seconds = time.monotonic() - began
     return result
 
@@ -183,8 +203,10 @@ def _one_run(
     run: int,
     began: float,
     stop_on: Collection[str] | None = None,
-) -> tuple[GroupsFinding | None, int, RunCoverage]:
+) -> tuple[GroupsFinding | None, int, RunCoverage, bool]:
     engine = Engine(config, RandomChoices(rng.randrange(1 << 30)))
+    judge: SpecJudge | None = SpecJudge(config)
+    spec_error = False
     coverage = RunCoverage(tuple(g.kind for g in config.groups))
     align = math.lcm(*(g.block_size for g in config.groups))
     prefixes = [
@@ -200,12 +222,19 @@ def _one_run(
     hits: dict[int, list[tuple[int, ...]]] = {}
     published: dict[int, tuple[int, tuple[int, int] | None]] = {}
 
+    disagreement: str | None = None
+    """The spec's first disagreement with the engine: the run goes on, judged by the engine's
+    own checks, to name the invariant the engine's path breaks (its consequence)."""
+
     def found(name: str, detail: str) -> GroupsFinding | None:
         if stop_on is not None and name not in stop_on:
             return None
+        if disagreement is not None and name != "Disagreement":
+            detail += f" (the spec disagreed first: {disagreement})"
         seconds = time.monotonic() - began
         return GroupsFinding(name, detail, seconds, run, config, steps, engine.events)
 
+    moved: bool | None = None
     for _ in range(400):
         move = rng.random()
         if rid < arrivals and (move < 0.3 or not engine.has_unfinished()):
@@ -217,18 +246,34 @@ def _one_run(
             engine.add_request(rid, prompt, rng.randint(1, 2 * align), rng.randrange(3))
             rid += 1
         elif move < 0.33 and rid:
-            engine.abort(rng.randrange(rid))
+            victim = rng.randrange(rid)
+            if engine.requests.get(victim) and engine.requests[victim].status == "running":
+                engine.abort(victim)  # (running ones only: the spec's free_groups needs tables)
         else:
             try:
                 moved = engine.step()
             except (RuntimeError, AssertionError, IndexError, KeyError) as err:
-                return found("EngineError", f"{type(err).__name__}: {err}"), steps, coverage
+                return (
+                    found("EngineError", f"{type(err).__name__}: {err}"),
+                    steps,
+                    coverage,
+                    spec_error,
+                )
             steps += 1
             if not moved and rid >= arrivals:
                 break
         events = engine.events[seen:]
         seen = len(engine.events)
         coverage.observe(events)
+        if judge is not None:
+            try:
+                verdict = judge.feed(events, final=moved is False)
+            except Exception:  # the spec's own error: judged by the engine's checks from here
+                judge, spec_error, verdict = None, True, None
+            if verdict is not None and verdict[0] == "Disagreement":
+                disagreement, judge = verdict[1], None
+            elif verdict is not None and (finding := found(*verdict)):
+                return finding, steps, coverage, spec_error
         # in the order they happen within one engine call: reads run before the commit
         for b in engine.bad_reads[read:]:
             what = "state" if config.groups[b.group].kind == "state" else "K/V"
@@ -237,17 +282,28 @@ def _one_run(
                 f"{b.block} at position {b.position}"
             )
             if finding := found(b.invariant, detail):
-                return finding, steps, coverage
+                return finding, steps, coverage, spec_error
         bad = _hit_fault(config, events, hits)
         if bad is not None and (finding := found("HitServedByEveryGroup", bad)):
-            return finding, steps, coverage
+            return finding, steps, coverage, spec_error
         bad = _published_fault(engine, events, published)
         if bad is not None and (finding := found("StateAtItsBoundary", bad)):
-            return finding, steps, coverage
+            return finding, steps, coverage, spec_error
         read = len(engine.bad_reads)
+    if judge is not None:
+        try:
+            verdict = judge.feed([], final=True)
+        except Exception:
+            verdict, spec_error = None, True
+        if verdict is not None and verdict[0] == "Disagreement":
+            disagreement = verdict[1]
+        elif verdict is not None and (finding := found(*verdict)):
+            return finding, steps, coverage, spec_error
+    if disagreement is not None and (finding := found("Disagreement", disagreement)):
+        return finding, steps, coverage, spec_error
     if isinstance(engine.kv, GroupedKV):
         coverage.hits_shortened += engine.kv.n_shortened
-    return None, steps, coverage
+    return None, steps, coverage, spec_error
 
 
 def _published_fault(
@@ -299,6 +355,56 @@ def _published_fault(
             f"{what} once no step in flight writes it"
         )
     return None
+
+
+class SpecJudge:
+    """The spec in lockstep with one run: each engine decision is applied to the spec, whose
+    effects must be the engine's that follow it (else ``Disagreement``), and the spec's
+    invariants are checked after each (a violation is named by its invariant)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.state = initial_state(
+            Config(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                depth=config.depth,
+                policy=config.policy,
+                discipline=config.discipline,
+                preemption=config.preemption,
+                token_budget=config.token_budget,
+                max_running=config.max_running,
+                stop_token=config.stop_token,
+                async_scheduling=config.async_scheduling,
+                stale_output=config.stale_output,
+                prefix_caching=config.prefix_caching,
+                groups=tuple(Group(*g) for g in config.groups),
+            )
+        )
+        self.pending: list[tuple[object, ...]] = []
+        """The last decision and the effects seen after it so far."""
+
+    def feed(self, events: list[tuple[object, ...]], final: bool = False) -> tuple[str, str] | None:
+        """(invariant or ``Disagreement``, detail) for the first decision judged wrong."""
+        self.pending += events
+        starts = [i for i, e in enumerate(self.pending) if e[0] in DECISIONS]
+        done = starts[1:] + ([len(self.pending)] if final and starts else [])
+        for begin, end in zip(starts, done, strict=False):
+            decision, emitted = self.pending[begin], self.pending[begin + 1 : end]
+            try:
+                effects = [tuple(e) for e in apply(self.state, decision)]
+            except Illegal as err:
+                return "Disagreement", f"the spec finds {decision!r} illegal: {err}"
+            if effects != emitted:
+                return (
+                    "Disagreement",
+                    f"after {decision!r} the spec emits {effects!r}, the engine {emitted!r}",
+                )
+            violation = check(self.state)
+            if violation is not None:
+                return violation.invariant, f"after {decision!r}: {violation.sentence}"
+        if done:
+            self.pending = self.pending[done[-1] :]
+        return None
 
 
 def _hit_fault(

@@ -8,11 +8,13 @@ block the identity of the prefix after which the recurrence was computed (its le
 of its tokens). Each write is stamped with the block's generation (``Block.generation``, one
 per allocation), so memory left by an earlier use of a recycled block reads as unwritten.
 
-A step writes, then reads (as the spec's ``execute``: every write of the batch, then every
-read), each entry through the tables it was scheduled with (``Entry.tables``): K/V slots before
-its first new token (a window group's only those inside the window of that token), and the
-state block it starts from as it was before its own write (a state is updated in place). An
-entry that read the wrong thing wrote garbage. The names:
+A step writes its K/V, then reads (as the spec's ``execute``: every K/V write of the batch,
+then every read), each entry through the tables it was scheduled with (``Entry.tables``): K/V
+slots before its first new token (a window group's only those inside the window of that token),
+and the state block it starts from as it was before any write of the step (a recurrence starts
+from its initial state: a state the same step writes, its own in place or another request's,
+is not there yet; the spec's ``groups.read_states``). An entry that read the wrong thing wrote
+garbage. The names:
 
 * ``NoReadOfRecycled``: the block read is the null block (nulled while the step was in flight)
   or was allocated again since the step was scheduled (its bytes may still be the right ones
@@ -96,14 +98,14 @@ class GroupMemory:
                 for p in range(entry.start, entry.end):
                     block, gen = table[p // size]
                     kv_writes.append((block, p % size, gen, self._content(req, p + 1)))
-            before = {block: self.state.get(block) for block, _, _ in state_writes}
-            plans.append((req, entry, kv_writes, state_writes, before))
-        for _, _, kv_writes, state_writes, _ in plans:
+            plans.append((req, entry, kv_writes, state_writes))
+        before = {block: self.state.get(block) for p in plans for block, _, _ in p[3]}
+        for _, _, kv_writes, state_writes in plans:
             for block, slot, gen, content in kv_writes:
                 self.kv[(block, slot)] = (gen, content)
             for block, gen, content in state_writes:
                 self.state[block] = (gen, content)
-        for req, entry, kv_writes, state_writes, before in plans:
+        for req, entry, kv_writes, state_writes in plans:
             if self._reads_bad(step, req, entry, before, req.rid in step.live):
                 for block, slot, gen, _ in kv_writes:  # computed from wrong inputs
                     self.kv[(block, slot)] = (gen, None)
