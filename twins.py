@@ -143,7 +143,8 @@ TWINS: tuple[Twin, ...] = (
         "queue), deferred asynchronous loads (``Config.defer_loads``: a deferred load's "
         "request takes the newest counted step's sequence number), and with a sliding window "
         "(``Config.sliding_window``: its own window hit rule and skipped-block frees on its own "
-        "count of the tokens in flight)",
+        "count of the tokens in flight), and with several KV-cache groups (``Config.groups``: "
+        "its coordinator's iterated hit, per-group tables, frees and registrations)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
@@ -153,6 +154,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_async_spec_decode.py::test_the_reference_engine_with_drafts_under_async_conforms",
             "tests/test_spec_window.py::test_the_reference_engine_with_a_window_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
+            "tests/test_reference_groups.py::test_the_reference_engine_with_groups_conforms",
         ),
         label="the reference engine",
         features={
@@ -169,7 +171,7 @@ TWINS: tuple[Twin, ...] = (
                 "loads",
             )
         }
-        | {"groups": Refused("its requests have one table and its pool one published index")},
+        | {"groups": FOLLOWS},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),

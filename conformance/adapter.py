@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from kvspec.reference import Engine, EngineConfig
+from kvspec.reference import Engine, EngineConfig, GroupSpec
 from kvspec.reference.choices import Choices
 from kvspec.spec import POLICIES, Config
 
@@ -95,13 +95,11 @@ class ReferenceAdapter:
 
     def __init__(self, config: Config, choices: Choices) -> None:
         self.config = config
-        if config.hybrid:  # several KV-cache groups (issue #36): refused by name until followed
-            from kvspec import twins
-
-            twins.refuse("kvspec.reference", config)
         fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
         if not fields["groups"]:  # the default: one group, which the engine's settings say
             del fields["groups"]
+        else:  # several KV-cache groups (issue #36), in the engine's own representation
+            fields["groups"] = tuple(GroupSpec(*group) for group in config.groups)
         unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
         if unknown:  # a spec constant the engine has no setting for: refuse, never ignore
             raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")

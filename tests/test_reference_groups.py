@@ -514,3 +514,24 @@ def test_the_reference_engine_with_groups_conforms(policy: str, discipline: str)
                 if e[0] == "hit" and 0 in e[2]:  # type: ignore[operator]
                     seen["null hits"] += 1
     assert seen["state hits"] > 3 and seen["null hits"] > 3, seen
+
+
+def test_the_reference_adapter_takes_the_spec_groups() -> None:
+    """The reference adapter hands the spec's ``Config.groups`` to the engine (its own
+    ``GroupSpec``), which then emits the group field of docs/hybrid.md. (Planted: the
+    adapter's former refusal of several groups fails it.)"""
+    from kvspec.conformance.adapter import ReferenceAdapter
+    from kvspec.reference import DefaultChoices
+    from kvspec.spec import Config
+    from kvspec.spec.state import Group
+
+    config = Config(
+        num_blocks=16, block_size=2, groups=(Group("full", 2), Group("state", 4)), policy="deferred"
+    )
+    adapter = ReferenceAdapter(config, DefaultChoices())
+    assert adapter.engine.config.groups == (GroupSpec("full", 2), GroupSpec("state", 4))
+    adapter.add_request(0, (1, 2, 3, 1, 2), 2, 0)
+    while adapter.step():
+        pass
+    assert ("hit", 0, (), 1) in adapter.events
+    assert any(e[0] == "alloc" and len(e) == 4 and e[3] == 1 for e in adapter.events)
