@@ -16,8 +16,10 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
 * A window group frees (and nulls) its blocks wholly before the window of a running request's
   next processed token when it is scheduled; a state group frees its states before the one the
   oldest step in flight starts from (vLLM's align mode retires them).
-* A state group's table has one slot per block: the block a step's entry ends in holds the state
-  after that entry; the slots in between stay null.
+* A state group's table has one slot per block: the block a step's entry ends in holds the
+  state after that entry; the slots in between stay null. A hit on a state registered while
+  the current step is being scheduled waits for a later step (vLLM's
+  ``cached_blocks_this_step``: a recurrence cannot start from a state its own batch computes).
 * Registration: the policies register group 0 as a single group's table (hash-block indices:
   group 0 is at the hash block size, as the spec requires of several groups); groups 1 .. G - 1
   register what a step ending at ``end`` makes registrable (``group_pending``, from each
@@ -62,7 +64,7 @@ class GroupedKV(KVCacheManager):
 
     grouped = True
 
-    __slots__ = ("groups", "align", "group_cached", "n_shortened")
+    __slots__ = ("groups", "align", "group_cached", "n_shortened", "states_this_step")
 
     def __init__(
         self,
@@ -77,6 +79,10 @@ class GroupedKV(KVCacheManager):
         self.align = align
         self.n_shortened = 0
         """Lookups whose hit another group shortened below what group 0 alone would serve."""
+        self.states_this_step: set[Block] = set()
+        """State blocks registered while the step being built is scheduled: a hit ending on
+        one waits for a later step (vLLM's ``MambaManager.cached_blocks_this_step``: a
+        recurrence cannot start from a state the same batch computes)."""
         self.group_cached: dict[int, list[int]] = {}
         """Per request, each group's (1 .. G - 1) leading blocks registered or tracked."""
 
@@ -165,6 +171,9 @@ class GroupedKV(KVCacheManager):
             out[slot] = block
         return out
 
+    def new_step(self) -> None:
+        self.states_this_step.clear()
+
     def hit_length(self, hits: list[Block]) -> int:
         """The hit's length in tokens."""
         assert isinstance(hits, GroupHits)
@@ -197,6 +206,9 @@ class GroupedKV(KVCacheManager):
         if hits is not None:
             assert isinstance(hits, GroupHits)
             tables = hits.groups
+            for g, part in enumerate(tables):
+                if self.groups[g].kind == "state" and part and part[-1] in self.states_this_step:
+                    return True  # vLLM: num_gpu_blocks + 1, "not enough blocks" this step
             free = self.pool.free_queue.num_free
             for part in tables:
                 free -= sum(1 for b in part if b.ref_cnt == 0 and b.block_id != 0)
@@ -324,6 +336,8 @@ class GroupedKV(KVCacheManager):
             k = self.groups[group].block_size // self.block_size
             key = self._key(self._hashes(req, (index + 1) * k - 1), group, index)
             self.pool.publish(block, key, req.rid, index, group or None)
+            if self.groups[group].kind == "state":
+                self.states_this_step.add(block)
 
     def unpublish_group(self, req: Request, group: int, index: int) -> None:
         """Roll back group ``group``'s block ``index`` (nothing for a null position)."""

@@ -96,6 +96,9 @@ class KVCacheManager:
         freed = self.skippable(req, processed)
         return -(-end // self.block_size) - len(req.table) > self.pool.num_free + freed
 
+    def new_step(self) -> None:
+        """A step starts being scheduled (several groups: ``groups.GroupedKV``); nothing here."""
+
     def group_pending(self, req: Request, end: int, limit: int) -> list[tuple[int, int]]:
         """Several groups: the (group, index) of groups 1 .. G - 1 a step ending at ``end``
         makes registrable (``groups.GroupedKV``); none here."""

@@ -199,6 +199,7 @@ class Scheduler:
         self.building = step
         if self.events is not None:
             self.events.append(("begin", step.step_id))
+        self.kv.new_step()
         self.policy.on_begin(step)
         return step
 
