@@ -263,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_groups,
         default=None,
         help="several KV-cache groups in the reference engine, KIND[:WINDOW][@BLOCK_SIZE] "
-        "comma separated (KIND full, window or state; e.g. full,window:8,state): its runs are "
-        "judged by the hybrid invariants of docs/hybrid.md (the spec does not model groups yet)",
+        "comma separated (KIND full, window or state; e.g. full,window:8,state), judged by the "
+        "spec in lockstep (docs/reference-groups.md; default: one group, no flag)",
     )
     fuzz.add_argument(
         "--invariant",
