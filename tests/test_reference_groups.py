@@ -535,3 +535,40 @@ def test_the_reference_adapter_takes_the_spec_groups() -> None:
         pass
     assert ("hit", 0, (), 1) in adapter.events
     assert any(e[0] == "alloc" and len(e) == 4 and e[3] == 1 for e in adapter.events)
+
+
+def test_group_coverage_counters_read_the_events() -> None:
+    """``RunCoverage(kinds)`` counts a state block hit and a window block freed by a schedule
+    while the request shares a block of another group; one group counts neither. (Planted:
+    counting frees of any group as window frees makes the full-group free count.)"""
+    from kvspec.conformance.fuzz_coverage import RunCoverage
+
+    events: list[tuple[object, ...]] = [
+        ("arrive", 0, (1, 2, 3, 4), 4, 0),
+        ("begin", 0),
+        ("schedule", 0, 3, 0),
+        ("alloc", 0, 1),
+        ("alloc", 0, 2, 1),
+        ("alloc", 0, 3, 2),
+        ("publish", 0, 0, 1),
+        ("submit", 0),
+        ("arrive", 1, (1, 2, 3, 4), 4, 0),
+        ("begin", 1),
+        ("schedule", 1, 1, 0),
+        ("hit", 1, (1,)),
+        ("hit", 1, (2,), 1),
+        ("hit", 1, (0,), 2),
+        ("schedule", 0, 1, 0),
+        ("free", 2),
+        ("submit", 1),
+    ]
+    run = RunCoverage(("full", "window", "state"))
+    run.observe(events)
+    assert run.window_nulled_shared == 1  # block 2 (window) while r0 shares block 1 (full)
+    assert run.state_hits == 0
+    run = RunCoverage(("full", "state", "window"))
+    run.observe(events)
+    assert run.state_hits == 1 and run.window_nulled_shared == 0
+    plain = RunCoverage()
+    plain.observe(events)
+    assert plain.state_hits == plain.window_nulled_shared == 0
