@@ -64,6 +64,8 @@ __all__ = [
     "python_core_factory",
     "retract_factory",
     "supported",
+    "swa_factory",
+    "swa_sync_factory",
     "sync_factory",
 ]
 
@@ -137,6 +139,32 @@ def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:
     """The overlap scheduler over ``UnifiedRadixCache`` with SGLang's Python ``TreeCore``
     (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``), whose lock counts the adapter reads."""
     return _build(config, choices, True, "python-core")
+
+
+def swa_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """The overlap scheduler over the tree cache SGLang builds for a hybrid sliding-window model
+    (``build.SWA_MODEL``: ``UnifiedRadixCache`` with FULL and SWA, Rust ``TreeCore``; two pools of
+    the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``).
+    Refused while the spec has no ``Config.groups`` to judge them by."""
+    return _build_swa(config, choices, True)
+
+
+def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``swa_factory`` without overlap (depth 1)."""
+    return _build_swa(config, choices, False)
+
+
+def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:
+    from .loops import spec_group
+
+    if spec_group() is None:
+        raise ValueError(
+            "a hybrid SWA model's events are those of two KV-cache groups, and this spec has no "
+            "Config.groups to judge them by (docs/hybrid.md; docs/adapters.md, SGLang, hybrid models)"
+        )
+    if getattr(config, "groups", ()):
+        raise ValueError("the SWA factories set the groups from SGLang's model: leave groups empty")
+    return _build(config, choices, overlap, "swa")
 
 
 def legacy_factory(config: Config, choices: Choices) -> SglangAdapter:
