@@ -118,6 +118,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "defer_free": Refused("the model has no holder but tables"),
     "defer_loads": Refused("it needs defer_free, which the model refuses"),
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
+    "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
 }
 """The Z3 model's features (its ``Fragment``), which the lemmas share."""
@@ -159,7 +160,8 @@ TWINS: tuple[Twin, ...] = (
                 "sliding_window",
                 "loads",
             )
-        },
+        }
+        | {"groups": Refused("its requests have one table and its pool one published index")},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),
@@ -189,6 +191,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_free": Refused("judged by the spec only: the model has no deferred holders"),
             "defer_loads": Refused("judged by the spec only: it needs defer_free"),
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
+            "groups": Refused("judged by the spec only: one table per request, one index"),
             "loads": FOLLOWS,
         },
         invariants={
@@ -230,6 +233,10 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused(
                 "its footprints do not restate the null-block positions: SpecModel judges a "
                 "window with the full definitions"
+            ),
+            "groups": Refused(
+                "its footprints know one table per request: SpecModel judges several groups "
+                "with the full definitions"
             ),
             "loads": FOLLOWS,
         },
@@ -313,6 +320,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_free": Refused("its only holders are tables"),
             "defer_loads": Refused("it needs defer_free, which the model refuses"),
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
+            "groups": Refused("its requests have one table and its pool one index"),
             "loads": FOLLOWS,
         },
         invariants={

@@ -111,7 +111,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     events: list[Event] = []
     if req.status == "waiting":
         _admission_guard(s, step, req, where)
-        if num_loaded and cfg.sliding_window is not None:
+        if num_loaded and cfg.window is not None:
             raise Illegal(f"{where}: external loads under a sliding window are not modelled")
         hits = lookup(s, req)
         pad = min(s.skipped(len(hits) * bsz), len(hits))  # before the window: the null block

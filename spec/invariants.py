@@ -123,7 +123,7 @@ def refcount_is_ownership(s: State) -> Violation | None:
         owners.update(held.blocks)
     for req in s.requests.values():
         table = req.table
-        if s.config.sliding_window is not None:  # a window's skipped positions hold nothing
+        if s.config.window is not None:  # a window's skipped positions hold nothing
             table = [b for b in table if b != NULL_BLOCK]
         if len(set(table)) != len(table):
             twice = tuple(sorted({b for b in table if table.count(b) > 1}))
@@ -165,7 +165,7 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
     bsz = s.config.block_size
     for req in s.requests.values():
         for i, block in enumerate(req.table):
-            if block == NULL_BLOCK and s.config.sliding_window is not None:  # skipped
+            if block == NULL_BLOCK and s.config.window is not None:  # skipped
                 continue
             if block not in seen:
                 seen[block] = (req.id, i)
@@ -275,7 +275,7 @@ def misplaced_null(s: State, req: Request) -> bool:
     nulls = [i for i, b in enumerate(req.table) if b == NULL_BLOCK]
     if not nulls:
         return False
-    if s.config.sliding_window is None or req.status != "running":
+    if s.config.window is None or req.status != "running":
         return True
     flying = sum(
         st.entries[req.id].end - st.entries[req.id].start
@@ -404,7 +404,7 @@ def tables_append_only(before: dict[int, tuple[int, ...]], s: State) -> Violatio
     for rid, table in before.items():
         req = s.requests[rid]
         now = tuple(req.table[: len(table)])
-        if s.config.sliding_window is not None:  # skipped positions may turn null, from the head
+        if s.config.window is not None:  # skipped positions may turn null, from the head
             now = tuple(b if b != NULL_BLOCK else table[i] for i, b in enumerate(now))
         if req.status == "running" and now != table:
             changed = tuple(sorted(set(table) ^ set(req.table[: len(table)])))

@@ -45,7 +45,7 @@ def lookup(s: State, req: Request) -> list[int]:
     if not s.config.prefix_caching:
         return []
     cap = (len(req.tokens) - 1) // s.config.block_size
-    if s.config.sliding_window is not None:
+    if s.config.window is not None:
         return window_lookup(s, req, cap)
     hits: list[int] = []
     for i in range(cap):
@@ -63,7 +63,7 @@ def window_lookup(s: State, req: Request, cap: int) -> list[int]:
     block (the tokens they hold are outside the window of the first token computed). With no
     such run, the hit is the run of published blocks from block 0 (shorter than the window
     needs, so nothing before it is skipped)."""
-    need = -(-((s.config.sliding_window or 1) - 1) // s.config.block_size)
+    need = -(-((s.config.window or 1) - 1) // s.config.block_size)
     run = 0
     found: dict[int, int] = {}
     for i in range(cap - 1, -1, -1):
