@@ -9,7 +9,8 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_swa.py``:
   request's per-group tables replayed from the events are SGLang's (its row and the SWA pages
   paired with it). Prints the first difference or ``none``, the events by kind (with ``/g`` for
   those carrying a group) and the hybrid paths reached (``SwaRecorder.paths``);
-* ``refused``: what ``swa_factory`` says of a cell while the spec has no ``Config.groups``.
+* ``refused``: whether the spec follows several groups (``loops.spec_follows_groups``) and what
+  ``swa_factory`` then says of a cell: built, or refused by name.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvspec.conformance.adapters.sglang_adapter.build import (
     swa_layers,
     swa_memory,
 )
-from kvspec.conformance.adapters.sglang_adapter.loops import SglangAdapter
+from kvspec.conformance.adapters.sglang_adapter.loops import SglangAdapter, spec_follows_groups
 from kvspec.reference.choices import RandomChoices
 from kvspec.spec import Config
 
@@ -171,11 +172,12 @@ def replay(runs: int) -> None:
 
 def refused() -> None:
     config = Config(num_blocks=8, depth=2, **CELL)  # type: ignore[arg-type]
+    follows = "follows" if spec_follows_groups() else "does-not-follow"
     try:
         sglang_adapter.swa_factory(config, RandomChoices(0))
-        print("built")
+        print(f"{follows} built")
     except ValueError as refusal:
-        print(f"refused: {refusal}")
+        print(f"{follows} refused: {refusal}")
 
 
 if __name__ == "__main__":

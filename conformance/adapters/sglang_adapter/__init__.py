@@ -145,7 +145,7 @@ def swa_factory(config: Config, choices: Choices) -> SglangAdapter:
     """The overlap scheduler over the tree cache SGLang builds for a hybrid sliding-window model
     (``build.SWA_MODEL``: ``UnifiedRadixCache`` with FULL and SWA, Rust ``TreeCore``; two pools of
     the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``).
-    Refused while the spec has no ``Config.groups`` to judge them by."""
+    Refused while the spec does not follow several groups (``loops.spec_follows_groups``)."""
     return _build_swa(config, choices, True)
 
 
@@ -155,12 +155,12 @@ def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
 
 
 def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:
-    from .loops import spec_group
+    from .loops import spec_follows_groups
 
-    if spec_group() is None:
+    if not spec_follows_groups():
         raise ValueError(
-            "a hybrid SWA model's events are those of two KV-cache groups, and this spec has no "
-            "Config.groups to judge them by (docs/hybrid.md; docs/adapters.md, SGLang, hybrid models)"
+            "a hybrid SWA model's events are those of two KV-cache groups, and this spec does "
+            "not follow several groups yet (docs/hybrid.md; docs/adapters.md, SGLang, hybrid models)"
         )
     if getattr(config, "groups", ()):
         raise ValueError("the SWA factories set the groups from SGLang's model: leave groups empty")

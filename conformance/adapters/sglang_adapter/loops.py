@@ -44,11 +44,30 @@ def hybrid_swa_config(config: Config) -> Config:
     return replace(config, groups=groups)
 
 
+def spec_follows_groups() -> bool:
+    """Whether the spec follows several KV-cache groups: its own ``schedule`` of a new request
+    on the SWA cell emits a ``hit`` for each group (``docs/hybrid.md``). The spec's
+    ``Config.groups`` came first (issue #36, M1) and its semantics after; until they are in, the
+    spec would take the second group's events for a disagreement, a false alarm."""
+    from kvspec.spec import apply, initial_state
+
+    group = spec_group()
+    if group is None:
+        return False
+    config = Config(num_blocks=5, block_size=2)
+    config = hybrid_swa_config(replace(config, policy="engine-registers"))
+    state = initial_state(config)
+    apply(state, ("arrive", 0, (1, 2, 3), 1, 0))
+    apply(state, ("begin", 0))
+    effects = apply(state, ("schedule", 0, 3, 0))
+    return sum(event[0] == "hit" for event in effects) == len(config.groups)
+
+
 def spec_group() -> Any:
     """The spec's ``Group`` (``Config.groups``), or None while the spec has no groups."""
-    import kvspec.spec as spec
+    import kvspec.spec.state as state
 
-    return getattr(spec, "Group", None)
+    return getattr(state, "Group", None)
 
 
 class SglangAdapter:
