@@ -9,6 +9,8 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_swa.py``:
   request's per-group tables replayed from the events are SGLang's (its row and the SWA pages
   paired with it). Prints the first difference or ``none``, the events by kind (with ``/g`` for
   those carrying a group) and the hybrid paths reached (``SwaRecorder.paths``);
+* ``early-free:N``: ``replay:N`` on the planted ``mutants.EarlyWindowFree`` (the recorder as
+  faithful to it as to SGLang; its window frees reach blocks the next forward reads);
 * ``refused``: whether the spec follows several groups (``loops.spec_follows_groups``) and what
   ``swa_factory`` then says of a cell: built, or refused by name.
 """
@@ -118,10 +120,14 @@ def _group(event: tuple[Any, ...]) -> int:
     return event[-1] if sizes.get(event[0]) == len(event) else 0
 
 
-def one_run(seed: int, overlap: bool, kinds: Counter[str], paths: Counter[str]) -> str | None:
+def one_run(
+    seed: int, overlap: bool, kinds: Counter[str], paths: Counter[str], adapter_class: Any = None
+) -> str | None:
     rng = random.Random(seed)
     config = Config(num_blocks=rng.choice([6, 8, 10]), depth=2 if overlap else 1, **CELL)  # type: ignore[arg-type]
-    adapter = SglangAdapter(config, RandomChoices(seed), overlap=overlap, tree="swa")
+    adapter = (adapter_class or SglangAdapter)(
+        config, RandomChoices(seed), overlap=overlap, tree="swa"
+    )
     base = [rng.randrange(1, 4) for _ in range(12)]
     replay, seen, rid = Tables(), 0, 0
     for i in range(120):
@@ -140,10 +146,12 @@ def one_run(seed: int, overlap: bool, kinds: Counter[str], paths: Counter[str]) 
         where = f"seed {seed} {'overlap' if overlap else 'sync'} iteration {i}"
         why = adapter.self_check()
         if why:
+            paths.update(adapter.scheduler.record.paths)
             return f"{where}: {why}"
         replay.flush()
         why = sglang_state(adapter)
         if why:
+            paths.update(adapter.scheduler.record.paths)
             return f"{where}: {why}"
         s = adapter.scheduler
         for req in s.holders():
@@ -152,18 +160,30 @@ def one_run(seed: int, overlap: bool, kinds: Counter[str], paths: Counter[str]) 
             theirs = s.record.tables(req)
             ours = replay.tables.get(int(req.rid))
             if ours != theirs:
+                paths.update(s.record.paths)
                 return f"{where}: r{req.rid}'s tables are {theirs} in SGLang, {ours} by the events"
     paths.update(s.record.paths)
     return None
 
 
-def replay(runs: int) -> None:
+PATHS = (
+    "hits cut by the SWA window",
+    "hits with null window blocks",
+    "hits with a null block inside the window",
+    "window frees beside a cached FULL page",
+    "window frees of a block the next forward reads",
+)
+
+
+def replay(runs: int, adapter_class: Any = None) -> None:
     kinds: Counter[str] = Counter()
     paths: Counter[str] = Counter()
     found = None
     for seed in range(runs):
         for overlap in (True, False):
-            found = found or one_run(seed, overlap, kinds, paths)
+            why = one_run(seed, overlap, kinds, paths, adapter_class)
+            found = found or why
+    paths.update(dict.fromkeys(PATHS, 0))  # every path named, reached or not
     print(
         f"{found or 'none'} | {' '.join(f'{k}={v}' for k, v in sorted(kinds.items()))} | "
         + ", ".join(f"{k}={v}" for k, v in sorted(paths.items()))
@@ -187,6 +207,10 @@ if __name__ == "__main__":
             build()
         elif name == "replay":
             replay(int(arg))
+        elif name == "early-free":
+            from kvspec.conformance.adapters.sglang_adapter.mutants import EarlyWindowFree, mutant
+
+            replay(int(arg), mutant(EarlyWindowFree))
         elif name == "refused":
             refused()
         else:

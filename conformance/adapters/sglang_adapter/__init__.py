@@ -154,17 +154,25 @@ def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
     return _build_swa(config, choices, False)
 
 
-def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:
+def swa_refusal(config: Config, overlap: bool = True) -> str | None:
+    """Why the SWA factories cannot run this cell, or None."""
     from .loops import spec_follows_groups
 
+    if getattr(config, "groups", ()):
+        return "the SWA factories set the groups from SGLang's model: leave groups empty"
     if not spec_follows_groups():
-        raise ValueError(
+        return (
             "a hybrid SWA model's events are those of two KV-cache groups, and this spec does "
             "not follow several groups yet (docs/hybrid.md; docs/adapters.md, SGLang, hybrid models)"
         )
-    if getattr(config, "groups", ()):
-        raise ValueError("the SWA factories set the groups from SGLang's model: leave groups empty")
-    return _build(config, choices, overlap, "swa")
+    return supported(config, overlap)
+
+
+def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:
+    why = swa_refusal(config, overlap)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=overlap, tree="swa")
 
 
 def legacy_factory(config: Config, choices: Choices) -> SglangAdapter:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from .build import Req
+from .build import Req, swa_layers
 from .record import Event, UnifiedRecorder
 
 SWA_GROUP = 1
@@ -37,6 +37,7 @@ class SwaRecorder(UnifiedRecorder):
         self, tree: Any, pool: Any, page_size: int, events: list[Event], full_pages: int
     ) -> None:
         self.full_pages = full_pages
+        self.window = swa_layers()[0]
         self.allocator = tree.token_to_kv_pool_allocator
         self.paths: Counter[str] = Counter()
         """How often the hybrid paths ran (``count_hit``, ``window_frees``, the evictions):
@@ -122,6 +123,14 @@ class SwaRecorder(UnifiedRecorder):
                 if old and not new and self.row(req)[i] in cached
             ]
             self.paths["window frees beside a cached FULL page"] += len(shared)
+            # the next forward computes the token at seqlen - 1, reading the W tokens up to it
+            first_read = max(0, req.seqlen - self.window) // self.page_size
+            read = [
+                i
+                for i, (old, new) in enumerate(zip(before, after, strict=True))
+                if old and not new and i >= first_read
+            ]
+            self.paths["window frees of a block the next forward reads"] += len(read)
         return events
 
     def count_hit(self, req: Req) -> None:
@@ -130,10 +139,12 @@ class SwaRecorder(UnifiedRecorder):
         self.paths["hits"] += 1
         if req.swa_branching_seqlen is not None:
             self.paths["hits cut by the SWA window"] += 1
-        if any(
-            block == 0 for block in self.tables(req)[SWA_GROUP][: req.prefix_len // self.page_size]
-        ):
+        hit = self.tables(req)[SWA_GROUP][: req.prefix_len // self.page_size]
+        if 0 in hit:
             self.paths["hits with null window blocks"] += 1
+        read = -(-(self.window - 1) // self.page_size)  # the blocks the next token's window reads
+        if 0 in hit[-read:]:
+            self.paths["hits with a null block inside the window"] += 1
 
     def _wrap(self) -> None:
         super()._wrap()
