@@ -88,6 +88,14 @@ REACHED_BY_SPEC_ACTIONS = Exempt(
     "(strict judging)",
     unreachable=True,
 )
+GROUP_INVARIANTS = (
+    "HitServedByEveryGroup",
+    "NoUnwrittenStateRead",
+    "NoReadOfRecycled",
+    "StateAtItsBoundary",
+)
+"""The invariants of several KV-cache groups (issue #36): vacuous with one group."""
+ONE_GROUP = Exempt("vacuous with one KV-cache group; the form refuses several", unreachable=True)
 NO_CONFIG = "takes no Config"
 DECLARED = (
     "NoUnwrittenRead",
@@ -206,6 +214,7 @@ TWINS: tuple[Twin, ...] = (
             "TableMatchesComputed": REACHED_BY_SPEC_ACTIONS,
             "StepsInOrder": REACHED_BY_SPEC_ACTIONS,
             "NoLeakAtQuiescence": REACHED_BY_SPEC_ACTIONS,
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
         },
         traits=_all_axes_but("by-engine"),
     ),
@@ -240,7 +249,10 @@ TWINS: tuple[Twin, ...] = (
             ),
             "loads": FOLLOWS,
         },
-        invariants={name: IMPLEMENTS for name in DECLARED},
+        invariants={
+            **{name: IMPLEMENTS for name in DECLARED},
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
+        },
         traits=dict(AXES),
     ),
     Twin(
@@ -263,6 +275,7 @@ TWINS: tuple[Twin, ...] = (
             "FreedAfterWrites": Exempt(
                 "vacuous without deferred frees, which the model refuses", unreachable=True
             ),
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
         },
         traits=_all_axes_but("by-engine"),
     ),
@@ -350,6 +363,7 @@ TWINS: tuple[Twin, ...] = (
                     "NoLeakAtQuiescence",
                 )
             },
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
         },
         traits={
             "publish": ("hidden-until-written", "at-written"),

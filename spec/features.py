@@ -84,7 +84,7 @@ FEATURES: dict[str, Feature] = {
         Feature(
             "groups",
             "several KV-cache groups",
-            lambda c: c.hybrid,
+            lambda c: len(getattr(c, "groups", ())) > 1,
             {"groups": (Group("full", 1), Group("state", 1))},
         ),
         Feature("loads", "external KV loads (and their failures)", None),

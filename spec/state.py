@@ -236,6 +236,19 @@ class Config:
             problem = group.problem(self.block_size)
             if problem:
                 raise ValueError(f"group {g}: {problem}")
+        if len(self.groups) > 1:
+            first = self.groups[0]
+            limits = [
+                (
+                    first.kind != "state" and first.block_size == self.block_size,
+                    "group 0 of several must be full or window, at block_size (not modelled)",
+                ),
+                (not self.spec_tokens, "several groups with spec_tokens are not modelled"),
+                (not self.defer_free, "several groups with defer_free are not modelled"),
+            ]
+            for ok, message in limits:
+                if not ok:
+                    raise ValueError(message)
 
     @property
     def window(self) -> int | None:
@@ -353,6 +366,8 @@ class Step:
     registrations: dict[int, list[int]] = field(default_factory=dict)
     """Eager registrations made while scheduling this step, as block indices per request: the
     bucket of ``eager-rollback-fifo`` and the hidden entries of ``hide-uncommitted``."""
+    group_registrations: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """``registrations`` of groups 1 .. G - 1, as (group, index) per request."""
     failed: tuple[int, ...] = ()
     """Requests whose external load failed when the step executed."""
     budget_used: int = 0
@@ -422,11 +437,23 @@ class State:
     next_step: int = 0
     single: dict[int, list[int]] = field(default_factory=dict)
     """The one registration dict of ``eager-rollback-single`` (cleared at each begin)."""
+    group_single: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """``single`` of groups 1 .. G - 1, as (group, index) per request."""
     deferred: list[Deferred] = field(default_factory=list)
     """``Config.defer_free``: blocks given up while a step still computes for their request,
     oldest first; each is freed at the commit of its fence step (in this order)."""
     bad_reads: list[tuple[int, int, int]] = field(default_factory=list)
     """(step, request, block) for every live read that found the wrong bytes at execution."""
+    bad_state_reads: list[tuple[int, int, int]] = field(default_factory=list)
+    """(step, request, block) for every live read of a state block (``Config.groups``) that did
+    not find the state after exactly the step's start at execution."""
+    steered_hits: list[list[int]] | None = None
+    """Observed judging of several groups: the engine's hit of each group for the admission
+    the next decision makes (``observed.steer``), taken by ``actions.schedule`` in place of
+    its own lookup."""
+    admission: tuple[int, int, tuple[tuple[int, ...], ...]] | None = None
+    """Several groups: (request, hit length, every group's hit blocks) of an admission by the
+    last decision, judged by ``HitServedByEveryGroup``; None otherwise."""
     lost_hits: int = 0
     """Valid, unreferenced cache entries dropped by a rollback (safe but wasted)."""
     commits: int = 0

@@ -5,13 +5,14 @@ tables of the state, and the trace header's ``model.groups`` read and written.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from kvspec.conformance import trace
 from kvspec.spec import Config
 from kvspec.spec.events import canonical, group_of, grouped
-from kvspec.spec.state import Group, initial_state
+from kvspec.spec.state import NULL_BLOCK, Group, State, initial_state
 
 HYBRID = (Group("full", 4), Group("window", 4, window=6), Group("state", 8))
 
@@ -118,3 +119,35 @@ def test_a_bad_header_groups_is_bad_input_naming_it(tmp_path, groups, words) -> 
     path.write_text(json.dumps(header) + "\n")
     with pytest.raises(trace.TraceError, match=words):
         trace.read_trace(path)
+
+
+# -- corrupting a state, one invariant at a time (tests/test_spec.py's test_each_invariant_can_fail)
+
+GROUP_INVARIANTS = (
+    "HitServedByEveryGroup",
+    "NoUnwrittenStateRead",
+    "NoReadOfRecycled",
+    "StateAtItsBoundary",
+)
+
+
+def corrupt_groups(name: str, s: State) -> None:
+    """Break exactly what one invariant of several groups watches, in ``test_spec``'s state (r1
+    and r2 running at block size 4, step 1 building with both): the configuration becomes a
+    two-group one where the invariant needs it."""
+    r1 = s.requests[1]
+    if name == "HitServedByEveryGroup":
+        s.admission = (2, 4, ((),))  # a 4-token hit with no block
+    elif name == "NoUnwrittenStateRead":
+        s.bad_state_reads.append((0, 1, 1))
+    elif name == "NoReadOfRecycled":
+        s.config = replace(s.config, groups=(Group("full", 4), Group("full", 4)))
+        r1.group_tables = [[NULL_BLOCK, 6, 7]]  # block 5 left the table, step 1 reads it
+        entry = s.steps[-1].entries[1]
+        entry.group_blocks = ((5, 6, 7),)
+    elif name == "StateAtItsBoundary":
+        s.config = replace(s.config, groups=(Group("full", 4), Group("state", 4)))
+        s.group_index[1] = {tuple(r1.tokens[:4]): [s.free[0]]}
+        s.blocks[s.free[0]].key, s.blocks[s.free[0]].group = tuple(r1.tokens[:4]), 1
+    else:
+        raise AssertionError(name)
