@@ -9,6 +9,7 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_swa.py``:
   request's per-group tables replayed from the events are SGLang's (its row and the SWA pages
   paired with it). Prints the first difference or ``none``, the events by kind (with ``/g`` for
   those carrying a group) and the hybrid paths reached (``SwaRecorder.paths``);
+* ``seeds:S1,S2``: ``replay`` on those seeds only;
 * ``early-free:N``: ``replay:N`` on the planted ``mutants.EarlyWindowFree`` (the recorder as
   faithful to it as to SGLang; its window frees reach blocks the next forward reads);
 * ``refused``: whether the spec follows several groups (``loops.spec_follows_groups``) and what
@@ -175,11 +176,11 @@ PATHS = (
 )
 
 
-def replay(runs: int, adapter_class: Any = None) -> None:
+def replay(runs: int | list[int], adapter_class: Any = None) -> None:
     kinds: Counter[str] = Counter()
     paths: Counter[str] = Counter()
     found = None
-    for seed in range(runs):
+    for seed in range(runs) if isinstance(runs, int) else runs:
         for overlap in (True, False):
             why = one_run(seed, overlap, kinds, paths, adapter_class)
             found = found or why
@@ -207,6 +208,8 @@ if __name__ == "__main__":
             build()
         elif name == "replay":
             replay(int(arg))
+        elif name == "seeds":
+            replay([int(seed) for seed in arg.split(",")])
         elif name == "early-free":
             from kvspec.conformance.adapters.sglang_adapter.mutants import EarlyWindowFree, mutant
 

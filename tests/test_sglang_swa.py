@@ -22,7 +22,7 @@ needs_sglang = pytest.mark.skipif(
 )
 
 
-CASES = ("build", "replay:30", "early-free:20", "refused")
+CASES = ("build", "replay:30", "seeds:126", "early-free:20", "refused")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,17 @@ def test_the_per_group_events_are_sglangs_tables_and_tree(case: dict[str, str]) 
     # window (the spec's hybrid invariants will judge this; here it is SGLang's state read back)
     assert reached["window frees of a block the next forward reads"] == 0, line
     assert reached["hits with a null block inside the window"] == 0, line
+
+
+@needs_sglang
+def test_a_hit_on_a_tombstone_stays_null_when_another_request_fills_it(
+    case: dict[str, str],
+) -> None:
+    """Seed 126 (found in a 200-seed run): r3 hits page 1, whose node's SWA value is a
+    tombstone (null in r3's window table); r2's insert then gives that node r2's SWA page 14,
+    and SGLang's mapping pairs page 1 with it. r3 never took page 14: its table stays null there
+    (planted: without the sticky nulls of ``SwaRecorder.tables``, the replay differs)."""
+    assert case["seeds:126"].startswith("none |"), case["seeds:126"]
 
 
 def _paths(part: str) -> dict[str, int]:

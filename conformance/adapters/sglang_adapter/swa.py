@@ -39,6 +39,8 @@ class SwaRecorder(UnifiedRecorder):
         self.full_pages = full_pages
         self.window = swa_layers()[0]
         self.allocator = tree.token_to_kv_pool_allocator
+        self.nulls: dict[int, set[int]] = {}
+        """Per request: the positions of its SWA table that are null (``tables``)."""
         self.paths: Counter[str] = Counter()
         """How often the hybrid paths ran (``count_hit``, ``window_frees``, the evictions):
         the coverage a fuzz run reports (``bench/fuzz_sglang_coverage.py --swa``)."""
@@ -58,9 +60,23 @@ class SwaRecorder(UnifiedRecorder):
 
     def tables(self, req: Req) -> list[list[int]]:
         """The request's table per group: its FULL row, and the SWA pages paired with it (null
-        where freed behind the window, or where a hit took a tombstoned node's FULL page)."""
+        where freed behind the window, or where a hit took a tombstoned node's FULL page). A
+        position once null stays null while the request holds its row: when an insert later
+        gives a tombstoned node another request's SWA value, SGLang's mapping pairs the FULL
+        page with it, but this request never took that page (it is not among its references)."""
         row = self.row(req)
-        return [row, [self.swa_block(page) for page in row]]
+        key = int(req.rid)
+        if not row:
+            self.nulls.pop(key, None)
+            return [row, []]
+        nulls = self.nulls.setdefault(key, set())
+        window = []
+        for i, page in enumerate(row):
+            block = 0 if i in nulls else self.swa_block(page)
+            if block == 0:
+                nulls.add(i)
+            window.append(block)
+        return [row, window]
 
     def cached_pages(self) -> dict[int, int]:
         """The tree's FULL pages and its SWA-resident pages (global ids), with their positions."""
