@@ -45,14 +45,15 @@ def hybrid_swa_config(config: Config) -> Config:
 
 
 def spec_follows_groups() -> bool:
-    """Whether the spec follows several KV-cache groups: its own ``schedule`` of a new request
-    on the SWA cell emits a ``hit`` for each group (``docs/hybrid.md``). The spec's
-    ``Config.groups`` came first (issue #36, M1) and its semantics after; until they are in, the
-    spec would take the second group's events for a disagreement, a false alarm."""
-    from kvspec.spec import apply, initial_state
+    """Whether the spec follows several KV-cache groups as SGLang's events need it: its own
+    ``schedule`` of a new request on the SWA cell emits a ``hit`` for each group, and it takes an
+    engine's own ``publish`` in group 1 under ``engine-registers`` (``docs/hybrid.md``;
+    ``docs/adapters.md``, "Hybrid models": gap 1). Until both hold, the spec would take the second
+    group's events for a disagreement or an illegal effect: a false alarm."""
+    from kvspec.spec import Illegal, apply, initial_state
+    from kvspec.spec.observed import engine_effect
 
-    group = spec_group()
-    if group is None:
+    if spec_group() is None:
         return False
     config = Config(num_blocks=5, block_size=2)
     config = hybrid_swa_config(replace(config, policy="engine-registers"))
@@ -60,7 +61,25 @@ def spec_follows_groups() -> bool:
     apply(state, ("arrive", 0, (1, 2, 3), 1, 0))
     apply(state, ("begin", 0))
     effects = apply(state, ("schedule", 0, 3, 0))
-    return sum(event[0] == "hit" for event in effects) == len(config.groups)
+    if sum(event[0] == "hit" for event in effects) != len(config.groups):
+        return False
+    window_blocks = [e[2] for e in effects if e[0] == "alloc" and len(e) == 4 and e[3] == 1]
+    if not window_blocks:
+        return False
+    try:
+        engine_effect(state, ("publish", 0, 0, window_blocks[0], 1))
+    except Illegal:
+        return False
+    return True
+
+
+SWA_REFERENCES = (
+    "the adapter does not read yet which SWA pages a request holds: SGLang locks the tree's SWA "
+    "values only over the node segment covering its trailing window, and the tree pages further "
+    "back in its row are evictable while it runs (the spec counts them the request's until a "
+    "window free): docs/adapters.md, SGLang, hybrid models, gap 3"
+)
+"""Why the SWA factories refuse even where the spec follows several groups."""
 
 
 def spec_group() -> Any:
