@@ -67,12 +67,24 @@ def test_the_reference_adapter_follows_the_protocol() -> None:
         (("free", True), "field block: True (bool) is not a block id"),
         (("freed", 3), "unknown kind"),
         (("finish", 0, "done"), "field reason: 'done' is not one of"),
+        (("alloc", 0, 3, 0), "field group: 0 is not a group > 0"),
+        (("free", 3, 1), "a free has 1 fields (block), this one 2"),
     ],
 )
 def test_an_event_outside_the_vocabulary_is_named(event: object, named: str) -> None:
     with pytest.raises(ProtocolError) as caught:
         check_event(event, 8, "step()")
     assert named in str(caught.value) and str(caught.value).startswith("step(): ")
+
+
+def test_an_event_of_a_group_above_0_carries_its_group_last() -> None:
+    for event in (
+        ("alloc", 0, 3, 1),
+        ("hit", 0, (), 2),
+        ("publish", 0, 0, 3, 1),
+        ("dedup", 0, 0, 3, 1),
+    ):
+        check_event(event, 8, "step()")
 
 
 def test_a_snapshot_of_lists_names_the_method_and_the_field() -> None:

@@ -64,6 +64,8 @@ __all__ = [
     "python_core_factory",
     "retract_factory",
     "supported",
+    "swa_factory",
+    "swa_sync_factory",
     "sync_factory",
 ]
 
@@ -137,6 +139,44 @@ def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:
     """The overlap scheduler over ``UnifiedRadixCache`` with SGLang's Python ``TreeCore``
     (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``), whose lock counts the adapter reads."""
     return _build(config, choices, True, "python-core")
+
+
+def swa_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """The overlap scheduler over the tree cache SGLang builds for a hybrid sliding-window model
+    (``build.SWA_MODEL``: ``UnifiedRadixCache`` with FULL and SWA, Rust ``TreeCore``; two pools of
+    the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``).
+    Refused by name until the spec takes an engine's per-group effects and the adapter reads
+    SGLang's SWA locks (``swa_refusal``; docs/adapters.md, SGLang, hybrid models)."""
+    return _build_swa(config, choices, True)
+
+
+def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``swa_factory`` without overlap (depth 1)."""
+    return _build_swa(config, choices, False)
+
+
+def swa_refusal(config: Config, overlap: bool = True) -> str | None:
+    """Why the SWA factories cannot run this cell, or None. Today always a reason: the spec's
+    group effects for an engine that registers on its own (``loops.spec_follows_groups``) and
+    the adapter's reading of SGLang's SWA locks (``loops.SWA_REFERENCES``) are missing."""
+    from .loops import SWA_REFERENCES, spec_follows_groups
+
+    if getattr(config, "groups", ()):
+        return "the SWA factories set the groups from SGLang's model: leave groups empty"
+    if not spec_follows_groups():
+        return (
+            "a hybrid SWA model's events are those of two KV-cache groups, and this spec does "
+            "not follow several groups for an engine that registers on its own yet "
+            "(docs/hybrid.md; docs/adapters.md, SGLang, hybrid models, gap 1)"
+        )
+    return SWA_REFERENCES
+
+
+def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:
+    why = swa_refusal(config, overlap)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=overlap, tree="swa")
 
 
 def legacy_factory(config: Config, choices: Choices) -> SglangAdapter:

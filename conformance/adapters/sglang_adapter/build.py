@@ -86,6 +86,10 @@ _publish_server_args()
 
 import torch  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.configs.model_config import (  # noqa: E402
+    get_hybrid_layer_ids,
+    is_hybrid_swa_model,
+)
 from sglang.srt.disaggregation.utils import prepare_abort  # noqa: E402
 from sglang.srt.environ import envs  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: E402
@@ -98,6 +102,7 @@ from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (  
     NewTokenRatioTracker,
 )
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import (  # noqa: E402
     checkpoint_kv_cache,
@@ -109,6 +114,7 @@ from sglang.srt.mem_cache.registry import (  # noqa: E402
     TreeCacheBuildContext,
     create_tree_cache,
 )
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # noqa: E402
@@ -144,16 +150,89 @@ MODEL = types.SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False)
 whether the model has an encoder."""
 
 
-TREES = ("unified", "python-core", "legacy")
+TREES = ("unified", "python-core", "legacy", "swa")
 """The tree caches the adapter can build (``memory``): ``unified``, SGLang 0.5.23's default;
 ``python-core``, the same ``UnifiedRadixCache`` over SGLang's Python ``TreeCore`` instead of its
-Rust one; ``legacy``, the ``RadixCache`` SGLang built before ``UnifiedRadixCache``."""
+Rust one; ``legacy``, the ``RadixCache`` SGLang built before ``UnifiedRadixCache``; ``swa``, the
+``UnifiedRadixCache`` (FULL and SWA components) SGLang builds for a hybrid sliding-window model
+(``SWA_MODEL``)."""
+
+SWA_MODEL = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 4,
+    "hidden_size": 4,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 1,
+    "vocab_size": VOCAB,
+}
+"""The ``config.json`` of a tiny hybrid sliding-window model (gpt-oss's layout: sliding-window
+layers beside full-attention ones), no weights: SGLang's ``ModelConfig`` reads from it whether the
+model is hybrid SWA (``is_hybrid_swa_model``), which layers are which (``get_hybrid_layer_ids``)
+and the window (``sliding_window``, in tokens)."""
 
 
-def memory(page_size: int, pages: int, rows: int, tree: str = "unified") -> tuple[Any, Any, Any]:
+def swa_layers(model: dict[str, Any] = SWA_MODEL) -> tuple[int, list[int], list[int]]:
+    """What SGLang's ``ModelConfig._derive_hybrid_model`` reads off a hybrid SWA model's config:
+    its window, its sliding-window layers and its full-attention layers (SGLang's own functions,
+    on the config as Hugging Face loads it: an attribute per key)."""
+    config = types.SimpleNamespace(**model)
+    if not is_hybrid_swa_model(model["architectures"], config):
+        raise RuntimeError(f"SGLang does not take {model['architectures']} for a hybrid SWA model")
+    swa, full = get_hybrid_layer_ids(model["architectures"], config)
+    return int(model["sliding_window"]), list(swa), list(full)
+
+
+def swa_memory(page_size: int, pages: int, swa_pages: int, rows: int) -> tuple[Any, Any, Any]:
+    """``memory`` for the hybrid SWA model ``SWA_MODEL``, as SGLang builds it (``kv_cache_configurator``:
+    ``SWAKVPool`` over its full and sliding-window layers, ``SWATokenToKVPoolAllocator`` over
+    ``pages`` full pages and ``swa_pages`` window pages, each pool's page 0 its padding slot;
+    ``build_kv_cache``'s ``CacheInitParams`` with the model's ``sliding_window_size``; then
+    ``create_tree_cache`` with ``is_hybrid_swa``): a ``UnifiedRadixCache`` with FULL and SWA."""
+    window, swa_ids, full_ids = swa_layers()
+    pool = ReqToTokenPool(
+        size=rows, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
+    )
+    kv = SWAKVPool(
+        size=pages * page_size,
+        size_swa=swa_pages * page_size,
+        page_size=page_size,
+        dtype=torch.float32,
+        head_num=1,
+        head_dim=1,
+        swa_attention_layer_ids=swa_ids,
+        full_attention_layer_ids=full_ids,
+        device="cpu",
+    )
+    allocator = SWATokenToKVPoolAllocator(
+        pages * page_size,
+        swa_pages * page_size,
+        page_size,
+        torch.float32,
+        "cpu",
+        kv,
+        need_sort=False,
+        req_to_token_pool=pool,
+    )
+    cache = _create(pool, allocator, page_size, "unified", window, pages * page_size)
+    if set(cache.components) != {ComponentType.FULL, ComponentType.SWA}:
+        raise RuntimeError(
+            f"SGLang's create_tree_cache built {type(cache).__name__} with "
+            f"{sorted(c.name for c in cache.components)}, not FULL and SWA"
+        )
+    return pool, allocator, cache
+
+
+def memory(
+    page_size: int, pages: int, rows: int, tree: str = "unified", swa_pages: int = 0
+) -> tuple[Any, Any, Any]:
     """SGLang's ``ReqToTokenPool`` (``rows`` requests), ``PagedTokenToKVPoolAllocator`` over
     ``pages`` pages (its page 0 is the padding slot, so pages 1..pages are usable) and a tree cache
-    over both (``TREES``), with its KV-event recorder on (for ``kv_stream.py``).
+    over both (``TREES``), with its KV-event recorder on (for ``kv_stream.py``); for ``swa``,
+    ``swa_memory`` with ``swa_pages`` window pages.
 
     The default tree is the one ``mem_cache/kv_cache_builder.py``'s ``build_kv_cache`` builds for a
     plain model (neither hybrid sliding-window nor SSM, no hierarchical cache, radix cache on):
@@ -166,6 +245,8 @@ def memory(page_size: int, pages: int, rows: int, tree: str = "unified") -> tupl
     ``CacheInitParams.tree_core_backend="python"``; ``legacy`` builds ``RadixCache`` directly."""
     if tree not in TREES:
         raise ValueError(f"tree {tree!r}: one of {', '.join(TREES)}")
+    if tree == "swa":
+        return swa_memory(page_size, pages, swa_pages, rows)
     pool = ReqToTokenPool(
         size=rows, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
     )
@@ -181,8 +262,27 @@ def memory(page_size: int, pages: int, rows: int, tree: str = "unified") -> tupl
             enable_kv_cache_events=True,
         )
         return pool, allocator, RadixCache(params)
+    cache = _create(pool, allocator, page_size, tree, None, None)
+    if not isinstance(cache, UnifiedRadixCache) or set(cache.components) != {ComponentType.FULL}:
+        raise RuntimeError(
+            f"SGLang's create_tree_cache built {type(cache).__name__}, not a UnifiedRadixCache "
+            "with the FULL component alone: the adapter supports SGLang 0.5.23's default"
+        )
+    return pool, allocator, cache
+
+
+def _create(
+    pool: Any,
+    allocator: Any,
+    page_size: int,
+    tree: str,
+    window: int | None,
+    full_tokens: int | None,
+) -> Any:
+    """SGLang's ``create_tree_cache`` as ``build_kv_cache`` calls it on one CPU rank, no draft:
+    a hybrid SWA model when ``window`` is given (``full_tokens``: its full pool's tokens)."""
     settings = runtime_context.get_memory()
-    params = CacheInitParams(  # as build_kv_cache fills it on one CPU rank, no draft, no SWA
+    params = CacheInitParams(
         disable=False,
         req_to_token_pool=pool,
         token_to_kv_pool_allocator=allocator,
@@ -192,13 +292,13 @@ def memory(page_size: int, pages: int, rows: int, tree: str = "unified") -> tupl
         enable_kv_cache_events=True,
         enable_session_radix_cache=settings.enable_session_radix_cache,
         chunked_prefill_size=None,
-        sliding_window_size=None,
+        sliding_window_size=window,
         tree_core_backend="python" if tree == "python-core" else None,
     )
     context = TreeCacheBuildContext(
         server_args=None,  # read only where a hierarchical cache is attached
         params=params,
-        is_hybrid_swa=False,
+        is_hybrid_swa=window is not None,
         is_hybrid_ssm=False,
         enable_hierarchical_cache=False,
         disable_radix_cache=False,
@@ -207,15 +307,9 @@ def memory(page_size: int, pages: int, rows: int, tree: str = "unified") -> tupl
         tp_size=1,
         tp_rank=0,
         tp_group=None,
-        full_tokens_per_layer=None,
+        full_tokens_per_layer=full_tokens,
     )
-    cache = create_tree_cache(context)
-    if not isinstance(cache, UnifiedRadixCache) or set(cache.components) != {ComponentType.FULL}:
-        raise RuntimeError(
-            f"SGLang's create_tree_cache built {type(cache).__name__}, not a UnifiedRadixCache "
-            "with the FULL component alone: the adapter supports SGLang 0.5.23's default"
-        )
-    return pool, allocator, cache
+    return create_tree_cache(context)
 
 
 def core_backend(tree: Any) -> str:

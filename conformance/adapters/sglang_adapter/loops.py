@@ -25,8 +25,68 @@ from typing import Any
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
+from .build import swa_layers
 from .record import Event
 from .scheduler import Scheduler
+
+
+def hybrid_swa_config(config: Config) -> Config:
+    """The cell as the judge sees a hybrid SWA model: both pools' pages as one id space (the FULL
+    pool's ``num_blocks - 1`` pages, then as many SWA pages, ``swa.py``) and, where the spec has
+    KV-cache groups, group 0 full attention and group 1 the model's window (``docs/hybrid.md``)."""
+    pages = config.num_blocks - 1
+    config = replace(config, num_blocks=2 * pages + 1)
+    group = spec_group()
+    if group is None:
+        return config
+    window = swa_layers()[0]
+    groups = (group("full", config.block_size), group("window", config.block_size, window=window))
+    return replace(config, groups=groups)
+
+
+def spec_follows_groups() -> bool:
+    """Whether the spec follows several KV-cache groups as SGLang's events need it: its own
+    ``schedule`` of a new request on the SWA cell emits a ``hit`` for each group, and it takes an
+    engine's own ``publish`` in group 1 under ``engine-registers`` (``docs/hybrid.md``;
+    ``docs/adapters.md``, "Hybrid models": gap 1). Until both hold, the spec would take the second
+    group's events for a disagreement or an illegal effect: a false alarm."""
+    from kvspec.spec import Illegal, apply, initial_state
+    from kvspec.spec.observed import engine_effect
+
+    if spec_group() is None:
+        return False
+    config = Config(num_blocks=5, block_size=2)
+    config = hybrid_swa_config(replace(config, policy="engine-registers"))
+    state = initial_state(config)
+    apply(state, ("arrive", 0, (1, 2, 3), 1, 0))
+    apply(state, ("begin", 0))
+    effects = apply(state, ("schedule", 0, 3, 0))
+    if sum(event[0] == "hit" for event in effects) != len(config.groups):
+        return False
+    window_blocks = [e[2] for e in effects if e[0] == "alloc" and len(e) == 4 and e[3] == 1]
+    if not window_blocks:
+        return False
+    try:
+        engine_effect(state, ("publish", 0, 0, window_blocks[0], 1))
+    except Illegal:
+        return False
+    return True
+
+
+SWA_REFERENCES = (
+    "the adapter does not read yet which SWA pages a request holds: SGLang locks the tree's SWA "
+    "values only over the node segment covering its trailing window, and the tree pages further "
+    "back in its row are evictable while it runs (the spec counts them the request's until a "
+    "window free): docs/adapters.md, SGLang, hybrid models, gap 3"
+)
+"""Why the SWA factories refuse even where the spec follows several groups."""
+
+
+def spec_group() -> Any:
+    """The spec's ``Group`` (``Config.groups``), or None while the spec has no groups."""
+    import kvspec.spec.state as state
+
+    return getattr(state, "Group", None)
 
 
 class SglangAdapter:
@@ -45,6 +105,8 @@ class SglangAdapter:
         config = replace(config, token_budget=budget)
         if overlap:
             config = replace(config, async_scheduling=True)
+        if tree == "swa":
+            config = hybrid_swa_config(config)
         self.config = config
         self.overlap, self.tree, self.test_retract = overlap, tree, test_retract
         self.scheduler = self.new_scheduler(config, choices, overlap)
@@ -53,7 +115,7 @@ class SglangAdapter:
         self._seen = 0
         from .kv_stream import attach  # SGLang's own KV-event publisher, judged
 
-        self.kv_stream = attach(self)
+        self.kv_stream = None if tree == "swa" else attach(self)
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""
@@ -129,16 +191,20 @@ class SglangAdapter:
         unlocked tree pages (evictable, like the spec's cached free blocks)."""
         s, record = self.scheduler, self.scheduler.record
         refcounts = [0] * self.config.num_blocks
-        free = set(int(p) for p in s.allocator.get_all_free_pages().tolist())
+        if s.hybrid_swa:
+            free = record.free_pages()  # type: ignore[attr-defined]
+        else:
+            free = set(int(p) for p in s.allocator.get_all_free_pages().tolist())
         unlocked, locks = record.unlocked(), record.locks()
         protected: dict[int, int] = {}
         for req in s.holders():
-            row = record.row(req)
             cut = req.kv.cache_protected_len // s.page_size
-            for page in row[:cut]:
-                protected[page] = protected.get(page, 0) + 1
-            for page in row[cut:]:
-                refcounts[page] += 1
+            for row in record.tables(req):
+                for page in row[:cut]:
+                    protected[page] = protected.get(page, 0) + 1
+                for page in row[cut:]:
+                    refcounts[page] += 1
+        refcounts[0] = 0  # the null block (an SWA position freed behind the window)
         for page in record.cached_pages():
             if locks is not None:
                 refcounts[page] = locks[page]

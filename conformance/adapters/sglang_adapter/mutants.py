@@ -26,6 +26,11 @@ drops) is reused only by batches launched after that forward.
   only in SGLang's retraction test mode (``retract_keeps_lock_retract_factory``; with SGLang's
   defaults, ``retract_keeps_lock_factory``, the fuzzer's pools rarely retract): the free sets
   disagree after the retraction.
+* ``EarlyWindowFree`` (a window block freed while still read): the hybrid SWA model's frees of a
+  running request's out-of-window SWA slots (``evict_sliding_windows`` at decode, the
+  ``SWAComponent``'s ``_free_out_of_window_slots`` at insert) are run as if the request were two
+  pages further on, so they free SWA pages inside the window the next forward reads. For the
+  spec's ``NoReadOfRecycled``; ``early_window_free_swa_factory``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
 from . import supported
-from .build import Req
+from .build import ComponentType, Req
 from .loops import SglangAdapter
 from .record import rid
 from .scheduler import Scheduler
@@ -97,6 +102,23 @@ class RetractKeepsLock(Scheduler):
             self.tree.unlock = unlock
 
 
+class EarlyWindowFree(Scheduler):
+    def hook_tree(self) -> None:
+        ahead = 2 * self.page_size
+        tree, component = self.tree, self.tree.components[ComponentType.SWA]
+        evict_sliding_windows = tree.evict_sliding_windows
+        free_out_of_window = component._free_out_of_window_slots
+
+        def evict_sliding_windows_(req: Req, pre_len: int, **kw: Any) -> None:
+            evict_sliding_windows(req, pre_len + ahead, **kw)
+
+        def free_out_of_window_(req: Req, pre_len: int) -> None:
+            free_out_of_window(req, pre_len + ahead)
+
+        tree.evict_sliding_windows = evict_sliding_windows_
+        component._free_out_of_window_slots = free_out_of_window_
+
+
 class _MutantAdapter(SglangAdapter):
     scheduler_class: type[Scheduler] = Scheduler
 
@@ -142,3 +164,14 @@ def retract_keeps_lock_factory(config: Config, choices: Choices) -> SglangAdapte
 def retract_keeps_lock_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
     """``RetractKeepsLock`` in SGLang's retraction test mode (``retract_factory``)."""
     return _build(RetractKeepsLock, config, choices, test_retract=True)
+
+
+def early_window_free_swa_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``EarlyWindowFree`` on ``swa_factory``'s cell: refused, as it is, until the spec follows
+    several groups."""
+    from . import swa_refusal
+
+    why = swa_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return mutant(EarlyWindowFree)(config, choices, overlap=True, tree="swa")

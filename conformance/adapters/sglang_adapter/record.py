@@ -39,8 +39,15 @@ def rid(req: Req) -> int:
     return int(req.rid)
 
 
-def recorder(tree: Any, pool: Any, page_size: int, events: list[Event]) -> Recorder:
-    """The recorder for the tree ``build.memory`` built."""
+def recorder(
+    tree: Any, pool: Any, page_size: int, events: list[Event], full_pages: int = 0
+) -> Recorder:
+    """The recorder for the tree ``build.memory`` built (``full_pages``: the FULL pool's pages,
+    after which a hybrid SWA tree's SWA pages are numbered, ``swa.py``)."""
+    if ComponentType.SWA in getattr(tree, "components", {}):
+        from .swa import SwaRecorder
+
+        return SwaRecorder(tree, pool, page_size, events, full_pages)
     kind = LegacyRecorder if core_backend(tree) == "legacy" else UnifiedRecorder
     return kind(tree, pool, page_size, events)
 
@@ -70,6 +77,27 @@ class Recorder:
             return []
         slots = self.pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len]
         return [int(s) // self.page_size for s in slots[:: self.page_size].tolist()]
+
+    def tables(self, req: Req) -> list[list[int]]:
+        """The request's block table per KV-cache group (one group: its row)."""
+        return [self.row(req)]
+
+    def repointed(self, req: Req, group: int, before: list[int], after: list[int]) -> list[Event]:
+        """The events of an insert that changed a running request's table: ``dedup`` where a
+        position now names the tree's page (the group after the fields of a group above 0),
+        ``free`` where SGLang dropped the request's page and left the position null (an SWA slot
+        behind the window, freed at insert), last block first."""
+        out: list[Event] = []
+        frees: list[Event] = []
+        for index, (old, new) in enumerate(zip(before, after, strict=True)):
+            if old == new:
+                continue
+            if new == 0:
+                frees.insert(0, ("free", old))
+                continue
+            event: Event = ("dedup", rid(req), index, new)
+            out.append(event + (group,) if group else event)
+        return frees + out
 
     def cached_pages(self) -> dict[int, int]:
         """Every page of the tree, with its position in its key (in pages)."""
@@ -109,13 +137,13 @@ class Recorder:
         checkpoint = self.tree.checkpoint
 
         def checkpoint_(req: Req, *args: Any, **kw: Any) -> Any:
-            before = self.row(req)
+            before = self.tables(req)
             result = checkpoint(req, *args, **kw)
             if not self.finishing:
-                after = self.row(req)
-                for index, (old, new) in enumerate(zip(before, after, strict=True)):
-                    if old != new:
-                        self.events.append(("dedup", rid(req), index, new))
+                for group, (old_table, new_table) in enumerate(
+                    zip(before, self.tables(req), strict=True)
+                ):
+                    self.events += self.repointed(req, group, old_table, new_table)
             return result
 
         self.tree.checkpoint = checkpoint_
@@ -233,11 +261,13 @@ class UnifiedRecorder(Recorder):
             result = insert(params)
             after = self.cached_pages()
             tokens = tuple(int(t) for t in params.key.raw_token_ids())
+            # A hybrid tree's insert may replace a node's value: a tombstoned node's FULL pages
+            # give way to the inserting request's (SWAComponent.update_component_on_insert_overlap).
+            self.events += [("unpublish", page) for page in before if page not in after]
             for page, index in sorted(after.items(), key=lambda item: item[1]):
                 if page not in before:
                     self._publish(index, page)
                     self.tokens[page] = tokens[: (index + 1) * self.page_size]
-            self.evicted += [page for page in before if page not in after]
             return result
 
         def evict_(*args: Any, **kw: Any) -> Any:

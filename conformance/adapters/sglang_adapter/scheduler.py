@@ -47,6 +47,7 @@ from .build import (
     new_request,
     prepare_abort,
     release_kv_cache,
+    swa_layers,
 )
 from .record import Event, recorder, rid
 
@@ -64,13 +65,19 @@ class Scheduler:
         self.events: list[Event] = []
         ps = config.block_size
         self.page_size = ps
+        self.hybrid_swa = tree == "swa"
+        self.window = swa_layers()[0] if self.hybrid_swa else None
+        """SGLang's ``sliding_window_size`` (the hybrid SWA model's), or None."""
+        self.full_pages = (config.num_blocks - 1) // 2 if self.hybrid_swa else config.num_blocks - 1
+        """Pages of the FULL pool; a hybrid SWA model's SWA pool has as many, numbered after them
+        (``swa.py``): the spec's blocks are both pools'."""
         # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
         # max_running counts the chunked request too, and so do SGLang's rows.
         self.pool, self.allocator, self.tree = memory(
-            ps, config.num_blocks - 1, config.max_running, tree
+            ps, self.full_pages, config.max_running, tree, swa_pages=self.full_pages
         )
         self.hook_tree()
-        self.record = recorder(self.tree, self.pool, ps, self.events)
+        self.record = recorder(self.tree, self.pool, ps, self.events, self.full_pages)
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
         self.ratio = NewTokenRatioTracker.from_config()
         self.token_budget = config.token_budget
@@ -103,12 +110,12 @@ class Scheduler:
     # -- arrivals and aborts --------------------------------------------------------------------
 
     def add_request(self, req_id: int, prompt: tuple[int, ...], max_tokens: int) -> None:
-        capacity = (self.config.num_blocks - 1) * self.page_size
+        capacity = self.full_pages * self.page_size
         clipped = self.allocator.max_new_tokens_for_memory(
             len(prompt),
             max_tokens,
             token_capacity=capacity,
-            sliding_window_size=None,
+            sliding_window_size=self.window,
             chunk_size=None,
         )
         if not clipped:
@@ -218,7 +225,7 @@ class Scheduler:
         requests in the policy's order, as SGLang's ``PrefillAdder`` admits and chunks them;
         ``ScheduleBatch.prepare_for_extend`` (B 2847) matches, evicts and allocates."""
         running = self.running_batch
-        if running.is_empty():
+        if self.hybrid_swa or running.is_empty():  # S 4090: a hybrid SWA model retries
             running.batch_is_full = False
         if (running.batch_is_full or not self.waiting) and self.chunked_req is None:
             return None
@@ -284,29 +291,46 @@ class Scheduler:
             SpeculativeAlgorithm.NONE,
             chunked_req=self.chunked_req,
         )
-        held = [self.record.pages(r.kv.kv_allocated_len) for r in can_run]
+        held = [self.record.tables(r) for r in can_run]
         batch.prepare_for_extend()
         batch.decoding_reqs = None
         evicted, self.record.evicted = self.record.evicted, []
         for req, before in zip(can_run, held, strict=True):
             self.events.append(("schedule", rid(req), req.extend_end - req.prefix_len, 0))
-            row = self.record.row(req)
+            tables = self.record.tables(req)
             if req in admitted:
-                self.events.append(
-                    ("hit", rid(req), tuple(row[: req.prefix_len // self.page_size]))
-                )
-                before = req.prefix_len // self.page_size
-            self._allocated(req, row[before:], evicted)
+                if self.hybrid_swa:
+                    self.record.count_hit(req)  # type: ignore[attr-defined]
+                hit = req.prefix_len // self.page_size
+                for group, table in enumerate(tables):
+                    event: Event = ("hit", rid(req), tuple(table[:hit]))
+                    self.events.append(event + (group,) if group else event)
+                before = [table[:hit] for table in tables]
+            self._scheduled(req, before, tables, evicted)
         self.events += [("unpublish", page) for page in evicted]
         return batch
 
-    def _allocated(self, req: Req, pages: list[int], evicted: list[int]) -> None:
+    def _scheduled(
+        self, req: Req, before: list[list[int]], after: list[list[int]], evicted: list[int]
+    ) -> None:
+        """A scheduled request's effects, from its tables before and after SGLang allocated:
+        ``free`` for the window blocks SGLang freed behind the window (``maybe_evict_swa``),
+        then ``alloc`` per new block of each group."""
+        for group in range(1, len(after)):
+            self.events += self.record.repointed(
+                req, group, before[group], after[group][: len(before[group])]
+            )
+        for group, table in enumerate(after):
+            self._allocated(req, table[len(before[group]) :], evicted, group)
+
+    def _allocated(self, req: Req, pages: list[int], evicted: list[int], group: int = 0) -> None:
         """``alloc`` per new page of the row, ``evict`` first for a page SGLang evicted for it."""
         for page in pages:
             if page in evicted:
                 evicted.remove(page)
                 self.events.append(("evict", page))
-            self.events.append(("alloc", rid(req), page))
+            event: Event = ("alloc", rid(req), page)
+            self.events.append(event + (group,) if group else event)
 
     # -- decoding: update_running_batch (S 4459) ------------------------------------------------
 
@@ -340,12 +364,12 @@ class Scheduler:
             batch.batch_is_full = False
         if batch.is_empty():
             return batch
-        held = [self.record.pages(r.kv.kv_allocated_len) for r in batch.reqs]
+        held = [self.record.tables(r) for r in batch.reqs]
         batch.prepare_for_decode()  # B 3736: alloc_for_decode evicts, allocates, writes rows
         evicted, self.record.evicted = self.record.evicted, []
         for req, before in zip(batch.reqs, held, strict=True):
             self.events.append(("schedule", rid(req), 1, 0))
-            self._allocated(req, self.record.row(req)[before:], evicted)
+            self._scheduled(req, before, self.record.tables(req), evicted)
         self.events += [("unpublish", page) for page in evicted]
         return batch
 
@@ -359,14 +383,14 @@ class Scheduler:
 
         def release_req(idx: int, remaining: int, offload_kv: bool = True) -> bool:
             req = batch.reqs[idx]
-            table = self.record.row(req)
+            table = self._held(req)
             aborting = not offload_kv
             events = self._before_begin if aborting else self.events
             self.record.report_evictions()  # what check_decode_mem evicted before this
             events.append(("abort" if aborting else "preempt", rid(req)))
             with self.record.acting_for(req), self.retracting(req):
                 ok = original(idx, remaining, offload_kv=offload_kv)
-            events += [("free", page) for page in reversed(table)]
+            events += [("free", page) for page in table]
             evicted, self.record.evicted = self.record.evicted, []
             events += [("unpublish", page) for page in evicted]
             if aborting:
@@ -449,10 +473,14 @@ class Scheduler:
     def _release(self, req: Req, checkpoint: bool) -> None:
         """``release_kv_cache``: (with ``checkpoint``) insert, then free the row and unlock. The
         request's references drop in reverse table order (``free``), its table as it was."""
-        table = self.record.row(req)
+        table = self._held(req)
         with self.record.acting_for(req, finishing=True):
             release_kv_cache(req, self.tree, checkpoint=checkpoint)
-        self.events += [("free", page) for page in reversed(table)]
+        self.events += [("free", page) for page in table]
+
+    def _held(self, req: Req) -> list[int]:
+        """The blocks a release frees: each group's table, last block first, group order."""
+        return [page for table in self.record.tables(req) for page in reversed(table) if page]
 
     # -- idle and flush -------------------------------------------------------------------------
 
