@@ -304,12 +304,6 @@ class Request:
     """Tokens whose K/V is written or scheduled to be written (vLLM ``num_computed_tokens``)."""
     cached: int = 0
     """Leading table blocks already registered (vLLM ``num_cached_block``)."""
-    group_tables: list[list[int]] = field(default_factory=list)
-    """Several groups (``Config.groups``): the tables of groups 1 .. G - 1, in group order
-    (``table`` is group 0's); ``group_tables[g - 1][i]`` holds that group's block ``i``, tokens
-    ``i * B_g .. (i + 1) * B_g - 1``. Empty for one group."""
-    group_cached: list[int] = field(default_factory=list)
-    """``cached`` of groups 1 .. G - 1, in group order."""
     loading: int | None = None
     """The step of an external KV load not yet confirmed; the request waits for it."""
     loaded_last: bool = False
@@ -318,6 +312,13 @@ class Request:
     recomputes that token over the loaded block, whose K/V is all there. Cleared when the request
     is scheduled again or lets go of its table. ``SharedImpliesSamePrefix`` counts that block as
     full."""
+
+    group_tables: list[list[int]] = field(default_factory=list)
+    """Several groups (``Config.groups``): the tables of groups 1 .. G - 1, in group order
+    (``table`` is group 0's); ``group_tables[g - 1][i]`` holds that group's block ``i``, tokens
+    ``i * B_g .. (i + 1) * B_g - 1``. Empty for one group."""
+    group_cached: list[int] = field(default_factory=list)
+    """``cached`` of groups 1 .. G - 1, in group order."""
 
     @property
     def output_len(self) -> int:
