@@ -20,7 +20,7 @@ from kvspec.cell import Cell
 from kvspec.conformance import trace, verdicts
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_FOLDERS = ("spec", "reference", "conformance", "proofs", "impl")
+NOT_PACKAGE = ("tests", "bench", "docs", "build", "dist", "examples", "thirdparty", "tools")
 
 DEFER_FREE = """    defer_free: bool = _setting(
         False,
@@ -53,8 +53,9 @@ def _copy(tmp_path: Path, edits: dict[str, tuple[str, str]]) -> Path:
     target.mkdir(parents=True)
     for path in ROOT.glob("*.py"):
         shutil.copy(path, target / path.name)
-    for folder in PACKAGE_FOLDERS:
-        shutil.copytree(ROOT / folder, target / folder, ignore=ignore)
+    for folder in ROOT.iterdir():  # the package's folders, wherever the layout puts them
+        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in NOT_PACKAGE:
+            shutil.copytree(folder, target / folder.name, ignore=ignore)
     for name, (anchor, text) in edits.items():
         source = (target / name).read_text()
         assert source.count(anchor) == 1, f"{name}: the anchor {anchor!r} moved"
