@@ -393,6 +393,13 @@ def run_judge(engine: Any, invariants: Collection[str] | None, how: str = "fast"
     return Monitor.fast(config, raise_on_finding=False, name="<fuzz>", invariants=invariants)
 
 
+def _cell_of(arguments: dict[str, Any]) -> Cell:
+    """The cell that ``lockstep_machine``'s or ``run_cell``'s ``arguments`` (their ``locals()``
+    on entry) spell field by field: those named as ``Cell``'s fields, then ``other_fields``."""
+    named = {k: v for k, v in arguments.items() if k in Cell.__dataclass_fields__}
+    return Cell(**named, **arguments["other_fields"])
+
+
 def lockstep_machine(
     policy: str,
     discipline: str = "vllm",
@@ -409,17 +416,7 @@ def lockstep_machine(
 ) -> type[RuleBasedStateMachine]:
     """``cell_machine`` of the cell these fields make (``other_fields``: the ``Cell``'s other fields,
     e.g. ``spec_tokens``, ``sliding_window``), the spelling the tests and benches use."""
-    cell = Cell(
-        policy,
-        discipline,
-        preemption,
-        depth,
-        loads,
-        async_scheduling=async_scheduling,
-        stale_output=stale_output,
-        prefix_caching=prefix_caching,
-        **other_fields,
-    )
+    cell = _cell_of(locals())
     return cell_machine(cell, invariants, factory, engine)
 
 
@@ -956,17 +953,7 @@ def run_cell(
 ) -> CellResult:
     """``fuzz_cell`` of the cell these fields make (``other_fields``: the ``Cell``'s other fields,
     e.g. ``spec_tokens``, ``sliding_window``), the spelling the tests and benches use."""
-    cell = Cell(
-        policy,
-        discipline,
-        preemption,
-        depth,
-        loads,
-        async_scheduling=async_scheduling,
-        stale_output=stale_output,
-        prefix_caching=prefix_caching,
-        **other_fields,
-    )
+    cell = _cell_of(locals())
     return fuzz_cell(
         cell,
         seconds,
@@ -986,14 +973,15 @@ def fuzz_cell(
     cell: Cell,
     seconds: float = 10.0,
     seed_value: int = 0,
-    chunk: int = BATCH,
-    steps: int = 40,
+    *,
     invariants: Collection[str] | None = None,
     factory: Factory = reference,
     database: ExampleDatabase | None = None,
     shrink: bool = True,
     engine: str = "fast",
     bounded: bool = False,
+    chunk: int = BATCH,
+    steps: int = 40,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
     or ``seconds`` run out.
