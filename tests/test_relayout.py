@@ -62,10 +62,13 @@ def test_the_judge_moves_up_and_the_old_name_is_gone(tree: Path) -> None:
     for path in files:
         if path.endswith((".py", ".md", ".toml")) and path not in (
             "tools/relayout.py",
+            "tests/test_relayout.py",
             "conformance/judge.py",
         ):
-            text = (tree / path).read_text()
-            assert "kvspec.conformance.judge" not in text, path
+            lines = (tree / path).read_text().splitlines()
+            said = [line for line in lines if "relayout" not in line]  # what moved where
+            assert not [line for line in said if "kvspec.conformance.judge" in line], path
+            text = "\n".join(lines)
             assert "from .judge" not in text or not path.startswith("conformance/"), path
 
 
