@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import math
 import os
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kvspec import __version__, flow
+from kvspec.cell import FUZZ, SIMULATE, Cell, add_arguments
+from kvspec.cell import number as _number
 from kvspec.conformance import budget
 from kvspec.outputs import output_path, reader_safe_stdout
 from kvspec.spec import (
@@ -71,27 +72,6 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _number(kind: type, low: float = 0.0, high: float | None = None) -> Callable[[str], object]:
-    """An argparse type: a finite ``kind`` > ``low`` (>= when ``high`` is given), <= ``high``."""
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str) -> object:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if high is not None:
-            if not low <= value <= high:
-                raise argparse.ArgumentTypeError(f"must be {low:g}..{high:g}, got {text!r}")
-        elif value <= low:
-            raise argparse.ArgumentTypeError(f"must be > {low:g}: {text!r}")
-        return value
-
-    return parse
-
-
 _positive = _number
 
 MAX_DEPTH = budget.MAX_DEPTH
@@ -134,48 +114,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _cell_arguments(p: argparse.ArgumentParser, policies: Collection[str] = POLICIES) -> None:
-    p.add_argument("--policy", required=True, choices=policies, help="registration policy (README)")
-    p.add_argument(
-        "--discipline", default="vllm", choices=DISCIPLINES, help="scheduling discipline"
-    )
-    p.add_argument("--preemption", default="fcfs", choices=PREEMPTIONS, help="preemption order")
-    p.add_argument(
-        "--depth",
-        type=_number(int, 1, MAX_DEPTH),
-        default=None,
-        help=f"steps in flight (1..{MAX_DEPTH}; default: drawn from 1..3 by fuzz, 1 for simulate)",
-    )
+def _cell_arguments(
+    p: argparse.ArgumentParser, command: str, policies: Collection[str] = POLICIES
+) -> None:
+    """The options of a ``Cell`` that ``command`` offers (``cell.add_arguments``), and --seed."""
+    add_arguments(p, command, policies)
     p.add_argument("--seed", type=int, default=0, help="random seed (a run repeats from it)")
-    p.add_argument(
-        "--async",
-        dest="async_scheduling",
-        action="store_true",
-        help="async scheduling: schedule on placeholder tokens (vLLM's default; needs depth >= 2)",
-    )
-    p.add_argument(
-        "--stale-output",
-        default="drop",
-        choices=STALE_OUTPUTS,
-        help="a preempted request's output in a submitted step: drop or deliver "
-        "(vLLM's default; needs depth >= 2)",
-    )
-    p.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="a pool without prefix caching (vLLM's enable_prefix_caching=False): nothing is "
-        "published and nothing hits",
-    )
-
-
-def _depth(args: argparse.Namespace) -> int:
-    """--depth, or the smallest one at which --async / --stale-output deliver mean something;
-    ValueError (exit 2) for an explicit depth below it."""
-    overlap = args.async_scheduling or args.stale_output == "deliver"
-    if args.depth is not None and args.depth < 2 and overlap:
-        raise ValueError("--async and --stale-output deliver need --depth >= 2")
-    return int(args.depth or (2 if overlap else 1))
 
 
 def _junit_argument(p: argparse.ArgumentParser, cases: str) -> None:
@@ -218,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fuzz = command("fuzz", "lockstep-fuzz an engine (default: the reference) against the spec")
     # engine-registers: for --target engines that register on their own (observed judging).
-    _cell_arguments(fuzz, (*POLICIES, *OBSERVED_POLICIES))
+    _cell_arguments(fuzz, FUZZ, (*POLICIES, *OBSERVED_POLICIES))
     fuzz.add_argument(
         "--target",
         metavar="MODULE:FACTORY",
@@ -240,23 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
         "NoUnwrittenPublish zombie)",
     )
     _format_argument(fuzz)
-    fuzz.add_argument(
-        "--loads", action="store_true", help="also external KV loads, some of which fail"
-    )
-    fuzz.add_argument(
-        "--spec-tokens",
-        metavar="K",
-        type=_number(int, 0, 64),
-        default=0,
-        help="speculative decoding: up to K draft tokens per decode, some rejected",
-    )
-    fuzz.add_argument(
-        "--sliding-window",
-        metavar="W",
-        type=_number(int, 1, 1 << 20),
-        default=None,
-        help="one sliding-window group of W tokens (default: full attention)",
-    )
     fuzz.add_argument(
         "--groups",
         metavar="KINDS",
@@ -313,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ach)
 
     sim = command("simulate", "run the reference engine on a shared-prefix workload")
-    _cell_arguments(sim)
+    _cell_arguments(sim, SIMULATE)
     sim.add_argument("--requests", type=_positive(int), default=200, help="requests")
     sim.add_argument("--blocks", type=_positive(int), default=512, help="blocks, with the null")
     sim.add_argument("--block-size", type=_positive(int), default=16, help="tokens per block")
@@ -587,17 +514,9 @@ def _hypothesis_home() -> Iterator[None]:
 
 @_command
 def _fuzz(args: argparse.Namespace) -> int:
-    from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.enginelog import engine_logs
     from kvspec.conformance.report import format_counterexample, observed_hint
-    from kvspec.conformance.witness import extend
 
-    if args.policy in OBSERVED_POLICIES and not args.target:
-        raise ValueError(
-            f"--policy {args.policy} needs --target: an engine that registers blocks on its own "
-            "(the reference engine does not)"
-        )
-    _depth(args)  # --async with --depth 1 is bad input
     if args.groups is not None:
         return _fuzz_groups(args)
     database = None
@@ -605,28 +524,8 @@ def _fuzz(args: argparse.Namespace) -> int:
         from hypothesis.database import DirectoryBasedExampleDatabase
 
         database = DirectoryBasedExampleDatabase(_database_folder(args.db))
-    cell = flow.Cell(
-        args.policy,
-        args.discipline,
-        args.preemption,
-        args.depth,
-        args.loads,
-        args.async_scheduling,
-        args.stale_output,
-        args.prefix_caching,
-        args.spec_tokens,
-        args.sliding_window,
-    )
+    cell = Cell.from_args(args)
     with engine_logs(shown=args.engine_log), _hypothesis_home():
-        if args.target:  # imported as python -m would: the current folder first
-            load_factory(args.target, from_cwd=True)
-            if args.out and args.format == "v0":  # (probed again by flow.fuzz: only then)
-                _, judging = flow.probe_target(cell, args.target)
-                if judging != "strict":  # before fuzzing, so that a finding is not lost to it
-                    raise ValueError(
-                        f"--format v0 has no judging field for this {judging} engine "
-                        f"(--target {args.target}); use --format v1"
-                    )
         result, judging = flow.fuzz(
             cell,
             args.seconds,
@@ -637,13 +536,10 @@ def _fuzz(args: argparse.Namespace) -> int:
             args.shrink,
             args.check_protocol,
             bounded=True,
+            from_cwd=True,
+            strict_only="--format v0" if args.out and args.format == "v0" else None,
         )
-    timing = ", async" if args.async_scheduling else ""
-    timing += ", stale output delivered" if args.stale_output == "deliver" else ""
-    timing += "" if args.prefix_caching else ", no prefix caching"
-    timing += f", {args.spec_tokens} draft tokens" if args.spec_tokens else ""
-    timing += f", window {args.sliding_window}" if args.sliding_window is not None else ""
-    name = f"{args.policy} ({args.discipline}/{args.preemption}{timing})"
+    name = cell.name()
     if result.failure is None and result.refusal is not None:
         return _fuzz_refused(args, result)
     if result.failure is None and result.runs == 0:
@@ -675,8 +571,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     print(text)
     _fuzz_junit(args, name, result.seconds, "finding", text, FINDING)
     if args.out:
-        finding = failure.finding
-        shown = extend(failure.config, failure.events, finding.invariant, finding.event, judging)
+        shown = flow.witness(failure, judging)
         count = _write(args, failure.config, shown.events, judging)
         print(f"wrote {count} events to {args.out}" + (f"; {shown.note}" if shown.note else ""))
         try:
@@ -822,22 +717,12 @@ def _adapter_check(args: argparse.Namespace) -> int:
 
 @_command
 def _simulate(args: argparse.Namespace) -> int:
-    config = Config(  # a bad combination is one line, before anything is allocated
+    config = Cell.from_args(args).config(  # a bad combination: one line, before any allocation
         num_blocks=args.blocks,
         block_size=args.block_size,
-        depth=_depth(args),
-        policy=args.policy,
-        discipline=args.discipline,
-        preemption=args.preemption,
         token_budget=max(2048, args.block_size),
         max_running=64,
-        async_scheduling=args.async_scheduling,
-        stale_output=args.stale_output,
-        prefix_caching=args.prefix_caching,
     )
-    need = budget.simulate_need(args.requests, args.blocks, args.block_size)
-    what = f"{args.requests:,} requests on {args.blocks:,} blocks of {args.block_size:,} tokens"
-    budget.require(need, what)
     events, stats, seconds = flow.simulate(config, args.requests, args.seed)
     count = _write(args, config, events)
     hit_rate = stats["hit_tokens"] / max(1, stats["prompt_tokens"])
@@ -921,34 +806,16 @@ def _prove_scheduling(prove: argparse.ArgumentParser) -> None:
 def _prove(args: argparse.Namespace) -> int:
     """0 proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
     _requires("z3", "proofs")
-    from kvspec.proofs.prove import run_prove
-
-    if args.all_sizes:
-        from kvspec.proofs.all_sizes import run_all_sizes
-
-        return run_all_sizes(
-            args.policy,
-            args.discipline,
-            args.preemption,
-            async_scheduling=args.async_scheduling,
-            stale_output=args.stale_output,
-            out=args.out,
-            timeout_s=args.timeout,
-        )
-    return run_prove(
+    cell = Cell(
         args.policy,
         args.discipline,
         args.preemption,
-        args.blocks,
-        args.requests,
         args.depth,
-        args.bound,
-        args.out,
-        args.timeout,
-        method=args.method,
         async_scheduling=args.async_scheduling,
         stale_output=args.stale_output,
     )
+    sizes = flow.ProveSizes(args.blocks, args.requests, args.bound)
+    return flow.prove(cell, sizes, args.out, args.timeout, args.method, args.all_sizes)
 
 
 @_command
@@ -971,8 +838,15 @@ def _check(args: argparse.Namespace) -> int:
         "--trace-events": args.trace_events,
     }
     _inputs_kept(args.traces + args.kv_events, outputs)
-    reports = list(flow.check(args.traces, args.check_every, args.engine, args.observed))
-    reports += flow.check_kv_events(args.kv_events, _stream_invariants(args), args.blocks)
+    reports = flow.check_all(
+        args.traces,
+        args.kv_events,
+        args.check_every,
+        args.engine,
+        args.observed,
+        _stream_invariants(args),
+        args.blocks,
+    )
     for report in reports:
         if report.exit_code == 2:
             sys.stderr.write(f"{report.error}\n")
@@ -1012,12 +886,8 @@ def _check(args: argparse.Namespace) -> int:
             args.trace_events,
             "kvspec check",
         )
-    if args.witness:
-        from kvspec.conformance.witness import extend_file
-
-        report = reports[0]
-        if report.exit_code == 1:
-            print(extend_file(report.path, report.invariant, report.line, args.witness))
+    if args.witness and reports[0].exit_code == 1:
+        print(flow.witness_file(reports[0], args.witness))
     return code
 
 
@@ -1083,9 +953,7 @@ def _stream_invariants(args: argparse.Namespace) -> list[str] | None:
 @_command
 def _watch(args: argparse.Namespace) -> int:
     """0 stopped with nothing found, 1 a violation, 2 a malformed frame or a bad endpoint."""
-    from kvspec.conformance.kvevents.watch import watch
-
-    return watch(
+    return flow.watch(
         args.endpoint,
         args.replay,
         args.topic,
@@ -1100,7 +968,7 @@ def _watch(args: argparse.Namespace) -> int:
 @_command
 def _demo(args: argparse.Namespace) -> int:
     """0 with the table; 4 when a cell's fuzzing raised (its traceback in the crash report)."""
-    from kvspec.conformance.verdicts import CellError, print_table, scheduling, verdict
+    from kvspec.conformance.verdicts import CellError, columns, print_table, verdict
 
     results = []
     errors: list[CellError] = []
@@ -1116,10 +984,9 @@ def _demo(args: argparse.Namespace) -> int:
                 errors.append(result)
             else:
                 shown = verdict(result)
-            loads = "kv-load failures" if result.loads else "preempt/abort"
-            timing = scheduling(result.async_scheduling, result.stale_output)
+            policy, _, loads, timing = columns(result.cell)
             print(
-                f"  {result.policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
+                f"  {policy:22s} {result.discipline}/{result.preemption:9s} {loads:17s} "
                 f"{timing:20s} {shown}"
             )
             results.append(result)
@@ -1139,12 +1006,8 @@ def _demo(args: argparse.Namespace) -> int:
 @_command
 def _which_policy(args: argparse.Namespace) -> int:
     """0 the trace conforms to some (policy, discipline), 1 to none, 2 unreadable."""
-    from kvspec.conformance.inputs import seekable
-    from kvspec.conformance.which import which_policy
-
     _inputs_kept([args.trace], {"--junit": args.junit})
-    with seekable(args.trace) as real:
-        cells, unreadable = which_policy(real)
+    cells, unreadable = flow.which_policy(args.trace)
     if unreadable is not None:
         sys.stderr.write(f"{unreadable.error}\n")
         return BAD_INPUT
@@ -1211,15 +1074,9 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     """Print each prompt followed by its completion; progress goes to stderr."""
     _requires("torch", "tensors")
-    budget.require(budget.weights_need(args.model), f"loading {args.model} as float32", "--model")
-    from kvspec.impl.paged.replay import use_interpreter_without_gpu
-
-    if args.backend == "triton":
-        use_interpreter_without_gpu()  # before anything imports triton
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvspec.impl.llm.engine import LLM
     from kvspec.impl.llm.sampling import SamplingParams
 
     console = Console(stderr=True)
@@ -1228,27 +1085,21 @@ def _generate(args: argparse.Namespace) -> int:
     with Progress(*columns, console=console, transient=True, disable=quiet) as bar:
         stages = ("weights", "tokenizer", "cache")
         load = bar.add_task(f"loading {args.model}", total=len(stages))
-        llm = LLM(
-            args.model,
-            policy=args.policy,
-            depth=args.depth,
-            backend=args.backend,
-            seed=args.seed,
-            on_load=lambda stage: bar.update(load, completed=stages.index(stage)),
-        )
-        bar.update(load, completed=len(stages))
+        gen = bar.add_task("generating", total=args.max_tokens * len(args.prompt), visible=False)
         # seed None: the worker derives each request's seed from --seed and the request's id
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             seed=args.seed if args.same_seed else None,
         )
-        started = time.perf_counter()
-        gen = bar.add_task("generating", total=args.max_tokens * len(args.prompt))
-        outs = llm.generate(
-            args.prompt, params, on_step=lambda done, total: bar.update(gen, completed=done)
+        llm, outs, seconds = flow.generate(
+            args.model,
+            args.prompt,
+            params,
+            flow.LlmSetup(args.policy, args.depth, args.backend, args.seed),
+            on_load=lambda stage: bar.update(load, completed=stages.index(stage)),
+            on_step=lambda done, total: bar.update(gen, completed=done, visible=True),
         )
-    seconds = time.perf_counter() - started
     tokens = sum(len(o.token_ids) for o in outs)
     cfg = llm.weights.config
     console.print(

@@ -16,56 +16,58 @@ native KV events -> verdict    ``spec/stream.py`` (what a router may be told),
 events -> tensors              ``conformance/plan.py`` (the spec's plan), ``impl/paged/replay.py``
 =============================  ==============================================================
 
-Each function imports what it uses when it is called, so that a command loads only its own arrow
-(``kvspec check`` no torch, ``kvspec fuzz`` no z3).
+=================  ===========================================================================
+command            its call here
+=================  ===========================================================================
+``fuzz``           ``fuzz`` (a ``Cell``, ``cell.py``: what runs, spelled once), ``witness``
+``adapter-check``  ``adapter_check``
+``simulate``       ``simulate`` (a ``Cell``'s ``Config``), ``write``
+``replay``         ``replay``
+``prove``          ``prove`` (a ``Cell`` and ``ProveSizes``)
+``check``          ``check_all`` (``check``, ``check_kv_events``), ``witness_file``
+``watch``          ``watch``
+``which-policy``   ``which_policy``
+``generate``       ``generate``
+``demo``           ``demo`` (the verdict table's cells, ``conformance/verdicts.py``)
+=================  ===========================================================================
+
+Answers with several parts are named records (``Fuzzed``, ``Simulated``, ``AdapterChecked``,
+``Replayed``, ``Generated``; tuples, so that unpacking them still works). Each function imports
+what it uses when it is called, so that a command loads only its own arrow (``kvspec check`` no
+torch, ``kvspec fuzz`` no z3).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from kvspec.cell import Cell
 from kvspec.spec import Config
 
 if TYPE_CHECKING:
     from hypothesis.database import ExampleDatabase
 
     from kvspec.conformance.adapter import Factory
-    from kvspec.conformance.fuzz import CellResult
+    from kvspec.conformance.fuzz import CellResult, Failure
     from kvspec.conformance.report import Report
     from kvspec.conformance.verdicts import CellError
+    from kvspec.conformance.which import Cell as Conformance
+    from kvspec.conformance.witness import Witness
+    from kvspec.impl.llm.engine import LLM, Output
+    from kvspec.impl.llm.sampling import SamplingParams
     from kvspec.impl.paged.replay import Options, Result
 
 Event = tuple[object, ...]
 
 
-@dataclass(frozen=True)
-class Cell:
-    """What is fuzzed: a registration policy, a scheduling discipline and preemption, the steps in
-    flight (None: drawn 1 to 3, or 2 to 3 when steps overlap), whether external KV loads happen
-    (some failing), async scheduling (decodes on placeholder tokens), what becomes of a
-    preempted request's output still in flight (``docs/async.md``), whether the pool caches
-    prefixes at all (``Config.prefix_caching``), the draft tokens per decode (``spec_tokens``,
-    speculative decoding) and a sliding window (``sliding_window``)."""
+class Fuzzed(NamedTuple):
+    """``fuzz``'s answer: the cell's result and how the engine's traces are judged."""
 
-    policy: str
-    discipline: str = "vllm"
-    preemption: str = "fcfs"
-    depth: int | None = None
-    loads: bool = False
-    async_scheduling: bool = False
-    stale_output: str = "drop"
-    prefix_caching: bool = True
-    spec_tokens: int = 0
-    sliding_window: int | None = None
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether steps in flight differ from synchronous ones (needs a depth of 2 or more)."""
-        return self.async_scheduling or self.stale_output == "deliver"
+    result: CellResult
+    judging: str
 
 
 def fuzz(
@@ -78,7 +80,9 @@ def fuzz(
     shrink: bool = True,
     check_protocol: bool = False,
     bounded: bool = False,
-) -> tuple[CellResult, str]:
+    from_cwd: bool = False,
+    strict_only: str | None = None,
+) -> Fuzzed:
     """workload -> engine -> events -> verdict: lockstep-fuzz an engine (the reference engine, or
     ``target``, an adapter factory ``module:factory``) against the spec for ``seconds``. The
     result (``fuzz.CellResult``) and how the engine's traces are judged (strict or observed).
@@ -86,33 +90,53 @@ def fuzz(
     counterexample as found; ``bounded``: ``seconds`` bounds shrinking too and a hung engine
     call is a finding (``fuzz.run_cell``). A ``target``'s adapter is checked against the
     protocol first (``probe_target``: its mistakes are bad input, ``ProtocolError``, never a
-    finding); ``check_protocol``: also every call of every run."""
-    from kvspec.conformance.fuzz import run_cell
+    finding); ``check_protocol``: also every call of every run. ``from_cwd``: ``target`` is
+    imported as ``python -m`` would (the current folder first: the command line).
+    ``strict_only``: what needs strict judging (``--format v0``, which has no judging field):
+    an engine judged otherwise is bad input, before any fuzzing. A cell that needs an engine
+    registering on its own without a ``target``, or an overlap below depth 2, is bad input
+    (``ValueError``)."""
+    from kvspec.conformance.adapter import load_factory
+    from kvspec.conformance.fuzz import fuzz_cell
     from kvspec.conformance.protocol import checking
+    from kvspec.spec import OBSERVED_POLICIES
 
+    if cell.policy in OBSERVED_POLICIES and not target:
+        raise ValueError(
+            f"--policy {cell.policy} needs --target: an engine that registers blocks on its own "
+            "(the reference engine does not)"
+        )
+    cell.run_depth()  # --async with --depth 1 is bad input
+    if target and from_cwd:
+        load_factory(target, from_cwd=True)
     factory, judging = probe_target(cell, target, seconds)
+    if strict_only and judging != "strict":  # before fuzzing, so that no finding is lost to it
+        raise ValueError(
+            f"{strict_only} has no judging field for this {judging} engine "
+            f"(--target {target}); use --format v1"
+        )
     if check_protocol:
         factory = checking(factory)
-    result = run_cell(
-        cell.policy,
-        cell.discipline,
-        cell.preemption,
-        cell.depth,
-        cell.loads,
+    result = fuzz_cell(
+        cell,
         seconds,
         seed,
         invariants=invariants,
         factory=factory,
-        async_scheduling=cell.async_scheduling,
-        stale_output=cell.stale_output,
-        prefix_caching=cell.prefix_caching,
         database=database,
         shrink=shrink,
         bounded=bounded,
-        spec_tokens=cell.spec_tokens,
-        sliding_window=cell.sliding_window,
     )
-    return result, judging
+    return Fuzzed(result, judging)
+
+
+def witness(failure: Failure, judging: str) -> Witness:
+    """A counterexample's events as ``--out`` writes them: extended, for a NoUnwrittenPublish,
+    with a consumer that reads the zombie block (``witness.extend``)."""
+    from kvspec.conformance.witness import extend
+
+    finding = failure.finding
+    return extend(failure.config, failure.events, finding.invariant, finding.event, judging)
 
 
 PROTOCOL_CHECK_SECONDS = 10.0
@@ -129,6 +153,7 @@ def probe_target(
     (strict or observed), known before any fuzzing. With ``seconds`` (the fuzzing's budget) the
     adapter is also checked against the protocol (``protocol.check_adapter``), within
     ``PROTOCOL_CHECK_SECONDS`` and the budget."""
+    from kvspec.cell import not_kept
     from kvspec.conformance import watchdog
     from kvspec.conformance.adapter import load_factory, probe, reference
     from kvspec.conformance.fuzz import DataChoices
@@ -137,15 +162,11 @@ def probe_target(
     if not target:
         return reference, "strict"
     factory = load_factory(target)
-    config = _probe_config(cell)
+    config = cell.probe_config()
     adapter = probe(factory, config, DataChoices(), target, cell.loads)
-    claimed = getattr(adapter, "config", config)
-    for name, flag in (("spec_tokens", "--spec-tokens"), ("sliding_window", "--sliding-window")):
-        if getattr(claimed, name) != getattr(config, name):
-            raise ValueError(
-                f"--target {target}: the engine does not run {flag} (its {name} "
-                f"is {getattr(claimed, name)})"
-            )
+    refusal = not_kept(config, getattr(adapter, "config", config))
+    if refusal is not None:
+        raise ValueError(f"--target {target}: {refusal}")
     if seconds is not None:  # before fuzzing: the protocol (bad input, never a finding)
         try:
             with watchdog.time_limit(min(seconds, PROTOCOL_CHECK_SECONDS)):
@@ -155,24 +176,29 @@ def probe_target(
     return factory, getattr(adapter, "judging", "strict")
 
 
-def simulate(
-    config: Config, requests: int, seed: int = 0
-) -> tuple[list[Event], dict[str, int], float]:
-    """workload -> engine -> events: the reference engine on a shared-prefix workload; its events,
-    its counters and the seconds it ran."""
+class Simulated(NamedTuple):
+    """``simulate``'s answer: the engine's events, its counters and the seconds it ran."""
+
+    events: list[Event]
+    stats: dict[str, int]
+    seconds: float
+
+
+def simulate(config: Config, requests: int, seed: int = 0) -> Simulated:
+    """workload -> engine -> events: the reference engine on a shared-prefix workload, its
+    memory priced against the budget first (``budget.simulate_need``)."""
     import time
 
-    from kvspec.reference import Engine, EngineConfig
+    from kvspec.conformance import budget
+    from kvspec.conformance.adapter import engine_config
+
+    size = f"{config.num_blocks:,} blocks of {config.block_size:,} tokens"
+    need = budget.simulate_need(requests, config.num_blocks, config.block_size)
+    budget.require(need, f"{requests:,} requests on {size}")
+    from kvspec.reference import Engine
     from kvspec.reference.workload import shared_prefix_workload
 
-    fields = {
-        name: getattr(config, name)
-        for name in EngineConfig.__dataclass_fields__
-        if hasattr(config, name)
-    }
-    from kvspec.conformance.adapter import engine_traits
-
-    engine = Engine(EngineConfig(**fields, policy_traits=engine_traits(config)))
+    engine = Engine(engine_config(config))
     started = time.perf_counter()
     bsz = config.block_size
     for rid, prompt, max_tokens, priority in shared_prefix_workload(
@@ -181,7 +207,7 @@ def simulate(
         engine.add_request(rid, prompt, max_tokens, priority)
     while engine.step():
         pass
-    return engine.events, engine.stats, time.perf_counter() - started
+    return Simulated(engine.events, engine.stats, time.perf_counter() - started)
 
 
 def write(
@@ -197,7 +223,14 @@ def write(
     return write_events(path, config, events)
 
 
-def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
+class AdapterChecked(NamedTuple):
+    """``adapter_check``'s answer: the number of events checked and the cell they ran."""
+
+    events: int
+    cell: Cell
+
+
+def adapter_check(target: str, policy: str | None = None) -> AdapterChecked:
     """adapter -> protocol: build ``target``'s adapter and check every method's results and
     every event it emits on a small workload (``protocol.check_adapter``; ``ProtocolError`` at
     the first problem). ``policy`` None: the first cell (policy, discipline) the factory does not
@@ -213,7 +246,7 @@ def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
         for discipline, depth in itertools.product(("vllm", "general"), (1, 2)):
             cell = Cell(name, discipline, depth=depth)
             try:
-                return check_adapter(factory, _probe_config(cell), target), cell
+                return AdapterChecked(check_adapter(factory, cell.probe_config(), target), cell)
             except ProtocolError:
                 raise
             except ValueError as err:  # the factory refuses the cell: the next one
@@ -224,22 +257,82 @@ def adapter_check(target: str, policy: str | None = None) -> tuple[int, Cell]:
     raise ValueError(refused)
 
 
-def _probe_config(cell: Cell) -> Config:
-    """The configuration an adapter is probed with before fuzzing."""
-    return Config(
-        num_blocks=8,
-        block_size=4,
-        depth=cell.depth or (2 if cell.overlaps else 1),
-        policy=cell.policy,
-        discipline=cell.discipline,
-        preemption=cell.preemption,
-        stop_token=0,
-        async_scheduling=cell.async_scheduling,
-        stale_output=cell.stale_output,
-        prefix_caching=cell.prefix_caching,
-        spec_tokens=cell.spec_tokens,
-        sliding_window=cell.sliding_window,
+class ProveSizes(NamedTuple):
+    """The sizes ``prove``'s bounded symbolic model is built for (the depth is the cell's)."""
+
+    blocks: int = 4
+    requests: int = 2
+    bound: int = 8
+
+
+def prove(
+    cell: Cell,
+    sizes: ProveSizes | None = None,
+    out: str | None = None,
+    timeout_s: float = 120.0,
+    method: str = "auto",
+    all_sizes: bool = False,
+) -> int:
+    """spec -> proof: the cell's policy, discipline, preemption and timing proved with Z3 (an
+    inductive proof, else bounded model checking; ``all_sizes``: the parametric model, for every
+    size); it prints its verdict and answers the exit code (0 proof, 1 counterexample, 3
+    unknown)."""
+    sizes = sizes or ProveSizes()
+    if all_sizes:
+        from kvspec.proofs.all_sizes import run_all_sizes
+
+        return run_all_sizes(
+            cell.policy,
+            cell.discipline,
+            cell.preemption,
+            async_scheduling=bool(cell.async_scheduling),
+            stale_output=cell.stale_output or "drop",
+            out=out,
+            timeout_s=timeout_s,
+        )
+    from kvspec.proofs.prove import run_prove
+
+    return run_prove(
+        cell.policy,
+        cell.discipline,
+        cell.preemption,
+        sizes.blocks,
+        sizes.requests,
+        cell.depth or 2,
+        sizes.bound,
+        out,
+        timeout_s,
+        method=method,
+        async_scheduling=bool(cell.async_scheduling),
+        stale_output=cell.stale_output or "drop",
     )
+
+
+def which_policy(path: str) -> tuple[list[Conformance], Report | None]:
+    """events -> verdicts: judge a trace (a file or a stream) under every policy and discipline
+    (``which.which_policy``); each one's verdict, or the report of an unreadable trace."""
+    from kvspec.conformance.inputs import seekable
+    from kvspec.conformance.which import which_policy as judge_under_each
+
+    with seekable(path) as real:
+        return judge_under_each(real)
+
+
+def watch(
+    endpoint: str,
+    replay: str | None,
+    topic: str,
+    capture: str | None,
+    blocks: int | None,
+    invariants: list[str] | None,
+    seconds: float | None,
+    as_json: bool,
+) -> int:
+    """native KV events (live) -> verdict: judge an engine's KV-event stream over ZMQ as it
+    comes (``kvevents/watch.py``); it prints its report and answers the exit code."""
+    from kvspec.conformance.kvevents.watch import watch as watch_stream
+
+    return watch_stream(endpoint, replay, topic, capture, blocks, invariants, seconds, as_json)
 
 
 def check(
@@ -266,6 +359,30 @@ def check_kv_events(
         yield _read_as_file(path, lambda real: check_capture(real, invariants, capacity))
 
 
+def check_all(
+    traces: list[str],
+    kv_events: list[str],
+    check_every: int = 1,
+    engine: str = "fast",
+    observed: bool = False,
+    stream_invariants: list[str] | None = None,
+    capacity: int | None = None,
+) -> list[Report]:
+    """``kvspec check``: the reports of the ``traces`` (``check``), then of the KV-event
+    captures (``check_kv_events``), in the order named."""
+    reports = list(check(traces, check_every, engine, observed))
+    return reports + list(check_kv_events(kv_events, stream_invariants, capacity))
+
+
+def witness_file(report: Report, out: str) -> str:
+    """events -> tensors' input: a trace whose finding is a NoUnwrittenPublish, extended with a
+    consumer that reads the zombie block and written to ``out`` (``witness.extend_file``); what
+    was written, in words."""
+    from kvspec.conformance.witness import extend_file
+
+    return extend_file(report.path, report.invariant, report.line, out)
+
+
 def _read_as_file(path: str, judge: Callable[[str], Report]) -> Report:
     """``judge``'s report of ``path``, a file or a stream (``-``, a pipe: read through a
     temporary copy, ``conformance/inputs.py``), named as the user named it."""
@@ -279,7 +396,14 @@ def _read_as_file(path: str, judge: Callable[[str], Report]) -> Report:
         return Report(name_of(path), 2, error=str(err))
 
 
-def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
+class Replayed(NamedTuple):
+    """``replay``'s answer: the trace's configuration and the replay's result."""
+
+    config: Config
+    result: Result
+
+
+def replay(path: str | Path, options: Options) -> Replayed:
     """events -> tensors: replay a trace's plan on a paged KV cache, every attention output
     compared with dense attention (``impl/paged/replay.py``). Its config and the result. Every
     size is priced against the memory budget before it is allocated (``budget.py``): the file
@@ -313,7 +437,60 @@ def replay(path: str | Path, options: Options) -> tuple[Config, Result]:
         largest,
     )
     budget.require_all(parts, "replaying it on tensors", str(path))
-    return config, run(plan, config.num_blocks, config.block_size, options)
+    return Replayed(config, run(plan, config.num_blocks, config.block_size, options))
+
+
+class LlmSetup(NamedTuple):
+    """How ``generate``'s engine runs: its policy, steps in flight, attention backend (auto,
+    triton, torch) and sampling seed."""
+
+    policy: str = "deferred"
+    depth: int = 1
+    backend: str = "auto"
+    seed: int = 0
+
+
+class Generated(NamedTuple):
+    """``generate``'s answer: the engine (its weights, backend, cache), the outputs and the
+    seconds generating took."""
+
+    llm: LLM
+    outputs: list[Output]
+    seconds: float
+
+
+def generate(
+    model: str,
+    prompts: list[str],
+    params: SamplingParams,
+    setup: LlmSetup | None = None,
+    on_load: Callable[[str], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> Generated:
+    """workload -> engine -> tensors: a Llama model through the reference engine's block manager
+    and the paged kernels (``impl/llm/``), its weights priced against the memory budget first."""
+    import time
+
+    from kvspec.conformance import budget
+    from kvspec.impl.paged.replay import use_interpreter_without_gpu
+
+    setup = setup or LlmSetup()
+    budget.require(budget.weights_need(model), f"loading {model} as float32", "--model")
+    if setup.backend == "triton":
+        use_interpreter_without_gpu()  # before anything imports triton
+    from kvspec.impl.llm.engine import LLM
+
+    llm = LLM(
+        model,
+        policy=setup.policy,
+        depth=setup.depth,
+        backend=setup.backend,
+        seed=setup.seed,
+        on_load=on_load,
+    )
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, on_step=on_step)
+    return Generated(llm, outputs, time.perf_counter() - started)
 
 
 def demo(seconds: float, seed: int = 0, full: bool = True) -> Iterator[CellResult | CellError]:

@@ -90,21 +90,25 @@ def engine_traits(config: Config) -> tuple[str, str, str, str] | None:
     return traits.values() if traits is not None else None
 
 
+def engine_config(config: Config, **engine_only: object) -> EngineConfig:
+    """The reference engine's configuration of the spec's ``config``: every ``Config`` field
+    (a spec constant the engine has no setting for is refused, never ignored: ``ValueError``),
+    the policy as traits (``engine_traits``), then ``engine_only`` (e.g. ``vocab``)."""
+    fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
+    # several KV-cache groups (issue #36) in the engine's own representation; () is one group
+    fields["groups"] = tuple(GroupSpec(*group) for group in config.groups)
+    unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")
+    return EngineConfig(**fields, policy_traits=engine_traits(config), **engine_only)  # type: ignore[arg-type]
+
+
 class ReferenceAdapter:
     """The reference engine (``kvspec.reference.Engine``) through the protocol."""
 
     def __init__(self, config: Config, choices: Choices) -> None:
         self.config = config
-        fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
-        if not fields["groups"]:  # the default: one group, which the engine's settings say
-            del fields["groups"]
-        else:  # several KV-cache groups (issue #36), in the engine's own representation
-            fields["groups"] = tuple(GroupSpec(*group) for group in config.groups)
-        unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
-        if unknown:  # a spec constant the engine has no setting for: refuse, never ignore
-            raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")
-        traits = engine_traits(config)
-        self.engine = Engine(EngineConfig(**fields, vocab=4, policy_traits=traits), choices=choices)
+        self.engine = Engine(engine_config(config, vocab=4), choices=choices)
         self.events = self.engine.events
 
     supports_loads = True

@@ -77,7 +77,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, seed, settings
@@ -93,6 +93,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvspec.cell import Cell, OfCell
 from kvspec.spec import STALE_OUTPUTS, Config
 
 from . import watchdog
@@ -392,6 +393,13 @@ def run_judge(engine: Any, invariants: Collection[str] | None, how: str = "fast"
     return Monitor.fast(config, raise_on_finding=False, name="<fuzz>", invariants=invariants)
 
 
+def _cell_of(arguments: dict[str, Any]) -> Cell:
+    """The cell that ``lockstep_machine``'s or ``run_cell``'s ``arguments`` (their ``locals()``
+    on entry) spell field by field: those named as ``Cell``'s fields, then ``other_fields``."""
+    named = {k: v for k, v in arguments.items() if k in Cell.__dataclass_fields__}
+    return Cell(**named, **arguments["other_fields"])
+
+
 def lockstep_machine(
     policy: str,
     discipline: str = "vllm",
@@ -404,20 +412,32 @@ def lockstep_machine(
     stale_output: str | None = "drop",
     prefix_caching: bool = True,
     engine: str = "fast",
-    spec_tokens: int = 0,
-    sliding_window: int | None = None,
+    **other_fields: Any,
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class for one cell; ``depth=None`` lets Hypothesis draw 1 to 3 (2 to 3
-    under async scheduling or delivered stale output). With ``loads``, some requests find their
-    prompt in an external KV store and loads may fail. ``async_scheduling`` (``Config``: the
-    engine schedules on placeholders) and ``stale_output`` (``"drop"`` or ``"deliver"``) are
-    fixed, or drawn when None; ``prefix_caching`` False: a pool without prefix caching
-    (``Config.prefix_caching``). ``factory`` builds the engine under test (``adapter.py``; default:
-    the reference engine). ``engine``: how the runs are judged (``run_judge``). ``spec_tokens``
-    (K draft tokens per decode, speculative decoding) and ``sliding_window`` (W, one
-    sliding-window group) are the configuration's (``Config``), fixed for the cell."""
+    """``cell_machine`` of the cell these fields make (``other_fields``: the ``Cell``'s other fields,
+    e.g. ``spec_tokens``, ``sliding_window``), the spelling the tests and benches use."""
+    cell = _cell_of(locals())
+    return cell_machine(cell, invariants, factory, engine)
+
+
+def cell_machine(
+    cell: Cell,
+    invariants: Collection[str] | None = None,
+    factory: Factory = reference,
+    engine: str = "fast",
+) -> type[RuleBasedStateMachine]:
+    """A state machine class for one cell; ``cell.depth`` None lets Hypothesis draw 1 to 3 (2 to
+    3 under async scheduling or delivered stale output). With ``cell.loads``, some requests find
+    their prompt in an external KV store and loads may fail. ``cell.async_scheduling`` and
+    ``cell.stale_output`` are fixed, or drawn when None; every other field of the cell that is a
+    ``Config`` field (``Cell.config``) is the configuration's, fixed for the cell. ``factory``
+    builds the engine under test (``adapter.py``; default: the reference engine). ``engine``: how
+    the runs are judged (``run_judge``)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    depth, loads, discipline = cell.depth, cell.loads, cell.discipline
+    async_scheduling, stale_output = cell.async_scheduling, cell.stale_output
+    spec_tokens = cell.spec_tokens
     timings(depth, async_scheduling, stale_output)  # the arguments' check (ValueError)
     tally = Tally()
 
@@ -432,21 +452,15 @@ def lockstep_machine(
             num_blocks = draw(4, 8)
             block_size = (2, 4)[draw(0, 1)]
             overlap, stale, run_depth = draw_timing(draw, depth, async_scheduling, stale_output)
-            common = dict(
+            drawn = dict(
                 num_blocks=num_blocks,
                 block_size=block_size,
                 depth=run_depth,
-                policy=policy,
-                discipline=discipline,
-                preemption=preemption,
                 token_budget=draw(3, 12),
                 max_running=draw(2, 4),
                 stop_token=0,
                 async_scheduling=overlap,
                 stale_output=stale,
-                prefix_caching=prefix_caching,
-                spec_tokens=spec_tokens,
-                sliding_window=sliding_window,
             )
             mix = MIXES[draw(0, len(MIXES) - 1)]
             self.choices = DataChoices()
@@ -454,7 +468,7 @@ def lockstep_machine(
             try:
                 if dog is not None:
                     dog.calling = "factory"
-                self.engine = factory(Config(**common), self.choices)
+                self.engine = factory(cell.config(**drawn), self.choices)
             except ValueError:  # a geometry or depth this engine does not run: not a finding
                 reject()
             except SystemExit as err:  # a factory that exits: bad input, never "holds"
@@ -746,15 +760,8 @@ def lockstep_machine(
         def observables_agree(self) -> None:
             self.agree()
 
-    loads_tag = (",loads" if loads else "") + ("" if prefix_caching else ",no-caching")
-    loads_tag += f",drafts={spec_tokens}" if spec_tokens else ""
-    loads_tag += f",window={sliding_window}" if sliding_window is not None else ""
-    timing_tag = _timing_tag(async_scheduling, stale_output)
     target = "" if factory is reference else f"{getattr(factory, '__name__', 'target')}:"
-    LockstepMachine.__name__ = (
-        f"Lockstep[{target}{policy},{discipline},{preemption},{depth or 'D'}"
-        f"{timing_tag and ','}{timing_tag}{loads_tag}]"
-    )
+    LockstepMachine.__name__ = f"Lockstep[{target}{_cell_tag(cell)}]"
     LockstepMachine.tally = tally  # type: ignore[attr-defined]
     return LockstepMachine
 
@@ -859,13 +866,36 @@ def _timing_tag(async_scheduling: bool | None, stale_output: str | None) -> str:
     return f"{overlap},{stale_output or 'stale?'}"
 
 
+_TAGGED = ("policy", "discipline", "preemption", "depth", "async_scheduling", "stale_output")
+_TAGS = {
+    "loads": lambda value: ",loads",
+    "prefix_caching": lambda value: ",no-caching",
+    "spec_tokens": lambda value: f",drafts={value}",
+    "sliding_window": lambda value: f",window={value}",
+}
+
+
+def _cell_tag(cell: Cell) -> str:
+    """The machine's name for ``cell`` (Hypothesis's database key): policy, discipline,
+    preemption, depth ('D': drawn), timing (``_timing_tag``), then each other field at a value
+    other than its default (``,name=value`` for a field with no short tag of its own)."""
+    timing = _timing_tag(cell.async_scheduling, cell.stale_output)
+    tag = f"{cell.policy},{cell.discipline},{cell.preemption},{cell.depth or 'D'}"
+    tag += f",{timing}" if timing else ""
+    for f in fields(cell):
+        value = getattr(cell, f.name)
+        if f.name in _TAGGED or value == f.default:
+            continue
+        tag += _TAGS[f.name](value) if f.name in _TAGS else f",{f.name}={value}"
+    return tag
+
+
 @dataclass
-class CellResult:
-    policy: str
-    discipline: str
-    preemption: str
-    depth: int | None
-    loads: bool
+class CellResult(OfCell):
+    """What fuzzing one cell found: its ``cell`` (whose fields it answers for too:
+    ``result.policy``), the failure if any and how the search went."""
+
+    cell: Cell
     failure: Failure | None
     seconds_to_failure: float | None
     unshrunk_length: int | None
@@ -873,9 +903,6 @@ class CellResult:
     runs: int
     commits: int
     lost_hits: int
-    async_scheduling: bool | None = False
-    """Fixed, or None: drawn per example."""
-    stale_output: str | None = "drop"
     steps_per_run: list[int] = field(default_factory=list)
     """Engine steps (commits) of each run."""
     coverage: Coverage = field(default_factory=Coverage)
@@ -922,8 +949,39 @@ def run_cell(
     shrink: bool = True,
     engine: str = "fast",
     bounded: bool = False,
-    spec_tokens: int = 0,
-    sliding_window: int | None = None,
+    **other_fields: Any,
+) -> CellResult:
+    """``fuzz_cell`` of the cell these fields make (``other_fields``: the ``Cell``'s other fields,
+    e.g. ``spec_tokens``, ``sliding_window``), the spelling the tests and benches use."""
+    cell = _cell_of(locals())
+    return fuzz_cell(
+        cell,
+        seconds,
+        seed_value,
+        chunk=chunk,
+        steps=steps,
+        invariants=invariants,
+        factory=factory,
+        database=database,
+        shrink=shrink,
+        engine=engine,
+        bounded=bounded,
+    )
+
+
+def fuzz_cell(
+    cell: Cell,
+    seconds: float = 10.0,
+    seed_value: int = 0,
+    *,
+    invariants: Collection[str] | None = None,
+    factory: Factory = reference,
+    database: ExampleDatabase | None = None,
+    shrink: bool = True,
+    engine: str = "fast",
+    bounded: bool = False,
+    chunk: int = BATCH,
+    steps: int = 40,
 ) -> CellResult:
     """Fuzz one cell until a counterexample is found (and shrunk, unless ``shrink`` is False)
     or ``seconds`` run out.
@@ -946,21 +1004,7 @@ def run_cell(
     The batches run one test function, re-seeded (``seed`` sets an attribute of the function),
     not one built per batch: building it hashes the machine's source (Hypothesis's database key),
     which took more than a tenth of a short run's time."""
-    machine = lockstep_machine(
-        policy,
-        discipline,
-        preemption,
-        depth,
-        loads,
-        invariants,
-        factory,
-        async_scheduling,
-        stale_output,
-        prefix_caching,
-        engine,
-        spec_tokens,
-        sliding_window,
-    )
+    machine = cell_machine(cell, invariants, factory, engine)
     tally: Tally = machine.tally  # type: ignore[attr-defined]
     config = settings(
         max_examples=chunk,
@@ -1003,24 +1047,18 @@ def run_cell(
                     raise
                 break
     return CellResult(
-        policy,
-        discipline,
-        preemption,
-        depth,
-        loads,
-        tally.failure,
-        tally.first_failure_at,
-        tally.first_failure_length,
-        time.monotonic() - tally.started,
-        tally.runs,
-        tally.commits,
-        tally.lost_hits,
-        async_scheduling,
-        stale_output,
-        tally.steps_per_run,
-        tally.coverage,
-        stopped,
-        tally.refusal,
+        cell=cell,
+        failure=tally.failure,
+        seconds_to_failure=tally.first_failure_at,
+        unshrunk_length=tally.first_failure_length,
+        seconds=time.monotonic() - tally.started,
+        runs=tally.runs,
+        commits=tally.commits,
+        lost_hits=tally.lost_hits,
+        steps_per_run=tally.steps_per_run,
+        coverage=tally.coverage,
+        stopped=stopped,
+        refusal=tally.refusal,
     )
 
 

@@ -49,7 +49,9 @@ V0_FORMAT = "kvspec-events"
 """kvspec's own older event files (``--format v0``, the default of ``fuzz`` and ``simulate``)."""
 GUARANTEES = ("writes_before_reads", "steps_execute_in_order", "submitted_steps_write")
 """Execution guarantees the checker's model assumes; a v1 trace must declare them all true."""
-MODEL_FIELDS = (
+HEADER_FIELDS = ("num_blocks", "block_size")
+"""``Config`` fields written at the header's top level; every other one is a ``"model"`` field."""
+FIRST_MODEL_FIELDS = (
     "policy",
     "discipline",
     "preemption",
@@ -59,26 +61,32 @@ MODEL_FIELDS = (
     "stop_token",
     "async_scheduling",
     "stale_output",
-    "prefix_caching",
-    "spec_tokens",
-    "delay_load_registration",
-    "defer_free",
-    "sliding_window",
-    "defer_loads",
-    "groups",
 )
+"""The model fields of the first v1 traces, written always."""
+MODEL_FIELDS = FIRST_MODEL_FIELDS + tuple(
+    name
+    for name in Config.__dataclass_fields__
+    if name not in HEADER_FIELDS and name not in FIRST_MODEL_FIELDS
+)
+"""Every field of the spec's ``Config`` but ``HEADER_FIELDS``, the first ones first: derived,
+so that a field added there is written and read with no edit here."""
 WRITTEN_IF_NOT: dict[str, object] = {
-    "prefix_caching": True,
-    "spec_tokens": 0,
-    "delay_load_registration": False,
-    "defer_free": False,
-    "sliding_window": None,
-    "defer_loads": False,
-    "groups": (),
+    name: Config.__dataclass_fields__[name].default
+    for name in MODEL_FIELDS
+    if name not in FIRST_MODEL_FIELDS
 }
-"""Model fields added after older kvspec versions shipped, written only when they differ from this
-default: a trace of a default configuration still reads in those versions (a reader takes a
-missing field as its default)."""
+"""Model fields added after older kvspec versions shipped (those not in ``FIRST_MODEL_FIELDS``),
+written only when they differ from ``Config``'s default: a trace of a default configuration
+still reads in those versions (a reader takes a missing field as its default)."""
+JSON_TYPES = {
+    "str": (lambda value: isinstance(value, str), "a string", False),
+    "bool": (lambda value: isinstance(value, bool), "true or false", False),
+    "int": (lambda value: _is_int(value), "an integer", True),
+    "int | None": (lambda value: value is None or _is_int(value), "an integer or null", False),
+}
+"""How a model field is checked, by its ``Config`` annotation: (the test, what it must be,
+whether the message names the JSON type it got). A field of another annotation is left to
+``Config``'s own checks."""
 JUDGING = ("strict", "observed")
 """How a trace is judged (header ``"judging"``, default strict; ``docs/adapters.md``, "Judging
 modes"): observed for engines whose pool picks other free blocks or duplicates than the spec's, or
@@ -278,26 +286,19 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
     unknown = sorted(set(model) - set(MODEL_FIELDS))
     if unknown:
         raise bad(f'unknown "model" field {unknown[0]!r}')
-    for name in ("policy", "discipline", "preemption", "stale_output"):
-        if name in model and not isinstance(model[name], str):
-            raise bad(f'"model.{name}" must be a string')
-    flags = ("async_scheduling", "prefix_caching", "delay_load_registration", "defer_free")
-    for name in (*flags, "defer_loads"):
-        if name in model and not isinstance(model[name], bool):
-            raise bad(f'"model.{name}" must be true or false')
-    for name in ("depth", "token_budget", "max_running", "spec_tokens"):
-        if name in model and not _is_int(model[name]):
-            raise bad(f'"model.{name}" must be an integer, got {json_type(model[name])}')
+    for name, value in model.items():
+        test, noun, named = JSON_TYPES.get(
+            str(Config.__dataclass_fields__[name].type), (None, "", False)
+        )
+        if test is not None and not test(value):
+            got = f", got {json_type(value)}" if named else ""
+            raise bad(f'"model.{name}" must be {noun}{got}')
     _depth_claim(model.get("depth"), "model.depth", bad)
     judging = header.get("judging", "strict")
     if judging not in JUDGING:
         raise bad(f'"judging" must be one of {", ".join(JUDGING)}, got {judging!r}')
     if model.get("policy") in OBSERVED_POLICIES and judging != "observed":
         raise bad(f'policy {model["policy"]} needs "judging": "observed" (docs/adapters.md)')
-    if model.get("stop_token") is not None and not _is_int(model["stop_token"]):
-        raise bad('"model.stop_token" must be an integer or null')
-    if model.get("sliding_window") is not None and not _is_int(model["sliding_window"]):
-        raise bad('"model.sliding_window" must be an integer or null')
     if "groups" in model:
         try:
             model = {**model, "groups": groups_of(model["groups"], "model.groups")}

@@ -13,29 +13,42 @@ kvspec, not of the engine) shows ``ERROR`` with the exception, and ``kvspec demo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from kvspec.cell import NAMED_APART, Cell, OfCell
 from kvspec.spec import POLICIES
 
-from .fuzz import CellResult, run_cell
+from .fuzz import CellResult, fuzz_cell
 
-CELLS: tuple[tuple[str, str, bool, bool, str | None], ...] = (
-    ("vllm", "fcfs", False, False, "drop"),
-    ("vllm", "priority", False, False, "drop"),
-    ("general", "priority", False, False, "drop"),
-    ("vllm", "fcfs", True, False, "drop"),
-    ("vllm", "fcfs", False, True, "drop"),
-    ("vllm", "priority", False, True, "drop"),
-    ("general", "priority", False, True, None),
-    ("vllm", "fcfs", False, True, "deliver"),
-    ("vllm", "priority", False, True, "deliver"),
+EACH_POLICY = ""
+"""The policy of a row of ``CELLS``: the table runs the row once for each policy."""
+
+
+def _row(
+    discipline: str, preemption: str, loads: bool, async_scheduling: bool, stale: str | None
+) -> Cell:
+    return Cell(EACH_POLICY, discipline, preemption, None, loads, async_scheduling, stale)
+
+
+CELLS: tuple[Cell, ...] = (
+    _row("vllm", "fcfs", False, False, "drop"),
+    _row("vllm", "priority", False, False, "drop"),
+    _row("general", "priority", False, False, "drop"),
+    _row("vllm", "fcfs", True, False, "drop"),
+    _row("vllm", "fcfs", False, True, "drop"),
+    _row("vllm", "priority", False, True, "drop"),
+    _row("general", "priority", False, True, None),
+    _row("vllm", "fcfs", False, True, "deliver"),
+    _row("vllm", "priority", False, True, "deliver"),
 )
-"""(discipline, preemption, KV-load failures, async scheduling, stale output; None: drawn). The
-fourth cell adds requests whose prompt sits in an external KV store, and loads that fail."""
+"""The table's rows (discipline, preemption, KV-load failures, async scheduling, stale output;
+None: drawn), each a ``Cell`` run once per policy. The fourth adds requests whose prompt sits in
+an external KV store, and loads that fail."""
 
 QUICK_CELLS = CELLS[:4]
 """``kvspec demo`` without ``--full``: the synchronous cells (the ones ``kvspec prove`` also
@@ -48,15 +61,11 @@ cells is found well within 10 s: README's table, "1st failure s")."""
 
 
 @dataclass
-class CellError:
-    """A cell whose fuzzing raised instead of returning a verdict."""
+class CellError(OfCell):
+    """A cell whose fuzzing raised instead of returning a verdict (its ``cell``, whose fields it
+    answers for too)."""
 
-    policy: str
-    discipline: str
-    preemption: str
-    loads: bool
-    async_scheduling: bool | None
-    stale_output: str | None
+    cell: Cell
     error: str
     """The exception, one line."""
     details: str
@@ -68,38 +77,26 @@ def all_cells(
     seed_value: int = 0,
     policies: tuple[str, ...] = tuple(POLICIES),
     workers: int = 0,
-    cells: tuple[tuple[str, str, bool, bool, str | None], ...] = CELLS,
+    cells: tuple[Cell, ...] = CELLS,
 ) -> Iterator[CellResult | CellError]:
     """Fuzz every cell (of ``cells``, for each policy) for ``seconds`` each, ``workers``
     processes at once (0: one per core); results come in table order."""
     jobs = [
-        (policy, discipline, preemption, loads, overlap, stale, seconds, seed_value)
+        (dataclasses.replace(row, policy=policy), seconds, seed_value)
         for policy in policies
-        for discipline, preemption, loads, overlap, stale in cells
+        for row in cells
     ]
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         yield from pool.map(_run, jobs)
 
 
-def _run(job: tuple) -> CellResult | CellError:
-    policy, discipline, preemption, loads, overlap, stale, seconds, seed_value = job
+def _run(job: tuple[Cell, float, int]) -> CellResult | CellError:
+    cell, seconds, seed_value = job
     try:
-        return run_cell(
-            policy,
-            discipline,
-            preemption,
-            None,
-            loads,
-            seconds,
-            seed_value,
-            async_scheduling=overlap,
-            stale_output=stale,
-        )
+        return fuzz_cell(cell, seconds, seed_value)
     except Exception as err:
         message = " ".join(f"{type(err).__name__}: {err}".split())
-        return CellError(
-            policy, discipline, preemption, loads, overlap, stale, message, traceback.format_exc()
-        )
+        return CellError(cell, message, traceback.format_exc())
 
 
 def scheduling(async_scheduling: bool | None, stale_output: str | None) -> str:
@@ -111,17 +108,24 @@ def scheduling(async_scheduling: bool | None, stale_output: str | None) -> str:
     return f"{'async' if async_scheduling else 'sync|async'}, {stale}"
 
 
+def columns(cell: Cell) -> tuple[str, str, str, str]:
+    """The cell's columns: policy, discipline, workload, and scheduling (``scheduling``, then
+    every other value the cell sets, ``Cell.features``)."""
+    others = cell.features(skip=(*NAMED_APART, "async_scheduling", "stale_output"))
+    return (
+        cell.policy,
+        cell.discipline if cell.discipline == "general" else f"{cell.discipline}/{cell.preemption}",
+        "kv-load failures" if cell.loads else "preempt/abort",
+        ", ".join([scheduling(cell.async_scheduling, cell.stale_output), *others]),
+    )
+
+
 def rows(results: list[CellResult | CellError]) -> list[tuple[str, ...]]:
-    """Table rows: policy, discipline, workload, scheduling, verdict, invariant, shortest
-    counterexample (steps), seconds to first failure, lost hits per 1,000 engine steps."""
-    out = []
+    """Table rows: the cell's ``columns``, verdict, invariant, shortest counterexample (steps),
+    seconds to first failure, lost hits per 1,000 engine steps."""
+    out: list[tuple[str, ...]] = []
     for r in results:
-        cell = (
-            r.policy,
-            r.discipline if r.discipline == "general" else f"{r.discipline}/{r.preemption}",
-            "kv-load failures" if r.loads else "preempt/abort",
-            scheduling(r.async_scheduling, r.stale_output),
-        )
+        cell = columns(r.cell)
         if isinstance(r, CellError):
             out.append((*cell, "ERROR", r.error[:60], "-", "-", "-"))
             continue

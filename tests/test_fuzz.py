@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvspec.cell import Cell
 from kvspec.conformance import fuzz, verdicts
 from kvspec.conformance.adapter import ReferenceAdapter
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
@@ -145,8 +146,9 @@ def test_demo_rows_and_a_cell_that_raises(monkeypatch: pytest.MonkeyPatch) -> No
     def broken(*args: object, **kwargs: object) -> None:
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(verdicts, "run_cell", broken)
-    error = verdicts._run(("deferred", "vllm", "fcfs", False, True, "deliver", 1.0, 0))
+    monkeypatch.setattr(verdicts, "fuzz_cell", broken)
+    cell = Cell("deferred", async_scheduling=True, stale_output="deliver")
+    error = verdicts._run((cell, 1.0, 0))
     assert isinstance(error, verdicts.CellError) and "IndexError" in error.details
     (row,) = verdicts.rows([error])
     assert row[3:6] == ("async, deliver", "ERROR", "IndexError: list index out of range")
