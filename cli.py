@@ -518,6 +518,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.report import format_counterexample, observed_hint
 
     if args.groups is not None:
+        flow.admissible(Cell.from_args(args), args.target)
         return _fuzz_groups(args)
     database = None
     if args.db:

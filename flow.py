@@ -70,6 +70,20 @@ class Fuzzed(NamedTuple):
     judging: str
 
 
+def admissible(cell: Cell, target: str | None) -> None:
+    """Refuse (``ValueError``, bad input) a cell no engine can run as asked: an observed policy
+    without an engine that registers on its own, ``--async`` at depth 1. Every fuzzer calls it
+    before it starts (``fuzz`` here, ``conformance/fuzz_groups.py`` through ``cli``)."""
+    from kvspec.spec import OBSERVED_POLICIES
+
+    if cell.policy in OBSERVED_POLICIES and not target:
+        raise ValueError(
+            f"--policy {cell.policy} needs --target: an engine that registers blocks on its own "
+            "(the reference engine does not)"
+        )
+    cell.run_depth()  # --async with --depth 1 is bad input
+
+
 def fuzz(
     cell: Cell,
     seconds: float,
@@ -99,14 +113,8 @@ def fuzz(
     from kvspec.conformance.adapter import load_factory
     from kvspec.conformance.fuzz import fuzz_cell
     from kvspec.conformance.protocol import checking
-    from kvspec.spec import OBSERVED_POLICIES
 
-    if cell.policy in OBSERVED_POLICIES and not target:
-        raise ValueError(
-            f"--policy {cell.policy} needs --target: an engine that registers blocks on its own "
-            "(the reference engine does not)"
-        )
-    cell.run_depth()  # --async with --depth 1 is bad input
+    admissible(cell, target)
     if target and from_cwd:
         load_factory(target, from_cwd=True)
     factory, judging = probe_target(cell, target, seconds)
