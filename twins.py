@@ -25,7 +25,7 @@ raises. ``docs/architecture.md`` draws the table.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvspec.spec.features import FEATURES
 from kvspec.spec.invariants import REGISTRY
@@ -73,6 +73,9 @@ class Twin:
     features: Mapping[str, str | Refused] | Refused = Refused("")
     invariants: Mapping[str, str | Exempt] | Exempt = Exempt("")
     traits: Mapping[str, tuple[str, ...]] | Refused = Refused("")
+    unfollowed: Mapping[str, str] = field(default_factory=dict)
+    """Why a trait value the row does not follow is left out, by ``axis=value`` (its refusal
+    says so)."""
 
 
 def _all_axes_but(*refused: str) -> dict[str, tuple[str, ...]]:
@@ -301,8 +304,11 @@ TWINS: tuple[Twin, ...] = (
         "kvspec.proofs.parametric",
         "the parametric model: the block lifecycle over unbounded sorts (requests, blocks, "
         "hashes; steps and positions as integers), for proofs at every size; synchronous or async "
-        "(stale output dropped), "
-        "block size 1, external loads and their failures, deferred and hide-uncommitted "
+        "(stale output dropped or delivered), "
+        "block size 1 (not more: a block of several positions is allocated before its later "
+        "positions are computed and written by several steps, which its one-position blocks and "
+        "one pending write per step and block do not state), external loads and their failures, "
+        "deferred and hide-uncommitted "
         "(``proofs/abstraction.py`` "
         "maps a spec state onto a finite instance)",
         "an over-approximation of the spec: every spec step in its fragment is one of its "
@@ -313,6 +319,8 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_parametric_twin.py::test_the_twin_covers_withdrawn_writes_reuse_and_eviction",
             "tests/test_parametric_twin.py::test_the_twin_covers_sharing_and_failed_loads",
             "tests/test_parametric_twin.py::test_the_twin_covers_placeholders_resolved_and_discarded",
+            "tests/test_parametric_twin.py::test_the_twin_covers_stale_output_delivered",
+            "tests/test_parametric_twin.py::test_the_twin_covers_a_discarded_stale_sample",
             "tests/test_parametric_twin.py::test_a_drifting_model_fails_the_twin_test",
             "tests/test_parametric.py::test_the_invariant_is_inductive_for_every_size",
             "tests/test_parametric.py::test_a_planted_bug_fails_the_proof",
@@ -321,14 +329,18 @@ TWINS: tuple[Twin, ...] = (
         label="the parametric model",
         features={
             "async_scheduling": FOLLOWS,
-            "stale_output_deliver": Refused(
-                "a delivered sample of a preempted request keeps its entries live, which the "
-                "lemmas (a live entry's request runs) do not state"
-            ),
+            "stale_output_deliver": FOLLOWS,
             "prefix_caching_off": Refused(
                 "a pool that publishes nothing has none of the races the proof is about"
             ),
-            "spec_tokens": Refused("its commits append one token per request, never drafts"),
+            "spec_tokens": Refused(
+                "its commits append one token per request, never drafts: a rejected draft rolls "
+                "the computed tokens back below positions its step wrote, and under async "
+                "scheduling moves the later steps' writes back, so a running request's table "
+                "holds bytes past its computed tokens that no sample made, which its lemmas "
+                "(TablesOfRunning, HeldBlocksHold) do not state; the per-size Z3 model refuses "
+                "drafts as well"
+            ),
             "delay_load_registration": Refused(
                 "its loads register with the schedule that took them"
             ),
@@ -372,6 +384,18 @@ TWINS: tuple[Twin, ...] = (
             "track": ("nothing", "per-step"),
             "leave": ("nothing", "drop-hidden"),
             "clear": ("never", "on-written"),
+        },
+        unfollowed={
+            "publish=at-schedule": (
+                "a block is published before its write runs, so its invariant "
+                "(PublishedWritten, HeldBlocksHold) is false there: eager-unsafe is refuted by "
+                "its counterexample, and so are the rollback policies under the general "
+                "discipline; their vllm cells are safe only through that discipline's guards "
+                "(no preemption after an admission in the same step, fcfs preempts only the "
+                "unscheduled tail), which the model drops, through their rollback bookkeeping, "
+                "which it does not keep, and through a withdrawn entry's writes landing intact, "
+                "which it lets garble (docs/proofs.md, 'Every size')"
+            ),
         },
     ),
     Twin(
@@ -445,11 +469,13 @@ def refusal(form: str, config: Config) -> NotFollowed | None:
     for axis, followed in row.traits.items():
         value = getattr(t, axis)
         if value not in followed:
+            why = row.unfollowed.get(f"{axis}={value}")
             return NotFollowed(
                 form,
                 f"{axis}={value}",
                 f"{label} does not follow the policy trait {axis}={value!r} of "
-                f"{config.policy!r} (it follows {', '.join(followed)})",
+                f"{config.policy!r} (it follows {', '.join(followed)})"
+                + (f": {why}" if why else ""),
             )
     return None
 

@@ -26,6 +26,11 @@ with N and D (``--skip-scaling`` leaves it out).
     .venv/bin/python bench/bench_prove.py [--rounds 3] [--workers 2] [--baseline REV] [--profile]
         [--large] [--large-sizes 6,3,3] [--large-baseline] [--large-timeout 900]
     .venv/bin/python bench/bench_prove.py --table [--readme README.md] [--fuzz-seconds 20]
+    .venv/bin/python bench/bench_prove.py --all-sizes [--rounds 3]
+
+**Every size** (``--all-sizes``): ``kvspec prove --all-sizes`` per policy (and, for the safe
+ones, async and stale output delivered), each a fresh process, ``--rounds`` times: exit code,
+verdict, medians of wall and CPU (the command's process and its children).
 
 ``--emit`` is the worker mode the speed runs use (one build, all cells, one JSON line each).
 """
@@ -217,6 +222,58 @@ def speed(args: argparse.Namespace) -> int:
         large(args, base)
     print(f"load average after: {load()}")
     return 1 if differs else 0
+
+
+ALL_SIZES_RUNS = (
+    ("deferred",),
+    ("hide-uncommitted",),
+    ("deferred", "--discipline", "general", "--preemption", "priority"),
+    ("deferred", "--depth", "2", "--async"),
+    ("hide-uncommitted", "--depth", "2", "--stale-output", "deliver"),
+    ("deferred", "--depth", "2", "--async", "--stale-output", "deliver"),
+    ("eager-unsafe", "--discipline", "general"),
+    ("eager-rollback-single", "--discipline", "general"),
+    ("eager-rollback-fifo",),
+)
+"""``kvspec prove --all-sizes --policy`` and its options, one run each per round."""
+VERDICTS = (
+    "PROVED FOR EVERY SIZE",
+    "NOT PROVED FOR EVERY SIZE",
+    "NOT DECIDED FOR EVERY SIZE",
+    "COUNTEREXAMPLE",
+)
+
+
+def all_sizes_times(args: argparse.Namespace) -> int:
+    """Time ``kvspec prove --all-sizes`` per policy; 1 when a run's exit code changes between
+    rounds."""
+    print(f"load average before: {load()} (on {os.cpu_count()} cores)")
+    runs: dict[tuple[str, ...], list[tuple[int, str, float, float]]] = {}
+    for _ in range(args.rounds):
+        for policy, *rest in ALL_SIZES_RUNS:
+            if args.policies != list(POLICY_ORDER) and policy not in args.policies:
+                continue
+            command = [sys.executable, "-m", "kvspec.cli", "prove", "--all-sizes"]
+            command += ["--policy", policy, *rest]
+            started, cpu = time.monotonic(), cpu_seconds()
+            done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+            wall, cpu = time.monotonic() - started, cpu_seconds() - cpu
+            lines = done.stdout.splitlines()
+            verdict = next(
+                (v for v in reversed(VERDICTS) for line in lines if line.startswith(v)), "?"
+            )
+            runs.setdefault((policy, *rest), []).append((done.returncode, verdict, wall, cpu))
+    print("policy and options | exit | verdict | wall s (median) | CPU s (median)")
+    unstable = False
+    for key, results in runs.items():
+        codes = {r[0] for r in results}
+        unstable |= len(codes) > 1
+        print(
+            f"{' '.join(key)} | {'/'.join(map(str, sorted(codes)))} | {results[0][1]} | "
+            f"{median([r[2] for r in results]):.1f} | {median([r[3] for r in results]):.1f}"
+        )
+    print(f"load average after: {load()}")
+    return 1 if unstable else 0
 
 
 def median(values: list[float]) -> float:
@@ -448,6 +505,9 @@ def main() -> int:
     ap.add_argument("--readme", type=Path)
     ap.add_argument("--fuzz-seconds", type=float, default=20.0)
     ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument(
+        "--all-sizes", action="store_true", help="time kvspec prove --all-sizes per policy"
+    )
     ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.emit:
@@ -456,6 +516,8 @@ def main() -> int:
     if args.table or args.readme is not None:
         table(args)
         return 0
+    if args.all_sizes:
+        return all_sizes_times(args)
     return speed(args)
 
 

@@ -34,14 +34,13 @@ TWIN_KINDS = pm.Model.ACTIONS
 
 
 def in_fragment(s: State) -> bool:
-    """The parametric model's fragment: block size 1, stale output dropped (synchronous or
-    async scheduling), no drafts, window, deferred frees; prefix caching on; a safe policy
-    (external loads, which the spec allows only at block size 1 below the last token, are
-    in)."""
+    """The parametric model's fragment: block size 1, synchronous or async scheduling (stale
+    output dropped or delivered), no drafts, window, deferred frees; prefix caching on; a safe
+    policy (external loads, which the spec allows only at block size 1 below the last token,
+    are in)."""
     c = s.config
     return (
         c.block_size == 1
-        and c.stale_output == "drop"
         and c.prefix_caching
         and not c.spec_tokens
         and c.sliding_window is None
@@ -105,6 +104,7 @@ class Checker:
             tokens = q.tokens if q is not None else []
             for j in range(len(tokens)):
                 out.append(v.hk(r, j) == self.h(tokens[: j + 1]))
+            out += self.snapshot(x, s, i)
             for bi, b in enumerate(blk):
                 block = bi + 1
                 held = q is not None and block in q.table
@@ -151,6 +151,27 @@ class Checker:
         assert NULL_BLOCK == 0
         return out
 
+    def snapshot(self, x: pm.PState, s: State, i: int) -> list[Any]:
+        """A waiting request with live entries (preempted, its stale output delivered): the
+        table those entries read (the longest entry's blocks, a prefix of its table when it
+        was preempted) is its snapshot ``stab``/``spos``; any further snapshot block lies past
+        every live entry's end (allocated in the step that preempted it, withdrawn)."""
+        q = s.requests.get(i)
+        if q is None or q.status != "waiting":
+            return []
+        entries = [st.entries[i] for st in s.steps if i in st.live]
+        if not entries:
+            return []
+        r, seen = self.v.req[i], max(entries, key=lambda e: len(e.blocks)).blocks
+        end = max(e.end for e in entries)
+        out = []
+        for bi, b in enumerate(self.v.blk):
+            if bi + 1 in seen:
+                out += [x.stab(r, b), x.spos(r, b) == seen.index(bi + 1)]
+            else:
+                out.append(z3.Implies(x.stab(r, b), x.spos(r, b) >= end))
+        return out
+
     def same(self, a: pm.PState, b: pm.PState) -> list[Any]:
         """a and b agree everywhere on the instance (every field, pointwise)."""
         v, out = self.v, []
@@ -163,6 +184,12 @@ class Checker:
                 out += [a.tab(r, x) == b.tab(r, x), a.ref(r, x) == b.ref(r, x)]
                 out.append(z3.Implies(a.tab(r, x), a.pos(r, x) == b.pos(r, x)))
             for t in ints:
+                read = z3.And(a.status(r) == pm.WAITING, a.live(t, r))
+                for x in v.blk:
+                    seen_a = z3.And(a.stab(r, x), a.spos(r, x) < a.eend(t, r))
+                    seen_b = z3.And(b.stab(r, x), b.spos(r, x) < b.eend(t, r))
+                    out.append(z3.Implies(read, seen_a == seen_b))
+                    out.append(z3.Implies(z3.And(read, seen_a), a.spos(r, x) == b.spos(r, x)))
                 out.append(a.live(t, r) == b.live(t, r))
                 out.append(a.failed(t, r) == b.failed(t, r))
                 out.append(z3.Implies(a.live(t, r), a.eload(t, r) == b.eload(t, r)))

@@ -12,12 +12,15 @@ from the initial one for any number of blocks, requests, steps in flight and tok
 What is modelled, and how it relates to the spec (the twin: ``tests/test_parametric_twin.py``
 checks that every spec transition is one of this model's, on random reachable states):
 
-* **Fragment**: block size 1, synchronous or async scheduling with stale output dropped,
-  external loads (asynchronous, which may fail, and synchronous, a computation here), no draft
-  tokens, prefix caching on, no sliding window, no deferred frees. Under async scheduling a
-  byte computed on a placeholder is modelled as the token it resolves to (``hk`` is rigid),
-  and the bytes of a leaving request's unpublished blocks may turn to garbage (a discarded
-  sample's placeholder never resolves: ``lost``). The policies
+* **Fragment**: block size 1, synchronous or async scheduling with stale output dropped or
+  delivered, external loads (asynchronous, which may fail, and synchronous, a computation
+  here), no draft tokens, prefix caching on, no sliding window, no deferred frees. Under async
+  scheduling a byte computed on a placeholder is modelled as the token it resolves to (``hk``
+  is rigid), and the bytes of a leaving request's unpublished blocks with no pending write may
+  turn to garbage (a discarded sample's placeholder never resolves: ``lost``). A preemption
+  either drops the request's stale output (its entries in submitted steps stop being live) or
+  delivers it (they stay live, reading the table it had, ``stab``; nothing is discarded, so
+  nothing turns to garbage); the request is admitted again only once none is live. The policies
   ``deferred`` and ``hide-uncommitted`` both refine ``commit_publish``: under that fragment
   each publishes at a step's commit, after its writes, only blocks of live entries at positions
   the entry covers (the param model lets a commit publish *any* such set).
@@ -64,6 +67,10 @@ PLANTS = (
     "hit-any-block",
     "publish-failed-load",
     "placeholders-resolve",
+    "admit-while-stale",
+    "garbage-on-deliver",
+    "stale-dropped",
+    "stale-samples-resolve",
 )
 """Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
 bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
@@ -72,7 +79,14 @@ published block is held by someone); ``hit-any-block`` lets a lookup hit a block
 under another hash; ``publish-failed-load`` lets a commit publish the blocks of a load that
 failed (``deferred`` without its ``rid not in step.failed``); ``placeholders-resolve`` keeps
 a leaving request's bytes valid (as if a discarded sample's placeholder resolved: a model that
-is not the spec under async scheduling, which the twin test refuses)."""
+is not the spec under async scheduling, which the twin test refuses). With stale output
+delivered: ``admit-while-stale`` admits a preempted request again while its stale entries are
+still live (the spec's ``admissible`` dropped); ``garbage-on-deliver`` lets a preemption that
+delivers turn the leaver's bytes to garbage (as if its delivered samples never resolved);
+``stale-dropped`` never keeps a preempted request's entries live (a model of dropped stale
+output only, which the twin test refuses on delivered cells); ``stale-samples-resolve`` keeps
+the bytes valid that a waiting request's stale entries computed on a sample discarded when it
+leaves (the twin test refuses it too)."""
 
 Term = Any
 """A Z3 term (z3's stubs are untyped)."""
@@ -163,7 +177,11 @@ class PState:
     lo..hi-1 (the building one, if any, is hi-1); bad: a live read found the wrong bytes.
     External loads: loading(r), r waits for an asynchronous load; eload(t, r), r's entry in
     step t is such a load (it writes the loaded blocks, computes and reads nothing);
-    failed(t, r), that load failed when step t executed (its writes did not happen)."""
+    failed(t, r), that load failed when step t executed (its writes did not happen).
+    Stale output delivered: a request preempted while its entries in submitted steps stay
+    live (they read and sample for it while it waits) keeps ``stab(r, b)``/``spos(r, b)``, its
+    table when it was preempted (what those entries read), and the ghost ``shw(r, b)``, the
+    step of its own pending write on b then (``hw(b)`` at that moment)."""
 
     status: Callable[[Term], Term]
     comp: Callable[[Term], Term]
@@ -186,6 +204,9 @@ class PState:
     loading: Callable[[Term], Term]
     eload: Callable[[Term, Term], Term]
     failed: Callable[[Term, Term], Term]
+    stab: Callable[[Term, Term], Term]
+    spos: Callable[[Term, Term], Term]
+    shw: Callable[[Term, Term], Term]
     lo: Term
     hi: Term
     bad: Term
@@ -219,6 +240,9 @@ def symbolic_state(v: Vocab, tag: str) -> PState:
         "loading": (R, Bo),
         "eload": (I, R, Bo),
         "failed": (I, R, Bo),
+        "stab": (R, B, Bo),
+        "spos": (R, B, I),
+        "shw": (R, B, I),
     }
     fns = {name: z3.Function(f"{tag}.{name}", *s) for name, s in sig.items()}
     return PState(
@@ -257,6 +281,9 @@ def initial_state(v: Vocab) -> PState:
         loading=lambda r: false,
         eload=lambda t, r: false,
         failed=lambda t, r: false,
+        stab=lambda r, b: false,
+        spos=lambda r, b: zero,
+        shw=lambda r, b: zero,
         lo=zero,
         hi=zero,
         bad=false,
@@ -293,6 +320,45 @@ class Model:
     def building(self, s: PState) -> Term:
         return z3.And(s.lo < s.hi, s.phase(s.hi - 1) == BUILDING)
 
+    def stale_garbage(self, s: PState, leaving: Callable[[Term], Term], b: Term) -> Term:
+        """b, in the old table of a leaving request that waits (preempted, its stale output
+        delivered), may hold bytes one of its later stale entries computed on the placeholder
+        of an earlier one, a sample now discarded (it leaves before that step commits). Such
+        bytes are read by no one before they are rewritten: every holder of b has its own
+        write pending (it took b after the preemption), and every other waiting request whose
+        stale entry reads b has a write on b due before that read."""
+        v, I = self.v, z3.IntSort()  # noqa: E741
+        owner = self.ex(
+            [v.Req],
+            lambda q: z3.And(leaving(q), s.status(q) == WAITING, s.stab(q, b)),
+        )
+        holders = self.fa([v.Req], lambda x: z3.Implies(s.tab(x, b), s.pw(s.hw(b), b)))
+        readers = self.fa(
+            [I, v.Req],
+            lambda t, r: z3.Implies(
+                z3.And(
+                    z3.Not(leaving(r)),
+                    s.status(r) == WAITING,
+                    s.live(t, r),
+                    z3.Not(s.eload(t, r)),
+                    s.phase(t) != EXECUTED,
+                    s.stab(r, b),
+                    0 <= s.spos(r, b),
+                    s.spos(r, b) < s.estart(t, r),
+                ),
+                self.ex([I], lambda u: z3.And(s.pw(u, b), u <= t)),
+            ),
+        )
+        return z3.And(owner, holders, readers)
+
+    def reads(self, s: PState, r: Term, b: Term) -> Term:
+        """A live entry of r reads b: b is in r's table, or, r waiting (preempted, its stale
+        output delivered), in the table it had then."""
+        return z3.If(s.status(r) == WAITING, s.stab(r, b), s.tab(r, b))
+
+    def rpos(self, s: PState, r: Term, b: Term) -> Term:
+        return z3.If(s.status(r) == WAITING, s.spos(r, b), s.pos(r, b))
+
     def fresh(self, name: str, *sig: Any) -> Any:
         n = f"p{next(self._n)}.{name}"
         return z3.Function(n, *sig) if len(sig) > 1 else z3.Const(n, sig[0])
@@ -303,8 +369,10 @@ class Model:
         """The leaving requests (``leaving(r)``) drop their tables: a block none of its other
         holders keeps goes to the free queue (refcount reaches 0). Under async scheduling the
         bytes of their unpublished blocks may hold a placeholder that now never resolves
-        (a discarded sample): ``lost`` says which turn to garbage (any of them may; the spec's
-        are those whose placeholder's step was discarded). Returns the changed fields, the
+        (a discarded sample): ``lost`` says which turn to garbage (any of them with no pending
+        write may: a pending write means the bytes are still the previous owner's; the spec's
+        are those whose placeholder's step was discarded), and so may blocks of a leaving
+        waiting request's old table (``stale_garbage``). Returns the changed fields, the
         condition on ``lost`` and ``lost``."""
         v = self.v
         lost = self.fresh("lost", v.Blk, z3.BoolSort())
@@ -317,7 +385,15 @@ class Model:
                     lost(b),
                     z3.And(
                         z3.Not(s.pub(b)),
-                        self.ex([v.Req], lambda q: z3.And(leaving(q), s.tab(q, b))),
+                        z3.Or(
+                            z3.And(
+                                self.ex([v.Req], lambda q: z3.And(leaving(q), s.tab(q, b))),
+                                self.fa([z3.IntSort()], lambda u: z3.Not(s.pw(u, b))),
+                            ),
+                            self.stale_garbage(s, leaving, b)
+                            if self.planted != "stale-samples-resolve"
+                            else z3.BoolVal(False),
+                        ),
                     ),
                 )
             ),
@@ -401,6 +477,9 @@ class Model:
             self.building(s),
             z3.Or(admit, s.status(r) == RUNNING),
             z3.Not(s.live(tb, r)),
+            z3.Implies(admit, self.fa([I], lambda u: z3.Not(s.live(u, r))))
+            if self.planted != "admit-while-stale"
+            else z3.BoolVal(True),
             z3.Not(s.loading(r)),
             z3.Implies(load, admit),
             n >= 1,
@@ -439,20 +518,36 @@ class Model:
 
     def preempt(self, s: PState) -> Transition:
         """A running request leaves in the building step: its entry there and that entry's
-        pending writes are withdrawn, its entries in submitted steps stop being live (their
-        writes still run), and its table is freed."""
-        r = self.fresh("r", self.v.Req)
+        pending writes are withdrawn, and its table is freed. Its entries in submitted steps
+        (their writes still run) stop being live (stale output dropped), or, when ``deliver``,
+        stay live with the table as it was (``stab``/``spos``, the ghost ``shw``): their
+        samples will be delivered, so no placeholder is discarded and no bytes turn to
+        garbage. Either may happen (one model for both ``stale_output`` settings)."""
+        v = self.v
+        r = self.fresh("r", v.Req)
+        deliver = (
+            self.fresh("deliver", z3.BoolSort())
+            if self.planted != "stale-dropped"
+            else z3.BoolVal(False)
+        )
         tb = s.hi - 1
         rel, lost_ok, lost = self._release(s, lambda q: q == r)
+        kept = lambda q: z3.And(q == r, deliver)  # noqa: E731
         post = replace(
             s,
             status=lambda q: z3.If(q == r, WAITING, s.status(q)),
             pw=lambda t, b: z3.And(s.pw(t, b), z3.Not(z3.And(t == tb, s.pwr(t, b) == r))),
-            live=lambda t, q: z3.And(s.live(t, q), q != r),
+            live=lambda t, q: z3.And(s.live(t, q), z3.Or(q != r, z3.And(deliver, t != tb))),
+            stab=lambda q, b: z3.If(kept(q), s.tab(r, b), s.stab(q, b)),
+            spos=lambda q, b: z3.If(kept(q), s.pos(r, b), s.spos(q, b)),
+            shw=lambda q, b: z3.If(kept(q), s.hw(b), s.shw(q, b)),
             **rel,
         )
-        guard = z3.And(self.building(s), s.status(r) == RUNNING, lost_ok)
-        return Transition("preempt", guard, post, {"r": r, "lost": lost})
+        no_garbage = z3.Implies(deliver, self.fa([v.Blk], lambda b: z3.Not(lost(b))))
+        if self.planted == "garbage-on-deliver":
+            no_garbage = z3.BoolVal(True)
+        guard = z3.And(self.building(s), s.status(r) == RUNNING, lost_ok, no_garbage)
+        return Transition("preempt", guard, post, {"r": r, "lost": lost, "deliver": deliver})
 
     def abort(self, s: PState) -> Transition:
         r = self.fresh("r", self.v.Req)
@@ -493,9 +588,9 @@ class Model:
                 [v.Blk],
                 lambda b: z3.And(
                     z3.Not(s.eload(t, q)),  # a load reads nothing
-                    s.tab(q, b),
-                    s.pos(q, b) < s.estart(t, q),
-                    z3.Not(z3.And(wv1(b), wh1(b) == v.hk(q, s.pos(q, b)))),
+                    self.reads(s, q, b),
+                    self.rpos(s, q, b) < s.estart(t, q),
+                    z3.Not(z3.And(wv1(b), wh1(b) == v.hk(q, self.rpos(s, q, b)))),
                 ),
             )
 
@@ -639,11 +734,12 @@ class Model:
             lambda t, r, b: z3.Implies(
                 z3.And(
                     s.live(t, r),
+                    z3.Not(s.eload(t, r)),
                     s.phase(t) != EXECUTED,
-                    s.tab(r, b),
-                    s.pos(r, b) < s.estart(t, r),
+                    self.reads(s, r, b),
+                    self.rpos(s, r, b) < s.estart(t, r),
                 ),
-                self.ev_holds(s, b, t, v.hk(r, s.pos(r, b))),
+                self.ev_holds(s, b, t, v.hk(r, self.rpos(s, r, b))),
             ),
         )
         nup = self.fa([B], lambda b: z3.Implies(s.pub(b), self.ev_holds(s, b, None, s.key(b))))
@@ -733,10 +829,12 @@ class Model:
                     s.live(t, r),
                     z3.And(
                         in_flight(t),
-                        s.status(r) == RUNNING,
                         0 <= s.estart(t, r),
                         s.estart(t, r) < s.eend(t, r),
-                        s.eend(t, r) <= s.comp(r),
+                        z3.Or(
+                            z3.And(s.status(r) == RUNNING, s.eend(t, r) <= s.comp(r)),
+                            z3.And(s.status(r) == WAITING, s.phase(t) != BUILDING),
+                        ),
                     ),
                 ),
             ),
@@ -756,7 +854,10 @@ class Model:
                 [I, I, R],
                 lambda t, u, r: z3.Implies(
                     z3.And(s.live(t, r), s.eload(t, r)),
-                    z3.And(s.loading(r), z3.Implies(s.live(u, r), u == t)),
+                    z3.And(
+                        z3.Or(s.loading(r), s.status(r) == WAITING),
+                        z3.Implies(s.live(u, r), u == t),
+                    ),
                 ),
             ),
             "FailedLoads": self.fa(
@@ -802,6 +903,55 @@ class Model:
                 ),
             ),
         }
+
+        def stale(t: Term, r: Term, b: Term) -> Term:
+            """r waits with its stale output delivered, and its live entry of step t, not yet
+            executed, reads b (in its table when it was preempted) as computed."""
+            return z3.And(
+                s.status(r) == WAITING,
+                s.live(t, r),
+                z3.Not(s.eload(t, r)),
+                s.phase(t) != EXECUTED,
+                s.stab(r, b),
+                0 <= s.spos(r, b),
+                s.spos(r, b) < s.estart(t, r),
+            )
+
+        def stale_own_write(t: Term, r: Term, b: Term) -> Term:
+            w, p = s.shw(r, b), s.spos(r, b)
+            return z3.And(
+                s.pw(w, b),
+                s.pwr(w, b) == r,
+                s.pwh(w, b) == v.hk(r, p),
+                s.live(w, r),
+                s.estart(w, r) <= p,
+                p < s.eend(w, r),
+                self.fa([I], lambda u: z3.Implies(z3.And(s.pw(u, b), u <= t), u <= w)),
+            )
+
+        def stale_written(t: Term, r: Term, b: Term) -> Term:
+            return z3.And(
+                s.wv(b),
+                s.wh(b) == v.hk(r, s.spos(r, b)),
+                self.fa([I], lambda u: z3.Implies(s.pw(u, b), u > t)),
+            )
+
+        out["SnapshotPositions"] = self.fa(
+            [R, B], lambda r, b: z3.Implies(s.stab(r, b), s.spos(r, b) >= 0)
+        )
+        out["StaleReadsHold"] = self.fa(
+            [I, R, B],
+            lambda t, r, b: z3.Implies(
+                stale(t, r, b), z3.Or(stale_own_write(t, r, b), stale_written(t, r, b))
+            ),
+        )
+        out["StaleBlocksReallocated"] = self.fa(
+            [I, R, B, R],
+            lambda t, r, b, q: z3.Implies(
+                z3.And(stale(t, r, b), s.tab(q, b), z3.Not(s.pub(b))),
+                z3.And(s.pw(s.hw(b), b), s.hw(b) > t),
+            ),
+        )
         if self.planted == "lemma-too-strong":
             out["PublishedIsHeld"] = self.fa(
                 [B], lambda b: z3.Implies(s.pub(b), self.ex([R], lambda r: s.tab(r, b)))

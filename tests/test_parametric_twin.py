@@ -29,13 +29,15 @@ from kvspec.spec.pool import lookup
 from kvspec.spec.state import Placeholder
 
 CELLS = [
-    # policy, discipline, preemption, blocks, depth, requests, tokens, vocabulary, async
-    ("deferred", "vllm", "fcfs", 5, 2, 3, 4, 2, False),
-    ("deferred", "general", "priority", 5, 3, 2, 4, 1, False),
-    ("hide-uncommitted", "general", "fcfs", 4, 2, 3, 4, 1, False),
-    ("hide-uncommitted", "vllm", "priority", 5, 1, 2, 4, 2, False),
-    ("deferred", "general", "fcfs", 5, 3, 2, 4, 2, True),
-    ("hide-uncommitted", "vllm", "priority", 5, 3, 2, 4, 1, True),
+    # policy, discipline, preemption, blocks, depth, requests, tokens, vocabulary, async, stale
+    ("deferred", "vllm", "fcfs", 5, 2, 3, 4, 2, False, "drop"),
+    ("deferred", "general", "priority", 5, 3, 2, 4, 1, False, "drop"),
+    ("hide-uncommitted", "general", "fcfs", 4, 2, 3, 4, 1, False, "drop"),
+    ("hide-uncommitted", "vllm", "priority", 5, 1, 2, 4, 2, False, "drop"),
+    ("deferred", "general", "fcfs", 5, 3, 2, 4, 2, True, "drop"),
+    ("hide-uncommitted", "vllm", "priority", 5, 3, 2, 4, 1, True, "drop"),
+    ("deferred", "general", "priority", 5, 2, 2, 4, 1, False, "deliver"),
+    ("hide-uncommitted", "general", "fcfs", 5, 3, 2, 4, 2, True, "deliver"),
 ]
 WALKS, WALK_LENGTH = 2, 24
 
@@ -64,10 +66,11 @@ def walk(
     stop_at_drift: bool = False,
     weight: dict[str, float] | None = None,
 ) -> dict[str, int]:
-    policy, discipline, preemption, blocks, depth, requests, tokens, vocab, overlap = cell
-    weight = weight or (ASYNC_WEIGHT if overlap else WEIGHT)
+    policy, discipline, preemption, blocks, depth, requests, tokens, vocab, overlap, stale = cell
+    weight = weight or (ASYNC_WEIGHT if overlap or stale == "deliver" else WEIGHT)
     config = Config(
         async_scheduling=overlap,
+        stale_output=stale,
         num_blocks=blocks,
         block_size=1,
         depth=depth,
@@ -87,6 +90,7 @@ def walk(
         "dead_writes": 0,
         "failed": 0,
         "placeholders": 0,
+        "stale_entries": 0,
     }
     for _ in range(WALKS):
         s: State = initial_state(config)
@@ -106,6 +110,9 @@ def walk(
                 for b in s.blocks
                 for w in b.pending
                 if w.step == st.id
+            )
+            tally["stale_entries"] += any(
+                s.requests[r].status == "waiting" for st in s.steps for r in st.live
             )
             if planted is None:
                 assert checker.invariant_holds(s), f"outside the invariant: {s}"
@@ -136,15 +143,17 @@ def walk(
 
 
 def cell_id(c: tuple[Any, ...]) -> str:
-    return f"{c[0]}-{c[1]}-{c[2]}-N{c[3]}D{c[4]}" + ("-async" if c[-1] else "")
+    return f"{c[0]}-{c[1]}-{c[2]}-N{c[3]}D{c[4]}" + ("-async" if c[8] else "") + f"-{c[9]}"
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=cell_id)
 def test_every_spec_step_is_a_parametric_step(cell: tuple[Any, ...]) -> None:
     tally = walk(cell, seed=CELLS.index(cell))
     assert tally["drift"] == 0
-    if cell[-1]:  # async: bytes holding placeholders reached
+    if cell[8]:  # async: bytes holding placeholders reached
         assert tally["placeholders"] > 0
+    if cell[9] == "deliver":  # a preempted request's entries stayed live (the reads of its old
+        assert tally["stale_entries"] > 0  # table after a reallocation: the scripted path)
     assert tally["steps"] >= 20 * WALKS
 
 
@@ -240,24 +249,79 @@ placeholder, resolved at its step's commit; then bytes on a placeholder whose sa
 discards."""
 
 
+STALE_OUTPUT_DELIVERED = [
+    ("arrive", 0, (1, 2, 1), 3, 0),
+    ("begin", 0),
+    ("schedule", 0, 2, 0),
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ()),
+    ("begin", 1),
+    ("schedule", 0, 1, 0),  # position 2, reading r0's blocks 0 and 1; it samples
+    ("submit", 1),
+    ("begin", 2),
+    ("preempt", 0),  # delivered: step 1's entry stays live, r0's table is freed
+    ("arrive", 1, (2, 2, 2), 1, 0),
+    ("schedule", 1, 3, 0),  # r0's freed blocks reallocated: pending writes of step 2
+    ("submit", 2),
+    ("execute", 1, ()),  # r0's stale entry reads its old table: still r0's prefix
+    ("commit", 1, ((0, 2),)),  # its sample delivered to the waiting r0
+    ("execute", 2, ()),
+    ("commit", 2, ((1, 1),)),
+    ("begin", 3),
+    ("schedule", 0, 1, 0),  # r0 admitted again, once its stale output is in
+    ("submit", 3),
+    ("execute", 3, ()),
+]
+"""A scripted path with stale output delivered (deferred, general, D = 2, 5 blocks): a preempted
+request's live entry in a submitted step reads the blocks it gave up, after they were handed to
+another request; the sample is delivered to the waiting request, which is admitted again."""
+
+
+STALE_SAMPLE_DISCARDED = [
+    ("arrive", 0, (1, 2), 6, 0),
+    ("begin", 0),
+    ("schedule", 0, 2, 0),  # samples token 2
+    ("submit", 0),
+    ("begin", 1),
+    ("schedule", 0, 1, 0),  # position 2 on step 0's placeholder
+    ("submit", 1),
+    ("begin", 2),
+    ("preempt", 0),  # delivered: steps 0 and 1 keep r0's entries live
+    ("submit", 2),
+    ("execute", 0, ()),
+    ("execute", 1, ()),  # r0's old block 2 holds step 0's placeholder
+    ("abort", 0),  # step 0's sample discarded: that block's bytes are garbage for good
+    ("execute", 2, ()),
+    ("commit", 0, ()),
+    ("commit", 1, ()),
+]
+"""A scripted path under async scheduling with stale output delivered (deferred, general, D = 3,
+6 blocks): a waiting request's stale entry computes on an earlier stale entry's placeholder,
+then the request is aborted before that sample is delivered."""
+
+
 def follow(
     decisions: list[tuple[Any, ...]],
     planted: str | None = None,
     blocks: int = 5,
     overlap: bool = False,
+    stale: str = "drop",
+    depth: int = 2,
 ) -> dict[str, int]:
     config = Config(
         blocks,
         1,
-        depth=2,
+        depth=depth,
         policy="deferred",
         discipline="general",
         token_budget=8,
         async_scheduling=overlap,
+        stale_output=stale,
     )
     checker = ab.Checker(4, blocks, 4, planted)
     s: State = initial_state(config)
-    tally = {"drift": 0, "dead_writes": 0, "evictions": 0, "shared": 0, "failed": 0}
+    tally = {"drift": 0, "dead_writes": 0, "evictions": 0, "shared": 0, "failed": 0, "stale": 0}
     for decision in decisions:
         post = copy.deepcopy(s)
         events = apply(post, decision)
@@ -267,6 +331,12 @@ def follow(
         if not checker.step_agrees(s, decision, post):
             assert planted is not None, f"{decision} from {s} is not a model step"
             tally["drift"] += 1
+        tally["stale"] += any(
+            s.requests[r].status == "waiting" and st.entries[r].start > 0
+            for st in s.steps
+            if st.phase != "executed"
+            for r in st.live
+        )
         s = post
         tally["shared"] += any(b.refcount > 1 for b in s.blocks)
         tally["failed"] += decision[0] == "execute" and bool(decision[2])
@@ -291,21 +361,43 @@ def test_the_twin_covers_placeholders_resolved_and_discarded() -> None:
     assert tally["drift"] == 0
 
 
+def test_the_twin_covers_stale_output_delivered() -> None:
+    tally = follow(STALE_OUTPUT_DELIVERED, stale="deliver")
+    assert tally["drift"] == 0 and tally["stale"] >= 3
+
+
+def test_the_twin_covers_a_discarded_stale_sample() -> None:
+    tally = follow(STALE_SAMPLE_DISCARDED, blocks=6, overlap=True, stale="deliver", depth=3)
+    assert tally["drift"] == 0
+
+
 def test_the_twin_covers_sharing_and_failed_loads() -> None:
     tally = follow(SHARING_AND_LOADS, blocks=7)
     assert tally["drift"] == 0
     assert tally["shared"] > 0 and tally["failed"] == 1
 
 
-@pytest.mark.parametrize("planted", ["eager-publish", "no-evict", "placeholders-resolve"])
+@pytest.mark.parametrize(
+    "planted",
+    ["eager-publish", "no-evict", "placeholders-resolve", "stale-dropped", "stale-samples-resolve"],
+)
 def test_a_drifting_model_fails_the_twin_test(planted: str) -> None:
     """A model that publishes at schedule time, reuses a cached block without evicting its
-    hash, or keeps bytes on a discarded placeholder valid, is not the spec: some spec step is
-    none of its steps. (A model that only allows
+    hash, keeps bytes on a discarded placeholder valid, or never keeps a preempted request's
+    entries live (stale output delivered) or the bytes its stale entries computed on a sample it
+    discards by leaving valid, is not the spec: some spec step is none of its steps. (A model that only allows
     more, as ``hit-any-block`` and ``publish-failed-load`` do, passes the twin test, which
     is one-directional by design: the proof is what refuses it, ``tests/test_parametric.py``.)"""
     if planted == "placeholders-resolve":
         path = follow(PLACEHOLDERS_RESOLVED_AND_DISCARDED, planted, blocks=7, overlap=True)
         assert path["drift"] > 0
+        return
+    if planted == "stale-dropped":
+        assert follow(STALE_OUTPUT_DELIVERED, planted, stale="deliver")["drift"] > 0
+        return
+    if planted == "stale-samples-resolve":
+        path = STALE_SAMPLE_DISCARDED
+        tally = follow(path, planted, blocks=6, overlap=True, stale="deliver", depth=3)
+        assert tally["drift"] > 0
         return
     assert follow(WITHDRAWN_WRITE_THEN_REUSE, planted)["drift"] > 0
