@@ -247,8 +247,8 @@ def _one_run(
             rid += 1
         elif move < 0.33 and rid:
             victim = rng.randrange(rid)
-            if engine.requests.get(victim) and engine.requests[victim].status == "running":
-                engine.abort(victim)  # (running ones only: the spec's free_groups needs tables)
+            if engine.requests.get(victim) and engine.requests[victim].status != "finished":
+                engine.abort(victim)
         else:
             try:
                 moved = engine.step()

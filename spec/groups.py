@@ -372,7 +372,7 @@ def free_groups(s: State, req: Request) -> list[Event]:
     """Drop the request's references in groups 1 .. G - 1, group by group, each last block
     first (``pool.free_blocks``), and empty those tables."""
     events: list[Event] = []
-    for g in range(1, len(s.config.groups)):
+    for g in range(1, 1 + len(req.group_tables)):  # none for a request never admitted
         events += free_blocks(s, req.id, s.table_of(req, g))
     req.group_tables = []
     req.group_cached = []

@@ -20,6 +20,7 @@ illegal event.
 
 from __future__ import annotations
 
+from . import groups
 from .events import group_of
 from .pool import Event, add_key, release, unpublish
 from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, State
@@ -114,19 +115,22 @@ def engine_effect(s: State, effect: Event) -> list[Event]:
 
 
 def publish_own(s: State, effect: Event) -> list[Event]:
-    """``("publish", req, index, block)``: the engine registered ``block`` under the request's
-    chained key for its ``index``-th block, which must be a full block of its known tokens. The
-    block need not be in the request's table any more (an engine may insert a finishing request's
-    blocks as it releases them); that it holds, or will hold, that prefix is NoUnwrittenPublish's
-    to judge."""
-    req, index, block = _named(s, effect)
+    """``("publish", req, index, block[, group])``: the engine registered ``block`` under the
+    request's chained key for its ``index``-th block of group ``group`` (default 0), which must be
+    a full block of its known tokens and a block of that group. The block need not be in the
+    request's table any more (an engine may insert a finishing request's blocks as it releases
+    them); that it holds, or will hold, that prefix is NoUnwrittenPublish's to judge."""
+    req, index, block, g = _named(s, effect)
     if not s.config.prefix_caching:
         raise Illegal(f"publish of block {block}: prefix caching is off")
-    if (index + 1) * s.config.block_size > len(req.tokens):
+    end = (index + 1) * groups.size(s, g)
+    if end > len(req.tokens):
         raise Illegal(f"publish r{req.id}'s block {index}: that block of its tokens is not full")
     if s.blocks[block].key is not None:
         raise Illegal(f"publish of block {block}, which is already published")
-    add_key(s, block, s.key(req, index))
+    if s.blocks[block].group != g:
+        raise Illegal(f"publish of block {block} in group {g}: it is a block of another group")
+    add_key(s, block, groups.key(req, end), g)
     s.touched.requests.add(req.id)
     return [effect]
 
@@ -142,13 +146,15 @@ def dedup(s: State, effect: Event) -> list[Event]:
     swap as sanctioned (the observed judge updates its snapshot); the invariants judge whether
     ``block`` holds what the request will read from it, and the submitted step's reads of the
     copy."""
-    req, index, block = _named(s, effect)
+    req, index, block, g = _named(s, effect)
     where = f"dedup r{req.id}'s block {index} to block {block}"
-    if req.status != "running" or index >= len(req.table):
+    table = s.table_of(req, g) if g <= len(req.group_tables) else []
+    if req.status != "running" or index >= len(table):
         raise Illegal(f"{where}: the request is not running with a block {index}")
-    if s.blocks[block].key != s.key(req, index) or block in req.table:
+    key = groups.key(req, (index + 1) * groups.size(s, g))
+    if s.blocks[block].key != key or s.blocks[block].group != g or block in table:
         raise Illegal(f"{where}: not a published copy of r{req.id}'s block {index}")
-    old = req.table[index]
+    old = table[index]
     building = s.building
     entry = building.entries.get(req.id) if building is not None else None
     if building is not None and entry is not None and old in entry.blocks:
@@ -157,7 +163,7 @@ def dedup(s: State, effect: Event) -> list[Event]:
     if b.refcount == 0:
         s.free.remove(block)
     b.refcount += 1
-    req.table[index] = block
+    table[index] = block
     release(s, old, req.id)
     s.touched.blocks.add(block)
     s.touched.requests.add(req.id)
@@ -165,16 +171,23 @@ def dedup(s: State, effect: Event) -> list[Event]:
     return [effect]
 
 
-def _named(s: State, effect: Event) -> tuple[Request, int, int]:
-    """The request, table index and block an engine's ``publish`` or ``dedup`` names."""
-    if len(effect) != 4 or not all(isinstance(x, int) for x in effect[1:]):
+def _named(s: State, effect: Event) -> tuple[Request, int, int, int]:
+    """The request, table index, block and group an engine's ``publish`` or ``dedup`` names (the
+    group a trailing field, present only for a group other than 0: ``events.group_of``)."""
+    g = group_of(effect)
+    short = effect[:4] if len(effect) == 5 else effect
+    if len(short) != 4 or (len(effect) == 5 and g == 0):  # group 0 is never written
         raise Illegal(f"malformed effect {effect}")
-    rid, index, block = effect[1], effect[2], effect[3]
+    if not all(isinstance(x, int) for x in effect[1:]):
+        raise Illegal(f"malformed effect {effect}")
+    if not 0 <= g < max(1, len(s.config.groups)):
+        raise Illegal(f"{effect[0]} names an unknown group: {effect}")
+    rid, index, block = short[1], short[2], short[3]
     assert isinstance(rid, int) and isinstance(index, int) and isinstance(block, int)
     req = s.requests.get(rid)
     if req is None or index < 0 or not _is_block(s, block) or block == NULL_BLOCK:
         raise Illegal(f"{effect[0]} names an unknown request, index or block: {effect}")
-    return req, index, block
+    return req, index, block, g
 
 
 def _is_block(s: State, value: object) -> bool:
