@@ -96,6 +96,18 @@ def test_check_reports_the_consequence_as_fields(tmp_path) -> None:  # type: ign
     assert report.text().startswith("SAFETY: ")
 
 
+def test_check_follows_an_illegal_the_engine_s_effects_explain(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    failure = fuzzed(next(p for p in PLANTS if p.name == "short-lookup"))
+    path = tmp_path / "short-lookup.jsonl"
+    write_trace(path, failure.config, failure.events)
+    report = check_file(path)
+    assert report.invariant == "Illegal"
+    fields = report.as_dict()["violation"]
+    assert fields["safety"] is False  # type: ignore[index]
+    assert fields["consequence"]["missed_hits"] >= 1  # type: ignore[index]
+    assert report.text().startswith("EFFICIENCY: ")
+
+
 def test_events_before_an_engine_exception_are_judged_first() -> None:
     """The double free's events come before the assertion that it later trips, in the same
     program entry (the run to idle): the deviation and what it breaks are the finding, not
