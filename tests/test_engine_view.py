@@ -59,6 +59,7 @@ def test_a_correct_engine_s_books_agree(engine: str) -> None:
 def _model() -> SimpleNamespace:
     """The fast model's shape: blocks 1 and 2 cached under two prefixes, 2 and 3 free."""
     return SimpleNamespace(
+        config=SimpleNamespace(),
         key=[None, 10, 20, None],
         index={10: [1], 20: [2]},
         free=OrderedDict.fromkeys([2, 3]),
@@ -83,6 +84,9 @@ def test_each_difference_of_the_books_is_named() -> None:
         assert found.invariant in ("HashIndexConsistent", "FreeCountExact", "EvictableExact")
         assert explanation(found.invariant)
     assert compare_view(None, _model(), 7) is None
+    hybrid = _model()
+    hybrid.config.groups = ("full", "sliding")  # docs/hybrid.md: not compared yet
+    assert compare_view(PoolView(free_count=3), hybrid, 7) is None
 
 
 def test_a_malformed_view_is_bad_input() -> None:
