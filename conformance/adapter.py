@@ -25,6 +25,8 @@ from kvspec.reference import Engine, EngineConfig, GroupSpec
 from kvspec.reference.choices import Choices
 from kvspec.spec import POLICIES, Config
 
+from .engine_view import PoolView
+
 Event = tuple[object, ...]
 Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -78,7 +80,9 @@ Factory = Callable[[Config, Choices], Adapter]
 """Optional adapter attributes: ``refusal`` (None, or what names a feature the spec does not
 model, seen at run time: the fuzzer ends the run and the search there, ``kvspec fuzz`` exits 2
 naming it, as at a factory's refusal), ``supports_loads = True`` (it can run ``kvspec fuzz --loads``),
-``judging = "observed"`` (``observed.py``; default strict) and ``self_check() -> str | None`` (the adapter's own consistency check, e.g. its wrappers against the
+``judging = "observed"`` (``observed.py``; default strict), ``pool_view() -> PoolView | None``
+(the engine's own hash index and free / evictable accounting, compared with the spec's state after
+every snapshot: ``engine_view.py``) and ``self_check() -> str | None`` (the adapter's own consistency check, e.g. its wrappers against the
 engine's native events; a message is reported as a ``Disagreement``)."""
 
 
@@ -137,6 +141,17 @@ class ReferenceAdapter:
 
     def snapshot(self) -> Snapshot | None:
         return self.engine.snapshot()
+
+    def pool_view(self) -> PoolView:
+        """The pool's own books: its free counter, its unreferenced cached blocks, its index."""
+        pool = self.engine.pool
+        return PoolView(
+            free_count=pool.num_free,
+            evictable=tuple(
+                b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
+            ),
+            index=tuple(tuple(owners) for owners in pool.index.values()),
+        )
 
 
 def reference(config: Config, choices: Choices) -> ReferenceAdapter:

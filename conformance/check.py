@@ -33,7 +33,7 @@ from types import ModuleType
 from kvspec.spec.events import DECISIONS
 
 from .judge import Judge, UnknownId, handover
-from .judge.consequence import Consequence, follow
+from .judge.consequence import Consequence, explain
 from .judge.core import CRASH, DUE, EFFECT_FIRST, FOUND
 from .judge.fastbuild import fast_judge
 from .judge.fastmodel import restates
@@ -107,8 +107,9 @@ def _judged(trace: Trace, judge: Judge, name: str, started: float, start: int = 
     if judge.finding is None:
         return Report(name, 0, judge.events_seen, seconds)
     report = report_of(judge, name, seconds)
-    if judge.finding.invariant == "Disagreement" and not judge.observed:
+    if judge.finding.invariant in ("Disagreement", "Illegal") and not judge.observed:
         report.consequence = _consequence(trace, judge)
+    if judge.finding.invariant == "Disagreement" and not judge.observed:
         if _observed_accepts(trace, judge.finding):
             report.observed_hint = observed_hint_text() + f" {trace.path}"
     return report
@@ -128,12 +129,12 @@ every invariant's full definition after every decision)."""
 
 
 def _consequence(trace: Trace, judge: Judge) -> Consequence | None:
-    """A strict trace's ``Disagreement`` judged on to the end of the file
-    (``judge/consequence.py``); None for a trace too long to follow."""
+    """A strict trace's ``Disagreement`` (or ``Illegal`` the engine's effects explain) judged on
+    to the end of the file (``judge/consequence.py``); None for a trace too long to follow."""
     assert judge.finding is not None
     if judge.events_seen > FOLLOW_AT_MOST:
         return None
-    return follow(trace.config, _readable(trace), judge.finding)
+    return explain(trace.config, _readable(trace), judge.finding)
 
 
 def _readable(trace: Trace) -> Iterator[tuple[object, ...]]:

@@ -98,9 +98,10 @@ from kvspec.spec import STALE_OUTPUTS, Config
 
 from . import watchdog
 from .adapter import Factory, reference
+from .engine_view import compare_view
 from .fuzz_coverage import Coverage, RunCoverage
 from .judge import Finding, Judge
-from .judge.consequence import Consequence, follow
+from .judge.consequence import Consequence, explain
 from .judge.core import FAST_INVARIANTS
 from .monitor import Monitor
 from .protocol import AdapterMistake, ProtocolError
@@ -259,11 +260,10 @@ class Failure:
 def consequence_of(
     finding: Finding, config: Config, events: list[Event], snapshots: list[tuple[int, Any]]
 ) -> Consequence | None:
-    """A ``Disagreement``'s consequence over the run's events (its run to idle included); None
-    for any other finding."""
-    if finding.invariant != "Disagreement":
-        return None
-    return follow(config, events, finding, snapshots)
+    """A ``Disagreement``'s consequence over the run's events (its run to idle included), an
+    ``Illegal``'s where the engine's effects followed get past it (``consequence.explain``);
+    None for any other finding."""
+    return explain(config, events, finding, snapshots)
 
 
 ENGINE_FRAMES = 3
@@ -627,6 +627,11 @@ def cell_machine(
                 self._raise_if(self.judge.settle())
             else:
                 self._raise_if(self.judge.compare(*snapshot))
+                pool_view = getattr(self.engine, "pool_view", None)
+                if pool_view is not None:  # the engine's own books (conformance/engine_view.py)
+                    self._raise_if(
+                        compare_view(pool_view(), self.judge.model, self.judge.events_seen)
+                    )
             check_kv_stream = getattr(self.engine, "check_kv_stream", None)
             if (
                 check_kv_stream is not None

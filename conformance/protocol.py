@@ -7,7 +7,7 @@ does not have would be reported as the engine disagreeing with the spec, with va
 equal. ``check_event`` checks one event against ``spec/events.py``'s vocabulary (its kind, its
 number of values, each field's type); ``check_adapter`` builds an adapter from its factory and
 drives a small workload through every method of the protocol (``adapter.py``), checking each
-result's type and shape and every event emitted. A problem is a ``ProtocolError`` (a
+result's type and shape (the optional ``pool_view()`` too) and every event emitted. A problem is a ``ProtocolError`` (a
 ``ValueError``: one line, exit 2) that names the method and the field.
 
 ``kvspec fuzz`` runs ``check_adapter`` before its first run (``flow.fuzz``) and, with
@@ -24,6 +24,7 @@ from kvspec.spec import Config
 from kvspec.spec.events import KINDS, REASONS, TRAILING
 
 from .adapter import Adapter, Factory, probe
+from .engine_view import PoolView
 
 Event = tuple[object, ...]
 
@@ -149,6 +150,30 @@ def check_snapshot(snapshot: object, num_blocks: int, method: str = "snapshot()"
         )
 
 
+def check_pool_view(view: object, num_blocks: int, method: str = "pool_view()") -> None:
+    """``ProtocolError`` unless ``view`` is None or an ``engine_view.PoolView`` whose fields are
+    None or of their types: an int count, a tuple of block ids, a tuple of tuples of block ids."""
+    if view is None:
+        return
+    if not isinstance(view, PoolView):
+        raise ProtocolError(
+            f"{method}: returned a {_type_name(view)}, not None or a kvspec PoolView"
+        )
+    if view.free_count is not None and not _int(view.free_count):
+        raise ProtocolError(f"{method}: free_count is a {_type_name(view.free_count)}, not an int")
+    parts = [("evictable", view.evictable)] if view.evictable is not None else []
+    if view.index is not None:
+        if not isinstance(view.index, tuple):
+            raise ProtocolError(f"{method}: index is a {_type_name(view.index)}, not a tuple")
+        parts += [(f"index[{i}]", blocks) for i, blocks in enumerate(view.index)]
+    for name, blocks in parts:
+        if not isinstance(blocks, tuple):
+            raise ProtocolError(f"{method}: {name} is a {_type_name(blocks)}, not a tuple")
+        bad = [b for b in blocks if not _int(b) or not 0 <= b < num_blocks]
+        if bad:
+            raise ProtocolError(f"{method}: {name} holds {bad[0]!r}, not a block id")
+
+
 def _result(method: str, value: object, want: type | tuple[type, ...], what: str) -> None:
     if not isinstance(value, want) or (want is bool and not isinstance(value, bool)):
         raise ProtocolError(f"{method}: returned {value!r} ({_type_name(value)}), not {what}")
@@ -184,6 +209,8 @@ class Checked:
                 raise ProtocolError(f"{shown}: holds {bad[0]!r} ({_type_name(bad[0])}), not an id")
         elif method == "snapshot":
             check_snapshot(result, self.num_blocks, "snapshot()")
+        elif method == "pool_view":
+            check_pool_view(result, self.num_blocks, "pool_view()")
         self.events(shown)
         return result
 
@@ -224,6 +251,8 @@ def _run(checked: Checked) -> None:
     for _ in range(RUN_STEPS):
         busy = checked.call("step")
         checked.call("snapshot")
+        if hasattr(checked.adapter, "pool_view"):  # optional (engine_view.py)
+            checked.call("pool_view")
         if not busy:
             return
 
@@ -275,6 +304,12 @@ class CheckingAdapter:
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         return self._call("snapshot")  # type: ignore[return-value]
+
+    def pool_view(self) -> PoolView | None:
+        """The adapter's optional ``pool_view``, checked; None where it has none."""
+        if not hasattr(self._adapter, "pool_view"):
+            return None
+        return self._call("pool_view")  # type: ignore[return-value]
 
 
 def checking(factory: Factory) -> Factory:

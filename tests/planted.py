@@ -150,7 +150,39 @@ def _lookup_first_only(self: KVCacheManager, req: object) -> list[Block]:
     return _original_lookup(self, req)[:1]  # type: ignore[arg-type]
 
 
+def _drop_hash_keeps_entry(self: BlockPool, block: Block) -> None:
+    """An evicted block loses its hash, but its entry stays in the hash index (left behind)."""
+    block.block_hash = None
+
+
+def _free_counts_twice(self: BlockPool, blocks: list[Block]) -> None:
+    """Freeing a table counts its first block free twice (the free counter drifts above the
+    queue's length)."""
+    BlockPool.__dict__["_original_free_reversed"](self, blocks)
+    if blocks and blocks[0].ref_cnt == 0:
+        self.free_queue.num_free += 1
+
+
 BlockPool._original_free_reversed = BlockPool.free_reversed  # type: ignore[attr-defined]
+
+BOOKS = (
+    Plant(
+        "index-left-behind",
+        "safety",
+        "HashIndexConsistent",
+        lambda: _patched(BlockPool, "_drop_hash", _drop_hash_keeps_entry),
+        "an evicted block's entry stays in the hash index",
+    ),
+    Plant(
+        "free-miscount",
+        "safety",
+        "FreeCountExact",
+        lambda: _patched(BlockPool, "free_reversed", _free_counts_twice),
+        "a freed table's first block is counted free twice",
+    ),
+)
+"""Bugs in the engine's own books (its hash index, its free count) that its events and snapshot
+do not show at once: found by comparing its ``pool_view`` (``conformance/engine_view.py``)."""
 
 CRASHING = (
     Plant(

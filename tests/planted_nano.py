@@ -49,7 +49,25 @@ def _deallocate_leak(self: Any, seq: Any) -> None:
     BlockManager.__dict__["_kvspec_deallocate"](self, seq)
 
 
+def _deallocate_block_stays_used(self: Any, block_id: int) -> None:
+    """A freed block goes back on the free list but stays in the set of used blocks (which the
+    hit path asks whether a block is free)."""
+    assert self.blocks[block_id].ref_count == 0
+    self.free_block_ids.append(block_id)
+
+
 BlockManager._kvspec_deallocate = BlockManager.deallocate  # type: ignore[attr-defined]
+
+BOOKS = (
+    Plant(
+        "nano-used-left-behind",
+        "safety",
+        "FreeCountExact",
+        lambda: _patched(BlockManager, "_deallocate_block", _deallocate_block_stays_used),
+        "a freed block stays in the set of used blocks",
+    ),
+)
+"""Bugs in nano-vllm's own books, found by comparing its ``pool_view``."""
 
 PLANTS = (
     Plant(

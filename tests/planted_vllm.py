@@ -1,4 +1,5 @@
-"""Block-manager bugs planted in vLLM 0.33.0's ``BlockPool`` (inside ``.venv-vllm``), as
+"""Block-manager bugs planted in vLLM's ``BlockPool`` (inside ``.venv-vllm``, 0.33.0, or
+``.venv-vllm-0.34.0``), as
 ``planted.py`` plants them in the reference engine: each patches one method of the class before
 the adapter builds its engine. ``bench/planted_findings.py --engine vllm`` fuzzes each."""
 
@@ -36,6 +37,44 @@ def _free_reversed(self: Any, ordered_blocks: Any) -> None:
     """Blocks are freed in the opposite eviction order."""
     _free_blocks(self, list(ordered_blocks)[::-1])
 
+
+_remove_cached_block_hashes = BlockPool._remove_cached_block_hashes
+
+
+def _remove_hashes_keeps_entries(self: Any, block: Any) -> Any:
+    """An evicted block loses its hash, but its entries stay in the hash index (left behind)."""
+    removed = _remove_cached_block_hashes(self, block)
+    for key in removed:
+        self.cached_block_hash_to_block.insert(key, block)
+    return removed
+
+
+def _free_counts_twice(self: Any, ordered_blocks: Any, *args: Any, **kw: Any) -> None:
+    """Freeing a table counts its first block free twice (the free queue's counter, which
+    ``get_num_free_blocks()`` and admission read, drifts above the queue's length)."""
+    blocks = list(ordered_blocks)
+    _free_blocks(self, blocks, *args, **kw)
+    if blocks and not blocks[0].is_null and blocks[0].ref_cnt == 0:
+        self.free_block_queue.num_free_blocks += 1
+
+
+BOOKS = (
+    Plant(
+        "vllm-index-left-behind",
+        "safety",
+        "HashIndexConsistent",
+        lambda: _patched(BlockPool, "_remove_cached_block_hashes", _remove_hashes_keeps_entries),
+        "an evicted block's entry stays in the hash index",
+    ),
+    Plant(
+        "vllm-free-miscount",
+        "safety",
+        "FreeCountExact",
+        lambda: _patched(BlockPool, "free_blocks", _free_counts_twice),
+        "a freed table's first block is counted free twice",
+    ),
+)
+"""Bugs in vLLM's own books, found by comparing its ``pool_view`` (both releases)."""
 
 PLANTS = (
     Plant(

@@ -14,7 +14,8 @@ from kvspec.conformance.report import format_counterexample, observed_hint
 from kvspec.conformance.trace import write_trace
 
 FOLLOWED = [p for p in PLANTS if p.name != "short-lookup"]
-"""``short-lookup`` is found as ``Illegal`` (the engine's next decision), not a deviation."""
+"""``short-lookup`` is found as ``Illegal`` by strict matching (the admission's token count
+follows the engine's shorter hit), then followed (``test_a_shorter_lookup_...``)."""
 
 
 def fuzzed(plant: Plant) -> Failure:
@@ -38,6 +39,34 @@ def test_a_planted_deviation_is_reported_with_what_it_breaks(plant: Plant) -> No
         assert first.startswith("EFFICIENCY: ") and "no invariant broken" in first
     else:
         assert first.startswith("SAFETY: ") and f"-> {plant.expect} broken" in first
+
+
+def test_a_shorter_lookup_found_illegal_is_reported_as_efficiency() -> None:
+    """Strictly the admission is Illegal (its token count, from the engine's one-block hit,
+    runs past the known tokens once the spec's lookup hits two); following the engine's hit, it
+    is a lookup that missed cached blocks: efficiency, its missed hits counted."""
+    failure = fuzzed(next(p for p in PLANTS if p.name == "short-lookup"))
+    assert failure.finding.invariant == "Illegal"
+    consequence = failure.consequence
+    assert consequence is not None and consequence.stopped is None
+    assert consequence.invariant is None and not consequence.safety
+    assert consequence.missed_hits >= 1
+    assert "where the spec's index holds" in consequence.deviation
+    assert consequence.deviation_event <= failure.finding.event
+    text = format_counterexample(failure.program, failure.finding, failure.config, consequence)
+    assert text.splitlines()[0].startswith("EFFICIENCY: ")
+
+
+def test_an_illegal_decision_of_the_engine_s_own_has_no_consequence() -> None:
+    """An Illegal the follower meets too (not explained by the engine's effects) stays bare."""
+    from kvspec.conformance.judge.consequence import explain
+    from kvspec.conformance.judge.findings import Finding
+    from kvspec.spec import Config
+
+    config = Config(num_blocks=4, block_size=2, policy="deferred")
+    events = [("arrive", 0, (1, 2, 3), 2, 0), ("begin", 0), ("schedule", 0, 9, 0)]
+    strict = Finding("Illegal", "schedule r0 in step 0: too many tokens", 2)
+    assert explain(config, events, strict) is None
 
 
 def test_a_double_free_is_named_as_one() -> None:
@@ -65,6 +94,18 @@ def test_check_reports_the_consequence_as_fields(tmp_path) -> None:  # type: ign
     assert fields["safety"] is True  # type: ignore[index]
     assert fields["consequence"]["invariant"] == "RefcountIsOwnership"  # type: ignore[index]
     assert report.text().startswith("SAFETY: ")
+
+
+def test_check_follows_an_illegal_the_engine_s_effects_explain(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    failure = fuzzed(next(p for p in PLANTS if p.name == "short-lookup"))
+    path = tmp_path / "short-lookup.jsonl"
+    write_trace(path, failure.config, failure.events)
+    report = check_file(path)
+    assert report.invariant == "Illegal"
+    fields = report.as_dict()["violation"]
+    assert fields["safety"] is False  # type: ignore[index]
+    assert fields["consequence"]["missed_hits"] >= 1  # type: ignore[index]
+    assert report.text().startswith("EFFICIENCY: ")
 
 
 def test_events_before_an_engine_exception_are_judged_first() -> None:

@@ -51,6 +51,7 @@ from nanovllm.engine.scheduler import Scheduler  # noqa: E402
 from nanovllm.engine.sequence import Sequence, SequenceStatus  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
+from kvspec.conformance.engine_view import PoolView  # noqa: E402
 from kvspec.reference.choices import Choices  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
 
@@ -155,6 +156,20 @@ class NanoVllmAdapter:
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         refcounts = (0,) + tuple(b.ref_count for b in self.manager.blocks)
         return refcounts, tuple(b + 1 for b in self.manager.free_block_ids)
+
+    def pool_view(self) -> PoolView:
+        """nano-vllm's own books (``engine_view.py``): the free count its set of used blocks
+        implies (its hit path asks that set whether a block is free), and its hash index, the
+        entries whose block still carries the hash (a lookup checks the block's tokens too). No
+        evictable set: a freed block's entry is deleted."""
+        manager = self.manager
+        blocks = manager.blocks
+        return PoolView(
+            free_count=len(blocks) - len(manager.used_block_ids),
+            index=tuple(
+                (b + 1,) for h, b in manager.hash_to_block_id.items() if blocks[b].hash == h
+            ),
+        )
 
     # -- the wrapped methods --------------------------------------------------------------------
 

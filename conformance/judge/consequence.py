@@ -156,7 +156,9 @@ class Follower:
                         f"{len(spec_hits)}",
                     )
                     key = s.key(req, len(hits))
-                    self.hidden.append((key, s.index.pop(key)))
+                    hidden = _Hidden(s.index[key])
+                    s.index[key] = hidden
+                    self.hidden.append((key, hidden))
             elif effect[0] == "alloc":
                 block = effect[2]
                 if not isinstance(block, int) or not 0 < block < len(s.blocks):
@@ -172,7 +174,10 @@ class Follower:
     ) -> None:
         s = self._state(model)
         for key, blocks in self.hidden:
-            s.index[key] = blocks
+            if s.index.get(key) is blocks:
+                del s.index[key]
+            if len(blocks):  # (an allocation may have evicted some of them meanwhile)
+                s.index.setdefault(key, []).extend(list.__iter__(blocks))
         self.hidden = []
         remaining = list(expected)
         reordered = False
@@ -300,6 +305,15 @@ class Follower:
         self.deviations.append((at, what))
 
 
+class _Hidden(list[int]):
+    """An index entry past the engine's shorter hit, during its decision: it holds its blocks
+    (an allocation that evicts one of them drops it as usual) but reads as empty, so the spec's
+    lookup stops where the engine's did."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
 def _request(s: State, value: object) -> Request | None:
     return s.requests.get(value) if isinstance(value, int) else None
 
@@ -369,6 +383,33 @@ def follow(
             )
         elif result.stopped is None:
             result.stopped = f"{finding.invariant}: {finding.message}"
+    return result
+
+
+def explain(
+    config: Config,
+    events: Iterable[Event],
+    finding: Finding,
+    snapshots: Sequence[tuple[int, Snapshot]] = (),
+) -> Consequence | None:
+    """A strict finding's consequence, or None: a ``Disagreement``'s always (``follow``); an
+    ``Illegal``'s where following the engine's own effects gets past it. A decision the spec
+    judges illegal only because of what its effects would be in the spec's state (an admission
+    whose ``schedule`` counts tokens from the engine's shorter ``hit``: the spec's longer lookup
+    leaves the count past the known tokens) is the engine's effect deviating; its consequence
+    names the deviation (``r1 hits 1 blocks where the spec's index holds 2``) and what it leads
+    to. An ``Illegal`` the follower meets too is the engine's own decision: no consequence."""
+    if finding.invariant == "Disagreement":
+        return follow(config, events, finding, snapshots)
+    if finding.invariant != "Illegal":
+        return None
+    result = follow(config, events, finding, snapshots)
+    first = [(at, what) for at, what in result.deviations if at <= finding.event]
+    if result.stopped is not None or not first:
+        return None
+    at, what = first[0]
+    result.deviation = f"{what} (strictly: Illegal: {finding.message})"
+    result.deviation_event = at
     return result
 
 

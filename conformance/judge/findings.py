@@ -1,7 +1,8 @@
 """Findings: what a judge found, as data, and what each kind of finding guards against.
 
 A ``Finding`` names an invariant (or ``Disagreement``, ``Illegal``, ``HashChainConsistent``,
-``EngineError``, ``EngineHung``, ``EngineNeverIdle``), the event at which it was found, the blocks and requests it is about and a
+``EngineError``, ``EngineHung``, ``EngineNeverIdle``, or a check of the engine's own books,
+``engine_view.VIEW_CHECKS``), the event at which it was found, the blocks and requests it is about and a
 sentence; reports (``conformance/report.py``) render it, never parse it.
 """
 
@@ -32,10 +33,12 @@ EXPLANATIONS = {
 def explanation(invariant: str) -> str:
     """What a finding's invariant guards against, in a sentence or two (a KV-event stream's
     invariants, ``spec/stream.py``, included: a stream finding inside ``kvspec fuzz``)."""
+    from kvspec.conformance.engine_view import VIEW_CHECKS
     from kvspec.spec.stream import INVARIANTS as STREAM
 
     predicate = INVARIANTS.get(invariant) or STREAM.get(invariant)
-    doc = predicate.__doc__ if predicate is not None else EXPLANATIONS.get(invariant, "")
+    known = EXPLANATIONS.get(invariant) or VIEW_CHECKS.get(invariant, "")
+    doc = predicate.__doc__ if predicate is not None else known
     return " ".join((doc or "").split())
 
 

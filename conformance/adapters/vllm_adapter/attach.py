@@ -101,6 +101,7 @@ from .features import (
     sliding_window_of,
 )
 from .methods import Method, Wrappers
+from .pool_view import PoolView, read_pool_view
 from .versions import MissingName, evict_first, output_index, read
 
 Event = tuple[object, ...]
@@ -303,6 +304,11 @@ class Attachment:
         refcounts = (0,) + tuple(b.ref_cnt for b in self.pool.blocks[1:])
         free = tuple(b.block_id for b in self.pool.free_block_queue.get_all_free_blocks())
         return refcounts, free
+
+    def pool_view(self) -> PoolView | None:
+        """vLLM's own hash index and free / evictable accounting (``pool_view.py``)."""
+        groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
+        return read_pool_view(self.pool, groups)
 
     def self_check(self) -> str | None:
         """Cross-check the wrapped methods against vLLM's own KV events: as many blocks stored

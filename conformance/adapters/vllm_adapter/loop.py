@@ -305,6 +305,10 @@ class VllmAdapter:
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.attachment.snapshot()
 
+    def pool_view(self) -> Any:
+        """vLLM's own books (``pool_view.py``): compared with the spec's by the fuzzer."""
+        return self.attachment.pool_view()
+
     def self_check(self) -> str | None:
         """The attachment's events against the loop's decisions (``decisions``), then the
         wrappers against vLLM's own KV events (``attach.Attachment.self_check``)."""
