@@ -99,10 +99,10 @@ class VllmAdapter:
         self.choices = choices
         self.coverage = Coverage()
         self.reuse = reuse_enabled() if reuse is None else reuse
-        self.scheduler = build_scheduler(
+        self.scheduler = self.build_scheduler(
             config, async_scheduling, long_prefill_token_threshold, self.reuse
         )
-        self.hasher = block_hasher(config.block_size)
+        self.hasher = block_hasher(self.scheduler.hash_block_size)
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self.arrived: list[int] = []
         self.queue: list[InFlight] = []  # EngineCore's batch queue, oldest first
@@ -122,6 +122,12 @@ class VllmAdapter:
         where it emitted it before ``attach`` derived them from vLLM's entry points;
         ``self_check`` holds the attachment's events to them."""
         self._decisions_checked = 0
+
+    def build_scheduler(
+        self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
+    ) -> Any:
+        """vLLM's scheduler of the cell (``build.py``; ``hybrid.py`` builds a hybrid model's)."""
+        return build_scheduler(config, async_scheduling, threshold, reuse)
 
     @property
     def refusal(self) -> Any:
