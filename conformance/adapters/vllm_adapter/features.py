@@ -146,7 +146,8 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "context parallelism",
         "",
     )
-    need(read(sched.kv_cache_config, "has_mamba_layers"), "Mamba layers", "")
+    mamba = read(sched.kv_cache_config, "has_mamba_layers")
+    need(mamba and len(groups) < 2, "Mamba layers", "")  # beside other groups: groups.py
     need(
         read(sched.kv_cache_config, "hisparse_host_num_blocks") is not None,
         "HiSparse",

@@ -77,9 +77,12 @@ def model_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
 
 
 def group_block_sizes(sched: Any) -> tuple[int, ...]:
-    """Each group's block size, in group order (one entry for a plain model)."""
+    """Each group's block size, in group order; for one group (or none) the scheduler's, as
+    the one-group events have always counted a ``publish``'s index."""
     groups = sched.kv_cache_config.kv_cache_groups
-    return tuple(g.kv_cache_spec.block_size for g in groups) or (sched.block_size,)
+    if len(groups) < 2:
+        return (int(sched.block_size),)
+    return tuple(int(g.kv_cache_spec.block_size) for g in groups)
 
 
 def frees_skipped_blocks(sched: Any) -> bool:
