@@ -88,6 +88,14 @@ REACHED_BY_SPEC_ACTIONS = Exempt(
     "(strict judging)",
     unreachable=True,
 )
+GROUP_INVARIANTS = (
+    "HitServedByEveryGroup",
+    "NoUnwrittenStateRead",
+    "NoReadOfRecycled",
+    "StateAtItsBoundary",
+)
+"""The invariants of several KV-cache groups (issue #36): vacuous with one group."""
+ONE_GROUP = Exempt("vacuous with one KV-cache group; the form refuses several", unreachable=True)
 NO_CONFIG = "takes no Config"
 DECLARED = (
     "NoUnwrittenRead",
@@ -118,6 +126,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "defer_free": Refused("the model has no holder but tables"),
     "defer_loads": Refused("it needs defer_free, which the model refuses"),
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
+    "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
 }
 """The Z3 model's features (its ``Fragment``), which the lemmas share."""
@@ -159,7 +168,8 @@ TWINS: tuple[Twin, ...] = (
                 "sliding_window",
                 "loads",
             )
-        },
+        }
+        | {"groups": Refused("its requests have one table and its pool one published index")},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),
@@ -189,6 +199,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_free": Refused("judged by the spec only: the model has no deferred holders"),
             "defer_loads": Refused("judged by the spec only: it needs defer_free"),
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
+            "groups": Refused("judged by the spec only: one table per request, one index"),
             "loads": FOLLOWS,
         },
         invariants={
@@ -203,6 +214,7 @@ TWINS: tuple[Twin, ...] = (
             "TableMatchesComputed": REACHED_BY_SPEC_ACTIONS,
             "StepsInOrder": REACHED_BY_SPEC_ACTIONS,
             "NoLeakAtQuiescence": REACHED_BY_SPEC_ACTIONS,
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
         },
         traits=_all_axes_but("by-engine"),
     ),
@@ -231,9 +243,16 @@ TWINS: tuple[Twin, ...] = (
                 "its footprints do not restate the null-block positions: SpecModel judges a "
                 "window with the full definitions"
             ),
+            "groups": Refused(
+                "its footprints know one table per request: SpecModel judges several groups "
+                "with the full definitions"
+            ),
             "loads": FOLLOWS,
         },
-        invariants={name: IMPLEMENTS for name in DECLARED},
+        invariants={
+            **{name: IMPLEMENTS for name in DECLARED},
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
+        },
         traits=dict(AXES),
     ),
     Twin(
@@ -256,6 +275,7 @@ TWINS: tuple[Twin, ...] = (
             "FreedAfterWrites": Exempt(
                 "vacuous without deferred frees, which the model refuses", unreachable=True
             ),
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
         },
         traits=_all_axes_but("by-engine"),
     ),
@@ -313,6 +333,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_free": Refused("its only holders are tables"),
             "defer_loads": Refused("it needs defer_free, which the model refuses"),
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
+            "groups": Refused("its requests have one table and its pool one index"),
             "loads": FOLLOWS,
         },
         invariants={
@@ -342,6 +363,7 @@ TWINS: tuple[Twin, ...] = (
                     "NoLeakAtQuiescence",
                 )
             },
+            **dict.fromkeys(GROUP_INVARIANTS, ONE_GROUP),
         },
         traits={
             "publish": ("hidden-until-written", "at-written"),

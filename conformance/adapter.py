@@ -95,7 +95,13 @@ class ReferenceAdapter:
 
     def __init__(self, config: Config, choices: Choices) -> None:
         self.config = config
+        if config.hybrid:  # several KV-cache groups (issue #36): refused by name until followed
+            from kvspec import twins
+
+            twins.refuse("kvspec.reference", config)
         fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
+        if not fields["groups"]:  # the default: one group, which the engine's settings say
+            del fields["groups"]
         unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
         if unknown:  # a spec constant the engine has no setting for: refuse, never ignore
             raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")

@@ -34,7 +34,8 @@ import orjson
 
 from kvspec import __version__
 from kvspec.spec import OBSERVED_POLICIES, Config
-from kvspec.spec.events import KINDS, OPTIONAL, REASONS
+from kvspec.spec.events import KINDS, OPTIONAL, REASONS, TRAILING, group_of
+from kvspec.spec.state import Group
 
 from . import budget
 from .fastread import Error, Parts, decoder, parts
@@ -64,6 +65,7 @@ MODEL_FIELDS = (
     "defer_free",
     "sliding_window",
     "defer_loads",
+    "groups",
 )
 WRITTEN_IF_NOT: dict[str, object] = {
     "prefix_caching": True,
@@ -72,6 +74,7 @@ WRITTEN_IF_NOT: dict[str, object] = {
     "defer_free": False,
     "sliding_window": None,
     "defer_loads": False,
+    "groups": (),
 }
 """Model fields added after older kvspec versions shipped, written only when they differ from this
 default: a trace of a default configuration still reads in those versions (a reader takes a
@@ -101,9 +104,46 @@ class TraceError(ValueError):
 
 
 def _written(config: Config, names: Iterable[str]) -> dict[str, object]:
-    """``config``'s fields ``names``, less those at their ``WRITTEN_IF_NOT`` default."""
+    """``config``'s fields ``names``, less those at their ``WRITTEN_IF_NOT`` default (the groups
+    as a list of ``{"kind", "block_size", "window"}`` objects, ``groups_json``)."""
     fields = {name: getattr(config, name) for name in names}
-    return {k: v for k, v in fields.items() if k not in WRITTEN_IF_NOT or v != WRITTEN_IF_NOT[k]}
+    written = {k: v for k, v in fields.items() if k not in WRITTEN_IF_NOT or v != WRITTEN_IF_NOT[k]}
+    if "groups" in written:
+        written["groups"] = groups_json(config.groups)
+    return written
+
+
+def groups_json(groups: tuple[Group, ...]) -> list[dict[str, object]]:
+    """The header's ``model.groups``: one object per group, in group order."""
+    return [{"kind": g.kind, "block_size": g.block_size, "window": g.window} for g in groups]
+
+
+GROUP_FIELDS = ("kind", "block_size", "window")
+
+
+def groups_of(value: object, where: str) -> tuple[Group, ...]:
+    """A header's ``groups`` (a list of ``{"kind", "block_size", "window"}`` objects, ``window``
+    optional) as ``Group``s; ``ValueError`` naming ``where`` for anything else. What each group
+    may be (kinds, block sizes, windows) is ``Config``'s to check."""
+    if not isinstance(value, list):
+        raise ValueError(f'"{where}" must be a list of group objects, got {json_type(value)}')
+    groups = []
+    for g, obj in enumerate(value):
+        at = f'"{where}[{g}]"'
+        if not isinstance(obj, dict):
+            raise ValueError(f"{at} must be an object, got {json_type(obj)}")
+        unknown = sorted(set(obj) - set(GROUP_FIELDS))
+        if unknown:
+            raise ValueError(f"{at}: unknown field {unknown[0]!r}")
+        if not isinstance(obj.get("kind"), str):
+            raise ValueError(f'{at}: "kind" must be a string')
+        if not _is_int(obj.get("block_size")):
+            raise ValueError(f'{at}: "block_size" must be an integer')
+        window = obj.get("window")
+        if window is not None and not _is_int(window):
+            raise ValueError(f'{at}: "window" must be an integer or null')
+        groups.append(Group(obj["kind"], obj["block_size"], window))
+    return tuple(groups)
 
 
 def header_for(
@@ -128,10 +168,13 @@ def to_json(event: Event, hash_: str | None = None) -> dict[str, object]:
     """One event tuple as a v1 line object (tuples become lists)."""
     kind = str(event[0])
     line: dict[str, object] = {"ev": kind}
-    for (name, _), value in zip(FIELDS[kind], event[1:], strict=True):
+    fields = FIELDS[kind]
+    for (name, _), value in zip(fields, event[1 : len(fields) + 1], strict=True):
         if name == "sampled":
             value = [list(pair) for pair in value]  # type: ignore[attr-defined]
         line[name] = list(value) if isinstance(value, tuple) else value
+    if len(event) > len(fields) + 1 and kind in TRAILING and event[-1]:
+        line[TRAILING[kind][0]] = event[-1]
     if hash_ is not None:
         line["hash"] = hash_
     return line
@@ -165,7 +208,8 @@ def write_trace(
                     for rid, token in event[2]:  # type: ignore[attr-defined]
                         tokens[rid].append(token)
                 elif kind == "publish":
-                    prefix = tokens[event[1]][: (event[2] + 1) * bsz]  # type: ignore[index, operator]
+                    size = config.groups[group_of(event)].block_size if config.groups else bsz
+                    prefix = tokens[event[1]][: (event[2] + 1) * size]  # type: ignore[index, operator]
                     hash_ = hashlib.blake2b(orjson.dumps(prefix), digest_size=16).hexdigest()
                 elif kind == "finish":
                     tokens.pop(event[1], None)  # type: ignore[call-overload]
@@ -254,6 +298,11 @@ def _v1_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
         raise bad('"model.stop_token" must be an integer or null')
     if model.get("sliding_window") is not None and not _is_int(model["sliding_window"]):
         raise bad('"model.sliding_window" must be an integer or null')
+    if "groups" in model:
+        try:
+            model = {**model, "groups": groups_of(model["groups"], "model.groups")}
+        except ValueError as err:
+            raise bad(str(err)) from None
     try:
         return Config(header["num_blocks"], header["block_size"], **model), judging
     except (ValueError, TypeError) as err:
@@ -297,6 +346,7 @@ V0_CONFIG: dict[str, tuple[type, ...]] = {
     "defer_free": (bool,),
     "sliding_window": (int, type(None)),
     "defer_loads": (bool,),
+    "groups": (list,),
 }
 """The fields of a v0 header's ``config`` (``spec.Config``'s) and the JSON types each may have."""
 
@@ -325,7 +375,9 @@ def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
             raise bad(f'"config" needs "{name}"')
     for name, value in config.items():
         types = V0_CONFIG[name]
-        if bool in types:
+        if list in types:
+            fits, want = isinstance(value, list), "a list of group objects"
+        elif bool in types:
             fits, want = isinstance(value, bool), "true or false"
         else:
             fits = not isinstance(value, bool) and isinstance(value, types)
@@ -341,6 +393,11 @@ def _v0_header(header: dict, path: str | Path) -> tuple[Config, str]:  # type: i
             '("judging": "observed")'
         )
     _claim(config["num_blocks"], path)
+    if "groups" in config:
+        try:
+            config = {**config, "groups": groups_of(config["groups"], "config.groups")}
+        except ValueError as err:
+            raise bad(str(err)) from None
     try:
         return Config(**config), "strict"
     except (TypeError, ValueError) as err:
@@ -368,7 +425,8 @@ def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
         raise ValueError(f"unknown event kind {kind!r}")
     if kind == "arrive" and "tokens" not in obj and "hashes" in obj:
         raise ValueError(PRIVATE)
-    optional = OPTIONAL.get(kind, ())
+    trailing = TRAILING.get(str(kind))
+    optional: tuple[str, ...] = (*OPTIONAL.get(str(kind), ()), *(trailing or ())[:1])
     if len(obj) != len(fields) + 1:
         names = {name for name, _ in fields}
         for key in obj:
@@ -384,6 +442,10 @@ def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
         if name not in obj:
             raise ValueError(f'{kind}: missing field "{name}"')
         values.append(_value(kind, name, type_, obj[name], num_blocks))
+    if trailing is not None and trailing[0] in obj:  # canonical: present only when not 0
+        group = _value(str(kind), trailing[0], trailing[1], obj[trailing[0]], num_blocks)
+        if group:
+            values.append(group)
     hash_ = obj.get("hash")
     if "hash" in obj and (not isinstance(hash_, str) or not hash_):  # null too (the schema)
         raise ValueError(f'{kind}: "hash" must be a non-empty string')
@@ -453,6 +515,12 @@ def event_error(event: object, num_blocks: int, hash_: object = None) -> str | N
         return f"unknown event kind {kind!r}"
     if len(event) == len(fields) and kind in SPEC_DEFAULTS:  # the spec's shorthand
         event = (*event, SPEC_DEFAULTS[kind])
+    trailing = TRAILING.get(kind)
+    if trailing is not None and len(event) == len(fields) + 2:  # the optional group
+        group = event[-1]
+        if type(group) is not int or group < 1:  # the canonical tuple: group 0 goes unsaid
+            return f'{kind}: a trailing "{trailing[0]}" must be an integer >= 1, got {group!r}'
+        event = event[:-1]
     if len(event) != len(fields) + 1:
         names = ", ".join(name for name, _ in fields)
         return f"{kind}: {len(event) - 1} fields, expected {len(fields)} ({names})"
@@ -628,12 +696,16 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     fields = FIELDS.get(kind)
     if fields is None:
         raise ValueError(f"unknown event kind {kind!r}")
-    if len(value) != len(fields) + 1:
+    if len(value) != len(fields) + 1 + (kind in TRAILING and len(value) == len(fields) + 2):
         names = ", ".join(name for name, _ in fields) or "none"
         raise ValueError(
             f"{kind}: {len(fields)} values after the kind ({names}), got {len(value) - 1}"
         )
+    extra = {}
+    if kind in TRAILING and len(value) == len(fields) + 2:  # the optional group
+        extra = {TRAILING[kind][0]: value.pop()}
     obj = {"ev": kind, **{name: v for (name, _), v in zip(fields, value[1:], strict=True)}}
+    obj.update(extra)
     return parse_object(obj, num_blocks)[0], None
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import policies
+from . import groups, policies
 from .pool import (
     Event,
     allocate,
@@ -111,19 +111,33 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     events: list[Event] = []
     if req.status == "waiting":
         _admission_guard(s, step, req, where)
-        if num_loaded and cfg.sliding_window is not None:
-            raise Illegal(f"{where}: external loads under a sliding window are not modelled")
-        hits = lookup(s, req)
+        if num_loaded and (cfg.window is not None or cfg.hybrid):
+            raise Illegal(f"{where}: external loads under a window or groups are not modelled")
+        others: list[list[int]] = []
+        if cfg.hybrid and s.steered_hits is not None:  # observed: the engine's own hits
+            hits, *others = s.steered_hits
+            s.steered_hits = None
+        elif cfg.hybrid:  # the hit every group serves (groups.hit_length), each by its own rule
+            length = groups.hit_length(s, req)
+            hits = groups.hits_at(s, req, 0, length)
+            others = [groups.hits_at(s, req, g, length) for g in range(1, len(cfg.groups))]
+        else:
+            hits = lookup(s, req)
         pad = min(s.skipped(len(hits) * bsz), len(hits))  # before the window: the null block
         hits = [NULL_BLOCK] * pad + hits[pad:]
         if len(hits) + num_loaded > loadable(len(req.tokens), bsz, num_tokens == 0):
             raise Illegal(f"{where}: the last known token must be computed, not loaded")
         start = len(hits) * bsz
         end = start + num_tokens + num_loaded * bsz
-        held_free = sum(1 for b in hits if b != NULL_BLOCK and s.blocks[b].refcount == 0)
-        if -(-end // bsz) - len(hits) > len(s.free) - held_free:
+        hit = [b for h in [hits, *others] for b in h if b != NULL_BLOCK]
+        held_free = sum(1 for b in set(hit) if s.blocks[b].refcount == 0)
+        more = groups.needed(s, others, end) if cfg.hybrid else 0
+        if -(-end // bsz) - len(hits) + more > len(s.free) - held_free:
             raise Illegal(f"{where}: not enough free blocks")
         events += touch(s, req, hits)
+        if cfg.hybrid:
+            events += groups.admit(s, req, others)
+            s.admission = (rid, start, (tuple(hits), *map(tuple, others)))
         req.cached = len(hits)
         s.waiting.remove(rid)
         s.running.append(rid)
@@ -137,9 +151,15 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         processed = max(0, req.computed - _in_flight(s, rid))
         skipped = req.table[: min(s.skipped(processed), len(req.table))]
         gone = sum(1 for b in skipped if b != NULL_BLOCK and s.blocks[b].refcount == 1)
-        if -(-end // bsz) - len(req.table) > len(s.free) + gone:
+        more = 0
+        if cfg.hybrid:
+            gone += groups.gone(s, req, processed)
+            more = groups.needed(s, req.group_tables, end)
+        if -(-end // bsz) - len(req.table) + more > len(s.free) + gone:
             raise Illegal(f"{where}: not enough free blocks")
         events += remove_skipped(s, req, processed)
+        if cfg.hybrid:
+            events += groups.remove_skipped(s, req, processed)
     tokens: list[int | Placeholder | Draft] = list(
         s.ahead(req) if cfg.async_scheduling else req.tokens
     )
@@ -151,6 +171,10 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         raise Illegal(f"{where}: token {end - 1} is not {known}, nor one of its draft slots")
     while len(req.table) * bsz < end:
         events += allocate(s, req)
+    prefixes: tuple[tuple[int, ...], ...] = ()
+    if cfg.hybrid:
+        more_events, prefixes = groups.schedule(s, req, step, start, end, tokens)
+        events += more_events
     load = num_loaded > 0 and num_tokens == 0  # asynchronous: the request waits for it
     span = -(-end // bsz)  # after rejected drafts the table may reach further: not written
     for i in range(start // bsz, span):
@@ -163,7 +187,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     req.computed = end - 1 if req.loaded_last else end  # recomputed over the load
     samples = not load and end == len(tokens)
     step.entries[rid] = Entry(
-        start, end, tuple(req.table[:span]), load, samples, max(drafts, 0), num_loaded
+        start, end, tuple(req.table[:span]), load, samples, max(drafts, 0), num_loaded, prefixes
     )
     step.live.add(rid)
     step.budget_used += num_tokens
@@ -220,6 +244,7 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
     bsz = s.config.block_size
     step.failed = tuple(failed)
     s.touched.steps = True
+    stale = groups.read_states(s, step) if s.config.hybrid else ()  # before the step's writes
     for rid, e in step.entries.items():
         for block in e.blocks[e.start // bsz :]:
             s.touched.content.add(block)
@@ -228,6 +253,8 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == rid)]
             if rid not in failed:
                 b.written = mine[-1].prefix
+        if e.group_blocks:
+            groups.write(s, step, rid, e)
     for rid, e in step.entries.items():
         if e.load:  # a load reads nothing
             continue
@@ -240,9 +267,13 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
         ]
         if bad and rid in step.live:
             s.bad_reads += [(step.id, rid, block) for block in bad]
+        if e.group_blocks and (groups.read(s, step, rid, e, tokens) or rid in stale):
+            bad.append(NULL_BLOCK)  # a group read the wrong bytes (recorded there)
         if bad:  # K/V computed from wrong inputs is wrong too
             for block in e.blocks[e.start // bsz :]:
                 s.blocks[block].written = None
+            if e.group_blocks:
+                groups.spoil(s, e)
     step.phase = "executed"
     return []
 
@@ -317,6 +348,7 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
             for later in s.steps[1:]:  # their output for it is stale: discarded, and what
                 later.live.discard(rid)  # they were to publish for it is dropped (it left)
                 later.registrations.pop(rid, None)
+                later.group_registrations.pop(rid, None)
     s.steps.pop(0)
     s.commits += 1
     for rid, rejected in moved:
@@ -389,11 +421,13 @@ def reset(s: State) -> list[Event]:
     if s.steps or any(b.refcount for b in s.blocks):
         raise Illegal("reset: blocks are in use or steps in flight")
     events: list[Event] = []
-    for block in sorted(b for blocks in s.index.values() for b in blocks):
+    indexes = [s.index, *s.group_index.values()]
+    for block in sorted(b for index in indexes for blocks in index.values() for b in blocks):
         s.blocks[block].key = None
         s.touched.blocks.add(block)
         events.append(("unpublish", block))
-    s.index.clear()
+    for index in indexes:
+        index.clear()
     return events
 
 
@@ -416,6 +450,8 @@ def apply(s: State, event: tuple[object, ...]) -> list[Event]:
     if action is None:
         raise Illegal(f"unknown decision {event!r}")
     s.touched = Touched()
+    if s.admission is not None:
+        s.admission = None
     try:
         return action(s, *event[1:])
     except TypeError as err:
@@ -467,7 +503,7 @@ def _leave(
     if step is not None and req.id in step.entries:
         entry = step.entries.pop(req.id)
         step.budget_used -= entry.end - entry.start - entry.loaded * s.config.block_size
-        for block in entry.blocks:
+        for block in (*entry.blocks, *(b for blocks in entry.group_blocks for b in blocks)):
             b = s.blocks[block]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]
             s.touched.content.add(block)
@@ -488,6 +524,8 @@ def _give_up(s: State, req: Request, committing: Step | None = None) -> list[Eve
     never older than an earlier one, so the holders drain in order."""
     fence = _fence(s, req.id, committing)
     if fence is None:
+        if s.config.hybrid:  # group by group (groups.free_groups)
+            return free_table(s, req) + groups.free_groups(s, req)
         return free_table(s, req)
     held = tuple(b for b in req.table if b != NULL_BLOCK)  # a window's nulls hold nothing
     if held:  # nothing to hold for a request that holds nothing (vLLM appends no entry)

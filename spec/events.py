@@ -12,6 +12,12 @@ Field types: ``id`` a request or step id (an int >= 0), ``block`` a block id (0 
 an int >= 0, ``int`` any int, ``tokens`` a non-empty tuple of token ids >= 0, ``blocks`` a tuple
 of block ids, ``ids`` a tuple of request ids, ``sampled`` a tuple of ``(req, token)`` pairs,
 ``reason`` one of ``REASONS``.
+
+Several KV-cache groups (``Config.groups``): ``alloc``, ``hit``, ``publish`` and ``dedup`` take
+an optional trailing field ``group`` (a nat, default 0; ``TRAILING``), after the kind's fields.
+The tuple form is canonical: the field is there exactly when the group is not 0 (``grouped``
+builds such an event, ``canonical`` drops a trailing 0, ``group_of`` reads it), so a one-group
+event never carries it and every event before groups reads as before.
 """
 
 from __future__ import annotations
@@ -125,6 +131,12 @@ OPTIONAL = {"publish": ("hash",)}
 """Fields an event may carry beside its tuple: a publish the engine's opaque hash of the block
 (the trace format's ``hash``; the judge checks it against the token chain)."""
 
+TRAILING: dict[str, tuple[str, str]] = {
+    kind: ("group", "nat") for kind in ("alloc", "hit", "publish", "dedup")
+}
+"""The optional trailing field of each kind that has one: its name and type. An event of such a
+kind is its fields, then that field when it is not 0 (the trace format's ``"group"``)."""
+
 DECISIONS = frozenset(name for name, kind in KINDS.items() if kind.decision)
 EFFECTS = frozenset(name for name, kind in KINDS.items() if not kind.decision)
 
@@ -207,3 +219,27 @@ def step_of(event: Event) -> int | None:
     """The step a decision names (begin, submit, execute, commit), or None."""
     at = STEP_AT.get(cast(str, event[0])) if event else None
     return cast(int, event[at]) if at is not None and at < len(event) else None
+
+
+def group_of(event: Event) -> int:
+    """The KV-cache group an ``alloc``, ``hit``, ``publish`` or ``dedup`` is about (its trailing
+    ``group``; 0 when absent, and for every other kind)."""
+    kind = kind_of(event)
+    if kind is None or kind.name not in TRAILING or len(event) <= len(kind.fields) + 1:
+        return 0
+    return cast(int, event[len(kind.fields) + 1])
+
+
+def grouped(event: Event, group: int) -> Event:
+    """``event`` (of a kind with a trailing ``group``, without it) in group ``group``: the
+    canonical tuple, which carries the field only for a group other than 0."""
+    return (*event, group) if group else event
+
+
+def canonical(event: Event) -> Event:
+    """``event`` with a trailing ``group`` of 0 dropped (the canonical tuple form)."""
+    kind = kind_of(event)
+    if kind is not None and kind.name in TRAILING and len(event) == len(kind.fields) + 2:
+        if event[-1] == 0:
+            return event[:-1]
+    return event

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .state import Config
+from .state import Config, Group
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,12 @@ FEATURES: dict[str, Feature] = {
             lambda c: c.sliding_window is not None,
             {"sliding_window": 2},
         ),
+        Feature(
+            "groups",
+            "several KV-cache groups",
+            lambda c: len(getattr(c, "groups", ())) > 1,
+            {"groups": (Group("full", 1), Group("state", 1))},
+        ),
         Feature("loads", "external KV loads (and their failures)", None),
     )
 }
@@ -108,6 +114,7 @@ FIELDS_OF: dict[str, str] = {
     "defer_free": "defer_free",
     "defer_loads": "defer_loads",
     "sliding_window": "sliding_window",
+    "groups": "groups",
 }
 """Each ``Config`` field that is a feature's, and the feature."""
 

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from . import groups
 from .pool import eventual_content, holds
 from .state import NULL_BLOCK, Request, State
 
@@ -104,7 +105,25 @@ def no_unwritten_publish(s: State) -> Violation | None:
                     (block,),
                     tuple(r.id for r in s.requests.values() if block in r.table),
                 )
+    for g, index in s.group_index.items():  # several groups: full and window ones alike
+        if groups.kind(s, g) == "state":  # a state's publish is StateAtItsBoundary's
+            continue
+        for key, blocks in index.items():
+            for block in blocks:
+                if not holds(eventual_content(s, block), key):
+                    return Violation(
+                        "NoUnwrittenPublish",
+                        f"group {g}'s block {block} is published for a {len(key)}-token prefix "
+                        "it will never hold",
+                        (block,),
+                        _holders(s, block),
+                    )
     return None
+
+
+def _holders(s: State, block: int) -> tuple[int, ...]:
+    """The requests whose tables of any group hold ``block``."""
+    return tuple(r.id for r in s.requests.values() if block in r.table or block in groups.held(r))
 
 
 def refcount_is_ownership(s: State) -> Violation | None:
@@ -123,8 +142,10 @@ def refcount_is_ownership(s: State) -> Violation | None:
         owners.update(held.blocks)
     for req in s.requests.values():
         table = req.table
-        if s.config.sliding_window is not None:  # a window's skipped positions hold nothing
+        if s.config.window is not None:  # a window's skipped positions hold nothing
             table = [b for b in table if b != NULL_BLOCK]
+        if req.group_tables:  # several groups: every table the request holds
+            table = [b for b in table if b != NULL_BLOCK] + groups.held(req)
         if len(set(table)) != len(table):
             twice = tuple(sorted({b for b in table if table.count(b) > 1}))
             return Violation(
@@ -165,7 +186,7 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
     bsz = s.config.block_size
     for req in s.requests.values():
         for i, block in enumerate(req.table):
-            if block == NULL_BLOCK and s.config.sliding_window is not None:  # skipped
+            if block == NULL_BLOCK and s.config.window is not None:  # skipped
                 continue
             if block not in seen:
                 seen[block] = (req.id, i)
@@ -180,6 +201,33 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
                     (block,),
                     (other, req.id),
                 )
+    return _shared_in_groups(s, {block: (rid, 0, i) for block, (rid, i) in seen.items()})
+
+
+def _shared_in_groups(s: State, seen: dict[int, tuple[int, int, int]]) -> Violation | None:
+    """``SharedImpliesSamePrefix`` in groups 1 .. G - 1: a block in two tables is in the same
+    group at the same position of both, full in both, under the same chained prefix."""
+    for req in s.requests.values():
+        for g, table in enumerate(req.group_tables, 1):
+            bs = groups.size(s, g)
+            for i, block in enumerate(table):
+                if block == NULL_BLOCK:
+                    continue
+                if block not in seen:
+                    seen[block] = (req.id, g, i)
+                    continue
+                other, h, j = seen[block]
+                o = s.requests[other]
+                full = full_in(req, i, bs) and full_in(o, j, bs)
+                same = groups.key(req, (i + 1) * bs) == groups.key(o, (j + 1) * bs)
+                if (h, j) != (g, i) or not full or not same:
+                    return Violation(
+                        "SharedImpliesSamePrefix",
+                        f"block {block} is shared by r{other}'s group {h}[{j}] and "
+                        f"r{req.id}'s group {g}[{i}] unequally",
+                        (block,),
+                        (other, req.id),
+                    )
     return None
 
 
@@ -224,15 +272,18 @@ def freed_after_writes(s: State) -> Violation | None:
 def hash_index_consistent(s: State) -> Violation | None:
     """The index and the blocks' own hashes agree: every indexed block carries that hash, every
     hashed block is indexed once. Guards against stale entries that outlive an eviction."""
-    indexed = [blk for blocks in s.index.values() for blk in blocks]
-    if len(indexed) != len(set(indexed)) or any(not blocks for blocks in s.index.values()):
+    indexes = [(0, s.index), *s.group_index.items()]  # several groups: one index each
+    indexed = [blk for _, index in indexes for blocks in index.values() for blk in blocks]
+    if len(indexed) != len(set(indexed)) or any(
+        not blocks for _, index in indexes for blocks in index.values()
+    ):
         twice = tuple(sorted({b for b in indexed if indexed.count(b) > 1}))
         return Violation(
             "HashIndexConsistent", "a block is indexed twice, or an index entry is empty", twice
         )
-    for key, blocks in s.index.items():
+    for g, key, blocks in ((g, k, v) for g, index in indexes for k, v in index.items()):
         for block in blocks:
-            if s.blocks[block].key != key:
+            if s.blocks[block].key != key or s.blocks[block].group != g:
                 return Violation(
                     "HashIndexConsistent",
                     f"block {block} is indexed under a hash it does not carry",
@@ -275,7 +326,7 @@ def misplaced_null(s: State, req: Request) -> bool:
     nulls = [i for i, b in enumerate(req.table) if b == NULL_BLOCK]
     if not nulls:
         return False
-    if s.config.sliding_window is None or req.status != "running":
+    if s.config.window is None or req.status != "running":
         return True
     flying = sum(
         st.entries[req.id].end - st.entries[req.id].start
@@ -305,6 +356,14 @@ def table_matches_computed(s: State) -> Violation | None:
     rejected drafts beyond them); a waiting or finished one holds nothing. Guards against blocks
     kept past a preemption and tokens without a block."""
     for req in s.requests.values():
+        if s.config.hybrid and not groups.tables_fit(s, req):
+            return Violation(
+                "TableMatchesComputed",
+                f"r{req.id} ({req.status}) has group tables {req.group_tables} for "
+                f"{req.computed} tokens",
+                tuple(groups.held(req)),
+                (req.id,),
+            )
         if not table_fits(s, req):
             return Violation(
                 "TableMatchesComputed",
@@ -341,6 +400,120 @@ def no_leak_at_quiescence(s: State) -> Violation | None:
     return None
 
 
+def hit_served_by_every_group(s: State) -> Violation | None:
+    """Several groups: an admission's hit is one length ``L`` that every group serves by its
+    own rule: ``L / B_g`` positions in each group, full attention every one a block published
+    under the request's chained prefix there, a window the blocks of the window before ``L``
+    (the null block before them), a state group the state published at exactly ``L`` (the null
+    block before it). Guards against a hit one group can serve and another cannot: the step
+    then computes from ``L`` with a group's K/V or state missing or from another boundary."""
+    if s.admission is None:
+        return None
+    rid, length, hits = s.admission
+    req = s.requests[rid]
+    for g, blocks in enumerate(hits):
+        bs = groups.size(s, g)
+        rule = groups.hit_positions(s, g, length)
+        if length % bs or len(blocks) != length // bs:
+            wrong = f"{len(blocks)} blocks of {bs} tokens"
+        else:
+            wrong = ""
+            for i, block in enumerate(blocks):
+                published = block != NULL_BLOCK and s.blocks[block].group == g
+                published = published and s.blocks[block].key == groups.key(req, (i + 1) * bs)
+                if (i in rule) != published or (i not in rule and block != NULL_BLOCK):
+                    wrong = f"block {block} at position {i}"
+                    break
+        if wrong:
+            return Violation(
+                "HitServedByEveryGroup",
+                f"r{rid}'s hit of {length} tokens is not served by group {g} "
+                f"({groups.kind(s, g)}): {wrong}",
+                tuple(b for b in blocks if b != NULL_BLOCK),
+                (rid,),
+            )
+    return None
+
+
+def no_unwritten_state_read(s: State) -> Violation | None:
+    """Several groups: a step that starts from a state block (the recurrence after its first
+    ``start`` tokens) finds there the state after exactly those tokens, written by an earlier
+    step (committed or in flight): not by its own step, whose recurrence reads the state once,
+    before any of the step's writes (another request's state written in the same step is not
+    there yet). The state form of ``NoUnwrittenRead``: a
+    state written at another boundary, or never written, makes every later token silently
+    wrong with no K/V involved."""
+    if s.bad_state_reads:
+        step_id, rid, block = s.bad_state_reads[0]
+        return Violation(
+            "NoUnwrittenStateRead",
+            f"step {step_id} read block {block} as r{rid}'s state but it does not hold the state "
+            "after the step's start",
+            (block,),
+            (rid,),
+            step_id,
+        )
+    if not s.config.hybrid:
+        return None
+    for step, rid, e, g, at, block, tokens in groups.reads_in_flight(s, "state"):
+        wanted = groups.read_content(s, g, e.start, at, tokens)
+        before = eventual_content(s, block, upto_step=step.id - 1)  # not its own step's
+        if not groups.valid(s, g, before, wanted):
+            return Violation(
+                "NoUnwrittenStateRead",
+                f"step {step.id} will read block {block} as r{rid}'s state after "
+                f"{e.start} tokens, but no write that runs first puts that state there",
+                (block,),
+                (rid,),
+                step.id,
+            )
+    return None
+
+
+def no_read_of_recycled(s: State) -> Violation | None:
+    """Several groups: no block a step in flight still reads, in groups 1 .. G - 1, has left
+    its running request's table (skipped and nulled, freed, handed to another) before the step
+    runs: a freed block can be handed out and overwritten under the step's read. Group 0's form
+    is ``NoUnwrittenRead``'s window clause (so every one-group verdict reads as before)."""
+    if not s.config.hybrid:
+        return None
+    for step, rid, _, g, at, block, _ in groups.reads_in_flight(s, None):
+        req = s.requests[rid]
+        table = s.table_of(req, g) if req.group_tables else []
+        if req.status == "running" and (at >= len(table) or table[at] != block):
+            return Violation(
+                "NoReadOfRecycled",
+                f"step {step.id} will read block {block} as r{rid}'s group {g} block {at}, but "
+                f"r{rid}'s table gave it up before the step ran",
+                (block,),
+                (rid,),
+                step.id,
+            )
+    return None
+
+
+def state_at_its_boundary(s: State) -> Violation | None:
+    """Several groups: a published state block holds, or will once the writes in flight run,
+    the state after exactly the tokens of its key: it was written by a step that ended at its
+    boundary, of the same chained prefix. Guards against publishing a state computed at
+    another boundary, or never written (its writer preempted before it ran under an eager
+    policy): the hit that follows resumes the recurrence from it."""
+    for g, index in s.group_index.items():
+        if groups.kind(s, g) != "state":
+            continue
+        for key, blocks in index.items():
+            for block in blocks:
+                if eventual_content(s, block) != key:
+                    return Violation(
+                        "StateAtItsBoundary",
+                        f"group {g}'s block {block} is published as the state after {len(key)} "
+                        "tokens, which it will never hold",
+                        (block,),
+                        _holders(s, block),
+                    )
+    return None
+
+
 @dataclass(frozen=True)
 class Invariant:
     """One invariant, once: its name, its definition, why it matters and what can break it."""
@@ -363,6 +536,10 @@ class Invariant:
 REGISTRY: dict[str, Invariant] = {
     inv.name: inv
     for inv in (
+        Invariant("HitServedByEveryGroup", hit_served_by_every_group, ("groups",)),
+        Invariant("NoUnwrittenStateRead", no_unwritten_state_read, ("groups",)),
+        Invariant("NoReadOfRecycled", no_read_of_recycled, ("groups",)),
+        Invariant("StateAtItsBoundary", state_at_its_boundary, ("groups",)),
         Invariant("NoUnwrittenRead", no_unwritten_read, ("publish=at-schedule",)),
         Invariant("NoUnwrittenPublish", no_unwritten_publish, ("publish=at-schedule",)),
         Invariant("RefcountIsOwnership", refcount_is_ownership),
@@ -404,7 +581,7 @@ def tables_append_only(before: dict[int, tuple[int, ...]], s: State) -> Violatio
     for rid, table in before.items():
         req = s.requests[rid]
         now = tuple(req.table[: len(table)])
-        if s.config.sliding_window is not None:  # skipped positions may turn null, from the head
+        if s.config.window is not None:  # skipped positions may turn null, from the head
             now = tuple(b if b != NULL_BLOCK else table[i] for i, b in enumerate(now))
         if req.status == "running" and now != table:
             changed = tuple(sorted(set(table) ^ set(req.table[: len(table)])))

@@ -20,6 +20,7 @@ illegal event.
 
 from __future__ import annotations
 
+from .events import group_of
 from .pool import Event, add_key, release, unpublish
 from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, State
 
@@ -34,8 +35,10 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
     req = s.requests.get(rid) if isinstance(rid, int) else None
     if req is None:
         return  # the action itself reports the unknown request
+    if s.config.hybrid and req.status == "waiting":
+        _steer_groups(s, req, [effect for effect in effects if effect[0] == "hit"])
     for effect in effects:
-        if effect[0] == "hit" and req.status == "waiting":
+        if effect[0] == "hit" and req.status == "waiting" and not s.config.hybrid:
             hits: tuple[int, ...] = tuple(effect[2])  # type: ignore[arg-type]
             for i, block in enumerate(hits):
                 owners = s.index.get(s.key(req, i), [])
@@ -52,6 +55,30 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
             raise Illegal(f"r{rid} is allocated block {block}, which is not free")
     rest = [block for block in s.free if block not in allocated]
     s.free[:] = allocated + rest
+
+
+def _steer_groups(s: State, req: Request, hits: list[Event]) -> None:
+    """Several groups: the engine's hit of each group (``("hit", req, blocks[, group])``, one
+    per group) is the admission's (``State.steered_hits``), each block checked to be published
+    in its group under the request's chained prefix at its position (the null block anywhere).
+    Whether the groups' hits agree on one length, each by its own rule, is
+    ``HitServedByEveryGroup``'s to judge, not a guard's."""
+    chosen: list[list[int]] = [[] for _ in s.config.groups]
+    for effect in hits:
+        g = group_of(effect)
+        if g >= len(chosen):
+            raise Illegal(f"r{req.id} hits in group {g}, which the model does not have")
+        blocks = list(effect[2])  # type: ignore[call-overload]
+        size = s.config.groups[g].block_size
+        for i, block in enumerate(blocks):
+            owners = s.index_of(g).get(tuple(req.tokens[: (i + 1) * size]), [])
+            if block != NULL_BLOCK and block not in owners:
+                raise Illegal(
+                    f"r{req.id} hits block {block} as its group {g} block {i}, but that block "
+                    f"is not published there under r{req.id}'s {(i + 1) * size}-token prefix"
+                )
+        chosen[g] = blocks
+    s.steered_hits = chosen
 
 
 def drop(s: State, effect: Event) -> list[Event]:

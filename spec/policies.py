@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import groups
 from .pool import Event, count_if_lost, publish, unpublish
 from .state import OBSERVED_POLICIES, Config, Entry, Request, State, Step
 
@@ -173,13 +174,35 @@ def _track(s: State, t: Traits, step: Step, rid: int, indices: list[int] | range
         step.registrations.setdefault(rid, []).extend(indices)
 
 
+def _track_groups(s: State, t: Traits, step: Step, rid: int, done: list[tuple[int, int]]) -> None:
+    """``_track`` for groups 1 .. G - 1: (group, index) entries."""
+    if t.track == "one-dict":
+        s.group_single.setdefault(rid, []).extend(done)
+    elif t.track == "per-step":
+        step.group_registrations.setdefault(rid, []).extend(done)
+
+
 def _clear(s: State, t: Traits, step: Step, hook: str) -> None:
     if t.clear != hook:
         return
     if t.track == "one-dict":
         s.single.clear()
+        s.group_single.clear()
     elif t.track == "per-step":
         step.registrations.clear()
+        step.group_registrations.clear()
+
+
+def _groups_on_schedule(s: State, t: Traits, req: Request, step: Step, end: int) -> list[Event]:
+    """``on_schedule`` for groups 1 .. G - 1: each group's blocks up to ``end``, under the same
+    traits as group 0's (``groups.pending`` says which blocks a group makes registrable)."""
+    if t.publish not in ("at-schedule", "hidden-until-written"):
+        return []
+    done = groups.pending(s, req, end, len(req.tokens))
+    _track_groups(s, t, step, req.id, done)
+    if t.publish == "hidden-until-written":
+        return []
+    return [e for g, i in done for e in groups.publish(s, req, g, i)]
 
 
 def on_begin(s: State, step: Step) -> list[Event]:
@@ -199,10 +222,14 @@ def on_schedule(s: State, req: Request, step: Step, end: int) -> list[Event]:
     if t.publish == "at-schedule":
         events, indices = register(s, req, upto)
         _track(s, t, step, req.id, indices)
+        if s.config.hybrid:
+            events += _groups_on_schedule(s, t, req, step, end)
         return events
     if t.publish == "hidden-until-written":
         _track(s, t, step, req.id, range(req.cached, upto))
         req.cached = max(req.cached, upto)
+        if s.config.hybrid:
+            _groups_on_schedule(s, t, req, step, end)
     return []
 
 
@@ -220,6 +247,28 @@ def on_remove(s: State, req: Request) -> list[Event]:
             count_if_lost(s, req.table[i], s.key(req, i), leaving=req)
         elif t.leave == "unpublish":
             events += unpublish(s, req.table[i], leaving=req)
+    if s.config.hybrid:
+        events += _groups_on_remove(s, t, req)
+    return events
+
+
+def _groups_on_remove(s: State, t: Traits, req: Request) -> list[Event]:
+    """``on_remove`` for groups 1 .. G - 1 (a tracked position nulled since holds nothing)."""
+    tracked: list[tuple[int, int]] = []
+    if t.track == "one-dict":
+        tracked = s.group_single.pop(req.id, [])
+    elif t.track == "per-step":
+        for step in s.steps:
+            tracked += step.group_registrations.pop(req.id, [])
+    events: list[Event] = []
+    for g, i in tracked:
+        block = s.table_of(req, g)[i]
+        if block == groups.NULL_BLOCK:
+            continue
+        if t.leave == "drop-hidden":
+            count_if_lost(s, block, groups.key(req, (i + 1) * groups.size(s, g)), leaving=req)
+        elif t.leave == "unpublish":
+            events += unpublish(s, block, leaving=req)
     return events
 
 
@@ -239,12 +288,17 @@ def on_written(s: State, step: Step) -> list[Event]:
             req = s.requests[rid]
             for i in indices:
                 events += publish(s, req, i)
+            for g, i in step.group_registrations.get(rid, []):
+                events += groups.publish(s, req, g, i)
     elif t.publish == "at-written":
         for rid, entry in step.entries.items():
             req = s.requests[rid]
             if rid in step.live and rid not in step.failed and req.status == "running":
                 upto = min(entry.end, len(req.tokens))  # never a draft token
                 events += register(s, req, upto // s.config.block_size)[0]
+                if s.config.hybrid:
+                    for g, i in groups.pending(s, req, entry.end, len(req.tokens)):
+                        events += groups.publish(s, req, g, i)
     _clear(s, t, step, "on-written")
     return events
 
@@ -262,4 +316,8 @@ def on_output(s: State, req: Request, entry: Entry, rejected: int = 0) -> list[E
     if not registers_after_output(traits(cfg)):
         return []
     upto = min(entry.end - rejected, len(req.tokens) - 1)  # vLLM: num_computed_tokens
-    return register(s, req, upto // cfg.block_size)[0]
+    events = register(s, req, upto // cfg.block_size)[0]
+    if cfg.hybrid:
+        for g, i in groups.pending(s, req, entry.end - rejected, len(req.tokens) - 1):
+            events += groups.publish(s, req, g, i)
+    return events

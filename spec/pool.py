@@ -45,7 +45,7 @@ def lookup(s: State, req: Request) -> list[int]:
     if not s.config.prefix_caching:
         return []
     cap = (len(req.tokens) - 1) // s.config.block_size
-    if s.config.sliding_window is not None:
+    if s.config.window is not None:
         return window_lookup(s, req, cap)
     hits: list[int] = []
     for i in range(cap):
@@ -63,7 +63,7 @@ def window_lookup(s: State, req: Request, cap: int) -> list[int]:
     block (the tokens they hold are outside the window of the first token computed). With no
     such run, the hit is the run of published blocks from block 0 (shorter than the window
     needs, so nothing before it is skipped)."""
-    need = -(-((s.config.sliding_window or 1) - 1) // s.config.block_size)
+    need = -(-((s.config.window or 1) - 1) // s.config.block_size)
     run = 0
     found: dict[int, int] = {}
     for i in range(cap - 1, -1, -1):
@@ -82,18 +82,23 @@ def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
     """Take a reference on each hit block (out of the free queue if it was unreferenced) and
     append it to the request's table. A null block (a position a sliding window skips) is
     appended to the table without a reference."""
+    touch_counted(s, req, blocks, req.table, 0)
+    return [("hit", req.id, tuple(blocks))]
+
+
+def touch_counted(s: State, req: Request, blocks: list[int], table: list[int], group: int) -> None:
+    """``touch``'s references, into ``table`` (the request's table of group ``group``)."""
     for block in blocks:
         if block == NULL_BLOCK:
-            req.table.append(block)
+            table.append(block)
             continue
         b = s.blocks[block]
         if b.refcount == 0:
             s.free.remove(block)
         b.refcount += 1
-        req.table.append(block)
+        table.append(block)
     s.touched.blocks.update(b for b in blocks if b != NULL_BLOCK)
     s.touched.requests.add(req.id)
-    return [("hit", req.id, tuple(blocks))]
 
 
 def allocate(s: State, req: Request) -> list[Event]:
@@ -104,9 +109,11 @@ def allocate(s: State, req: Request) -> list[Event]:
     b = s.blocks[block]
     events: list[Event] = []
     if b.key is not None:
-        _drop_key(s, block)
+        drop_key(s, block)
         events.append(("evict", block))
     b.refcount = 1
+    if b.group:  # it last served another KV-cache group
+        b.group = 0
     req.table.append(block)
     s.touched.blocks.add(block)
     s.touched.requests.add(req.id)
@@ -237,7 +244,7 @@ def unpublish(s: State, block: int, leaving: Request | None = None) -> list[Even
     if b.key is None:
         return []
     count_if_lost(s, block, b.key, leaving)
-    _drop_key(s, block)
+    drop_key(s, block)
     return [("unpublish", block)]
 
 
@@ -262,18 +269,21 @@ def resolve(s: State, placeholder: Placeholder | Draft, token: int) -> None:
                 s.touched.content.add(block)
 
 
-def add_key(s: State, block: int, key: Key) -> None:
+def add_key(s: State, block: int, key: Key, group: int = 0) -> None:
+    """Publish ``block`` under ``key`` in group ``group``'s index (the block is that group's)."""
     s.blocks[block].key = key
-    s.index.setdefault(key, []).append(block)
+    (s.index if group == 0 else s.index_of(group)).setdefault(key, []).append(block)
     s.touched.blocks.add(block)
 
 
-def _drop_key(s: State, block: int) -> None:
+def drop_key(s: State, block: int) -> None:
+    """The block loses its published key, in its group's index."""
     b = s.blocks[block]
     assert b.key is not None
-    owners = s.index[b.key]
+    index = s.index if b.group == 0 else s.index_of(b.group)
+    owners = index[b.key]
     owners.remove(block)
     if not owners:
-        del s.index[b.key]
+        del index[b.key]
     b.key = None
     s.touched.blocks.add(block)

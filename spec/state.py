@@ -32,6 +32,12 @@ output): ``drop``, discarded, and the request may be re-admitted at once (vLLM's
 and the request is not re-admitted until every step that held it has committed (vLLM's default,
 ``num_stale_output_tokens``)."""
 NULL_BLOCK = 0
+GROUP_KINDS = ("full", "window", "state")
+"""The kinds of KV-cache group the spec follows (``Group.kind``, ``docs/model.md``, "Hybrid
+groups"): full attention, sliding-window attention, and a recurrent state (Mamba, linear
+attention) cached at block boundaries."""
+REFUSED_GROUP_KINDS = {"chunked": "chunked local attention is not modelled yet"}
+"""Group kinds an engine has that the spec refuses by name (``Config`` raises naming them)."""
 
 Key = tuple[int, ...]
 """A published hash, as the chained token prefix it names (tokens 0 .. end of the block)."""
@@ -64,6 +70,36 @@ class Draft(NamedTuple):
 Content = tuple["int | Placeholder | Draft", ...]
 """What a write puts in a block: a request's tokens 0 .. the last slot written, placeholders
 and drafts included (a published ``Key`` never holds either)."""
+
+
+class Group(NamedTuple):
+    """One KV-cache group (vLLM's ``KVCacheGroupSpec``): every layer of the group shares one
+    block table per request. ``block_size`` is a multiple of ``Config.block_size`` (the hash
+    block size, the unit tokens are chained in); ``window`` is W for a ``window`` group and None
+    otherwise."""
+
+    kind: str
+    block_size: int
+    window: int | None = None
+
+    def problem(self, hash_block: int) -> str:
+        """Why this group is no group of a ``Config`` with hash block size ``hash_block``, or
+        "" (the refusal of a kind the spec does not follow names it)."""
+        if self.kind in REFUSED_GROUP_KINDS:
+            return f"group kind {self.kind!r} is refused: {REFUSED_GROUP_KINDS[self.kind]}"
+        if self.kind not in GROUP_KINDS:
+            return f"unknown group kind {self.kind!r}; one of {', '.join(GROUP_KINDS)}"
+        size = self.block_size
+        if type(size) is not int or size < 1 or size % hash_block:
+            return (
+                f"a group's block_size must be a multiple of block_size {hash_block}, got {size!r}"
+            )
+        if self.kind == "window":
+            if type(self.window) is not int or self.window < 1:
+                return f"a window group needs an integer window >= 1, got {self.window!r}"
+        elif self.window is not None:
+            return f"only a window group has a window, got {self.window!r} for {self.kind!r}"
+        return ""
 
 
 class Illegal(Exception):
@@ -125,6 +161,11 @@ class Config:
     is scheduled, the blocks wholly before the window of its next processed token are freed
     and replaced by the null block (``pool.remove_skipped``); a step reads only its window.
     None: full attention (``docs/model.md``, "Sliding window")."""
+    groups: tuple[Group, ...] = ()
+    """The KV-cache groups, in the engine's order (vLLM's ``kv_cache_groups``); group 0 is the
+    first. Empty: one group, full attention or, with ``sliding_window``, a window (every trace
+    before groups reads so). Tables, published keys and effects are per group (``docs/model.md``,
+    "Hybrid groups"); block ids are global (one shared pool)."""
     defer_loads: bool = False
     """With ``defer_free``: an asynchronous load admitted while a submitted step that computes
     is in flight starts only once the steps in flight then have committed, and until then its
@@ -176,6 +217,14 @@ class Config:
                 f"sliding_window must be None or an integer >= 1, got {self.sliding_window!r}",
             ),
             (
+                isinstance(self.groups, tuple) and all(isinstance(g, Group) for g in self.groups),
+                f"groups must be a tuple of Group, got {self.groups!r}",
+            ),
+            (
+                not (self.groups and self.sliding_window is not None),
+                "groups and sliding_window together: a window is a group of groups",
+            ),
+            (
                 isinstance(self.defer_loads, bool) and (self.defer_free or not self.defer_loads),
                 f"defer_loads must be a bool, and needs defer_free, got {self.defer_loads!r}",
             ),
@@ -183,6 +232,33 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        for g, group in enumerate(self.groups):
+            problem = group.problem(self.block_size)
+            if problem:
+                raise ValueError(f"group {g}: {problem}")
+        if len(self.groups) > 1:
+            first = self.groups[0]
+            limits = [
+                (
+                    first.kind != "state" and first.block_size == self.block_size,
+                    "group 0 of several must be full or window, at block_size (not modelled)",
+                ),
+                (not self.spec_tokens, "several groups with spec_tokens are not modelled"),
+                (not self.defer_free, "several groups with defer_free are not modelled"),
+            ]
+            for ok, message in limits:
+                if not ok:
+                    raise ValueError(message)
+
+    @property
+    def window(self) -> int | None:
+        """Group 0's sliding window W, or None (``sliding_window``, or the first group's)."""
+        return self.groups[0].window if self.groups else self.sliding_window
+
+    @property
+    def hybrid(self) -> bool:
+        """Several groups: the tables, lookups and effects of groups 1.. are followed too."""
+        return len(self.groups) > 1
 
 
 @dataclass(slots=True)
@@ -207,6 +283,8 @@ class Block:
     computed from wrong inputs). Freeing or reusing a block does not change its bytes."""
     pending: list[Write] = field(default_factory=list)
     """Writes of in-flight steps, oldest step first."""
+    group: int = 0
+    """The KV-cache group whose table last took the block (its published key is that group's)."""
 
 
 @dataclass(slots=True)
@@ -226,6 +304,12 @@ class Request:
     """Tokens whose K/V is written or scheduled to be written (vLLM ``num_computed_tokens``)."""
     cached: int = 0
     """Leading table blocks already registered (vLLM ``num_cached_block``)."""
+    group_tables: list[list[int]] = field(default_factory=list)
+    """Several groups (``Config.groups``): the tables of groups 1 .. G - 1, in group order
+    (``table`` is group 0's); ``group_tables[g - 1][i]`` holds that group's block ``i``, tokens
+    ``i * B_g .. (i + 1) * B_g - 1``. Empty for one group."""
+    group_cached: list[int] = field(default_factory=list)
+    """``cached`` of groups 1 .. G - 1, in group order."""
     loading: int | None = None
     """The step of an external KV load not yet confirmed; the request waits for it."""
     loaded_last: bool = False
@@ -263,6 +347,9 @@ class Entry:
     False): the worker lands it before the step's forward pass, which reads it; it cannot fail
     (vLLM recomputes a failed synchronous load from its first invalid block, which the spec does
     not model). The step's budget is ``end - start - loaded * B``, the tokens it computes."""
+    group_blocks: tuple[tuple[int, ...], ...] = ()
+    """Several groups: the table prefix of each group 1 .. G - 1 the step reads and writes (a
+    state group's: its blocks at the entry's start and end boundaries)."""
 
 
 @dataclass(slots=True)
@@ -279,6 +366,8 @@ class Step:
     registrations: dict[int, list[int]] = field(default_factory=dict)
     """Eager registrations made while scheduling this step, as block indices per request: the
     bucket of ``eager-rollback-fifo`` and the hidden entries of ``hide-uncommitted``."""
+    group_registrations: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """``registrations`` of groups 1 .. G - 1, as (group, index) per request."""
     failed: tuple[int, ...] = ()
     """Requests whose external load failed when the step executed."""
     budget_used: int = 0
@@ -338,7 +427,8 @@ class State:
     free: list[int]
     """The free queue, head (next to allocate) first."""
     index: dict[Key, list[int]]
-    """Published keys to blocks, oldest registration first; a lookup takes the first."""
+    """Published keys to blocks, oldest registration first; a lookup takes the first (group 0's,
+    the only one of a one-group model)."""
     requests: dict[int, Request] = field(default_factory=dict)
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
@@ -347,16 +437,31 @@ class State:
     next_step: int = 0
     single: dict[int, list[int]] = field(default_factory=dict)
     """The one registration dict of ``eager-rollback-single`` (cleared at each begin)."""
+    group_single: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """``single`` of groups 1 .. G - 1, as (group, index) per request."""
     deferred: list[Deferred] = field(default_factory=list)
     """``Config.defer_free``: blocks given up while a step still computes for their request,
     oldest first; each is freed at the commit of its fence step (in this order)."""
     bad_reads: list[tuple[int, int, int]] = field(default_factory=list)
     """(step, request, block) for every live read that found the wrong bytes at execution."""
+    bad_state_reads: list[tuple[int, int, int]] = field(default_factory=list)
+    """(step, request, block) for every live read of a state block (``Config.groups``) that did
+    not find the state after exactly the step's start at execution."""
+    steered_hits: list[list[int]] | None = None
+    """Observed judging of several groups: the engine's hit of each group for the admission
+    the next decision makes (``observed.steer``), taken by ``actions.schedule`` in place of
+    its own lookup."""
+    admission: tuple[int, int, tuple[tuple[int, ...], ...]] | None = None
+    """Several groups: (request, hit length, every group's hit blocks) of an admission by the
+    last decision, judged by ``HitServedByEveryGroup``; None otherwise."""
     lost_hits: int = 0
     """Valid, unreferenced cache entries dropped by a rollback (safe but wasted)."""
     commits: int = 0
     arrivals: int = 0
     """Requests that ever arrived: the next one's arrival order (``Request.arrival``)."""
+    group_index: dict[int, dict[Key, list[int]]] = field(default_factory=dict)
+    """Several groups: the published index of each group 1 .. G - 1 (vLLM keys it by
+    ``(hash, group)``); ``index_of`` reads any group's."""
     touched: Touched = field(default_factory=Touched, compare=False)
     """What the last decision touched (``Touched``); ``actions.apply`` starts a new record."""
 
@@ -366,18 +471,26 @@ class State:
             return self.steps[-1]
         return None
 
+    def index_of(self, group: int) -> dict[Key, list[int]]:
+        """Group ``group``'s published index: keys to blocks, oldest registration first."""
+        return self.index if group == 0 else self.group_index.setdefault(group, {})
+
+    def table_of(self, req: Request, group: int) -> list[int]:
+        """Request ``req``'s table of group ``group``."""
+        return req.table if group == 0 else req.group_tables[group - 1]
+
     def first_read(self, start: int) -> int:
         """The first table index a computation of tokens from ``start`` on reads as computed
         prefix: 0 under full attention; with a sliding window W, the block of position
         ``start - W + 1`` (the window of token ``start``)."""
-        w = self.config.sliding_window
+        w = self.config.window
         return 0 if w is None else max(0, start - w + 1) // self.config.block_size
 
     def skipped(self, computed: int) -> int:
         """With a sliding window W, the leading table blocks wholly before the window of the
         token after ``computed`` tokens: ``(computed - W + 1) // B`` (vLLM's
         ``get_num_skipped_tokens`` in blocks); 0 under full attention."""
-        w = self.config.sliding_window
+        w = self.config.window
         return 0 if w is None else max(0, computed - w + 1) // self.config.block_size
 
     def key(self, req: Request, index: int) -> Key:

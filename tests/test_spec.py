@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 from scenarios import SEED, A, X
+from test_spec_groups import GROUP_INVARIANTS, corrupt_groups
 
 from kvspec.spec import INVARIANTS, POLICIES, Config, Illegal, apply, check, initial_state
 from kvspec.spec.state import State, Write
@@ -207,6 +208,8 @@ def _corrupt(name: str, s: State) -> None:
         s.steps.append(s.steps[0])
     elif name == "NoLeakAtQuiescence":
         pass
+    elif name in GROUP_INVARIANTS:  # several KV-cache groups: tests/test_spec_groups.py
+        corrupt_groups(name, s)
     else:
         raise AssertionError(name)
 
