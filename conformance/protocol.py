@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
-from kvspec.spec.events import KINDS, REASONS
+from kvspec.spec.events import KINDS, REASONS, TRAILING
 
 from .adapter import Adapter, Factory, probe
 
@@ -106,6 +106,15 @@ def check_event(event: object, num_blocks: int | None = None, where: str = "even
         )
     kind = KINDS[event[0]]
     names = ", ".join(name for name, _ in kind.fields) or "none"
+    trailing = TRAILING.get(kind.name)
+    group = event[-1]
+    if trailing is not None and len(event) == 2 + len(kind.fields) and type(group) is int:
+        if group < 1:  # its group, canonical: a group other than 0
+            raise ProtocolError(
+                f"{where}: event {event!r}: field {trailing[0]}: {group!r} is not an int >= 1 "
+                "(group 0 is written without the field)"
+            )
+        event = event[:-1]
     if len(event) != 1 + len(kind.fields):
         raise ProtocolError(
             f"{where}: event {event!r}: a {kind.name} has {len(kind.fields)} fields ({names}), "

@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvspec.conformance.adapters.vllm_adapter import groups, hybrid  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
+from kvspec.spec.events import group_of  # noqa: E402
 
 CELL = Config(
     num_blocks=24,
@@ -63,7 +64,7 @@ def adapter(model: str, seed: int = 0) -> Any:
     ("model", "kinds", "managers"),
     [
         ("swa", ["window", "full"], ["SlidingWindowManager", "FullAttentionManager"]),
-        ("mamba", ["state", "full"], ["MambaManager", "FullAttentionManager"]),
+        ("mamba", ["full", "state"], ["FullAttentionManager", "MambaManager"]),
     ],
 )
 def test_each_model_is_built_as_vllm_groups_it(
@@ -97,6 +98,23 @@ def test_the_factories_refuse_by_name_while_the_spec_has_one_group() -> None:
         a = adapter(model)
         assert a.refusal is not None and a.refusal.features == ("hybrid KV-cache groups",)
         assert a.refusal.at == "construction"
+
+
+def test_the_factories_build_with_vllm_groups_in_their_config() -> None:
+    if not groups.SPEC_FOLLOWS_GROUPS:
+        pytest.skip("the spec has no Config.groups: the factories refuse")
+    for factory, kinds in (
+        (hybrid.swa_factory, ("window", "full")),
+        (hybrid.mamba_factory, ("full", "state")),
+    ):
+        a = factory(CELL, Tokens(0))
+        assert a.refusal is None, a.refusal
+        assert tuple(g.kind for g in a.config.groups) == kinds
+        assert a.config.groups == a.attachment.config.groups
+        read = groups.model_groups(a.scheduler.kv_cache_config)
+        assert [(g.kind, g.block_size, g.window) for g in a.config.groups] == [
+            (g["kind"], g["block_size"], g["window"]) for g in read
+        ]
 
 
 def _fake(spec_groups: list[Any], hash_block_size: int = 4, **flags: Any) -> Any:
@@ -183,19 +201,20 @@ def _table_checker(a: Any) -> tuple[Any, dict[str, int]]:
     def check() -> None:
         new, seen["at"] = a.events[seen["at"] :], len(a.events)
         for event in new:
+            group = group_of(event)
             if event[0] == "alloc":
-                _, rid, block, group = event
+                _, rid, block = event[:3]
                 others = [g for g in range(len(managers)) if block in table(rid, g)]
                 assert others in ([], [group]), (event, others)
                 seen["alloc"] += bool(others)
             elif event[0] == "publish":
-                _, rid, index, block, group = event
+                _, rid, index, block = event[:4]
                 held = table(rid, group)
                 if index < len(held) and held[index] != 0:
                     assert held[index] == block, (event, held)
                     seen["publish"] += 1
             elif event[0] == "hit":
-                _, rid, blocks, group = event
+                _, rid, blocks = event[:3]
                 held = table(rid, group)
                 for i, block in enumerate(blocks):
                     if i < len(held) and held[i] != 0 and block != 0:
@@ -218,4 +237,5 @@ def test_events_name_the_group_vllm_puts_each_block_in(model: str) -> None:
     assert seen["alloc"] and seen["publish"] and seen["hit"], seen
     assert seen["state_hit" if model == "mamba" else "window_null"], seen
     hits = [e for e in a.events if e[0] == "hit"]
-    assert len(hits) == 3 * 2 and [e[3] for e in hits] == [0, 1] * 3  # one per group, in order
+    assert len(hits) == 3 * 2 and [group_of(e) for e in hits] == [0, 1] * 3  # per group, in order
+    assert all(len(e) == 3 for e in a.events if e[0] == "hit" and not group_of(e))  # canonical

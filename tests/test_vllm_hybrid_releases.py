@@ -52,3 +52,16 @@ def test_the_hybrid_seed_question_on_every_release(
     )
     assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
     assert says in done.stdout, done.stdout[-2000:]
+
+
+def test_the_protocol_takes_a_group_other_than_0_and_only_that() -> None:
+    """An adapter's ``alloc``/``hit``/``publish`` may carry the trailing ``group`` of
+    ``docs/hybrid.md``, in its canonical form (there only for a group other than 0)."""
+    from kvspec.conformance.protocol import ProtocolError, check_event
+
+    check_event(("hit", 0, (), 1))
+    check_event(("publish", 0, 0, 3, 2))
+    with pytest.raises(ProtocolError, match="group 0 is written without the field"):
+        check_event(("hit", 0, (), 0))
+    with pytest.raises(ProtocolError, match="a finish has 2 fields"):
+        check_event(("finish", 0, "length", 1))

@@ -1180,9 +1180,7 @@ class Attachment:
                 rid = self.ids.get(owner.request_id) if owner is not None else None
                 if owner is not None:
                     self._safe(self._check_hashes, owner, index + 1)
-                self._effect(
-                    ("publish", rid, index, block.block_id) + ((group,) if self.hybrid else ())
-                )
+                self._effect(("publish", rid, index, block.block_id) + ((group,) if group else ()))
 
         return insert
 
@@ -1219,8 +1217,8 @@ class Attachment:
             return ()
         if self._group is None:
             self.refuse("hybrid KV-cache groups", "a block allocated outside a group's manager")
-            return (0,)
-        return (self._group,)
+            return ()
+        return (self._group,) if self._group else ()  # canonical: no field for group 0
 
     def _effect(self, event: Event) -> None:
         """Effects inside ``allocate_slots`` wait for its ``schedule`` decision."""

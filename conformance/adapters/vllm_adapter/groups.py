@@ -5,7 +5,8 @@ vLLM keeps one ``SingleTypeKVCacheManager`` per group over one shared ``BlockPoo
 are global; the null block is block 0), returns a prefix-cache hit as one list of blocks per
 group (``KVCacheBlocks.blocks``), and keys its cached blocks by ``(block hash, group id)``. The
 attachment (``attach.py``) keeps its one-group events and adds, where there are several groups,
-the trailing ``group`` field: ``alloc`` takes the group whose manager asked the pool for the
+the trailing ``group`` field (canonical: there only for a group other than 0, as
+``spec.events.grouped`` writes it): ``alloc`` takes the group whose manager asked the pool for the
 block (``wrap_managers`` marks each manager's calls), ``hit`` is emitted once per group in group
 order (``hit_events``), ``publish`` takes the group of the key vLLM inserts, its index counted
 in that group's blocks. Frees, evictions and unpublications name global blocks and need none.
@@ -183,7 +184,7 @@ def hit_events(attachment: Any, rid: int | None, hits: Any) -> tuple[int, ...]:
     every: list[int] = []
     for group, blocks in enumerate(per_group):
         ids = tuple(b.block_id for b in blocks)
-        attachment.events.append(("hit", rid, ids, group))
+        attachment.events.append(("hit", rid, ids) + ((group,) if group else ()))
         every += ids
     return tuple(every)
 
@@ -194,8 +195,7 @@ def spec_groups(sched: Any) -> dict[str, Any]:
     groups = sched.kv_cache_config.kv_cache_groups
     if len(groups) < 2 or not SPEC_FOLLOWS_GROUPS:
         return {}
-    import kvspec.spec
+    from kvspec.spec.state import Group as group
 
-    group = kvspec.spec.Group  # type: ignore[attr-defined]  # h-groups' Config.groups
     read = model_groups(sched.kv_cache_config)
     return {"groups": tuple(group(g["kind"], g["block_size"], window=g["window"]) for g in read)}

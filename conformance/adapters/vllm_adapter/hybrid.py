@@ -7,8 +7,8 @@ a batch queue of two steps, the Mamba cache mode vLLM picks):
 
 * ``swa``: a Gemma 3 text model (``Gemma3ForCausalLM``), one sliding-window layer of window
   ``WINDOW_BLOCKS`` blocks beside one full-attention layer;
-* ``mamba``: a Qwen3-Next model (``Qwen3NextForCausalLM``), one gated-delta-net (linear
-  attention, a Mamba-type state) layer beside one full-attention layer. With prefix caching on,
+* ``mamba``: a Qwen3-Next model (``Qwen3NextForCausalLM``), one full-attention layer, then one
+  gated-delta-net (linear attention, a Mamba-type state) layer. With prefix caching on,
   vLLM's ``MambaModelConfig`` picks the ``align`` cache mode and a Mamba block of the block size.
 
 The engine core asks the model runner for each layer's KV-cache spec, groups the layers
@@ -88,7 +88,9 @@ def model_config_json(model: str, block_size: int) -> dict[str, Any]:
         return _COMMON | {
             "architectures": ["Qwen3NextForCausalLM"],
             "model_type": "qwen3_next",
-            "layer_types": ["linear_attention", "full_attention"],
+            # full attention first: vLLM orders the groups by the layers, and the spec's group 0
+            # is a full or window group (its hit is the coordinator's first, downward-closed)
+            "layer_types": ["full_attention", "linear_attention"],
             "full_attention_interval": 2,
             "linear_num_value_heads": 2,
             "linear_num_key_heads": 1,
@@ -284,6 +286,11 @@ class HybridVllmAdapter(VllmAdapter):
     made (``groups.spec_groups``), whatever the config it was given said of them."""
 
     model: str
+    streams_kv_events = False
+    """vLLM's per-group KV events (a Mamba state stored for the tokens since the last state,
+    the window's skipped blocks) are judged by no stream judge yet (issue #36's stream bullet):
+    the stream is not run, and the attachment's own cross-check of stored and removed blocks
+    against the ``publish`` and ``evict`` events still is (``Attachment.self_check``)."""
 
     def build_scheduler(
         self, config: Config, async_scheduling: bool, threshold: int, reuse: bool

@@ -112,7 +112,8 @@ class VllmAdapter:
         self.next_step = 0
         # Before attaching: the stream wraps update_from_output on the instance too, and the
         # attachment takes a wrapper it finds there for the scheduler's own.
-        self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if kv_stream.enabled() else None
+        streams = self.streams_kv_events and kv_stream.enabled()
+        self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if streams else None
         # A refusal (``refusal``) ends the fuzzer's run and its search: nothing after is judged.
         self.attachment = attach(self.scheduler, self.config, on_preempt=self._left)
         self.events: list[Event] = self.attachment.events
@@ -122,6 +123,9 @@ class VllmAdapter:
         where it emitted it before ``attach`` derived them from vLLM's entry points;
         ``self_check`` holds the attachment's events to them."""
         self._decisions_checked = 0
+
+    streams_kv_events = True
+    """Whether vLLM's KV-event stream runs and is judged (``kv_stream.py``)."""
 
     def build_scheduler(
         self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
