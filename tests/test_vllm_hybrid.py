@@ -85,7 +85,8 @@ def test_each_model_is_built_as_vllm_groups_it(
     if model == "mamba":  # the cache mode vLLM picks with prefix caching on
         assert sched.vllm_config.cache_config.mamba_cache_mode == "align"
     assert sched.hash_block_size == sched.block_size == CELL.block_size
-    assert groups.group_features(sched) == []
+    expected = [groups.STATE_PUBLICATION] if model == "mamba" else []
+    assert [name for name, _ in groups.group_features(sched)] == expected
 
 
 def test_the_factories_refuse_by_name_while_the_spec_has_one_group() -> None:
@@ -96,7 +97,8 @@ def test_the_factories_refuse_by_name_while_the_spec_has_one_group() -> None:
             factory(CELL, Tokens(0))
     for model in hybrid.MODELS:  # that alone: a Mamba align group is not "Mamba layers"
         a = adapter(model)
-        assert a.refusal is not None and a.refusal.features == ("hybrid KV-cache groups",)
+        assert a.refusal is not None and "hybrid KV-cache groups" in a.refusal.features
+        assert "Mamba layers" not in a.refusal.features
         assert a.refusal.at == "construction"
 
 
@@ -108,7 +110,8 @@ def test_the_factories_build_with_vllm_groups_in_their_config() -> None:
         (hybrid.mamba_factory, ("full", "state")),
     ):
         a = factory(CELL, Tokens(0))
-        assert a.refusal is None, a.refusal
+        refused = a.refusal.feature if a.refusal is not None else None
+        assert refused == (groups.STATE_PUBLICATION if "state" in kinds else None), a.refusal
         assert tuple(g.kind for g in a.config.groups) == kinds
         assert a.config.groups == a.attachment.config.groups
         read = groups.model_groups(a.scheduler.kv_cache_config)
@@ -170,7 +173,8 @@ def test_what_is_not_followed_is_refused_by_its_name(sched: Any, feature: str) -
 
 def test_a_plain_pair_of_groups_names_nothing_but_the_spec() -> None:
     found = groups.hybrid_features(_fake([FULL, _mamba("align")]))
-    expected = [] if groups.SPEC_FOLLOWS_GROUPS else ["hybrid KV-cache groups"]
+    expected = [groups.STATE_PUBLICATION]
+    expected += [] if groups.SPEC_FOLLOWS_GROUPS else ["hybrid KV-cache groups"]
     assert [name for name, _ in found] == expected
 
 
