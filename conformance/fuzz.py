@@ -494,7 +494,10 @@ def cell_machine(
             self.reach = k + (run_depth - 1) * (k + 1) if k and overlap else k
             """Positions past a request's tokens its table may reach (its drafts, and under
             async scheduling those of the other steps in flight): kept free of prompts."""
-            if (num_blocks - 1) * block_size - self.reach < 2:
+            # several KV-cache groups share the pool: a request's token takes a block in each
+            shares = max(1, len(self.config.groups))
+            self.capacity = (num_blocks - 1) // shares * block_size - self.reach
+            if self.capacity < 2:
                 reject()  # no request of two tokens fits beside its drafts: not a finding
             tally.runs += 1
 
@@ -546,7 +549,7 @@ def cell_machine(
             suffix = PROMPT_SUFFIXES[draw(0, len(PROMPT_SUFFIXES) - 1)]
             max_tokens, priority = BUDGETS[draw(0, len(BUDGETS) - 1)]
             external = self.loads and draw(0, 1) == 1
-            capacity = (self.config.num_blocks - 1) * self.config.block_size - self.reach
+            capacity = self.capacity
             max_tokens = min(max_tokens, capacity - 1)  # so that every request can finish
             prompt = (prefix[:shared] + suffix)[: capacity - max_tokens] or (1,)
             rid, self.next_id = self.next_id, self.next_id + 1

@@ -107,11 +107,12 @@ def check_event(event: object, num_blocks: int | None = None, where: str = "even
         )
     kind = KINDS[event[0]]
     names = ", ".join(name for name, _ in kind.fields) or "none"
-    if kind.name in TRAILING and len(event) == 2 + len(kind.fields) and type(event[-1]) is int:
-        group = event[-1]  # the optional trailing group (spec/events.py TRAILING)
-        if group < 1:
+    trailing = TRAILING.get(kind.name)
+    group = event[-1]
+    if trailing is not None and len(event) == 2 + len(kind.fields) and type(group) is int:
+        if group < 1:  # its group, canonical: a group other than 0
             raise ProtocolError(
-                f"{where}: event {event!r}: field group: {group!r} is not a group > 0 "
+                f"{where}: event {event!r}: field {trailing[0]}: {group!r} is not an int >= 1 "
                 "(group 0 is written without the field)"
             )
         event = event[:-1]

@@ -88,6 +88,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvspec.spec import Config
 from kvspec.spec.actions import loadable
 
+from . import groups as hybrid_groups
 from .features import (
     AsyncScheduler,
     Feature,
@@ -271,6 +272,14 @@ class Attachment:
         self._appended: dict[str, int] = {}  # request id -> when vLLM appended it to running
         self._admissions = 0
         self._extra = 0  # tokens of partial synchronous loads counted as computed this step
+        # several KV-cache groups (hybrid.py): each alloc/hit/publish names its group
+        self.group_sizes = hybrid_groups.group_block_sizes(self.scheduler)
+        self.hybrid = len(self.group_sizes) > 1
+        self._group: int | None = None  # the group whose manager is working, when hybrid
+        self._windowed = (
+            self.config.sliding_window is not None
+            or hybrid_groups.frees_skipped_blocks(self.scheduler)
+        )
         self.loads = AsyncLoads()
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
@@ -464,6 +473,8 @@ class Attachment:
             (pool, "free_blocks", self._free_blocks),
         ):
             w.install(obj, name, make)
+        if self.hybrid:
+            hybrid_groups.wrap_managers(self)
         for obj, name, feature in (
             (kv, "evict_blocks", "eviction by block id"),
             (pool, "evict_blocks", "eviction by block id"),
@@ -1023,7 +1034,7 @@ class Attachment:
                 pending, self._current, self._current_request = self._pending, None, None
                 self._pending = []
             if result is None:
-                if pending and self.config.sliding_window is not None:
+                if pending and self._windowed:
                     # vLLM freed the blocks before the window, then found no room: the spec
                     # frees them with the schedule that succeeds (after any preemption)
                     self.refuse("sliding window: skipped blocks freed by a failed allocation", "")
@@ -1033,10 +1044,13 @@ class Attachment:
                 return None
             self.events.append(("schedule", rid, num_new_tokens + extra, loaded))
             self._extra += extra
-            if admission:
+            if admission and self.hybrid:
+                hit = hybrid_groups.hit_events(self, rid, hits)
+            elif admission:
                 blocks = hits.blocks[0] if hits is not None else []
                 hit = tuple(b.block_id for b in blocks)
                 self.events.append(("hit", rid, hit))
+            if admission:
                 if tuple(self._touched) != tuple(b for b in hit if b):  # a window's nulls
                     self.problems.append(f"r{rid} hit {hit} but vLLM touched {self._touched}")
                 # every hash the lookup read, not only the hits: a hash that is not the
@@ -1134,7 +1148,7 @@ class Attachment:
             for block in blocks:
                 if block.block_id in self._evicted:
                     self._effect(("evict", block.block_id))
-                self._effect(("alloc", self._current, block.block_id))
+                self._effect(("alloc", self._current, block.block_id) + self._group_field())
             return blocks  # type: ignore[no-any-return]
 
         return get_new_blocks
@@ -1166,12 +1180,13 @@ class Attachment:
             if before is not None and before != key:
                 self.refuse("partial prefix-cache hits", f"a second hash on block {block.block_id}")
             if before is None and block.block_hash is not None:
-                index = (num_tokens or 0) // self.block_size - 1
+                group = hybrid_groups.group_of_key(key) if self.hybrid else 0
+                index = (num_tokens or 0) // self.group_sizes[group] - 1
                 owner = self._current_request if self._current is not None else self._owner
                 rid = self.ids.get(owner.request_id) if owner is not None else None
                 if owner is not None:
                     self._safe(self._check_hashes, owner, index + 1)
-                self._effect(("publish", rid, index, block.block_id))
+                self._effect(("publish", rid, index, block.block_id) + ((group,) if group else ()))
 
         return insert
 
@@ -1183,7 +1198,7 @@ class Attachment:
             if self._safe(evict_first, args, kw):
                 self.refuse(*EVICT_FIRST)
             freed = [("free", b.block_id) for b in blocks if not b.is_null]
-            if self._current is not None and self.config.sliding_window is not None:
+            if self._current is not None and self._windowed:
                 self._pending += freed  # blocks before the window: effects of the schedule
             else:
                 self.events.extend(freed)
@@ -1201,6 +1216,15 @@ class Attachment:
                 "a batch of unhashed blocks freed",
                 "vLLM keeps their order at the queue's head, the spec reverses it",
             )
+
+    def _group_field(self) -> tuple[int, ...]:
+        """An event's trailing ``group`` field: none for one group (``docs/hybrid.md``)."""
+        if not self.hybrid:
+            return ()
+        if self._group is None:
+            self.refuse("hybrid KV-cache groups", "a block allocated outside a group's manager")
+            return ()
+        return (self._group,) if self._group else ()  # canonical: no field for group 0
 
     def _effect(self, event: Event) -> None:
         """Effects inside ``allocate_slots`` wait for its ``schedule`` decision."""
@@ -1263,6 +1287,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         sliding_window=sliding_window_of(scheduler),
         defer_loads=bool(read(scheduler, "defer_async_loads"))
         and bool(read(scheduler, "defer_block_free")),
+        **hybrid_groups.spec_groups(scheduler),
     )
 
 

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from . import versions
+from .groups import hybrid_features
 from .versions import read
 
 try:
@@ -97,8 +98,9 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "scheduler_config.async_scheduling on a synchronous Scheduler",
     )
     found += speculation_features(sched)
-    need(len(groups) != 1, "hybrid KV-cache groups", f"{len(groups)} KV-cache groups")
-    for group in groups:
+    need(not groups, "hybrid KV-cache groups", "no KV-cache group")
+    found += hybrid_features(sched)  # several groups: groups.py names what is not followed
+    for group in groups if len(groups) == 1 else ():
         spec = group.kv_cache_spec
         if getattr(spec, "sliding_window", None):
             found += window_features(sched, spec)
@@ -144,7 +146,8 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "context parallelism",
         "",
     )
-    need(read(sched.kv_cache_config, "has_mamba_layers"), "Mamba layers", "")
+    mamba = read(sched.kv_cache_config, "has_mamba_layers")
+    need(mamba and len(groups) < 2, "Mamba layers", "")  # beside other groups: groups.py
     need(
         read(sched.kv_cache_config, "hisparse_host_num_blocks") is not None,
         "HiSparse",

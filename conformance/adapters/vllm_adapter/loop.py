@@ -99,10 +99,10 @@ class VllmAdapter:
         self.choices = choices
         self.coverage = Coverage()
         self.reuse = reuse_enabled() if reuse is None else reuse
-        self.scheduler = build_scheduler(
+        self.scheduler = self.build_scheduler(
             config, async_scheduling, long_prefill_token_threshold, self.reuse
         )
-        self.hasher = block_hasher(config.block_size)
+        self.hasher = block_hasher(self.scheduler.hash_block_size)
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self.arrived: list[int] = []
         self.queue: list[InFlight] = []  # EngineCore's batch queue, oldest first
@@ -112,7 +112,8 @@ class VllmAdapter:
         self.next_step = 0
         # Before attaching: the stream wraps update_from_output on the instance too, and the
         # attachment takes a wrapper it finds there for the scheduler's own.
-        self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if kv_stream.enabled() else None
+        streams = self.streams_kv_events and kv_stream.enabled()
+        self.kv_stream = kv_stream.VllmKvStream(self.scheduler) if streams else None
         # A refusal (``refusal``) ends the fuzzer's run and its search: nothing after is judged.
         self.attachment = attach(self.scheduler, self.config, on_preempt=self._left)
         self.events: list[Event] = self.attachment.events
@@ -122,6 +123,15 @@ class VllmAdapter:
         where it emitted it before ``attach`` derived them from vLLM's entry points;
         ``self_check`` holds the attachment's events to them."""
         self._decisions_checked = 0
+
+    streams_kv_events = True
+    """Whether vLLM's KV-event stream runs and is judged (``kv_stream.py``)."""
+
+    def build_scheduler(
+        self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
+    ) -> Any:
+        """vLLM's scheduler of the cell (``build.py``; ``hybrid.py`` builds a hybrid model's)."""
+        return build_scheduler(config, async_scheduling, threshold, reuse)
 
     @property
     def refusal(self) -> Any:
