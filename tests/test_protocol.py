@@ -67,7 +67,7 @@ def test_the_reference_adapter_follows_the_protocol() -> None:
         (("free", True), "field block: True (bool) is not a block id"),
         (("freed", 3), "unknown kind"),
         (("finish", 0, "done"), "field reason: 'done' is not one of"),
-        (("alloc", 0, 3, 0), "field group: 0 is not a group > 0"),
+        (("alloc", 0, 3, 0), "field group: 0 is not an int >= 1"),
         (("free", 3, 1), "a free has 1 fields (block), this one 2"),
     ],
 )
