@@ -34,12 +34,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The judge's hot path (its core and the fast model) compiled with mypyc
-# (conformance/judge/fastbuild.py; docs/checker.md), under a name of its own in
+# (judge/fastbuild.py; docs/checker.md), under a name of its own in
 # $(VENV)/kvspec-mypyc: rebuilt whenever one of its sources changes (a stale build is detected at
 # import by the sources' hash, and kvspec check then judges from source, with a note).
-FAST_SOURCES := $(addprefix conformance/judge/,ids.py fastmodel.py core.py fastbuild.py)
+FAST_SOURCES := $(addprefix judge/,ids.py fastmodel.py core.py fastbuild.py)
 $(FASTMODEL): $(STAMP) $(FAST_SOURCES)
-	$(BIN)/python -m kvspec.conformance.judge.fastbuild
+	$(BIN)/python -m kvspec.judge.fastbuild
 	touch $(FASTMODEL)
 
 # Third-party engines, each in its own virtual environment (their pins conflict with ours and

@@ -9,7 +9,7 @@ workload -> engine             ``conformance/fuzz.py`` (Hypothesis drives an ada
                                ``reference/workload.py`` (a fixed shared-prefix workload)
 engine -> events               the engine's adapter (``conformance/adapter.py``,
                                ``conformance/adapters/``); on disk ``conformance/trace.py``
-events -> verdict              ``conformance/judge/`` (the spec, or its fast twin), reported by
+events -> verdict              ``judge/`` (the spec, or its fast twin), reported by
                                ``conformance/report.py`` and ``conformance/html.py``
 native KV events -> verdict    ``spec/stream.py`` (what a router may be told),
                                ``conformance/kvevents/`` (captures, live ZMQ, while fuzzing)

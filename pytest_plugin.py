@@ -71,7 +71,7 @@ class KvspecViolation(AssertionError):
 def judge_for(config: Any) -> Any:
     """The judge of a scheduler's events: the spec itself, strict, in-process
     (``Judge.spec``). (The one call site of the judge's constructor.)"""
-    from kvspec.conformance.judge.core import Judge
+    from kvspec.judge.core import Judge
 
     return Judge.spec(config)
 

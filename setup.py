@@ -3,7 +3,7 @@
 setuptools reads everything else from ``pyproject.toml``, but the package list
 (``packages``), derived here from the folders. Here, a wheel build compiles the fast
 hot path (the judge's core and the fast model) with mypyc into the package ``kvspec_fast``
-(``conformance/judge/fastbuild.py`` owns the list of sources and the copies compiled;
+(``judge/fastbuild.py`` owns the list of sources and the copies compiled;
 ``fastbuild.fast_judge()`` finds the installed package). The compiled extension is
 optional: without mypyc, with ``KVSPEC_PURE_PYTHON=1``, or when the compile fails, the wheel is
 pure Python and ``kvspec check`` notes that it judges from source. Editable installs (``make
@@ -55,9 +55,9 @@ class BuildPy(build_py):
 
 
 def fastbuild():  # type: ignore[no-untyped-def]
-    """``conformance/judge/fastbuild.py``, loaded by path (kvspec is not installed yet)."""
+    """``judge/fastbuild.py``, loaded by path (kvspec is not installed yet)."""
     spec = importlib.util.spec_from_file_location(
-        "kvspec_fastbuild", ROOT / "conformance" / "judge" / "fastbuild.py"
+        "kvspec_fastbuild", ROOT / "judge" / "fastbuild.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -179,7 +179,7 @@ TWINS: tuple[Twin, ...] = (
         traits=_all_axes_but("by-engine"),
     ),
     Twin(
-        "kvspec.conformance.judge.fastmodel",
+        "kvspec.judge.fastmodel",
         "the fast model: the state machine for speed, interned prefixes; what it refuses "
         "(``features`` below) ``kvspec check`` and ``Monitor.fast`` judge by the spec",
         "a judge over it reaches the spec judge's verdict (none, or the same invariant at the "
@@ -224,7 +224,7 @@ TWINS: tuple[Twin, ...] = (
         traits=_all_axes_but("by-engine"),
     ),
     Twin(
-        "kvspec.conformance.judge.incremental",
+        "kvspec.judge.incremental",
         "the incremental invariants: each evaluated only where a decision changed the state; "
         "what it refuses (``features`` below) ``SpecModel`` judges with the full definitions",
         "the full definitions of spec/invariants.py: the same first violation on every trace, "

@@ -44,8 +44,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvspec.conformance.check import FREEZE_EVERY
-from kvspec.conformance.judge import fastbuild
 from kvspec.conformance.trace import iter_trace, write_trace
+from kvspec.judge import fastbuild
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import Config

@@ -1,6 +1,6 @@
 """Benchmark of the streaming checker (``kvspec check``) and of the in-process ``Monitor``, on
 both engines side by side: ``fast`` (the default: a judge over the fast model of
-``conformance/judge/fastmodel.py`` finds, the spec judge reports) and ``spec`` (the spec judge
+``judge/fastmodel.py`` finds, the spec judge reports) and ``spec`` (the spec judge
 judges everything).
 
 1. Writes a long v1 trace from the reference engine (policy ``deferred``, vLLM discipline, depth
@@ -15,7 +15,7 @@ judges everything).
    alone (the floor of any checker built on the executable spec), ``kvspec check`` with each
    engine (``check_file``: reading included), and the spec engine with invariants every k
    decisions (``--every``). The fast engine runs twice, on each build of the hot path: the
-   package mypyc compiled (``conformance/judge/fastbuild.py``; what ``kvspec check`` uses when
+   package mypyc compiled (``judge/fastbuild.py``; what ``kvspec check`` uses when
    it is built) and the source modules; so does the fast judge alone, on events read beforehand.
    ``--baseline REF``: ``kvspec check`` (fast, compiled) of this tree and of git revision REF
    (checked out and compiled in a temporary folder), each in a fresh process, in the same
@@ -67,9 +67,9 @@ import orjson
 
 from kvspec.conformance.background import BackgroundMonitor
 from kvspec.conformance.check import check_file
-from kvspec.conformance.judge import Judge, core, fastbuild
 from kvspec.conformance.monitor import Monitor
 from kvspec.conformance.trace import iter_trace, write_trace
+from kvspec.judge import Judge, core, fastbuild
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import ACTIONS, Config, apply, initial_state
@@ -214,7 +214,7 @@ path, folder = Path(sys.argv[1]), Path(sys.argv[2])
 if len(sys.argv) > 3:  # mypy reads the package from sys.prefix/mypy-path (this tree's, not the venv's)
     sys.prefix = sys.argv[3]
 try:  # this layout: the judge's hot path compiled as a group
-    from kvspec.conformance.judge import fastbuild
+    from kvspec.judge import fastbuild
     from kvspec.conformance.check import check_file as check
 except ImportError:  # the layout before the judge's core (one compiled fast model)
     from kvspec.conformance import fastbuild

@@ -39,8 +39,8 @@ SPEC_JUDGE = (
     "spec/actions.py",
     "spec/invariants.py",
     "spec/observed.py",
-    "conformance/judge/incremental.py",
-    "conformance/judge/spec_model.py",
+    "judge/incremental.py",
+    "judge/spec_model.py",
 )
 """The modules of the spec judge that are compiled (the rest stays Python)."""
 

@@ -248,7 +248,7 @@ def within_64_bits(value: object) -> bool:
 
 def judge_oracle(header: dict[str, object], events: list[tuple[object, ...]], v1: bool):  # type: ignore[no-untyped-def]
     """(event index of the first finding or None) by the lockstep Judge, full invariants."""
-    from kvspec.conformance.judge import Judge
+    from kvspec.judge import Judge
     from kvspec.spec import Config
 
     if v1:

@@ -68,9 +68,9 @@ import weakref
 from collections.abc import Iterable
 from typing import BinaryIO
 
+from kvspec.judge import Finding
 from kvspec.spec import Config
 
-from .judge import Finding
 from .monitor import MalformedEvent, Monitor, Violation
 from .report import Report
 

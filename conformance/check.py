@@ -30,14 +30,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from kvspec.judge import Judge, UnknownId, handover
+from kvspec.judge.consequence import Consequence, explain
+from kvspec.judge.core import CRASH, DUE, EFFECT_FIRST, FOUND
+from kvspec.judge.fastbuild import fast_judge
+from kvspec.judge.fastmodel import restates
+from kvspec.judge.findings import Finding
 from kvspec.spec.events import DECISIONS
 
-from .judge import Judge, UnknownId, handover
-from .judge.consequence import Consequence, explain
-from .judge.core import CRASH, DUE, EFFECT_FIRST, FOUND
-from .judge.fastbuild import fast_judge
-from .judge.fastmodel import restates
-from .judge.findings import Finding
 from .report import Report, observed_accepts, observed_hint_text, report_of
 from .trace import Trace, TraceError, open_trace
 

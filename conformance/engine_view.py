@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .judge.findings import Finding
+from kvspec.judge.findings import Finding
 
 HASH_INDEX = "HashIndexConsistent"
 FREE_COUNT = "FreeCountExact"

@@ -94,15 +94,15 @@ from hypothesis.stateful import (
 )
 
 from kvspec.cell import Cell, OfCell
+from kvspec.judge import Finding, Judge
+from kvspec.judge.consequence import Consequence, explain
+from kvspec.judge.core import FAST_INVARIANTS
 from kvspec.spec import STALE_OUTPUTS, Config
 
 from . import watchdog
 from .adapter import Factory, reference
 from .engine_view import compare_view
 from .fuzz_coverage import Coverage, RunCoverage
-from .judge import Finding, Judge
-from .judge.consequence import Consequence, explain
-from .judge.core import FAST_INVARIANTS
 from .monitor import Monitor
 from .protocol import AdapterMistake, ProtocolError
 

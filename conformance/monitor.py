@@ -35,13 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 
+from kvspec.judge import Finding, Judge
+from kvspec.judge.fastbuild import fast_judge
+from kvspec.judge.fastmodel import restates
+from kvspec.judge.handover import MONITOR_WINDOW, FastRun
 from kvspec.spec import Config
 from kvspec.spec.events import DECISIONS
 
-from .judge import Finding, Judge
-from .judge.fastbuild import fast_judge
-from .judge.fastmodel import restates
-from .judge.handover import MONITOR_WINDOW, FastRun
 from .report import Report, report_of
 from .trace import event_error
 

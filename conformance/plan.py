@@ -22,10 +22,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from kvspec.impl.paged.records import Executed, Fill, Record, Work
+from kvspec.judge import Judge, Model
+from kvspec.judge.spec_model import SpecModel
 from kvspec.spec import Config, Placeholder
-
-from .judge import Judge, Model
-from .judge.spec_model import SpecModel
 
 Event = tuple[object, ...]
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvspec.judge import Finding, Judge
+from kvspec.judge.consequence import Consequence
+from kvspec.judge.findings import explanation
 from kvspec.spec import Config
 from kvspec.spec.events import DECISIONS, EFFECTS, KINDS, blocks_of, request_of, requests_of
-
-from .judge import Finding, Judge
-from .judge.consequence import Consequence
-from .judge.findings import explanation
 
 Event = tuple[object, ...]
 

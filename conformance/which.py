@@ -18,10 +18,10 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from kvspec.judge import Judge
 from kvspec.spec import DISCIPLINES, OBSERVED_POLICIES
 
 from .check import _judged
-from .judge import Judge
 from .report import Report
 from .trace import TraceError, open_trace
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvspec.conformance.adapter import ReferenceAdapter
-from kvspec.conformance.judge import Finding, Judge
+from kvspec.judge import Finding, Judge
 from kvspec.reference import Engine
 from kvspec.spec import Config
 

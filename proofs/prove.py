@@ -28,10 +28,10 @@ from typing import Any
 
 import z3
 
-from kvspec.conformance.judge import Finding
 from kvspec.conformance.report import describe, format_counterexample
 from kvspec.conformance.trace import write_events
 from kvspec.conformance.witness import extend
+from kvspec.judge import Finding
 from kvspec.spec import Config, Illegal, apply, check, initial_state
 
 from . import induction

@@ -7,7 +7,7 @@ spec's actions will take them, after checking that they are legal (an allocated 
 hit block is registered under the request's chained hash at that position); it reorders, and
 never changes which blocks are free or registered, so every action keeps its meaning. ``drop``
 applies a registration the engine dropped on its own, which is always safe (a lost hit at worst).
-Used by the judge's observed matching (``conformance/judge/core.py``; docs/adapters.md, "Judging
+Used by the judge's observed matching (``judge/core.py``; docs/adapters.md, "Judging
 modes").
 
 Under the policy ``engine-registers`` the engine also registers on its own, at points of its

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 OBSERVED_POLICIES = ("engine-registers",)
-"""Policies that only an observed judge can use (``conformance/judge``, observed matching). Under
+"""Policies that only an observed judge can use (``judge``, observed matching). Under
 ``engine-registers`` the spec registers and rolls back nothing by itself: the engine's own
 ``publish`` and ``dedup`` effects are applied as they come (``spec/observed.py``), and the invariants
 judge them. For engines whose registration points are none of ``policies.POLICIES`` (SGLang inserts into

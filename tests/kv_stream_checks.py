@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from thirdparty_checks import ADAPTERS, CLEAN, Ones  # noqa: E402
 
-from kvspec.conformance.judge import Judge  # noqa: E402
+from kvspec.judge import Judge  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
 
 BIG = dict(num_blocks=12, block_size=4, token_budget=16, max_running=4)

@@ -10,7 +10,7 @@ import pytest
 
 from kvspec.conformance.adapter import Adapter, ReferenceAdapter, load_factory, probe, reference
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.judge import Judge
+from kvspec.judge import Judge
 from kvspec.reference.choices import DefaultChoices
 from kvspec.spec import Config
 

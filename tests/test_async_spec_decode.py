@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from test_reference import lockstep_run
 
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import read_trace, write_trace
+from kvspec.judge import Judge
 from kvspec.reference import EngineConfig
 from kvspec.reference.scheduler import Scheduler
 from kvspec.spec import POLICIES, Config, Illegal, apply, check, initial_state, policies

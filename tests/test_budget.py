@@ -13,9 +13,9 @@ import pytest
 from edges import one_line, run, seed_counterexample
 
 from kvspec.conformance import budget
-from kvspec.conformance.judge import Judge
-from kvspec.conformance.judge.fastbuild import fast_judge
 from kvspec.conformance.trace import read_events, write_events, write_trace
+from kvspec.judge import Judge
+from kvspec.judge.fastbuild import fast_judge
 from kvspec.spec import Config
 
 

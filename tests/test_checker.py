@@ -17,7 +17,6 @@ from kvspec.cli import main
 from kvspec.conformance import fastread
 from kvspec.conformance.check import check_file
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.judge import Judge, core, fastbuild
 from kvspec.conformance.monitor import MalformedEvent, Monitor, Violation
 from kvspec.conformance.trace import (
     FIELDS,
@@ -30,6 +29,7 @@ from kvspec.conformance.trace import (
     write_events,
     write_trace,
 )
+from kvspec.judge import Judge, core, fastbuild
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import Config

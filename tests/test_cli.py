@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvspec.cli import main
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import read_events
+from kvspec.judge import Judge
 
 KVSPEC = [sys.executable, "-m", "kvspec"]
 

@@ -1,4 +1,4 @@
-"""A deviation's consequence (``conformance/judge/consequence.py``): the bugs of ``planted.py``,
+"""A deviation's consequence (``judge/consequence.py``): the bugs of ``planted.py``,
 planted in the reference engine and fuzzed with a fixed seed, are found as a ``Disagreement`` by
 strict matching (what the fuzzer reported before), and judged on past it they name the invariant
 they break, or say that they break none (efficiency)."""
@@ -59,8 +59,8 @@ def test_a_shorter_lookup_found_illegal_is_reported_as_efficiency() -> None:
 
 def test_an_illegal_decision_of_the_engine_s_own_has_no_consequence() -> None:
     """An Illegal the follower meets too (not explained by the engine's effects) stays bare."""
-    from kvspec.conformance.judge.consequence import explain
-    from kvspec.conformance.judge.findings import Finding
+    from kvspec.judge.consequence import explain
+    from kvspec.judge.findings import Finding
     from kvspec.spec import Config
 
     config = Config(num_blocks=4, block_size=2, policy="deferred")
@@ -141,6 +141,6 @@ def test_check_json_gives_the_history_as_fields(tmp_path) -> None:  # type: igno
 
 def test_a_kv_stream_finding_has_its_explanation() -> None:
     """Stream findings inside ``kvspec fuzz`` printed ``()`` for what their invariant guards."""
-    from kvspec.conformance.judge.findings import Finding
+    from kvspec.judge.findings import Finding
 
     assert Finding("ViewEqualsCache", "", 0).explanation.startswith("At a step boundary")

@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from kvspec.conformance.check import check_file
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.report import Report
 from kvspec.conformance.trace import TraceError, parse_header, write_trace
+from kvspec.judge import Judge
 from kvspec.spec import Config
 
 ER = Config(num_blocks=8, block_size=4, policy="engine-registers", discipline="general")

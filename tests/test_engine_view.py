@@ -20,8 +20,8 @@ from kvspec.conformance import adapter
 from kvspec.conformance.adapter import ReferenceAdapter
 from kvspec.conformance.engine_view import PoolView, compare_view
 from kvspec.conformance.fuzz import run_cell
-from kvspec.conformance.judge.findings import explanation
 from kvspec.conformance.protocol import ProtocolError, check_adapter
+from kvspec.judge.findings import explanation
 from kvspec.spec import Config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvspec.conformance.fastread import decoder
-from kvspec.conformance.judge.ids import requests_named
 from kvspec.conformance.report import describe
 from kvspec.conformance.trace import FIELDS, parse_line, to_json
+from kvspec.judge.ids import requests_named
 from kvspec.spec import ACTIONS
 from kvspec.spec.events import (
     DECISIONS,

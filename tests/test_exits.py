@@ -179,7 +179,7 @@ def test_an_internal_error_is_never_1(
 ) -> None:
     """A fast model that disagrees with the spec (a planted bug) is kvspec's error, not a
     violation of the trace."""
-    from kvspec.conformance.judge import handover
+    from kvspec.judge import handover
 
     def disagree(self: object, finding: object, name: str) -> None:
         raise handover.FastPathDisagrees(f"{name}: planted")

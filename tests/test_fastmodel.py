@@ -1,4 +1,4 @@
-"""The fast model (conformance/judge/fastmodel.py) judges exactly as the spec does.
+"""The fast model (judge/fastmodel.py) judges exactly as the spec does.
 
 Differential (lockstep) tests, as for the reference engine: on fuzzed reference-engine traces
 (every policy, the unsafe ones included; both disciplines and preemptions; depth 1 to 3; external
@@ -9,7 +9,7 @@ with planted bugs and on corrupted files, where ``kvspec check`` must print the 
 engines. Breaking the fast model must make these tests fail.
 
 The differential tests run on both builds of the hot path: the source modules and the package
-mypyc compiled from them (``conformance/judge/fastbuild.py``, built by ``make venv``). Planted
+mypyc compiled from them (``judge/fastbuild.py``, built by ``make venv``). Planted
 bugs are monkeypatched into the source ``FastModel`` (compiled classes cannot be patched), and the
 tests that go through ``check_file`` then ask for the source build (``KVSPEC_FAST_MODEL``).
 """
@@ -38,13 +38,13 @@ from test_incremental import CONSUMER_RUN, SEED_RUN, engine_runs
 from kvspec.cli import main
 from kvspec.conformance.background import BackgroundMonitor, JudgeDied
 from kvspec.conformance.check import check_file
-from kvspec.conformance.judge import UnknownId, core, fastbuild, handover
-from kvspec.conformance.judge.fastmodel import FastModel, spec_placeholder
-from kvspec.conformance.judge.handover import FastPathDisagrees
-from kvspec.conformance.judge.recorder import Recorder
 from kvspec.conformance.monitor import Monitor, Violation
 from kvspec.conformance.report import Report
 from kvspec.conformance.trace import write_trace
+from kvspec.judge import UnknownId, core, fastbuild, handover
+from kvspec.judge.fastmodel import FastModel, spec_placeholder
+from kvspec.judge.handover import FastPathDisagrees
+from kvspec.judge.recorder import Recorder
 from kvspec.spec import ACTIONS, POLICIES, Config
 from kvspec.spec.events import Event
 from kvspec.spec.policies import eager
@@ -822,7 +822,7 @@ def test_the_fast_reader_accepts_exactly_what_parse_line_accepts(raw: bytes) -> 
 def test_a_placeholder_is_a_negative_int_that_maps_back(step: int, rid: int) -> None:
     """The fast model's placeholders are negative ints (token ids are >= 0): one per
     ``spec.Placeholder``, and back."""
-    from kvspec.conformance.judge.fastmodel import placeholder
+    from kvspec.judge.fastmodel import placeholder
     from kvspec.spec import Placeholder
 
     code = placeholder(step, rid)

@@ -11,7 +11,7 @@ from kvspec.cell import Cell
 from kvspec.conformance import fuzz, verdicts
 from kvspec.conformance.adapter import ReferenceAdapter
 from kvspec.conformance.fuzz import lockstep_machine, run_cell
-from kvspec.conformance.judge import Finding, Judge
+from kvspec.judge import Finding, Judge
 from kvspec.reference import Engine, EngineConfig, RandomChoices
 from kvspec.spec import POLICIES, Config
 

@@ -14,8 +14,8 @@ from scenarios import CONSUMER, SEED
 from spec_walks import spec_runs
 
 from kvspec.conformance.fuzz import PREFIXES
-from kvspec.conformance.judge import Judge
-from kvspec.conformance.judge.incremental import Incremental
+from kvspec.judge import Judge
+from kvspec.judge.incremental import Incremental
 from kvspec.reference import Engine, EngineConfig, RandomChoices
 from kvspec.spec import ACTIONS, POLICIES, Config, apply, check, initial_state
 from kvspec.spec.events import Event

@@ -9,8 +9,8 @@ import orjson
 import pytest
 from edges import one_line, run, seed_counterexample
 
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import GUARANTEES, TraceError, parse_header, parse_line
+from kvspec.judge import Judge
 
 V1_HEADER = {
     "format": "kvspec-trace",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvspec import flow
-from kvspec.conformance.judge.fastmodel import FastModel
+from kvspec.judge.fastmodel import FastModel
 from kvspec.reference import config as reference_config
 from kvspec.reference import policies as reference_policies
 from kvspec.spec import OBSERVED_POLICIES, Config, apply, initial_state

@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
 from scenarios import SEED, A  # noqa: E402
 
 from kvspec.cli import main  # noqa: E402
-from kvspec.conformance.judge import Judge  # noqa: E402
 from kvspec.conformance.plan import PlanError, replay_plan  # noqa: E402
 from kvspec.conformance.trace import read_events, write_events  # noqa: E402
 from kvspec.impl.paged.records import Executed, Fill  # noqa: E402
 from kvspec.impl.paged.replay import Options, Result, replay  # noqa: E402
+from kvspec.judge import Judge  # noqa: E402
 from kvspec.reference import Engine, EngineConfig, RandomChoices  # noqa: E402
 from kvspec.reference.workload import shared_prefix_workload  # noqa: E402
 from kvspec.spec import ACTIONS, Config, apply, initial_state  # noqa: E402

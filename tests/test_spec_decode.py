@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from test_reference import lockstep_run
 
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import read_trace, write_events, write_trace
+from kvspec.judge import Judge
 from kvspec.reference import EngineConfig
 from kvspec.spec import POLICIES, Config, Illegal, apply, check, initial_state, policies
 from kvspec.spec.state import Draft, State
@@ -209,8 +209,8 @@ def test_kvspec_check_judges_drafts_by_the_spec(tmp_path: Path) -> None:
 def test_the_fast_and_z3_models_refuse_drafts() -> None:
     """Declared out of their scope (kvspec/twins.py): refused by name, never judged as if the
     drafts were known tokens."""
-    from kvspec.conformance.judge.fastmodel import FastModel
     from kvspec.conformance.monitor import Monitor
+    from kvspec.judge.fastmodel import FastModel
     from kvspec.proofs.symbolic import Fragment
 
     with pytest.raises(ValueError, match="speculative decoding"):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from test_reference import BOOKKEEPING, drive, recording_engine, replay
 
-from kvspec.conformance.judge.core import Judge
 from kvspec.conformance.trace import read_trace, write_trace
+from kvspec.judge.core import Judge
 from kvspec.reference import Engine, EngineConfig
 from kvspec.spec import INVARIANTS, Config, Illegal, apply, check, initial_state
 from kvspec.spec import actions as spec_actions
@@ -320,8 +320,8 @@ def test_the_reference_engine_with_deferred_frees_conforms(discipline: str) -> N
 def test_the_fast_and_z3_models_refuse_deferred_frees() -> None:
     """Declared out of their scope (kvspec/twins.py): refused by name, never judged as if the
     frees were immediate; ``kvspec check`` judges such a trace by the spec."""
-    from kvspec.conformance.judge.fastmodel import FastModel, restates
     from kvspec.conformance.monitor import Monitor
+    from kvspec.judge.fastmodel import FastModel, restates
     from kvspec.proofs.symbolic import Fragment
 
     assert not restates(_config()) and restates(_config(defer_free=False))
@@ -445,7 +445,7 @@ def test_the_incremental_checks_follow_deferred_frees(
     """The incremental and full checks give the same verdict on a trace with deferred frees,
     and on the trace of a spec planted to free at once (FreedAfterWrites at the same event);
     an incremental check planted to skip FreedAfterWrites misses what the full check finds."""
-    from kvspec.conformance.judge.incremental import Incremental
+    from kvspec.judge.incremental import Incremental
 
     if planted == "incremental skips free blocks":
         monkeypatch.setattr(Incremental, "_freed_writes", lambda self, s, fp: False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance.judge import Judge
+from kvspec.judge import Judge
 from kvspec.spec import Config, actions
 from kvspec.spec.state import Group, Illegal, initial_state
 

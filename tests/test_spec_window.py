@@ -279,9 +279,9 @@ def test_walks_under_a_window_hold_every_invariant(
 def test_the_fast_and_z3_models_refuse_a_window() -> None:
     """Declared out of their scope (kvspec/twins.py): refused by name; the judge checks a window
     with the full invariant definitions, not the incremental ones."""
-    from kvspec.conformance.judge.fastmodel import FastModel, restates
-    from kvspec.conformance.judge.spec_model import SpecModel
     from kvspec.conformance.monitor import Monitor
+    from kvspec.judge.fastmodel import FastModel, restates
+    from kvspec.judge.spec_model import SpecModel
     from kvspec.proofs.symbolic import Fragment
 
     assert not restates(_config()) and restates(_config(sliding_window=None))

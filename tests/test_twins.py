@@ -22,8 +22,8 @@ from kvspec.spec.invariants import REGISTRY, Invariant
 from kvspec.spec.state import Request
 from kvspec.twins import TWINS, twin
 
-FAST = "kvspec.conformance.judge.fastmodel"
-INCREMENTAL = "kvspec.conformance.judge.incremental"
+FAST = "kvspec.judge.fastmodel"
+INCREMENTAL = "kvspec.judge.incremental"
 SYMBOLIC = "kvspec.proofs.symbolic"
 PARAMETRIC = "kvspec.proofs.parametric"
 
@@ -75,8 +75,8 @@ def test_the_table_has_no_gaps() -> None:
 def test_each_form_evaluates_what_its_row_says() -> None:
     """The forms' own lists are the table's: the incremental checks' order, the fast path's set
     and the Z3 model's set."""
-    from kvspec.conformance.judge.fastmodel import FAST_INVARIANTS
-    from kvspec.conformance.judge.incremental import Incremental
+    from kvspec.judge.fastmodel import FAST_INVARIANTS
+    from kvspec.judge.incremental import Incremental
 
     order = [name for name, _, _ in Incremental(initial_state(Config(8, 4)))._order]
     assert order == [n for n in REGISTRY if n in twins.implemented(INCREMENTAL)]
@@ -137,11 +137,11 @@ def _probe(form: str, feature: str) -> Callable[[], object]:
     """Build ``form`` with ``feature`` on: the way each form is first given a configuration."""
     config = Config(4, 1, **FEATURES[feature].example)
     if form == FAST:
-        from kvspec.conformance.judge.fastmodel import FastModel
+        from kvspec.judge.fastmodel import FastModel
 
         return lambda: FastModel(config)
     if form == INCREMENTAL:
-        from kvspec.conformance.judge.incremental import Incremental
+        from kvspec.judge.incremental import Incremental
 
         return lambda: Incremental(initial_state(config))
     if form == "kvspec.reference":

@@ -10,9 +10,9 @@ import pytest
 from edges import SEED_CONFIG, SEED_UNREAD, seed_counterexample, with_effects
 
 from kvspec.cli import main
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import read_events, write_events, write_trace
 from kvspec.conformance.witness import extend, zombies
+from kvspec.judge import Judge
 from kvspec.spec import ACTIONS, apply, initial_state
 
 

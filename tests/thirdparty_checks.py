@@ -37,10 +37,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import kvspec.conformance.judge.spec_model as spec_model
+import kvspec.judge.spec_model as spec_model
 from kvspec.conformance.check import check_file
-from kvspec.conformance.judge import Judge
 from kvspec.conformance.trace import write_trace
+from kvspec.judge import Judge
 from kvspec.spec import INVARIANTS, Config
 
 

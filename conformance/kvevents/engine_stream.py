@@ -25,12 +25,12 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvspec.judge.findings import Finding
 from kvspec.spec import State
 from kvspec.spec.invariants import Violation
 from kvspec.spec.pool import eventual_content, holds
 from kvspec.spec.stream import Hash, Key
 
-from ..judge.findings import Finding
 from .frames import Frame, FrameError, decode_batch, write_capture
 from .stream_judge import StreamJudge
 

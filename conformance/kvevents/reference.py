@@ -20,12 +20,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvspec.judge.findings import Finding
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 from kvspec.spec.stream import Batch, Cleared, Removed, Stored, StreamEvent
 
 from ..adapter import ReferenceAdapter
-from ..judge.findings import Finding
 from .engine_stream import Cache, EngineStream
 from .frames import encode_batch
 

@@ -39,8 +39,8 @@ def plant(request, monkeypatch):
         return
     import importlib
 
-    from kvspec.conformance.judge.core import Judge
     from kvspec.conformance.pool_judge import PoolJudge
+    from kvspec.judge.core import Judge
 
     attach = importlib.import_module("kvspec.conformance.adapters.vllm_adapter.attach")
     pool_attach = importlib.import_module("kvspec.conformance.adapters.vllm_adapter.pool_attach")

@@ -34,9 +34,9 @@ from sglang.srt.disaggregation.kv_events import (
     namespaced_block_hash,
 )
 
-from kvspec.conformance.judge.findings import Finding
 from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
 from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
+from kvspec.judge.findings import Finding
 
 from .build import core_backend, get_hash_str, hash_str_to_int64
 

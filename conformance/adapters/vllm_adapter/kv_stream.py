@@ -27,9 +27,9 @@ from typing import Any
 from vllm.distributed.kv_events import ZmqEventPublisher
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 
-from kvspec.conformance.judge.findings import Finding
 from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
 from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
+from kvspec.judge.findings import Finding
 
 from . import versions
 

@@ -1,7 +1,7 @@
 """The compiled fast path: building the judge's core and the fast model with mypyc, and choosing
 which build judges.
 
-``make venv`` runs ``python -m kvspec.conformance.judge.fastbuild`` (again whenever one of
+``make venv`` runs ``python -m kvspec.judge.fastbuild`` (again whenever one of
 ``COMPILED`` or this file changes): it copies the modules of ``COMPILED`` into a package of their
 own, ``kvspec_fast`` (relative imports between them kept, every other relative import made
 absolute), writes the SHA-256 of their sources into its ``__init__.py`` as ``SOURCE_SHA256``,
@@ -21,7 +21,7 @@ This file is also loaded by ``setup.py`` on its own (by path, before kvspec is i
 imports only the standard library at module level.
 
 ``fast_judge(config)`` answers ``(judge, note)``: a ``Judge`` over the ``FastModel`` of the
-compiled build and no note, or of the source (``kvspec.conformance.judge``, the same verdicts,
+compiled build and no note, or of the source (``kvspec.judge``, the same verdicts,
 about a third of the speed) and a note saying why (not built, older than the source, not
 loadable, or ``KVSPEC_FAST_MODEL=source``). The note is never silent and never on stderr (where
 an unreadable file gets exactly one line): ``kvspec check`` appends it to its report
@@ -49,13 +49,13 @@ if TYPE_CHECKING:
     from kvspec.spec import Config
 
 NAME = "kvspec_fast"
-"""The compiled package's own name (never ``kvspec.conformance.judge``)."""
+"""The compiled package's own name (never ``kvspec.judge``)."""
 HERE = Path(__file__).resolve().parent
 COMPILED = ("ids.py", "fastmodel.py", "core.py")
 """The modules of the hot path, compiled together (in import order)."""
 FOLDER = Path(sys.prefix) / "kvspec-mypyc"
 """Where ``make venv`` keeps the build: in the virtual environment that built it."""
-INSTALLED = HERE.parents[2]
+INSTALLED = HERE.parents[1]
 """Where a wheel installs ``kvspec_fast``: beside the ``kvspec`` package (site-packages)."""
 PURE_ENV = "KVSPEC_PURE_PYTHON"
 """Set (to anything but empty or 0) when building a wheel: no compiled fast model."""
@@ -121,7 +121,7 @@ def compiled() -> tuple[ModuleType | None, str | None]:
 
 def _how_to_build() -> str:
     """In a checkout, how to rebuild; an installed package has no make."""
-    return " (run make venv)" if (HERE.parents[1] / "Makefile").is_file() else ""
+    return " (run make venv)" if (HERE.parent / "Makefile").is_file() else ""
 
 
 def _stamp() -> str | None:
@@ -169,19 +169,19 @@ def prepare(work: Path) -> tuple[list[Path], Path]:
             module = match.group(1)
             if module in local:
                 return match.group(0)
-            return f"from kvspec.conformance.judge.{module} import"
+            return f"from kvspec.judge.{module} import"
 
         copy = package / name
         copy.write_text(re.sub(r"^from \.(\w+) import", absolute, text, flags=re.M))
         copies.append(copy)
     (package / "__init__.py").write_text(
-        f'"""The compiled hot path of kvspec (conformance/judge/fastbuild.py)."""\n\n'
+        f'"""The compiled hot path of kvspec (judge/fastbuild.py)."""\n\n'
         f'SOURCE_SHA256 = "{source_hash()}"\n'
     )
     link = work / "path" / "kvspec"
     if not link.exists():
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(HERE.parents[1], target_is_directory=True)
+        link.symlink_to(HERE.parent, target_is_directory=True)
     config = work / "mypy.ini"
     # kvspec/__init__.py names the LLM engine for type checkers, which would pull in torch and
     # transformers (minutes): the hot path needs none of it.
@@ -193,7 +193,7 @@ def prepare(work: Path) -> tuple[list[Path], Path]:
         "ignore_missing_imports = True\n"
         "[mypy-kvspec.impl,kvspec.impl.*,torch,torch.*,transformers,transformers.*]\n"
         "follow_imports = skip\n"
-        "[mypy-kvspec.conformance.*]\n"  # as in pyproject.toml: their errors not reported
+        "[mypy-kvspec.conformance.*,kvspec.judge.*]\n"  # as in pyproject.toml: their errors not reported
         "follow_imports = silent\n"
     )
     return copies, config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final, cast
 
-from kvspec.conformance.judge.findings import UnknownId
+from kvspec.judge.findings import UnknownId
 from kvspec.spec.events import REQUEST_AT as _REQUEST_AT
 from kvspec.spec.events import STEP_AT as _STEP_AT
 from kvspec.spec.events import Event

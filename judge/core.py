@@ -41,7 +41,7 @@ import gc
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from typing import Final, Protocol, cast
 
-from kvspec.conformance.judge.findings import HASH_CHAIN, Finding
+from kvspec.judge.findings import HASH_CHAIN, Finding
 from kvspec.spec import Config, Illegal, Violation
 from kvspec.spec.events import DECISIONS, blocks_of, requests_of
 from kvspec.spec.observed import refuse_strict

@@ -111,7 +111,7 @@ def _negative(tokens: tuple[object, ...]) -> bool:
     return negative
 
 
-FORM: Final = "kvspec.conformance.judge.fastmodel"
+FORM: Final = "kvspec.judge.fastmodel"
 """This module's row in kvspec/twins.py: the features and policy traits it follows."""
 
 
