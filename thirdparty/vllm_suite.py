@@ -31,7 +31,8 @@ violations), with the refusals counted by feature. Exit 1 when an outcome differ
 is found, else 0. ``--parallel`` runs the two passes at the same time (the CI subset on 2 cores);
 ``--bare-from DIR`` reads the pass without the plugin from an earlier run instead; ``--also DIR``
 joins an earlier run of other test files (both passes and its report) into the table, so the
-whole ``tests/v1/core`` can be tabled from the CI subset's run and a run of the rest.
+whole ``tests/v1/core`` can be tabled from the CI subset's run and a run of the rest. ``table
+--out DIR [--also DIR ...]`` prints an earlier run's table, joined, without running pytest.
 """
 
 from __future__ import annotations
@@ -369,6 +370,17 @@ def run(
     return table(bare, judged, report, times, wall)
 
 
+def retable(out: Path, also: list[Path]) -> int:
+    """The table of an earlier run (``out``, its two passes and report) joined with ``also``,
+    without running pytest (``table``)."""
+    bare: dict[str, str] = {}
+    judged: dict[str, str] = {}
+    report: dict[str, dict[str, object]] = {}
+    for folder in (out, *also):
+        print(f"joined {folder}: {_join(folder, bare, judged, report)} items")
+    return table(bare, judged, report, {False: 0.0, True: 0.0}, 0.0)
+
+
 def _join(
     earlier: Path,
     bare: dict[str, str],
@@ -404,9 +416,11 @@ def table(
     passing = sum(1 for o in bare.values() if o == "passed")
     print(f"items: {len(bare)}; passing without the plugin: {passing}")
     without = f"{times[False]:.0f} s" if times[False] else "read from an earlier run"
-    print(
-        f"time: {without} without the plugin, {times[True]:.0f} s with it ({wall:.0f} s wall clock)"
-    )
+    if times[True]:
+        print(
+            f"time: {without} without the plugin, {times[True]:.0f} s with it "
+            f"({wall:.0f} s wall clock)"
+        )
     tests = report.get("tests", {})
     kinds: Counter[str] = Counter()
     features: Counter[str] = Counter()
@@ -446,7 +460,7 @@ def _short(name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="vllm_suite")
-    parser.add_argument("command", choices=("fetch", "run"))
+    parser.add_argument("command", choices=("fetch", "run", "table"))
     parser.add_argument("--suite", type=Path, required=True, help="the suite folder")
     parser.add_argument(
         "--version", help="the vLLM release whose tests to fetch (default: the installed one)"
@@ -473,6 +487,10 @@ def main() -> int:
     if args.command == "fetch":
         fetch(suite, args.version or installed)
         return 0
+    if args.command == "table":  # an earlier run's table (with --also), nothing run
+        if args.out is None:
+            bad_input("vllm_suite: table needs --out, the earlier run's folder")
+        return retable(args.out.resolve(), [folder.resolve() for folder in args.also])
     if args.version and args.version != installed:
         bad_input(
             f"vllm_suite: --version {args.version}, but this environment has vLLM {installed}"
