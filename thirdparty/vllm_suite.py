@@ -29,7 +29,10 @@ plugin, and the plugin's outcome per test (``pytest_plugin.py``: no Scheduler bu
 KVCacheManager or BlockPool judged, refused at construction, stopped mid-run, judged and holding,
 violations), with the refusals counted by feature. Exit 1 when an outcome differs or a violation
 is found, else 0. ``--parallel`` runs the two passes at the same time (the CI subset on 2 cores);
-``--bare-from DIR`` reads the pass without the plugin from an earlier run instead.
+``--bare-from DIR`` reads the pass without the plugin from an earlier run instead; ``--also DIR``
+joins an earlier run of other test files (both passes and its report) into the table, so the
+whole ``tests/v1/core`` can be tabled from the CI subset's run and a run of the rest. ``table
+--out DIR [--also DIR ...]`` prints an earlier run's table, joined, without running pytest.
 """
 
 from __future__ import annotations
@@ -310,13 +313,20 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 
 def run(
-    suite: Path, paths: list[str], out: Path, parallel: bool, bare_from: Path | None = None
+    suite: Path,
+    paths: list[str],
+    out: Path,
+    parallel: bool,
+    bare_from: Path | None = None,
+    also: list[Path] | None = None,
 ) -> int:
     """Both passes over ``paths`` and the table; with ``bare_from``, the pass without the plugin
     is not run again but read from that earlier run's folder (its outcomes do not depend on
     kvspec: the plugin is not loaded), which halves the cost of judging a change of kvspec. Its
     outcomes are taken for the tests this run has (a test it lacks counts as differing), so
-    ``paths`` may be a part of what it ran."""
+    ``paths`` may be a part of what it ran. ``also``: earlier runs' folders (of other test files,
+    with the same kvspec) whose two passes join this one's in the table: the whole
+    ``tests/v1/core`` is the CI subset's run and a run of the rest."""
     out.mkdir(parents=True, exist_ok=True)
     env = environment(suite)
     runs = {
@@ -354,7 +364,46 @@ def run(
     if bare_from is not None:  # the tests of this run, as the earlier one saw them
         bare = {name: bare.get(name, "missing from the earlier run") for name in judged}
     report = json.loads(runs[True][1].read_text()) if runs[True][1].exists() else {}
+    for earlier in also or ():
+        joined = _join(earlier, bare, judged, report)
+        print(f"joined {earlier}: {joined} items")
     return table(bare, judged, report, times, wall)
+
+
+def retable(out: Path, also: list[Path]) -> int:
+    """The table of an earlier run (``out``, its two passes and report) joined with ``also``,
+    without running pytest (``table``)."""
+    bare: dict[str, str] = {}
+    judged: dict[str, str] = {}
+    report: dict[str, dict[str, object]] = {}
+    for folder in (out, *also):
+        print(f"joined {folder}: {_join(folder, bare, judged, report)} items")
+    return table(bare, judged, report, {False: 0.0, True: 0.0}, 0.0)
+
+
+def _join(
+    earlier: Path,
+    bare: dict[str, str],
+    judged: dict[str, str],
+    report: dict[str, dict[str, object]],
+) -> int:
+    """Add an earlier run's outcomes (both passes) and its plugin report to this run's; the
+    number of its items. A test in both is bad input: each test is judged once."""
+    files = [
+        earlier / name for name in ("junit-bare.xml", "junit-plugin.xml", "kvspec-report.json")
+    ]
+    for path in files:
+        if not path.is_file():
+            bad_input(f"vllm_suite: --also {earlier}: no {path.name} there")
+    more_bare, more_judged = outcomes(files[0]), outcomes(files[1])
+    twice = sorted(set(more_bare) & set(bare))
+    if twice:
+        bad_input(f"vllm_suite: --also {earlier}: {twice[0]} is in this run too")
+    bare.update(more_bare)
+    judged.update(more_judged)
+    tests = report.setdefault("tests", {})
+    tests.update(json.loads(files[2].read_text()).get("tests", {}))
+    return len(more_bare)
 
 
 def table(
@@ -367,9 +416,11 @@ def table(
     passing = sum(1 for o in bare.values() if o == "passed")
     print(f"items: {len(bare)}; passing without the plugin: {passing}")
     without = f"{times[False]:.0f} s" if times[False] else "read from an earlier run"
-    print(
-        f"time: {without} without the plugin, {times[True]:.0f} s with it ({wall:.0f} s wall clock)"
-    )
+    if times[True]:
+        print(
+            f"time: {without} without the plugin, {times[True]:.0f} s with it "
+            f"({wall:.0f} s wall clock)"
+        )
     tests = report.get("tests", {})
     kinds: Counter[str] = Counter()
     features: Counter[str] = Counter()
@@ -409,7 +460,7 @@ def _short(name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="vllm_suite")
-    parser.add_argument("command", choices=("fetch", "run"))
+    parser.add_argument("command", choices=("fetch", "run", "table"))
     parser.add_argument("--suite", type=Path, required=True, help="the suite folder")
     parser.add_argument(
         "--version", help="the vLLM release whose tests to fetch (default: the installed one)"
@@ -422,6 +473,13 @@ def main() -> int:
         type=Path,
         help="an earlier run's folder: read its pass without the plugin instead of running it",
     )
+    parser.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier run's folder (other test files) joined into the table; repeatable",
+    )
     parser.add_argument("paths", nargs="*", default=["tests/v1/core"])
     args = parser.parse_intermixed_args()
     suite = args.suite.resolve()
@@ -429,6 +487,10 @@ def main() -> int:
     if args.command == "fetch":
         fetch(suite, args.version or installed)
         return 0
+    if args.command == "table":  # an earlier run's table (with --also), nothing run
+        if args.out is None:
+            bad_input("vllm_suite: table needs --out, the earlier run's folder")
+        return retable(args.out.resolve(), [folder.resolve() for folder in args.also])
     if args.version and args.version != installed:
         bad_input(
             f"vllm_suite: --version {args.version}, but this environment has vLLM {installed}"
@@ -437,7 +499,9 @@ def main() -> int:
 
     paths = list(CI_TESTS) if args.ci else args.paths
     bare_from = args.bare_from.resolve() if args.bare_from else None
-    return run(suite, paths, (args.out or suite / "run").resolve(), args.parallel, bare_from)
+    also = [folder.resolve() for folder in args.also]
+    out = (args.out or suite / "run").resolve()
+    return run(suite, paths, out, args.parallel, bare_from, also)
 
 
 if __name__ == "__main__":

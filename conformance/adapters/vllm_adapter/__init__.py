@@ -36,6 +36,10 @@ was given said of those two fields: the fuzzer and ``kvspec check`` judge agains
 ``fresh_factory``           ``factory`` with nothing reused between examples: each builds its
                             own ``VllmConfig`` (``reuse.py``; the others reuse it unless
                             ``KVSPEC_VLLM_REUSE=0``).
+``drafts_factory``          ``--spec-tokens K``: the synchronous ``Scheduler`` with n-gram
+                            speculative decoding, K drafts per decode, at depth 1; the drafter
+                            and the runner's acceptance drawn by the fuzzer (``drafts.py``).
+                            The other factories refuse ``--spec-tokens``.
 ==========================  ================================================================
 
 **Stale output.** With several steps in flight a request may be preempted while a submitted step
@@ -82,6 +86,7 @@ from kvspec.reference.choices import Choices  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
 
 from .attach import Attachment, Refusal, attach, config_of  # noqa: E402
+from .drafts import DraftsAdapter, drafts_factory  # noqa: E402
 from .loop import VOCAB, VllmAdapter  # noqa: E402
 from .pool_attach import PoolAttachment, attach_pool  # noqa: E402
 
@@ -89,6 +94,7 @@ __all__ = [
     "MAX_DEPTH",
     "VOCAB",
     "Attachment",
+    "DraftsAdapter",
     "PoolAttachment",
     "Refusal",
     "VllmAdapter",
@@ -96,6 +102,7 @@ __all__ = [
     "attach",
     "attach_pool",
     "config_of",
+    "drafts_factory",
     "drop_factory",
     "factory",
     "fresh_factory",
@@ -107,8 +114,9 @@ MAX_DEPTH = 4
 """Batch queues of 1 (``EngineCore.step``) to MAX_DEPTH steps (``build.py``)."""
 
 
-def supported(config: Config) -> str | None:
-    """Why vLLM cannot run this cell, or None."""
+def supported(config: Config, drafts: bool = False) -> str | None:
+    """Why vLLM cannot run this cell, or None. ``drafts``: the factory runs speculative
+    decoding (``drafts_factory``); the others refuse draft tokens rather than run without."""
     if config.policy != "eager-unsafe":
         return f"vLLM (0.33.0, 0.34.0) registers eagerly and never rolls back: policy eager-unsafe, not {config.policy}"
     if config.discipline != "vllm":
@@ -117,6 +125,10 @@ def supported(config: Config) -> str | None:
         return f"the adapter runs vLLM at depth 1 to {MAX_DEPTH}, not depth {config.depth}"
     if config.stop_token not in (None, 0):
         return f"the fake model runner's stop token is 0, not {config.stop_token}"
+    if config.spec_tokens and not drafts:
+        return "draft tokens (--spec-tokens) run through vllm_adapter:drafts_factory"
+    if config.sliding_window is not None:
+        return "the vLLM factories run one full-attention group, not a sliding window"
     return None
 
 

@@ -29,6 +29,7 @@ try:
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
     from vllm.utils.hashing import sha256
@@ -89,8 +90,11 @@ def new_vllm_config(
     async_scheduling: bool,
     long_prefill_token_threshold: int = 0,
     prefix_caching: bool = True,
+    spec_tokens: int = 0,
 ) -> VllmConfig:
-    """vLLM's config of the cell, built now (its arguments are ``reuse.py``'s construction key)."""
+    """vLLM's config of the cell, built now (its arguments are ``reuse.py``'s construction key).
+    ``spec_tokens`` K > 0: speculative decoding with n-gram drafts, K per decode (vLLM's
+    ``SpeculativeConfig(method="ngram")``, as vLLM's own CPU tests set it; ``drafts.py``)."""
     model = ModelConfig(
         model=_model_folder(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024
     )
@@ -116,6 +120,11 @@ def new_vllm_config(
             cache_config=cache,
             kv_events_config=events,
             parallel_config=parallel,
+            speculative_config=(
+                SpeculativeConfig(model="ngram", num_speculative_tokens=spec_tokens)
+                if spec_tokens
+                else None
+            ),
         )
         # vLLM's CPU platform turns async scheduling off (a GPU one keeps it); the scheduler
         # itself does not depend on the device.
@@ -139,6 +148,7 @@ def build_scheduler(
     bsz = config.block_size
     key = (config.num_blocks, bsz, config.token_budget, config.max_running, config.preemption)
     key += (config.depth, async_scheduling, long_prefill_token_threshold, config.prefix_caching)
+    key += (config.spec_tokens,)
     built = lambda: new_vllm_config(*key)  # noqa: E731
     vconfig = reuse_.configs.get(key, built) if reuse else built()
     return scheduler_on(vconfig, config, async_scheduling)

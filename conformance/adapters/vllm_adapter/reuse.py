@@ -25,8 +25,8 @@ events and reach the pools of engines built from scratch, example after example.
 
 The key is every argument of ``build.new_vllm_config`` (the cell's pool, block size, token
 budget, admission limit, preemption policy and depth, and the factory's async scheduling, prefill
-threshold and prefix caching): two examples share a config only where vLLM would build the
-same one. ``KVSPEC_VLLM_REUSE=0`` (or ``VllmAdapter(reuse=False)``, or the factory
+threshold, prefix caching and draft tokens per decode): two examples share a config only where
+vLLM would build the same one. ``KVSPEC_VLLM_REUSE=0`` (or ``VllmAdapter(reuse=False)``, or the factory
 ``fresh_factory``) builds a config per example. The KV-event publisher over loopback
 (``kv_stream.py``) is one per process either way.
 """
