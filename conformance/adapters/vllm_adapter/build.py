@@ -91,12 +91,18 @@ def new_vllm_config(
     long_prefill_token_threshold: int = 0,
     prefix_caching: bool = True,
     spec_tokens: int = 0,
+    model_folder: str | None = None,
 ) -> VllmConfig:
     """vLLM's config of the cell, built now (its arguments are ``reuse.py``'s construction key).
     ``spec_tokens`` K > 0: speculative decoding with n-gram drafts, K per decode (vLLM's
-    ``SpeculativeConfig(method="ngram")``, as vLLM's own CPU tests set it; ``drafts.py``)."""
+    ``SpeculativeConfig(method="ngram")``, as vLLM's own CPU tests set it; ``drafts.py``).
+    ``model_folder``: the ``config.json`` of another model (``hybrid.py``'s), else the plain one."""
     model = ModelConfig(
-        model=_model_folder(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024
+        model=model_folder or _model_folder(),
+        dtype="float32",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=1024,
     )
     scheduler = SchedulerConfig(
         max_model_len=1024,

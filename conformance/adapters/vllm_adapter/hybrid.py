@@ -34,11 +34,6 @@ from functools import cache
 from typing import Any
 
 from vllm.config import (
-    CacheConfig,
-    KVEventsConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     VllmConfig,
 )
 from vllm.v1.kv_cache_interface import (
@@ -181,41 +176,21 @@ def new_vllm_config(
     long_prefill_token_threshold: int = 0,
     prefix_caching: bool = True,
 ) -> VllmConfig:
-    """vLLM's config of a hybrid model's cell (``build.new_vllm_config``'s, of this model)."""
-    from .build import runner_v2
+    """vLLM's config of a hybrid model's cell: ``build.new_vllm_config``'s, of this model."""
+    from .build import new_vllm_config as plain
 
-    model_config = ModelConfig(
-        model=model_folder(model, block_size),
-        dtype="float32",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=1024,
+    return plain(
+        num_blocks,
+        block_size,
+        budget,
+        max_running,
+        policy,
+        depth,
+        async_scheduling,
+        long_prefill_token_threshold,
+        prefix_caching,
+        model_folder=model_folder(model, block_size),
     )
-    scheduler = SchedulerConfig(
-        max_model_len=1024,
-        is_encoder_decoder=False,
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_running,
-        enable_chunked_prefill=True,
-        policy=policy,
-        async_scheduling=async_scheduling,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-    )
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
-    cache.num_gpu_blocks = num_blocks
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    parallel = ParallelConfig(pipeline_parallel_size=depth - 1 if async_scheduling else depth)
-    with runner_v2(async_scheduling):
-        config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler,
-            cache_config=cache,
-            kv_events_config=events,
-            parallel_config=parallel,
-        )
-        config.scheduler_config.async_scheduling = async_scheduling  # build.py says why
-        assert config.max_concurrent_batches == depth, config.max_concurrent_batches
-    return config
 
 
 def kv_cache_config_of(vconfig: VllmConfig, num_blocks: int) -> tuple[KVCacheConfig, int, int]:
