@@ -15,7 +15,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 # lock in turn (flock, from util-linux; without it, build them one at a time).
 EDITABLE_LOCK := $(if $(shell command -v flock),flock .editable-install.lock)
 
-.PHONY: venv demo test pytest lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
+.PHONY: venv demo test test-e2e pytest lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
 
 venv: $(STAMP) $(FASTMODEL)
 
@@ -162,7 +162,13 @@ test: venv
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint contracts pytest
 
 pytest: venv
-	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15 -m "not e2e"
+
+# The tests marked e2e run whole pytest sessions of a third-party engine, once per supported
+# release (the plugin's crash test, the hybrid models, the drafts factory, the suite's table):
+# .ci/run runs them after `make test`, which they would push past its 15 minutes on 2 cores.
+test-e2e: venv
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=5 -m e2e
 
 format: venv
 	$(BIN)/ruff format .

@@ -362,6 +362,7 @@ def _junit(tmp_path: Path, name: str, *argv: str, venv: Path = VENV) -> tuple[st
 
 
 @pytest.mark.skipif(not VENVS, reason="no vLLM venv: run `make thirdparty` to build one")
+@pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_a_crash_inside_kvspec_never_changes_a_test_outcome(tmp_path: Path, venv: Path) -> None:
     """``case_crash.py``: crashes planted in kvspec's wrappers (before and after vLLM's method

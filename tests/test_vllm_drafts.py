@@ -17,7 +17,7 @@ from vllm_venvs import VENVS
 TESTS = Path(__file__).resolve().parent
 ADAPTER = "kvspec.conformance.adapters.vllm_adapter"
 
-pytestmark = pytest.mark.parametrize("venv", VENVS)
+pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("venv", VENVS)]
 
 
 def _fuzz(venv: Path, target: str, seconds: int, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -15,6 +15,7 @@ from vllm_venvs import VENVS
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_hybrid_models_on_every_release(venv: Path) -> None:
     argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:kvspec.pytest_plugin"]
@@ -30,6 +31,7 @@ def test_hybrid_models_on_every_release(venv: Path) -> None:
     assert " passed" in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 @pytest.mark.parametrize(
     ("model", "code", "says"), [("swa", 1, "BUG: r2 hits"), ("mamba", 0, "no zombie hit")]

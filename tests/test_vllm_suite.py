@@ -35,6 +35,7 @@ def _suite(venv: Path, suite: Path, *argv: str) -> subprocess.CompletedProcess[s
 
 
 @needs_vllm
+@pytest.mark.e2e
 def test_an_earlier_run_joins_the_table_once(tmp_path: Path) -> None:
     version, venv = BUILT[0]
     suite = tmp_path / "suite"
