@@ -243,3 +243,20 @@ def test_events_name_the_group_vllm_puts_each_block_in(model: str) -> None:
     hits = [e for e in a.events if e[0] == "hit"]
     assert len(hits) == 3 * 2 and [group_of(e) for e in hits] == [0, 1] * 3  # per group, in order
     assert all(len(e) == 3 for e in a.events if e[0] == "hit" and not group_of(e))  # canonical
+
+
+def test_a_group_the_spec_has_no_kind_for_is_refused_not_built() -> None:
+    """A cross-attention or chunked group beside a full one: ``spec_groups`` builds no
+    ``Config.groups`` from it (``Group`` would raise: an internal error in vLLM's
+    encoder-decoder tests), and ``group_features`` names it."""
+    chunked = KVCacheGroupSpec(
+        ["c"],
+        ChunkedLocalAttentionSpec(
+            4, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=8
+        ),
+    )
+    cross = KVCacheGroupSpec(["x"], type("CrossAttentionSpec", (), {"block_size": 4})())
+    for other, feature in ((chunked, "chunked local attention"), (cross, "cross-attention")):
+        sched = _fake([FULL, other])
+        assert groups.spec_groups(sched) == {}
+        assert feature in [name for name, _ in groups.group_features(sched)]

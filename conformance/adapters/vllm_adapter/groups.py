@@ -207,4 +207,6 @@ def spec_groups(sched: Any) -> dict[str, Any]:
     from kvspec.spec.state import Group as group
 
     read = model_groups(sched.kv_cache_config)
+    if any(g["kind"] not in KINDS for g in read):  # refused by name (group_features), not built
+        return {}
     return {"groups": tuple(group(g["kind"], g["block_size"], window=g["window"]) for g in read)}
