@@ -220,8 +220,9 @@ class UnifiedRecorder(Recorder):
         self.tokens: dict[int, tuple[int, ...]] = {}
         super().__init__(tree, pool, page_size, events)
 
-    def _walk(self, unlocked_only: bool) -> dict[int, int]:
-        walk = self.tree.tree_core.walk_for_kv_canary(unlocked_only, False)
+    def _walk(self, unlocked_only: bool, swa: bool = False) -> dict[int, int]:
+        """The tree's pages (its SWA component's with ``swa``) to their page positions."""
+        walk = self.tree.tree_core.walk_for_kv_canary(unlocked_only, swa)
         ps = self.page_size
         return {
             int(slot) // ps: int(position) // ps

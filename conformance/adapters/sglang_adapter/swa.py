@@ -107,15 +107,7 @@ class SwaRecorder(UnifiedRecorder):
         return {int(p) for p in full} | {self.full_pages + int(q) for q in swa}
 
     def _walk_swa(self, unlocked_only: bool) -> dict[int, int]:
-        walk = self.tree.tree_core.walk_for_kv_canary(unlocked_only, True)
-        ps = self.page_size
-        return {
-            int(slot) // ps: int(position) // ps
-            for slot, position in zip(
-                walk.slot_indices.tolist(), walk.positions.tolist(), strict=True
-            )
-            if int(position) % ps == 0
-        }
+        return self._walk(unlocked_only, swa=True)
 
     # -- reporting ------------------------------------------------------------------------------
 
