@@ -417,36 +417,40 @@ class Replayer:
         state_reads: dict[tuple[int, int], tuple[int, int, int]],
         read_states: dict[tuple[int, int], torch.Tensor],
     ) -> tuple[BadBlock, ...]:
-        """The reader's blocks, in every group, that a layer ``0 .. layer`` read wrong: K or V
-        differing from the truth at a position its queries see (the whole context for full
-        attention, the windows of its queries for a window), or a state differing from the
-        recurrence over the prefix it starts after."""
+        """The reader's blocks, in every group, that hold something wrong where the step reads:
+        K or V differing from the truth at a position its queries see (the whole context for
+        full attention, the windows of its queries for a window), or a state differing from
+        the recurrence over the prefix it starts after. Layers ``0 .. layer`` (run this step)
+        are checked over the whole context, the layers above it over what earlier steps wrote
+        (the positions before the step's start), so a zombie of every group is named."""
         blocks: list[BadBlock] = []
         for g, layout in enumerate(self.groups):
-            layers = [lay for lay in range(layer + 1) if self.layer_group[lay] == g]
-            if not layers:
-                continue
+            layers = [lay for lay in range(self.options.num_layers) if self.layer_group[lay] == g]
             if layout.kind == "state":
                 blocks += self._blame_state(w, dense, g, layers, state_reads, read_states)
             else:
-                blocks += self._blame_kv(w, dense, g, layers)
+                blocks += self._blame_kv(w, dense, g, layers, layer)
         return tuple(blocks)
 
-    def _blame_kv(self, w: Work, dense: Dense, g: int, layers: list[int]) -> list[BadBlock]:
+    def _blame_kv(
+        self, w: Work, dense: Dense, g: int, layers: list[int], done: int
+    ) -> list[BadBlock]:
         layout, cache, tab = self.groups[g], self.caches[g], table(w, g)
         assert cache is not None
         bsz = layout.block_size
         first = max(0, w.start - layout.window + 1) if layout.kind == "window" else 0
-        seen = range(first, w.end)
-        slots = torch.tensor([_slot(tab, p, bsz) for p in seen], dtype=torch.long)
         wrong = torch.zeros(w.end, dtype=torch.bool)
         for lay in layers:
+            upto = w.end if lay <= done else w.start
+            if upto <= first:
+                continue
+            slots = torch.tensor([_slot(tab, p, bsz) for p in range(first, upto)])
             k_slots, v_slots = cache.slots(self.local[lay])
             for held, truth in ((k_slots, dense.k[lay]), (v_slots, dense.v[lay])):
                 have = held[slots.to(held.device)].float().cpu()
-                want = truth[first : w.end].to(self.dtype).float().cpu()
+                want = truth[first:upto].to(self.dtype).float().cpu()
                 ok = (have - want).abs() <= self.atol + self.rtol * want.abs()
-                wrong[first:] |= ~ok.flatten(1).all(1)
+                wrong[first:upto] |= ~ok.flatten(1).all(1)
         blocks = []
         for index, block in enumerate(tab):
             positions = [
@@ -472,11 +476,15 @@ class Replayer:
         state_reads: dict[tuple[int, int], tuple[int, int, int]],
         read_states: dict[tuple[int, int], torch.Tensor],
     ) -> list[BadBlock]:
+        """The state block the step starts from, when a layer read (or, above the mismatch,
+        would read: nothing of the step is written there yet) a sum off the truth."""
         if w.start == 0:
             return []
         index, block, held = state_reads[w.req, g]
         for lay in layers:
-            have = read_states[w.req, lay]
+            have = read_states.get((w.req, lay))
+            if have is None:
+                have = self.states[g][self.local[lay]][block]
             want = dense.s[lay][w.start - 1]  # type: ignore[index]
             tolerance = self.atol + max(self.rtol, 1e-5) * want.abs()
             if not bool(((have - want).abs() <= tolerance).all()):
