@@ -18,7 +18,9 @@ if not torch.cuda.is_available():
 
 from scenarios import SEED  # noqa: E402
 
+from kvspec.cli import main  # noqa: E402
 from kvspec.conformance.plan import replay_groups, replay_plan  # noqa: E402
+from kvspec.conformance.trace import write_events  # noqa: E402
 from kvspec.impl.paged.records import Executed, Fill, GroupLayout, Record, Work  # noqa: E402
 from kvspec.impl.paged.replay import Options, Result, replay, table  # noqa: E402
 from kvspec.judge import Judge  # noqa: E402
@@ -112,24 +114,33 @@ def test_hybrid_trace_holds_in_16_bits(hybrid, dtype: torch.dtype) -> None:  # t
     assert result.max_error <= 1.5e-2 * 2
 
 
-def test_seed_zombie_in_a_window_group_is_a_wrong_number() -> None:
-    """The seed (eager-unsafe, priority) with a window group beside the full one: the spec's
-    bad reads are one block per group (r3 in step 3), and the replay names exactly those, both
-    zombies never written."""
-    config = Config(
-        num_blocks=11,
-        block_size=4,
-        policy="eager-unsafe",
-        preemption="priority",
-        token_budget=12,
-        groups=(Group("full", 4), Group("window", 4, 5)),
-    )
-    s = initial_state(config)
+SEED_WINDOW = Config(
+    num_blocks=11,
+    block_size=4,
+    policy="eager-unsafe",
+    preemption="priority",
+    token_budget=12,
+    groups=(Group("full", 4), Group("window", 4, 5)),
+)
+
+
+def seed_window_events() -> tuple[list, list]:
+    """The seed's decisions under ``SEED_WINDOW``, with the spec's effects; its bad reads."""
+    s = initial_state(SEED_WINDOW)
     events: list = []
     for decision in SEED:
         events.append(decision)
         events += apply(s, decision)
-    assert s.bad_reads == [(3, 3, 7), (3, 3, 9)]
+    return events, s.bad_reads
+
+
+def test_seed_zombie_in_a_window_group_is_a_wrong_number() -> None:
+    """The seed (eager-unsafe, priority) with a window group beside the full one: the spec's
+    bad reads are one block per group (r3 in step 3), and the replay names exactly those, both
+    zombies never written."""
+    config = SEED_WINDOW
+    events, bad_reads = seed_window_events()
+    assert bad_reads == [(3, 3, 7), (3, 3, 9)]
     result = run_plan(config, replay_plan(config, events), "triton")
     m = result.mismatch
     assert m is not None and (m.step, m.req) == (3, 3)
@@ -224,3 +235,21 @@ def test_a_state_of_another_prefix_is_a_wrong_number(hybrid) -> None:  # type: i
         assert (bad.block, bad.kind, bad.zombie) == (other, "state", True)
         return
     raise AssertionError("no step to plant a swapped state in")
+
+
+def test_cli_replays_a_hybrid_trace(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``kvspec replay`` reads the groups from the trace's header: a holding hybrid trace exits
+    0 (one layer a group at least, whatever ``--layers``), the seed with a window group exits 1
+    naming group 1's zombie."""
+    config, events = hybrid_trace(requests=4)
+    holding = tmp_path / "hybrid.jsonl"
+    write_events(holding, config, events)
+    assert main(["replay", str(holding), "--backend", "torch", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "groups full, window 4, state (layer i in group i % 3)" in out, out
+    assert "3 layers" in out and "every step matches" in out
+    seed = tmp_path / "seed.jsonl"
+    write_events(seed, SEED_WINDOW, seed_window_events()[0])
+    assert main(["replay", str(seed), "--backend", "torch"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH at step 3" in out and "group 1's block 9" in out, out

@@ -74,6 +74,9 @@ class Options:
     device: str | None = None
     """None: cuda when available, else cpu."""
     seed: int = 0
+    dense_cache: int = 256
+    """Dense passes the toy model keeps (by prefix) to extend: lower it for long contexts on a
+    GPU, where one pass holds every layer's Q, K, V and outputs."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ class Replayer:
             options.num_kv_heads,
             options.head_dim,
             options.seed,
+            cache_size=options.dense_cache,
             layers=[Layer(self.groups[g].kind, self.groups[g].window) for g in self.layer_group],
             device=device,
         )
