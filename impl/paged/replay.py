@@ -35,13 +35,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .batch import Batch, make_batch
 from .kv_cache import KVCache
+from .mismatch import BadBlock, Mismatch, Result
 from .model import LAYER_KINDS, Dense, Layer, ToyModel
 from .records import Executed, Fill, GroupLayout, Record, Work
 
@@ -77,85 +78,6 @@ class Options:
     dense_cache: int = 256
     """Dense passes the toy model keeps (by prefix) to extend: lower it for long contexts on a
     GPU, where one pass holds every layer's Q, K, V and outputs."""
-
-
-@dataclass(frozen=True)
-class BadBlock:
-    """A block of the reader's table whose K/V differ from the true K/V of the reader's prefix."""
-
-    block: int
-    index: int
-    """Its position in the reader's table."""
-    positions: tuple[int, int]
-    """First and last wrong position."""
-    zombie: bool
-    """Read as a prefix it never held since its allocation (else: it held the prefix, but its
-    K/V were computed from a wrong read)."""
-    never_written: bool
-    """Nothing was written to the wrong positions since the block's allocation (NaN)."""
-    group: int = 0
-    kind: str = "full"
-    """The group's kind: a ``state`` block holds one state, read by a step starting at
-    ``positions[0]`` (its prefix: the tokens before it)."""
-
-    def __str__(self) -> str:
-        if self.kind == "state":
-            where = (
-                f"group {self.group}'s state block {self.block} (table index {self.index}, "
-                f"the state after {self.positions[0]} tokens)"
-            )
-            if self.zombie and self.never_written:
-                return f"{where} is a zombie: never written since its allocation"
-            if self.zombie:
-                return f"{where} is a zombie: it holds another prefix's state"
-            return f"{where} holds this prefix's state computed from a wrong read"
-        group = f"group {self.group}'s " if self.group else ""
-        where = (
-            f"{group}block {self.block} (table index {self.index}, "
-            f"positions {self.positions[0]}..{self.positions[1]})"
-        )
-        if self.zombie and self.never_written:
-            return f"{where} is a zombie: read as this prefix, never written since its allocation"
-        if self.zombie:
-            return f"{where} is a zombie: read as this prefix, it holds another prefix's K/V"
-        return f"{where} holds this prefix's K/V computed from a wrong read"
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    step: int
-    event_index: int
-    req: int
-    layer: int
-    error: float
-    positions: tuple[int, int]
-    """First and last query position off by more than the tolerance."""
-    blocks: tuple[BadBlock, ...]
-    group: str = ""
-    """Several groups: the layer's group, as ``group 1: window 4``."""
-
-    def __str__(self) -> str:
-        layer = f"layer {self.layer} ({self.group})" if self.group else f"layer {self.layer}"
-        head = (
-            f"step {self.step} (event {self.event_index}): r{self.req}, {layer}, "
-            f"queries at positions {self.positions[0]}..{self.positions[1]} "
-            + ("give NaN" if self.error != self.error else f"off by {self.error:.3g}")
-        )
-        if not self.blocks:
-            return head + "; every block holds the right K/V: the attention itself is wrong"
-        return head + "; " + "; ".join(str(b) for b in self.blocks)
-
-
-@dataclass
-class Result:
-    steps: int = 0
-    """Executed steps replayed."""
-    queries: int = 0
-    """Query tokens compared with dense attention (each in every layer)."""
-    max_error: float = 0.0
-    """Largest absolute difference over every compared output (before any mismatch)."""
-    step_errors: list[tuple[int, float]] = field(default_factory=list)
-    mismatch: Mismatch | None = None
 
 
 def replay(
