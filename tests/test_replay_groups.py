@@ -22,7 +22,7 @@ from kvspec.cli import main  # noqa: E402
 from kvspec.conformance.plan import replay_groups, replay_plan  # noqa: E402
 from kvspec.conformance.trace import write_events  # noqa: E402
 from kvspec.impl.paged.records import Executed, Fill, GroupLayout, Record, Work  # noqa: E402
-from kvspec.impl.paged.replay import Options, Result, replay, table  # noqa: E402
+from kvspec.impl.paged.replay import Options, Replayer, Result, replay, table  # noqa: E402
 from kvspec.judge import Judge  # noqa: E402
 from kvspec.reference import Engine, EngineConfig, GroupSpec, RandomChoices  # noqa: E402
 from kvspec.reference.workload import shared_prefix_workload  # noqa: E402
@@ -253,3 +253,14 @@ def test_cli_replays_a_hybrid_trace(tmp_path, capsys) -> None:  # type: ignore[n
     assert main(["replay", str(seed), "--backend", "torch"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH at step 3" in out and "group 1's block 9" in out, out
+
+
+def test_the_replay_runs_on_cuda_when_there_is_one() -> None:
+    """The caches, the state blocks and the dense model live on CUDA when it is available (the
+    GPU check runs these tests there), else on the CPU under the Triton interpreter."""
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    layout = replay_groups(SEED_WINDOW) + (GroupLayout("state", 8),)
+    replayer = Replayer(12, 4, Options(num_layers=3), layout)
+    assert replayer.device.type == want and replayer.model.device.type == want
+    assert replayer.cache.k[0].device.type == want
+    assert replayer.states[2][0].device.type == want
