@@ -762,9 +762,12 @@ def _replay(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config, result = flow.replay(args.trace, options)  # every size priced before allocation
     atol, rtol = TOLERANCES[options.dtype]
+    layers = max(args.layers, len(config.groups))  # flow.replay: at least one layer a group
+    groups = ", ".join(g.kind + (f" {g.window}" if g.window else "") for g in config.groups)
     print(
         f"{args.trace}: {config.policy}, {config.num_blocks} blocks of {config.block_size}; "
-        f"{args.backend} {args.dtype}, {args.layers} layers, {args.heads}/{args.kv_heads} "
+        + (f"groups {groups} (layer i in group i % {len(config.groups)}); " if groups else "")
+        + f"{args.backend} {args.dtype}, {layers} layers, {args.heads}/{args.kv_heads} "
         f"heads of {args.head_dim}"
     )
     print(

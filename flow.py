@@ -39,6 +39,7 @@ torch, ``kvspec fuzz`` no z3).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -417,7 +418,7 @@ def replay(path: str | Path, options: Options) -> Replayed:
     size is priced against the memory budget before it is allocated (``budget.py``): the file
     read whole, then the tensors of the cache and of the largest step's dense attention."""
     from kvspec.conformance import budget
-    from kvspec.conformance.plan import PlanError, replay_plan
+    from kvspec.conformance.plan import PlanError, replay_groups, replay_plan
     from kvspec.conformance.trace import TraceError, open_trace
     from kvspec.impl.paged.replay import replay as run
 
@@ -434,9 +435,12 @@ def replay(path: str | Path, options: Options) -> Replayed:
     except PlanError as err:
         raise ValueError(f"{path}:{err.index + 2}: {err.reason}") from None
     largest = max((sum(w.end for w in getattr(r, "work", ())) for r in plan), default=0)
+    groups = replay_groups(config)
+    if len(groups) > options.num_layers:  # layer i belongs to group i % G: one layer each
+        options = dataclasses.replace(options, num_layers=len(groups))
     parts = budget.replay_need(
         config.num_blocks,
-        config.block_size,
+        max(g.block_size for g in groups),  # every group's cache priced at the largest block
         options.num_layers,
         options.num_heads,
         options.num_kv_heads,
@@ -445,7 +449,7 @@ def replay(path: str | Path, options: Options) -> Replayed:
         largest,
     )
     budget.require_all(parts, "replaying it on tensors", str(path))
-    return Replayed(config, run(plan, config.num_blocks, config.block_size, options))
+    return Replayed(config, run(plan, config.num_blocks, config.block_size, options, groups))
 
 
 class LlmSetup(NamedTuple):

@@ -7,7 +7,10 @@ the spec's state into work for real tensors, in trace order:
 
 * ``Fill(block)`` for every block the spec allocates (its bytes are garbage until written);
 * ``Executed(step, event_index, work)`` at every ``execute`` decision, with one ``Work`` per
-  entry of the step in scheduling order, read from the spec's state just before the execution.
+  entry of the step in scheduling order, read from the spec's state just before the execution
+  (with several groups, every group's table prefix: ``Entry.group_blocks``).
+
+``replay_groups`` says how the replay lays out the trace's groups (``model.groups``).
 
 Under async scheduling a step may compute the K/V of a position whose token is a placeholder
 (``docs/model.md``): the plan gives it the token the sampling step's commit resolves it to, or,
@@ -21,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from kvspec.impl.paged.records import Executed, Fill, Record, Work
+from kvspec.impl.paged.records import Executed, Fill, GroupLayout, Record, Work
 from kvspec.judge import Judge, Model
 from kvspec.judge.spec_model import SpecModel
 from kvspec.spec import Config, Placeholder
@@ -65,6 +68,7 @@ class PlanRecorder:
                         load=e.load,
                         failed=rid in failed,  # type: ignore[operator]
                         live=rid in step.live,
+                        groups=tuple(e.group_blocks),
                     )
                     for rid, e in step.entries.items()
                 )
@@ -93,6 +97,17 @@ def replay_plan(config: Config, events: Iterable[Event], judging: str = "strict"
             finding.event, finding.message if illegal else f"{finding.invariant}: {finding.message}"
         )
     return recorder.plan()
+
+
+def replay_groups(config: Config) -> tuple[GroupLayout, ...]:
+    """The trace's KV-cache groups as the replay lays them out: ``model.groups`` in order, or
+    one group (full attention, or ``sliding_window``'s window)."""
+    if config.groups:
+        return tuple(GroupLayout(g.kind, g.block_size, g.window or 0) for g in config.groups)
+    window = config.sliding_window
+    if window is not None:
+        return (GroupLayout("window", config.block_size, window),)
+    return (GroupLayout("full", config.block_size),)
 
 
 def _resolved(record: Record, tokens: dict[Placeholder, int]) -> Record:

@@ -14,13 +14,21 @@ out in ``attention_ref.dense_attention``), cached by prefix and extended increme
 a longer prefix leaves earlier positions unchanged). ``ToyModel.kv_above`` is the one function
 that both the dense pass and the paged replay use to turn an attention output into the next
 layer's K/V.
+
+Hybrid models (``layers``: one ``Layer`` per layer): a ``window`` layer attends over the last
+``window`` keys only; a ``state`` layer is a recurrence instead of attention, the toy form of a
+Mamba / linear-attention layer: its state after ``p + 1`` tokens is the running sum
+``S_p = S_{p-1} + v_p`` of the layer's values (float32, per KV head), a function of the prefix
+alone, and its output at ``p`` is ``state_output(S_p, q_p, p)``. ``state_sums`` and
+``state_output`` are the functions both the dense pass and the replay use (the replay starts
+from the sum it reads from a state block).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,15 +63,30 @@ def prefix_hashes(tokens: Sequence[int], seed: int = 0) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class Layer:
+    """What one layer computes: ``full`` or ``window`` attention (``window`` keys), or a
+    ``state`` recurrence."""
+
+    kind: str = "full"
+    window: int = 0
+
+
+LAYER_KINDS = ("full", "window", "state")
+
+
 @dataclass
 class Dense:
-    """The dense forward pass over a prefix: per layer, ``[n, heads, head_dim]`` float32."""
+    """The dense forward pass over a prefix: per layer, ``[n, heads, head_dim]`` float32;
+    ``s``: per layer, a state layer's sums ``S_p`` ``[n, kv_heads, head_dim]`` (None for an
+    attention layer)."""
 
     hashes: list[int]
     q: list[torch.Tensor]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     o: list[torch.Tensor]
+    s: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class ToyModel:
@@ -75,13 +98,24 @@ class ToyModel:
         head_dim: int = 16,
         seed: int = 0,
         cache_size: int = 256,
+        layers: Sequence[Layer] = (),
+        device: str | torch.device = "cpu",
     ) -> None:
+        """``layers``: one per layer (empty: every layer full attention); ``device``: where the
+        dense pass computes and its tensors live."""
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
         if min(num_layers, num_heads, num_kv_heads, head_dim) < 1:
             raise ValueError("layers, heads and head_dim must be >= 1")
         self.num_layers, self.num_heads = num_layers, num_heads
         self.num_kv_heads, self.head_dim, self.seed = num_kv_heads, head_dim, seed
+        self.layers = tuple(layers) or (Layer(),) * num_layers
+        if len(self.layers) != num_layers:
+            raise ValueError(f"{len(self.layers)} layer kinds for {num_layers} layers")
+        for layer in self.layers:
+            if layer.kind not in LAYER_KINDS or (layer.kind == "window") != (layer.window > 0):
+                raise ValueError(f"bad layer {layer}: a window needs kind window, and only it")
+        self.device = torch.device(device)
         self._cache: OrderedDict[int, Dense] = OrderedDict()
         self._cache_size = cache_size
 
@@ -95,7 +129,8 @@ class ToyModel:
         bits = _splitmix64_np(h ^ lanes[None, :]) >> np.uint64(40)  # 24 random bits
         unit = bits.astype(np.float64) / float(1 << 24)
         values = (unit * 2.0 - 1.0) * np.sqrt(3.0)
-        return torch.from_numpy(values.astype(np.float32)).view(-1, heads, self.head_dim)
+        out = torch.from_numpy(values.astype(np.float32)).view(-1, heads, self.head_dim)
+        return out.to(self.device)
 
     def kv_above(
         self, layer: int, hashes: Sequence[int], below: torch.Tensor
@@ -106,6 +141,22 @@ class ToyModel:
         k = 0.6 * self.seeded(hashes, layer, "k").to(mixed.device) + 0.8 * mixed
         v = 0.6 * self.seeded(hashes, layer, "v").to(mixed.device) - 0.8 * mixed
         return k, v
+
+    def state_output(self, sums: torch.Tensor, q: torch.Tensor, first: int) -> torch.Tensor:
+        """A state layer's output ``[n, Hq, D]`` at positions ``first .. first + n - 1`` from its
+        sums there ``[n, Hkv, D]`` and its queries: the mean-like ``S_p / sqrt(p + 1)`` of each
+        KV head, gated per query head by ``1 + q / 4``."""
+        group = self.num_heads // self.num_kv_heads
+        pos = torch.arange(first, first + sums.shape[0], device=sums.device, dtype=torch.float32)
+        scaled = sums / torch.sqrt(pos + 1.0)[:, None, None]
+        return scaled.repeat_interleave(group, 1) * (1.0 + 0.25 * q.float())
+
+    @staticmethod
+    def state_sums(before: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+        """``S_p`` for the positions of ``v`` ``[n, Hkv, D]``, from the sum before them (None:
+        the empty prefix)."""
+        sums = torch.cumsum(v.float(), 0)
+        return sums if before is None else sums + before.float()
 
     def forward(self, tokens: Sequence[int]) -> Dense:
         """The dense pass over ``tokens`` (all of them), from the longest cached prefix on."""
@@ -132,15 +183,25 @@ class ToyModel:
             else:
                 assert below is not None
                 k, v = self.kv_above(layer, new, below)
+            kind = self.layers[layer]
+            sums: torch.Tensor | None = None
+            if kind.kind == "state":
+                before = None if base is None else base.s[layer][-1]  # type: ignore[index]
+                sums = self.state_sums(before, v)
+                out = self.state_output(sums, q, done)
             if base is not None:
                 q = torch.cat([base.q[layer], q])
                 k = torch.cat([base.k[layer], k])
                 v = torch.cat([base.v[layer], v])
-            out = dense_attention(q[done:], k, v)
+                if sums is not None:
+                    sums = torch.cat([base.s[layer], sums])  # type: ignore[list-item]
+            if kind.kind != "state":
+                out = dense_attention(q[done:], k, v, window=kind.window)
             below = out
             result.q.append(q)
             result.k.append(k)
             result.v.append(v)
+            result.s.append(sums)
             result.o.append(out if base is None else torch.cat([base.o[layer], out]))
         self._cache[hashes[-1]] = result
         while len(self._cache) > self._cache_size:

@@ -37,6 +37,12 @@ class Work:
     """The load failed: nothing is written."""
     live: bool
     """The request's result is used at commit (not preempted or aborted since scheduling)."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Several KV-cache groups: the table prefix of each group 1 .. G - 1 (``blocks`` is group
+    0's), laid out by its ``GroupLayout``: a full or window group's block ``i`` holds positions
+    ``i*B_g .. (i+1)*B_g - 1``; a state group's block ``i`` holds one state, the recurrence after
+    some number of tokens in ``i*B_g + 1 .. (i+1)*B_g`` (a step reads the block of the position
+    it starts at and writes the block of the position it ends at)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,17 @@ class Executed:
     event_index: int
     work: tuple[Work, ...]
     """The step's entries in scheduling order."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """One KV-cache group as the replay lays it out: ``kind`` ``full``, ``window`` (attention
+    over the last ``window`` keys) or ``state``; its own ``block_size``. Block ids are global
+    (one shared pool): a block is in one group's tables at a time."""
+
+    kind: str
+    block_size: int
+    window: int = 0
 
 
 Record = Fill | Executed
