@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (issue #36): one short script the lead runs on the device machine (H100,
 # torch 2.11, triton 3.6, Python 3.12, no network), from the checkout's root, with $OUT set.
-# Whole script under 7 minutes (the caps add up to 425 s): every part has its own time cap; each part's output is tee'd
+# Whole script under 7 minutes (the caps add up to 395 s): every part has its own time cap; each part's output is tee'd
 # into $OUT/<part>.txt and its exit status into $OUT/status.txt.
 #
 # Wheels: the lead downloads cp312 / py3 wheels into .gpu-wheels/ (untracked, carried with the
@@ -40,7 +40,7 @@ part() {  # part NAME SECONDS COMMAND...: run it capped, tee its output, record 
 
 part nvidia-smi 10 nvidia-smi
 part import 15 python3 -c "import kvspec, torch, triton; print(kvspec.__file__, torch.__version__, triton.__version__, torch.cuda.is_available())"
-part gpu_attention 160 python3 bench/gpu_attention.py --budget 150
+part gpu_attention 130 python3 bench/gpu_attention.py --budget 115
 TESTS="tests/test_kernels.py tests/test_replay.py tests/test_replay_groups.py"
 if python3 -c "import transformers" 2>/dev/null; then
   TESTS="$TESTS tests/test_llm.py"
@@ -48,7 +48,7 @@ else
   echo "transformers missing: tests/test_llm.py not run" | tee -a "$OUT/status.txt"
 fi
 # shellcheck disable=SC2086
-part pytest 120 python3 -m pytest -q -p no:cacheprovider -x $TESTS
+part pytest 150 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS
 # full + window 512 + state, 8 requests of 2048 tokens, 32/8 heads of 128, float32 then bf16
 part replay_hybrid 90 python3 bench/bench_replay_hybrid.py --dtypes float32,bfloat16
 cat "$OUT/status.txt"
