@@ -1,0 +1,190 @@
+"""vLLM-style tests of a hybrid model's KV-cache groups (vLLM's objects only, no kvspec import),
+run by tests/test_vllm_plugin_hybrid.py on every supported vLLM, with and without kvspec's
+plugin. A scheduler over two KV-cache groups of blocks of 2 under vLLM's
+``HybridKVCacheCoordinator``: group 0 full attention, group 1 sliding-window attention (window 5),
+as a Gemma-style model's layers are grouped, driven by ``case_window.py``'s workload (long shared
+prompts whose hits every group must serve, decodes past the window whose blocks before it are
+freed and nulled in group 1 only, an early stop, an abort with steps in flight, late arrivals).
+
+``test_full_and_window_groups_hold`` (synchronous ``Scheduler``) and
+``test_full_and_window_groups_hold_async`` (``AsyncScheduler``, a batch queue of two steps) hold.
+Two plant bugs in vLLM's window manager: a hit that takes one cached block as enough where the
+window needs two (the coordinator then hands out a hit group 1 cannot serve), and blocks before
+the window freed on the optimistic count (the tokens of steps in flight counted as processed:
+blocks a step in flight still reads are recycled)."""
+
+import pytest
+import torch
+from case_window import BLOCK, WINDOW, make_request, runner_v2  # noqa: F401 (a fixture)
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+STOP = 42
+
+
+def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4):
+    model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=1024)
+    sched = SchedulerConfig(
+        max_model_len=1024,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        enable_chunked_prefill=True,
+        async_scheduling=asynchronous,
+    )
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_blocks
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        parallel_config=ParallelConfig(pipeline_parallel_size=1),
+    )
+    config.scheduler_config.async_scheduling = asynchronous  # vLLM's CPU platform turns it off
+    common = dict(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [
+        KVCacheGroupSpec(["full"], FullAttentionSpec(**common)),
+        KVCacheGroupSpec(["window"], SlidingWindowSpec(**common, sliding_window=WINDOW)),
+    ]
+    kind = AsyncScheduler if asynchronous else Scheduler
+    scheduler = kind(
+        vllm_config=config,
+        kv_cache_config=KVCacheConfig(num_blocks, [], groups),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
+    assert isinstance(scheduler.kv_cache_manager.coordinator, HybridKVCacheCoordinator)
+    return scheduler
+
+
+def runner_output(ids, sampled):
+    """A ``ModelRunnerOutput`` of either release (0.34.0 has no ``req_id_to_index``)."""
+    fields = ModelRunnerOutput.__dataclass_fields__
+    extra = (
+        {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+        if "req_id_to_index" in fields
+        else {}
+    )
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
+
+
+class EngineCore:
+    """A batch queue of ``depth`` steps over the scheduler (1: synchronous); the runner samples
+    token 7, or the stop token for a request named in ``stops`` at its n-th sample."""
+
+    def __init__(self, scheduler, stops, depth):
+        self.scheduler, self.stops, self.depth = scheduler, dict(stops), depth
+        self.queue, self.samples = [], {}
+
+    def token(self, rid):
+        self.samples[rid] = self.samples.get(rid, 0) + 1
+        return STOP if self.stops.get(rid) == self.samples[rid] else 7
+
+    def step(self):
+        if len(self.queue) < self.depth and self.scheduler.has_requests():
+            output = self.scheduler.schedule()
+            requests = self.scheduler.requests
+            samples = {r for r in output.num_scheduled_tokens if not requests[r].is_prefill_chunk}
+            self.queue.append((output, samples))
+        if len(self.queue) == self.depth or (self.queue and not self.scheduler.has_requests()):
+            output, samples = self.queue.pop(0)
+            ids = list(output.num_scheduled_tokens)
+            sampled = [[self.token(r)] if r in samples else [] for r in ids]
+            self.scheduler.update_from_output(output, runner_output(ids, sampled))
+
+
+def workload(scheduler, depth):
+    """Shared long prefixes, an early stop, an abort with steps in flight, late arrivals that
+    hit past the window; everything finishes and the pool is whole."""
+    core = EngineCore(scheduler, stops={"req-3": 2}, depth=depth)
+    base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    prompts = (base + [12], base + [13, 13], [20, 21, 22, 23, 24, 25, 26], base[:5])
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"req-{i}", prompt, float(i), max_tokens=8))
+    for _ in range(6):
+        core.step()
+    scheduler.finish_requests("req-2", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request("late", base + [12, 7, 7], 9.0))
+    scheduler.add_request(make_request("later", base + [30], 10.0))
+    for _ in range(80):
+        core.step()
+    assert not scheduler.has_requests() and not core.queue
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    return scheduler
+
+
+def _nulls(scheduler):
+    window = scheduler.kv_cache_manager.coordinator.single_type_managers[1]
+    return sum(1 for blocks in window.req_to_blocks.values() for b in blocks if b.is_null)
+
+
+def _spy_nulls(scheduler):
+    """Count the window group's nulls each time vLLM frees skipped blocks (calling through)."""
+    seen = []
+    coordinator = scheduler.kv_cache_manager.coordinator
+    original = coordinator.remove_skipped_blocks
+
+    def spy(*args, **kw):
+        original(*args, **kw)
+        seen.append(_nulls(scheduler))
+
+    coordinator.remove_skipped_blocks = spy
+    return seen
+
+
+def _hits(scheduler):
+    """Record every admission's hit length, per group (calling through)."""
+    hits = []
+    manager = scheduler.kv_cache_manager
+    original = manager.get_computed_blocks
+
+    def spy(*args, **kw):
+        found = original(*args, **kw)  # (blocks, ...): its other fields differ by release
+        hits.append(tuple(len(group) for group in found[0].blocks))
+        return found
+
+    manager.get_computed_blocks = spy
+    return hits
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_full_and_window_groups_hold(asynchronous):
+    scheduler = make_scheduler(asynchronous)
+    seen, hits = _spy_nulls(scheduler), _hits(scheduler)
+    workload(scheduler, depth=2 if asynchronous else 1)
+    assert max(seen) > 2  # blocks before the window were freed and nulled in group 1
+    assert any(h[0] >= 4 and h[0] == h[1] for h in hits)  # both groups served a long hit
+    assert scheduler.kv_cache_manager.reset_prefix_cache()
+
+
+def test_a_window_hit_short_of_the_window_is_caught(monkeypatch):
+    monkeypatch.setattr(  # planted: one cached block is taken as enough for the window group
+        SlidingWindowManager, "_contiguous_blocks_for_hit", classmethod(lambda cls, *a, **kw: 1)
+    )
+    workload(make_scheduler(asynchronous=False), depth=1)
+
+
+def test_a_window_free_on_the_optimistic_count_is_caught():
+    scheduler = make_scheduler(asynchronous=True)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    original = coordinator.remove_skipped_blocks
+
+    def optimistic(request_id, processed, *args, **kw):  # planted
+        request = scheduler.requests[request_id]
+        original(request_id, processed + request.num_in_flight_tokens, *args, **kw)
+
+    coordinator.remove_skipped_blocks = optimistic
+    workload(scheduler, depth=2)
