@@ -11,7 +11,8 @@ freed and nulled in group 1 only, an early stop, an abort with steps in flight, 
 Two plant bugs in vLLM's window manager: a hit that takes one cached block as enough where the
 window needs two (the coordinator then hands out a hit group 1 cannot serve), and blocks before
 the window freed on the optimistic count (the tokens of steps in flight counted as processed:
-blocks a step in flight still reads are recycled)."""
+blocks a step in flight still reads are recycled). ``test_full_and_mamba_groups``: full attention
+beside a Mamba state group (align mode), refused by name this round (its docstring)."""
 
 import pytest
 import torch
@@ -20,11 +21,15 @@ from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfi
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    SlidingWindowManager,
+    register_all_kvcache_specs,
+)
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
@@ -34,7 +39,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 STOP = 42
 
 
-def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4):
+def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4, second="window"):
     model = ModelConfig(model="facebook/opt-125m", skip_tokenizer_init=True, max_model_len=1024)
     sched = SchedulerConfig(
         max_model_len=1024,
@@ -44,7 +49,8 @@ def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4):
         enable_chunked_prefill=True,
         async_scheduling=asynchronous,
     )
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    mamba = {"mamba_cache_mode": "align"} if second == "mamba" else {}
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, **mamba)
     cache.num_gpu_blocks = num_blocks
     config = VllmConfig(
         model_config=model,
@@ -54,10 +60,20 @@ def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4):
     )
     config.scheduler_config.async_scheduling = asynchronous  # vLLM's CPU platform turns it off
     common = dict(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [
-        KVCacheGroupSpec(["full"], FullAttentionSpec(**common)),
-        KVCacheGroupSpec(["window"], SlidingWindowSpec(**common, sliding_window=WINDOW)),
-    ]
+    if second == "mamba":  # a state at each block boundary a step ends at (vLLM's "align")
+        state = MambaSpec(
+            block_size=BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
+        )
+        groups = [
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**common)),
+            KVCacheGroupSpec(["mamba"], state),
+        ]
+        register_all_kvcache_specs(config)
+    else:
+        groups = [
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**common)),
+            KVCacheGroupSpec(["window"], SlidingWindowSpec(**common, sliding_window=WINDOW)),
+        ]
     kind = AsyncScheduler if asynchronous else Scheduler
     scheduler = kind(
         vllm_config=config,
@@ -167,6 +183,18 @@ def test_full_and_window_groups_hold(asynchronous):
     workload(scheduler, depth=2 if asynchronous else 1)
     assert max(seen) > 2  # blocks before the window were freed and nulled in group 1
     assert any(h[0] >= 4 and h[0] == h[1] for h in hits)  # both groups served a long hit
+    assert scheduler.kv_cache_manager.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_full_and_mamba_groups(asynchronous):
+    """Full attention beside a Mamba state group (vLLM's align mode): states hit at block
+    boundaries. Refused by name while kvspec's state groups register where vLLM's do not
+    (``Mamba state publication``), judged once they do."""
+    scheduler = make_scheduler(asynchronous, second="mamba")
+    hits = _hits(scheduler)
+    workload(scheduler, depth=2 if asynchronous else 1)
+    assert any(h[0] >= 2 and h[1] for h in hits)  # a state was hit beside the full blocks
     assert scheduler.kv_cache_manager.reset_prefix_cache()
 
 
