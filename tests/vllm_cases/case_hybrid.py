@@ -16,7 +16,8 @@ beside a Mamba state group (align mode), refused by name this round (its docstri
 
 import pytest
 import torch
-from case_window import BLOCK, WINDOW, make_request, runner_v2  # noqa: F401 (a fixture)
+from case_window import BLOCK, WINDOW, EngineCore, runner_v2  # noqa: F401 (a fixture)
+from case_window import workload as window_workload
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -32,11 +33,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
-
-STOP = 42
 
 
 def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4, second="window"):
@@ -85,61 +82,10 @@ def make_scheduler(asynchronous, num_blocks=60, budget=16, max_seqs=4, second="w
     return scheduler
 
 
-def runner_output(ids, sampled):
-    """A ``ModelRunnerOutput`` of either release (0.34.0 has no ``req_id_to_index``)."""
-    fields = ModelRunnerOutput.__dataclass_fields__
-    extra = (
-        {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
-        if "req_id_to_index" in fields
-        else {}
-    )
-    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
-
-
-class EngineCore:
-    """A batch queue of ``depth`` steps over the scheduler (1: synchronous); the runner samples
-    token 7, or the stop token for a request named in ``stops`` at its n-th sample."""
-
-    def __init__(self, scheduler, stops, depth):
-        self.scheduler, self.stops, self.depth = scheduler, dict(stops), depth
-        self.queue, self.samples = [], {}
-
-    def token(self, rid):
-        self.samples[rid] = self.samples.get(rid, 0) + 1
-        return STOP if self.stops.get(rid) == self.samples[rid] else 7
-
-    def step(self):
-        if len(self.queue) < self.depth and self.scheduler.has_requests():
-            output = self.scheduler.schedule()
-            requests = self.scheduler.requests
-            samples = {r for r in output.num_scheduled_tokens if not requests[r].is_prefill_chunk}
-            self.queue.append((output, samples))
-        if len(self.queue) == self.depth or (self.queue and not self.scheduler.has_requests()):
-            output, samples = self.queue.pop(0)
-            ids = list(output.num_scheduled_tokens)
-            sampled = [[self.token(r)] if r in samples else [] for r in ids]
-            self.scheduler.update_from_output(output, runner_output(ids, sampled))
-
-
 def workload(scheduler, depth):
-    """Shared long prefixes, an early stop, an abort with steps in flight, late arrivals that
-    hit past the window; everything finishes and the pool is whole."""
-    core = EngineCore(scheduler, stops={"req-3": 2}, depth=depth)
-    base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
-    prompts = (base + [12], base + [13, 13], [20, 21, 22, 23, 24, 25, 26], base[:5])
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(make_request(f"req-{i}", prompt, float(i), max_tokens=8))
-    for _ in range(6):
-        core.step()
-    scheduler.finish_requests("req-2", RequestStatus.FINISHED_ABORTED)
-    scheduler.add_request(make_request("late", base + [12, 7, 7], 9.0))
-    scheduler.add_request(make_request("later", base + [30], 10.0))
-    for _ in range(80):
-        core.step()
-    assert not scheduler.has_requests() and not core.queue
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-    return scheduler
+    """``case_window.py``'s workload under a batch queue of ``depth`` steps (1: synchronous);
+    everything finishes and the pool is whole."""
+    return window_workload(EngineCore(scheduler, stops={"req-3": 2}, depth=depth))
 
 
 def _nulls(scheduler):
@@ -183,7 +129,6 @@ def test_full_and_window_groups_hold(asynchronous):
     workload(scheduler, depth=2 if asynchronous else 1)
     assert max(seen) > 2  # blocks before the window were freed and nulled in group 1
     assert any(h[0] >= 4 and h[0] == h[1] for h in hits)  # both groups served a long hit
-    assert scheduler.kv_cache_manager.reset_prefix_cache()
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -195,7 +140,6 @@ def test_full_and_mamba_groups(asynchronous):
     hits = _hits(scheduler)
     workload(scheduler, depth=2 if asynchronous else 1)
     assert any(h[0] >= 2 and h[1] for h in hits)  # a state was hit beside the full blocks
-    assert scheduler.kv_cache_manager.reset_prefix_cache()
 
 
 def test_a_window_hit_short_of_the_window_is_caught(monkeypatch):
