@@ -79,42 +79,37 @@ def make_request(request_id, prompt, arrival, max_tokens=6):
     )
 
 
+def runner_output(ids, sampled):
+    """A ``ModelRunnerOutput`` of either release (0.34.0 has no ``req_id_to_index``)."""
+    fields = ModelRunnerOutput.__dataclass_fields__
+    index = {r: i for i, r in enumerate(ids)}
+    extra = {"req_id_to_index": index} if "req_id_to_index" in fields else {}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
+
+
 class EngineCore:
-    """A batch queue of two steps over the scheduler; the runner samples token 7, or the stop
-    token for a request named in ``stops`` at its n-th sample."""
+    """A batch queue of ``depth`` steps over the scheduler (1: synchronous); the runner samples
+    token 7, or the stop token for a request named in ``stops`` at its n-th sample."""
 
-    def __init__(self, scheduler, stops):
-        self.scheduler = scheduler
-        self.queue = []
-        self.stops = dict(stops)
-        self.samples = {}
-
-    def schedule(self):
-        output = self.scheduler.schedule()
-        requests = self.scheduler.requests
-        samples = {r for r in output.num_scheduled_tokens if not requests[r].is_prefill_chunk}
-        self.queue.append((output, samples))
-        return output
+    def __init__(self, scheduler, stops, depth=2):
+        self.scheduler, self.stops, self.depth = scheduler, dict(stops), depth
+        self.queue, self.samples = [], {}
 
     def token(self, rid):
         self.samples[rid] = self.samples.get(rid, 0) + 1
         return STOP if self.stops.get(rid) == self.samples[rid] else 7
 
-    def process_oldest(self):
-        output, samples = self.queue.pop(0)
-        ids = list(output.num_scheduled_tokens)
-        runner = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[self.token(r)] if r in samples else [] for r in ids],
-        )
-        self.scheduler.update_from_output(output, runner)
-
     def step(self):
-        if len(self.queue) < 2 and self.scheduler.has_requests():
-            self.schedule()
-        if len(self.queue) == 2 or (self.queue and not self.scheduler.has_requests()):
-            self.process_oldest()
+        if len(self.queue) < self.depth and self.scheduler.has_requests():
+            output = self.scheduler.schedule()
+            requests = self.scheduler.requests
+            samples = {r for r in output.num_scheduled_tokens if not requests[r].is_prefill_chunk}
+            self.queue.append((output, samples))
+        if len(self.queue) == self.depth or (self.queue and not self.scheduler.has_requests()):
+            output, samples = self.queue.pop(0)
+            ids = list(output.num_scheduled_tokens)
+            sampled = [[self.token(r)] if r in samples else [] for r in ids]
+            self.scheduler.update_from_output(output, runner_output(ids, sampled))
 
 
 def workload(core):
@@ -130,7 +125,7 @@ def workload(core):
     scheduler.finish_requests("req-2", RequestStatus.FINISHED_ABORTED)
     scheduler.add_request(make_request("late", base + [12, 7, 7], 9.0))
     scheduler.add_request(make_request("later", base + [30], 10.0))
-    for _ in range(60):
+    for _ in range(100):  # a step with nothing scheduled or queued does nothing
         core.step()
     assert not scheduler.has_requests() and not core.queue
     pool = scheduler.kv_cache_manager.block_pool
