@@ -24,6 +24,8 @@ Counters:
 * ``unwritten_reads``: reads of the wrong bytes when a step executed (the spec's ``bad_reads``,
   added by the caller from the model's state at the end of the run: a zombie read);
 * ``load_failures``: ``load_failed`` effects (an external KV load that failed);
+* ``loads``: ``schedule`` decisions with loaded blocks (external KV loads), of which
+  ``sync_loads`` computed tokens after them in the same step (synchronous);
 * ``preempt_at_depth``: preemptions by the number of submitted steps in flight at that moment
   (0: none, as in a synchronous engine between steps; up to the cell's depth);
 * ``accepted_drafts``: draft tokens accepted (speculative decoding: a ``commit`` lists a request
@@ -65,6 +67,8 @@ class Coverage:
     zombie_hits: int = 0
     unwritten_reads: int = 0
     load_failures: int = 0
+    loads: int = 0
+    sync_loads: int = 0
     accepted_drafts: int = 0
     window_frees: int = 0
     state_hits: int = 0
@@ -93,6 +97,7 @@ class Coverage:
             f"{self.hit_same_step} same-step and {self.hit_in_flight} in-flight hits of unwritten "
             f"blocks, {self.zombie_hits} zombie hits, {self.unwritten_reads} unwritten reads, {self.load_failures} load failures; "
             f"preemptions with 0/1/2/3 steps in flight: {depths}"
+            + (f"; {self.loads} loads ({self.sync_loads} synchronous)" if self.loads else "")
             + (f"; {self.accepted_drafts} accepted draft tokens" if self.accepted_drafts else "")
             + (f"; {self.window_frees} blocks freed before a window" if self.window_frees else "")
             + (f"; {self.refused_runs} runs ended by a refusal" if self.refused_runs else "")
@@ -172,6 +177,9 @@ class RunCoverage(Coverage):
                     self.scheduled[event[1]].append(event[3])  # type: ignore[index,arg-type]
             elif kind == "schedule":
                 self.scheduled.setdefault(event[1], [])  # type: ignore[arg-type]
+                if len(event) > 3 and event[3]:
+                    self.loads += 1
+                    self.sync_loads += bool(event[2])
             elif kind == "preempt":
                 withdrawn = self.scheduled.pop(event[1], None)  # type: ignore[call-overload]
                 if withdrawn is not None:

@@ -92,11 +92,13 @@ def new_vllm_config(
     prefix_caching: bool = True,
     spec_tokens: int = 0,
     model_folder: str | None = None,
+    kv_transfer: Any = None,
 ) -> VllmConfig:
     """vLLM's config of the cell, built now (its arguments are ``reuse.py``'s construction key).
     ``spec_tokens`` K > 0: speculative decoding with n-gram drafts, K per decode (vLLM's
     ``SpeculativeConfig(method="ngram")``, as vLLM's own CPU tests set it; ``drafts.py``).
-    ``model_folder``: the ``config.json`` of another model (``hybrid.py``'s), else the plain one."""
+    ``model_folder``: the ``config.json`` of another model (``hybrid.py``'s), else the plain one.
+    ``kv_transfer``: a ``KVTransferConfig`` (a KV connector, ``loads.py``), else none."""
     model = ModelConfig(
         model=model_folder or _model_folder(),
         dtype="float32",
@@ -131,6 +133,7 @@ def new_vllm_config(
                 if spec_tokens
                 else None
             ),
+            kv_transfer_config=kv_transfer,
         )
         # vLLM's CPU platform turns async scheduling off (a GPU one keeps it); the scheduler
         # itself does not depend on the device.

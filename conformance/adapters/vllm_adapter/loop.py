@@ -246,7 +246,7 @@ class VllmAdapter:
                     f"{position}, vLLM appends it at {request.num_tokens}"
                 )
         req_ids = list(oldest.output.num_scheduled_tokens)
-        runner = versions.runner_output(req_ids, [tokens.get(r, []) for r in req_ids])
+        runner = self.runner_output(oldest, req_ids, [tokens.get(r, []) for r in req_ids])
         start = len(self.events)
         self.decisions.append((start, ("execute", oldest.step, ())))
         self.decisions.append((start + 1, ("commit", oldest.step, tuple(sampled))))
@@ -267,6 +267,11 @@ class VllmAdapter:
             if request is None or request.is_finished():
                 held = any(req_id in later.output.num_scheduled_tokens for later in self.queue)
                 self.coverage.finished_held += held
+
+    def runner_output(self, oldest: InFlight, req_ids: list[str], tokens: list[list[int]]) -> Any:
+        """The model runner's output of the ``oldest`` step (``loads.py`` adds the worker's
+        report of the step's KV loads)."""
+        return versions.runner_output(req_ids, tokens)
 
     def _ahead(self, rid: int, index: int) -> bool:
         """Whether a submitted step still computes a slot of the request's block ``index``."""

@@ -1,0 +1,55 @@
+"""``kvspec fuzz --loads`` reaches vLLM's KV connector loads
+(``vllm_adapter.loads:loads_factory``, ``conformance/adapters/vllm_adapter/loads.py``), on every
+supported release: synchronous and asynchronous loads hold; a registration of an asynchronous
+load's blocks before it lands (``tests/vllm_loads_targets.py``) is found; a load failure, under
+either of vLLM's policies, reaches vLLM's failure handling and ends the fuzz run refused by name
+(exit 2, counted in the coverage line), since neither policy is the spec's."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from vllm_venvs import VENVS
+
+TESTS = Path(__file__).resolve().parent
+LOADS = "kvspec.conformance.adapters.vllm_adapter.loads"
+
+pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("venv", VENVS)]
+
+
+def _fuzz(venv: Path, target: str, seconds: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [str(venv / "bin" / "kvspec"), "fuzz", "--target", target, "--policy", "eager-unsafe"]
+    argv += ["--loads", "--depth", "1", "--seed", "1", "--seconds", str(seconds), *extra]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    return subprocess.run(
+        argv, capture_output=True, text=True, cwd=TESTS, env=env, timeout=seconds + 240
+    )
+
+
+def test_loads_reach_vllm_and_hold(venv: Path) -> None:
+    done = _fuzz(venv, f"{LOADS}:loads_factory", 15)
+    assert done.returncode == 0, done.stdout + done.stderr
+    counted = re.search(r"(\d+) loads \((\d+) synchronous\)", done.stdout)
+    assert counted, done.stdout
+    loads, synchronous = int(counted.group(1)), int(counted.group(2))
+    assert loads > synchronous > 0, done.stdout  # both kinds reached vLLM
+
+
+def test_a_load_registered_before_it_lands_is_found(venv: Path) -> None:
+    target = "vllm_loads_targets:cached_before_landing_factory"
+    done = _fuzz(venv, target, 60, "--no-shrink", "--seed", "0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(r"Disagreement: engine emitted \('publish'", done.stdout), done.stdout
+
+
+@pytest.mark.parametrize("factory", ["recompute_loads_factory", "fail_loads_factory"])
+def test_a_load_failure_ends_the_run_refused(venv: Path, factory: str) -> None:
+    done = _fuzz(venv, f"{LOADS}:{factory}", 60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "refused mid-run" in done.stderr and "KV connector: load failures" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "1 runs ended by a refusal" in done.stdout, done.stdout
