@@ -86,9 +86,9 @@ def supported(config: Config, overlap: bool = True) -> str | None:
     if config.sliding_window is not None:
         return (
             "SGLang serves a sliding-window model with UnifiedRadixCache's SWA component beside "
-            "FULL (a second pool, per-component locks and eviction, window tombstones), which "
-            "the spec's one sliding-window group does not model: sliding_window refused "
-            "(docs/adapters.md, SGLang, hybrid models)"
+            "FULL (a second pool, per-component locks and eviction, window tombstones): two "
+            "KV-cache groups, not the spec's one sliding-window group: sliding_window refused "
+            "(swa_factory runs SGLang's hybrid SWA model; docs/adapters.md, SGLang, hybrid models)"
         )
     if config.spec_tokens:
         return "the SGLang adapter drives no speculative decoding: spec_tokens 0"
@@ -144,9 +144,8 @@ def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:
 def swa_factory(config: Config, choices: Choices) -> SglangAdapter:
     """The overlap scheduler over the tree cache SGLang builds for a hybrid sliding-window model
     (``build.SWA_MODEL``: ``UnifiedRadixCache`` with FULL and SWA, Rust ``TreeCore``; two pools of
-    the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``).
-    Refused by name until the spec takes an engine's per-group effects and the adapter reads
-    SGLang's SWA locks (``swa_refusal``; docs/adapters.md, SGLang, hybrid models)."""
+    the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``:
+    a request's SWA table the window its tree lock holds and its own pages not yet freed)."""
     return _build_swa(config, choices, True)
 
 
@@ -156,20 +155,25 @@ def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
 
 
 def swa_refusal(config: Config, overlap: bool = True) -> str | None:
-    """Why the SWA factories cannot run this cell, or None. Today always a reason: the spec's
-    group effects for an engine that registers on its own (``loops.spec_follows_groups``) and
-    the adapter's reading of SGLang's SWA locks (``loops.SWA_REFERENCES``) are missing."""
-    from .loops import SWA_REFERENCES, spec_follows_groups
+    """Why the SWA factories cannot run this cell, or None: the cell ``supported`` refuses, or
+    a spec without an engine's per-group effects (``loops.spec_follows_groups``) or without its
+    own let-go of window blocks (``loops.spec_takes_let_go``)."""
+    from .loops import SWA_REFERENCES, spec_follows_groups, spec_takes_let_go
 
+    why = supported(config, overlap)
+    if why is not None:
+        return why
     if getattr(config, "groups", ()):
         return "the SWA factories set the groups from SGLang's model: leave groups empty"
     if not spec_follows_groups():
         return (
             "a hybrid SWA model's events are those of two KV-cache groups, and this spec does "
             "not follow several groups for an engine that registers on its own yet "
-            "(docs/hybrid.md; docs/adapters.md, SGLang, hybrid models, gap 1)"
+            "(docs/hybrid.md; docs/adapters.md, SGLang, hybrid models)"
         )
-    return SWA_REFERENCES
+    if not spec_takes_let_go():
+        return SWA_REFERENCES
+    return None
 
 
 def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:
