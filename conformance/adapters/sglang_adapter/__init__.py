@@ -64,7 +64,9 @@ __all__ = [
     "python_core_factory",
     "retract_factory",
     "supported",
+    "mamba_factory",
     "swa_factory",
+    "swa_retract_factory",
     "swa_sync_factory",
     "sync_factory",
 ]
@@ -152,6 +154,32 @@ def swa_factory(config: Config, choices: Choices) -> SglangAdapter:
 def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
     """``swa_factory`` without overlap (depth 1)."""
     return _build_swa(config, choices, False)
+
+
+def swa_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``swa_factory`` in SGLang's retraction test mode (``retract_factory``): the seed's
+    question for an engine that registers on its own, whether it publishes a block whose writer
+    it retracted, asked of the hybrid tree."""
+    why = swa_refusal(config, True)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=True, tree="swa", test_retract=True)
+
+
+MAMBA_REFUSAL = (
+    "SGLang's MAMBA component copies recurrent states between whole-state slots (a hit's state "
+    "into the request's own slot, copy-on-write; a running request's state into the tree at an "
+    "insert, from the ping-pong slot of its last tracked boundary), and the spec's state group "
+    "has no copy: its state blocks are written only by the step ending at their boundary and "
+    "shared by reference: MAMBA refused (docs/adapters.md, SGLang, hybrid models)"
+)
+"""Why ``mamba_factory`` refuses every cell."""
+
+
+def mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang's tree for a hybrid Mamba model (``UnifiedRadixCache`` with FULL and MAMBA):
+    refused by name (``MAMBA_REFUSAL``), exit 2."""
+    raise ValueError(supported(config) or MAMBA_REFUSAL)
 
 
 def swa_refusal(config: Config, overlap: bool = True) -> str | None:
