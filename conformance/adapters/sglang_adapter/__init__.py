@@ -8,7 +8,9 @@ The adapter runs SGLang's own ``Req``, ``ScheduleBatch`` (``prepare_for_extend``
 ``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, the tree cache
 SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Rust ``TreeCore``;
 ``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``;
-``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``),
+``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``; ``swa_factory``,
+``swa_sync_factory`` and ``swa_retract_factory`` the FULL + SWA tree of a hybrid sliding-window
+model, ``swa.py``; ``mamba_factory`` refuses a Mamba model's by name),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,

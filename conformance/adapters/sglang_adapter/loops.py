@@ -48,7 +48,7 @@ def spec_follows_groups() -> bool:
     """Whether the spec follows several KV-cache groups as SGLang's events need it: its own
     ``schedule`` of a new request on the SWA cell emits a ``hit`` for each group, and it takes an
     engine's own ``publish`` in group 1 under ``engine-registers`` (``docs/hybrid.md``;
-    ``docs/adapters.md``, "Hybrid models": gap 1). Until both hold, the spec would take the second
+    ``docs/adapters.md``, "Hybrid models"). Until both hold, the spec would take the second
     group's events for a disagreement or an illegal effect: a false alarm."""
     from kvspec.spec import Illegal, apply, initial_state
     from kvspec.spec.observed import engine_effect
