@@ -16,7 +16,8 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_swa.py``:
 * ``refused``: whether the spec follows several groups (``loops.spec_follows_groups``) and what
   ``swa_factory`` then says of a cell: built, or refused by name;
 * ``judge:NAME``: ``kvspec fuzz`` on a hybrid SWA factory (``JUDGED``), one line as
-  ``thirdparty_checks.kvspec`` prints it.
+  ``thirdparty_checks.kvspec`` prints it; ``judge-trace``: the planted bug's counterexample as a
+  v1 trace file, then ``kvspec check`` on it (two lines).
 """
 
 from __future__ import annotations
@@ -243,6 +244,22 @@ def judge(name: str) -> None:
     kvspec("fuzz", "--target", target, *SWA_CELL, "--depth", depth, "--seconds", seconds)
 
 
+def judge_trace() -> None:
+    """The planted ``EarlyWindowFree``'s counterexample written as a v1 trace (its let-go a
+    ``dedup`` to block 0 in group 1), then ``kvspec check`` on that file: two lines."""
+    import tempfile
+    from pathlib import Path
+
+    from thirdparty_checks import kvspec
+
+    target, depth, seconds = JUDGED["early-free"]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "early-free.json")
+        fuzz = ("fuzz", "--target", f"kvspec.conformance.adapters.{target}", *SWA_CELL)
+        kvspec(*fuzz, "--depth", depth, "--seconds", seconds, "--out", out, "--format", "v1")
+        kvspec("check", out)
+
+
 if __name__ == "__main__":
     for case in sys.argv[1:]:
         name, _, arg = case.partition(":")
@@ -260,5 +277,7 @@ if __name__ == "__main__":
             refused()
         elif name == "judge":
             judge(arg)
+        elif name == "judge-trace":
+            judge_trace()
         else:
             raise SystemExit(f"unknown case {case}")

@@ -32,6 +32,7 @@ CASES = (
     "judge:sync",
     "judge:early-free",
     "judge:mamba",
+    "judge-trace",
 )
 
 
@@ -46,7 +47,10 @@ def case() -> dict[str, str]:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(CASES, done.stdout.splitlines()[-len(CASES) :], strict=True))
+    lines = done.stdout.splitlines()[-len(CASES) - 1 :]  # judge-trace prints two lines
+    said = dict(zip(CASES, lines, strict=False))
+    said["judge-trace"] = "\n".join(lines[-2:])
+    return said
 
 
 @needs_sglang
@@ -159,3 +163,14 @@ def test_the_mamba_factory_is_refused_by_name(case: dict[str, str]) -> None:
     assert words[:3] == ["exit", "2", "False"], case["judge:mamba"]
     assert "MAMBA component copies recurrent states" in words[3], words[3]
     assert "MAMBA refused" in words[3], words[3]
+
+
+@needs_sglang
+def test_the_planted_bugs_trace_file_is_judged_the_same_by_kvspec_check(
+    case: dict[str, str],
+) -> None:
+    """The counterexample written as a v1 trace (its let-go ``{"ev": "dedup", ..., "block": 0,
+    "group": 1}``) reads back: ``kvspec check`` exits 1 naming ``NoUnwrittenRead``."""
+    fuzz, check = case["judge-trace"].split("\n")
+    assert fuzz.startswith("exit 1 False counterexample found after"), fuzz
+    assert check.startswith("exit 1 False") and ": NoUnwrittenRead: step" in check, check
