@@ -2,7 +2,12 @@
 factory as usual, with every engine it builds kept, then the events of all of them counted, with
 the orders that only overlap has counted apart (``docs/adapters.md``, "SGLang 0.5.23").
 
-    .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 120 --seed 3 [--sync]
+    .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 120 --seed 3 [--sync] [--swa]
+
+``--swa``: the hybrid sliding-window model (``swa_factory``, ``swa_sync_factory``), with a second
+line of the hybrid paths its recorder counted (``SwaRecorder.paths``: hits SGLang cut back by
+the window, window blocks given up while their SWA page is in the tree, ...) and the let-gos
+(``dedup`` to the null block) of a request a submitted step holds.
 
 Prints the fuzzer's verdict line and one line of counts. "In flight" means: while a step that
 was submitted and has not executed yet holds the request (SGLang's batch N+1, launched before
@@ -28,6 +33,8 @@ from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
 TALLY: Counter[str] = Counter()
+PATHS: Counter[str] = Counter()
+"""The hybrid paths of every SWA engine built (``SwaRecorder.paths``)."""
 LAST: list[Any] = []
 """The engine built last, counted when the next one is built (or at the end)."""
 
@@ -35,6 +42,7 @@ LAST: list[Any] = []
 def keep(adapter: Any) -> Any:
     for engine in LAST:
         count(engine.events, TALLY)
+        PATHS.update(getattr(engine.scheduler.record, "paths", {}))
     LAST[:] = [] if adapter is None else [adapter]
     TALLY["engines"] += 1
     return adapter
@@ -46,6 +54,14 @@ def factory(config: Config, choices: Choices) -> Any:
 
 def sync_factory(config: Config, choices: Choices) -> Any:
     return keep(sglang_adapter.sync_factory(config, choices))
+
+
+def swa_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.swa_factory(config, choices))
+
+
+def swa_sync_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.swa_sync_factory(config, choices))
 
 
 def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:
@@ -76,6 +92,8 @@ def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:
             rid = event[1]
             if any(rid in holds[s] for s in submitted):
                 name = {"publish": "inserts", "dedup": "dedups", "preempt": "retractions"}[kind]
+                if kind == "dedup" and event[3] == 0:
+                    name = "let-gos"
                 tally[f"{name} in flight"] += 1
 
 
@@ -84,9 +102,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="the loop without overlap, depth 1")
+    parser.add_argument("--swa", action="store_true", help="the hybrid sliding-window model")
     args = parser.parse_args(argv)
     cell = flow.Cell("engine-registers", "general", depth=1 if args.sync else 2)
-    target = f"__main__:{'sync_factory' if args.sync else 'factory'}"
+    name = ("swa_" if args.swa else "") + ("sync_factory" if args.sync else "factory")
+    target = f"__main__:{name}"
     result, _ = flow.fuzz(cell, args.seconds, args.seed, None, target)
     keep(None)
     tally = TALLY
@@ -113,6 +133,9 @@ def main(argv: list[str]) -> int:
         "reset",
     ]
     print(", ".join(f"{tally[k]:,} {k}" for k in keys))
+    if args.swa:
+        paths = sorted({**PATHS, "let-gos in flight": tally["let-gos in flight"]}.items())
+        print(", ".join(f"{count:,} {path}" for path, count in paths))
     return 0 if failure is None else 1
 
 

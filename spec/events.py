@@ -123,7 +123,8 @@ KINDS: dict[str, Kind] = _kinds(
         False,
         (("req", "id"), ("index", "nat"), ("block", "block")),
         "the request's table position now names this published copy of its block, which "
-        "takes the reference (engines that register on their own: observed judging only)",
+        "takes the reference, or in a window group the null block: the request gives that "
+        "position up (engines that register on their own: observed judging only)",
     ),
 )
 

@@ -31,7 +31,7 @@ from math import lcm
 
 from .events import grouped
 from .pool import Event, add_key, drop_key, free_batch, free_blocks, touch_counted
-from .state import NULL_BLOCK, Entry, Illegal, Key, Request, State, Step, Write
+from .state import NULL_BLOCK, OBSERVED_POLICIES, Entry, Illegal, Key, Request, State, Step, Write
 
 
 def size(s: State, g: int) -> int:
@@ -144,10 +144,21 @@ def needed(s: State, tables: list[list[int]], end: int) -> int:
     return count
 
 
+def engine_lets_go(s: State, g: int) -> bool:
+    """Whether group ``g``'s skipped blocks are the engine's to let go of, not the spec's to free
+    at schedule: a window group under an observed policy. An engine that registers on its own
+    also gives up its window blocks on its own schedule (SGLang's SWA component: a request's
+    window lock moves with each insert, its out-of-window slots are freed in batches), each an
+    own effect (``observed.dedup`` to the null block); too early is the invariants' to judge."""
+    return kind(s, g) == "window" and s.config.policy in OBSERVED_POLICIES
+
+
 def gone(s: State, req: Request, processed: int) -> int:
     """The blocks ``remove_skipped`` will put back on the free queue (held by the request only)."""
     count = 0
     for g, table in enumerate(req.group_tables, 1):
+        if engine_lets_go(s, g):
+            continue
         for block in table[: skipped(s, g, processed)]:
             count += int(block != NULL_BLOCK and s.blocks[block].refcount == 1)
     return count
@@ -167,9 +178,12 @@ def skipped(s: State, g: int, processed: int) -> int:
 
 def remove_skipped(s: State, req: Request, processed: int) -> list[Event]:
     """Free and null each group's skipped positions (``skipped``), group order, each group's
-    last block first, as ``pool.remove_skipped`` does for group 0."""
+    last block first, as ``pool.remove_skipped`` does for group 0 (none where the engine lets
+    go on its own: ``engine_lets_go``)."""
     events: list[Event] = []
     for g in range(1, len(s.config.groups)):
+        if engine_lets_go(s, g):
+            continue
         table = s.table_of(req, g)
         freed = []
         for i in range(min(skipped(s, g, processed), len(table)) - 1, -1, -1):
@@ -213,6 +227,8 @@ def schedule(
             writes = list(range(start // bs, last))
             contents = [tuple(tokens[: min(end, (i + 1) * bs)]) for i in writes]
         for i, content in zip(writes, contents, strict=True):
+            if table[i] == NULL_BLOCK:  # given up by the engine (observed.let_go): nothing is
+                continue  # written there, and a read of it finds nothing (NoUnwrittenRead)
             s.blocks[table[i]].pending.append(Write(step.id, req.id, content))  # type: ignore[arg-type]
             s.touched.content.add(table[i])
         prefixes.append(tuple(table[:last]))

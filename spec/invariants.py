@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import groups
 from .pool import eventual_content, holds
-from .state import NULL_BLOCK, Request, State
+from .state import NULL_BLOCK, OBSERVED_POLICIES, Request, State
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,10 +474,17 @@ def no_read_of_recycled(s: State) -> Violation | None:
     """Several groups: no block a step in flight still reads, in groups 1 .. G - 1, has left
     its running request's table (skipped and nulled, freed, handed to another) before the step
     runs: a freed block can be handed out and overwritten under the step's read. Group 0's form
-    is ``NoUnwrittenRead``'s window clause (so every one-group verdict reads as before)."""
+    is ``NoUnwrittenRead``'s window clause (so every one-group verdict reads as before). Under an
+    observed policy a step already submitted reads what it was handed, whatever the engine's own
+    ``dedup`` or let-go did to the table since (``observed.dedup``: on one stream a block given
+    up is overwritten only by a step launched later); whether its bytes survive until it runs
+    is ``NoUnwrittenRead``'s to judge, at execute."""
     if not s.config.hybrid:
         return None
+    observed = s.config.policy in OBSERVED_POLICIES
     for step, rid, _, g, at, block, _ in groups.reads_in_flight(s, None):
+        if observed and step.phase != "building":
+            continue
         req = s.requests[rid]
         table = s.table_of(req, g) if req.group_tables else []
         if req.status == "running" and (at >= len(table) or table[at] != block):

@@ -146,11 +146,13 @@ def dedup(s: State, effect: Event) -> list[Event]:
     swap as sanctioned (the observed judge updates its snapshot); the invariants judge whether
     ``block`` holds what the request will read from it, and the submitted step's reads of the
     copy."""
-    req, index, block, g = _named(s, effect)
+    req, index, block, g = _named(s, effect, null_ok=True)
     where = f"dedup r{req.id}'s block {index} to block {block}"
     table = s.table_of(req, g) if g <= len(req.group_tables) else []
     if req.status != "running" or index >= len(table):
         raise Illegal(f"{where}: the request is not running with a block {index}")
+    if block == NULL_BLOCK:
+        return let_go(s, req, g, index, where)
     key = groups.key(req, (index + 1) * groups.size(s, g))
     if s.blocks[block].key != key or s.blocks[block].group != g or block in table:
         raise Illegal(f"{where}: not a published copy of r{req.id}'s block {index}")
@@ -167,13 +169,36 @@ def dedup(s: State, effect: Event) -> list[Event]:
     release(s, old, req.id)
     s.touched.blocks.add(block)
     s.touched.requests.add(req.id)
-    s.touched.swapped.append((req.id, index, block))
+    if g == 0:  # TablesAppendOnly watches group 0's table
+        s.touched.swapped.append((req.id, index, block))
     return [effect]
 
 
-def _named(s: State, effect: Event) -> tuple[Request, int, int, int]:
+def let_go(s: State, req: Request, g: int, index: int, where: str) -> list[Event]:
+    """``("dedup", req, index, 0, g)``: the running request gives up its block at ``index`` of
+    window group ``g`` (``groups.engine_lets_go``), which holds the null block from then on; the
+    block loses the request's reference. Not while the step being built uses it; a submitted
+    step reads what it was handed (as for any ``dedup``: ``NoReadOfRecycled``), and a step built
+    later reads the null block there, which ``NoUnwrittenRead`` judges."""
+    table = s.table_of(req, g)
+    old = table[index]
+    if not groups.engine_lets_go(s, g) or old == NULL_BLOCK:
+        raise Illegal(f"{where}: only a window block a request holds is given up")
+    building = s.building
+    entry = building.entries.get(req.id) if building is not None else None
+    if building is not None and entry is not None and old in entry.group_blocks[g - 1]:
+        raise Illegal(f"{where}: step {building.id}, being built, uses block {old}")
+    table[index] = NULL_BLOCK
+    release(s, old, req.id)
+    s.touched.blocks.add(old)
+    s.touched.requests.add(req.id)
+    return [("dedup", req.id, index, NULL_BLOCK, g)]
+
+
+def _named(s: State, effect: Event, null_ok: bool = False) -> tuple[Request, int, int, int]:
     """The request, table index, block and group an engine's ``publish`` or ``dedup`` names (the
-    group a trailing field, present only for a group other than 0: ``events.group_of``)."""
+    group a trailing field, present only for a group other than 0: ``events.group_of``); the
+    null block only with ``null_ok`` in a group other than 0 (``let_go``)."""
     g = group_of(effect)
     short = effect[:4] if len(effect) == 5 else effect
     if len(short) != 4 or (len(effect) == 5 and g == 0):  # group 0 is never written
@@ -185,7 +210,8 @@ def _named(s: State, effect: Event) -> tuple[Request, int, int, int]:
     rid, index, block = short[1], short[2], short[3]
     assert isinstance(rid, int) and isinstance(index, int) and isinstance(block, int)
     req = s.requests.get(rid)
-    if req is None or index < 0 or not _is_block(s, block) or block == NULL_BLOCK:
+    null = block == NULL_BLOCK and not (null_ok and g > 0)
+    if req is None or index < 0 or not _is_block(s, block) or null:
         raise Illegal(f"{effect[0]} names an unknown request, index or block: {effect}")
     return req, index, block, g
 

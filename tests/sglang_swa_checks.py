@@ -7,13 +7,17 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_swa.py``:
 * ``replay:N``: N seeded random workloads (shared prefixes, both loops); after every loop
   iteration the pages the events registered are the tree's (``self_check``) and each running
   request's per-group tables replayed from the events are SGLang's (its row and the SWA pages
-  paired with it). Prints the first difference or ``none``, the events by kind (with ``/g`` for
+  paired with it that it holds), and the tree's SWA pages SGLang has locked are those the tables
+  hold (``locks_agree``). Prints the first difference or ``none``, the events by kind (with ``/g`` for
   those carrying a group) and the hybrid paths reached (``SwaRecorder.paths``);
 * ``seeds:S1,S2``: ``replay`` on those seeds only;
 * ``early-free:N``: ``replay:N`` on the planted ``mutants.EarlyWindowFree`` (the recorder as
   faithful to it as to SGLang; its window frees reach blocks the next forward reads);
 * ``refused``: whether the spec follows several groups (``loops.spec_follows_groups``) and what
-  ``swa_factory`` then says of a cell: built, or refused by name.
+  ``swa_factory`` then says of a cell: built, or refused by name;
+* ``judge:NAME``: ``kvspec fuzz`` on a hybrid SWA factory (``JUDGED``), one line as
+  ``thirdparty_checks.kvspec`` prints it; ``judge-trace``: the planted bug's counterexample as a
+  v1 trace file, then ``kvspec check`` on it (two lines).
 """
 
 from __future__ import annotations
@@ -113,6 +117,23 @@ def sglang_state(adapter: Any) -> str | None:
         held = {b for table in tables for b in table if b} & free
         if held:
             return f"r{req.rid}'s tables {tables} name blocks {sorted(held)} SGLang has free"
+    return locks_agree(adapter)
+
+
+def locks_agree(adapter: Any) -> str | None:
+    """SGLang's Rust core says which of the tree's SWA pages are unlocked (``walk_for_kv_canary``);
+    the adapter's SWA tables say which a request holds (its lock's extent, ``SwaRecorder``): a
+    tree SWA page is locked exactly when some request's SWA table holds it."""
+    s = adapter.scheduler
+    record = s.record
+    tree = {record.swa_block(p) for p in record._walk_swa(False)} - {0}
+    unlocked = {record.swa_block(p) for p in record._walk_swa(True)} - {0}
+    held = {b for req in s.holders() for b in record.tables(req)[1] if b}
+    if (tree & held) & unlocked or (tree - held) - unlocked:
+        return (
+            f"SGLang's tree SWA pages {sorted(tree)}, unlocked {sorted(unlocked)}; the tables "
+            f"hold {sorted(tree & held)}"
+        )
     return None
 
 
@@ -141,7 +162,8 @@ def one_run(
         if not adapter.step() and i >= 40:
             break
         for event in adapter.events[seen:]:
-            kinds[f"{event[0]}/g" if _group(event) else str(event[0])] += 1
+            kind = "let-go" if event[0] == "dedup" and event[3] == 0 else str(event[0])
+            kinds[f"{kind}/g" if _group(event) else kind] += 1
             replay.apply(event)
         seen = len(adapter.events)
         where = f"seed {seed} {'overlap' if overlap else 'sync'} iteration {i}"
@@ -173,6 +195,7 @@ PATHS = (
     "hits with a null block inside the window",
     "window frees beside a cached FULL page",
     "window frees of a block the next forward reads",
+    "window frees of an SWA page in the tree (shared)",
 )
 
 
@@ -201,6 +224,42 @@ def refused() -> None:
         print(f"{follows} refused: {refusal}")
 
 
+SWA_CELL = ("--policy", "engine-registers", "--discipline", "general")
+JUDGED = {
+    "overlap": ("sglang_adapter:swa_factory", "2", "10"),
+    "sync": ("sglang_adapter:swa_sync_factory", "1", "10"),
+    "early-free": ("sglang_adapter.mutants:early_window_free_swa_factory", "2", "30"),
+    "mamba": ("sglang_adapter:mamba_factory", "2", "1"),
+}
+"""``judge:NAME``: (factory, depth, seconds): SGLang's two loops over the hybrid SWA tree, 10 s
+each (seed 0), the planted ``mutants.EarlyWindowFree``, up to 30 s, and the MAMBA factory,
+refused."""
+
+
+def judge(name: str) -> None:
+    from thirdparty_checks import kvspec
+
+    target, depth, seconds = JUDGED[name]
+    target = f"kvspec.conformance.adapters.{target}"
+    kvspec("fuzz", "--target", target, *SWA_CELL, "--depth", depth, "--seconds", seconds)
+
+
+def judge_trace() -> None:
+    """The planted ``EarlyWindowFree``'s counterexample written as a v1 trace (its let-go a
+    ``dedup`` to block 0 in group 1), then ``kvspec check`` on that file: two lines."""
+    import tempfile
+    from pathlib import Path
+
+    from thirdparty_checks import kvspec
+
+    target, depth, seconds = JUDGED["early-free"]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "early-free.json")
+        fuzz = ("fuzz", "--target", f"kvspec.conformance.adapters.{target}", *SWA_CELL)
+        kvspec(*fuzz, "--depth", depth, "--seconds", seconds, "--out", out, "--format", "v1")
+        kvspec("check", out)
+
+
 if __name__ == "__main__":
     for case in sys.argv[1:]:
         name, _, arg = case.partition(":")
@@ -216,5 +275,9 @@ if __name__ == "__main__":
             replay(int(arg), mutant(EarlyWindowFree))
         elif name == "refused":
             refused()
+        elif name == "judge":
+            judge(arg)
+        elif name == "judge-trace":
+            judge_trace()
         else:
             raise SystemExit(f"unknown case {case}")

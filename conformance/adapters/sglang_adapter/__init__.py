@@ -8,7 +8,9 @@ The adapter runs SGLang's own ``Req``, ``ScheduleBatch`` (``prepare_for_extend``
 ``merge_batch``), ``PrefillAdder``, ``SchedulePolicy``, ``NewTokenRatioTracker``, the tree cache
 SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Rust ``TreeCore``;
 ``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``;
-``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``),
+``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``; ``swa_factory``,
+``swa_sync_factory`` and ``swa_retract_factory`` the FULL + SWA tree of a hybrid sliding-window
+model, ``swa.py``; ``mamba_factory`` refuses a Mamba model's by name),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
@@ -64,7 +66,9 @@ __all__ = [
     "python_core_factory",
     "retract_factory",
     "supported",
+    "mamba_factory",
     "swa_factory",
+    "swa_retract_factory",
     "swa_sync_factory",
     "sync_factory",
 ]
@@ -86,9 +90,9 @@ def supported(config: Config, overlap: bool = True) -> str | None:
     if config.sliding_window is not None:
         return (
             "SGLang serves a sliding-window model with UnifiedRadixCache's SWA component beside "
-            "FULL (a second pool, per-component locks and eviction, window tombstones), which "
-            "the spec's one sliding-window group does not model: sliding_window refused "
-            "(docs/adapters.md, SGLang, hybrid models)"
+            "FULL (a second pool, per-component locks and eviction, window tombstones): two "
+            "KV-cache groups, not the spec's one sliding-window group: sliding_window refused "
+            "(swa_factory runs SGLang's hybrid SWA model; docs/adapters.md, SGLang, hybrid models)"
         )
     if config.spec_tokens:
         return "the SGLang adapter drives no speculative decoding: spec_tokens 0"
@@ -144,9 +148,8 @@ def python_core_factory(config: Config, choices: Choices) -> SglangAdapter:
 def swa_factory(config: Config, choices: Choices) -> SglangAdapter:
     """The overlap scheduler over the tree cache SGLang builds for a hybrid sliding-window model
     (``build.SWA_MODEL``: ``UnifiedRadixCache`` with FULL and SWA, Rust ``TreeCore``; two pools of
-    the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``).
-    Refused by name until the spec takes an engine's per-group effects and the adapter reads
-    SGLang's SWA locks (``swa_refusal``; docs/adapters.md, SGLang, hybrid models)."""
+    the cell's ``num_blocks - 1`` pages each), its events those of two KV-cache groups (``swa.py``:
+    a request's SWA table the window its tree lock holds and its own pages not yet freed)."""
     return _build_swa(config, choices, True)
 
 
@@ -155,21 +158,52 @@ def swa_sync_factory(config: Config, choices: Choices) -> SglangAdapter:
     return _build_swa(config, choices, False)
 
 
-def swa_refusal(config: Config, overlap: bool = True) -> str | None:
-    """Why the SWA factories cannot run this cell, or None. Today always a reason: the spec's
-    group effects for an engine that registers on its own (``loops.spec_follows_groups``) and
-    the adapter's reading of SGLang's SWA locks (``loops.SWA_REFERENCES``) are missing."""
-    from .loops import SWA_REFERENCES, spec_follows_groups
+def swa_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``swa_factory`` in SGLang's retraction test mode (``retract_factory``): the seed's
+    question for an engine that registers on its own, whether it publishes a block whose writer
+    it retracted, asked of the hybrid tree."""
+    why = swa_refusal(config, True)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=True, tree="swa", test_retract=True)
 
+
+MAMBA_REFUSAL = (
+    "SGLang's MAMBA component copies recurrent states between whole-state slots (a hit's state "
+    "into the request's own slot, copy-on-write; a running request's state into the tree at an "
+    "insert, from the ping-pong slot of its last tracked boundary), and the spec's state group "
+    "has no copy: its state blocks are written only by the step ending at their boundary and "
+    "shared by reference: MAMBA refused (docs/adapters.md, SGLang, hybrid models)"
+)
+"""Why ``mamba_factory`` refuses every cell."""
+
+
+def mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang's tree for a hybrid Mamba model (``UnifiedRadixCache`` with FULL and MAMBA):
+    refused by name (``MAMBA_REFUSAL``), exit 2."""
+    raise ValueError(supported(config) or MAMBA_REFUSAL)
+
+
+def swa_refusal(config: Config, overlap: bool = True) -> str | None:
+    """Why the SWA factories cannot run this cell, or None: the cell ``supported`` refuses, or
+    a spec without an engine's per-group effects (``loops.spec_follows_groups``) or without its
+    own let-go of window blocks (``loops.spec_takes_let_go``)."""
+    from .loops import SWA_REFERENCES, spec_follows_groups, spec_takes_let_go
+
+    why = supported(config, overlap)
+    if why is not None:
+        return why
     if getattr(config, "groups", ()):
         return "the SWA factories set the groups from SGLang's model: leave groups empty"
     if not spec_follows_groups():
         return (
             "a hybrid SWA model's events are those of two KV-cache groups, and this spec does "
             "not follow several groups for an engine that registers on its own yet "
-            "(docs/hybrid.md; docs/adapters.md, SGLang, hybrid models, gap 1)"
+            "(docs/hybrid.md; docs/adapters.md, SGLang, hybrid models)"
         )
-    return SWA_REFERENCES
+    if not spec_takes_let_go():
+        return SWA_REFERENCES
+    return None
 
 
 def _build_swa(config: Config, choices: Choices, overlap: bool) -> SglangAdapter:

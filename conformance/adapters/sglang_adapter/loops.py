@@ -48,7 +48,7 @@ def spec_follows_groups() -> bool:
     """Whether the spec follows several KV-cache groups as SGLang's events need it: its own
     ``schedule`` of a new request on the SWA cell emits a ``hit`` for each group, and it takes an
     engine's own ``publish`` in group 1 under ``engine-registers`` (``docs/hybrid.md``;
-    ``docs/adapters.md``, "Hybrid models": gap 1). Until both hold, the spec would take the second
+    ``docs/adapters.md``, "Hybrid models"). Until both hold, the spec would take the second
     group's events for a disagreement or an illegal effect: a false alarm."""
     from kvspec.spec import Illegal, apply, initial_state
     from kvspec.spec.observed import engine_effect
@@ -73,13 +73,32 @@ def spec_follows_groups() -> bool:
     return True
 
 
+def spec_takes_let_go() -> bool:
+    """Whether the spec lets an engine that registers on its own give up a window block of a
+    running request on its own schedule (``dedup`` to the null block: SGLang's window lock moving
+    on, its out-of-window frees), and then frees none at schedule itself."""
+    from kvspec.spec import apply, initial_state
+    from kvspec.spec.observed import engine_effect
+
+    config = hybrid_swa_config(Config(num_blocks=5, block_size=2, policy="engine-registers"))
+    state = initial_state(config)
+    for decision in (("arrive", 0, (1, 2, 3, 4, 5, 6), 3, 0), ("begin", 0)):
+        apply(state, decision)
+    apply(state, ("schedule", 0, 2, 0))
+    apply(state, ("submit", 0))
+    try:
+        engine_effect(state, ("dedup", 0, 0, 0, 1))
+    except Exception:  # noqa: BLE001 - any refusal of the effect means the spec lacks it
+        return False
+    return state.requests[0].group_tables[0][:1] == [0]
+
+
 SWA_REFERENCES = (
-    "the adapter does not read yet which SWA pages a request holds: SGLang locks the tree's SWA "
-    "values only over the node segment covering its trailing window, and the tree pages further "
-    "back in its row are evictable while it runs (the spec counts them the request's until a "
-    "window free): docs/adapters.md, SGLang, hybrid models, gap 3"
+    "this spec frees a window group's blocks at schedule and takes no engine's own let-go "
+    "(dedup to the null block): SGLang's window lock moves at each insert, so tree pages further "
+    "back in a request's row are evictable while it runs: docs/adapters.md, SGLang, hybrid models"
 )
-"""Why the SWA factories refuse even where the spec follows several groups."""
+"""Why the SWA factories refuse where the spec follows several groups but not the let-go."""
 
 
 def spec_group() -> Any:

@@ -29,8 +29,9 @@ drops) is reused only by batches launched after that forward.
 * ``EarlyWindowFree`` (a window block freed while still read): the hybrid SWA model's frees of a
   running request's out-of-window SWA slots (``evict_sliding_windows`` at decode, the
   ``SWAComponent``'s ``_free_out_of_window_slots`` at insert) are run as if the request were two
-  pages further on, so they free SWA pages inside the window the next forward reads. For the
-  spec's ``NoReadOfRecycled``; ``early_window_free_swa_factory``.
+  pages further on, so they free SWA pages inside the window the next forward reads, which then
+  reads a window block its request gave up: the spec's ``NoUnwrittenRead``
+  (``early_window_free_swa_factory``).
 """
 
 from __future__ import annotations
@@ -167,8 +168,7 @@ def retract_keeps_lock_retract_factory(config: Config, choices: Choices) -> Sgla
 
 
 def early_window_free_swa_factory(config: Config, choices: Choices) -> SglangAdapter:
-    """``EarlyWindowFree`` on ``swa_factory``'s cell: refused, as it is, until the spec follows
-    several groups."""
+    """``EarlyWindowFree`` on ``swa_factory``'s cell (refused where ``swa_factory`` is)."""
     from . import swa_refusal
 
     why = swa_refusal(config)

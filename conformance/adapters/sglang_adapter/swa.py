@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Any
 
 from .build import Req, swa_layers
-from .record import Event, UnifiedRecorder
+from .record import Event, UnifiedRecorder, rid
 
 SWA_GROUP = 1
 """The SWA component's group (FULL is group 0: ``create_unified_radix_cache`` lists FULL first)."""
@@ -41,6 +41,9 @@ class SwaRecorder(UnifiedRecorder):
         self.allocator = tree.token_to_kv_pool_allocator
         self.nulls: dict[int, set[int]] = {}
         """Per request: the positions of its SWA table that are null (``tables``)."""
+        self.extents: dict[int, tuple[Any, int, int]] = {}
+        """Per tree lock (``id``): the lock, and the tokens ``[start, end)`` whose SWA values it
+        holds (``lock_extent``)."""
         self.paths: Counter[str] = Counter()
         """How often the hybrid paths ran (``count_hit``, ``window_frees``, the evictions):
         the coverage a fuzz run reports (``bench/fuzz_sglang_coverage.py --swa``)."""
@@ -59,24 +62,56 @@ class SwaRecorder(UnifiedRecorder):
     # -- views ----------------------------------------------------------------------------------
 
     def tables(self, req: Req) -> list[list[int]]:
-        """The request's table per group: its FULL row, and the SWA pages paired with it (null
-        where freed behind the window, or where a hit took a tombstoned node's FULL page). A
-        position once null stays null while the request holds its row: when an insert later
-        gives a tombstoned node another request's SWA value, SGLang's mapping pairs the FULL
-        page with it, but this request never took that page (it is not among its references)."""
+        """The request's table per group: its FULL row, and the SWA pages it holds, paired with
+        it: its own pages past ``cache_protected_len`` until SGLang frees them behind the
+        window, and the tree's pages before it only where its tree lock holds their SWA values
+        (``held_tree_pages``); null elsewhere (and where a hit took a tombstoned node's FULL
+        page). A position once null stays null while the request holds its row: SGLang's
+        window lock only moves on, and when an insert later gives a tombstoned node another
+        request's SWA value, SGLang's mapping pairs the FULL page with it, but this request
+        never took that page (it is not among its references)."""
         row = self.row(req)
         key = int(req.rid)
         if not row:
             self.nulls.pop(key, None)
             return [row, []]
         nulls = self.nulls.setdefault(key, set())
+        tree = req.kv.cache_protected_len // self.page_size
+        held = self.held_tree_pages(req)
         window = []
         for i, page in enumerate(row):
-            block = 0 if i in nulls else self.swa_block(page)
+            block = 0 if i in nulls or (i < tree and i not in held) else self.swa_block(page)
             if block == 0:
                 nulls.add(i)
             window.append(block)
         return [row, window]
+
+    def lock_extent(self, node: Any) -> tuple[int, int]:
+        """The tokens whose SWA values a tree lock on ``node`` holds: SGLang's
+        ``SWAComponent.acquire_component_lock`` locks the nodes from ``node`` up, each whole,
+        until they cover the window (to the root if they never do). Node boundaries from the
+        backend-neutral ``TreeCore.collect_path_info``; a later split moves the boundary's
+        marker to the older half, so the extent in tokens holds until the lock is released."""
+        (path,) = self.tree.tree_core.collect_path_info([node])
+        if not path:
+            return 0, 0
+        end, covered, start = path[-1].path_end, 0, 0
+        for info in reversed(path):
+            covered += info.path_end - info.path_start
+            start = info.path_start
+            if covered >= self.window:
+                break
+        return start, end
+
+    def held_tree_pages(self, req: Req) -> set[int]:
+        """The positions of the request's row whose tree SWA values its lock holds (none once
+        SGLang released the lock's SWA part early: ``release_swa_prefix_lock``)."""
+        lock = getattr(req, "lock", None)
+        known = self.extents.get(id(lock)) if lock is not None else None
+        if known is None or known[0] is not lock or lock.swa_released:
+            return set()
+        ps = self.page_size
+        return set(range(known[1] // ps, -(-known[2] // ps)))
 
     def cached_pages(self) -> dict[int, int]:
         """The tree's FULL pages and its SWA-resident pages (global ids), with their positions."""
@@ -120,9 +155,17 @@ class SwaRecorder(UnifiedRecorder):
         self.events.append(event + (group,) if group else event)
 
     def repointed(self, req: Req, group: int, before: list[int], after: list[int]) -> list[Event]:
-        events = super().repointed(req, group, before, after)
+        """``Recorder.repointed``; in the SWA group a position SGLang left null (freed behind
+        the window, or a tree page its window lock no longer holds) is the request letting go
+        of that block: ``dedup`` to the null block (``spec.observed.let_go``)."""
+        events = [
+            ("dedup", rid(req), before.index(e[1]), 0, group)
+            if group == SWA_GROUP and e[0] == "free"
+            else e
+            for e in super().repointed(req, group, before, after)
+        ]
         if group == SWA_GROUP:
-            frees = [e for e in events if e[0] == "free"]
+            frees = [e for e in events if e[0] == "dedup" and e[3] == 0]
             self.paths["window frees"] += len(frees)
             cached = self._walk(False)
             shared = [
@@ -131,6 +174,10 @@ class SwaRecorder(UnifiedRecorder):
                 if old and not new and self.row(req)[i] in cached
             ]
             self.paths["window frees beside a cached FULL page"] += len(shared)
+            tree_swa = {self.swa_block(page) for page in self._walk_swa(False)}
+            self.paths["window frees of an SWA page in the tree (shared)"] += sum(
+                1 for e in frees if before[e[2]] in tree_swa
+            )
             # the next forward computes the token at seqlen - 1, reading the W tokens up to it
             first_read = max(0, req.seqlen - self.window) // self.page_size
             read = [
@@ -156,7 +203,19 @@ class SwaRecorder(UnifiedRecorder):
 
     def _wrap(self) -> None:
         super()._wrap()
-        evict = self.tree._evict
+        lock, unlock, evict = self.tree.lock, self.tree.unlock, self.tree._evict
+
+        def lock_(node: Any, *args: Any, **kw: Any) -> Any:
+            result = lock(node, *args, **kw)
+            if result is not None:
+                self.extents[id(result)] = (result, *self.lock_extent(node))
+            return result
+
+        def unlock_(held: Any) -> Any:
+            self.extents.pop(id(held), None)
+            return unlock(held)
+
+        self.tree.lock, self.tree.unlock = lock_, unlock_
 
         def evict_(*args: Any, **kw: Any) -> Any:
             full, swa = self._walk(False), self._walk_swa(False)
