@@ -85,7 +85,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _groups(text: str) -> tuple[tuple[str, int | None, int | None], ...]:
+def _groups(text: str) -> tuple[tuple[str, int | None, int | str | None], ...]:
     """--groups: the groups it names (``fuzz_groups.parse_groups``); bad syntax is exit 2."""
     from kvspec.conformance.fuzz_groups import parse_groups
 
