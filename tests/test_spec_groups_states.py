@@ -189,3 +189,44 @@ def test_the_registration_rule_is_validated_and_carried_by_the_header(tmp_path) 
     plain = tmp_path / "p.jsonl"
     trace.write_trace(plain, _config(None, block=4), [("arrive", 0, (1, 2, 3), 1, 0)])
     assert "registers" not in plain.read_text()
+
+
+def test_a_trim_frees_the_skipped_state_before_a_preemption_and_the_schedule_none() -> None:
+    """vLLM's ``allocate_slots`` frees a state group's state two boundaries back, then finds no
+    room and preempts: ``trim`` is that first part. r1 (state slots at 4 and 8 after two
+    steps) is trimmed in step 2: the slot at 4 is freed and nulled, before r1's schedule, which
+    then frees nothing more; its effects are the schedule's without the trim's frees. Illegal
+    without a window or groups, and for a request already scheduled in the building step."""
+    prompt = tuple(range(1, 14))
+    events: list[Event] = [
+        ("arrive", 1, prompt, 3, 0),
+        ("begin", 0),
+        ("schedule", 1, 4, 0),
+        ("submit", 0),
+        ("execute", 0, ()),
+        ("commit", 0, ()),
+        ("begin", 1),
+        ("schedule", 1, 4, 0),
+        ("submit", 1),
+        ("execute", 1, ()),
+        ("commit", 1, ()),
+        ("begin", 2),
+    ]
+    plain = initial_state(_config(None, block=4, policy="deferred"))
+    trimmed = initial_state(_config(None, block=4, policy="deferred"))
+    for s in (plain, trimmed):
+        assert _run(s, events)[1] is None
+    first = trimmed.requests[1].group_tables[0][0]
+    freed, broken = _run(trimmed, [("trim", 1)])
+    assert broken is None and freed == [("free", first)]
+    assert trimmed.requests[1].group_tables[0][0] == 0 and trimmed.free[-1] == first
+    after_trim, _ = _run(trimmed, [("schedule", 1, 4, 0)])
+    at_once, _ = _run(plain, [("schedule", 1, 4, 0)])
+    assert at_once == freed + after_trim
+    assert trimmed.free == plain.free
+    with pytest.raises(Exception, match="already scheduled"):
+        apply(trimmed, ("trim", 1))
+    one = initial_state(Config(num_blocks=8, block_size=4, policy="deferred"))
+    _run(one, events[:3])
+    with pytest.raises(Exception, match="no window or state group"):
+        apply(one, ("trim", 1))
