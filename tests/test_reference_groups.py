@@ -405,8 +405,8 @@ def test_the_seed_question_for_a_state_group() -> None:
     was scheduled, whose writer was then preempted out of that step, stays registered for a
     state it will never hold: found by the spec in lockstep within the 30 s budget and named
     StateAtItsBoundary. (Same-step hits of such a state wait a step, as vLLM's.)"""
-    result = run_groups_cell(
-        parse_groups("full,window:4,state"), "eager-unsafe", "vllm", "priority", seconds=30
+    result = run_groups_cell(  # seed 3: run 106 (seed 0's first is run 777 since 6476775)
+        parse_groups("full,window:4,state"), "eager-unsafe", "vllm", "priority", seconds=30, seed=3
     )
     assert result.finding is not None
     assert result.finding.invariant == "StateAtItsBoundary", result.finding
@@ -434,7 +434,7 @@ def test_fuzz_groups_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "no counterexample" in out and "state blocks hit" in out
     seed = ["fuzz", "--groups", "full,window:4,state", "--seconds", "30", "--preemption"]
-    seed.append("priority")
+    seed += ["priority", "--seed", "3"]  # run 106 (seed 0's first is run 777 since 6476775)
     assert main([*seed, "--policy", "eager-unsafe"]) == 1
     assert "StateAtItsBoundary" in capsys.readouterr().out
 
