@@ -85,7 +85,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _groups(text: str) -> tuple[tuple[str, int | None, int | None], ...]:
+def _groups(text: str) -> tuple[tuple[str, int | None, int | str | None], ...]:
     """--groups: the groups it names (``fuzz_groups.parse_groups``); bad syntax is exit 2."""
     from kvspec.conformance.fuzz_groups import parse_groups
 
@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KINDS",
         type=_groups,
         default=None,
-        help="several KV-cache groups in the reference engine, KIND[:WINDOW][@BLOCK_SIZE] "
-        "comma separated (KIND full, window or state; e.g. full,window:8,state), judged by the "
+        help="several KV-cache groups in the reference engine, KIND[:WINDOW|:RULE][@BLOCK_SIZE] "
+        "comma separated (KIND full, window or state; RULE a state's at-its-step or "
+        "when-known, vLLM's; e.g. full,window:8,state:when-known), judged by the "
         "spec in lockstep (docs/reference-groups.md; default: one group, no flag)",
     )
     fuzz.add_argument(

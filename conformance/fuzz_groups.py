@@ -17,11 +17,12 @@ everywhere), workloads share prefixes (and half the time whole prompts) across r
 pool small enough to preempt, and
 the coverage line says what the hybrid paths reached.
 
-``parse_groups`` reads the flag's syntax, ``KIND[:WINDOW][@BLOCK_SIZE]`` comma separated (e.g.
-``full,window:8,state`` or ``full@2,state@4``): an unknown kind, a window on a group that is
-not ``window`` (or none on one that is), a size that is not an int in 1..65536, or one full or
-window group alone (today's model, fuzzed in lockstep without the flag) is bad input, said in
-one line. The hash block size is the gcd of the sizes given (every group without one
+``parse_groups`` reads the flag's syntax, ``KIND[:WINDOW|:RULE][@BLOCK_SIZE]`` comma separated
+(e.g. ``full,window:8,state`` or ``full@2,state:when-known@4``; a state group's ``RULE`` is its
+registration rule, ``at-its-step`` by default or ``when-known``, vLLM's ``align`` timing,
+``docs/model.md``): an unknown kind or rule, a window on a group that is not ``window`` (or none
+on one that is), a size that is not an int in 1..65536, or one full or window group alone
+(today's model, fuzzed in lockstep without the flag) is bad input, said in one line. The hash block size is the gcd of the sizes given (every group without one
 takes it), or drawn per run when none is.
 """
 
@@ -40,10 +41,16 @@ from kvspec.spec import Config, Illegal, apply, check, initial_state
 from kvspec.spec.events import DECISIONS
 from kvspec.spec.state import Group
 
-SYNTAX = "KIND[:WINDOW][@BLOCK_SIZE],... (KIND full, window or state; e.g. full,window:8,state)"
+SYNTAX = (
+    "KIND[:WINDOW|:RULE][@BLOCK_SIZE],... (KIND full, window or state; RULE a state's "
+    "at-its-step or when-known; e.g. full,window:8,state:when-known)"
+)
+RULES = ("at-its-step", "when-known")
+"""A state group's registration rules (the reference engine's ``STATE_REGISTRATIONS``)."""
 
-GroupText = tuple[str, "int | None", "int | None"]
-"""(kind, block size or None for the hash block size, window or None)."""
+GroupText = tuple[str, "int | None", "int | str | None"]
+"""(kind, block size or None for the hash block size, what follows the colon or None: a
+window group's window, a state group's registration rule)."""
 
 MAX_LENGTH = 8
 """A request's prompt and output tokens are at most this many times the groups' common block
@@ -59,9 +66,9 @@ NAMES = (
 """The invariants a run is judged by (docs/hybrid.md's table, and the K/V one they extend)."""
 
 
-def parse_groups(text: str) -> tuple[tuple[str, int | None, int | None], ...]:
+def parse_groups(text: str) -> tuple[GroupText, ...]:
     """The groups ``--groups`` names; ValueError with the reason for anything else."""
-    out = []
+    out: list[GroupText] = []
     for i, part in enumerate(text.split(",")):
         part = part.strip()
         where = f"group {i} ({part!r})" if part else f"group {i}"
@@ -70,6 +77,13 @@ def parse_groups(text: str) -> tuple[tuple[str, int | None, int | None], ...]:
         if kind not in ("full", "window", "state"):
             raise ValueError(f"{where}: the kind is full, window or state; syntax {SYNTAX}")
         size = _positive(size_text, where, "block size") if size_text else None
+        if kind == "state" and window_text:
+            if window_text not in RULES:
+                raise ValueError(
+                    f"{where}: a state's rule is {' or '.join(RULES)}; syntax {SYNTAX}"
+                )
+            out.append((kind, size, window_text))
+            continue
         window = _positive(window_text, where, "window") if window_text else None
         if (kind == "window") != (window is not None):
             raise ValueError(f"{where}: a window group, and only one, names its window (window:W)")
@@ -118,23 +132,27 @@ class GroupsResult:
     from there on."""
 
 
-def engine_groups(
-    parsed: tuple[tuple[str, int | None, int | None], ...], hash_size: int
-) -> tuple[GroupSpec, ...]:
+def engine_groups(parsed: tuple[GroupText, ...], hash_size: int) -> tuple[GroupSpec, ...]:
     """The engine's groups: a group without a block size takes the hash block size."""
-    return tuple(GroupSpec(kind, size or hash_size, window) for kind, size, window in parsed)
+    return tuple(
+        GroupSpec(
+            kind,
+            size or hash_size,
+            after if isinstance(after, int) else None,
+            after if isinstance(after, str) else None,
+        )
+        for kind, size, after in parsed
+    )
 
 
-def hash_block_size(
-    parsed: tuple[tuple[str, int | None, int | None], ...], rng: random.Random
-) -> int:
+def hash_block_size(parsed: tuple[GroupText, ...], rng: random.Random) -> int:
     """The gcd of the block sizes given, or drawn from 1..3 when none is."""
     sizes = [s for _, s, _ in parsed if s is not None]
     return math.gcd(*sizes) if sizes else rng.choice((1, 2, 3))
 
 
 def run_groups_cell(
-    parsed: tuple[tuple[str, int | None, int | None], ...],
+    parsed: tuple[GroupText, ...],
     policy: str,
     discipline: str = "vllm",
     preemption: str = "fcfs",

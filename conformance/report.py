@@ -132,6 +132,8 @@ def describe(event: Event) -> str:
             return f"schedule r{rid} for {tokens} tokens and to load {loaded} blocks"
         case "preempt", (rid,):
             return f"preempt r{rid}"
+        case "trim", (rid,):
+            return f"r{rid} gives up the blocks no step reads any more"
         case "submit", (step,):
             return f"submit step {step}"
         case "execute", (step, failed):

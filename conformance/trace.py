@@ -123,15 +123,19 @@ def _written(config: Config, names: Iterable[str]) -> dict[str, object]:
 
 def groups_json(groups: tuple[Group, ...]) -> list[dict[str, object]]:
     """The header's ``model.groups``: one object per group, in group order."""
-    return [{"kind": g.kind, "block_size": g.block_size, "window": g.window} for g in groups]
+    return [
+        {"kind": g.kind, "block_size": g.block_size, "window": g.window}
+        | ({"registers": g.registers} if g.registers is not None else {})
+        for g in groups
+    ]
 
 
-GROUP_FIELDS = ("kind", "block_size", "window")
+GROUP_FIELDS = ("kind", "block_size", "window", "registers")
 
 
 def groups_of(value: object, where: str) -> tuple[Group, ...]:
     """A header's ``groups`` (a list of ``{"kind", "block_size", "window"}`` objects, ``window``
-    optional) as ``Group``s; ``ValueError`` naming ``where`` for anything else. What each group
+    and a state group's ``registers`` optional) as ``Group``s; ``ValueError`` naming ``where`` for anything else. What each group
     may be (kinds, block sizes, windows) is ``Config``'s to check."""
     if not isinstance(value, list):
         raise ValueError(f'"{where}" must be a list of group objects, got {json_type(value)}')
@@ -150,7 +154,10 @@ def groups_of(value: object, where: str) -> tuple[Group, ...]:
         window = obj.get("window")
         if window is not None and not _is_int(window):
             raise ValueError(f'{at}: "window" must be an integer or null')
-        groups.append(Group(obj["kind"], obj["block_size"], window))
+        registers = obj.get("registers")
+        if registers is not None and not isinstance(registers, str):
+            raise ValueError(f'{at}: "registers" must be a string or null')
+        groups.append(Group(obj["kind"], obj["block_size"], window, registers))
     return tuple(groups)
 
 

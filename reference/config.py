@@ -40,12 +40,21 @@ attention, and a recurrent (Mamba / linear-attention) state in vLLM's ``align`` 
 class GroupSpec(NamedTuple):
     """One KV-cache group as the engine follows it: its kind (``GROUP_KINDS``), its block size
     (a multiple of ``EngineConfig.block_size``, the hash block size) and, for a ``window``
-    group, its window in tokens. The engine's own representation of the spec's ``Group``, which
-    a test checks field by field (the engine imports no spec)."""
+    group, its window in tokens; for a ``state`` group, ``registers``, when its states are
+    registered (``STATE_REGISTRATIONS``; None: ``at-its-step``). The engine's own representation
+    of the spec's ``Group``, which a test checks field by field (the engine imports no spec)."""
 
     kind: str
     block_size: int
     window: int | None = None
+    registers: str | None = None
+
+
+STATE_REGISTRATIONS = ("at-its-step", "when-known")
+"""When a state group registers the state at a block boundary (``groups.GroupedKV``):
+``at-its-step``, only in the step that ends there; ``when-known``, vLLM's ``align``
+``MambaManager``: a slot is registered as a full block is, once the known tokens reach its
+boundary (its block, unless the slot is null)."""
 
 
 DISCIPLINES = ("vllm", "general")
@@ -227,6 +236,13 @@ class EngineConfig:
                     raise ValueError(f"{where}: a window group needs a window, an int >= 1")
             elif g.window is not None:
                 raise ValueError(f"{where}: only a window group has a window")
+            if g.registers is not None and (
+                g.kind != "state" or g.registers not in STATE_REGISTRATIONS
+            ):
+                raise ValueError(
+                    f"{where}: only a state group registers by a rule, one of "
+                    f"{', '.join(STATE_REGISTRATIONS)}; got {g.registers!r}"
+                )
 
     @property
     def grouped(self) -> bool:

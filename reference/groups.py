@@ -24,7 +24,10 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
   group 0 is at the hash block size, as the spec requires of several groups); groups 1 .. G - 1
   register what a step ending at ``end`` makes registrable (``group_pending``, from each
   group's own count of registered blocks): full and window blocks wholly inside the known
-  tokens, a state block only when ``end`` is its boundary (the step writes the state there).
+  tokens; a state block only when ``end`` is its boundary (the step writes the state there),
+  or, for a state group that registers ``when-known`` (vLLM's ``align`` ``MambaManager``), every
+  slot as full blocks, once the known tokens reach its boundary (a null slot registers nothing;
+  the scheduler's aligned prefill chunks, ``Scheduler.clip``, keep each slot at its boundary).
 """
 
 from __future__ import annotations
@@ -311,13 +314,15 @@ class GroupedKV(KVCacheManager):
         """The (group, index) of groups 1 .. G - 1 a step of the request ending at ``end`` makes
         registrable, each group's count of registered blocks moving past them: full and window
         blocks wholly inside the first ``min(end, limit)`` tokens, a state block only when
-        ``end`` is its boundary and within ``limit`` (``limit``: the known tokens, or fewer)."""
+        ``end`` is its boundary and within ``limit`` (``limit``: the known tokens, or fewer), or
+        as full blocks for a state group registering ``when-known``."""
         cached = self.group_cached.setdefault(req.rid, [0] * (len(self.groups) - 1))
         out: list[tuple[int, int]] = []
         for g in range(1, len(self.groups)):
-            size, done = self.groups[g].block_size, cached[g - 1]
+            spec = self.groups[g]
+            size, done = spec.block_size, cached[g - 1]
             upto = min(end, limit) // size
-            if self.groups[g].kind == "state":
+            if spec.kind == "state" and spec.registers != "when-known":
                 if end % size == 0 and end <= limit and end // size > done:
                     out.append((g, end // size - 1))
             else:

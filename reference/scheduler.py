@@ -253,14 +253,20 @@ class Scheduler:
 
     def clip(self, req: Request, start: int, num_tokens: int) -> int:
         """A prefill chunk from ``start`` clipped to end where a state can be kept (vLLM's align
-        mode, ``_mamba_block_aligned_split``, simplified): at the last state boundary before the
-        request's last known token when it crosses it, else at the last boundary it reaches
-        (unless that leaves nothing); decodes and models without a state group unclipped."""
+        mode, ``_mamba_block_aligned_split``, simplified): a chunk that starts inside a block
+        at the next boundary (so a state slot a chunk left mid-block is next written at its
+        boundary, which a state group registering ``when-known`` relies on), at the last state
+        boundary before the request's last known token when it crosses it, else at the last
+        boundary it reaches (unless that leaves nothing); decodes and models without a state
+        group unclipped."""
         align = self.state_align
         known = len(req.tokens)
         if align == 1 or start >= known - 1:
             return num_tokens
         end = start + num_tokens
+        following = (start // align + 1) * align
+        if start % align and following < end:
+            return following - start
         last = (known - 1) // align * align
         if start < last < end:
             return last - start

@@ -219,6 +219,25 @@ def preempt(s: State, rid: int) -> list[Event]:
     return events
 
 
+def trim(s: State, rid: int) -> list[Event]:
+    """The running request's skipped blocks (a window's before the window of its next processed
+    token, a state group's before the state it resumes from) are freed and nulled, the frees
+    its next schedule in the building step would make first (``remove_skipped``): vLLM's
+    ``allocate_slots`` makes them, then finds no room and preempts, so they come before the
+    preemption's frees. Its schedule then frees nothing more. Only with a window or groups."""
+    step, req, cfg = _building(s, f"trim r{rid}"), _request(s, rid), s.config
+    where = f"trim r{rid} in step {step.id}"
+    if cfg.window is None and not cfg.hybrid:
+        raise Illegal(f"{where}: no window or state group has blocks to trim")
+    if req.status != "running" or rid in step.entries:
+        raise Illegal(f"{where}: not running, or already scheduled in this step")
+    processed = max(0, req.computed - _in_flight(s, rid))
+    events = remove_skipped(s, req, processed)
+    if cfg.hybrid:
+        events += groups.remove_skipped(s, req, processed)
+    return events
+
+
 def submit(s: State, step_id: int) -> list[Event]:
     step = _building(s, f"submit step {step_id}")
     if step.id != step_id:
@@ -436,6 +455,7 @@ ACTIONS: dict[str, Callable[..., list[Event]]] = {
     "begin": begin,
     "schedule": schedule,
     "preempt": preempt,
+    "trim": trim,
     "submit": submit,
     "execute": execute,
     "commit": commit,

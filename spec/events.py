@@ -70,6 +70,14 @@ KINDS: dict[str, Kind] = _kinds(
         "to load from an external store; a waiting request is admitted first",
     ),
     Kind("preempt", True, (("req", "id"),), "a running request loses its blocks, back to waiting"),
+    Kind(
+        "trim",
+        True,
+        (("req", "id"),),
+        "a running request not yet scheduled in the building step gives up the blocks no step "
+        "reads any more (a window's, a state group's), as its schedule would; vLLM's "
+        "allocate_slots frees them before it finds no room and preempts",
+    ),
     Kind("submit", True, (("step", "id"),), "the building step goes to the worker"),
     Kind(
         "execute",

@@ -16,8 +16,12 @@ rule (``hit_length``, a function of the published indexes alone) and the tables 
   (with the state after exactly ``end`` tokens: ``Write.prefix`` is that prefix), a step reads
   the block of the position it starts at, the other positions hold the null block. A hit of
   ``L`` tokens needs the state at exactly ``L`` published (nulls before it). Published keys are
-  boundaries: a state block is published under ``tokens[:(i + 1) * B_g]`` only by a step that
-  ends there (``state_publishable``).
+  boundaries: a state block is published under ``tokens[:(i + 1) * B_g]``, by the group's
+  registration rule (``Group.registers``, ``pending``): ``at-its-step``, only by the step that
+  ends there; ``when-known`` (vLLM's ``align`` ``MambaManager``), as a full block is, at the
+  first registration point whose known tokens reach the boundary, the slot's block whatever step
+  last wrote it (right only where every step that writes the slot ends at its boundary or stops
+  short of it: vLLM's aligned prefill chunks; else ``StateAtItsBoundary``).
 
 Every effect of a group other than 0 carries its group (``events.grouped``). The effects come in
 group order: hits, then skipped frees, then allocations (``actions.schedule``), a whole table's
@@ -49,6 +53,12 @@ def kind(s: State, g: int) -> str:
 def key(req: Request, end: int) -> Key:
     """The chained prefix of the request's first ``end`` tokens (a group's published key)."""
     return tuple(req.tokens[:end])
+
+
+def when_known(s: State, g: int) -> bool:
+    """Group ``g`` is a state group that registers its states when their boundary's tokens are
+    known (``Group.registers == "when-known"``), not only in the step ending there."""
+    return bool(s.config.groups) and s.config.groups[g].registers == "when-known"
 
 
 def window(s: State, g: int) -> int | None:
@@ -356,12 +366,13 @@ def pending(s: State, req: Request, end: int, limit: int) -> list[tuple[int, int
     as (group, index), from each group's ``group_cached`` on, which advances past them: full and
     window blocks wholly inside the first ``min(end, limit)`` tokens (``limit``: the known
     tokens, or the policy's cap); a state group's block only when ``end`` is its boundary and
-    within ``limit`` (the step writes the state there, and only there)."""
+    within ``limit`` (the step writes the state there, and only there), or, registering
+    ``when-known``, every slot as full blocks (``publish`` skips a null one)."""
     out: list[tuple[int, int]] = []
     for g in range(1, len(s.config.groups)):
         bs, cached = size(s, g), req.group_cached[g - 1]
         upto = min(end, limit) // bs
-        if kind(s, g) == "state":
+        if kind(s, g) == "state" and not when_known(s, g):
             if end % bs == 0 and end <= limit and end // bs > cached:
                 out.append((g, end // bs - 1))
         else:

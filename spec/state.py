@@ -38,6 +38,14 @@ groups"): full attention, sliding-window attention, and a recurrent state (Mamba
 attention) cached at block boundaries."""
 REFUSED_GROUP_KINDS = {"chunked": "chunked local attention is not modelled yet"}
 """Group kinds an engine has that the spec refuses by name (``Config`` raises naming them)."""
+STATE_REGISTRATIONS = ("at-its-step", "when-known")
+"""When a state group registers the state at a block boundary (``Group.registers``;
+``docs/model.md``, "Hybrid groups"): ``at-its-step``, only the step whose entry ends at the
+boundary registers it (at its schedule, or at its commit when the boundary's tokens were not
+all known at its schedule and no later schedule of the request has passed it); ``when-known``, vLLM's ``align`` ``MambaManager``: a state slot is
+registered as a full block is, at the first registration point of the request (a schedule, a
+commit) whose known tokens reach its boundary, if the slot holds a block (a slot no step ended
+in holds the null block and registers nothing). The default (None) is ``at-its-step``."""
 
 Key = tuple[int, ...]
 """A published hash, as the chained token prefix it names (tokens 0 .. end of the block)."""
@@ -76,11 +84,13 @@ class Group(NamedTuple):
     """One KV-cache group (vLLM's ``KVCacheGroupSpec``): every layer of the group shares one
     block table per request. ``block_size`` is a multiple of ``Config.block_size`` (the hash
     block size, the unit tokens are chained in); ``window`` is W for a ``window`` group and None
-    otherwise."""
+    otherwise; ``registers`` is a ``state`` group's registration rule (``STATE_REGISTRATIONS``;
+    None: ``at-its-step``), None for the other kinds."""
 
     kind: str
     block_size: int
     window: int | None = None
+    registers: str | None = None
 
     def problem(self, hash_block: int) -> str:
         """Why this group is no group of a ``Config`` with hash block size ``hash_block``, or
@@ -99,6 +109,13 @@ class Group(NamedTuple):
                 return f"a window group needs an integer window >= 1, got {self.window!r}"
         elif self.window is not None:
             return f"only a window group has a window, got {self.window!r} for {self.kind!r}"
+        if self.registers is not None and self.kind != "state":
+            return f"only a state group has a registration rule, got {self.registers!r}"
+        if self.registers is not None and self.registers not in STATE_REGISTRATIONS:
+            return (
+                f"unknown state registration {self.registers!r}; "
+                f"one of {', '.join(STATE_REGISTRATIONS)}"
+            )
         return ""
 
 

@@ -1034,9 +1034,12 @@ class Attachment:
                 pending, self._current, self._current_request = self._pending, None, None
                 self._pending = []
             if result is None:
-                if pending and self._windowed:
-                    # vLLM freed the blocks before the window, then found no room: the spec
-                    # frees them with the schedule that succeeds (after any preemption)
+                if pending and self._windowed and rid is not None:
+                    # vLLM freed the blocks no step reads any more (a window's, a state
+                    # group's), then found no room: the spec's trim, before the preemption
+                    self.events.append(("trim", rid))
+                    self.events.extend(pending)
+                elif pending and self._windowed:
                     self.refuse("sliding window: skipped blocks freed by a failed allocation", "")
                     self.events.extend(pending)
                 elif pending:

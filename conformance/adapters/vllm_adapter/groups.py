@@ -36,13 +36,14 @@ KINDS = ("full", "window", "state")
 MAMBA_MODES = ("align",)
 """The Mamba cache modes kvspec follows: ``align`` (a state at each block boundary a step ended
 at), the one vLLM picks with prefix caching on (``MambaModelConfig``)."""
-STATE_PUBLICATION = "Mamba state publication"
-STATE_PUBLICATION_WHY = (
-    "vLLM's align MambaManager registered a state block in the schedule after the step that "
-    "ends at its boundary, the spec's eager registration in that step's (kvspec fuzz "
-    "mamba_factory under fcfs: a Disagreement, not a finding, until the spec follows it)"
-)
-"""Refused until the spec's state groups register when vLLM's do (docs/adapters.md)."""
+STATE_REGISTRATION = "when-known"
+"""How vLLM's ``align`` ``MambaManager`` registers its states (the spec's ``Group.registers``,
+``docs/model.md``, "Hybrid groups"): its ``cache_blocks`` walks the Mamba table as a full
+group's, from the request's registered count to the last boundary its known tokens reach,
+skipping null slots, at every ``allocate_slots`` and post-output registration; so under async
+scheduling the state a step writes at a boundary it reached on a placeholder is registered at
+the request's next schedule. (Refused as ``Mamba state publication`` before the spec had the
+rule: the spec registered a state only in the step ending at its boundary.)"""
 MANAGER_METHODS = (
     "allocate_new_blocks",
     "allocate_external_computed_blocks",
@@ -75,12 +76,15 @@ def group_kind(spec: Any) -> str:
 
 def model_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
     """The trace header's ``model.groups`` for vLLM's ``KVCacheConfig``, in vLLM's group order:
-    ``{"kind", "block_size", "window"}`` per group (``docs/hybrid.md``, "Events and trace")."""
+    ``{"kind", "block_size", "window"}`` per group (``docs/hybrid.md``, "Events and trace"),
+    and a state group's ``"registers"``: vLLM's rule, ``STATE_REGISTRATION``."""
     out = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         window = getattr(spec, "sliding_window", None)
-        out.append({"kind": group_kind(spec), "block_size": spec.block_size, "window": window})
+        kind = group_kind(spec)
+        read = {"kind": kind, "block_size": spec.block_size, "window": window}
+        out.append(read | ({"registers": STATE_REGISTRATION} if kind == "state" else {}))
     return out
 
 
@@ -118,8 +122,6 @@ def group_features(sched: Any) -> list[Feature]:
             found.append((f"KV-cache spec {kind}", f"group {i}: not full, window or state"))
         if kind == "state" and versions.read(spec, "mamba_cache_mode") not in MAMBA_MODES:
             found.append((f"Mamba cache mode {spec.mamba_cache_mode}", f"group {i}"))
-        elif kind == "state":
-            found.append((STATE_PUBLICATION, f"group {i}: {STATE_PUBLICATION_WHY}"))
         if kind == "window" and getattr(spec, "extra_retained_tokens", 0):
             found.append(("sliding window", f"group {i}: extra retained tokens"))
         role = getattr(group, "role", None)
@@ -209,4 +211,9 @@ def spec_groups(sched: Any) -> dict[str, Any]:
     read = model_groups(sched.kv_cache_config)
     if any(g["kind"] not in KINDS for g in read):  # refused by name (group_features), not built
         return {}
-    return {"groups": tuple(group(g["kind"], g["block_size"], window=g["window"]) for g in read)}
+    return {
+        "groups": tuple(
+            group(g["kind"], g["block_size"], window=g["window"], registers=g.get("registers"))
+            for g in read
+        )
+    }
