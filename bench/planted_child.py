@@ -82,6 +82,7 @@ def main() -> None:
     plants = [
         *planted.PLANTS,
         *getattr(planted, "BOOKS", ()),
+        *getattr(planted, "STREAM", ()),
         *getattr(planted, "CRASHING", ()),
     ]
     if not names and "--no-baseline" not in sys.argv:

@@ -58,9 +58,12 @@ def run(tree: Path, after: Path, engine: str, baseline: bool) -> list[dict[str, 
 
 
 def verdict(row: dict[str, object], base: dict[str, object] | None) -> str:
-    """What the report names: the invariant (or book check), efficiency with its lost hits, the
-    engine's own finding that masks the bug, or nothing."""
+    """What the report names: the invariant (or book check) the bug was planted for, another
+    one, efficiency with its lost hits, the engine's own finding that masks the bug, or
+    nothing."""
     named = row.get("named") or (row["finding"] if row.get("finding") not in GENERIC else None)
+    if named and row.get("expect") not in (None, named):
+        return f"other ({named}; planted for {row['expect']})"
     if named:
         return f"yes ({named})"
     if row.get("headline"):

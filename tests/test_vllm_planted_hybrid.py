@@ -1,8 +1,9 @@
 """Bugs planted in vLLM's own hybrid KV-cache code (``planted_vllm_hybrid.py``), fuzzed through
 ``hybrid.swa_factory`` with a fixed seed in each supported release's environment
 (``bench/planted_child.py vllm-hybrid``): each is caught and named by the invariant of several
-groups it breaks (``HitServedByEveryGroup``), not a bare ``Disagreement``, within 30 s of
-fuzzing; the same factory with nothing planted holds under that seed (the first row)."""
+groups it breaks (``HitServedByEveryGroup``), not a bare ``Disagreement``, and each bug in its
+per-group KV-event stream by the stream invariant it breaks, within 30 s of fuzzing; the same
+factory with nothing planted (its stream judged too) holds under that seed (the first row)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_planted_hybrid_bugs_are_named_by_their_invariant(venv: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert rows[0]["name"] == "baseline" and rows[0]["finding"] is None, rows[0]
-    assert len(rows) == 3, rows
+    assert len(rows) == 5, rows
     for row in rows[1:]:
         assert row["named"] == row["expect"], row
         assert row["first"] is not None and float(row["first"]) < 30, row
