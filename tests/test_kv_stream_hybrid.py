@@ -30,6 +30,7 @@ def _run(venv: Path, folder: Path, *plant: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if " | " in line]
 
 
+@pytest.mark.e2e  # minutes per release: make test-e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_a_hybrid_models_stream_is_judged_per_group(venv: Path, tmp_path: Path) -> None:
     clean = _run(venv, tmp_path)

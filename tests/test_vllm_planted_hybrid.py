@@ -18,6 +18,7 @@ from vllm_venvs import VENVS
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.e2e  # minutes per release: make test-e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_planted_hybrid_bugs_are_named_by_their_invariant(venv: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp")}
@@ -34,5 +35,6 @@ def test_planted_hybrid_bugs_are_named_by_their_invariant(venv: Path) -> None:
     assert rows[0]["name"] == "baseline" and rows[0]["finding"] is None, rows[0]
     assert len(rows) == 5, rows
     for row in rows[1:]:
-        assert row["named"] == row["expect"], row
+        # a deviation's consequence names an invariant; a stream bug is its invariant's finding
+        assert (row["named"] or row["finding"]) == row["expect"], row
         assert row["first"] is not None and float(row["first"]) < 30, row
