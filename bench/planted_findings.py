@@ -7,8 +7,8 @@ patches the engine's own classes there: ``tests/planted*.py``), and what the rep
 
 ENGINE: ``reference``, ``nano``, ``vllm-0.33.0``, ``vllm-0.34.0``, ``vllm-hybrid-0.33.0``,
 ``vllm-hybrid-0.34.0`` (vLLM's hybrid code through ``hybrid.swa_factory``, issue #36) (default:
-every one whose interpreter AFTER_TREE has: its own ``.venv-nano`` / ``.venv-vllm`` / ``.venv-vllm-0.34.0``; the
-reference engine runs in this interpreter). Each tree is a checkout whose ``.pp`` makes ``import
+every one whose interpreter AFTER_TREE has: its own ``.venv-nano`` / ``.venv-vllm`` /
+``.venv-vllm-0.34.0``; the reference engine runs in this interpreter). Each tree is a checkout whose ``.pp`` makes ``import
 kvspec`` import it (a tree without one: the interpreter's own install of kvspec). The bugs and the
 child come from AFTER_TREE. Prints, per engine, a Markdown table (``docs/findings-explained.md``):
 first the engine with nothing planted under the same seed (a bug whose finding is that one is
