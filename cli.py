@@ -701,6 +701,8 @@ def _fuzz_depth(result: CellResult) -> None:
         p90 = steps[min(len(steps) - 1, int(0.9 * len(steps)))]
         print(f"engine steps per run: median {steps[len(steps) // 2]}, p90 {p90}, max {steps[-1]}")
     print(result.coverage.line())
+    if result.coverage.grouped_runs:  # an engine's hybrid groups (vLLM's swa_factory)
+        print(result.coverage.groups_line())
 
 
 @_command

@@ -5,8 +5,10 @@ bug, what the report names.
     python bench/planted_child.py [--no-baseline] ENGINE TESTS_DIR [SECONDS] [NAME ...]
 
 ENGINE is ``reference`` (``tests/planted.py``, cell ``deferred``), ``nano`` (``planted_nano.py``,
-in ``.venv-nano``: ``eager-unsafe``, discipline ``general``, depth 1) or ``vllm``
-(``planted_vllm.py``, in a vLLM venv: ``eager-unsafe``, depth 1); every run is seed 0. The first
+in ``.venv-nano``: ``eager-unsafe``, discipline ``general``, depth 1), ``vllm``
+(``planted_vllm.py``, in a vLLM venv: ``eager-unsafe``, depth 1) or ``vllm-hybrid``
+(``planted_vllm_hybrid.py``, in a vLLM venv: ``hybrid.swa_factory``, ``eager-unsafe``, depth 1);
+every run is seed 0. The first
 line, ``baseline``, is the engine with nothing planted under the same seed: a plant whose finding
 is the baseline's is masked by the engine's own (``--no-baseline``: none). NAME: only these bugs
 (and no baseline).
@@ -22,7 +24,12 @@ import sys
 import time
 from typing import Any
 
-PLANTS_OF = {"reference": "planted", "nano": "planted_nano", "vllm": "planted_vllm"}
+PLANTS_OF = {
+    "reference": "planted",
+    "nano": "planted_nano",
+    "vllm": "planted_vllm",
+    "vllm-hybrid": "planted_vllm_hybrid",
+}
 
 
 def cell(engine: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -33,6 +40,10 @@ def cell(engine: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         from kvspec.conformance.adapters import nano_vllm_adapter
 
         return ("eager-unsafe", "general"), {"depth": 1, "factory": nano_vllm_adapter.factory}
+    if engine == "vllm-hybrid":
+        from kvspec.conformance.adapters.vllm_adapter import hybrid
+
+        return ("eager-unsafe",), {"depth": 1, "factory": hybrid.swa_factory}
     from kvspec.conformance.adapters import vllm_adapter
 
     return ("eager-unsafe",), {"depth": 1, "factory": vllm_adapter.factory}
@@ -65,12 +76,13 @@ def main() -> None:
     seconds = float(argv[2]) if len(argv) > 2 else 30.0
     names = argv[3:]
     sys.path.insert(0, tests)
-    if engine == "vllm":  # before vLLM is first imported (its platform is read then)
+    if engine.startswith("vllm"):  # before vLLM is first imported (its platform is read then)
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     planted = importlib.import_module(PLANTS_OF[engine])
     plants = [
         *planted.PLANTS,
         *getattr(planted, "BOOKS", ()),
+        *getattr(planted, "STREAM", ()),
         *getattr(planted, "CRASHING", ()),
     ]
     if not names and "--no-baseline" not in sys.argv:

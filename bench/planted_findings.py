@@ -5,9 +5,10 @@ patches the engine's own classes there: ``tests/planted*.py``), and what the rep
 
     python bench/planted_findings.py BEFORE_TREE AFTER_TREE [ENGINE ...]
 
-ENGINE: ``reference``, ``nano``, ``vllm-0.33.0``, ``vllm-0.34.0`` (default: every one whose
-interpreter AFTER_TREE has: its own ``.venv-nano`` / ``.venv-vllm`` / ``.venv-vllm-0.34.0``; the
-reference engine runs in this interpreter). Each tree is a checkout whose ``.pp`` makes ``import
+ENGINE: ``reference``, ``nano``, ``vllm-0.33.0``, ``vllm-0.34.0``, ``vllm-hybrid-0.33.0``,
+``vllm-hybrid-0.34.0`` (vLLM's hybrid code through ``hybrid.swa_factory``, issue #36) (default:
+every one whose interpreter AFTER_TREE has: its own ``.venv-nano`` / ``.venv-vllm`` /
+``.venv-vllm-0.34.0``; the reference engine runs in this interpreter). Each tree is a checkout whose ``.pp`` makes ``import
 kvspec`` import it (a tree without one: the interpreter's own install of kvspec). The bugs and the
 child come from AFTER_TREE. Prints, per engine, a Markdown table (``docs/findings-explained.md``):
 first the engine with nothing planted under the same seed (a bug whose finding is that one is
@@ -27,6 +28,8 @@ ENGINES = {
     "nano": ("nano", ".venv-nano"),
     "vllm-0.33.0": ("vllm", ".venv-vllm"),
     "vllm-0.34.0": ("vllm", ".venv-vllm-0.34.0"),
+    "vllm-hybrid-0.33.0": ("vllm-hybrid", ".venv-vllm"),
+    "vllm-hybrid-0.34.0": ("vllm-hybrid", ".venv-vllm-0.34.0"),
 }
 """Engine -> (the child's engine, the interpreter's venv in AFTER_TREE; None: this one)."""
 GENERIC = ("Disagreement", "Illegal", "EngineError", "EngineHung", "EngineNeverIdle", None)
@@ -55,9 +58,12 @@ def run(tree: Path, after: Path, engine: str, baseline: bool) -> list[dict[str, 
 
 
 def verdict(row: dict[str, object], base: dict[str, object] | None) -> str:
-    """What the report names: the invariant (or book check), efficiency with its lost hits, the
-    engine's own finding that masks the bug, or nothing."""
+    """What the report names: the invariant (or book check) the bug was planted for, another
+    one, efficiency with its lost hits, the engine's own finding that masks the bug, or
+    nothing."""
     named = row.get("named") or (row["finding"] if row.get("finding") not in GENERIC else None)
+    if named and row.get("expect") not in (None, named):
+        return f"other ({named}; planted for {row['expect']})"
     if named:
         return f"yes ({named})"
     if row.get("headline"):

@@ -477,7 +477,7 @@ def cell_machine(
                 if dog is not None:
                     dog.calling = None
             self.config = self.engine.config
-            self.coverage = RunCoverage()
+            self.coverage = coverage_of(self.config)
             self._refused()  # refused at construction, without a ValueError
             self.judge = run_judge(self.engine, invariants, engine)
             self.program: list[tuple[str, list[Event]]] = []
@@ -936,6 +936,16 @@ the fixed cost of a batch (its simplest example) is small anyway. (Any integer l
 more in kvspec's source becomes a value Hypothesis draws 5% of the time for a choice whose range
 holds it, from a checkout: an installed wheel's modules are not scanned. Adding one changes
 every seeded search.)"""
+
+
+def coverage_of(config: Config) -> RunCoverage:
+    """A run's coverage counters: with several KV-cache groups, their hybrid paths too, read
+    from the engine's events (``fuzz_coverage.RunCoverage``'s ``kinds`` and ``sizes``)."""
+    if len(config.groups) < 2:
+        return RunCoverage()
+    return RunCoverage(
+        tuple(g.kind for g in config.groups), tuple(g.block_size for g in config.groups)
+    )
 
 
 def run_cell(

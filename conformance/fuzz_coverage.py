@@ -37,7 +37,12 @@ Counters:
   a block); ``window_nulled_shared``, window-group blocks freed by a ``schedule`` decision
   while the request holds a block of another group that someone else holds too;
   ``hits_shortened``, admissions whose hit a group shortened below what the first group alone
-  would serve (counted by the engine, ``fuzz_groups``, not read from the events);
+  would serve (the reference engine counts its own, ``fuzz_groups``; for any other engine,
+  ``RunCoverage(kinds, sizes)`` reads it from the events: an admission whose hit is shorter
+  than the longest prefix a full-attention group has published for the request, up to the
+  last token a hit may cover, as vLLM's coordinator iterates from its full-attention group);
+* ``grouped_runs``: runs with several KV-cache groups (``kvspec fuzz`` then prints
+  ``Coverage.groups_line`` too);
 * ``refused_runs``: runs ended by the adapter's refusal (a feature the spec does not model, seen
   mid-run: ``fuzz.RunRefused``), counted by the fuzzer, not read from the events.
 """
@@ -75,6 +80,7 @@ class Coverage:
     window_nulled_shared: int = 0
     hits_shortened: int = 0
     refused_runs: int = 0
+    grouped_runs: int = 0
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
     def add(self, other: Coverage) -> None:
@@ -104,7 +110,8 @@ class Coverage:
         )
 
     def groups_line(self) -> str:
-        """One more line for ``kvspec fuzz --groups``: what the hybrid paths reached."""
+        """One more line for ``kvspec fuzz --groups`` (and any engine whose runs had several
+        groups): what the hybrid paths reached."""
         return (
             f"groups: {self.hits_shortened} hits shortened by a group, {self.state_hits} state "
             f"blocks hit, {self.window_nulled_shared} window blocks nulled while the request "
@@ -119,10 +126,20 @@ COUNTERS = tuple(f.name for f in fields(Coverage) if f.name != "preempt_at_depth
 class RunCoverage(Coverage):
     """One run's counts, and what it needs to know of the stream so far."""
 
-    def __init__(self, kinds: tuple[str, ...] = ()) -> None:
+    def __init__(self, kinds: tuple[str, ...] = (), sizes: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.kinds = kinds
+        self.grouped_runs = int(bool(kinds))
         """Several KV-cache groups: each group's kind, in group order (empty: one group)."""
+        self.sizes = sizes
+        """Several groups: each group's block size, where ``hits_shortened`` is read from the
+        events (empty: the engine counts it)."""
+        self.tokens: dict[int, list[int]] = {}
+        """Several groups, with ``sizes``: request -> its tokens (prompt, then committed)."""
+        self.group_published: dict[int, tuple[int, tuple[int, ...]]] = {}
+        """Several groups, with ``sizes``: published block -> (its group, its prefix)."""
+        self.prefixes: set[tuple[int, tuple[int, ...]]] = set()
+        """Several groups, with ``sizes``: the (group, prefix) pairs published now."""
         self.group_of: dict[int, int] = {}
         """Several groups: block -> the group it was last allocated or hit in."""
         self.holders: dict[int, int] = {}
@@ -151,6 +168,8 @@ class RunCoverage(Coverage):
             kind = event[0]
             if self.kinds:
                 self._observe_groups(event)
+                if self.sizes:
+                    self._observe_shortened(event)
             if kind in ("schedule", "preempt", "abort", "finish", "begin", "submit"):
                 self.decision = kind
             if kind == "alloc":
@@ -254,6 +273,43 @@ class RunCoverage(Coverage):
                     self.window_nulled_shared += 1
         elif kind in ("finish", "preempt", "abort", "load_failed"):
             self.held.pop(fields_[0], None)
+
+    def _observe_shortened(self, event: Event) -> None:
+        """``hits_shortened`` from the events: the published prefixes per group, each
+        admission's hit (its group-0 ``hit``) against what a full group alone would serve."""
+        kind = event[0]
+        if kind == "arrive":
+            self.tokens[int(str(event[1]))] = list(event[2])  # type: ignore[call-overload]
+        elif kind == "commit":
+            for rid, token in event[2]:  # type: ignore[attr-defined]
+                self.tokens.setdefault(rid, []).append(token)
+        elif kind == "publish":
+            rid, index, block = (int(str(x)) for x in event[1:4])
+            group = int(str(event[4])) if len(event) > 4 else 0
+            end = (index + 1) * self.sizes[group]
+            prefix = tuple(self.tokens.get(rid, ())[:end])
+            if len(prefix) == end:
+                self.group_published[block] = (group, prefix)
+                self.prefixes.add((group, prefix))
+        elif kind in ("evict", "unpublish"):
+            gone = self.group_published.pop(int(str(event[1])), None)
+            if gone is not None and gone not in self.group_published.values():
+                self.prefixes.discard(gone)
+        elif kind == "hit" and len(event) == 3:  # group 0's: the admission's first
+            tokens = self.tokens.get(int(str(event[1])), [])
+            hit = len(event[2]) * self.sizes[0]  # type: ignore[arg-type]
+            cap = len(tokens) - 1  # a hit leaves the last token to compute
+            for group, kind_ in enumerate(self.kinds):
+                size, alone = self.sizes[group], 0
+                while (
+                    kind_ == "full"
+                    and alone + size <= cap
+                    and (group, tuple(tokens[: alone + size])) in self.prefixes
+                ):
+                    alone += size
+                if alone > hit:
+                    self.hits_shortened += 1
+                    break
 
 
 def _ints(event: Event) -> list[int]:

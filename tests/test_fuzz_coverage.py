@@ -94,3 +94,32 @@ def test_run_cell_returns_the_runs_depth_and_coverage() -> None:
     assert len(result.steps_per_run) == result.runs
     assert sum(result.steps_per_run) == result.commits
     assert result.coverage.preempt_building >= 1  # the seed bug's trigger was reached
+
+
+def test_hits_shortened_are_read_from_the_events_of_several_groups() -> None:
+    """``RunCoverage(kinds, sizes)``: an admission whose group-0 (window) hit is shorter than
+    the prefix the full group has published for the request counts as shortened; the same hit
+    after the full group's block is evicted does not; without ``sizes`` (the reference engine
+    counts its own) nothing is read. (Planted: a comparison that never counts fails the first
+    assertion.)"""
+    prompt = (1, 2, 3, 4, 5)
+    events: list[tuple[object, ...]] = [
+        ("arrive", 0, prompt, 1, 0),
+        ("publish", 0, 0, 1),
+        ("publish", 0, 1, 2),
+        ("publish", 0, 0, 3, 1),
+        ("publish", 0, 1, 4, 1),
+        ("evict", 2),  # the window group's block of tokens 3..4
+        ("arrive", 1, prompt, 1, 0),
+        ("hit", 1, ()),  # the window serves nothing at 4 now
+        ("hit", 1, (), 1),
+    ]
+    run = RunCoverage(("window", "full"), (2, 2))
+    run.observe(events)
+    assert run.hits_shortened == 1
+    gone = RunCoverage(("window", "full"), (2, 2))
+    gone.observe([*events[:6], ("evict", 3), *events[6:]])
+    assert gone.hits_shortened == 0
+    engine_counts = RunCoverage(("window", "full"))
+    engine_counts.observe(events)
+    assert engine_counts.hits_shortened == 0 and engine_counts.grouped_runs == 1

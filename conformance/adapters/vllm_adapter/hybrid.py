@@ -261,11 +261,11 @@ class HybridVllmAdapter(VllmAdapter):
     made (``groups.spec_groups``), whatever the config it was given said of them."""
 
     model: str
-    streams_kv_events = False
-    """vLLM's per-group KV events (a Mamba state stored for the tokens since the last state,
-    the window's skipped blocks) are judged by no stream judge yet (issue #36's stream bullet):
-    the stream is not run, and the attachment's own cross-check of stored and removed blocks
-    against the ``publish`` and ``evict`` events still is (``Attachment.self_check``)."""
+    streams_kv_events = True
+    """vLLM's per-group KV events are judged as a plain model's are (``kv_stream.py``): the
+    stream judge keys its view by ``(medium, group, hash)`` and asks announced parents only of
+    full-attention groups (``spec.stream.CHAINED_KINDS``: a window's store may follow a nulled,
+    evicted block)."""
 
     def build_scheduler(
         self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
