@@ -21,11 +21,9 @@ from the one below's output): float32 is the exact check, 16 bits the serving-li
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -33,22 +31,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 
-def _import_kvspec() -> None:
-    """Use the installed package, or this checkout (its root is the ``kvspec`` package)."""
-    try:
-        import kvspec  # noqa: F401
-    except ImportError:
-        root = Path(__file__).resolve().parent.parent
-        spec = importlib.util.spec_from_file_location(
-            "kvspec", root / "__init__.py", submodule_search_locations=[str(root)]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["kvspec"] = module
-        spec.loader.exec_module(module)
+from checkout import import_kvspec  # noqa: E402
 
-
-_import_kvspec()
+import_kvspec()
 
 from kvspec.conformance.plan import replay_groups, replay_plan  # noqa: E402
 from kvspec.impl.paged.kv_cache import DTYPES  # noqa: E402

@@ -21,31 +21,13 @@ Prints its figures; stops adding measurements once ``--budget`` seconds (default
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
+from checkout import import_kvspec  # noqa: E402
 
-
-def _import_kvspec() -> None:
-    """Use the installed package, or this checkout (its root is the ``kvspec`` package)."""
-    try:
-        import kvspec  # noqa: F401
-    except ImportError:
-        root = Path(__file__).resolve().parent.parent
-        spec = importlib.util.spec_from_file_location(
-            "kvspec", root / "__init__.py", submodule_search_locations=[str(root)]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["kvspec"] = module
-        spec.loader.exec_module(module)
-
-
-_import_kvspec()
+import_kvspec()
 
 from kvspec.impl.paged.attention_ref import paged_attention_ref  # noqa: E402
 from kvspec.impl.paged.batch import Batch, make_batch  # noqa: E402
