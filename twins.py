@@ -305,9 +305,9 @@ TWINS: tuple[Twin, ...] = (
         "the parametric model: the block lifecycle over unbounded sorts (requests, blocks, "
         "hashes; steps and positions as integers), for proofs at every size; synchronous or async "
         "(stale output dropped or delivered), "
-        "block size 1 (not more: a block of several positions is allocated before its later "
-        "positions are computed and written by several steps, which its one-position blocks and "
-        "one pending write per step and block do not state), external loads and their failures, "
+        "any block size (a block of B positions is B one-position slots taken, freed and "
+        "published together: slots held ahead of the computed positions, written later, "
+        "``proofs/abstraction.py``), external loads and their failures (at block size 1), "
         "deferred and hide-uncommitted "
         "(``proofs/abstraction.py`` "
         "maps a spec state onto a finite instance)",
