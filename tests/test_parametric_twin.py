@@ -1,8 +1,9 @@
 """The parametric model (``proofs/parametric.py``) is a twin of the spec: every spec step is one
 of its steps, and every reachable spec state is inside its invariant.
 
-Random walks of the executable spec in the parametric fragment (block size 1, synchronous, the
-safe policies, both disciplines and preemption orders, depths 1 to 3); at every visited state,
+Random walks of the executable spec in the parametric fragment (block sizes 1 to 3, synchronous
+and async, the safe policies, both disciplines and preemption orders, depths 1 to 3; external
+loads at block size 1); at every visited state,
 through the abstraction of ``proofs/abstraction.py`` on a finite instance:
 
 * the model's invariant holds on the state's encoding (for some value of its ghost);
