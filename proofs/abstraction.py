@@ -33,7 +33,7 @@ from typing import Any
 
 import z3
 
-from kvspec.spec.state import NULL_BLOCK, Placeholder, State
+from kvspec.spec.state import NULL_BLOCK, Draft, Placeholder, State
 
 from . import parametric as pm
 
@@ -52,7 +52,7 @@ def in_fragment(s: State) -> bool:
     c = s.config
     return (
         c.prefix_caching
-        and not c.spec_tokens
+        and not (c.spec_tokens and c.async_scheduling)
         and c.sliding_window is None
         and not c.defer_free
         and c.policy in ("deferred", "hide-uncommitted")
@@ -91,10 +91,10 @@ class Checker:
 
     def content(self, s: State, c: Sequence[Any]) -> tuple[bool, Any]:
         """Whether bytes holding ``c`` are valid, and the hash they hold. Known tokens: the
-        prefix's own constant. Under async scheduling placeholders: valid while every one is
+        prefix's own constant. Placeholders (async scheduling) and drafts: valid while every one is
         the sample of a live entry of a step in flight (it will resolve to the request's token
         there: ``hk`` of that position, not fixed yet), garbage once one was discarded."""
-        marks = [x for x in c if isinstance(x, Placeholder)]
+        marks = [x for x in c if isinstance(x, (Placeholder, Draft))]
         if not marks:
             return True, self.h(c)
         live = {(st.id, r) for st in s.steps for r in st.live if st.entries[r].samples}

@@ -255,8 +255,9 @@ def run_all_sizes(
                 "fragment: any block size (a block of B positions as B slots taken, freed and "
                 "published together, held ahead of computation), synchronous or async "
                 "scheduling, stale output dropped or delivered (one proof covers all of them), "
-                "external loads (async and sync) and load failures at block size 1, no draft "
-                "tokens, prefix caching on; the model over-approximates "
+                "external loads (async and sync) and load failures at block size 1, draft "
+                "tokens without async scheduling (rejected ones rolled back; the twin's draft "
+                "cells), prefix caching on; the model over-approximates "
                 "the scheduler (any admission, preemption, lookup hit, allocation, finish); its "
                 "agreement with the spec: tests/test_parametric_twin.py"
             )

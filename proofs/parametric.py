@@ -14,7 +14,8 @@ checks that every spec transition is one of this model's, on random reachable st
 
 * **Fragment**: any block size, synchronous or async scheduling with stale output dropped or
   delivered, external loads (asynchronous, which may fail, and synchronous, a computation
-  here; at block size 1), no draft tokens, prefix caching on, no sliding window, no deferred frees. Under async
+  here; at block size 1), draft tokens without async scheduling (``commit``'s ``rej``), prefix
+  caching on, no sliding window, no deferred frees. Under async
   scheduling a byte computed on a placeholder is modelled as the token it resolves to (``hk``
   is rigid), and the bytes of a leaving request's unpublished blocks with no pending write may
   turn to garbage (a discarded sample's placeholder never resolves: ``lost``). A preemption
@@ -82,6 +83,8 @@ PLANTS = (
     "publish-partial-block",
     "skip-reserved-write",
     "one-position-blocks",
+    "publish-rejected-drafts",
+    "drafts-resolve",
 )
 """Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
 bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
@@ -103,7 +106,8 @@ later positions still unwritten); ``skip-reserved-write`` lets a schedule comput
 whose slots its request holds ahead without writing them (a step that writes only the blocks
 it allocates, not the partial tail block it already holds); ``one-position-blocks`` allocates
 only at computed positions (the block size 1 model, which the twin test refuses at block size
-2)."""
+2). Drafts: ``publish-rejected-drafts`` lets a commit publish positions its rejection rolled
+back; ``drafts-resolve`` keeps rejected drafts' bytes valid (the twin test refuses it)."""
 
 Term = Any
 """A Z3 term (z3's stubs are untyped)."""
@@ -672,7 +676,10 @@ class Model:
         leaves and waits again; publish (``publish``, by request ``publisher``: unpublished
         blocks of live entries, not failed, at positions the entry covers), then sample;
         ``finish`` says which live requests finish (their tables are freed and their entries
-        in later steps stop being live)."""
+        in later steps stop being live). Drafts: ``rej(q)`` of q's drafts are rejected (q
+        running, this its only live entry, which ends at comp): comp drops by it, publication
+        stays below the lowered comp, and the rolled-back slots' bytes may be garbage
+        (``rolled``: a rejected draft never resolves)."""
         v = self.v
         B, R, Bo = v.Blk, v.Req, z3.BoolSort()
         t = s.lo
@@ -715,8 +722,58 @@ class Model:
         unpublished = self.fa([B], lambda b: z3.Implies(lost(b), z3.Not(publish(b))))
         guard = z3.And(guard, lost_ok, unpublished)
         landed = rel.pop("loading")
+        rej = self.fresh("rej", R, z3.IntSort())
+        rolled = self.fresh("rolled", B, Bo)
+        I = z3.IntSort()  # noqa: E741
+        rej_ok = self.fa(
+            [R],
+            lambda q: z3.And(
+                rej(q) >= 0,
+                z3.Implies(
+                    rej(q) > 0,
+                    z3.And(
+                        s.live(t, q),
+                        z3.Not(s.eload(t, q)),
+                        s.status(q) == RUNNING,
+                        rej(q) < s.eend(t, q) - s.estart(t, q),
+                        s.comp(q) == s.eend(t, q),
+                        self.fa([I], lambda u: z3.Implies(s.live(u, q), u == t)),
+                    ),
+                ),
+            ),
+        )
+        rolled_ok = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                rolled(b),
+                self.ex(
+                    [R],
+                    lambda q: z3.And(
+                        rej(q) > 0,
+                        s.tab(q, b),
+                        s.pos(q, b) >= s.comp(q) - rej(q),
+                        s.pos(q, b) < s.comp(q),
+                    ),
+                ),
+            ),
+        )
+        pub_verified = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                publish(b), s.pos(publisher(b), b) < s.comp(publisher(b)) - rej(publisher(b))
+            ),
+        )
+        if self.planted == "publish-rejected-drafts":
+            pub_verified = z3.BoolVal(True)
+        if self.planted == "drafts-resolve":
+            rolled_ok = self.fa([B], lambda b: z3.Not(rolled(b)))
+        guard = z3.And(guard, rej_ok, rolled_ok, pub_verified)
+        wv0 = rel.pop("wv")
+        rel.pop("comp")
         post = replace(
             s,
+            wv=lambda b: z3.And(wv0(b), z3.Not(rolled(b))),
+            comp=lambda q: z3.If(z3.Or(finish(q), back(q)), 0, s.comp(q) - rej(q)),
             status=lambda q: z3.If(finish(q), FINISHED, z3.If(back(q), WAITING, s.status(q))),
             loading=lambda q: z3.And(landed(q), z3.Not(z3.And(s.live(t, q), s.eload(t, q)))),
             pub=lambda b: z3.Or(s.pub(b), publish(b)),
@@ -991,6 +1048,13 @@ class Model:
                 self.fa([I], lambda u: z3.Implies(s.pw(u, b), u > t)),
             )
 
+        out["PublishedBelowEntries"] = self.fa(
+            [I, R, B],
+            lambda t, r, b: z3.Implies(
+                z3.And(s.tab(r, b), s.pub(b), s.live(t, r), s.status(r) == RUNNING),
+                s.pos(r, b) < s.estart(t, r),
+            ),
+        )
         out["SnapshotPositions"] = self.fa(
             [R, B], lambda r, b: z3.Implies(s.stab(r, b), s.spos(r, b) >= 0)
         )

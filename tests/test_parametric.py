@@ -30,6 +30,7 @@ TAKE_AWAY = (
     "stale-dropped",
     "stale-samples-resolve",
     "one-position-blocks",
+    "drafts-resolve",
 )
 """Plants that only take something away from the model: the twin test refuses them
 (``test_parametric_twin.py``), the proof cannot."""

@@ -44,6 +44,9 @@ CELLS = [
     ("deferred", "general", "fcfs", 4, 3, 2, 6, 1, True, "drop", 2),
     ("hide-uncommitted", "general", "priority", 4, 2, 2, 6, 1, False, "drop", 3),
     ("hide-uncommitted", "general", "fcfs", 4, 3, 2, 6, 2, True, "deliver", 2),
+    # draft tokens (synchronous): drafts computed past the known tokens, rejected ones rolled back
+    ("deferred", "general", "fcfs", 5, 2, 2, 5, 1, False, "drop", 1, 2),
+    ("hide-uncommitted", "vllm", "fcfs", 4, 2, 2, 6, 1, False, "drop", 2, 2),
 ]
 WALKS, WALK_LENGTH = 2, 24
 
@@ -65,6 +68,28 @@ def with_loads(s: State, rng: random.Random, decisions: list[Any]) -> list[Any]:
     return out
 
 
+def with_drafts(s: State, rng: random.Random, decisions: list[Any], k: int, bsz: int) -> list[Any]:
+    """The decisions, and schedules that reach 1 .. k draft slots past a running request's
+    known tokens, and commits that accept a random number of each entry's drafts."""
+    out = list(decisions)
+    for rid in [*s.running, *s.waiting]:
+        req = s.requests[rid]
+        start = req.computed if req.status == "running" else len(lookup(s, req)) * bsz
+        left = len(req.tokens) - start
+        if left > 0:
+            out += [("schedule", rid, left + j, 0) for j in range(1, k + 1)]
+    if s.steps and s.steps[0].phase == "executed":
+        st = s.steps[0]
+        for accepted in ("none", "some"):  # every draft rejected; a random number accepted
+            sampled = []
+            for r, e in st.entries.items():
+                if e.samples and r in st.live:
+                    n = 1 if accepted == "none" else 1 + rng.randint(0, e.drafts)
+                    sampled += [(r, rng.randint(1, 2)) for _ in range(n)]
+            out.append(("commit", st.id, tuple(sampled)))
+    return out
+
+
 def walk(
     cell: tuple[Any, ...],
     seed: int,
@@ -76,12 +101,14 @@ def walk(
         :10
     ]
     bsz = cell[10] if len(cell) > 10 else 1
+    drafts = cell[11] if len(cell) > 11 else 0
     weight = weight or (ASYNC_WEIGHT if overlap or stale == "deliver" else WEIGHT)
     config = Config(
         async_scheduling=overlap,
         stale_output=stale,
         num_blocks=blocks,
         block_size=bsz,
+        spec_tokens=drafts,
         depth=depth,
         policy=policy,
         discipline=discipline,
@@ -94,6 +121,7 @@ def walk(
     tally = {
         "ahead": 0,
         "two_writers": 0,
+        "rejected": 0,
         "states": 0,
         "steps": 0,
         "drift": 0,
@@ -139,8 +167,10 @@ def walk(
                 assert checker.safety_values(s) == spec
             successors = []
             decisions = candidate_decisions(s, requests, tokens, rng, vocab)
-            if bsz == 1:  # external loads: at block size 1 only (docs/proofs.md)
+            if bsz == 1 and not drafts:  # external loads: at block size 1 only (docs/proofs.md)
                 decisions = with_loads(s, rng, decisions)
+            if drafts:
+                decisions = with_drafts(s, rng, decisions, drafts, bsz)
             for decision in decisions:
                 post = copy.deepcopy(s)
                 try:
@@ -149,6 +179,10 @@ def walk(
                     continue
                 tally["steps"] += 1
                 tally["failed"] += decision[0] == "execute" and bool(decision[2])
+                tally["rejected"] += decision[0] == "commit" and any(
+                    s.steps[0].entries[r].drafts + 1 > sum(1 for x, _ in decision[2] if x == r)
+                    for r, _ in decision[2]
+                )
                 if not checker.step_agrees(s, decision, post):
                     tally["drift"] += 1
                     assert planted is not None, f"{decision} from {s} is not a model step"
@@ -164,6 +198,7 @@ def walk(
 
 def cell_id(c: tuple[Any, ...]) -> str:
     size = f"-B{c[10]}" if len(c) > 10 else ""
+    size += f"-K{c[11]}" if len(c) > 11 else ""
     return f"{c[0]}-{c[1]}-{c[2]}-N{c[3]}D{c[4]}{size}" + ("-async" if c[8] else "") + f"-{c[9]}"
 
 
@@ -176,7 +211,9 @@ def test_every_spec_step_is_a_parametric_step(cell: tuple[Any, ...]) -> None:
     if cell[9] == "deliver":  # a preempted request's entries stayed live (the reads of its old
         assert tally["stale_entries"] > 0  # table after a reallocation: the scripted path)
     assert tally["steps"] >= 20 * WALKS
-    if len(cell) > 10:  # blocks held ahead of computation; async: a block written by two steps
+    if len(cell) > 11:  # drafts rejected (rolled back) and accepted
+        assert tally["rejected"] > 0
+    elif len(cell) > 10:  # blocks held ahead of computation; async: a block written by two steps
         assert tally["ahead"] > 0  # of one request in flight at once
         assert tally["two_writers"] > 0 or not cell[8]
 
@@ -467,6 +504,7 @@ def test_the_twin_covers_sharing_and_failed_loads() -> None:
         "stale-samples-resolve",
         "one-position-blocks",
         "skip-reserved-write",
+        "drafts-resolve",
     ],
 )
 def test_a_drifting_model_fails_the_twin_test(planted: str) -> None:
@@ -479,6 +517,10 @@ def test_a_drifting_model_fails_the_twin_test(planted: str) -> None:
     At block size 2: a model whose allocations cover computed positions only (the block size 1
     model, ``one-position-blocks``) or whose schedule does not write the slots its request holds
     ahead (``skip-reserved-write``) misses the spec's partial tail blocks."""
+    if planted == "drafts-resolve":  # rejected drafts' bytes kept valid
+        cell = next(c for c in CELLS if len(c) > 11)
+        assert walk(cell, CELLS.index(cell), planted, stop_at_drift=True)["drift"] > 0
+        return
     if planted in ("one-position-blocks", "skip-reserved-write"):
         assert follow(PARTIAL_BLOCKS, planted, block_size=2)["drift"] > 0
         return
