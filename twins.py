@@ -305,9 +305,9 @@ TWINS: tuple[Twin, ...] = (
         "the parametric model: the block lifecycle over unbounded sorts (requests, blocks, "
         "hashes; steps and positions as integers), for proofs at every size; synchronous or async "
         "(stale output dropped or delivered), "
-        "block size 1 (not more: a block of several positions is allocated before its later "
-        "positions are computed and written by several steps, which its one-position blocks and "
-        "one pending write per step and block do not state), external loads and their failures, "
+        "any block size (a block of B positions is B one-position slots taken, freed and "
+        "published together: slots held ahead of the computed positions, written later, "
+        "``proofs/abstraction.py``), external loads and their failures (at block size 1), "
         "deferred and hide-uncommitted "
         "(``proofs/abstraction.py`` "
         "maps a spec state onto a finite instance)",
@@ -334,12 +334,12 @@ TWINS: tuple[Twin, ...] = (
                 "a pool that publishes nothing has none of the races the proof is about"
             ),
             "spec_tokens": Refused(
-                "its commits append one token per request, never drafts: a rejected draft rolls "
-                "the computed tokens back below positions its step wrote, and under async "
-                "scheduling moves the later steps' writes back, so a running request's table "
-                "holds bytes past its computed tokens that no sample made, which its lemmas "
-                "(TablesOfRunning, HeldBlocksHold) do not state; the per-size Z3 model refuses "
-                "drafts as well"
+                "its commits roll rejected drafts back only without async scheduling (a commit "
+                "lowers the computed tokens, the rolled-back slots are held ahead and garbage, "
+                "the draft twin cells of tests/test_parametric_twin.py); under async scheduling "
+                "a rejection moves the later steps' entries and pending writes back "
+                "(_move_back), which it does not state, and kvspec prove --all-sizes takes no "
+                "draft count"
             ),
             "delay_load_registration": Refused(
                 "its loads register with the schedule that took them"

@@ -26,11 +26,13 @@ with N and D (``--skip-scaling`` leaves it out).
     .venv/bin/python bench/bench_prove.py [--rounds 3] [--workers 2] [--baseline REV] [--profile]
         [--large] [--large-sizes 6,3,3] [--large-baseline] [--large-timeout 900]
     .venv/bin/python bench/bench_prove.py --table [--readme README.md] [--fuzz-seconds 20]
-    .venv/bin/python bench/bench_prove.py --all-sizes [--rounds 3]
+    .venv/bin/python bench/bench_prove.py --all-sizes [--rounds 3] [--baseline REV]
 
 **Every size** (``--all-sizes``): ``kvspec prove --all-sizes`` per policy (and, for the safe
-ones, async and stale output delivered), each a fresh process, ``--rounds`` times: exit code,
-verdict, medians of wall and CPU (the command's process and its children).
+ones, async and stale output delivered), each a fresh process, ``--rounds`` times, by this tree
+and by ``--baseline``'s (interleaved; ``--no-baseline`` for this tree alone): exit code,
+verdict, medians of wall and CPU (the command's process and its children), and the load after
+each run.
 
 ``--emit`` is the worker mode the speed runs use (one build, all cells, one JSON line each).
 """
@@ -229,6 +231,7 @@ ALL_SIZES_RUNS = (
     ("hide-uncommitted",),
     ("deferred", "--discipline", "general", "--preemption", "priority"),
     ("deferred", "--depth", "2", "--async"),
+    ("hide-uncommitted", "--depth", "2", "--async"),
     ("hide-uncommitted", "--depth", "2", "--stale-output", "deliver"),
     ("deferred", "--depth", "2", "--async", "--stale-output", "deliver"),
     ("eager-unsafe", "--discipline", "general"),
@@ -244,34 +247,57 @@ VERDICTS = (
 )
 
 
+def all_sizes_run(
+    policy: str, rest: list[str], base: Path | None
+) -> tuple[int, str, float, float, float]:
+    """One ``kvspec prove --all-sizes`` in a fresh process, of this tree (``base`` None) or the
+    baseline's: exit code, verdict, wall and CPU seconds, the 1-minute load average after it."""
+    env = dict(os.environ)
+    if base is not None:
+        env["PYTHONPATH"] = str(base) + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, "-m", "kvspec.cli", "prove", "--all-sizes"]
+    command += ["--policy", policy, *rest]
+    started, cpu = time.monotonic(), cpu_seconds()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
+    wall, cpu = time.monotonic() - started, cpu_seconds() - cpu
+    lines = done.stdout.splitlines()
+    verdict = next((v for v in reversed(VERDICTS) for line in lines if line.startswith(v)), "?")
+    return done.returncode, verdict, wall, cpu, os.getloadavg()[0]
+
+
 def all_sizes_times(args: argparse.Namespace) -> int:
-    """Time ``kvspec prove --all-sizes`` per policy; 1 when a run's exit code changes between
-    rounds."""
+    """Time ``kvspec prove --all-sizes`` per policy, this tree and (unless ``--no-baseline``)
+    the baseline's, interleaved; 1 when a run's exit code changes between rounds or builds."""
     print(f"load average before: {load()} (on {os.cpu_count()} cores)")
-    runs: dict[tuple[str, ...], list[tuple[int, str, float, float]]] = {}
+    base = None if args.no_baseline else baseline_tree(args.baseline, args.cache)
+    builds = {"after": None, **({"before": base} if base is not None else {})}
+    runs: dict[tuple[str, tuple[str, ...]], list[tuple[int, str, float, float, float]]] = {}
     for _ in range(args.rounds):
         for policy, *rest in ALL_SIZES_RUNS:
             if args.policies != list(POLICY_ORDER) and policy not in args.policies:
                 continue
-            command = [sys.executable, "-m", "kvspec.cli", "prove", "--all-sizes"]
-            command += ["--policy", policy, *rest]
-            started, cpu = time.monotonic(), cpu_seconds()
-            done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-            wall, cpu = time.monotonic() - started, cpu_seconds() - cpu
-            lines = done.stdout.splitlines()
-            verdict = next(
-                (v for v in reversed(VERDICTS) for line in lines if line.startswith(v)), "?"
-            )
-            runs.setdefault((policy, *rest), []).append((done.returncode, verdict, wall, cpu))
-    print("policy and options | exit | verdict | wall s (median) | CPU s (median)")
+            for label, path in builds.items():
+                result = all_sizes_run(policy, rest, path)
+                runs.setdefault((label, (policy, *rest)), []).append(result)
+    print(
+        "policy and options | build | exit | verdict | wall s (median) | CPU s (median) | "
+        "load (1 min) after each run"
+    )
     unstable = False
-    for key, results in runs.items():
-        codes = {r[0] for r in results}
+    for policy, *rest in ALL_SIZES_RUNS:
+        codes = set()
+        for label in builds:
+            results = runs.get((label, (policy, *rest)))
+            if not results:
+                continue
+            codes |= {r[0] for r in results}
+            print(
+                f"{' '.join((policy, *rest))} | {label} | "
+                f"{'/'.join(map(str, sorted({r[0] for r in results})))} | {results[0][1]} | "
+                f"{median([r[2] for r in results]):.1f} | {median([r[3] for r in results]):.1f}"
+                f" | {', '.join(f'{r[4]:.1f}' for r in results)}"
+            )
         unstable |= len(codes) > 1
-        print(
-            f"{' '.join(key)} | {'/'.join(map(str, sorted(codes)))} | {results[0][1]} | "
-            f"{median([r[2] for r in results]):.1f} | {median([r[3] for r in results]):.1f}"
-        )
     print(f"load average after: {load()}")
     return 1 if unstable else 0
 

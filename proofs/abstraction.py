@@ -12,7 +12,18 @@ over-approximation, so *some* is the refinement: every spec step is a model step
 the ghost ``hw`` (so every reachable spec state the walks visit is inside it).
 
 Hashes are the spec's keys themselves: each distinct token prefix gets a distinct ``Hash``
-constant, and ``hk(r, i)`` is r's prefix of i + 1 tokens (block size 1).
+constant, and ``hk(r, i)`` is r's prefix of i + 1 tokens.
+
+**Block size B > 1: each spec block is B one-position blocks ("slots").** Spec block k > 0 is
+the instance's blocks ``(k - 1) * B + j``, j = 0 .. B - 1: slot j of the block at table index i
+is at position ``i * B + j``, held, freed and published with its block (a published key of
+(i + 1) * B tokens gives slot j the key of its first i * B + j + 1). A spec content (the prefix
+a block's bytes hold, tokens 0 .. the last slot written) makes the slots it covers valid, each
+holding its own prefix; the slots past it are left free in the encoding (the spec claims nothing
+of those bytes: no reader is served by them). A pending write of step t covers the slots of the
+positions its entry computes (from the entry's start, or the block's first slot, to the
+prefix's end). So the abstraction at B > 1 is a relation, not a function: the twin test asks
+for *some* encoding of the pre-state and of the successor, as it already does for the ghosts.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from typing import Any
 
 import z3
 
-from kvspec.spec.state import NULL_BLOCK, Placeholder, State
+from kvspec.spec.state import NULL_BLOCK, Draft, Placeholder, State
 
 from . import parametric as pm
 
@@ -34,15 +45,14 @@ TWIN_KINDS = pm.Model.ACTIONS
 
 
 def in_fragment(s: State) -> bool:
-    """The parametric model's fragment: block size 1, synchronous or async scheduling (stale
+    """The parametric model's fragment: any block size, synchronous or async scheduling (stale
     output dropped or delivered), no drafts, window, deferred frees; prefix caching on; a safe
     policy (external loads, which the spec allows only at block size 1 below the last token,
     are in)."""
     c = s.config
     return (
-        c.block_size == 1
-        and c.prefix_caching
-        and not c.spec_tokens
+        c.prefix_caching
+        and not (c.spec_tokens and c.async_scheduling)
         and c.sliding_window is None
         and not c.defer_free
         and c.policy in ("deferred", "hide-uncommitted")
@@ -50,13 +60,22 @@ def in_fragment(s: State) -> bool:
 
 
 class Checker:
-    """A finite instance: ``requests`` request ids, the config's blocks, step ids
-    0 .. ``steps`` - 1; a pre- and a post-state over it, and the model's actions built once."""
+    """A finite instance: ``requests`` request ids, the config's blocks (``block_size`` slots
+    each), step ids 0 .. ``steps`` - 1; a pre- and a post-state over it, and the model's actions
+    built once."""
 
-    def __init__(self, requests: int, blocks: int, steps: int, planted: str | None = None):
-        self.v = v = pm.Vocab(requests, blocks - 1, range(steps))
+    def __init__(
+        self,
+        requests: int,
+        blocks: int,
+        steps: int,
+        planted: str | None = None,
+        block_size: int = 1,
+    ):
+        self.v = v = pm.Vocab(requests, (blocks - 1) * block_size, range(steps))
         self.model = pm.Model(v, planted=planted)
         self.steps = steps
+        self.bsz = block_size
         self.pre, self.post = pm.symbolic_state(v, "A"), pm.symbolic_state(v, "B")
         self.hashes: dict[tuple[Any, ...], Any] = {}
         self.actions = {k: self.model.transition(k, self.pre) for k in TWIN_KINDS}
@@ -72,16 +91,40 @@ class Checker:
 
     def content(self, s: State, c: Sequence[Any]) -> tuple[bool, Any]:
         """Whether bytes holding ``c`` are valid, and the hash they hold. Known tokens: the
-        prefix's own constant. Under async scheduling placeholders: valid while every one is
+        prefix's own constant. Placeholders (async scheduling) and drafts: valid while every one is
         the sample of a live entry of a step in flight (it will resolve to the request's token
         there: ``hk`` of that position, not fixed yet), garbage once one was discarded."""
-        marks = [x for x in c if isinstance(x, Placeholder)]
+        marks = [x for x in c if isinstance(x, (Placeholder, Draft))]
         if not marks:
             return True, self.h(c)
         live = {(st.id, r) for st in s.steps for r in st.live if st.entries[r].samples}
         if any((p.step, p.req) not in live for p in marks):
             return False, None
         return True, self.v.hk(self.v.req[marks[0].req], len(c) - 1)
+
+    def slots(self, block: int) -> list[Any]:
+        """The instance's blocks standing for spec block ``block`` (> 0), slot 0 first."""
+        first = (block - 1) * self.bsz
+        return list(self.v.blk[first : first + self.bsz])
+
+    def bytes_of(self, s: State, x: pm.PState, block: int, c: Any) -> list[Any]:
+        """The written bytes of ``block`` (content ``c``) on its slots. Block size 1: valid or
+        not, exactly. Larger: the slots the content covers, each its own prefix (valid while
+        every placeholder in it may still resolve); the others free."""
+        slots = self.slots(block)
+        if c is None or len(c) == 0:
+            return [] if self.bsz > 1 else [x.wv(slots[0]) == False]  # noqa: E712
+        first = (len(c) - 1) // self.bsz * self.bsz
+        out = []
+        for j, b in enumerate(slots):
+            if first + j >= len(c):
+                continue
+            valid, held = self.content(s, c[: first + j + 1])
+            if valid:
+                out += [x.wv(b), x.wh(b) == held]
+            elif self.bsz == 1:
+                out.append(z3.Not(x.wv(b)))
+        return out
 
     def distinct_hashes(self) -> Any:
         hs = list(self.hashes.values())
@@ -91,7 +134,7 @@ class Checker:
         """Constraints saying that x is s (the parts the model gives a meaning to); step id t
         of the spec is ``t - base`` in the instance (ids only matter by their order)."""
         v, out = self.v, []
-        req, blk = v.req, v.blk
+        req = v.req
         lo = s.steps[0].id if s.steps else s.next_step
         out += [x.lo == lo - base, x.hi == s.next_step - base, x.bad == bool(s.bad_reads)]
         if not 0 <= lo - base <= s.next_step - base < self.steps:
@@ -105,36 +148,40 @@ class Checker:
             for j in range(len(tokens)):
                 out.append(v.hk(r, j) == self.h(tokens[: j + 1]))
             out += self.snapshot(x, s, i)
-            for bi, b in enumerate(blk):
-                block = bi + 1
+            for block in range(1, len(s.blocks)):
                 held = q is not None and block in q.table
-                out += [x.tab(r, b) == held, x.ref(r, b) == held]
-                if held:
-                    assert q is not None
-                    out.append(x.pos(r, b) == q.table.index(block))
-        for bi, b in enumerate(blk):
-            kv = s.blocks[bi + 1]
-            out.append(x.free(b) == ((bi + 1) in s.free))
-            out.append(x.pub(b) == (kv.key is not None))
-            if kv.key is not None:
-                out.append(x.key(b) == self.h(kv.key))
-            written: tuple[bool, Any] = (False, None)
-            if kv.written is not None:
-                written = self.content(s, kv.written)
-            out.append(x.wv(b) == written[0])
-            if written[0]:
-                out.append(x.wh(b) == written[1])
-            by_step = {w.step - base: w for w in kv.pending}
-            if len(by_step) != len(kv.pending):
-                raise ValueError(f"block {bi + 1} has two pending writes of one step")
-            for t in range(self.steps):
-                w = by_step.get(t)
-                out.append(x.pw(t, b) == (w is not None))
-                if w is not None:
-                    out.append(x.pwr(t, b) == req[w.req])
-                    valid, held = self.content(s, w.prefix)
-                    if valid:  # else a withdrawn write of garbage: its execution garbles
-                        out.append(x.pwh(t, b) == held)
+                for j, b in enumerate(self.slots(block)):
+                    out += [x.tab(r, b) == held, x.ref(r, b) == held]
+                    if held:
+                        assert q is not None
+                        out.append(x.pos(r, b) == q.table.index(block) * self.bsz + j)
+        bsz = self.bsz
+        for block in range(1, len(s.blocks)):
+            kv = s.blocks[block]
+            for j, b in enumerate(self.slots(block)):
+                out.append(x.free(b) == (block in s.free))
+                out.append(x.pub(b) == (kv.key is not None))
+                if kv.key is not None:
+                    out.append(x.key(b) == self.h(kv.key[: len(kv.key) - bsz + j + 1]))
+                by_step: dict[int, Any] = {}
+                for w in kv.pending:
+                    writer = next(st for st in s.steps if st.id == w.step)
+                    first = (len(w.prefix) - 1) // bsz * bsz
+                    at = first + j
+                    if max(writer.entries[w.req].start, first) <= at < len(w.prefix):
+                        if w.step - base in by_step:
+                            raise ValueError(f"block {block} has two pending writes of one step")
+                        by_step[w.step - base] = (w, at)
+                for t in range(self.steps):
+                    found = by_step.get(t)
+                    out.append(x.pw(t, b) == (found is not None))
+                    if found is not None:
+                        w, at = found
+                        out.append(x.pwr(t, b) == req[w.req])
+                        valid, held = self.content(s, w.prefix[: at + 1])
+                        if valid:  # else a withdrawn write of garbage: its execution garbles
+                            out.append(x.pwh(t, b) == held)
+            out += self.bytes_of(s, x, block, kv.written)
         for t in range(self.steps):
             st = next((st for st in s.steps if st.id - base == t), None)
             if st is not None:
@@ -165,11 +212,12 @@ class Checker:
         r, seen = self.v.req[i], max(entries, key=lambda e: len(e.blocks)).blocks
         end = max(e.end for e in entries)
         out = []
-        for bi, b in enumerate(self.v.blk):
-            if bi + 1 in seen:
-                out += [x.stab(r, b), x.spos(r, b) == seen.index(bi + 1)]
-            else:
-                out.append(z3.Implies(x.stab(r, b), x.spos(r, b) >= end))
+        for block in range(1, len(s.blocks)):
+            for j, b in enumerate(self.slots(block)):
+                if block in seen:
+                    out += [x.stab(r, b), x.spos(r, b) == seen.index(block) * self.bsz + j]
+                else:
+                    out.append(z3.Implies(x.stab(r, b), x.spos(r, b) >= end))
         return out
 
     def same(self, a: pm.PState, b: pm.PState) -> list[Any]:

@@ -246,14 +246,18 @@ def run_all_sizes(
             print(
                 f"PROVED FOR EVERY SIZE ({cell}; the proof covers both disciplines and both "
                 f"preemption orders): {', '.join(pm.SAFETY)} hold in every reachable state, "
-                "for any number of blocks, requests, tokens and steps in flight."
+                "for any number of blocks, requests, tokens and steps in flight, and any block "
+                "size."
             )
             print(f"inductive invariant: the five and {len(lemmas)} lemmas ({', '.join(lemmas)})")
             print(describe(result))
             print(
-                "fragment: block size 1, synchronous or async scheduling, stale output dropped "
-                "or delivered (one proof covers all four), external loads (async and sync) and "
-                "load failures, no draft tokens, prefix caching on; the model over-approximates "
+                "fragment: any block size (a block of B positions as B slots taken, freed and "
+                "published together, held ahead of computation), synchronous or async "
+                "scheduling, stale output dropped or delivered (one proof covers all of them), "
+                "external loads (async and sync) and load failures at block size 1, draft "
+                "tokens without async scheduling (rejected ones rolled back; the twin's draft "
+                "cells), prefix caching on; the model over-approximates "
                 "the scheduler (any admission, preemption, lookup hit, allocation, finish); its "
                 "agreement with the spec: tests/test_parametric_twin.py"
             )

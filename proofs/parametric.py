@@ -12,9 +12,10 @@ from the initial one for any number of blocks, requests, steps in flight and tok
 What is modelled, and how it relates to the spec (the twin: ``tests/test_parametric_twin.py``
 checks that every spec transition is one of this model's, on random reachable states):
 
-* **Fragment**: block size 1, synchronous or async scheduling with stale output dropped or
+* **Fragment**: any block size, synchronous or async scheduling with stale output dropped or
   delivered, external loads (asynchronous, which may fail, and synchronous, a computation
-  here), no draft tokens, prefix caching on, no sliding window, no deferred frees. Under async
+  here; at block size 1), draft tokens without async scheduling (``commit``'s ``rej``), prefix
+  caching on, no sliding window, no deferred frees. Under async
   scheduling a byte computed on a placeholder is modelled as the token it resolves to (``hk``
   is rigid), and the bytes of a leaving request's unpublished blocks with no pending write may
   turn to garbage (a discarded sample's placeholder never resolves: ``lost``). A preemption
@@ -35,6 +36,14 @@ checks that every spec transition is one of this model's, on random reachable st
   the read is bad); a live entry's garbles only if a read was bad, which the invariant rules
   out. Since the spec's transitions are among the model's, an invariant of the model is one of
   the spec (through the abstraction ``tests/test_parametric_twin.py`` computes).
+* **Blocks of several positions.** A model block is one position (a slot); a spec block of B
+  positions is B slots, which the abstraction keeps together. An allocation may take slots at
+  positions past the scheduled tokens (the rest of a partial tail block: held ahead, written
+  by nothing yet, ``reserved``); a later schedule of the same request computing those
+  positions writes them (a pending write of its step, no allocation). A commit publishes any
+  slots of covered positions, which includes publishing a full block's B slots at once (a
+  partial block's later slots are past the entry's end, so never). So one proof covers every
+  block size.
 * **Refcounts as holders.** ``ref(r, b)``: request r holds a reference on block b (the spec's
   refcount is the number of holders, ``RefcountIsOwnership``); the pool adds a holder at a hit
   or an allocation and drops one at a free. The proof shows each added holder is new and each
@@ -71,6 +80,11 @@ PLANTS = (
     "garbage-on-deliver",
     "stale-dropped",
     "stale-samples-resolve",
+    "publish-partial-block",
+    "skip-reserved-write",
+    "one-position-blocks",
+    "publish-rejected-drafts",
+    "drafts-resolve",
 )
 """Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
 bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
@@ -86,7 +100,14 @@ delivers turn the leaver's bytes to garbage (as if its delivered samples never r
 ``stale-dropped`` never keeps a preempted request's entries live (a model of dropped stale
 output only, which the twin test refuses on delivered cells); ``stale-samples-resolve`` keeps
 the bytes valid that a waiting request's stale entries computed on a sample discarded when it
-leaves (the twin test refuses it too)."""
+leaves (the twin test refuses it too). Blocks of several positions: ``publish-partial-block``
+lets a commit publish a slot past the entry's end (a partial tail block published whole, its
+later positions still unwritten); ``skip-reserved-write`` lets a schedule compute positions
+whose slots its request holds ahead without writing them (a step that writes only the blocks
+it allocates, not the partial tail block it already holds); ``one-position-blocks`` allocates
+only at computed positions (the block size 1 model, which the twin test refuses at block size
+2). Drafts: ``publish-rejected-drafts`` lets a commit publish positions its rejection rolled
+back; ``drafts-resolve`` keeps rejected drafts' bytes valid (the twin test refuses it)."""
 
 Term = Any
 """A Z3 term (z3's stubs are untyped)."""
@@ -129,7 +150,7 @@ _instances = itertools.count()
 
 class Vocab:
     """The sorts and the rigid functions: ``hk(r, i)`` is the hash of request r's tokens 0..i
-    (block i at block size 1); ``hlen(h)`` the number of tokens a hash names, so hashes of
+    (slot i's key: a block of B positions is B slots, ``Model.schedule``); ``hlen(h)`` the number of tokens a hash names, so hashes of
     different positions differ (a key is the token prefix itself in the spec).
 
     ``Vocab()``: requests and blocks are uninterpreted sorts (every size). ``Vocab(reqs, blks,
@@ -166,12 +187,16 @@ class PState:
     """A state of the parametric model: each field a callable returning a Z3 term (a symbolic
     pre-state's are uninterpreted functions; a successor's are terms over the pre-state's).
 
-    status(r), comp(r): the request's status and computed tokens (= its table's length);
+    A model block is one position: a spec block of B positions is B of them (slots), taken,
+    freed and published together (``abstraction.py``).
+
+    status(r), comp(r): the request's status and computed tokens (its table may hold slots
+    past them, taken ahead with their block: ``reserved``);
     tab(r, b), pos(r, b): b is in r's table, at position pos; ref(r, b): r holds a reference on
     b (the refcount as a holder relation); free(b): b is on the free queue; pub(b), key(b): b
     is published, under key; wv(b), wh(b): b's bytes are valid and hold the prefix hashed wh;
     pw(t, b), pwr(t, b), pwh(t, b): step t has a pending write on b, for request pwr, of the
-    prefix hashed pwh (at most one per step and block at block size 1); hw(b): a ghost, the step
+    prefix hashed pwh (at most one per step and slot); hw(b): a ghost, the step
     of the pending write of b's holder; live(t, r), estart(t, r), eend(t, r): r has a live entry
     in step t computing tokens estart..eend-1; phase(t); lo, hi: the steps in flight are
     lo..hi-1 (the building one, if any, is hi-1); bad: a live read found the wrong bytes.
@@ -387,7 +412,12 @@ class Model:
                         z3.Not(s.pub(b)),
                         z3.Or(
                             z3.And(
-                                self.ex([v.Req], lambda q: z3.And(leaving(q), s.tab(q, b))),
+                                self.ex(
+                                    [v.Req],
+                                    lambda q: z3.And(
+                                        leaving(q), s.tab(q, b), s.pos(q, b) < s.comp(q)
+                                    ),
+                                ),
                                 self.fa([z3.IntSort()], lambda u: z3.Not(s.pw(u, b))),
                             ),
                             self.stale_garbage(s, leaving, b)
@@ -432,8 +462,10 @@ class Model:
     def schedule(self, s: PState) -> Transition:
         """Give request r tokens start..end-1 in the building step; a waiting r is admitted
         first with hits (``hit``: published blocks under its hashes, at positions below
-        start). The blocks at positions start..end-1 are allocated (``alloc``: free blocks,
-        their hashes evicted) and get the step's pending writes of r's prefixes there. An
+        start). Blocks are allocated (``alloc``: free blocks, their hashes evicted) at
+        positions from start on, possibly past end (the rest of a partial tail block, held
+        ahead); every slot of r at positions start..end-1, allocated now or held ahead since an
+        earlier schedule (``fill``), gets the step's pending write of r's prefix there. An
         admission may instead load them (``load``: an asynchronous external load; r waits for
         it; a synchronous load, landed before the step computes, is a computation here)."""
         v = self.v
@@ -449,6 +481,17 @@ class Model:
 
         def new(b: Term) -> Term:
             return z3.Or(hit(b), alloc(b))
+
+        def fill(b: Term) -> Term:  # r's own slots allocated ahead, now computed
+            if self.planted == "skip-reserved-write":
+                return z3.BoolVal(False)
+            return z3.And(s.tab(r, b), start <= s.pos(r, b), s.pos(r, b) < end)
+
+        def writes(b: Term) -> Term:
+            return z3.Or(z3.And(alloc(b), np_(b) < end), fill(b))
+
+        def wpos(b: Term) -> Term:
+            return z3.If(alloc(b), np_(b), s.pos(r, b))
 
         hit_ok = self.fa(
             [B],
@@ -466,12 +509,21 @@ class Model:
         alloc_ok = self.fa(
             [B],
             lambda b: z3.Implies(
-                alloc(b), z3.And(s.free(b), z3.Not(hit(b)), start <= np_(b), np_(b) < end)
+                alloc(b),
+                z3.And(
+                    s.free(b),
+                    z3.Not(hit(b)),
+                    start <= np_(b),
+                    np_(b) < end if self.planted == "one-position-blocks" else z3.BoolVal(True),
+                ),
             ),
         )
         injective = self.fa(
             [B, B],
-            lambda b1, b2: z3.Implies(z3.And(new(b1), new(b2), np_(b1) == np_(b2)), b1 == b2),
+            lambda b1, b2: z3.And(
+                z3.Implies(z3.And(new(b1), new(b2), np_(b1) == np_(b2)), b1 == b2),
+                z3.Implies(z3.And(s.tab(r, b1), new(b2)), s.pos(r, b1) != np_(b2)),
+            ),
         )
         guard = z3.And(
             self.building(s),
@@ -502,10 +554,10 @@ class Model:
             key=(lambda b: z3.If(alloc(b), v.hk(r, np_(b)), s.key(b)))
             if self.planted == "eager-publish"
             else s.key,
-            pw=lambda t, b: z3.Or(s.pw(t, b), z3.And(t == tb, alloc(b))),
-            pwr=lambda t, b: z3.If(z3.And(t == tb, alloc(b)), r, s.pwr(t, b)),
-            pwh=lambda t, b: z3.If(z3.And(t == tb, alloc(b)), v.hk(r, np_(b)), s.pwh(t, b)),
-            hw=lambda b: z3.If(alloc(b), tb, s.hw(b)),
+            pw=lambda t, b: z3.Or(s.pw(t, b), z3.And(t == tb, writes(b))),
+            pwr=lambda t, b: z3.If(z3.And(t == tb, writes(b)), r, s.pwr(t, b)),
+            pwh=lambda t, b: z3.If(z3.And(t == tb, writes(b)), v.hk(r, wpos(b)), s.pwh(t, b)),
+            hw=lambda b: z3.If(writes(b), tb, s.hw(b)),
             live=lambda t, q: z3.Or(s.live(t, q), z3.And(t == tb, q == r)),
             estart=lambda t, q: z3.If(z3.And(t == tb, q == r), start, s.estart(t, q)),
             eend=lambda t, q: z3.If(z3.And(t == tb, q == r), end, s.eend(t, q)),
@@ -624,7 +676,10 @@ class Model:
         leaves and waits again; publish (``publish``, by request ``publisher``: unpublished
         blocks of live entries, not failed, at positions the entry covers), then sample;
         ``finish`` says which live requests finish (their tables are freed and their entries
-        in later steps stop being live)."""
+        in later steps stop being live). Drafts: ``rej(q)`` of q's drafts are rejected (q
+        running, this its only live entry, which ends at comp): comp drops by it, publication
+        stays below the lowered comp, and the rolled-back slots' bytes may be garbage
+        (``rolled``: a rejected draft never resolves)."""
         v = self.v
         B, R, Bo = v.Blk, v.Req, z3.BoolSort()
         t = s.lo
@@ -641,7 +696,9 @@ class Model:
                     if self.planted != "publish-failed-load"
                     else z3.BoolVal(True),
                     s.tab(publisher(b), b),
-                    s.pos(publisher(b), b) < s.eend(t, publisher(b)),
+                    s.pos(publisher(b), b) < s.eend(t, publisher(b))
+                    if self.planted != "publish-partial-block"
+                    else z3.BoolVal(True),
                 ),
             ),
         )
@@ -665,8 +722,58 @@ class Model:
         unpublished = self.fa([B], lambda b: z3.Implies(lost(b), z3.Not(publish(b))))
         guard = z3.And(guard, lost_ok, unpublished)
         landed = rel.pop("loading")
+        rej = self.fresh("rej", R, z3.IntSort())
+        rolled = self.fresh("rolled", B, Bo)
+        I = z3.IntSort()  # noqa: E741
+        rej_ok = self.fa(
+            [R],
+            lambda q: z3.And(
+                rej(q) >= 0,
+                z3.Implies(
+                    rej(q) > 0,
+                    z3.And(
+                        s.live(t, q),
+                        z3.Not(s.eload(t, q)),
+                        s.status(q) == RUNNING,
+                        rej(q) < s.eend(t, q) - s.estart(t, q),
+                        s.comp(q) == s.eend(t, q),
+                        self.fa([I], lambda u: z3.Implies(s.live(u, q), u == t)),
+                    ),
+                ),
+            ),
+        )
+        rolled_ok = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                rolled(b),
+                self.ex(
+                    [R],
+                    lambda q: z3.And(
+                        rej(q) > 0,
+                        s.tab(q, b),
+                        s.pos(q, b) >= s.comp(q) - rej(q),
+                        s.pos(q, b) < s.comp(q),
+                    ),
+                ),
+            ),
+        )
+        pub_verified = self.fa(
+            [B],
+            lambda b: z3.Implies(
+                publish(b), s.pos(publisher(b), b) < s.comp(publisher(b)) - rej(publisher(b))
+            ),
+        )
+        if self.planted == "publish-rejected-drafts":
+            pub_verified = z3.BoolVal(True)
+        if self.planted == "drafts-resolve":
+            rolled_ok = self.fa([B], lambda b: z3.Not(rolled(b)))
+        guard = z3.And(guard, rej_ok, rolled_ok, pub_verified)
+        wv0 = rel.pop("wv")
+        rel.pop("comp")
         post = replace(
             s,
+            wv=lambda b: z3.And(wv0(b), z3.Not(rolled(b))),
+            comp=lambda q: z3.If(z3.Or(finish(q), back(q)), 0, s.comp(q) - rej(q)),
             status=lambda q: z3.If(finish(q), FINISHED, z3.If(back(q), WAITING, s.status(q))),
             loading=lambda q: z3.And(landed(q), z3.Not(z3.And(s.live(t, q), s.eload(t, q)))),
             pub=lambda b: z3.Or(s.pub(b), publish(b)),
@@ -796,6 +903,7 @@ class Model:
             s.pos(r, b) < s.eend(s.hw(b), r),
             self.fa([I], lambda u: z3.Not(s.pw(u, b))),
         )
+        reserved = lambda r, b: s.pos(r, b) >= s.comp(r)  # noqa: E731
         written_ok = lambda r, b: z3.And(  # noqa: E731
             s.wv(b),
             s.wh(b) == v.hk(r, s.pos(r, b)),
@@ -869,14 +977,18 @@ class Model:
             "TablesOfRunning": self.fa(
                 [R, B],
                 lambda r, b: z3.Implies(
-                    s.tab(r, b),
-                    z3.And(s.status(r) == RUNNING, 0 <= s.pos(r, b), s.pos(r, b) < s.comp(r)),
+                    s.tab(r, b), z3.And(s.status(r) == RUNNING, 0 <= s.pos(r, b))
                 ),
+            ),
+            "ReservedUnpublished": self.fa(
+                [R, B],
+                lambda r, b: z3.Implies(z3.And(s.tab(r, b), reserved(r, b)), z3.Not(s.pub(b))),
             ),
             "HeldBlocksHold": self.fa(
                 [R, B],
                 lambda r, b: z3.Implies(
-                    s.tab(r, b), z3.Or(own_write(r, b), written_ok(r, b), load_failed(r, b))
+                    s.tab(r, b),
+                    z3.Or(own_write(r, b), written_ok(r, b), load_failed(r, b), reserved(r, b)),
                 ),
             ),
             "PublishedWritten": self.fa(
@@ -936,6 +1048,13 @@ class Model:
                 self.fa([I], lambda u: z3.Implies(s.pw(u, b), u > t)),
             )
 
+        out["PublishedBelowEntries"] = self.fa(
+            [I, R, B],
+            lambda t, r, b: z3.Implies(
+                z3.And(s.tab(r, b), s.pub(b), s.live(t, r), s.status(r) == RUNNING),
+                s.pos(r, b) < s.estart(t, r),
+            ),
+        )
         out["SnapshotPositions"] = self.fa(
             [R, B], lambda r, b: z3.Implies(s.stab(r, b), s.spos(r, b) >= 0)
         )
@@ -949,7 +1068,7 @@ class Model:
             [I, R, B, R],
             lambda t, r, b, q: z3.Implies(
                 z3.And(stale(t, r, b), s.tab(q, b), z3.Not(s.pub(b))),
-                z3.And(s.pw(s.hw(b), b), s.hw(b) > t),
+                z3.Or(z3.And(s.pw(s.hw(b), b), s.hw(b) > t), reserved(q, b)),
             ),
         )
         if self.planted == "lemma-too-strong":
