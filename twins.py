@@ -429,7 +429,9 @@ TWINS: tuple[Twin, ...] = (
         "the block pool on its own (lookup, touch, allocate, free, publish, evict, reset) as a "
         "state machine of its own, for code that drives a pool with no scheduler",
         "the spec's pool mechanisms (spec/pool.py): the same refcounts, hashes, index and free "
-        "queue after every operation of a random sequence, its batch free as ``free_batch``",
+        "queue after every operation of a random sequence, its batch free as ``free_batch``; "
+        "alias, move, unpin and give (vLLM's partial prefix-cache hits) have no counterpart "
+        "there, tests/test_pool_partial.py shows them",
         ("tests/test_twins.py::test_the_pool_machine_is_the_spec_pool",),
         label="the pool machine",
         features=Refused(f"{NO_CONFIG}: a block count and caching on or off (initial_pool)"),

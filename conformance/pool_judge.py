@@ -3,12 +3,15 @@
 The layer below the engine judge (``judge.core.Judge``): for code that drives a block pool directly,
 with no scheduler and no steps (vLLM's ``KVCacheManager`` and ``BlockPool`` tests, attached by
 ``adapters/vllm_adapter/pool_attach.py``). Each *decision* of the pool vocabulary (lookup, slots,
-touch, allocate, free, publish, evict, reset, slots_done) is applied to the pool machine; the
+touch, allocate, free, publish, evict, reset, slots_done, alias, move, unpin, give) is applied to the pool machine; the
 engine's *effects* that follow (``hit``, ``evicted``, ``alloc``) must be exactly the machine's, in
 order; after every decision TouchBeforeAllocate is checked, and every pool invariant at each
 consistent point (``check_now``, which ``compare`` calls). ``compare`` checks the engine's
-observable pool (every refcount, the free queue in order, which blocks are cached under which key)
-against the machine's. The first problem found is kept, as in the engine's ``Judge``: a pool
+observable pool (every refcount, the free queue in order, which blocks are cached under which
+keys, the unpinned blocks still read) first against ``OBSERVED_INVARIANTS`` (the engine's pool
+with the machine's holders and ghost variables: a key kept past an eviction or a move, a reused
+block whose reader was not told, a lost free block are named), then for equality with the
+machine's. The first problem found is kept, as in the engine's ``Judge``: a pool
 invariant's name, ``Disagreement`` (the engine's effects or state differ from the machine's) or
 ``Illegal`` (a decision whose guard is false: a double free, a touch of a block that is not free
 and unreferenced, ...).
@@ -22,12 +25,15 @@ from dataclasses import dataclass
 
 from kvspec.spec import Illegal, Violation
 from kvspec.spec.pool_machine import (
+    OBSERVED_INVARIANTS,
     POOL_ACTIONS,
     POOL_INVARIANTS,
     PoolState,
     apply_pool,
+    cached_keys,
     check_pool,
     initial_pool,
+    observed,
     touch_before_allocate,
 )
 
@@ -120,12 +126,20 @@ class PoolJudge:
         refcounts: tuple[int, ...],
         free: tuple[int, ...],
         keys: dict[int, Hashable],
+        watched: tuple[int, ...] | None = None,
     ) -> PoolFinding | None:
-        """The engine's refcounts (null block as 0), free queue (head first) and cached blocks
-        (block -> key) against the machine's."""
+        """The engine's refcounts (null block as 0), free queue (head first), cached blocks
+        (block -> key, or the frozenset of its keys where it has several) and, where given, the
+        unpinned blocks still read, against the machine's."""
         if self.settle() is not None or self.check_now() is not None:
             return self.finding
         s, at = self.state, self.events_seen
+        if len(refcounts) == len(s.blocks) and all(0 <= b < len(s.blocks) for b in keys):
+            seen = observed(s, refcounts, free, keys, watched)
+            for predicate in OBSERVED_INVARIANTS.values():
+                violated = predicate(seen)
+                if violated is not None:
+                    return self._found(violated.invariant, violated.sentence, at, violated)
         mine = (0,) + tuple(b.refcount for b in s.blocks[1:])
         if refcounts != mine:
             diff = [i for i, (a, b) in enumerate(zip(refcounts, mine, strict=False)) if a != b][:8]
@@ -134,10 +148,16 @@ class PoolJudge:
             return self._found(
                 "Disagreement", f"free queue {list(free)[:12]}, machine {s.free[:12]}", at
             )
-        cached = {block: b.key for block, b in enumerate(s.blocks) if b.key is not None}
+        cached = cached_keys(s)
         if keys != cached:
             odd = sorted(set(keys) ^ set(cached) or {b for b in keys if keys[b] != cached[b]})
             return self._found("Disagreement", f"cached blocks differ at {odd[:8]}", at)
+        if watched is not None and tuple(watched) != tuple(s.watched):
+            return self._found(
+                "Disagreement",
+                f"unpinned blocks read {list(watched)[:8]}, machine {list(s.watched)[:8]}",
+                at,
+            )
         return None
 
     def _found(

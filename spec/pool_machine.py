@@ -24,6 +24,23 @@ Decisions (``apply`` takes these; vLLM's names in brackets)::
     ("reset",)                   drop every key; only with every block free     [reset_prefix_cache]
     ("slots_done", holder)       allocate_slots returns (its untouched hits expire)
 
+Partial prefix-cache hits (vLLM's hybrid managers with a hash block size below the block size)
+add a block published under *several* keys and four decisions::
+
+    ("alias", holder, block, key)    one more key on a cached block      [cache_partial_block]
+    ("move", holder, src, dst)       every key of src re-pointed to dst  [move_block_hashes]
+    ("unpin", holder, blocks)        drop one reference each; those at 0 join the queue's tail,
+                                     read until an allocation reuses them [unpin_blocks]
+    ("give", holder, blocks, to)     one reference each handed to another holder
+                                     [pop_blocks_for_free, copy-on-write retention]
+
+``evict`` drops *every* key of the block (a promotion to a longer prefix or a replaced content
+is an ``evict`` then a ``publish``). Their ghost variables (what each block lost at an eviction,
+what a move took from it, the unpinned blocks an allocation reused) are what the invariants
+``EvictionDropsEveryKey``, ``MoveLeavesNoKey`` and ``ReadUntilReuse`` read; they hold on the
+machine by construction and are checked on the *engine's* pool (``observed``), so a pool that
+keeps a key the machine dropped, or reuses a block without telling its reader, is named.
+
 Effects: ``("hit", holder, blocks)`` after a lookup; ``("evicted", block)`` (a cached free block's
 key dropped as it is reused) and ``("alloc", holder, block)`` for each block an allocation takes.
 
@@ -56,6 +73,11 @@ PoolKey = Hashable
 class PoolBlock:
     refcount: int = 0
     key: PoolKey | None = None
+    also: list[PoolKey] = field(default_factory=list)
+    """Keys beyond the first (partial prefix-cache entries), in registration order."""
+
+    def keys(self) -> list[PoolKey]:
+        return [] if self.key is None else [self.key, *self.also]
 
 
 @dataclass(slots=True)
@@ -71,6 +93,15 @@ class PoolState:
     """Hits handed to an ``allocate_slots`` call and not touched yet: block -> its key then."""
     caching: bool = True
     """Prefix caching on: freed keyed blocks go to the tail and stay hittable."""
+    watched: dict[int, Holder] = field(default_factory=dict)
+    """Blocks released by ``unpin`` whose reader still reads them, until an allocation reuses
+    them (vLLM's reuse watchers), in registration order."""
+    dropped: dict[int, set[PoolKey]] = field(default_factory=dict)
+    """Ghost: the keys each block lost at an eviction and was not published under since."""
+    moved: dict[int, set[PoolKey]] = field(default_factory=dict)
+    """Ghost: the keys a move took from each block and it was not published under since."""
+    reused: set[int] = field(default_factory=set)
+    """Ghost: watched blocks an allocation handed out (their reader must have been told)."""
 
 
 def initial_pool(num_blocks: int, caching: bool = True) -> PoolState:
@@ -135,8 +166,10 @@ def allocate(s: PoolState, holder: Holder, n: int) -> list[Event]:
     for _ in range(n):
         block = s.free.pop(0)
         b = s.blocks[block]
+        if s.watched.pop(block, _UNWATCHED) is not _UNWATCHED:
+            s.reused.add(block)
         if b.key is not None:
-            _drop_key(s, block)
+            _drop_keys(s, block)
             events.append(("evicted", block))
         b.refcount += 1
         s.held.setdefault(holder, []).append(block)
@@ -176,15 +209,72 @@ def publish(s: PoolState, holder: Holder, block: int, key: PoolKey) -> list[Even
         return []
     if b.key is not None:
         raise Illegal(f"publish of block {block} under a second key")
-    b.key = key
-    s.index.setdefault(key, []).append(block)
+    _add_key(s, block, key)
+    return []
+
+
+def alias(s: PoolState, holder: Holder, block: int, key: PoolKey) -> list[Event]:
+    """One more key on a block already cached (a partial prefix-cache entry on a cached block);
+    a key it carries already is left as it is."""
+    b = _block(s, block, "alias")
+    if block == NULL_BLOCK or b.key is None:
+        raise Illegal(f"alias of block {block}: it is not cached")
+    if key not in b.keys():
+        _add_key(s, block, key)
+    return []
+
+
+def move(s: PoolState, holder: Holder, src: int, dst: int) -> list[Event]:
+    """Every key of ``src`` re-pointed to ``dst`` (uncached, not the null block): the index
+    drops ``src`` and registers ``dst`` last under each."""
+    a, b = _block(s, src, "move"), _block(s, dst, "move")
+    if NULL_BLOCK in (src, dst) or src == dst:
+        raise Illegal(f"move of the keys of block {src} to block {dst}")
+    if b.key is not None:
+        raise Illegal(f"move to block {dst}: it is cached already")
+    keys = a.keys()
+    _drop_keys(s, src, s.moved)
+    for key in keys:
+        _add_key(s, dst, key)
+    return []
+
+
+def unpin(s: PoolState, holder: Holder, blocks: tuple[int, ...]) -> list[Event]:
+    """Drop one reference each; those that reach 0 join the queue's tail (keyed or not: last
+    resort), and every block stays read until an allocation reuses it (``watched``)."""
+    last: list[int] = []
+    for block in blocks:
+        b = _block(s, block, "unpin")
+        mine = s.held.get(holder, [])
+        if block == NULL_BLOCK or b.refcount <= 0 or block not in mine:
+            raise Illegal(f"unpin of block {block} by {_who(holder)}, which holds no reference")
+        mine.remove(block)
+        b.refcount -= 1
+        s.watched[block] = holder
+        s.reused.discard(block)
+        if b.refcount == 0:
+            last.append(block)
+    s.free.extend(last)
+    return []
+
+
+def give(s: PoolState, holder: Holder, blocks: tuple[int, ...], to: Holder) -> list[Event]:
+    """One reference on each block passes from ``holder`` to ``to`` (a request's blocks popped
+    for a deferred free; a copy-on-write endpoint retained for the copy): no refcount changes."""
+    for block in blocks:
+        _block(s, block, "give")
+        mine = s.held.get(holder, [])
+        if block not in mine:
+            raise Illegal(f"give of block {block} by {_who(holder)}, which holds no reference")
+        mine.remove(block)
+        s.held.setdefault(to, []).append(block)
     return []
 
 
 def evict(s: PoolState, block: int) -> list[Event]:
-    """Drop the block's key (if any), whether it is free or held."""
+    """Drop every key of the block (if any), whether it is free or held."""
     if _block(s, block, "evict").key is not None:
-        _drop_key(s, block)
+        _drop_keys(s, block)
     return []
 
 
@@ -193,9 +283,13 @@ def reset(s: PoolState) -> list[Event]:
     used = [blk for blk, b in enumerate(s.blocks) if b.refcount]
     if used:
         raise Illegal(f"reset: blocks {used[:8]} are referenced")
-    for b in s.blocks:
+    for block, b in enumerate(s.blocks):
+        if b.key is not None:
+            s.dropped.setdefault(block, set()).update(b.keys())
         b.key = None
+        b.also.clear()
     s.index.clear()
+    s.watched.clear()  # every reader is told
     return []
 
 
@@ -209,6 +303,10 @@ POOL_ACTIONS: dict[str, Callable[..., list[Event]]] = {
     "evict": evict,
     "reset": reset,
     "slots_done": slots_done,
+    "alias": alias,
+    "move": move,
+    "unpin": unpin,
+    "give": give,
 }
 
 
@@ -260,24 +358,24 @@ def pool_free_queue_exact(s: PoolState) -> Violation | None:
 
 def pool_hash_index_consistent(s: PoolState) -> Violation | None:
     """The index and the blocks' own keys agree: every indexed block carries that key, every
-    keyed block is indexed once. Guards against a stale entry that outlives an eviction."""
-    indexed = [blk for blocks in s.index.values() for blk in blocks]
-    if len(indexed) != len(set(indexed)) or any(not blocks for blocks in s.index.values()):
+    key a block carries indexes it once. Guards against a stale entry that outlives an eviction."""
+    if any(not blocks or len(blocks) != len(set(blocks)) for blocks in s.index.values()):
         return Violation("HashIndexConsistent", "a block is indexed twice, or an entry is empty")
     for key, blocks in s.index.items():
         for block in blocks:
-            if s.blocks[block].key != key:
+            if key not in s.blocks[block].keys():
                 return Violation(
                     "HashIndexConsistent",
                     f"block {block} is indexed under a key it does not carry",
                     blocks=(block,),
                 )
-    keyed = {blk for blk, b in enumerate(s.blocks) if b.key is not None}
-    if keyed != set(indexed):
-        odd = tuple(sorted(keyed ^ set(indexed))[:8])
-        return Violation(
-            "HashIndexConsistent", f"blocks {list(odd)} carry a key but are not indexed", odd
-        )
+    for block, b in enumerate(s.blocks):
+        if len(b.keys()) != len(set(b.keys())) or any(
+            block not in s.index.get(key, ()) for key in b.keys()
+        ):
+            return Violation(
+                "HashIndexConsistent", f"blocks {[block]} carry a key but are not indexed", (block,)
+            )
     return None
 
 
@@ -310,12 +408,71 @@ def touch_before_allocate(s: PoolState) -> Violation | None:
     return None
 
 
+def eviction_drops_every_key(s: PoolState) -> Violation | None:
+    """A block that lost its keys (evicted, reused as a new block, its content replaced, the
+    cache reset) carries none of them until it is published under one again. Guards against a
+    key that survives its block's eviction: a later lookup under it is handed a block whose
+    content is another prefix's."""
+    for block, gone in s.dropped.items():
+        kept = gone & set(s.blocks[block].keys())
+        if kept:
+            return Violation(
+                "EvictionDropsEveryKey",
+                f"block {block} still carries {len(kept)} of the keys it lost at an eviction",
+                blocks=(block,),
+            )
+    return None
+
+
+def move_leaves_no_key(s: PoolState) -> Violation | None:
+    """A block whose keys were moved to a copy carries none of them until it is published under
+    one again. Guards against a moved key left behind: the source keeps being written (that is
+    why the keys moved), so a hit on it reads a prefix that is no longer there."""
+    for block, gone in s.moved.items():
+        kept = gone & set(s.blocks[block].keys())
+        if kept:
+            return Violation(
+                "MoveLeavesNoKey",
+                f"block {block} still carries {len(kept)} of the keys moved off it",
+                blocks=(block,),
+            )
+    return None
+
+
+def read_until_reuse(s: PoolState) -> Violation | None:
+    """A block released by ``unpin`` is read until an allocation reuses it, and its reader is
+    told then: no block an allocation handed out is still watched. Guards against a reader that
+    keeps reading a block the pool has handed to a new owner (it reads another request's
+    writes)."""
+    late = sorted(s.reused & set(s.watched))
+    if late:
+        return Violation(
+            "ReadUntilReuse",
+            f"blocks {late[:8]} were handed out while their reader was not told",
+            blocks=tuple(late[:8]),
+        )
+    return None
+
+
+OBSERVED_INVARIANTS: dict[str, Callable[[PoolState], Violation | None]] = {
+    "EvictionDropsEveryKey": eviction_drops_every_key,
+    "MoveLeavesNoKey": move_leaves_no_key,
+    "ReadUntilReuse": read_until_reuse,
+    "FreeQueueExact": pool_free_queue_exact,
+}
+"""The invariants the judge also checks on the engine's observable pool (``observed``): its
+refcounts, free queue, keys and watchers with the machine's holders and ghost variables."""
+
+
 POOL_INVARIANTS: dict[str, Callable[[PoolState], Violation | None]] = {
     "TouchBeforeAllocate": touch_before_allocate,
     "RefcountIsHolders": refcount_is_holders,
     "FreeQueueExact": pool_free_queue_exact,
     "HashIndexConsistent": pool_hash_index_consistent,
     "NullBlockPinned": pool_null_block_pinned,
+    "EvictionDropsEveryKey": eviction_drops_every_key,
+    "MoveLeavesNoKey": move_leaves_no_key,
+    "ReadUntilReuse": read_until_reuse,
 }
 
 
@@ -328,13 +485,73 @@ def check_pool(s: PoolState) -> Violation | None:
     return None
 
 
-def _drop_key(s: PoolState, block: int) -> None:
+_UNWATCHED = object()
+
+
+def cached_keys(s: PoolState) -> dict[int, PoolKey]:
+    """Block -> its key, or the frozenset of its keys where it carries several (what
+    ``PoolJudge.compare`` is given)."""
+    out: dict[int, PoolKey] = {}
+    for block, b in enumerate(s.blocks):
+        if b.key is not None:
+            out[block] = b.key if not b.also else frozenset(b.keys())
+    return out
+
+
+def observed(
+    s: PoolState,
+    refcounts: tuple[int, ...],
+    free: tuple[int, ...],
+    keys: dict[int, PoolKey],
+    watched: tuple[int, ...] | None = None,
+) -> PoolState:
+    """The engine's observable pool (as ``cached_keys`` gives keys) with the machine's holders
+    and ghost variables: what ``OBSERVED_INVARIANTS`` are checked on."""
+    blocks = [PoolBlock(refcount=n) for n in refcounts]
+    index: dict[PoolKey, list[int]] = {}
+    for block, value in keys.items():
+        many = sorted(value, key=repr) if isinstance(value, frozenset) else [value]
+        blocks[block].key, blocks[block].also = many[0], many[1:]
+        for key in many:
+            index.setdefault(key, []).append(block)
+    return PoolState(
+        blocks=blocks,
+        free=list(free),
+        index=index,
+        held=s.held,
+        pending=s.pending,
+        caching=s.caching,
+        watched=dict.fromkeys(watched, None) if watched is not None else dict(s.watched),
+        dropped=s.dropped,
+        moved=s.moved,
+        reused=s.reused,
+    )
+
+
+def _add_key(s: PoolState, block: int, key: PoolKey) -> None:
     b = s.blocks[block]
-    owners = s.index[b.key]
-    owners.remove(block)
-    if not owners:
-        del s.index[b.key]
+    if b.key is None:
+        b.key = key
+    else:
+        b.also.append(key)
+    s.index.setdefault(key, []).append(block)
+    for ghost in (s.dropped, s.moved):
+        ghost.get(block, set()).discard(key)
+
+
+def _drop_keys(s: PoolState, block: int, ghost: dict[int, set[PoolKey]] | None = None) -> None:
+    """Every key of the block leaves it and the index; the ghost (``dropped`` unless given)
+    remembers them."""
+    b = s.blocks[block]
+    keys = b.keys()
+    for key in keys:
+        owners = s.index[key]
+        owners.remove(block)
+        if not owners:
+            del s.index[key]
+    (s.dropped if ghost is None else ghost).setdefault(block, set()).update(keys)
     b.key = None
+    b.also.clear()
 
 
 def _block(s: PoolState, block: object, what: str) -> PoolBlock:

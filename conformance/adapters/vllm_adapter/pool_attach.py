@@ -15,10 +15,24 @@ vLLM method                               events
 ``BlockPool.touch``                       ``touch``
 ``BlockPool.get_new_blocks``              ``allocate``, then ``evicted``/``alloc`` per block
 ``BlockPool.free_blocks``                 ``free``
-``BlockPool._insert_block_hash``          ``publish`` (``cache_full_blocks`` inserts each)
-``BlockPool._maybe_evict_cached_block``   ``evict`` (outside an allocation: ``evict_blocks``)
+``BlockPool._insert_block_hash``          ``publish`` (``cache_full_blocks`` inserts each);
+                                          ``alias`` for a second key on a cached block
+                                          (``cache_partial_block``)
+``BlockPool._remove_cached_block_hashes`` ``evict`` (outside an allocation: ``evict_blocks``,
+                                          a partial entry promoted or replaced)
+``BlockPool.move_block_hashes``           ``move`` (the removes and inserts inside unreported)
+``BlockPool.unpin_blocks``                ``unpin``
 ``BlockPool.reset_prefix_cache``          ``reset`` when it succeeds
+``KVCacheManager.pop_blocks_for_free``    ``give`` (the request's references to the caller)
+copy-on-write retention                   ``give``/``touch`` to the caller (below)
 ========================================  ===================================================
+
+Copy-on-write of a partially hit block (vLLM's ``_apply_cow`` and the Mamba "align" manager's
+moved entry) takes one reference on each endpoint of the copy by editing ``ref_cnt`` inside
+``allocate_slots``; the pairs it queues (``_pending_cow_copies``) say which: the endpoint the
+request's table no longer holds passes to the caller (``give``), the other gets one more
+reference for the caller (``touch``), who frees both once the copy has run
+(``take_kv_cache_block_copies``).
 
 Holders: under a manager, the request a manager method works for (its id mapped to the next
 integer at first sight); a bare pool's caller is the anonymous holder ``None``. Keys: vLLM's
@@ -26,9 +40,7 @@ integer at first sight); a bare pool's caller is the anonymous holder ``None``. 
 they are plain prefix lookups (one full-attention group, hashes of the block size, no EAGLE
 drop); elsewhere the manager's lookups are not reported and only the pool's actions are judged.
 
-Refusals (``refusal``, as in ``attach.py``): a second hash on a block (partial prefix-cache hits),
-``cache_partial_block``, ``move_block_hashes``, ``unpin_blocks``, ``pop_blocks_for_free``, blocks of
-another pool, a stale hit handed to ``allocate_slots``, a request's block freed beneath its
+Refusals (``refusal``, as in ``attach.py``): blocks of another pool, a stale hit handed to ``allocate_slots``, a request's block freed beneath its
 manager, state edited between calls, a wrapped method patched. ``listener(attachment)`` is called
 whenever an outermost call returns; ``snapshot`` gives what a ``PoolJudge.compare`` takes.
 """
@@ -46,6 +58,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from .attach import EVICT_FIRST, Refusal, guarded, internal_error
 from .methods import Method, Wrappers
 from .versions import MissingName, cached_block_ids, evict_first, max_cache_hit_length, read
+
+_UNSEEN = object()
 
 Event = tuple[object, ...]
 
@@ -70,6 +84,7 @@ class PoolAttachment:
         self.depth = 0
         self.holder: int | None = None
         self._allocating = False
+        self._moving = False
         self._evicted: list[int] = []
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
@@ -103,25 +118,41 @@ class PoolAttachment:
     def key(self, value: Hashable) -> int:
         return self.keys.setdefault(value, len(self.keys))
 
-    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, Hashable]]:
+    def snapshot(
+        self,
+    ) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, Hashable], tuple[int, ...]]:
         """(refcounts with the null block as 0, the free queue head first, block -> key of the
-        cached blocks as vLLM's hash map holds them)."""
+        cached blocks as vLLM's hash map holds them (the frozenset of its keys for a block under
+        several), the unpinned blocks still read (vLLM's reuse watchers))."""
         pool = self.pool
         refcounts = (0,) + tuple(b.ref_cnt for b in pool.blocks[1:])
         free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
-        cached: dict[int, Hashable] = {}
+        many: dict[int, set[int]] = {}
         for value, ids in cached_block_ids(pool).items():
             for block_id in ids:
-                cached[block_id] = self.key(value)
-        return refcounts, free, cached
+                many.setdefault(block_id, set()).add(self.key(value))
+        cached: dict[int, Hashable] = {
+            block: next(iter(keys)) if len(keys) == 1 else frozenset(keys)
+            for block, keys in many.items()
+        }
+        watched = tuple(read(pool, "_reuse_watchers"))
+        return refcounts, free, cached, watched
 
     def self_check(self) -> str | None:
-        """vLLM's blocks carry the hashes its map indexes them under."""
-        own = {b.block_id: self.key(b.block_hash) for b in self.pool.blocks if b.block_hash}
-        mapped = self.snapshot()[2]
+        """vLLM's blocks carry the hashes its map indexes them under (the first on the block,
+        the others in ``cached_block_hashes_by_block``)."""
+        mapped = {
+            b: set(k) if isinstance(k, frozenset) else {k} for b, k in self.snapshot()[2].items()
+        }
+        more = read(self.pool, "cached_block_hashes_by_block")
+        own = {
+            b.block_id: {self.key(h) for h in (b.block_hash, *more.get(b.block_id, ()))}
+            for b in self.pool.blocks
+            if b.block_hash
+        }
         if own != mapped:
-            odd = sorted(set(own.items()) ^ set(mapped.items()))[:4]
-            return f"vLLM's blocks and its hash map disagree: {odd}"
+            odd = sorted(set(own) ^ set(mapped) or {b for b in own if own[b] != mapped[b]})[:4]
+            return f"vLLM's blocks and its hash map disagree at blocks {odd}"
         return None
 
     # -- calls --------------------------------------------------------------------------------
@@ -179,18 +210,15 @@ class PoolAttachment:
             ("touch", self._touch),
             ("free_blocks", self._free_blocks),
             ("_insert_block_hash", self._insert),
-            ("_maybe_evict_cached_block", self._evict),
+            ("_remove_cached_block_hashes", self._evict),
             ("reset_prefix_cache", self._reset),
+            ("move_block_hashes", self._move),
+            ("unpin_blocks", self._unpin),
             ("cache_full_blocks", self._passing("cache_full_blocks")),
+            ("cache_partial_block", self._passing("cache_partial_block")),
             ("evict_blocks", self._passing("evict_blocks")),
         ):
             w.install(pool, name, make)
-        for name, feature in (
-            ("cache_partial_block", "partial prefix-cache hits"),
-            ("move_block_hashes", "hashes moved between blocks"),
-            ("unpin_blocks", "blocks released while read"),
-        ):
-            w.install(pool, name, self._refusing(feature, name))
         manager = self.manager
         if manager is None:
             return
@@ -198,17 +226,7 @@ class PoolAttachment:
         w.install(manager, "allocate_slots", self._allocate_slots)
         for name in ("free", "cache_blocks", "remove_skipped_blocks"):
             w.install(manager, name, self._for_request(name))
-        w.install(manager, "pop_blocks_for_free", self._refusing("deferred block free", "pop"))
-
-    def _refusing(self, feature: str, name: str) -> Callable[[Method], Method]:
-        def make(original: Method) -> Method:
-            def wrapper(*args: Any, **kw: Any) -> Any:
-                self.refuse(feature, f"{name}()")
-                return original(*args, **kw)
-
-            return wrapper
-
-        return make
+        w.install(manager, "pop_blocks_for_free", self._pop_blocks_for_free)
 
     def _passing(self, name: str) -> Callable[[Method], Method]:
         """A pool method whose effects the wrapped methods below it report: only an outermost
@@ -265,14 +283,48 @@ class PoolAttachment:
 
             def body() -> Any:
                 self._safe(self._slots, hits)
+                copies = self._safe(self._pending_copies)
                 try:
                     return original(request, *args, **kw)
                 finally:
+                    self._safe(self._retained, request, copies)
                     self.events.append(("slots_done", self.holder))
 
             return self._call("allocate_slots", request, body)
 
         return allocate_slots
+
+    def _pending_copies(self) -> list[tuple[Any, int]]:
+        """Each group's queue of copy-on-write pairs and its length now."""
+        managers = self.manager.coordinator.single_type_managers
+        return [(m, len(read(m, "_pending_cow_copies"))) for m in managers]
+
+    def _retained(self, request: Any, before: list[tuple[Any, int]] | None) -> None:
+        """The copy-on-write pairs this call queued: one reference on each endpoint is the
+        caller's (the endpoint the request's table holds got a new one, the other is handed
+        over from the request)."""
+        for manager, length in before or ():
+            queue = read(manager, "_pending_cow_copies")
+            table = read(manager, "req_to_blocks").get(request.request_id, [])
+            for pair in queue[length:]:
+                for block in pair:
+                    if any(b is block for b in table):
+                        self.events.append(("touch", None, (block.block_id,)))
+                    else:
+                        self.events.append(("give", self.holder, (block.block_id,), None))
+
+    def _pop_blocks_for_free(self, original: Method) -> Method:
+        def pop_blocks_for_free(request: Any, *args: Any, **kw: Any) -> Any:
+            def body() -> Any:
+                blocks = original(request, *args, **kw)
+                if self.depth == 1:  # the caller frees them later
+                    ids = tuple(b.block_id for b in blocks if not b.is_null)
+                    self.events.append(("give", self.holder, ids, None))
+                return blocks
+
+            return self._call("pop_blocks_for_free", request, body)
+
+        return pop_blocks_for_free
 
     def _slots(self, hits: Any) -> None:
         blocks = [b for group in (hits.blocks if hits is not None else ()) for b in group]
@@ -346,8 +398,28 @@ class PoolAttachment:
                 for table in m.req_to_blocks.values()
                 for b in table
             }
-            if any(b.block_id in held for b in blocks):
-                self.refuse("pool driven beneath its manager", "a request's block freed")
+            mine = self._caller_references()
+            for b in blocks:
+                if b.block_id in held and not mine.get(b.block_id):
+                    self.refuse("pool driven beneath its manager", "a request's block freed")
+                mine[b.block_id] = mine.get(b.block_id, 0) - 1
+
+    def _caller_references(self) -> dict[int, int]:
+        """The references the events give the caller (holder ``None``) and it has not freed."""
+        count: dict[int, int] = {}
+        for event in self.events:
+            if event[0] in ("touch", "alloc", "free", "unpin", "give"):
+                if event[0] == "give" and event[3] is None and event[1] is not None:
+                    blocks, sign = event[2], 1
+                elif event[1] is not None:
+                    continue
+                elif event[0] == "alloc":
+                    blocks, sign = (event[2],), 1
+                else:
+                    blocks, sign = event[2], 1 if event[0] == "touch" else -1
+                for block in blocks:  # type: ignore[attr-defined]
+                    count[block] = count.get(block, 0) + sign
+        return count
 
     def _insert(self, original: Method) -> Method:
         def insert(block_hash_with_group_id: Any, block: Any, *args: Any, **kw: Any) -> None:
@@ -356,29 +428,67 @@ class PoolAttachment:
             def body() -> None:
                 self._safe(self._foreign, (block,), "_insert_block_hash")
                 before = block.block_hash
+                had = before == key or self._safe(self._carries, key, block)
                 original(key, block, *args, **kw)
-                if before is not None and before != key:
-                    self.refuse("partial prefix-cache hits", f"a second hash on {block.block_id}")
-                elif before is None and block.block_hash is not None:
+                if self._moving:
+                    return
+                if before is None and block.block_hash is not None:
                     self.events.append(("publish", self.holder, block.block_id, self.key(key)))
+                elif before is not None and not had:
+                    self.events.append(("alias", self.holder, block.block_id, self.key(key)))
 
             return self._call("_insert_block_hash", None, body)  # type: ignore[no-any-return]
 
         return insert
 
+    def _carries(self, key: Any, block: Any) -> bool:
+        return bool(read(self.pool, "cached_block_hash_to_block").contain(key, block.block_id))
+
     def _evict(self, original: Method) -> Method:
-        def evict(block: Any, *args: Any, **kw: Any) -> bool:
-            def body() -> bool:
-                evicted = bool(original(block, *args, **kw))
-                if evicted and self._allocating:
+        def remove_cached_block_hashes(block: Any, *args: Any, **kw: Any) -> Any:
+            def body() -> Any:
+                cached = block.block_hash is not None
+                removed = original(block, *args, **kw)
+                if not cached or self._moving:
+                    return removed
+                if self._allocating:
                     self._evicted.append(block.block_id)
-                elif evicted:
+                else:
                     self.events.append(("evict", block.block_id))
-                return evicted
+                return removed
 
-            return self._call("_maybe_evict_cached_block", None, body)  # type: ignore[no-any-return]
+            return self._call("_remove_cached_block_hashes", None, body)
 
-        return evict
+        return remove_cached_block_hashes
+
+    def _move(self, original: Method) -> Method:
+        def move_block_hashes(src: Any, dst: Any, *args: Any, **kw: Any) -> Any:
+            def body() -> Any:
+                self._safe(self._foreign, (src, dst), "move_block_hashes")
+                self._moving = True
+                try:
+                    result = original(src, dst, *args, **kw)
+                finally:
+                    self._moving = False
+                self.events.append(("move", self.holder, src.block_id, dst.block_id))
+                return result
+
+            return self._call("move_block_hashes", None, body)
+
+        return move_block_hashes
+
+    def _unpin(self, original: Method) -> Method:
+        def unpin_blocks(blocks: Iterable[Any], *args: Any, **kw: Any) -> Any:
+            def body() -> Any:
+                blocks_ = list(blocks)
+                self._safe(self._foreign, blocks_, "unpin_blocks")
+                ids = tuple(b.block_id for b in blocks_)
+                self.events.append(("unpin", self.holder, ids))
+                return original(blocks_, *args, **kw)
+
+            return self._call("unpin_blocks", None, body)
+
+        return unpin_blocks
 
     def _reset(self, original: Method) -> Method:
         def reset_prefix_cache(*args: Any, **kw: Any) -> bool:
