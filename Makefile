@@ -164,9 +164,11 @@ test: venv
 pytest: venv
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15 -m "not e2e"
 
-# The tests marked e2e run whole pytest sessions of a third-party engine, once per supported
-# release (the plugin's crash test, the hybrid models, the drafts factory, the suite's table):
-# .ci/run runs them after `make test`, which they would push past its 15 minutes on 2 cores.
+# The tests marked e2e run a third-party engine end to end, once per supported release: whole
+# pytest sessions (the plugin's crash test and hybrid cases, the suite's table) or its real code
+# fuzzed or planted in a process of its environment (hybrid models, drafts, loads, Mamba, pool
+# plants, hybrid KV-event streams): .ci/run runs them after `make test`, which they would push
+# past its 15 minutes on 2 cores.
 test-e2e: venv
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=5 -m e2e
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # a process of each vLLM release (make test-e2e)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "vllm_cases" / "pool_plants.py"
 RELEASES = [
