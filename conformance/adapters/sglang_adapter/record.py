@@ -39,19 +39,6 @@ def rid(req: Req) -> int:
     return int(req.rid)
 
 
-def recorder(
-    tree: Any, pool: Any, page_size: int, events: list[Event], full_pages: int = 0
-) -> Recorder:
-    """The recorder for the tree ``build.memory`` built (``full_pages``: the FULL pool's pages,
-    after which a hybrid SWA tree's SWA pages are numbered, ``swa.py``)."""
-    if ComponentType.SWA in getattr(tree, "components", {}):
-        from .swa import SwaRecorder
-
-        return SwaRecorder(tree, pool, page_size, events, full_pages)
-    kind = LegacyRecorder if core_backend(tree) == "legacy" else UnifiedRecorder
-    return kind(tree, pool, page_size, events)
-
-
 class Recorder:
     """What every tree's recorder shares: the views of the rows, the acting request, the
     evictions to report, the ``checkpoint`` wrapper (``dedup``)."""

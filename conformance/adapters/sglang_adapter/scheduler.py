@@ -34,6 +34,7 @@ from .build import (
     MODEL,
     VOCAB,
     AddReqResult,
+    ComponentType,
     NewTokenRatioTracker,
     PrefillAdder,
     Req,
@@ -41,6 +42,7 @@ from .build import (
     SchedulePolicy,
     SpeculativeAlgorithm,
     checkpoint_kv_cache,
+    core_backend,
     empty_batch,
     envs,
     memory,
@@ -49,7 +51,19 @@ from .build import (
     release_kv_cache,
     swa_layers,
 )
-from .record import Event, recorder, rid
+from .record import Event, LegacyRecorder, Recorder, UnifiedRecorder, rid
+from .swa import SwaRecorder
+
+
+def recorder(
+    tree: Any, pool: Any, page_size: int, events: list[Event], full_pages: int = 0
+) -> Recorder:
+    """The recorder for the tree ``build.memory`` built (``full_pages``: the FULL pool's pages,
+    after which a hybrid SWA tree's SWA pages are numbered, ``swa.py``)."""
+    if ComponentType.SWA in getattr(tree, "components", {}):
+        return SwaRecorder(tree, pool, page_size, events, full_pages)
+    kind = LegacyRecorder if core_backend(tree) == "legacy" else UnifiedRecorder
+    return kind(tree, pool, page_size, events)
 
 
 class Scheduler:
