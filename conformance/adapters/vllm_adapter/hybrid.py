@@ -265,13 +265,17 @@ class HybridVllmAdapter(VllmAdapter):
     """vLLM's per-group KV events are judged as a plain model's are (``kv_stream.py``): the
     stream judge keys its view by ``(medium, group, hash)`` and asks announced parents only of
     full-attention groups (``spec.stream.CHAINED_KINDS``: a window's store may follow a nulled,
-    evicted block)."""
+    evicted block). Not with a state group (set in ``build_scheduler``): vLLM's ``BlockStored``
+    for a Mamba group lists the tokens of the null blocks it skips beside the hashes of the
+    blocks it keeps (one hash, two blocks' tokens), which ``StoreConsistent`` reads as a
+    malformed store; the stream judge has no rule for that yet, so the stream is not run."""
 
     def build_scheduler(
         self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
     ) -> Any:
         scheduler = build_scheduler(self.model, config, async_scheduling, threshold, reuse)
         self.config = replace(self.config, **groups.spec_groups(scheduler))
+        self.streams_kv_events = not any(g.kind == "state" for g in self.config.groups)
         return scheduler
 
 
