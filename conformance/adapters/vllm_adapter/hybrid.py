@@ -266,9 +266,12 @@ class HybridVllmAdapter(VllmAdapter):
     stream judge keys its view by ``(medium, group, hash)`` and asks announced parents only of
     full-attention groups (``spec.stream.CHAINED_KINDS``: a window's store may follow a nulled,
     evicted block). Not with a state group (set in ``build_scheduler``): vLLM's ``BlockStored``
-    for a Mamba group lists the tokens of the null blocks it skips beside the hashes of the
-    blocks it keeps (one hash, two blocks' tokens), which ``StoreConsistent`` reads as a
-    malformed store; the stream judge has no rule for that yet, so the stream is not run."""
+    for a Mamba ``align`` group lists the tokens of the null blocks it skips beside the hashes
+    of the blocks it keeps, with no offsets, so no consumer can tell which chunk a hash is for.
+    That is a known vLLM finding, not a missing rule (``docs/findings/README.md``, "vLLM: a
+    Mamba group's ``BlockStored`` has more tokens than hashes"; vLLM issue #44451, PR #44488):
+    ``StoreConsistent`` rightly names it, and the stream stays off for a state group until
+    vLLM's events carry offsets, so that a fuzz run judges the Mamba block lifecycle."""
 
     def build_scheduler(
         self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
