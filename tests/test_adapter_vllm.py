@@ -95,6 +95,7 @@ def test_the_seed_bug_in_vllm_and_clean_workloads(venv: Path) -> None:
     )
 
 
+@pytest.mark.e2e  # vLLM fuzzed in a process of its environment (make test-e2e)
 def test_kvspec_fuzz_finds_the_seed_bug_in_vllm(venv: Path) -> None:
     argv = ["-m", "kvspec", "fuzz", "--target", TARGET, "--policy", "eager-unsafe"]
     # seeded: where the search finds the bug does not depend on the machine; 600 s bounds a failing run
@@ -109,6 +110,7 @@ def test_kvspec_fuzz_finds_the_seed_bug_in_vllm(venv: Path) -> None:
     assert "preempt r" in done.stdout
 
 
+@pytest.mark.e2e  # vLLM fuzzed in a process of its environment (make test-e2e)
 def test_kvspec_fuzz_on_vllm_defaults(venv: Path) -> None:
     """No false alarm: under fcfs vLLM's effects equal the spec's, block ids and free order
     included, with vLLM's defaults at 1 to 3 steps in flight (async scheduling from 2, stale
@@ -150,6 +152,7 @@ def test_vllm_names_per_release_and_new_features_refused(venv: Path) -> None:
     assert " passed" in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.e2e  # vLLM's objects in a process of its environment (make test-e2e)
 @pytest.mark.parametrize(
     "script", ["vllm_duplicate_block_stored.py", "vllm_async_chunked_prefill_zombie.py"]
 )
