@@ -89,16 +89,9 @@ def drop_first_removal(adapter: Any) -> None:
     stream.tree.take_events = take_events
 
 
-def run(engine: str, workload: list[Any], factory: str = "factory", fault: str | None = None, **cell: Any) -> None:  # fmt: skip
-    module = importlib.import_module(f"kvspec.conformance.adapters.{ADAPTERS[engine]}")
-    defaults = {"policy": "eager-unsafe"} if engine == "vllm" else {"policy": "engine-registers", "discipline": "general"}  # fmt: skip
-    config = Config(**{**defaults, "stop_token": 0, **cell})
-    adapter = getattr(module, factory)(config, Ones())
-    if fault == "drop-removal":
-        drop_first_removal(adapter)
-    observed = getattr(adapter, "judging", "strict") == "observed"
-    judge = Judge.spec(adapter.config, observed)
-    finding = None
+def drive(adapter: Any, judge: Any, workload: list[Any]) -> Any:
+    """Runs the workload on the adapter, judging its events and its KV-event stream after each
+    item; the first finding (None if it holds)."""
     for what, args in workload:
         start = len(adapter.events)
         if what == "arrive":
@@ -110,7 +103,20 @@ def run(engine: str, workload: list[Any], factory: str = "factory", fault: str |
                 adapter.step()
         finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
         if finding is not None:
-            break
+            return finding
+    return None
+
+
+def run(engine: str, workload: list[Any], factory: str = "factory", fault: str | None = None, **cell: Any) -> None:  # fmt: skip
+    module = importlib.import_module(f"kvspec.conformance.adapters.{ADAPTERS[engine]}")
+    defaults = {"policy": "eager-unsafe"} if engine == "vllm" else {"policy": "engine-registers", "discipline": "general"}  # fmt: skip
+    config = Config(**{**defaults, "stop_token": 0, **cell})
+    adapter = getattr(module, factory)(config, Ones())
+    if fault == "drop-removal":
+        drop_first_removal(adapter)
+    observed = getattr(adapter, "judging", "strict") == "observed"
+    judge = Judge.spec(adapter.config, observed)
+    finding = drive(adapter, judge, workload)
     stream = adapter.kv_stream.engine
     totals = stream.judge.stats
     where = f"{factory} depth {config.depth}"

@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from kv_stream_checks import WORKLOAD  # noqa: E402
+from kv_stream_checks import WORKLOAD, drive  # noqa: E402
 from thirdparty_checks import Ones  # noqa: E402
 
 from kvspec.cli import main  # noqa: E402
@@ -39,19 +39,7 @@ def run(folder: Path, depth: int, plant: Any) -> str:
     with plant():
         adapter = hybrid.swa_factory(config, Ones())
         judge = Judge.spec(adapter.config, False)
-        finding = None
-        for what, args in WORKLOAD:
-            start = len(adapter.events)
-            if what == "arrive":
-                adapter.add_request(*args)
-            elif what == "reset":
-                adapter.reset_prefix_cache()
-            else:
-                for _ in range(args[0]):
-                    adapter.step()
-            finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
-            if finding is not None:
-                break
+        finding = drive(adapter, judge, WORKLOAD)
     stream = adapter.kv_stream.engine
     stored: set[int | None] = set()
     removed: set[int | None] = set()
