@@ -133,6 +133,18 @@ def miscounts_then_ctrl_c(config: Config, choices: object) -> MiscountsAfterThre
     return MiscountsAfterThree(config, choices)
 
 
+BUILT = {"engines": 0}
+
+
+def ctrl_c_on_the_tenth_engine(config: Config, choices: object) -> ReferenceAdapter:
+    """A healthy engine; Ctrl-C (a real SIGINT to this process) when the tenth is built: the fuzz
+    loop is under way and nothing has been found."""
+    BUILT["engines"] += 1
+    if BUILT["engines"] == 10:
+        os.kill(os.getpid(), signal.SIGINT)
+    return ReferenceAdapter(config, choices)  # type: ignore[arg-type]
+
+
 def slow_factory(config: Config, choices: object) -> ReferenceAdapter:
     """A factory that takes 3 s per engine (a large engine built per example): slow, not hung."""
     time.sleep(3)

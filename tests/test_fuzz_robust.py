@@ -4,6 +4,7 @@ as a user does, with a tiny faulty engine of ``fake_engines.py`` as ``--target``
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -57,22 +58,42 @@ def test_seconds_bounds_shrinking_too() -> None:
 def test_ctrl_c_while_shrinking_prints_and_saves_the_best_so_far(tmp_path: Path) -> None:
     out = tmp_path / "cex.jsonl"
     done, _ = fuzz("miscounts_then_ctrl_c", 60, "--out", str(out), "--format", "v1")
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "shrinking interrupted (the shortest so far)" in done.stdout
-    assert "Disagreement" in done.stdout
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said
+    assert "shrinking interrupted (the shortest so far)" in done.stdout, said
+    assert "Disagreement" in done.stdout, said
     assert orjson.loads(out.read_bytes().splitlines()[0])["format"] == "kvspec-trace"
 
 
 def test_ctrl_c_before_any_finding_is_still_an_interruption() -> None:
-    """Nothing found yet: Ctrl-C ends the command as before (130), with no verdict."""
+    """Nothing found yet: Ctrl-C ends the command as before (130), with no verdict. The SIGINT
+    comes from the tenth engine's factory, inside the fuzz loop, whatever the machine's load (a
+    timer here once fired while a loaded machine was still importing kvspec)."""
+    done, _ = fuzz("ctrl_c_on_the_tenth_engine", 600)
+    said = done.stdout + done.stderr
+    assert done.returncode == 130 and "kvspec fuzz: interrupted" in done.stderr, said
+    assert "counterexample" not in done.stdout and "No counterexample" not in done.stdout, said
+
+
+def test_ctrl_c_while_python_starts_is_an_interruption_not_a_traceback() -> None:
+    """Ctrl-C before ``main`` runs (a slow import): exit 130 and one line, as inside a command."""
     process = subprocess.Popen(
         [*__import__("edges").KVSPEC, "fuzz", "--policy", "deferred", "--seconds", "600"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TESTS,
+        env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"),
     )  # fmt: skip
-    time.sleep(6)
-    process.send_signal(2)
+    for line in process.stderr:  # type: ignore[union-attr]
+        module = line.split("|")[-1].strip()
+        if module == "kvspec.flow":  # inside the command line's imports
+            process.send_signal(2)
+            break
+        if module == "kvspec.cli":  # past them: this test no longer knows where the imports are
+            process.kill()
+            pytest.fail("kvspec.cli imported without kvspec.flow")
     out, err = process.communicate(timeout=60)
-    assert process.returncode == 130 and "interrupted" in err, out + err
+    assert process.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] in ("kvspec: interrupted", "kvspec fuzz: interrupted"), err
 
 
 def test_a_slow_engine_call_at_the_deadline_is_not_called_hung() -> None:

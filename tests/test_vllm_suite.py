@@ -96,3 +96,29 @@ def test_table_joins_earlier_runs_without_running(
     with pytest.raises(SystemExit) as twice:
         suite.retable(tmp_path / "ci", [tmp_path / "ci"])  # type: ignore[attr-defined]
     assert twice.value.code == 2
+
+
+def test_the_pass_without_the_plugin_is_the_union_of_earlier_runs(tmp_path: Path) -> None:
+    """``--bare-from`` repeated: a whole-suite plugin pass compared with the earlier passes of its
+    parts (a folder, or a JUnit file named directly); a test two of them saw differently is bad
+    input, not a silent pick."""
+    suite = _suite_module()
+    _run_folder(tmp_path / "ci", "test_a", False, "judged", [])
+    _run_folder(tmp_path / "rest", "test_b", True, "judged", [])
+    junits = [
+        suite._bare_junit(tmp_path / "ci"),
+        suite._bare_junit(tmp_path / "rest" / "junit-bare.xml"),
+    ]  # type: ignore[attr-defined]
+    union = suite._union_of_outcomes(junits)  # type: ignore[attr-defined]
+    assert union == {
+        "tests/v1/core/test_a.py::test_it": "passed",
+        "tests/v1/core/test_b.py::test_it": "failed",
+    }
+    assert suite._union_of_outcomes([*junits, junits[0]]) == union  # type: ignore[attr-defined]
+    _run_folder(tmp_path / "again", "test_a", True, "judged", [])
+    with pytest.raises(SystemExit) as differs:
+        suite._union_of_outcomes([*junits, tmp_path / "again" / "junit-bare.xml"])  # type: ignore[attr-defined]
+    assert differs.value.code == 2
+    with pytest.raises(SystemExit) as missing:
+        suite._bare_junit(tmp_path / "nowhere")  # type: ignore[attr-defined]
+    assert missing.value.code == 2

@@ -29,7 +29,9 @@ plugin, and the plugin's outcome per test (``pytest_plugin.py``: no Scheduler bu
 KVCacheManager or BlockPool judged, refused at construction, stopped mid-run, judged and holding,
 violations), with the refusals counted by feature. Exit 1 when an outcome differs or a violation
 is found, else 0. ``--parallel`` runs the two passes at the same time (the CI subset on 2 cores);
-``--bare-from DIR`` reads the pass without the plugin from an earlier run instead; ``--also DIR``
+``--bare-from DIR`` reads the pass without the plugin from an earlier run instead (repeatable: the
+union of several runs' passes, or JUnit files, a test in two with differing outcomes refused);
+``--also DIR``
 joins an earlier run of other test files (both passes and its report) into the table, so the
 whole ``tests/v1/core`` can be tabled from the CI subset's run and a run of the rest. ``table
 --out DIR [--also DIR ...]`` prints an earlier run's table, joined, without running pytest.
@@ -312,12 +314,35 @@ def outcomes(junit: Path) -> dict[str, str]:
     return result
 
 
+def _bare_junit(where: Path) -> Path:
+    """The pass without the plugin of an earlier run: its folder's ``junit-bare.xml``, or a JUnit
+    file named directly (exit 2 if there is none)."""
+    junit = where if where.is_file() else where / "junit-bare.xml"
+    if not junit.is_file():
+        bad_input(f"vllm_suite: --bare-from {where}: no junit-bare.xml there")
+    return junit
+
+
+def _union_of_outcomes(junits: list[Path]) -> dict[str, str]:
+    """Every test of ``junits`` with its outcome; exit 2 on a test two of them saw differently
+    (the passes without the plugin are vLLM's alone: a test's outcome there must not vary)."""
+    union: dict[str, str] = {}
+    for junit in junits:
+        for name, outcome in outcomes(junit).items():
+            if union.setdefault(name, outcome) != outcome:
+                bad_input(
+                    f"vllm_suite: --bare-from {junit}: {name} {outcome} there, "
+                    f"{union[name]} in an earlier one"
+                )
+    return union
+
+
 def run(
     suite: Path,
     paths: list[str],
     out: Path,
     parallel: bool,
-    bare_from: Path | None = None,
+    bare_from: list[Path] | None = None,
     also: list[Path] | None = None,
 ) -> int:
     """Both passes over ``paths`` and the table; with ``bare_from``, the pass without the plugin
@@ -326,23 +351,21 @@ def run(
     outcomes are taken for the tests this run has (a test it lacks counts as differing), so
     ``paths`` may be a part of what it ran. ``also``: earlier runs' folders (of other test files,
     with the same kvspec) whose two passes join this one's in the table: the whole
-    ``tests/v1/core`` is the CI subset's run and a run of the rest."""
+    ``tests/v1/core`` is the CI subset's run and a run of the rest. Several ``bare_from`` (run
+    folders or JUnit files) give the union of their passes: a whole-suite plugin pass can be
+    compared with the earlier passes of its parts."""
     out.mkdir(parents=True, exist_ok=True)
     env = environment(suite)
     runs = {
         plugin: (out / f"junit-{'plugin' if plugin else 'bare'}.xml", out / "kvspec-report.json")
         for plugin in (False, True)
     }
-    if bare_from is not None:
-        earlier = bare_from / "junit-bare.xml"
-        if not earlier.is_file():
-            sys.exit(f"vllm_suite: --bare-from {bare_from}: no junit-bare.xml there")
-        runs[False] = (earlier, runs[False][1])
+    earlier = [_bare_junit(where) for where in bare_from or ()]
     started = time.monotonic()
     procs = []
     times: dict[bool, float] = {}
     for plugin, (junit, report) in runs.items():
-        if not plugin and bare_from is not None:
+        if not plugin and earlier:
             times[plugin] = 0.0
             continue
         log = open(out / f"pytest-{'plugin' if plugin else 'bare'}.log", "w")
@@ -357,12 +380,15 @@ def run(
         proc.wait()
         times.setdefault(plugin, time.monotonic() - t0)
     wall = time.monotonic() - started
-    for junit, _ in runs.values():
-        if not junit.exists():
+    for plugin, (junit, _) in runs.items():
+        if (plugin or not earlier) and not junit.exists():
             sys.exit(f"vllm_suite: pytest wrote no {junit} (see {out})")
-    bare, judged = outcomes(runs[False][0]), outcomes(runs[True][0])
-    if bare_from is not None:  # the tests of this run, as the earlier one saw them
-        bare = {name: bare.get(name, "missing from the earlier run") for name in judged}
+    judged = outcomes(runs[True][0])
+    if earlier:  # the tests of this run, as the earlier runs saw them
+        union = _union_of_outcomes(earlier)
+        bare = {name: union.get(name, "missing from the earlier runs") for name in judged}
+    else:
+        bare = outcomes(runs[False][0])
     report = json.loads(runs[True][1].read_text()) if runs[True][1].exists() else {}
     for earlier in also or ():
         joined = _join(earlier, bare, judged, report)
@@ -471,7 +497,10 @@ def main() -> int:
     parser.add_argument(
         "--bare-from",
         type=Path,
-        help="an earlier run's folder: read its pass without the plugin instead of running it",
+        action="append",
+        default=[],
+        help="an earlier run's folder (or a JUnit file): read its pass without the plugin instead "
+        "of running it; repeatable (the union of several)",
     )
     parser.add_argument(
         "--also",
@@ -498,7 +527,7 @@ def main() -> int:
     fetch(suite, installed)  # refuses a suite of another release
 
     paths = list(CI_TESTS) if args.ci else args.paths
-    bare_from = args.bare_from.resolve() if args.bare_from else None
+    bare_from = [where.resolve() for where in args.bare_from]
     also = [folder.resolve() for folder in args.also]
     out = (args.out or suite / "run").resolve()
     return run(suite, paths, out, args.parallel, bare_from, also)
