@@ -92,13 +92,19 @@ $(call vllm_venv,$(1))/vllm-$(1)/.stamp: $(call vllm_venv,$(1))/.stamp thirdpart
 		--suite $(call vllm_venv,$(1))/vllm-$(1)
 	touch $$@
 
-.PHONY: vllm-suite-$(1) vllm-suite-ci-$(1)
+.PHONY: vllm-suite-$(1) vllm-suite-ci-$(1) vllm-suite-record-$(1)
 vllm-suite-$(1): $(call vllm_venv,$(1))/vllm-$(1)/.stamp
 	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py run --suite $(call vllm_venv,$(1))/vllm-$(1) tests/v1/core
 
 vllm-suite-ci-$(1): $(call vllm_venv,$(1))/vllm-$(1)/.stamp
 	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py run --suite $(call vllm_venv,$(1))/vllm-$(1) \
-		--ci --parallel --out $(call vllm_venv,$(1))/vllm-$(1)/run-ci
+		--ci --recorded --parallel --out $(call vllm_venv,$(1))/vllm-$(1)/run-ci
+
+vllm-suite-record-$(1): $(call vllm_venv,$(1))/vllm-$(1)/.stamp
+	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py run --suite $(call vllm_venv,$(1))/vllm-$(1) \
+		--ci --parallel --out $(call vllm_venv,$(1))/vllm-$(1)/run-record
+	$(call vllm_venv,$(1))/bin/python thirdparty/vllm_suite.py record --suite $(call vllm_venv,$(1))/vllm-$(1) \
+		--ci --out $(call vllm_venv,$(1))/vllm-$(1)/run-record
 endef
 $(foreach v,$(VLLM_VERSIONS),$(eval $(call vllm_rules,$(v))))
 
@@ -126,10 +132,14 @@ $(SGLANG_STAMP): thirdparty/sglang-requirements.txt thirdparty/kvspec-runtime.tx
 # release (vllm_rules above: vllm-suite-VERSION, vllm-suite-ci-VERSION): the sdist's tests/,
 # model folders of one config.json each; then tests/v1/core without and with kvspec's pytest
 # plugin, and the table (exit 1 if an outcome differs or a violation is found). vllm-suite-ci:
-# the subset CI runs (test_scheduler.py, test_prefix_caching.py, test_async_scheduler.py), both
-# passes at once, on every release in turn (the two passes already fill CI's two cores).
+# the subset CI runs (test_scheduler.py, test_prefix_caching.py, test_async_scheduler.py), the
+# pass with the plugin of every release at once, each compared with its release's recorded pass
+# without the plugin (thirdparty/vllm-suite-bare/VERSION.json: vLLM's outcomes alone, under the
+# pinned packages; where the record is missing or stale, that pass is run beside it).
+# vllm-suite-record-VERSION runs both passes and records the one without the plugin.
 vllm-suite: $(foreach v,$(VLLM_VERSIONS),vllm-suite-$(v))
-vllm-suite-ci: $(foreach v,$(VLLM_VERSIONS),vllm-suite-ci-$(v))
+vllm-suite-ci:
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(foreach v,$(VLLM_VERSIONS),vllm-suite-ci-$(v))
 
 # HypoFuzz campaigns over tests/fuzz_targets.py (docs/fuzzing.md): its own venv, since
 # hypofuzz 25.11.1 needs hypothesis 6.148.2. Not part of CI.

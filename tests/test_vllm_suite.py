@@ -122,3 +122,34 @@ def test_the_pass_without_the_plugin_is_the_union_of_earlier_runs(tmp_path: Path
     with pytest.raises(SystemExit) as missing:
         suite._bare_junit(tmp_path / "nowhere")  # type: ignore[attr-defined]
     assert missing.value.code == 2
+
+
+def test_a_recorded_pass_without_the_plugin_serves_only_its_release_tests_and_pins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``record`` keeps a run's pass without the plugin; ``recorded`` hands it back only for the
+    same release, the same tests and the same pinned packages (else ``None`` and why: the pass
+    is then run, never compared with a record of something else)."""
+    suite = _suite_module()
+    pins = tmp_path / "thirdparty"
+    pins.mkdir()
+    for name in suite.RECORD_INPUTS:  # type: ignore[attr-defined]
+        (pins / name).write_text(f"{name}==1\n")
+    monkeypatch.setattr(suite, "THIRDPARTY", pins)
+    monkeypatch.setattr(suite, "RECORDS", pins / "vllm-suite-bare")
+    _run_folder(tmp_path / "ci", "test_a", True, "judged", [])
+    paths = ["tests/v1/core/test_a.py"]
+    with pytest.raises(SystemExit) as other_tests:
+        suite.record(tmp_path / "ci", "0.33.0", ["tests/v1/core/test_b.py"])  # type: ignore[attr-defined]
+    assert other_tests.value.code == 2
+    assert suite.record(tmp_path / "ci", "0.33.0", paths) == 0  # type: ignore[attr-defined]
+    known, why = suite.recorded("0.33.0", paths)  # type: ignore[attr-defined]
+    assert known == {"tests/v1/core/test_a.py::test_it": "failed"}, why
+    assert suite.recorded("0.34.0", paths) == (
+        None,
+        f"no record of vLLM 0.34.0 ({pins / 'vllm-suite-bare' / '0.34.0.json'})",
+    )  # type: ignore[attr-defined]
+    assert suite.recorded("0.33.0", [*paths, "tests/v1/core/test_b.py"])[0] is None  # type: ignore[attr-defined]
+    (pins / suite.RECORD_INPUTS[0]).write_text("vllm==2\n")  # type: ignore[attr-defined]
+    known, why = suite.recorded("0.33.0", paths)  # type: ignore[attr-defined]
+    assert known is None and "other pins" in why

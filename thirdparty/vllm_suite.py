@@ -40,6 +40,7 @@ whole ``tests/v1/core`` can be tabled from the CI subset's run and a run of the 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -53,6 +54,11 @@ from pathlib import Path
 from typing import NoReturn
 
 PLATFORM_PLUGIN = "kvspec.conformance.adapters.vllm_adapter.cpu_platform"
+THIRDPARTY = Path(__file__).resolve().parent
+RECORDS = THIRDPARTY / "vllm-suite-bare"
+"""The recorded passes without the plugin of the CI subset, one file per release (``record``)."""
+RECORD_INPUTS = ("vllm-requirements.txt", "vllm-suite-requirements.txt", "torch-cpu.txt")
+"""What a recorded pass depends on besides the release: the pinned packages of its environment."""
 VERSION_FILE = "VERSION"
 
 OPT = {
@@ -337,37 +343,75 @@ def _union_of_outcomes(junits: list[Path]) -> dict[str, str]:
     return union
 
 
+def _inputs_digest() -> str:
+    """The pinned packages a pass without the plugin ran with (``RECORD_INPUTS``), hashed."""
+    digest = hashlib.sha256()
+    for name in RECORD_INPUTS:
+        digest.update(name.encode() + b"\0" + (THIRDPARTY / name).read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def record(run_folder: Path, version: str, paths: list[str]) -> int:
+    """Save the pass without the plugin of ``run_folder`` (a run over ``paths``, made in this
+    environment) as the release's record: what ``run --recorded`` compares the plugin pass with
+    instead of running vLLM's tests twice. Refused when that run is not over ``paths``."""
+    junit = _bare_junit(run_folder)
+    seen = outcomes(junit)
+    files = sorted({name.split("::")[0] for name in seen})
+    if files != sorted(paths):
+        bad_input(f"vllm_suite: record: {junit} ran {files}, not {sorted(paths)}")
+    RECORDS.mkdir(exist_ok=True)
+    target = RECORDS / f"{version}.json"
+    entry = {"vllm": version, "inputs": _inputs_digest(), "paths": sorted(paths), "outcomes": seen}
+    target.write_text(json.dumps(entry, indent=0, sort_keys=True) + "\n")
+    print(f"recorded {len(seen)} outcomes of vLLM {version}'s {', '.join(paths)} in {target}")
+    return 0
+
+
+def recorded(version: str, paths: list[str]) -> tuple[dict[str, str] | None, str]:
+    """The release's recorded pass without the plugin over ``paths`` and why it serves, or
+    ``None`` and why not (no record, another release, other pins, other tests): then the
+    pass is run, never compared with a record of something else."""
+    where = RECORDS / f"{version}.json"
+    if not where.is_file():
+        return None, f"no record of vLLM {version} ({where})"
+    entry = json.loads(where.read_text())
+    if entry.get("vllm") != version:
+        return None, f"{where} is a record of vLLM {entry.get('vllm')}, not {version}"
+    if entry.get("inputs") != _inputs_digest():
+        return None, f"{where} was recorded with other pins of {', '.join(RECORD_INPUTS)}"
+    if entry.get("paths") != sorted(paths):
+        return None, f"{where} records {entry.get('paths')}, not {sorted(paths)}"
+    return dict(entry["outcomes"]), f"the pass without the plugin read from {where}"
+
+
 def run(
     suite: Path,
     paths: list[str],
     out: Path,
     parallel: bool,
-    bare_from: list[Path] | None = None,
+    known: dict[str, str] | None = None,
     also: list[Path] | None = None,
 ) -> int:
-    """Both passes over ``paths`` and the table; with ``bare_from``, the pass without the plugin
-    is not run again but read from that earlier run's folder (its outcomes do not depend on
-    kvspec: the plugin is not loaded), which halves the cost of judging a change of kvspec. Its
-    outcomes are taken for the tests this run has (a test it lacks counts as differing), so
-    ``paths`` may be a part of what it ran. ``also``: earlier runs' folders (of other test files,
-    with the same kvspec) whose two passes join this one's in the table: the whole
-    ``tests/v1/core`` is the CI subset's run and a run of the rest. Several ``bare_from`` (run
-    folders or JUnit files) give the union of their passes: a whole-suite plugin pass can be
-    compared with the earlier passes of its parts."""
+    """Both passes over ``paths`` and the table. With ``known`` (test id -> outcome: the pass
+    without the plugin of earlier runs, ``--bare-from``, or the recorded one, ``--recorded``) that
+    pass is not run again: its outcomes do not depend on kvspec (the plugin is not loaded), so
+    this halves the cost of judging a change of kvspec. Its outcomes are taken for the tests this
+    run has (a test it lacks counts as differing), so ``paths`` may be a part of what it ran.
+    ``also``: earlier runs' folders (of other test files, with the same kvspec) whose two passes
+    join this one's in the table: the whole ``tests/v1/core`` is the CI subset's run and a run of
+    the rest."""
     out.mkdir(parents=True, exist_ok=True)
     env = environment(suite)
     runs = {
         plugin: (out / f"junit-{'plugin' if plugin else 'bare'}.xml", out / "kvspec-report.json")
         for plugin in (False, True)
+        if plugin or known is None
     }
-    earlier = [_bare_junit(where) for where in bare_from or ()]
     started = time.monotonic()
     procs = []
     times: dict[bool, float] = {}
     for plugin, (junit, report) in runs.items():
-        if not plugin and earlier:
-            times[plugin] = 0.0
-            continue
         log = open(out / f"pytest-{'plugin' if plugin else 'bare'}.log", "w")
         argv = pytest_argv(paths, junit, plugin, report)
         t0 = time.monotonic()
@@ -379,14 +423,14 @@ def run(
     for plugin, proc, t0 in procs:
         proc.wait()
         times.setdefault(plugin, time.monotonic() - t0)
+    times.setdefault(False, 0.0)  # read, not run
     wall = time.monotonic() - started
-    for plugin, (junit, _) in runs.items():
-        if (plugin or not earlier) and not junit.exists():
+    for junit, _ in runs.values():
+        if not junit.exists():
             sys.exit(f"vllm_suite: pytest wrote no {junit} (see {out})")
     judged = outcomes(runs[True][0])
-    if earlier:  # the tests of this run, as the earlier runs saw them
-        union = _union_of_outcomes(earlier)
-        bare = {name: union.get(name, "missing from the earlier runs") for name in judged}
+    if known is not None:  # the tests of this run, as the earlier pass saw them
+        bare = {name: known.get(name, "missing from the earlier pass") for name in judged}
     else:
         bare = outcomes(runs[False][0])
     report = json.loads(runs[True][1].read_text()) if runs[True][1].exists() else {}
@@ -441,7 +485,7 @@ def table(
 ) -> int:
     passing = sum(1 for o in bare.values() if o == "passed")
     print(f"items: {len(bare)}; passing without the plugin: {passing}")
-    without = f"{times[False]:.0f} s" if times[False] else "read from an earlier run"
+    without = f"{times[False]:.0f} s" if times[False] else "read from an earlier pass"
     if times[True]:
         print(
             f"time: {without} without the plugin, {times[True]:.0f} s with it "
@@ -486,7 +530,7 @@ def _short(name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="vllm_suite")
-    parser.add_argument("command", choices=("fetch", "run", "table"))
+    parser.add_argument("command", choices=("fetch", "run", "table", "record"))
     parser.add_argument("--suite", type=Path, required=True, help="the suite folder")
     parser.add_argument(
         "--version", help="the vLLM release whose tests to fetch (default: the installed one)"
@@ -503,6 +547,12 @@ def main() -> int:
         "of running it; repeatable (the union of several)",
     )
     parser.add_argument(
+        "--recorded",
+        action="store_true",
+        help="read the pass without the plugin from this release's record (thirdparty/"
+        "vllm-suite-bare/VERSION.json) where it is current; else run it",
+    )
+    parser.add_argument(
         "--also",
         type=Path,
         action="append",
@@ -516,6 +566,11 @@ def main() -> int:
     if args.command == "fetch":
         fetch(suite, args.version or installed)
         return 0
+    if args.command == "record":  # a run's pass without the plugin, kept for --recorded
+        if args.out is None:
+            bad_input("vllm_suite: record needs --out, the run's folder")
+        paths = list(CI_TESTS) if args.ci else args.paths
+        return record(args.out.resolve(), installed, paths)
     if args.command == "table":  # an earlier run's table (with --also), nothing run
         if args.out is None:
             bad_input("vllm_suite: table needs --out, the earlier run's folder")
@@ -527,10 +582,15 @@ def main() -> int:
     fetch(suite, installed)  # refuses a suite of another release
 
     paths = list(CI_TESTS) if args.ci else args.paths
-    bare_from = [where.resolve() for where in args.bare_from]
+    known = None
+    if args.bare_from:
+        known = _union_of_outcomes([_bare_junit(where.resolve()) for where in args.bare_from])
+    elif args.recorded:
+        known, why = recorded(installed, paths)
+        print(f"vllm_suite: {why}" + ("" if known else ": running it"), flush=True)
     also = [folder.resolve() for folder in args.also]
     out = (args.out or suite / "run").resolve()
-    return run(suite, paths, out, args.parallel, bare_from, also)
+    return run(suite, paths, out, args.parallel, known, also)
 
 
 if __name__ == "__main__":
