@@ -135,6 +135,7 @@ def test_a_cell_vllm_does_not_run_is_refused_in_one_line(venv: Path) -> None:
     assert "eager-unsafe" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.e2e  # a whole pytest session in each release's environment (make test-e2e)
 def test_engine_reuse_leaks_nothing_between_examples(venv: Path) -> None:
     """``tests/test_vllm_reuse.py`` (engines on kept ``VllmConfig``s equal engines built from
     scratch, action by action), run where vLLM imports."""
@@ -143,6 +144,7 @@ def test_engine_reuse_leaks_nothing_between_examples(venv: Path) -> None:
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.e2e  # a whole pytest session in each release's environment (make test-e2e)
 def test_vllm_names_per_release_and_new_features_refused(venv: Path) -> None:
     """``tests/test_vllm_versions.py`` (the names kvspec reads per vLLM release, a missing one
     refused by name, the CPU platform, 0.34.0's new features refused), run where vLLM imports."""

@@ -122,6 +122,7 @@ def test_nano_s_used_set_left_behind_is_a_miscount() -> None:
     assert rows["nano-used-left-behind"]["finding"] == "FreeCountExact", rows
 
 
+@pytest.mark.e2e  # vLLM's objects in a process of each release's environment (make test-e2e)
 @pytest.mark.parametrize("venv", VENVS)
 def test_vllm_s_books_are_compared(venv: Path) -> None:
     names = ["vllm-index-left-behind", "vllm-free-miscount"]

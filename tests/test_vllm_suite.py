@@ -44,11 +44,13 @@ def test_an_earlier_run_joins_the_table_once(tmp_path: Path) -> None:
     (suite / "VERSION").write_text(version + "\n")
     (core / "test_a.py").write_text("def test_passes():\n    pass\n")
     (core / "test_b.py").write_text("def test_fails():\n    assert False\n")
-    first = _suite(venv, suite, "--out", str(tmp_path / "a"), "tests/v1/core/test_a.py")
+    first = _suite(
+        venv, suite, "--parallel", "--out", str(tmp_path / "a"), "tests/v1/core/test_a.py"
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     assert "items: 1; passing without the plugin: 1" in first.stdout, first.stdout
     joined = _suite(
-        venv, suite, "--out", str(tmp_path / "b"), "--also", str(tmp_path / "a"),
+        venv, suite, "--parallel", "--out", str(tmp_path / "b"), "--also", str(tmp_path / "a"),
         "tests/v1/core/test_b.py",
     )  # fmt: skip
     assert joined.returncode == 0, joined.stdout + joined.stderr
@@ -122,6 +124,11 @@ def test_the_pass_without_the_plugin_is_the_union_of_earlier_runs(tmp_path: Path
     with pytest.raises(SystemExit) as missing:
         suite._bare_junit(tmp_path / "nowhere")  # type: ignore[attr-defined]
     assert missing.value.code == 2
+    suite._refuse_overlap([tmp_path / "ci"], ["tests/v1/core/test_b.py"])  # type: ignore[attr-defined]
+    for overlapping in (["tests/v1/core/test_a.py"], ["tests/v1/core/"], ["tests/v1"]):
+        with pytest.raises(SystemExit) as twice:  # refused before any test runs
+            suite._refuse_overlap([tmp_path / "ci"], overlapping)  # type: ignore[attr-defined]
+        assert twice.value.code == 2
 
 
 def test_a_recorded_pass_without_the_plugin_serves_only_its_release_tests_and_pins(

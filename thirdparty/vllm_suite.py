@@ -451,6 +451,18 @@ def retable(out: Path, also: list[Path]) -> int:
     return table(bare, judged, report, {False: 0.0, True: 0.0}, 0.0)
 
 
+def _refuse_overlap(also: list[Path], paths: list[str]) -> None:
+    """Before any test runs: exit 2 if an ``--also`` run judged a file that ``paths`` names (or a
+    folder of ``paths`` holds), the same refusal ``_join`` makes after the run, without its cost."""
+    for earlier in also:
+        junit = earlier / "junit-plugin.xml"
+        if not junit.is_file():
+            bad_input(f"vllm_suite: --also {earlier}: no {junit.name} there")
+        for file in sorted({name.split("::")[0] for name in outcomes(junit)}):
+            if any(file == p or file.startswith(p.rstrip("/") + "/") for p in paths):
+                bad_input(f"vllm_suite: --also {earlier}: {file} is in this run too")
+
+
 def _join(
     earlier: Path,
     bare: dict[str, str],
@@ -589,6 +601,7 @@ def main() -> int:
         known, why = recorded(installed, paths)
         print(f"vllm_suite: {why}" + ("" if known else ": running it"), flush=True)
     also = [folder.resolve() for folder in args.also]
+    _refuse_overlap(also, paths)
     out = (args.out or suite / "run").resolve()
     return run(suite, paths, out, args.parallel, known, also)
 
