@@ -62,6 +62,13 @@ def test_a_failed_load_registered_before_its_free_is_found(venv: Path) -> None:
     assert re.search(r"Disagreement: engine emitted \('publish'", done.stdout), done.stdout
 
 
+def test_a_failed_load_of_several_blocks_is_refused_not_judged(venv: Path) -> None:
+    done = _fuzz(venv, "vllm_loads_targets:fail_any_size_factory", 60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "several unregistered blocks" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_load_failure_under_recompute_ends_the_run_refused(venv: Path) -> None:
     done = _fuzz(venv, f"{LOADS}:recompute_loads_factory", 60)
     assert done.returncode == 2, done.stdout + done.stderr

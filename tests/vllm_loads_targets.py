@@ -54,3 +54,19 @@ def failed_load_cached_factory(config: Config, choices: Choices) -> Any:
 
     scheduler._update_from_kv_xfer_finished = update_from_kv_xfer_finished
     return adapter
+
+
+class _EveryLoadOneBlock(dict):  # type: ignore[type-arg]
+    """``LoadsAdapter.sizes`` that reports every load as of one block."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return 1
+
+
+def fail_any_size_factory(config: Config, choices: Choices) -> Any:
+    """``fail_loads_factory`` that lets loads of several blocks fail too: vLLM frees their
+    unregistered blocks as one batch, in an order the spec does not follow, which the
+    attachment refuses by name instead of judging."""
+    adapter = fail_loads_factory(config, choices)
+    adapter.sizes = _EveryLoadOneBlock()
+    return adapter

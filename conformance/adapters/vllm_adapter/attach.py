@@ -59,7 +59,8 @@ makes itself between a ``schedule()`` and its output (``_lone_preemption``). A r
 for its grammar arrives to the spec only once the grammar is compiled (``_release_grammars``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
-other KV connector, load failures, drafts with lookahead slots, hybrid groups, a sliding window
+other KV connector, load failures but a failed asynchronous load under vLLM's ``fail`` policy
+(judged: ``_failed_loads``), drafts with lookahead slots, hybrid groups, a sliding window
 but one plain group (judged: ``Config.sliding_window``, read by ``config_of``; its skipped frees
 inside ``allocate_slots`` are effects of the ``schedule`` decision), CoW retentions, lookahead
 hashing, a waiting
