@@ -59,7 +59,8 @@ makes itself between a ``schedule()`` and its output (``_lone_preemption``). A r
 for its grammar arrives to the spec only once the grammar is compiled (``_release_grammars``).
 
 **Refusals.** Where vLLM's state shows something the spec does not model (``features.py``: any
-other KV connector, load failures, drafts with lookahead slots, hybrid groups, a sliding window
+other KV connector, load failures but a failed asynchronous load under vLLM's ``fail`` policy
+(judged: ``_failed_loads``), drafts with lookahead slots, hybrid groups, a sliding window
 but one plain group (judged: ``Config.sliding_window``, read by ``config_of``; its skipped frees
 inside ``allocate_slots`` are effects of the ``schedule`` decision), CoW retentions, lookahead
 hashing, a waiting
@@ -257,6 +258,9 @@ class Attachment:
         self._evicted: set[int] = set()
         self._touched: list[int] = []  # blocks vLLM touched inside the current allocate_slots
         self._aborting: set[str] = set()
+        self._failing: dict[str, int] = {}
+        """Failed asynchronous loads under vLLM's ``fail`` policy, by request id, while the
+        output that reports them is processed (``_failed_loads``)."""
         self._finishing: dict[int, str] = {}
         self._lengths: dict[int, tuple[Any, int]] = {}  # rid -> (request, its tokens before)
         self._links: dict[object, object] = {}  # (parent hash, block tokens) -> hash
@@ -631,9 +635,13 @@ class Attachment:
             def body() -> Any:
                 at = self._safe(self._commit, scheduler_output, model_runner_output)
                 self._finishing = {}
-                result = original(scheduler_output, model_runner_output, *args, **kw)
+                try:
+                    result = original(scheduler_output, model_runner_output, *args, **kw)
+                finally:
+                    failing, self._failing = self._failing, {}
                 if at is not None:
                     self._safe(self._stops, at)
+                    self._safe(self._failed_finished, failing)
                 return result
 
             return self._outermost("update_from_output", body)
@@ -662,8 +670,7 @@ class Attachment:
         index = output_index(runner)
         transfers = runner.kv_connector_output
         if transfers is not None:
-            if transfers.failed_recving or transfers.invalid_block_ids:
-                self.refuse("KV connector: load failures", "failed_recving or invalid_block_ids")
+            failed = self._failed_loads(output, transfers)
             if transfers.finished_sending:
                 self.refuse("KV connector: finished sends", "blocks held while sent")
             for req_id in transfers.finished_recving or ():
@@ -697,9 +704,58 @@ class Attachment:
             sampled += [(rid, int(token)) for token in got[: 1 + drafts]]
             if len(got) > 1:  # accepted drafts: how many vLLM appends is read after it ran
                 self._lengths[rid] = (request, request.num_tokens)
-        self.events.append(("execute", oldest.step, ()))
+        self.events.append(("execute", oldest.step, failed if transfers is not None else ()))
         self.events.append(("commit", oldest.step, tuple(sampled)))
         return len(self.events) - 1
+
+    def _failed_loads(self, output: Any, transfers: Any) -> tuple[int, ...]:
+        """The requests whose asynchronous load the output reports failed, judged where vLLM's
+        ``fail`` policy is the spec's failed load followed by an abort of its request
+        (``docs/adapters.md``, "Load failures"): the step only loads (no other request's finish
+        comes before the failed one's, as vLLM orders them), the failed request holds at most
+        one unregistered block (vLLM frees its table as one batch, the spec one block at a time:
+        the same queue with one unhashed block), nothing defers the free, and the worker reports
+        the load finished too (else vLLM keeps the blocks). Anything else is refused by name."""
+        failed_ids = set(transfers.failed_recving or ())
+        if transfers.invalid_block_ids:
+            self.refuse("KV connector: load failures", "invalid_block_ids (block-level)")
+        if not failed_ids:
+            return ()
+        if self.scheduler.recompute_kv_load_failures:
+            self.refuse("KV connector: load failures", "kv_load_failure_policy recompute")
+            return ()
+        if output.num_scheduled_tokens or self.config.defer_free:
+            self.refuse("KV connector: load failures", "a failed load beside computed requests")
+            return ()
+        if not failed_ids <= set(transfers.finished_recving or ()):
+            self.refuse("KV connector: load failures", "failed_recving not in finished_recving")
+            return ()
+        manager, pool = self.scheduler.kv_cache_manager, self.pool
+        for req_id in sorted(failed_ids):
+            if req_id not in self.loads.waiting or req_id not in self.ids:
+                self.refuse("KV connector: a load landing for no loading request", req_id)
+                return ()
+            (table,) = manager.get_block_ids(req_id)
+            if sum(1 for b in table if pool.blocks[b].block_hash is None) > 1:
+                self.refuse(
+                    "KV connector: load failures",
+                    f"{req_id}'s failed load holds several unregistered blocks",
+                )
+                return ()
+            self._failing[req_id] = self.ids[req_id]
+        return tuple(sorted(self._failing.values()))
+
+    def _failed_finished(self, failing: dict[str, int]) -> None:
+        """After vLLM's ``fail`` policy ended the failed loads' requests (an error finish, the
+        blocks freed when the load's ``finished_recving`` is handled, after the step's other
+        finishes): the spec's ``load_failed`` closes its commit's effects, then the request is
+        aborted (``_failed_loads``)."""
+        for req_id, rid in failing.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None:
+                self.refuse("KV connector: load failures", f"{req_id} keeps its blocks")
+                return
+            self.events += [("load_failed", rid), ("abort", rid), ("finish", rid, "abort")]
 
     def _stops(self, at: int) -> None:
         """A token at which vLLM stopped its request is the spec's stop token."""
@@ -731,7 +787,8 @@ class Attachment:
         def finish_requests(request_ids: Any, finished_status: Any, *args: Any, **kw: Any) -> Any:
             if self.depth:  # inside update_from_output: vLLM's own error path
                 ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
-                if request_ids is None or any(r not in self._grammars for r in ids):
+                known = set(self._grammars) | set(self._failing)
+                if request_ids is None or any(r not in known for r in ids):
                     self.refuse("request errors", f"finish_requests({finished_status}) by vLLM")
                 # a failed grammar's request, kept from the spec: it leaves unseen
                 return original(request_ids, finished_status, *args, **kw)
@@ -945,6 +1002,11 @@ class Attachment:
         def free_request(request: Request, *args: Any, **kw: Any) -> Any:
             if self._grammars.pop(request.request_id, None) is not None:
                 return original(request, *args, **kw)  # it never arrived to the spec
+            if request.request_id in self._failing:  # its events: _failed_finished
+                self.loads.forget(request.request_id)
+                self._admitted.pop(request.request_id, None)
+                self._appended.pop(request.request_id, None)
+                return original(request, *args, **kw)
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
             self._admitted.pop(request.request_id, None)

@@ -36,7 +36,9 @@ external store holds, the load plan, the step's metadata) and never drives the K
 itself: all they do then shows in what the attachment reads (``allocate_slots``' external
 tokens, the runner output's ``kv_connector_output``, a free ``request_finished`` delays). Their
 loads are judged, synchronous and asynchronous (``spec.actions.schedule``, ``docs/model.md``);
-load failures, finished sends and delayed frees are refused where they show (``attach.py``).
+a failed asynchronous load under vLLM's ``fail`` policy is judged where it is the spec's
+failed load and an abort (``Attachment._failed_loads``); other load failures, finished sends
+and delayed frees are refused where they show (``attach.py``).
 Any other connector (or a test's stand-in object) is refused by its class name."""
 
 BLOCKED = (

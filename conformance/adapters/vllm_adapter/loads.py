@@ -19,16 +19,18 @@ external tokens, when it registers them, how it runs the request once the load h
 **Load failures, by vLLM's policy** (``KVTransferConfig.kv_load_failure_policy``). The failure
 factories draw, for each asynchronous load, whether it fails (``failed_recving``, as the
 reference engine draws ``load-fails``), and hand it to vLLM's real failure handling
-(``_handle_failed_recving``). Neither policy is the spec's (``docs/model.md``: a failed load
-frees the request's blocks at the commit that reports it, and the request is recomputed from
-scratch), so the attachment refuses the first failure by name ("KV connector: load failures"),
-which ends the fuzz run with exit 2 (``docs/adapters.md`` says why for each policy):
+(``_handle_failed_recving``); ``docs/adapters.md`` says what each policy is to the spec:
 
-* ``fail`` (vLLM's default): the request is finished in error inside ``update_from_output``
-  (``FINISHED_ERROR``, after the step's other finishes): the spec has no error finish;
-* ``recompute``: the request's computed tokens drop to 0 and it keeps its blocks, freed only
-  when a later ``schedule()`` reaches it in the waiting queue (``_update_waiting_for_remote_kv``,
-  after the running requests have allocated): the spec frees them at the commit.
+* ``fail`` (vLLM's default, ``fail_loads_factory``): the request is finished in error inside
+  ``update_from_output``, its blocks freed as the load's ``finished_recving`` is handled: to
+  the spec, the failed load (its blocks freed at the commit) and an abort of the request. The
+  attachment judges it where that is exact (``attach.Attachment._failed_loads``), so a load
+  fails here only when it is of one block (vLLM frees the table as one batch, the spec one
+  block at a time: the same free queue with one unregistered block);
+* ``recompute`` (``recompute_loads_factory``): the request's computed tokens drop to 0 and it
+  keeps its blocks, freed only when a later ``schedule()`` reaches it in the waiting queue
+  (``_update_waiting_for_remote_kv``): the spec frees them at the commit, so the attachment
+  refuses the first failure by name ("KV connector: load failures"), ending the run (exit 2).
 
 ``loads_factory``'s loads never fail, so it judges vLLM's loads whole. Depth 1 to
 ``MAX_DEPTH`` with the synchronous ``Scheduler`` (pipeline parallelism), stale output
@@ -109,6 +111,8 @@ class LoadsAdapter(VllmAdapter):
         """Requests vLLM keeps waiting for an asynchronous load not reported yet."""
         self.started: dict[int, set[str]] = {}
         """A step -> the asynchronous loads its ``schedule()`` started."""
+        self.sizes: dict[str, int] = {}
+        """A request -> the blocks of its last drawn external hit."""
         connector = self.scheduler.connector
         connector.get_num_new_matched_tokens = self._matched
         connector.update_state_after_alloc = lambda request, blocks, num_external_tokens: None
@@ -179,6 +183,7 @@ class LoadsAdapter(VllmAdapter):
         if room <= 0:
             return 0, False
         blocks = self.choices.pick(room + 1, "vllm-loaded-blocks")
+        self.sizes[request.request_id] = blocks
         return blocks * bsz, asynchronous and blocks > 0
 
     def step(self) -> bool:
@@ -204,13 +209,21 @@ class LoadsAdapter(VllmAdapter):
         if started:
             failed = set()
             for req_id in started:
-                if self.failures and self.choices.pick(2, "load-fails") == 1:
+                # under ``fail`` only a load of one block fails (module docstring)
+                may_fail = self.policy == "recompute" or self.sizes.get(req_id) == 1
+                if self.failures and may_fail and self.choices.pick(2, "load-fails") == 1:
                     failed.add(req_id)
             self.loading -= set(started)
             runner.kv_connector_output = KVConnectorOutput(
                 finished_recving=set(started), failed_recving=failed
             )
         return runner
+
+    def failed_loads(self, runner: Any) -> tuple[int, ...]:
+        """The failed loads of ``runner_output``'s report, as the spec's request ids."""
+        transfers = runner.kv_connector_output
+        failed = transfers.failed_recving if transfers is not None else ()
+        return tuple(sorted(int(req_id) for req_id in failed or ()))
 
 
 def _loads_adapter(config: Config, choices: Choices, policy: str, failures: bool) -> LoadsAdapter:
@@ -237,5 +250,6 @@ def recompute_loads_factory(config: Config, choices: Choices) -> LoadsAdapter:
 
 def fail_loads_factory(config: Config, choices: Choices) -> LoadsAdapter:
     """``loads_factory`` under ``kv_load_failure_policy="fail"`` (vLLM's default), some
-    asynchronous loads failing: the first failure ends the run, refused (module docstring)."""
+    asynchronous loads of one block failing: each judged as the spec's failed load and an
+    abort of its request (module docstring)."""
     return _loads_adapter(config, choices, "fail", failures=True)

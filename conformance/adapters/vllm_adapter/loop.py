@@ -248,9 +248,19 @@ class VllmAdapter:
         req_ids = list(oldest.output.num_scheduled_tokens)
         runner = self.runner_output(oldest, req_ids, [tokens.get(r, []) for r in req_ids])
         start = len(self.events)
-        self.decisions.append((start, ("execute", oldest.step, ())))
+        failed = self.failed_loads(runner)
+        self.decisions.append((start, ("execute", oldest.step, failed)))
         self.decisions.append((start + 1, ("commit", oldest.step, tuple(sampled))))
         self.scheduler.update_from_output(oldest.output, runner)
+        for rid in failed:  # vLLM's ``fail`` policy ends the request: to the spec, an abort
+            at = next(
+                (i for i in range(start, len(self.events)) if self.events[i] == ("abort", rid)),
+                None,
+            )
+            if at is None:
+                self.problems.append(f"step {oldest.step}: r{rid}'s load failed, vLLM kept it")
+            else:
+                self.decisions.append((at, ("abort", rid)))
         for event in self.events[start:]:
             if event[0] == "publish":
                 self.coverage.post_output_publishes += 1
@@ -267,6 +277,11 @@ class VllmAdapter:
             if request is None or request.is_finished():
                 held = any(req_id in later.output.num_scheduled_tokens for later in self.queue)
                 self.coverage.finished_held += held
+
+    def failed_loads(self, runner: Any) -> tuple[int, ...]:
+        """The requests whose asynchronous load the runner's output reports failed (the
+        ``execute`` decision's), sorted; none here (``loads.py`` draws them)."""
+        return ()
 
     def runner_output(self, oldest: InFlight, req_ids: list[str], tokens: list[list[int]]) -> Any:
         """The model runner's output of the ``oldest`` step (``loads.py`` adds the worker's
