@@ -9,13 +9,13 @@ Each plant patches one attribute of vLLM's class while the run lasts (restored o
 
 What the swa model cannot plant, and why (the lead's table says so too):
 
-* ``StateAtItsBoundary``, ``NoUnwrittenStateRead``: they judge state groups; vLLM's Mamba
-  factory is refused by name ("Mamba state publication", ``groups.STATE_PUBLICATION``) until
-  the spec registers a state when vLLM's align manager does, so a plant in ``MambaManager``
-  would be masked by that refusal;
+* ``StateAtItsBoundary``, ``NoUnwrittenStateRead``: they judge state groups; their plants in
+  vLLM's Mamba code are ``planted_vllm_mamba.py``'s (``hybrid.mamba_factory``);
 * ``NoReadOfRecycled``: it judges groups 1 .. G-1, and vLLM puts the swa model's window in
-  group 0, whose form is ``NoUnwrittenRead``'s window clause; a block freed from the full group
-  (group 1) leaves the spec's table holding it, which is ``RefcountIsOwnership``'s.
+  group 0 (its layers' order), whose form is ``NoUnwrittenRead``'s window clause; with the
+  window second, an early window free by vLLM is applied by observed judging as a free of a
+  block the spec's table still holds, which is ``RefcountIsOwnership``'s
+  (``docs/findings-explained.md``).
 """
 
 from __future__ import annotations
