@@ -46,10 +46,20 @@ def _set(cls: Any, name: str, value: Any) -> Iterator[None]:
             setattr(cls, name, own)
 
 
-def _window_blocks_floored(cls: Any, window_size: int, block_size: int, use_eagle: bool) -> int:
-    """The window's hit needs ``floor((W - 1) / B)`` contiguous blocks, not the ceiling: a hit
-    whose window lacks its first block (a null where the window still reads)."""
-    return (window_size - 1) // block_size + (1 if use_eagle else 0)
+_find_window_hit = SlidingWindowManager.find_longest_cache_hit.__func__  # type: ignore[attr-defined]
+
+
+def _window_hit_last_nulled(
+    cls: Any, block_hashes: Any, max_length: int, *args: Any, **kw: Any
+) -> Any:
+    """The window's hit with its last block (the one the next token's window reads) handed out
+    as the null block: a hit the window group cannot serve."""
+    hit, length = _find_window_hit(cls, block_hashes, max_length, *args, **kw)
+    block_pool = args[1] if len(args) > 1 else kw["block_pool"]
+    for blocks in hit:
+        if blocks:
+            blocks[-1] = block_pool.null_block
+    return hit, length
 
 
 PLANTS = (
@@ -61,13 +71,13 @@ PLANTS = (
         "the coordinator leaves the full-attention group's hit longer than the window group's",
     ),
     Plant(
-        "vllm-window-hit-floored",
+        "vllm-window-hit-last-nulled",
         "safety",
         "HitServedByEveryGroup",
         lambda: _set(
-            SlidingWindowManager, "_contiguous_blocks_for_hit", classmethod(_window_blocks_floored)
+            SlidingWindowManager, "find_longest_cache_hit", classmethod(_window_hit_last_nulled)
         ),
-        "a window hit needs floor((W-1)/B) contiguous blocks instead of the ceiling",
+        "the window's hit hands out its last block as the null block",
     ),
 )
 
