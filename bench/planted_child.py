@@ -7,7 +7,9 @@ bug, what the report names.
 ENGINE is ``reference`` (``tests/planted.py``, cell ``deferred``), ``nano`` (``planted_nano.py``,
 in ``.venv-nano``: ``eager-unsafe``, discipline ``general``, depth 1), ``vllm``
 (``planted_vllm.py``, in a vLLM venv: ``eager-unsafe``, depth 1) or ``vllm-hybrid``
-(``planted_vllm_hybrid.py``, in a vLLM venv: ``hybrid.swa_factory``, ``eager-unsafe``, depth 1);
+(``planted_vllm_hybrid.py``, in a vLLM venv: ``hybrid.swa_factory``, ``eager-unsafe``, depth 1)
+or ``vllm-mamba`` (``planted_vllm_mamba.py``, in a vLLM venv: ``hybrid.mamba_factory``,
+``eager-unsafe``, fcfs, every depth);
 every run is seed 0. The first
 line, ``baseline``, is the engine with nothing planted under the same seed: a plant whose finding
 is the baseline's is masked by the engine's own (``--no-baseline``: none). NAME: only these bugs
@@ -29,6 +31,7 @@ PLANTS_OF = {
     "nano": "planted_nano",
     "vllm": "planted_vllm",
     "vllm-hybrid": "planted_vllm_hybrid",
+    "vllm-mamba": "planted_vllm_mamba",
 }
 
 
@@ -44,6 +47,10 @@ def cell(engine: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         from kvspec.conformance.adapters.vllm_adapter import hybrid
 
         return ("eager-unsafe",), {"depth": 1, "factory": hybrid.swa_factory}
+    if engine == "vllm-mamba":
+        from kvspec.conformance.adapters.vllm_adapter import hybrid
+
+        return ("eager-unsafe",), {"preemption": "fcfs", "factory": hybrid.mamba_factory}
     from kvspec.conformance.adapters import vllm_adapter
 
     return ("eager-unsafe",), {"depth": 1, "factory": vllm_adapter.factory}

@@ -6,7 +6,9 @@ patches the engine's own classes there: ``tests/planted*.py``), and what the rep
     python bench/planted_findings.py BEFORE_TREE AFTER_TREE [ENGINE ...]
 
 ENGINE: ``reference``, ``nano``, ``vllm-0.33.0``, ``vllm-0.34.0``, ``vllm-hybrid-0.33.0``,
-``vllm-hybrid-0.34.0`` (vLLM's hybrid code through ``hybrid.swa_factory``, issue #36) (default:
+``vllm-hybrid-0.34.0`` (vLLM's hybrid code through ``hybrid.swa_factory``, issue #36),
+``vllm-mamba-0.33.0``, ``vllm-mamba-0.34.0`` (vLLM's Mamba ``align`` code through
+``hybrid.mamba_factory``, fcfs) (default:
 every one whose interpreter AFTER_TREE has: its own ``.venv-nano`` / ``.venv-vllm`` /
 ``.venv-vllm-0.34.0``; the reference engine runs in this interpreter). Each tree is a checkout whose ``.pp`` makes ``import
 kvspec`` import it (a tree without one: the interpreter's own install of kvspec). The bugs and the
@@ -30,6 +32,8 @@ ENGINES = {
     "vllm-0.34.0": ("vllm", ".venv-vllm-0.34.0"),
     "vllm-hybrid-0.33.0": ("vllm-hybrid", ".venv-vllm"),
     "vllm-hybrid-0.34.0": ("vllm-hybrid", ".venv-vllm-0.34.0"),
+    "vllm-mamba-0.33.0": ("vllm-mamba", ".venv-vllm"),
+    "vllm-mamba-0.34.0": ("vllm-mamba", ".venv-vllm-0.34.0"),
 }
 """Engine -> (the child's engine, the interpreter's venv in AFTER_TREE; None: this one)."""
 GENERIC = ("Disagreement", "Illegal", "EngineError", "EngineHung", "EngineNeverIdle", None)

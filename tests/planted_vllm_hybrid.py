@@ -9,13 +9,13 @@ Each plant patches one attribute of vLLM's class while the run lasts (restored o
 
 What the swa model cannot plant, and why (the lead's table says so too):
 
-* ``StateAtItsBoundary``, ``NoUnwrittenStateRead``: they judge state groups; vLLM's Mamba
-  factory is refused by name ("Mamba state publication", ``groups.STATE_PUBLICATION``) until
-  the spec registers a state when vLLM's align manager does, so a plant in ``MambaManager``
-  would be masked by that refusal;
+* ``StateAtItsBoundary``, ``NoUnwrittenStateRead``: they judge state groups; their plants in
+  vLLM's Mamba code are ``planted_vllm_mamba.py``'s (``hybrid.mamba_factory``);
 * ``NoReadOfRecycled``: it judges groups 1 .. G-1, and vLLM puts the swa model's window in
-  group 0, whose form is ``NoUnwrittenRead``'s window clause; a block freed from the full group
-  (group 1) leaves the spec's table holding it, which is ``RefcountIsOwnership``'s.
+  group 0 (its layers' order), whose form is ``NoUnwrittenRead``'s window clause; with the
+  window second, an early window free by vLLM is applied by observed judging as a free of a
+  block the spec's table still holds, which is ``RefcountIsOwnership``'s
+  (``docs/findings-explained.md``).
 """
 
 from __future__ import annotations
@@ -46,10 +46,20 @@ def _set(cls: Any, name: str, value: Any) -> Iterator[None]:
             setattr(cls, name, own)
 
 
-def _window_blocks_floored(cls: Any, window_size: int, block_size: int, use_eagle: bool) -> int:
-    """The window's hit needs ``floor((W - 1) / B)`` contiguous blocks, not the ceiling: a hit
-    whose window lacks its first block (a null where the window still reads)."""
-    return (window_size - 1) // block_size + (1 if use_eagle else 0)
+_find_window_hit = SlidingWindowManager.find_longest_cache_hit.__func__  # type: ignore[attr-defined]
+
+
+def _window_hit_last_nulled(
+    cls: Any, block_hashes: Any, max_length: int, *args: Any, **kw: Any
+) -> Any:
+    """The window's hit with its last block (the one the next token's window reads) handed out
+    as the null block: a hit the window group cannot serve."""
+    hit, length = _find_window_hit(cls, block_hashes, max_length, *args, **kw)
+    block_pool = args[1] if len(args) > 1 else kw["block_pool"]
+    for blocks in hit:
+        if blocks:
+            blocks[-1] = block_pool.null_block
+    return hit, length
 
 
 PLANTS = (
@@ -61,13 +71,13 @@ PLANTS = (
         "the coordinator leaves the full-attention group's hit longer than the window group's",
     ),
     Plant(
-        "vllm-window-hit-floored",
+        "vllm-window-hit-last-nulled",
         "safety",
         "HitServedByEveryGroup",
         lambda: _set(
-            SlidingWindowManager, "_contiguous_blocks_for_hit", classmethod(_window_blocks_floored)
+            SlidingWindowManager, "find_longest_cache_hit", classmethod(_window_hit_last_nulled)
         ),
-        "a window hit needs floor((W-1)/B) contiguous blocks instead of the ceiling",
+        "the window's hit hands out its last block as the null block",
     ),
 )
 

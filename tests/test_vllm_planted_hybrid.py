@@ -3,7 +3,10 @@
 (``bench/planted_child.py vllm-hybrid``): each is caught and named by the invariant of several
 groups it breaks (``HitServedByEveryGroup``), not a bare ``Disagreement``, and each bug in its
 per-group KV-event stream by the stream invariant it breaks, within 30 s of fuzzing; the same
-factory with nothing planted (its stream judged too) holds under that seed (the first row)."""
+factory with nothing planted (its stream judged too) holds under that seed (the first row).
+Likewise the bugs planted in vLLM's Mamba ``align`` code (``planted_vllm_mamba.py``, through
+``hybrid.mamba_factory`` under fcfs: ``bench/planted_child.py vllm-mamba``), named
+``StateAtItsBoundary`` and ``NoUnwrittenStateRead``."""
 
 from __future__ import annotations
 
@@ -18,12 +21,11 @@ from vllm_venvs import VENVS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.e2e  # minutes per release: make test-e2e
-@pytest.mark.parametrize("venv", VENVS)
-def test_planted_hybrid_bugs_are_named_by_their_invariant(venv: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp")}
+def _child(venv: Path, engine: str) -> list[dict[str, object]]:
+    """The rows ``bench/planted_child.py ENGINE`` prints in ``venv`` (30 s per plant)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run(
-        [str(venv / "bin" / "python"), "bench/planted_child.py", "vllm-hybrid", "tests", "30"],
+        [str(venv / "bin" / "python"), "bench/planted_child.py", engine, "tests", "30"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -31,10 +33,29 @@ def test_planted_hybrid_bugs_are_named_by_their_invariant(venv: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.e2e  # minutes per release: make test-e2e
+@pytest.mark.parametrize("venv", VENVS)
+def test_planted_hybrid_bugs_are_named_by_their_invariant(venv: Path) -> None:
+    rows = _child(venv, "vllm-hybrid")
     assert rows[0]["name"] == "baseline" and rows[0]["finding"] is None, rows[0]
     assert len(rows) == 5, rows
     for row in rows[1:]:
         # a deviation's consequence names an invariant; a stream bug is its invariant's finding
+        assert (row["named"] or row["finding"]) == row["expect"], row
+        assert row["first"] is not None and float(row["first"]) < 30, row
+
+
+@pytest.mark.e2e  # about a minute and a half per release: make test-e2e
+@pytest.mark.parametrize("venv", VENVS)
+def test_planted_mamba_bugs_are_named_by_their_invariant(venv: Path) -> None:
+    """The aligned split disabled -> StateAtItsBoundary; the same-step deferral forgotten ->
+    NoUnwrittenStateRead; the Mamba model with nothing planted holds under fcfs at that seed."""
+    rows = _child(venv, "vllm-mamba")
+    assert rows[0]["name"] == "baseline" and rows[0]["finding"] is None, rows[0]
+    assert [row["expect"] for row in rows[1:]] == ["StateAtItsBoundary", "NoUnwrittenStateRead"]
+    for row in rows[1:]:
         assert (row["named"] or row["finding"]) == row["expect"], row
         assert row["first"] is not None and float(row["first"]) < 30, row

@@ -52,8 +52,11 @@ from . import reuse as reuse_
 from .loop import VllmAdapter
 
 MODELS = ("swa", "mamba")
-WINDOW_BLOCKS = 2
-"""The ``swa`` model's window, in blocks of the cell's block size."""
+WINDOW_BLOCKS = 1
+"""The ``swa`` model's window, in blocks of the cell's block size: one, so that the fuzzer's
+pools (a request of at most three blocks per group) reach window blocks skipped and freed while
+the request shares blocks of the full group (with two, a request skips none before its last
+token)."""
 
 _COMMON = {
     "hidden_size": 64,
