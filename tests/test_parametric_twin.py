@@ -18,6 +18,7 @@ block that keeps its hash) fails it.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from typing import Any
 
@@ -49,6 +50,15 @@ CELLS = [
     ("hide-uncommitted", "vllm", "fcfs", 4, 2, 2, 6, 1, False, "drop", 2, 2),
 ]
 WALKS, WALK_LENGTH = 2, 24
+
+
+@functools.cache
+def checker_for(
+    requests: int, blocks: int, steps: int, planted: str | None, block_size: int
+) -> ab.Checker:
+    """One finite instance per shape and plant, shared by the cells and paths of that shape
+    (building the model's terms over an instance is most of a query's cost)."""
+    return ab.Checker(requests, blocks, steps, planted, block_size=block_size)
 
 
 def with_loads(s: State, rng: random.Random, decisions: list[Any]) -> list[Any]:
@@ -117,7 +127,7 @@ def walk(
         max_running=2,
     )
     rng = random.Random(seed)
-    checker = ab.Checker(requests, blocks, depth + 2, planted, block_size=bsz)
+    checker = checker_for(requests, blocks, depth + 2, planted, bsz)
     tally = {
         "ahead": 0,
         "two_writers": 0,
@@ -430,7 +440,7 @@ def follow(
         async_scheduling=overlap,
         stale_output=stale,
     )
-    checker = ab.Checker(4, blocks, 4, planted, block_size=block_size)
+    checker = checker_for(4, blocks, 4, planted, block_size)
     s: State = initial_state(config)
     tally = {"drift": 0, "dead_writes": 0, "evictions": 0, "shared": 0, "failed": 0, "stale": 0}
     for decision in decisions:
