@@ -547,3 +547,50 @@ def test_a_drifting_model_fails_the_twin_test(planted: str) -> None:
         assert tally["drift"] > 0
         return
     assert follow(WITHDRAWN_WRITE_THEN_REUSE, planted)["drift"] > 0
+
+
+ASYNC_DRAFTS_MOVED_BACK = [
+    ("begin", 0),
+    ("arrive", 0, (1, 1, 1), 2, 1),
+    ("schedule", 0, 5, 0),  # the prompt's 3 positions and 2 drafts: samples at position 4
+    ("submit", 0),
+    ("begin", 1),
+    ("schedule", 0, 1, 0),  # position 5, on step 0's placeholder past both drafts
+    ("submit", 1),
+    ("execute", 0, ()),
+    ("commit", 0, ((0, 1),)),  # both drafts rejected: step 1's entry moves from 5..6 to 3..4
+]
+"""Drafts under async scheduling (deferred, general, D = 2, 8 blocks, K = 2): a commit that
+rejects drafts moves a later step's entry and pending write back (the spec's ``_move_back``)."""
+
+
+def test_an_async_draft_rejection_is_not_a_parametric_step() -> None:
+    """Why ``kvspec prove --all-sizes`` refuses drafts under async scheduling
+    (``all_sizes.refusal``, docs/proofs.md): every step of this path up to the commit is a
+    model step and every state is inside the invariant, but the commit that moves step 1's
+    entry and its pending write back by the two rejected drafts is none of the model's steps
+    (its commit changes no later step's entry). A model that learns ``_move_back`` turns this
+    test red, and the refusal can go."""
+    config = Config(
+        8,
+        1,
+        depth=2,
+        policy="deferred",
+        discipline="general",
+        async_scheduling=True,
+        spec_tokens=2,
+        token_budget=6,
+        max_running=2,
+    )
+    checker = checker_for(1, 8, 4, None, 1)
+    s: State = initial_state(config)
+    for decision in ASYNC_DRAFTS_MOVED_BACK:
+        post = copy.deepcopy(s)
+        apply(post, decision)
+        assert checker.invariant_holds(s) and checker.invariant_holds(post)
+        moved = decision[0] == "commit"
+        if moved:
+            old, new = s.steps[1].entries[0], post.steps[0].entries[0]
+            assert (old.start, old.end, new.start, new.end) == (5, 6, 3, 4)
+        assert checker.step_agrees(s, decision, post) == (not moved), decision
+        s = post
