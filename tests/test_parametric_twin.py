@@ -594,3 +594,34 @@ def test_an_async_draft_rejection_is_not_a_parametric_step() -> None:
             assert (old.start, old.end, new.start, new.end) == (5, 6, 3, 4)
         assert checker.step_agrees(s, decision, post) == (not moved), decision
         s = post
+
+
+@pytest.mark.parametrize(
+    "tokens, blocks, model_step",
+    [
+        ((1, 1, 1, 1), 1, True),  # the first block only: computed 2 = the entry's end
+        ((1, 1, 1, 1, 1), 2, True),  # two full blocks below the last token: computed 4
+        ((1, 1, 1, 1), 2, False),  # the last token's block: computed 3, one below the end 4
+    ],
+)
+def test_a_load_of_the_last_tokens_block_is_not_a_parametric_step(
+    tokens: tuple[int, ...], blocks: int, model_step: bool
+) -> None:
+    """Why external loads are in the parametric fragment at block size 1 only (docs/proofs.md,
+    "What is not proved for every size"): at block size 2, an asynchronous load of blocks below
+    the last known token is a model step into the invariant, but a load of the block holding
+    the last known token leaves the request's computed tokens one below the load entry's end
+    (the last token is computed again), which is none of the model's steps and outside its
+    invariant (``LiveEntries``: an entry ends at or below computed)."""
+    config = Config(5, 2, depth=1, policy="deferred", discipline="general", token_budget=7)
+    checker = checker_for(2, 5, 3, None, 2)
+    s: State = initial_state(config)
+    for decision in [("arrive", 0, tokens, 2, 1), ("begin", 0), ("schedule", 0, 0, blocks)]:
+        post = copy.deepcopy(s)
+        apply(post, decision)
+        agrees = checker.step_agrees(s, decision, post)
+        s = post
+    entry = s.steps[0].entries[0]
+    assert entry.load and entry.end == blocks * 2
+    assert s.requests[0].computed == entry.end - (not model_step)
+    assert agrees == model_step and checker.invariant_holds(s) == model_step
