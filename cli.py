@@ -311,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="prove for every number of blocks, requests and steps (the parametric model; "
         "unsafe cells: the shortest counterexample at the smallest sizes)",
     )
+    prove.add_argument(
+        "--spec-tokens",
+        metavar="K",
+        type=_number(int, 0, 64),
+        default=0,
+        help="speculative decoding: up to K draft tokens per decode, some rejected (with "
+        "--all-sizes, synchronous scheduling; the per-size proofs do not model drafts)",
+    )
     _prove_scheduling(prove)
     _common(prove)
 
@@ -813,6 +821,10 @@ def _prove_scheduling(prove: argparse.ArgumentParser) -> None:
 def _prove(args: argparse.Namespace) -> int:
     """0 proof, 1 counterexample, 2 bad arguments, 3 unknown (solver timeout)."""
     _requires("z3", "proofs")
+    if args.spec_tokens and not args.all_sizes:
+        raise ValueError(
+            "--spec-tokens needs --all-sizes: the per-size proofs do not model draft tokens"
+        )
     cell = Cell(
         args.policy,
         args.discipline,
@@ -820,6 +832,7 @@ def _prove(args: argparse.Namespace) -> int:
         args.depth,
         async_scheduling=args.async_scheduling,
         stale_output=args.stale_output,
+        spec_tokens=args.spec_tokens,
     )
     sizes = flow.ProveSizes(args.blocks, args.requests, args.bound)
     return flow.prove(cell, sizes, args.out, args.timeout, args.method, args.all_sizes)

@@ -296,6 +296,7 @@ def prove(
             cell.preemption,
             async_scheduling=bool(cell.async_scheduling),
             stale_output=cell.stale_output or "drop",
+            spec_tokens=cell.spec_tokens,
             out=out,
             timeout_s=timeout_s,
         )

@@ -308,6 +308,7 @@ TWINS: tuple[Twin, ...] = (
         "any block size (a block of B positions is B one-position slots taken, freed and "
         "published together: slots held ahead of the computed positions, written later, "
         "``proofs/abstraction.py``), external loads and their failures (at block size 1), "
+        "draft tokens under synchronous scheduling (rejected ones rolled back), "
         "deferred and hide-uncommitted "
         "(``proofs/abstraction.py`` "
         "maps a spec state onto a finite instance)",
@@ -333,14 +334,7 @@ TWINS: tuple[Twin, ...] = (
             "prefix_caching_off": Refused(
                 "a pool that publishes nothing has none of the races the proof is about"
             ),
-            "spec_tokens": Refused(
-                "its commits roll rejected drafts back only without async scheduling (a commit "
-                "lowers the computed tokens, the rolled-back slots are held ahead and garbage, "
-                "the draft twin cells of tests/test_parametric_twin.py); under async scheduling "
-                "a rejection moves the later steps' entries and pending writes back "
-                "(_move_back), which it does not state, and kvspec prove --all-sizes takes no "
-                "draft count"
-            ),
+            "spec_tokens": FOLLOWS,  # synchronous only: all_sizes.refusal refuses async drafts
             "delay_load_registration": Refused(
                 "its loads register with the schedule that took them"
             ),

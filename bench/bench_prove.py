@@ -29,7 +29,7 @@ with N and D (``--skip-scaling`` leaves it out).
     .venv/bin/python bench/bench_prove.py --all-sizes [--rounds 3] [--baseline REV]
 
 **Every size** (``--all-sizes``): ``kvspec prove --all-sizes`` per policy (and, for the safe
-ones, async and stale output delivered), each a fresh process, ``--rounds`` times, by this tree
+ones, async, stale output delivered and synchronous drafts), each a fresh process, ``--rounds`` times, by this tree
 and by ``--baseline``'s (interleaved; ``--no-baseline`` for this tree alone): exit code,
 verdict, medians of wall and CPU (the command's process and its children), and the load after
 each run.
@@ -234,6 +234,8 @@ ALL_SIZES_RUNS = (
     ("hide-uncommitted", "--depth", "2", "--async"),
     ("hide-uncommitted", "--depth", "2", "--stale-output", "deliver"),
     ("deferred", "--depth", "2", "--async", "--stale-output", "deliver"),
+    ("deferred", "--spec-tokens", "2"),
+    ("hide-uncommitted", "--discipline", "general", "--spec-tokens", "3"),
     ("eager-unsafe", "--discipline", "general"),
     ("eager-rollback-single", "--discipline", "general"),
     ("eager-rollback-fifo",),
@@ -289,6 +291,12 @@ def all_sizes_times(args: argparse.Namespace) -> int:
         for label in builds:
             results = runs.get((label, (policy, *rest)))
             if not results:
+                continue
+            if label == "before" and all(r[0] == 2 for r in results):
+                print(
+                    f"{' '.join((policy, *rest))} | {label} | 2 | bad input (not an option of "
+                    "that build) | - | - | -"
+                )
                 continue
             codes |= {r[0] for r in results}
             print(

@@ -28,6 +28,7 @@ for *some* encoding of the pre-state and of the successor, as it already does fo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,7 +63,7 @@ def in_fragment(s: State) -> bool:
 class Checker:
     """A finite instance: ``requests`` request ids, the config's blocks (``block_size`` slots
     each), step ids 0 .. ``steps`` - 1; a pre- and a post-state over it, and the model's actions
-    built once."""
+    and invariant over them, each built once."""
 
     def __init__(
         self,
@@ -78,10 +79,45 @@ class Checker:
         self.bsz = block_size
         self.pre, self.post = pm.symbolic_state(v, "A"), pm.symbolic_state(v, "B")
         self.hashes: dict[tuple[Any, ...], Any] = {}
-        self.actions = {k: self.model.transition(k, self.pre) for k in TWIN_KINDS}
-        self.invariant = z3.And(list(self.model.invariant(self.pre).values()))
-        self.safety = self.model.safety(self.pre)
         self.axioms = v.axioms()
+        self._actions: dict[str, pm.Transition] = {}
+        self._moves: dict[str, Any] = {}
+        self._at: tuple[State, Any] | None = None
+
+    # The model's terms over the instance are most of a query's cost: each is built when first
+    # asked for (a walk of a planted model asks for no invariant), then kept.
+    @functools.cached_property
+    def safety(self) -> dict[str, Any]:
+        return self.model.safety(self.pre)
+
+    @functools.cached_property
+    def invariant(self) -> Any:
+        """The safety predicates, then the lemmas (``Model.invariant``)."""
+        return z3.And([*self.safety.values(), *self.model.lemmas(self.pre).values()])
+
+    def action(self, kind: str) -> pm.Transition:
+        if kind not in self._actions:
+            self._actions[kind] = self.model.transition(kind, self.pre)
+        return self._actions[kind]
+
+    def move(self, kind: str) -> Any:
+        """The action's guard and its successor equal to ``post``, pointwise."""
+        if kind not in self._moves:
+            t = self.action(kind)
+            self._moves[kind] = z3.And(t.guard, *self.same(t.post, self.post))
+        return self._moves[kind]
+
+    def solver_at(self, s: State) -> Any:
+        """A solver holding the axioms and the encoding of s as the pre-state: every query about
+        s (its invariant, its safety values, each step from it) is pushed on it and popped, so
+        s is encoded once. Kept for the last state asked about (the walks ask about one state,
+        then its successors, never going back to a state mutated in between)."""
+        if self._at is None or self._at[0] is not s:
+            solver = z3.Solver()
+            solver.set("timeout", 30_000)
+            solver.add(self.axioms, *self.encode(self.pre, s, _base(s)))
+            self._at = (s, solver)
+        return self._at[1]
 
     def h(self, prefix: Sequence[Any]) -> Any:
         key = tuple(prefix)
@@ -266,43 +302,57 @@ class Checker:
         """Whether the model's action of the decision's kind (its request or step fixed) takes
         the encoding of s to the encoding of the spec's successor ``post``."""
         kind = str(decision[0])
-        t = self.actions[kind]
-        solver = z3.Solver()
-        solver.set("timeout", 30_000)
-        base = _base(s)
-        pre, after = self.encode(self.pre, s, base), self.encode(self.post, post, base)
-        solver.add(self.axioms, *pre, *after)
-        solver.add(t.guard, *self.same(t.post, self.post), self.distinct_hashes())
-        if kind in ("arrive", "schedule", "preempt", "abort"):
-            solver.add(t.params["r"] == self.v.req[int(str(decision[1]))])
-        if kind == "execute":
-            solver.add(t.params["t"] == int(str(decision[1])) - base)
-        return bool(_decided(solver) == z3.sat)
+        t = self.action(kind)
+        solver = self.solver_at(s)
+        solver.push()
+        try:
+            solver.add(*self.encode(self.post, post, _base(s)))
+            solver.add(self.move(kind), self.distinct_hashes())
+            if kind in ("arrive", "schedule", "preempt", "abort"):
+                solver.add(t.params["r"] == self.v.req[int(str(decision[1]))])
+            if kind == "execute":
+                solver.add(t.params["t"] == int(str(decision[1])) - _base(s))
+            return bool(_decided(solver) == z3.sat)
+        finally:
+            solver.pop()
 
     def invariant_holds(self, s: State) -> bool:
         """Whether the encoding of s satisfies the model's invariant (for some ghost ``hw``)."""
-        solver = z3.Solver()
-        solver.set("timeout", 30_000)
-        solver.add(self.axioms, *self.encode(self.pre, s, _base(s)), self.distinct_hashes())
-        solver.add(self.invariant)
-        return bool(_decided(solver) == z3.sat)
+        solver = self.solver_at(s)
+        solver.push()
+        try:
+            solver.add(self.distinct_hashes(), self.invariant)
+            return bool(_decided(solver) == z3.sat)
+        finally:
+            solver.pop()
 
     def safety_values(self, s: State) -> dict[str, bool]:
         """Each safety predicate's value on the encoding of s (it does not read the ghost, so
-        the encoding fixes it: checked by asking both ways)."""
-        out = {}
-        for name, term in self.safety.items():
-            values = []
-            for goal in (term, z3.Not(term)):
-                solver = z3.Solver()
-                solver.set("timeout", 30_000)
-                encoded = self.encode(self.pre, s, _base(s))
-                solver.add(self.axioms, *encoded, self.distinct_hashes(), goal)
-                values.append(_decided(solver) == z3.sat)
-            if values[0] == values[1]:
-                raise AssertionError(f"{name} is not fixed by the encoding of {s}")
-            out[name] = values[0]
-        return out
+        the encoding fixes it). Two queries for all of them: a model of the encoding gives
+        each predicate a value, and no model of the encoding gives any predicate the other."""
+        solver = self.solver_at(s)
+        solver.push()
+        try:
+            solver.add(self.distinct_hashes())
+            if _decided(solver) != z3.sat:
+                raise AssertionError(f"the encoding of {s} has no model")
+            found = solver.model()
+            out = {
+                name: z3.is_true(found.eval(term, model_completion=True))
+                for name, term in self.safety.items()
+            }
+            solver.add(z3.Or([term != z3.BoolVal(out[n]) for n, term in self.safety.items()]))
+            if _decided(solver) == z3.sat:
+                other = solver.model()
+                loose = [
+                    n
+                    for n, term in self.safety.items()
+                    if z3.is_true(other.eval(term, model_completion=True)) != out[n]
+                ]
+                raise AssertionError(f"{', '.join(loose)} not fixed by the encoding of {s}")
+            return out
+        finally:
+            solver.pop()
 
 
 def _base(s: State) -> int:

@@ -39,10 +39,31 @@ FORM = "kvspec.proofs.parametric"
 """This form's row of ``kvspec/twins.py``: the features and policy traits it follows."""
 
 
+ASYNC_DRAFTS = (
+    "the parametric model does not follow speculative decoding (draft tokens) under async "
+    "scheduling (spec_tokens with async_scheduling): its commits roll rejected drafts back only "
+    "under synchronous scheduling (a commit lowers the computed tokens; the rolled-back slots "
+    "are held ahead and garbage); under async scheduling a rejection also moves the later "
+    "steps' entries and pending writes back (the spec's _move_back), which it does not state "
+    "(docs/proofs.md, 'Every size')"
+)
+"""The one combination the row of ``twins.py`` cannot say (it follows each feature alone)."""
+
+
+def refusal(config: Config) -> twins.NotFollowed | None:
+    """What the parametric model does not follow of ``config``: its row of the table decides,
+    then the combination it cannot state (drafts under async scheduling)."""
+    problem = twins.refusal(FORM, config)
+    if problem is None and config.spec_tokens and config.async_scheduling:
+        return twins.NotFollowed(FORM, "spec_tokens", ASYNC_DRAFTS)
+    return problem
+
+
 def admit(config: Config) -> None:
-    """Raise ``twins.NotFollowed`` for what the parametric model does not follow of ``config``
-    (its row of the table decides, not this module)."""
-    twins.refuse(FORM, config)
+    """Raise ``twins.NotFollowed`` for what the parametric model does not follow of ``config``."""
+    problem = refusal(config)
+    if problem is not None:
+        raise problem
 
 
 SAFE_POLICIES = tuple(name for name in POLICIES if twins.follows(FORM, Config(4, 1, policy=name)))
@@ -75,15 +96,29 @@ class AllSizesResult:
         return next((o for o in self.obligations if o.verdict != "unsat"), None)
 
 
-def _ask(hyps: list[Any], goal: Any, timeout_ms: int = QUERY_TIMEOUT_MS) -> tuple[str, str | None]:
-    solver = z3.Solver()
-    solver.set("timeout", timeout_ms)
-    solver.add(*hyps)
-    solver.add(z3.Not(goal))
-    answer = solver.check()
-    if answer == z3.sat:
-        return "sat", str(solver.model())[:4000]
-    return ("unsat", None) if answer == z3.unsat else ("unknown", solver.reason_unknown())
+class _Asker:
+    """One solver holding an obligation group's hypotheses (the axioms, the invariant of the
+    pre-state and one action's guard), asked each goal of the group in a push/pop scope: the
+    hypotheses are stated to Z3 once per action, not once per conjunct."""
+
+    def __init__(self, hyps: list[Any], timeout_ms: int) -> None:
+        self.solver = z3.Solver()
+        self.solver.set("timeout", timeout_ms)
+        self.solver.add(*hyps)
+
+    def ask(self, goal: Any) -> tuple[str, str | None]:
+        """``unsat`` when the hypotheses imply ``goal``; ``sat`` with the solver's model (a
+        counterexample), else ``unknown`` with its reason."""
+        solver = self.solver
+        solver.push()
+        try:
+            solver.add(z3.Not(goal))
+            answer = solver.check()
+            if answer == z3.sat:
+                return "sat", str(solver.model())[:4000]
+            return ("unsat", None) if answer == z3.unsat else ("unknown", solver.reason_unknown())
+        finally:
+            solver.pop()
 
 
 def fresh_holders(model: pm.Model, t: pm.Transition, s: pm.PState) -> Any:
@@ -104,28 +139,29 @@ def prove(
     axioms = v.axioms()
     result = AllSizesResult("proved")
 
-    def record(action: str, conjunct: str, hyps: list[Any], goal: Any) -> bool:
+    def record(action: str, conjunct: str, asker: _Asker, goal: Any) -> bool:
         t0 = time.perf_counter()
-        verdict, info = _ask(hyps, goal, timeout_ms)
+        verdict, info = asker.ask(goal)
         result.obligations.append(
             pm_obligation(action, conjunct, verdict, time.perf_counter() - t0, info)
         )
         return verdict == "unsat"
 
     init = pm.initial_state(v)
+    asker = _Asker([axioms], timeout_ms)
     for name, term in model.invariant(init).items():
-        if not record("initial", name, [axioms], term) and stop_at_first:
+        if not record("initial", name, asker, term) and stop_at_first:
             return _finish(result, began)
     pre = pm.symbolic_state(v, "S")
     inv_pre = list(model.invariant(pre).values())
     for action in pm.Model.ACTIONS:
         t = model.transition(action, pre)
-        hyps = [axioms, *inv_pre, t.guard]
+        asker = _Asker([axioms, *inv_pre, t.guard], timeout_ms)
         goals = model.invariant(t.post)
         if action == "schedule":
             goals = {**goals, "FreshHolders": fresh_holders(model, t, pre)}
         for name, term in goals.items():
-            if not record(action, name, hyps, term) and stop_at_first:
+            if not record(action, name, asker, term) and stop_at_first:
                 return _finish(result, began)
     return _finish(result, began)
 
@@ -212,6 +248,7 @@ def run_all_sizes(
     *,
     async_scheduling: bool = False,
     stale_output: str = "drop",
+    spec_tokens: int = 0,
     out: str | None = None,
     timeout_s: float = 120.0,
 ) -> int:
@@ -221,6 +258,7 @@ def run_all_sizes(
     the reference engine), 3 not decided for every size (printed why)."""
     cell = f"{policy}, {discipline}/{preemption}" + (", async" if async_scheduling else "")
     cell += ", stale output delivered" if stale_output == "deliver" else ""
+    cell += f", up to {spec_tokens} draft tokens" if spec_tokens else ""
     config = Config(
         4,
         1,
@@ -230,8 +268,9 @@ def run_all_sizes(
         preemption=preemption,
         async_scheduling=async_scheduling,
         stale_output=stale_output,
+        spec_tokens=spec_tokens,
     )
-    problem = twins.refusal(FORM, config)
+    problem = refusal(config)
     if problem is not None and problem.what in twins.FEATURES:
         print(
             f"NOT PROVED FOR EVERY SIZE ({cell}): {problem}; docs/proofs.md, 'Every size'. "

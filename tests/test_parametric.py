@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvspec import twins
+from kvspec.cli import main
 from kvspec.proofs import all_sizes
 from kvspec.proofs import parametric as pm
 from kvspec.spec.state import Config
@@ -51,32 +52,75 @@ def test_the_eager_model_has_a_counterexample_to_induction_at_small_sizes() -> N
     assert all_sizes.find_cti("schedule", "PublishedWritten") is None  # the real model: none
 
 
-def _prove(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvspec.cli", "prove", "--all-sizes", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _prove(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``kvspec prove --all-sizes ARGS`` in this process (the proof is Z3's; a fresh process
+    adds only the imports): its exit code and what it printed."""
+    code = main(["prove", "--all-sizes", *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
 
 
 @pytest.mark.parametrize("policy", all_sizes.SAFE_POLICIES)
-def test_prove_all_sizes_proves_the_safe_policies(policy: str) -> None:
-    done = _prove("--policy", policy, "--discipline", "general")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "PROVED FOR EVERY SIZE" in done.stdout
+def test_prove_all_sizes_proves_the_safe_policies(
+    policy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _prove(capsys, "--policy", policy, "--discipline", "general")
+    assert code == 0, out
+    assert "PROVED FOR EVERY SIZE" in out
 
 
-def test_prove_all_sizes_proves_async_with_stale_output_dropped_or_delivered() -> None:
-    done = _prove("--policy", "hide-uncommitted", "--depth", "2", "--async")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "PROVED FOR EVERY SIZE" in done.stdout
+def test_prove_all_sizes_proves_async_with_stale_output_dropped_or_delivered(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out = _prove(capsys, "--policy", "hide-uncommitted", "--depth", "2", "--async")
+    assert code == 0, out
+    assert "PROVED FOR EVERY SIZE" in out
     late = ("--depth", "2", "--async", "--stale-output", "deliver")
-    done = _prove("--policy", "deferred", *late)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "PROVED FOR EVERY SIZE (deferred, vllm/fcfs, async, stale output delivered" in (
-        done.stdout
+    code, out = _prove(capsys, "--policy", "deferred", *late)
+    assert code == 0, out
+    assert "PROVED FOR EVERY SIZE (deferred, vllm/fcfs, async, stale output delivered" in out
+
+
+def test_prove_all_sizes_proves_synchronous_drafts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _prove(capsys, "--policy", "deferred", "--spec-tokens", "3")
+    assert code == 0, out
+    assert "PROVED FOR EVERY SIZE (deferred, vllm/fcfs, up to 3 draft tokens;" in out
+
+
+def test_prove_all_sizes_with_drafts_fails_on_a_planted_bug(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command's proof with a commit that publishes the positions its rejection rolled
+    back (``publish-rejected-drafts``): not proved, exit 3, the failed obligation named."""
+    proof = all_sizes.prove
+    monkeypatch.setattr(
+        all_sizes, "prove", lambda: proof(planted="publish-rejected-drafts", timeout_ms=10_000)
     )
+    code, out = _prove(capsys, "--policy", "hide-uncommitted", "--spec-tokens", "2")
+    assert code == 3, out
+    assert "NOT PROVED FOR EVERY SIZE (hide-uncommitted, vllm/fcfs, up to 2 draft tokens)" in out
+    assert "obligation commit / NoUnwrittenPublish" in out
+
+
+@pytest.mark.parametrize(
+    "args, code, said",
+    [
+        (("--spec-tokens", "2"), 2, "--spec-tokens needs --all-sizes"),
+        (("--all-sizes", "--spec-tokens", "65"), 2, "--spec-tokens"),
+        (("--all-sizes", "--spec-tokens", "-1"), 2, "--spec-tokens"),
+        (("--all-sizes", "--spec-tokens", "2", "--async", "--depth", "2"), 3, "_move_back"),
+    ],
+)
+def test_prove_draft_counts_are_checked_before_any_proof(
+    args: tuple[str, ...], code: int, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A draft count out of range or without --all-sizes is bad input (one line); drafts under
+    async scheduling are not proved for every size, and the answer says why (exit 3)."""
+    assert main(["prove", "--policy", "deferred", *args]) == code
+    out = capsys.readouterr()
+    assert said in out.out + out.err
+    if code == 2:
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
 
 
 def test_prove_all_sizes_says_why_a_rollback_policy_is_not_proved() -> None:
@@ -93,7 +137,14 @@ def test_prove_all_sizes_says_why_a_rollback_policy_is_not_proved() -> None:
 
 
 def test_prove_all_sizes_refutes_an_unsafe_cell_with_the_shortest_counterexample() -> None:
-    done = _prove("--policy", "eager-unsafe", "--discipline", "general")
+    """In a fresh process, as a user runs it (the exit code through the interpreter's exit)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvspec.cli", "prove", "--all-sizes"]
+        + ["--policy", "eager-unsafe", "--discipline", "general"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "NOT INDUCTIVE" in done.stdout
     assert "counterexample to induction" in done.stdout

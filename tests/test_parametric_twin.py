@@ -18,6 +18,7 @@ block that keeps its hash) fails it.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from typing import Any
 
@@ -49,6 +50,15 @@ CELLS = [
     ("hide-uncommitted", "vllm", "fcfs", 4, 2, 2, 6, 1, False, "drop", 2, 2),
 ]
 WALKS, WALK_LENGTH = 2, 24
+
+
+@functools.cache
+def checker_for(
+    requests: int, blocks: int, steps: int, planted: str | None, block_size: int
+) -> ab.Checker:
+    """One finite instance per shape and plant, shared by the cells and paths of that shape
+    (building the model's terms over an instance is most of a query's cost)."""
+    return ab.Checker(requests, blocks, steps, planted, block_size=block_size)
 
 
 def with_loads(s: State, rng: random.Random, decisions: list[Any]) -> list[Any]:
@@ -117,7 +127,7 @@ def walk(
         max_running=2,
     )
     rng = random.Random(seed)
-    checker = ab.Checker(requests, blocks, depth + 2, planted, block_size=bsz)
+    checker = checker_for(requests, blocks, depth + 2, planted, bsz)
     tally = {
         "ahead": 0,
         "two_writers": 0,
@@ -430,7 +440,7 @@ def follow(
         async_scheduling=overlap,
         stale_output=stale,
     )
-    checker = ab.Checker(4, blocks, 4, planted, block_size=block_size)
+    checker = checker_for(4, blocks, 4, planted, block_size)
     s: State = initial_state(config)
     tally = {"drift": 0, "dead_writes": 0, "evictions": 0, "shared": 0, "failed": 0, "stale": 0}
     for decision in decisions:
@@ -537,3 +547,81 @@ def test_a_drifting_model_fails_the_twin_test(planted: str) -> None:
         assert tally["drift"] > 0
         return
     assert follow(WITHDRAWN_WRITE_THEN_REUSE, planted)["drift"] > 0
+
+
+ASYNC_DRAFTS_MOVED_BACK = [
+    ("begin", 0),
+    ("arrive", 0, (1, 1, 1), 2, 1),
+    ("schedule", 0, 5, 0),  # the prompt's 3 positions and 2 drafts: samples at position 4
+    ("submit", 0),
+    ("begin", 1),
+    ("schedule", 0, 1, 0),  # position 5, on step 0's placeholder past both drafts
+    ("submit", 1),
+    ("execute", 0, ()),
+    ("commit", 0, ((0, 1),)),  # both drafts rejected: step 1's entry moves from 5..6 to 3..4
+]
+"""Drafts under async scheduling (deferred, general, D = 2, 8 blocks, K = 2): a commit that
+rejects drafts moves a later step's entry and pending write back (the spec's ``_move_back``)."""
+
+
+def test_an_async_draft_rejection_is_not_a_parametric_step() -> None:
+    """Why ``kvspec prove --all-sizes`` refuses drafts under async scheduling
+    (``all_sizes.refusal``, docs/proofs.md): every step of this path up to the commit is a
+    model step and every state is inside the invariant, but the commit that moves step 1's
+    entry and its pending write back by the two rejected drafts is none of the model's steps
+    (its commit changes no later step's entry). A model that learns ``_move_back`` turns this
+    test red, and the refusal can go."""
+    config = Config(
+        8,
+        1,
+        depth=2,
+        policy="deferred",
+        discipline="general",
+        async_scheduling=True,
+        spec_tokens=2,
+        token_budget=6,
+        max_running=2,
+    )
+    checker = checker_for(1, 8, 4, None, 1)
+    s: State = initial_state(config)
+    for decision in ASYNC_DRAFTS_MOVED_BACK:
+        post = copy.deepcopy(s)
+        apply(post, decision)
+        assert checker.invariant_holds(s) and checker.invariant_holds(post)
+        moved = decision[0] == "commit"
+        if moved:
+            old, new = s.steps[1].entries[0], post.steps[0].entries[0]
+            assert (old.start, old.end, new.start, new.end) == (5, 6, 3, 4)
+        assert checker.step_agrees(s, decision, post) == (not moved), decision
+        s = post
+
+
+@pytest.mark.parametrize(
+    "tokens, blocks, model_step",
+    [
+        ((1, 1, 1, 1), 1, True),  # the first block only: computed 2 = the entry's end
+        ((1, 1, 1, 1, 1), 2, True),  # two full blocks below the last token: computed 4
+        ((1, 1, 1, 1), 2, False),  # the last token's block: computed 3, one below the end 4
+    ],
+)
+def test_a_load_of_the_last_tokens_block_is_not_a_parametric_step(
+    tokens: tuple[int, ...], blocks: int, model_step: bool
+) -> None:
+    """Why external loads are in the parametric fragment at block size 1 only (docs/proofs.md,
+    "What is not proved for every size"): at block size 2, an asynchronous load of blocks below
+    the last known token is a model step into the invariant, but a load of the block holding
+    the last known token leaves the request's computed tokens one below the load entry's end
+    (the last token is computed again), which is none of the model's steps and outside its
+    invariant (``LiveEntries``: an entry ends at or below computed)."""
+    config = Config(5, 2, depth=1, policy="deferred", discipline="general", token_budget=7)
+    checker = checker_for(2, 5, 3, None, 2)
+    s: State = initial_state(config)
+    for decision in [("arrive", 0, tokens, 2, 1), ("begin", 0), ("schedule", 0, 0, blocks)]:
+        post = copy.deepcopy(s)
+        apply(post, decision)
+        agrees = checker.step_agrees(s, decision, post)
+        s = post
+    entry = s.steps[0].entries[0]
+    assert entry.load and entry.end == blocks * 2
+    assert s.requests[0].computed == entry.end - (not model_step)
+    assert agrees == model_step and checker.invariant_holds(s) == model_step
