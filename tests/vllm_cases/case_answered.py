@@ -15,9 +15,33 @@ supported release's environment, with and without the plugin):
 from unittest.mock import Mock, patch
 
 import pytest
-from case_seed import make_request, make_scheduler, step
+from case_seed import make_request, make_scheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
+
+
+def runner_output(output, empty=False):
+    """One token (or none, ``empty``) per request at the end of its known tokens, in a
+    ``ModelRunnerOutput`` of either release (0.34.0 has no ``req_id_to_index``)."""
+    ids = list(output.num_scheduled_tokens)
+    sampled = [[] if empty or r in PREFILLS else [1] for r in ids]
+    fields = ModelRunnerOutput.__dataclass_fields__
+    index = {r: i for i, r in enumerate(ids)}
+    extra = {"req_id_to_index": index} if "req_id_to_index" in fields else {}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **extra)
+
+
+PREFILLS: set = set()  # the requests of the step being processed still mid-prefill
+
+
+def step(scheduler):
+    output = scheduler.schedule()
+    PREFILLS.clear()
+    PREFILLS.update(
+        r for r in output.num_scheduled_tokens if scheduler.requests[r].is_prefill_chunk
+    )
+    scheduler.update_from_output(output, runner_output(output))
+    return output
 
 
 class HeadFirst(list):
@@ -95,15 +119,6 @@ def test_an_answer_that_changed_the_pool_is_refused():
     step(scheduler)
 
 
-def empty_output(output):
-    ids = list(output.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[] for _ in ids],
-    )
-
-
 def unsampled(then_step=False):
     scheduler = make_scheduler(policy="fcfs", num_blocks=16)
     scheduler.add_request(make_request("r0", [1, 2, 3], 0, 0.0, max_tokens=4))
@@ -113,7 +128,7 @@ def unsampled(then_step=False):
     before = {r.request_id: r.num_output_tokens for r in scheduler.running}
     output = scheduler.schedule()
     assert set(output.num_scheduled_tokens) == {"r0", "r1"}
-    scheduler.update_from_output(output, empty_output(output))  # nobody sampled
+    scheduler.update_from_output(output, runner_output(output, empty=True))  # nobody sampled
     assert {r.request_id: r.num_output_tokens for r in scheduler.running} == before
     if then_step:
         step(scheduler)
