@@ -152,8 +152,9 @@ class Wrappers:
         for i, (obj, name, wrapper, cls_attr) in enumerate(self.installed):
             current = obj.__dict__.get(name)
             key = (id(obj), name)
-            if current is not wrapper and current is self._mine.get(key):
-                self.installed[i] = (obj, name, current, cls_attr)  # kvspec's, put back
+            mine = self._mine.get(key)
+            if current is not wrapper and mine is not None and current is mine:
+                self.installed[i] = (obj, name, mine, cls_attr)  # kvspec's, put back
             elif current is not wrapper:
                 answerable = current is not None and key in self.answerable
                 if not answerable and not _delegates(current, wrapper):
@@ -187,7 +188,7 @@ class Wrappers:
 
         if isinstance(spy, FunctionType):
             return guard
-        return _Forwarding(guard, spy)  # type: ignore[return-value]
+        return _Forwarding(guard, spy)
 
     def uninstall(self) -> None:
         """Put back what was there (where the wrapper is still in place)."""
