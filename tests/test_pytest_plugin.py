@@ -218,12 +218,11 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         "test_async_spec_decode_shared_prefixes_hold",
         "test_async_spec_decode_preempted_in_flight_holds",
         "test_async_spec_decode_counting_preemptions_holds",  # a test's spy, calling through
+        # a spy failing allocations by itself: the test's answer in vLLM's place (methods.py)
+        "test_async_spec_decode_failing_an_allocation_by_itself",
     ):
         drafts = tests[name]  # drafts under async scheduling, moved back over rejections
         assert drafts["outcome"] == "judged" and drafts["events"] > 100, drafts
-    bypass = tests["test_async_spec_decode_failing_an_allocation_by_itself"]
-    assert bypass["outcome"] == "run", bypass  # a spy that did not call through: refused
-    assert bypass["features"] == ["vLLM method patched by the test"], bypass
     forgotten = tests["test_async_spec_decode_registers_rejected_drafts"]
     assert forgotten["outcome"] == "violation", forgotten  # rejected drafts registered
     assert forgotten["finding"].startswith(
@@ -246,7 +245,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         elif outcome == "run":
             assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "14  violations" in summary and "28  judged and holding" in summary, summary
+    assert "14  violations" in summary and "29  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 

@@ -276,6 +276,10 @@ class Attachment:
         self._appended: dict[str, int] = {}  # request id -> when vLLM appended it to running
         self._admissions = 0
         self._extra = 0  # tokens of partial synchronous loads counted as computed this step
+        # an output with no token where one was due (_commit): its commit is withheld, and
+        # judging ends there if vLLM is driven past it or that output changed a block
+        self._unsampled: str | None = None
+        self._unsampled_at = 0
         # several KV-cache groups (hybrid.py): each alloc/hit/publish names its group
         self.group_sizes = hybrid_groups.group_block_sizes(self.scheduler)
         self.hybrid = len(self.group_sizes) > 1
@@ -288,6 +292,13 @@ class Attachment:
         self.wrappers = Wrappers()
         self.wrappers.on_bypass = lambda why: self.refuse("vLLM method patched by the test", why)
         self.wrappers.on_error = lambda why: internal_error(self, why)
+        # A test may answer these itself (methods.py): an allocation that failed, vLLM's
+        # scheduler then taking its failure path; a reset's reply, to the scheduler only.
+        self.wrappers.answerable[(id(self.kv), "allocate_slots")] = lambda got: got is None
+        self.wrappers.answerable[(id(self.kv), "reset_prefix_cache")] = lambda got: (
+            type(got) is bool
+        )
+        self.wrappers.snapshot = self.fingerprint
         try:
             self._wrap()
             try:
@@ -357,7 +368,8 @@ class Attachment:
                 r.num_computed_tokens,
                 r.num_tokens,
                 r.max_tokens,
-                r.priority,
+                # fcfs never reads a priority (its queue and its victim ignore it)
+                r.priority if self.config.preemption == "priority" else None,
                 r.num_output_placeholders,
                 r.num_stale_output_tokens,
             )
@@ -393,6 +405,8 @@ class Attachment:
             self._release_grammars()
         if self.refusal is not None:
             return
+        if self._unsampled is not None:
+            return self.refuse("no token sampled", f"{self._unsampled}; driven past it")
         why = self.wrappers.tampered()
         if why is not None:
             return self.refuse("vLLM method patched by the test", why)
@@ -642,6 +656,7 @@ class Attachment:
                 if at is not None:
                     self._safe(self._stops, at)
                     self._safe(self._failed_finished, failing)
+                self._safe(self._withhold_commit)
                 return result
 
             return self._outermost("update_from_output", body)
@@ -678,6 +693,7 @@ class Attachment:
                     self.refuse("KV connector: a load landing for no loading request", req_id)
         if runner.pooler_output:
             self.refuse("pooling", "pooler output")
+        unsampled: list[str] = []
         for req_id in output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None or request.is_finished():
@@ -699,12 +715,16 @@ class Attachment:
             elif got and not wants:
                 self.refuse("a token sampled mid-prefill", f"{req_id} (a real runner samples none)")
             elif wants and not got:
-                self.refuse("no token sampled", f"{req_id} reached the end of its tokens")
+                unsampled.append(req_id)
             rid = self.ids[req_id]
             sampled += [(rid, int(token)) for token in got[: 1 + drafts]]
             if len(got) > 1:  # accepted drafts: how many vLLM appends is read after it ran
                 self._lengths[rid] = (request, request.num_tokens)
         self.events.append(("execute", oldest.step, failed if transfers is not None else ()))
+        if unsampled:  # no commit the spec can take: withheld (_withhold_commit)
+            self._unsampled = f"{', '.join(unsampled)} reached the end of its tokens"
+            self._unsampled_at = len(self.events)
+            return None
         self.events.append(("commit", oldest.step, tuple(sampled)))
         return len(self.events) - 1
 
@@ -756,6 +776,16 @@ class Attachment:
                 self.refuse("KV connector: load failures", f"{req_id} keeps its blocks")
                 return
             self.events += [("load_failed", rid), ("abort", rid), ("finish", rid, "abort")]
+
+    def _withhold_commit(self) -> None:
+        """A runner output with no token for a request at the end of its tokens (no real runner
+        makes one; vLLM's tests do, to see the scheduler survive it): the spec's ``commit``
+        needs a token, so the step stays executed and uncommitted to the spec. What vLLM did
+        before it was judged; the output itself is judged as far as blocks go: it must change
+        none (no effect recorded while vLLM processed it), and vLLM driven past it at all ends
+        judging ("no token sampled", at the next entry point)."""
+        if self._unsampled is not None and len(self.events) != self._unsampled_at:
+            self.refuse("no token sampled", f"{self._unsampled}, and the output changed blocks")
 
     def _stops(self, at: int) -> None:
         """A token at which vLLM stopped its request is the spec's stop token."""

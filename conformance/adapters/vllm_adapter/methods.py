@@ -16,6 +16,17 @@ wrapper exactly once (what vLLM did then is what kvspec records), else ``on_bypa
 (the attachments refuse, as for any other patch). A replacement that calls it conditionally
 (a spy that fails the first allocation by itself) is caught at its first call that does not.
 
+Some calls a test may answer itself, without vLLM (``answerable``): an attachment names a method
+and the answers it accepts (the scheduler's: ``KVCacheManager.allocate_slots`` answering None, an
+allocation that failed; ``reset_prefix_cache`` answering a bool, the manager's reply). Any
+replacement of such a method (a ``Mock``, ``patch.object(..., side_effect=...)``, a spy that
+fails one call) is adopted under the same guard: a call that called kvspec's wrapper once is
+recorded as usual; one that did not is an answer, accepted where it is one the attachment named
+and the attachment's ``snapshot`` (what the spec models of vLLM's state) is unchanged across it,
+else ``on_bypass`` is told. The guard forwards attribute reads to the replacement (a test's
+``mock.assert_called_once()`` still works), and kvspec's own wrapper put back (``patch.object``
+leaving) is taken back as it was.
+
 **Never kvspec's fault.** Every wrapper runs vLLM's method exactly once, whatever kvspec's own
 code inside it does: an exception raised by kvspec's part (not by vLLM's method, whose
 exceptions pass through unchanged) is handed to ``on_error`` (the attachments record it as an
@@ -29,6 +40,7 @@ second run. After the first error (``failed``) every wrapper passes straight thr
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 Method = Callable[..., Any]
@@ -47,6 +59,12 @@ class Wrappers:
         """Told of a bug of kvspec inside a wrapper (module docstring: never kvspec's fault)."""
         self.failed = False
         """Whether ``on_error`` was told: from then on the wrappers only call vLLM."""
+        self.answerable: dict[tuple[int, str], Callable[[Any], bool]] = {}
+        """(object, name) -> whether a result is an answer a test may give without vLLM."""
+        self.snapshot: Callable[[], object] = lambda: None
+        """What the spec models of vLLM's state: an accepted answer leaves it unchanged."""
+        self._mine: dict[tuple[int, str], Method] = {}
+        """kvspec's own wrapper per (object, name), as installed: taken back when put back."""
 
     def install(self, obj: Any, name: str, make: Callable[[Method], Method]) -> None:
         own = obj.__dict__.get(name)
@@ -116,6 +134,7 @@ class Wrappers:
         wrapper.__doc__ = inner.__doc__
         setattr(obj, name, wrapper)
         self.installed.append((obj, name, wrapper, cls_attr))
+        self._mine[key] = wrapper
 
     def _error(self, why: str) -> None:
         """A bug of kvspec in a wrapper: told once (``on_error``), then the wrappers step aside.
@@ -132,8 +151,13 @@ class Wrappers:
         test's wrapper around the one it replaced is adopted instead (module docstring)."""
         for i, (obj, name, wrapper, cls_attr) in enumerate(self.installed):
             current = obj.__dict__.get(name)
-            if current is not wrapper:
-                if not _delegates(current, wrapper):
+            key = (id(obj), name)
+            mine = self._mine.get(key)
+            if current is not wrapper and mine is not None and current is mine:
+                self.installed[i] = (obj, name, mine, cls_attr)  # kvspec's, put back
+            elif current is not wrapper:
+                answerable = current is not None and key in self.answerable
+                if not answerable and not _delegates(current, wrapper):
                     return f"{type(obj).__name__}.{name} replaced on the instance"
                 guard = self._guard(obj, name, current)
                 setattr(obj, name, guard)
@@ -145,16 +169,26 @@ class Wrappers:
     def _guard(self, obj: Any, name: str, spy: Method) -> Method:
         key, calls, where = (id(obj), name), self._calls, f"{type(obj).__name__}.{name}"
 
+        accepts = self.answerable.get(key)
+
         def guard(*args: Any, **kwargs: Any) -> Any:
             before = calls[key]
+            state = self.snapshot() if accepts is not None else None
             result = spy(*args, **kwargs)
-            if calls[key] != before + 1:
-                self.on_bypass(
-                    f"{where} replaced on the instance by a wrapper that did not call it"
-                )
+            made = calls[key] - before
+            if made == 1:
+                return result
+            if made == 0 and accepts is not None and accepts(result):
+                if self.snapshot() == state:
+                    return result  # the test's answer in vLLM's place: nothing changed
+                self.on_bypass(f"{where} answered by the test, with vLLM's state changed")
+                return result
+            self.on_bypass(f"{where} replaced on the instance by a wrapper that did not call it")
             return result
 
-        return guard
+        if isinstance(spy, FunctionType):
+            return guard
+        return _Forwarding(guard, spy)
 
     def uninstall(self) -> None:
         """Put back what was there (where the wrapper is still in place)."""
@@ -169,6 +203,21 @@ class Wrappers:
 
 
 _NOT_CALLED, _RUNNING, _RETURNED, _RAISED = "not called", "running", "returned", "raised"
+
+
+class _Forwarding:
+    """A guard around a replacement that is not a plain function (a ``Mock``): called, the
+    guard runs; any attribute is the replacement's (``assert_called_once``, ``call_count``)."""
+
+    def __init__(self, guard: Method, spy: object) -> None:
+        self._kvspec_guard = guard
+        self._kvspec_spy = spy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kvspec_guard(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kvspec_spy, name)
 
 
 class _Call:
