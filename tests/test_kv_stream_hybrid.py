@@ -6,27 +6,16 @@ never announced is named ``ParentAnnounced`` both ways (exit 1)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_venvs import VENVS
+from vllm_venvs import VENVS, run_in
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(venv: Path, folder: Path, *plant: str) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), "tests/kv_stream_hybrid_checks.py", str(folder), *plant],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_in(venv, "tests/kv_stream_hybrid_checks.py", str(folder), *plant)
     return [line for line in done.stdout.splitlines() if " | " in line]
 
 

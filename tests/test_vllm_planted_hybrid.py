@@ -11,28 +11,17 @@ Likewise the bugs planted in vLLM's Mamba ``align`` code (``planted_vllm_mamba.p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_venvs import VENVS
+from vllm_venvs import VENVS, run_in
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _child(venv: Path, engine: str) -> list[dict[str, object]]:
     """The rows ``bench/planted_child.py ENGINE`` prints in ``venv`` (30 s per plant)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), "bench/planted_child.py", engine, "tests", "30"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_in(venv, "bench/planted_child.py", engine, "tests", "30")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 

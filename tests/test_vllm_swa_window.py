@@ -5,27 +5,16 @@ the two-block window it had before, on the same requests, 0 (the reason it is on
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_venvs import VENVS
+from vllm_venvs import VENVS, run_in
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _counter(venv: Path, *window: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), "tests/vllm_swa_window_checks.py", *window],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_in(venv, "tests/vllm_swa_window_checks.py", *window)
     return next(line for line in done.stdout.splitlines() if line.startswith("window_nulled"))
 
 

@@ -1,10 +1,13 @@
 """The vLLM environments kvspec's tests run the adapter in: one per supported release
 (``make thirdparty``: ``.venv-vllm`` holds 0.33.0, ``.venv-vllm-VERSION`` the others;
 ``conformance/adapters/vllm_adapter/versions.py`` lists them). ``VENVS`` parametrizes a test over
-them, each skipped with the reason where it is not built."""
+them, each skipped with the reason where it is not built. ``run_in`` runs a script of the
+repository in one of them, as the tests that need vLLM's objects do."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,3 +25,20 @@ def _param(version: str, folder: str) -> object:
 
 
 VENVS = [_param(version, folder) for version, folder in RELEASES.items()]
+
+
+def run_in(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``venv``'s python with ``argv`` at the repository root, vLLM on the CPU (``.pp`` first on
+    the path: a worktree's kvspec where one is linked there); exit 0 asserted, with the tail of
+    the child's stderr as the message."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
