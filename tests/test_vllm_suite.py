@@ -124,6 +124,9 @@ def test_the_pass_without_the_plugin_is_the_union_of_earlier_runs(tmp_path: Path
     with pytest.raises(SystemExit) as missing:
         suite._bare_junit(tmp_path / "nowhere")  # type: ignore[attr-defined]
     assert missing.value.code == 2
+    seen = {**union, "tests/v1/core/test_c.py::test_it[x-1]": "skipped", "t.py::e": "error"}
+    suite._write_outcomes(tmp_path / "kept.xml", seen)  # type: ignore[attr-defined]
+    assert suite.outcomes(tmp_path / "kept.xml") == seen  # type: ignore[attr-defined]
     suite._refuse_overlap([tmp_path / "ci"], ["tests/v1/core/test_b.py"])  # type: ignore[attr-defined]
     for overlapping in (["tests/v1/core/test_a.py"], ["tests/v1/core/"], ["tests/v1"]):
         with pytest.raises(SystemExit) as twice:  # refused before any test runs

@@ -343,6 +343,20 @@ def _union_of_outcomes(junits: list[Path]) -> dict[str, str]:
     return union
 
 
+def _write_outcomes(junit: Path, seen: dict[str, str]) -> None:
+    """``seen`` (test id -> outcome) as a JUnit file ``outcomes`` reads back the same: the pass
+    without the plugin a run read from earlier passes, kept in its folder like one it ran."""
+    root = ET.Element("testsuites", name="read from earlier passes without the plugin")
+    suite = ET.SubElement(root, "testsuite", name="pytest", tests=str(len(seen)))
+    tags = {"failed": "failure", "error": "error", "skipped": "skipped"}
+    for name, outcome in sorted(seen.items()):
+        file, _, test = name.partition("::")
+        case = ET.SubElement(suite, "testcase", file=file, name=test)
+        if outcome != "passed":
+            ET.SubElement(case, tags.get(outcome, "error"), message=outcome)
+    ET.ElementTree(root).write(junit, encoding="utf-8", xml_declaration=True)
+
+
 def _inputs_digest() -> str:
     """The pinned packages a pass without the plugin ran with (``RECORD_INPUTS``), hashed."""
     digest = hashlib.sha256()
@@ -431,6 +445,7 @@ def run(
     judged = outcomes(runs[True][0])
     if known is not None:  # the tests of this run, as the earlier pass saw them
         bare = {name: known.get(name, "missing from the earlier pass") for name in judged}
+        _write_outcomes(out / "junit-bare.xml", bare)  # so ``table``/``--also`` read this run
     else:
         bare = outcomes(runs[False][0])
     report = json.loads(runs[True][1].read_text()) if runs[True][1].exists() else {}
