@@ -175,8 +175,11 @@ and the first few of each) stop at once instead of running as many idle steps as
 actions; and being below 100 it is never one of the literals Hypothesis draws more often."""
 
 RUN_OUT_STEPS = 500
-"""The most engine steps ``run_out`` takes (a bound, not a choice: never drawn, so its being over
-100 does not matter; a run's requests finish in far fewer)."""
+"""The most engine steps ``run_out`` takes with no request finishing (a bound, not a choice: never
+drawn, so its being over 100 does not matter). Progress, not a total: a long workload under heavy
+preemption may take more steps in all (26 requests thrashing over 3 blocks once took 500 and were
+still finishing one by one: ``EngineNeverIdle`` was a false alarm), but an engine that in 500
+steps finishes none of its live requests, or never goes idle with none, is livelocked."""
 
 SIMPLEST = STOP + 1
 """The simplest action, the first value of the mix's first slot (a step in every mix): the one
@@ -596,21 +599,28 @@ def cell_machine(
             steps = self._run("the engine runs until it is idle", self._until_idle, idle=0)
             self.choices.use(None)
             self.idle = True
-            if steps == RUN_OUT_STEPS:  # liveness: nothing new arrives, it must become idle
+            if steps is None:  # liveness: nothing new arrives, it must become idle
                 live = self.engine.live_requests()
                 self._raise_if(
                     Finding(
                         "EngineNeverIdle",
                         f"the engine still had work after {RUN_OUT_STEPS} steps with no new "
-                        f"request ({len(live)} live: {live[:8]})",
+                        f"request and none finished ({len(live)} live: {live[:8]})",
                         self.judge.events_seen,
                     )
                 )
 
-        def _until_idle(self) -> int:
-            steps = 0
-            while steps < RUN_OUT_STEPS and self.engine.step():
+        def _until_idle(self) -> int | None:
+            """Step the engine until it is idle: the steps taken, or None when it went
+            ``RUN_OUT_STEPS`` steps without a live request finishing (a livelock)."""
+            steps, live = 0, len(self.engine.live_requests())
+            while self.engine.step():
                 steps += 1
+                if steps % RUN_OUT_STEPS == 0:
+                    now = len(self.engine.live_requests())
+                    if now >= live:
+                        return None
+                    live = now
             return steps
 
         def agree(self) -> None:

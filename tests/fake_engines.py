@@ -4,6 +4,7 @@ fault, so that everything else about it is a well-behaved adapter."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -87,6 +88,36 @@ class NeverIdle(ReferenceAdapter):
 
 def never_idle(config: Config, choices: object) -> NeverIdle:
     return NeverIdle(config, choices)  # type: ignore[arg-type]
+
+
+class SlowButFinishing(ReferenceAdapter):
+    """A correct engine that spins ``SPIN`` busy steps before each real one: a run's requests
+    may take more than ``RUN_OUT_STEPS`` steps in all, but one finishes far more often (slow, not
+    livelocked). The longest busy stretch of the process is printed to stderr at its exit."""
+
+    SPIN = 5
+    LONGEST = {"busy": 0}
+
+    def __init__(self, config: Config, choices: object) -> None:
+        super().__init__(config, choices)  # type: ignore[arg-type]
+        self.calls = 0
+        self.busy = 0
+
+    def step(self) -> bool:
+        self.calls += 1
+        worked = bool(self.calls % (self.SPIN + 1) and self.live_requests()) or super().step()
+        self.busy = self.busy + 1 if worked else 0
+        self.LONGEST["busy"] = max(self.LONGEST["busy"], self.busy)
+        return worked
+
+
+atexit.register(
+    lambda: print(f"longest busy stretch {SlowButFinishing.LONGEST['busy']}", file=sys.stderr)
+)
+
+
+def slow_but_finishing(config: Config, choices: object) -> SlowButFinishing:
+    return SlowButFinishing(config, choices)
 
 
 class MiscountsAfterThree(ReferenceAdapter):

@@ -5,6 +5,7 @@ as a user does, with a tiny faulty engine of ``fake_engines.py`` as ``--target``
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -20,10 +21,19 @@ STARTUP = 20.0
 """Seconds a loaded machine may take to start Python, import kvspec and finish the output."""
 
 
+def _sigint_as_python_starts_it() -> None:
+    """In the child, before Python starts: SIGINT's default action, whatever this test process
+    inherited. A shell's background job (``.ci/run &``, ``nohup ... &``) ignores SIGINT, the
+    children inherit that, and Python then installs no KeyboardInterrupt handler: Ctrl-C would
+    not reach kvspec at all, and the Ctrl-C tests would test the shell."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def fuzz(target: str, seconds: float, *argv: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
     done = run(["fuzz", "--policy", "deferred", "--target", f"fake_engines:{target}",
-                "--seconds", str(seconds), *argv], cwd=TESTS)  # fmt: skip
+                "--seconds", str(seconds), *argv], cwd=TESTS,
+               preexec_fn=_sigint_as_python_starts_it)  # fmt: skip
     return done, time.monotonic() - started
 
 
@@ -45,6 +55,17 @@ def test_an_engine_that_never_goes_idle_is_a_finding() -> None:
     done, _ = fuzz("never_idle", 20)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "EngineNeverIdle" in done.stdout
+
+
+def test_an_engine_slow_to_finish_a_long_workload_is_not_called_livelocked() -> None:
+    """More than ``RUN_OUT_STEPS`` steps in all to finish a run's requests, one finishing every
+    few hundred: no ``EngineNeverIdle`` (it was a false alarm on a thrashing reference engine)."""
+    from kvspec.conformance.fuzz import RUN_OUT_STEPS
+
+    done, _ = fuzz("slow_but_finishing", 8, "--seed", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    longest = int(done.stderr.split("longest busy stretch")[1].split()[0])
+    assert longest > RUN_OUT_STEPS, done.stderr  # a run did outlast the old bound
 
 
 def test_seconds_bounds_shrinking_too() -> None:
@@ -80,7 +101,7 @@ def test_ctrl_c_while_python_starts_is_an_interruption_not_a_traceback() -> None
     process = subprocess.Popen(
         [*__import__("edges").KVSPEC, "fuzz", "--policy", "deferred", "--seconds", "600"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TESTS,
-        env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"),
+        env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"), preexec_fn=_sigint_as_python_starts_it,
     )  # fmt: skip
     for line in process.stderr:  # type: ignore[union-attr]
         module = line.split("|")[-1].strip()
