@@ -96,14 +96,14 @@ class SlowButFinishing(ReferenceAdapter):
     livelocked). The longest busy stretch of the process is printed to stderr at its exit."""
 
     SPIN = 5
-    LONGEST = {"busy": 0}
+    LONGEST: dict[str, int | bool] = {"busy": 0, "said": False}
 
     def __init__(self, config: Config, choices: object) -> None:
         super().__init__(config, choices)  # type: ignore[arg-type]
         self.calls = 0
         self.busy = 0
-        if not self.LONGEST["busy"]:  # the first engine of this process: say it at the exit
-            self.LONGEST["busy"] = 1
+        if not self.LONGEST.get("said"):  # the first engine of this process: say it at the exit
+            self.LONGEST["said"] = True
             atexit.register(_say_longest_busy_stretch)
 
     def step(self) -> bool:

@@ -360,6 +360,30 @@ def _junit(tmp_path: Path, name: str, *argv: str, venv: Path = VENV) -> tuple[st
     return done.stdout, outcomes, {**document, "tests": tests}
 
 
+CPU_PLATFORM = ("-p", "kvspec.conformance.adapters.vllm_adapter.cpu_platform")  # 0.34.0 here
+
+
+def judge_case(
+    tmp_path: Path, case: str, venv: Path, passing: tuple[str, ...], planted: dict[str, str]
+) -> dict:
+    """A vLLM-style case file run without and with the plugin in ``venv``: without it exactly
+    ``passing`` and ``planted`` run and pass; with it the same, but each planted test fails with
+    a violation whose finding says what ``planted`` gives. The plugin's per-test report."""
+    _, bare, _ = _junit(
+        tmp_path, "bare", case, *CPU_PLATFORM, "-p", "no:kvspec.pytest_plugin", venv=venv
+    )
+    assert bare == dict.fromkeys((*passing, *planted), "passed"), bare
+    out, judged, report = _junit(
+        tmp_path, "judged", case, *CPU_PLATFORM, "-p", "kvspec.pytest_plugin", venv=venv
+    )
+    assert judged == {**bare, **dict.fromkeys(planted, "failed")}, out[-3000:]
+    tests = report["tests"]
+    for name, finding in planted.items():
+        assert tests[name]["outcome"] == "violation", tests[name]
+        assert finding in tests[name]["finding"], tests[name]["finding"]
+    return tests
+
+
 @pytest.mark.skipif(not VENVS, reason="no vLLM venv: run `make thirdparty` to build one")
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
