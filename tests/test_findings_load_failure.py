@@ -7,14 +7,11 @@ so the check can tell a fixed vLLM from this one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_venvs import VENVS
+from vllm_venvs import VENVS, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "docs/findings/vllm_load_failure_stays_cached.py"
 
 # A vLLM that, under the `fail` policy, evicts every reported invalid block from the prefix
@@ -37,21 +34,10 @@ runpy.run_path({SCRIPT!r}, run_name="__main__")
 """
 
 
-def run(venv: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(venv / "bin" / "python"), *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=600,
-    )
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_a_failed_load_of_an_aborted_request_is_hit_later(venv: Path) -> None:
-    done = run(venv, [SCRIPT])
+    done = run_script(venv, SCRIPT)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "r0's blocks still registered after the output: [1, 2, 3, 4]" in done.stdout
     assert "BUG: r1 hits block(s) [1, 2, 3, 4]" in done.stdout, done.stdout[-2000:]
@@ -60,7 +46,7 @@ def test_a_failed_load_of_an_aborted_request_is_hit_later(venv: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_a_failed_load_of_a_running_request_is_evicted(venv: Path) -> None:
-    done = run(venv, [SCRIPT, "stay"])
+    done = run_script(venv, SCRIPT, "stay")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "r0's blocks still registered after the output: []" in done.stdout, done.stdout[-2000:]
 
@@ -68,7 +54,7 @@ def test_a_failed_load_of_a_running_request_is_evicted(venv: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_the_script_passes_a_vllm_that_evicts_every_failed_block(venv: Path) -> None:
-    done = run(venv, ["-c", EVICTS_ALL])
+    done = run_script(venv, "-c", EVICTS_ALL)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "r1 hits no block of the failed load" in done.stdout, done.stdout[-2000:]
 
@@ -76,5 +62,5 @@ def test_the_script_passes_a_vllm_that_evicts_every_failed_block(venv: Path) -> 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_a_bad_argument_is_exit_2(venv: Path) -> None:
-    done = run(venv, [SCRIPT, "preempt"])
+    done = run_script(venv, SCRIPT, "preempt")
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]

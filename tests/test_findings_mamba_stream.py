@@ -6,14 +6,11 @@ fixed vLLM from this one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_venvs import VENVS
+from vllm_venvs import VENVS, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "docs/findings/vllm_mamba_block_stored_tokens.py"
 
 # A vLLM whose BlockStored token_ids cover only the blocks it lists hashes for (null blocks'
@@ -45,21 +42,10 @@ runpy.run_path({SCRIPT!r}, run_name="__main__")
 """
 
 
-def run(venv: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(venv / "bin" / "python"), *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=600,
-    )
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_a_mamba_block_stored_has_more_tokens_than_hashes(venv: Path) -> None:
-    done = run(venv, [SCRIPT])
+    done = run_script(venv, SCRIPT)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "BlockStored group 1: 1 hashes" in done.stdout, done.stdout[-2000:]
     assert "<- 6 tokens for 1 hashes of 2" in done.stdout, done.stdout[-2000:]
@@ -69,7 +55,7 @@ def test_a_mamba_block_stored_has_more_tokens_than_hashes(venv: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_the_script_passes_a_vllm_whose_stores_drop_the_null_blocks_tokens(venv: Path) -> None:
-    done = run(venv, ["-c", DENSE_STORES])
+    done = run_script(venv, "-c", DENSE_STORES)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "BlockStored group 1: 1 hashes" in done.stdout, done.stdout[-2000:]
     assert "whose tokens do not match their hashes: 0" in done.stdout, done.stdout[-2000:]

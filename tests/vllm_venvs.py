@@ -27,12 +27,12 @@ def _param(version: str, folder: str) -> object:
 VENVS = [_param(version, folder) for version, folder in RELEASES.items()]
 
 
-def run_in(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+def run_script(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """``venv``'s python with ``argv`` at the repository root, vLLM on the CPU (``.pp`` first on
-    the path: a worktree's kvspec where one is linked there); exit 0 asserted, with the tail of
-    the child's stderr as the message."""
+    the path: a worktree's kvspec where one is linked there); its exit code is the caller's to
+    judge (a findings script exits 1 where the bug is present)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
+    return subprocess.run(
         [str(venv / "bin" / "python"), *argv],
         capture_output=True,
         text=True,
@@ -40,5 +40,10 @@ def run_in(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
         env=env,
         timeout=600,
     )
+
+
+def run_in(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``run_script`` with exit 0 asserted, the tail of the child's stderr as the message."""
+    done = run_script(venv, *argv)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
