@@ -9,7 +9,8 @@ in ``.venv-nano``: ``eager-unsafe``, discipline ``general``, depth 1), ``vllm``
 (``planted_vllm.py``, in a vLLM venv: ``eager-unsafe``, depth 1) or ``vllm-hybrid``
 (``planted_vllm_hybrid.py``, in a vLLM venv: ``hybrid.swa_factory``, ``eager-unsafe``, depth 1)
 or ``vllm-mamba`` (``planted_vllm_mamba.py``, in a vLLM venv: ``hybrid.mamba_factory``,
-``eager-unsafe``, fcfs, every depth);
+``eager-unsafe``, fcfs, every depth) or ``vllm-window`` (``planted_vllm_window.py``, in a vLLM
+venv: ``hybrid.swa_full_first_factory``, ``eager-unsafe``, depth 1);
 every run is seed 0. The first
 line, ``baseline``, is the engine with nothing planted under the same seed: a plant whose finding
 is the baseline's is masked by the engine's own (``--no-baseline``: none). NAME: only these bugs
@@ -32,6 +33,7 @@ PLANTS_OF = {
     "vllm": "planted_vllm",
     "vllm-hybrid": "planted_vllm_hybrid",
     "vllm-mamba": "planted_vllm_mamba",
+    "vllm-window": "planted_vllm_window",
 }
 
 
@@ -47,6 +49,10 @@ def cell(engine: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         from kvspec.conformance.adapters.vllm_adapter import hybrid
 
         return ("eager-unsafe",), {"depth": 1, "factory": hybrid.swa_factory}
+    if engine == "vllm-window":
+        from kvspec.conformance.adapters.vllm_adapter import hybrid
+
+        return ("eager-unsafe",), {"depth": 1, "factory": hybrid.swa_full_first_factory}
     if engine == "vllm-mamba":
         from kvspec.conformance.adapters.vllm_adapter import hybrid
 

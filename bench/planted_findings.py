@@ -8,7 +8,8 @@ patches the engine's own classes there: ``tests/planted*.py``), and what the rep
 ENGINE: ``reference``, ``nano``, ``vllm-0.33.0``, ``vllm-0.34.0``, ``vllm-hybrid-0.33.0``,
 ``vllm-hybrid-0.34.0`` (vLLM's hybrid code through ``hybrid.swa_factory``, issue #36),
 ``vllm-mamba-0.33.0``, ``vllm-mamba-0.34.0`` (vLLM's Mamba ``align`` code through
-``hybrid.mamba_factory``, fcfs) (default:
+``hybrid.mamba_factory``, fcfs), ``vllm-window-0.33.0``, ``vllm-window-0.34.0`` (vLLM's window
+manager through ``hybrid.swa_full_first_factory``, the window in group 1) (default:
 every one whose interpreter AFTER_TREE has: its own ``.venv-nano`` / ``.venv-vllm`` /
 ``.venv-vllm-0.34.0``; the reference engine runs in this interpreter). Each tree is a checkout whose ``.pp`` makes ``import
 kvspec`` import it (a tree without one: the interpreter's own install of kvspec). The bugs and the
@@ -34,6 +35,8 @@ ENGINES = {
     "vllm-hybrid-0.34.0": ("vllm-hybrid", ".venv-vllm-0.34.0"),
     "vllm-mamba-0.33.0": ("vllm-mamba", ".venv-vllm"),
     "vllm-mamba-0.34.0": ("vllm-mamba", ".venv-vllm-0.34.0"),
+    "vllm-window-0.33.0": ("vllm-window", ".venv-vllm"),
+    "vllm-window-0.34.0": ("vllm-window", ".venv-vllm-0.34.0"),
 }
 """Engine -> (the child's engine, the interpreter's venv in AFTER_TREE; None: this one)."""
 GENERIC = ("Disagreement", "Illegal", "EngineError", "EngineHung", "EngineNeverIdle", None)

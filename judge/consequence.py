@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvspec.spec import INVARIANTS, Config
+from kvspec.spec import INVARIANTS, Config, groups
 from kvspec.spec.pool import add_key, lookup
 from kvspec.spec.state import NULL_BLOCK, Request, State
 
@@ -224,6 +224,7 @@ class Follower:
         self._deviate(at, f"engine emitted {effect}, which the spec does not")
         if kind == "free":
             block = self._block(s, effect[1])
+            _window_gives_up(s, block)
             b = s.blocks[block]
             b.refcount -= 1
             if b.refcount == 0:
@@ -316,6 +317,29 @@ class _Hidden(list[int]):
 
 def _request(s: State, value: object) -> Request | None:
     return s.requests.get(value) if isinstance(value, int) else None
+
+
+def _window_gives_up(s: State, block: int) -> None:
+    """An engine's extra free of a block one running request's window table holds is that
+    table giving the block up (vLLM's ``remove_skipped_blocks``: the slot nulled, then the
+    reference dropped), so the spec's table says so too and ``NoUnwrittenRead`` (group 0) or
+    ``NoReadOfRecycled`` (groups 1 ..) meets any step in flight that still attends to it. A block
+    no running request's window holds, or several do (the free names no request), only drops a
+    reference, as under full attention, where no engine gives a slot up."""
+    holders = [
+        (req, table, at)
+        for req in s.requests.values()
+        if req.status == "running"
+        for g in range(max(1, len(s.config.groups)))
+        if groups.kind(s, g) == "window" and (g == 0 or req.group_tables)
+        for table in (s.table_of(req, g),)
+        for at, held in enumerate(table)
+        if held == block
+    ]
+    if len(holders) == 1:
+        req, table, at = holders[0]
+        table[at] = NULL_BLOCK
+        s.touched.requests.add(req.id)
 
 
 def _drop(s: State, block: int) -> None:

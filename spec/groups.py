@@ -442,6 +442,24 @@ def reads_in_flight(
                     yield step, rid, e, g, at, block, tokens
 
 
+def window_blocks_in_flight(s: State) -> Iterator[tuple[Step, int, int, int, int]]:
+    """(step, request, group, position, block) of every block of a window group in groups
+    1 .. G - 1 that a live entry of a step not executed yet attends: those of the window of its
+    first token, and its own blocks, which the step writes and its later tokens read (group 0's
+    form: ``NoUnwrittenRead``'s window clause, "its own blocks too")."""
+    for step in s.steps:
+        if step.phase == "executed":
+            continue
+        for rid, e in step.entries.items():
+            if e.load or rid not in step.live or not e.group_blocks:
+                continue
+            for g, blocks in enumerate(e.group_blocks, 1):
+                if kind(s, g) != "window":
+                    continue
+                for at in range(skipped(s, g, e.start), len(blocks)):
+                    yield step, rid, g, at, blocks[at]
+
+
 def tables_fit(s: State, req: Request) -> bool:
     """Groups 1 .. G - 1's tables cover the request's computed tokens (a running one: each as
     many positions as ``span``) or nothing (one not running)."""

@@ -473,8 +473,10 @@ def no_unwritten_state_read(s: State) -> Violation | None:
 def no_read_of_recycled(s: State) -> Violation | None:
     """Several groups: no block a step in flight still reads, in groups 1 .. G - 1, has left
     its running request's table (skipped and nulled, freed, handed to another) before the step
-    runs: a freed block can be handed out and overwritten under the step's read. Group 0's form
-    is ``NoUnwrittenRead``'s window clause (so every one-group verdict reads as before). Under an
+    runs: a freed block can be handed out and overwritten under the step's read. A window
+    group's step reads its own blocks too (its later tokens attend to its earlier ones:
+    ``groups.window_blocks_in_flight``). Group 0's form is ``NoUnwrittenRead``'s window clause
+    (so every one-group verdict reads as before). Under an
     observed policy a step already submitted reads what it was handed, whatever the engine's own
     ``dedup`` or let-go did to the table since (``observed.dedup``: on one stream a block given
     up is overwritten only by a step launched later); whether its bytes survive until it runs
@@ -482,7 +484,11 @@ def no_read_of_recycled(s: State) -> Violation | None:
     if not s.config.hybrid:
         return None
     observed = s.config.policy in OBSERVED_POLICIES
-    for step, rid, _, g, at, block, _ in groups.reads_in_flight(s, None):
+    read = [
+        (step, rid, g, at, block)
+        for step, rid, _, g, at, block, _ in groups.reads_in_flight(s, None)
+    ]
+    for step, rid, g, at, block in read + list(groups.window_blocks_in_flight(s)):
         if observed and step.phase != "building":
             continue
         req = s.requests[rid]

@@ -12,10 +12,8 @@ What the swa model cannot plant, and why (the lead's table says so too):
 * ``StateAtItsBoundary``, ``NoUnwrittenStateRead``: they judge state groups; their plants in
   vLLM's Mamba code are ``planted_vllm_mamba.py``'s (``hybrid.mamba_factory``);
 * ``NoReadOfRecycled``: it judges groups 1 .. G-1, and vLLM puts the swa model's window in
-  group 0 (its layers' order), whose form is ``NoUnwrittenRead``'s window clause; with the
-  window second, an early window free by vLLM is applied by observed judging as a free of a
-  block the spec's table still holds, which is ``RefcountIsOwnership``'s
-  (``docs/findings-explained.md``).
+  group 0 (its layers' order), whose form is ``NoUnwrittenRead``'s window clause; its plant is
+  ``planted_vllm_window.py``'s (``hybrid.swa_full_first_factory``: the window in group 1).
 """
 
 from __future__ import annotations

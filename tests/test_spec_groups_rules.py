@@ -383,6 +383,44 @@ def test_a_window_block_freed_under_a_read_in_flight_is_named_by_no_read_of_recy
     assert found is not None and found.invariant == "NoReadOfRecycled", found
 
 
+def test_a_window_block_freed_under_its_writer_in_flight_is_named_by_no_read_of_recycled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Async scheduling, full + window (W = 2): step 0's prefill chunk (tokens 0..7) is in
+    flight when step 1 schedules 8..11; a spec that skips on the computed tokens, ignoring the
+    steps in flight, frees the window group's block 0, which step 0 writes and whose tokens its
+    own later tokens attend to (token 1's window is 0..1). ``NoReadOfRecycled`` names it: a
+    window step reads its own blocks (``groups.window_blocks_in_flight``), as group 0's clause
+    of ``NoUnwrittenRead`` says. Planted: with the invariant reading only the blocks before the
+    step's start (``reads_in_flight``), nothing is named."""
+    events = [
+        ("arrive", 1, PROMPT, 5, 0),
+        ("begin", 0),
+        ("schedule", 1, 8, 0),
+        ("submit", 0),
+        ("begin", 1),
+        ("schedule", 1, 4, 0),
+    ]
+    narrow = (Group("full", B), Group("window", B, window=2))
+    config = _config(narrow, depth=3, async_scheduling=True)
+    s = initial_state(config)
+    _run(s, events)
+    assert check(s) is None  # the correct spec keeps block 0 while step 0 is in flight
+    real = spec_groups.remove_skipped
+    monkeypatch.setattr(
+        spec_groups,
+        "remove_skipped",
+        lambda s, req, processed: real(s, req, req.computed),
+    )
+    s = initial_state(config)
+    found = None
+    for event in events:
+        apply(s, event)
+        found = found or check(s)
+    assert found is not None and found.invariant == "NoReadOfRecycled", found
+    assert found.step == 0 and "group 1 block 0" in found.sentence, found
+
+
 # -- random walks of the spec with several groups ---------------------------------------------------
 
 

@@ -56,14 +56,14 @@ class Tokens:
 
 
 def adapter(model: str, seed: int = 0) -> Any:
-    kind = hybrid.SwaAdapter if model == "swa" else hybrid.MambaAdapter
-    return kind(CELL, Tokens(seed), async_scheduling=True)
+    return hybrid.ADAPTERS[model](CELL, Tokens(seed), async_scheduling=True)
 
 
 @pytest.mark.parametrize(
     ("model", "kinds", "managers"),
     [
         ("swa", ["window", "full"], ["SlidingWindowManager", "FullAttentionManager"]),
+        ("swa-full-first", ["full", "window"], ["FullAttentionManager", "SlidingWindowManager"]),
         ("mamba", ["full", "state"], ["FullAttentionManager", "MambaManager"]),
     ],
 )

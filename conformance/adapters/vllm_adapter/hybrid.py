@@ -7,6 +7,9 @@ a batch queue of two steps, the Mamba cache mode vLLM picks):
 
 * ``swa``: a Gemma 3 text model (``Gemma3ForCausalLM``), one sliding-window layer of window
   ``WINDOW_BLOCKS`` blocks beside one full-attention layer;
+* ``swa-full-first``: the same Gemma 3 model with its full-attention layer first, so that vLLM,
+  which orders the groups by the layers, puts the window in group 1, where ``NoReadOfRecycled``
+  judges it (group 0's window is ``NoUnwrittenRead``'s window clause);
 * ``mamba``: a Qwen3-Next model (``Qwen3NextForCausalLM``), one full-attention layer, then one
   gated-delta-net (linear attention, a Mamba-type state) layer. With prefix caching on,
   vLLM's ``MambaModelConfig`` picks the ``align`` cache mode and a Mamba block of the block size.
@@ -51,7 +54,7 @@ from . import groups, versions
 from . import reuse as reuse_
 from .loop import VllmAdapter
 
-MODELS = ("swa", "mamba")
+MODELS = ("swa", "swa-full-first", "mamba")
 WINDOW_BLOCKS = 1
 """The ``swa`` model's window, in blocks of the cell's block size: one, so that the fuzzer's
 pools (a request of at most three blocks per group) reach window blocks skipped and freed while
@@ -73,12 +76,13 @@ _COMMON = {
 
 def model_config_json(model: str, block_size: int) -> dict[str, Any]:
     """The ``config.json`` of a hybrid model: ``swa`` or ``mamba`` (module docstring)."""
-    if model == "swa":
+    if model in ("swa", "swa-full-first"):
+        layers = ["sliding_attention", "full_attention"]
         return _COMMON | {
             "architectures": ["Gemma3ForCausalLM"],
             "model_type": "gemma3_text",
             "sliding_window": WINDOW_BLOCKS * block_size,
-            "layer_types": ["sliding_attention", "full_attention"],
+            "layer_types": layers if model == "swa" else layers[::-1],
             "query_pre_attn_scalar": 32,
             "rope_local_base_freq": 10000.0,
         }
@@ -298,22 +302,39 @@ def _hybrid(model: str, config: Config, choices: Choices) -> VllmAdapter:
         )
     if why is not None:
         raise ValueError(why)
-    adapter_class = SwaAdapter if model == "swa" else MambaAdapter
-    return adapter_class(config, choices, async_scheduling=config.depth >= 2)
+    return ADAPTERS[model](config, choices, async_scheduling=config.depth >= 2)
 
 
 class SwaAdapter(HybridVllmAdapter):
     model = "swa"
 
 
+class SwaFullFirstAdapter(HybridVllmAdapter):
+    model = "swa-full-first"
+
+
 class MambaAdapter(HybridVllmAdapter):
     model = "mamba"
+
+
+ADAPTERS: dict[str, type[HybridVllmAdapter]] = {
+    "swa": SwaAdapter,
+    "swa-full-first": SwaFullFirstAdapter,
+    "mamba": MambaAdapter,
+}
+"""Each model's adapter class (``MODELS``)."""
 
 
 def swa_factory(config: Config, choices: Choices) -> VllmAdapter:
     """vLLM serving the ``swa`` model (module docstring): a sliding-window group beside a
     full-attention one, async scheduling from depth 2, stale output delivered."""
     return _hybrid("swa", config, choices)
+
+
+def swa_full_first_factory(config: Config, choices: Choices) -> VllmAdapter:
+    """vLLM serving the ``swa-full-first`` model (module docstring): ``swa_factory``'s groups in
+    the other order, the window second."""
+    return _hybrid("swa-full-first", config, choices)
 
 
 def mamba_factory(config: Config, choices: Choices) -> VllmAdapter:
