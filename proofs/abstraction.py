@@ -47,13 +47,13 @@ TWIN_KINDS = pm.Model.ACTIONS
 
 def in_fragment(s: State) -> bool:
     """The parametric model's fragment: any block size, synchronous or async scheduling (stale
-    output dropped or delivered), no drafts, window, deferred frees; prefix caching on; a safe
-    policy (external loads, which the spec allows only at block size 1 below the last token,
-    are in)."""
+    output dropped or delivered), drafts (under async scheduling with stale output dropped
+    only), no window, no deferred frees; prefix caching on; a safe policy (external loads,
+    which the spec allows only at block size 1 below the last token, are in)."""
     c = s.config
     return (
         c.prefix_caching
-        and not (c.spec_tokens and c.async_scheduling)
+        and not (c.spec_tokens and c.async_scheduling and c.stale_output == "deliver")
         and c.sliding_window is None
         and not c.defer_free
         and c.policy in ("deferred", "hide-uncommitted")
