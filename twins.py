@@ -307,7 +307,7 @@ TWINS: tuple[Twin, ...] = (
         "(stale output dropped or delivered), "
         "any block size (a block of B positions is B one-position slots taken, freed and "
         "published together: slots held ahead of the computed positions, written later, "
-        "``proofs/abstraction.py``), external loads and their failures (at block size 1), "
+        "``proofs/abstraction.py``), external loads and their failures (any block size), "
         "draft tokens (rejected ones rolled back; under async scheduling, with stale output "
         "dropped, the later entries moved back), "
         "deferred and hide-uncommitted "
@@ -324,6 +324,8 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_parametric_twin.py::test_the_twin_covers_stale_output_delivered",
             "tests/test_parametric_twin.py::test_the_twin_covers_a_discarded_stale_sample",
             "tests/test_parametric_twin.py::test_the_twin_covers_an_async_draft_rejection",
+            "tests/test_parametric_twin.py::test_the_twin_covers_the_last_tokens_block_loaded",
+            "tests/test_parametric_twin.py::test_every_spec_step_with_loads_at_larger_blocks_is_a_parametric_step",
             "tests/test_parametric_twin.py::test_a_drifting_model_fails_the_twin_test",
             "tests/test_parametric.py::test_the_invariant_is_inductive_for_every_size",
             "tests/test_parametric.py::test_a_planted_bug_fails_the_proof",

@@ -296,7 +296,7 @@ def run_all_sizes(
                 "fragment: any block size (a block of B positions as B slots taken, freed and "
                 "published together, held ahead of computation), synchronous or async "
                 "scheduling, stale output dropped or delivered (one proof covers all of them), "
-                "external loads (async and sync) and load failures at block size 1, draft "
+                "external loads (async and sync) and load failures (the last token's block too), draft "
                 "tokens (rejected ones rolled back; under async scheduling, the later entries "
                 "moved back; with stale output dropped), prefix caching on; the model "
                 "over-approximates "

@@ -14,7 +14,8 @@ checks that every spec transition is one of this model's, on random reachable st
 
 * **Fragment**: any block size, synchronous or async scheduling with stale output dropped or
   delivered, external loads (asynchronous, which may fail, and synchronous, a computation
-  here; at block size 1), draft tokens (``commit``'s ``rej``; under async scheduling, with
+  here; at any block size, the block of the last known token included, which the request
+  then computes again: ``schedule``'s ``back``), draft tokens (``commit``'s ``rej``; under async scheduling, with
   stale output dropped, a rejection moves the request's later entries back: ``_move_back``),
   prefix caching on, no sliding window, no deferred frees. Under async
   scheduling a byte computed on a placeholder is modelled as the token it resolves to (``hk``
@@ -87,6 +88,7 @@ PLANTS = (
     "publish-rejected-drafts",
     "drafts-resolve",
     "move-back-keeps-writes",
+    "recompute-rewrites-published",
 )
 """Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
 bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
@@ -111,7 +113,9 @@ only at computed positions (the block size 1 model, which the twin test refuses 
 2). Drafts: ``publish-rejected-drafts`` lets a commit publish positions its rejection rolled
 back; ``drafts-resolve`` keeps rejected drafts' bytes valid (the twin test refuses it);
 ``move-back-keeps-writes`` moves a rejecting request's later entries back under async
-scheduling but leaves their pending writes where they were (none laid at the new positions)."""
+scheduling but leaves their pending writes where they were (none laid at the new positions).
+Loads of the last token's block: ``recompute-rewrites-published`` lets the recomputation of
+that token write its slot although the load's commit published it."""
 
 Term = Any
 """A Z3 term (z3's stubs are untyped)."""
@@ -471,16 +475,22 @@ class Model:
         ahead); every slot of r at positions start..end-1, allocated now or held ahead since an
         earlier schedule (``fill``), gets the step's pending write of r's prefix there. An
         admission may instead load them (``load``: an asynchronous external load; r waits for
-        it; a synchronous load, landed before the step computes, is a computation here)."""
+        it; a synchronous load, landed before the step computes, is a computation here). A
+        load may end at the last known token (its block full): r's ``comp`` counts that token
+        (the spec's ``computed`` plus ``loaded_last``), and r's next schedule, with nothing of r
+        in flight, starts one position back (``back``) to compute it again; that write of a
+        slot the load's commit published is the same prefix again, so it is not made (``fill``
+        skips published slots; ``abstraction.rewrite`` leaves the spec's out)."""
         v = self.v
         R, B, I, Bo = v.Req, v.Blk, z3.IntSort(), z3.BoolSort()  # noqa: E741
         r, n, h = self.fresh("r", R), self.fresh("n", I), self.fresh("h", I)
         load = self.fresh("load", Bo)
         hit, alloc = self.fresh("hit", B, Bo), self.fresh("alloc", B, Bo)
         np_ = self.fresh("np", B, I)
+        back = self.fresh("back", I)
         tb = s.hi - 1
         admit = s.status(r) == WAITING
-        start = z3.If(admit, h, s.comp(r))
+        start = z3.If(admit, h, s.comp(r) - back)
         end = start + n
 
         def new(b: Term) -> Term:
@@ -489,7 +499,12 @@ class Model:
         def fill(b: Term) -> Term:  # r's own slots allocated ahead, now computed
             if self.planted == "skip-reserved-write":
                 return z3.BoolVal(False)
-            return z3.And(s.tab(r, b), start <= s.pos(r, b), s.pos(r, b) < end)
+            return z3.And(
+                s.tab(r, b),
+                start <= s.pos(r, b),
+                s.pos(r, b) < end,
+                z3.Not(s.pub(b)) if self.planted != "recompute-rewrites-published" else True,
+            )
 
         def writes(b: Term) -> Term:
             return z3.Or(z3.And(alloc(b), np_(b) < end), fill(b))
@@ -540,6 +555,16 @@ class Model:
             z3.Implies(load, admit),
             n >= 1,
             h >= 0,
+            back >= 0,
+            back <= 1,
+            z3.Implies(  # a recomputation (the last token over a load): r has nothing in flight
+                back > 0,
+                z3.And(
+                    z3.Not(admit),
+                    back <= s.comp(r),
+                    self.fa([I], lambda u: z3.Not(s.live(u, r))),
+                ),
+            ),
             hit_ok,
             alloc_ok,
             injective,
@@ -570,6 +595,7 @@ class Model:
             loading=lambda q: z3.Or(s.loading(q), z3.And(q == r, load)),
         )
         params = {"r": r, "n": n, "h": h, "hit": hit, "alloc": alloc, "np": np_, "load": load}
+        params["back"] = back
         return Transition("schedule", guard, post, params)
 
     def preempt(self, s: PState) -> Transition:
@@ -1141,7 +1167,7 @@ class Model:
             [I, R, B],
             lambda t, r, b: z3.Implies(
                 z3.And(s.tab(r, b), s.pub(b), s.live(t, r), s.status(r) == RUNNING),
-                s.pos(r, b) < s.estart(t, r),
+                s.pos(r, b) <= s.estart(t, r),
             ),
         )
         out["SnapshotPositions"] = self.fa(

@@ -27,6 +27,7 @@ from test_symbolic import ASYNC_WEIGHT, WEIGHT, candidate_decisions
 
 from kvspec.proofs import abstraction as ab
 from kvspec.spec import INVARIANTS, Config, Illegal, State, apply, initial_state
+from kvspec.spec.actions import loadable
 from kvspec.spec.pool import lookup
 from kvspec.spec.state import Placeholder
 
@@ -69,11 +70,14 @@ def with_loads(s: State, rng: random.Random, decisions: list[Any]) -> list[Any]:
     """The decisions, and admissions that load blocks (asynchronously: no tokens computed;
     synchronously: one computed after them) and executions where loads fail."""
     out = list(decisions)
+    bsz = s.config.block_size
     for rid in s.waiting:
-        k = len(s.requests[rid].tokens) - 1 - len(lookup(s, s.requests[rid]))
-        if k >= 1:
-            out.append(("schedule", rid, 0, rng.randint(1, k)))
-            out.append(("schedule", rid, 1, rng.randint(1, k)))
+        req = s.requests[rid]
+        hits = len(lookup(s, req))
+        for computed, asynchronous in ((0, True), (1, False)):
+            k = loadable(len(req.tokens), bsz, asynchronous) - hits
+            if k >= 1:
+                out.append(("schedule", rid, computed, rng.randint(1, k)))
     oldest = next((st for st in s.steps if st.phase == "submitted"), None)
     if oldest is not None:
         loads = tuple(r for r, e in oldest.entries.items() if e.load)
@@ -111,6 +115,7 @@ def walk(
     planted: str | None = None,
     stop_at_drift: bool = False,
     weight: dict[str, float] | None = None,
+    loads: bool = False,
 ) -> dict[str, int]:
     policy, discipline, preemption, blocks, depth, requests, tokens, vocab, overlap, stale = cell[
         :10
@@ -144,6 +149,7 @@ def walk(
         "shared": 0,
         "dead_writes": 0,
         "failed": 0,
+        "loaded_last": 0,
         "placeholders": 0,
         "stale_entries": 0,
     }
@@ -153,6 +159,7 @@ def walk(
             assert ab.in_fragment(s)
             tally["states"] += 1
             tally["shared"] += any(b.refcount > 1 for b in s.blocks)
+            tally["loaded_last"] += any(q.loaded_last for q in s.requests.values())
             tally["ahead"] += any(  # a running request holds positions it has not computed
                 len(q.table) * bsz > q.computed for q in s.requests.values() if q.table
             )
@@ -183,7 +190,7 @@ def walk(
                 assert checker.safety_values(s) == spec
             successors = []
             decisions = candidate_decisions(s, requests, tokens, rng, vocab)
-            if bsz == 1 and not drafts:  # external loads: at block size 1 only (docs/proofs.md)
+            if (bsz == 1 or loads) and not drafts:  # external loads (B > 1: ``LOAD_CELLS``)
                 decisions = with_loads(s, rng, decisions)
             if drafts:
                 decisions = with_drafts(s, rng, decisions, drafts, bsz)
@@ -631,31 +638,122 @@ def test_the_twin_covers_an_async_draft_rejection() -> None:
 
 
 @pytest.mark.parametrize(
-    "tokens, blocks, model_step",
+    "tokens, blocks, recomputed",
     [
-        ((1, 1, 1, 1), 1, True),  # the first block only: computed 2 = the entry's end
-        ((1, 1, 1, 1, 1), 2, True),  # two full blocks below the last token: computed 4
-        ((1, 1, 1, 1), 2, False),  # the last token's block: computed 3, one below the end 4
+        ((1, 1, 1, 1), 1, False),  # the first block only: computed 2 = the entry's end
+        ((1, 1, 1, 1, 1), 2, False),  # two full blocks below the last token: computed 4
+        ((1, 1, 1, 1), 2, True),  # the last token's block: computed 3, one below the end 4
     ],
 )
-def test_a_load_of_the_last_tokens_block_is_not_a_parametric_step(
-    tokens: tuple[int, ...], blocks: int, model_step: bool
+def test_a_load_at_block_size_2_is_a_parametric_step(
+    tokens: tuple[int, ...], blocks: int, recomputed: bool
 ) -> None:
-    """Why external loads are in the parametric fragment at block size 1 only (docs/proofs.md,
-    "What is not proved for every size"): at block size 2, an asynchronous load of blocks below
-    the last known token is a model step into the invariant, but a load of the block holding
-    the last known token leaves the request's computed tokens one below the load entry's end
-    (the last token is computed again), which is none of the model's steps and outside its
-    invariant (``LiveEntries``: an entry ends at or below computed)."""
+    """An asynchronous load at block size 2 is a model step into the invariant, also a load of
+    the block holding the last known token, which leaves the request's computed tokens one
+    below the load entry's end (the last token is computed again: ``loaded_last``, which the
+    model's ``comp`` counts)."""
     config = Config(5, 2, depth=1, policy="deferred", discipline="general", token_budget=7)
     checker = checker_for(2, 5, 3, None, 2)
     s: State = initial_state(config)
     for decision in [("arrive", 0, tokens, 2, 1), ("begin", 0), ("schedule", 0, 0, blocks)]:
         post = copy.deepcopy(s)
         apply(post, decision)
-        agrees = checker.step_agrees(s, decision, post)
+        assert checker.step_agrees(s, decision, post), decision
         s = post
     entry = s.steps[0].entries[0]
     assert entry.load and entry.end == blocks * 2
-    assert s.requests[0].computed == entry.end - (not model_step)
-    assert agrees == model_step and checker.invariant_holds(s) == model_step
+    assert s.requests[0].computed == entry.end - recomputed
+    assert checker.invariant_holds(s)
+
+
+LAST_TOKEN_LOADED_THEN_SHARED = [
+    ("arrive", 0, (1, 1, 1, 1), 2, 0),
+    ("begin", 0),
+    ("schedule", 0, 0, 2),  # loads both blocks, the last token's too: computed 3
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ()),  # landed: both blocks published
+    ("arrive", 1, (1, 1, 1, 1, 2), 1, 0),
+    ("begin", 1),
+    ("schedule", 1, 1, 0),  # hits both: the last one shared while r0 has computed 3
+    ("schedule", 0, 1, 0),  # r0 computes token 3 again: its published block rewritten
+    ("submit", 1),
+    ("execute", 1, ()),
+    ("commit", 1, ((0, 2), (1, 1))),
+]
+"""Block size 2 (D = 1, 5 blocks): a load of the block holding the last known token, a hit on
+it by another request before the loading one computes that token again, then the
+recomputation, a write of the published block's own prefix."""
+
+
+RECOMPUTATION_WITHDRAWN_THEN_EVICTED = [
+    ("arrive", 0, (1, 1, 1, 1), 2, 0),
+    ("begin", 0),
+    ("schedule", 0, 0, 2),
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ()),
+    ("begin", 1),
+    ("schedule", 0, 1, 0),  # the recomputation of token 3, over the published block
+    ("submit", 1),
+    ("begin", 2),
+    ("preempt", 0),  # its write is withdrawn, still pending; the blocks freed, cached
+    ("arrive", 1, (2, 2, 2, 2, 2, 2, 2, 2), 1, 0),
+    ("schedule", 1, 8, 0),  # every block: both cached ones evicted, the rewrite still pending
+    ("submit", 2),
+    ("execute", 1, ()),
+    ("execute", 2, ()),
+    ("commit", 1, ()),
+    ("commit", 2, ((1, 1),)),
+]
+"""Block size 2 (D = 2, 5 blocks): the recomputation over a loaded block is withdrawn by a
+preemption and its block evicted and reallocated before the withdrawn rewrite runs."""
+
+
+@pytest.mark.parametrize(
+    "path, policy, depth",
+    [
+        (LAST_TOKEN_LOADED_THEN_SHARED, "deferred", 1),
+        (RECOMPUTATION_WITHDRAWN_THEN_EVICTED, "hide-uncommitted", 2),
+    ],
+    ids=["shared", "evicted"],
+)
+def test_the_twin_covers_the_last_tokens_block_loaded(
+    path: list[tuple[Any, ...]], policy: str, depth: int
+) -> None:
+    """Every step a model step, every state inside the invariant with the spec's safety
+    values; a model whose recomputation writes the published block again
+    (``recompute-rewrites-published``) drifts."""
+    config = Config(5, 2, depth=depth, policy=policy, discipline="general", token_budget=9)
+    for planted in (None, "recompute-rewrites-published"):
+        checker = checker_for(2, 5, 4, planted, 2)
+        s: State = initial_state(config)
+        drift = 0
+        for decision in path:
+            post = copy.deepcopy(s)
+            apply(post, decision)
+            if planted is None:
+                assert checker.invariant_holds(post)
+                spec = {n: INVARIANTS[n](post) is None for n in checker.safety}
+                assert checker.safety_values(post) == spec
+            drift += not checker.step_agrees(s, decision, post)
+            s = post
+        assert drift == 0 if planted is None else drift > 0, planted
+
+
+LOAD_CELLS = [
+    # loads at block sizes > 1 (the last token's block loaded, then computed again); seed
+    (("hide-uncommitted", "vllm", "fcfs", 5, 2, 2, 5, 1, True, "drop", 2), 0),
+    (("deferred", "general", "priority", 4, 2, 2, 7, 2, False, "drop", 3), 0),
+]
+
+
+@pytest.mark.parametrize("cell, seed", LOAD_CELLS, ids=[cell_id(c) for c, _ in LOAD_CELLS])
+def test_every_spec_step_with_loads_at_larger_blocks_is_a_parametric_step(
+    cell: tuple[Any, ...], seed: int
+) -> None:
+    """The walks of ``CELLS`` at block sizes 2 and 3 with loads too: each must reach a request
+    whose last token's block was loaded (``loaded_last``) and a failed load."""
+    tally = walk(cell, seed, loads=True)
+    assert tally["drift"] == 0 and tally["steps"] >= 20 * WALKS
+    assert tally["loaded_last"] > 0 and tally["failed"] > 0
