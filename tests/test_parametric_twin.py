@@ -51,7 +51,7 @@ CELLS = [
     ("hide-uncommitted", "vllm", "fcfs", 4, 2, 2, 6, 1, False, "drop", 2, 2),
     # draft tokens under async scheduling: a rejection moves later entries back (_move_back);
     # the last field, the walks' seed, is one whose walks reach such a move
-    ("deferred", "general", "fcfs", 5, 2, 1, 5, 1, True, "drop", 1, 2, 19),
+    ("deferred", "general", "fcfs", 5, 2, 2, 5, 1, True, "drop", 1, 2, 19),
     ("hide-uncommitted", "general", "fcfs", 4, 3, 2, 6, 1, True, "drop", 2, 2, 15),
 ]
 WALKS, WALK_LENGTH = 2, 24
