@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 0, 64),
         default=0,
         help="speculative decoding: up to K draft tokens per decode, some rejected (with "
-        "--all-sizes, synchronous scheduling; the per-size proofs do not model drafts)",
+        "--all-sizes; not with --async and --stale-output deliver together; the per-size "
+        "proofs do not model drafts)",
     )
     _prove_scheduling(prove)
     _common(prove)

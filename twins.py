@@ -307,8 +307,9 @@ TWINS: tuple[Twin, ...] = (
         "(stale output dropped or delivered), "
         "any block size (a block of B positions is B one-position slots taken, freed and "
         "published together: slots held ahead of the computed positions, written later, "
-        "``proofs/abstraction.py``), external loads and their failures (at block size 1), "
-        "draft tokens under synchronous scheduling (rejected ones rolled back), "
+        "``proofs/abstraction.py``), external loads and their failures (any block size), "
+        "draft tokens (rejected ones rolled back; under async scheduling, with stale output "
+        "dropped, the later entries moved back), "
         "deferred and hide-uncommitted "
         "(``proofs/abstraction.py`` "
         "maps a spec state onto a finite instance)",
@@ -322,6 +323,9 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_parametric_twin.py::test_the_twin_covers_placeholders_resolved_and_discarded",
             "tests/test_parametric_twin.py::test_the_twin_covers_stale_output_delivered",
             "tests/test_parametric_twin.py::test_the_twin_covers_a_discarded_stale_sample",
+            "tests/test_parametric_twin.py::test_the_twin_covers_an_async_draft_rejection",
+            "tests/test_parametric_twin.py::test_the_twin_covers_the_last_tokens_block_loaded",
+            "tests/test_parametric_twin.py::test_every_spec_step_with_loads_at_larger_blocks_is_a_parametric_step",
             "tests/test_parametric_twin.py::test_a_drifting_model_fails_the_twin_test",
             "tests/test_parametric.py::test_the_invariant_is_inductive_for_every_size",
             "tests/test_parametric.py::test_a_planted_bug_fails_the_proof",
@@ -334,7 +338,7 @@ TWINS: tuple[Twin, ...] = (
             "prefix_caching_off": Refused(
                 "a pool that publishes nothing has none of the races the proof is about"
             ),
-            "spec_tokens": FOLLOWS,  # synchronous only: all_sizes.refusal refuses async drafts
+            "spec_tokens": FOLLOWS,  # all_sizes.refusal refuses it with async and stale delivered
             "delay_load_registration": Refused(
                 "its loads register with the schedule that took them"
             ),

@@ -41,20 +41,22 @@ FORM = "kvspec.proofs.parametric"
 
 ASYNC_DRAFTS = (
     "the parametric model does not follow speculative decoding (draft tokens) under async "
-    "scheduling (spec_tokens with async_scheduling): its commits roll rejected drafts back only "
-    "under synchronous scheduling (a commit lowers the computed tokens; the rolled-back slots "
-    "are held ahead and garbage); under async scheduling a rejection also moves the later "
-    "steps' entries and pending writes back (the spec's _move_back), which it does not state "
-    "(docs/proofs.md, 'Every size')"
+    "scheduling with stale output delivered (spec_tokens with async_scheduling and "
+    "stale_output=deliver): a rejection in a step committing for a preempted request moves its "
+    "later stale entries back (the spec's _move_back) onto the table it gave up, whose blocks "
+    "may be another request's by then; its commits move a running request's later entries "
+    "back only (docs/proofs.md, 'Every size')"
 )
 """The one combination the row of ``twins.py`` cannot say (it follows each feature alone)."""
 
 
 def refusal(config: Config) -> twins.NotFollowed | None:
     """What the parametric model does not follow of ``config``: its row of the table decides,
-    then the combination it cannot state (drafts under async scheduling)."""
+    then the combination it cannot state (drafts under async scheduling with stale output
+    delivered)."""
     problem = twins.refusal(FORM, config)
-    if problem is None and config.spec_tokens and config.async_scheduling:
+    late = config.stale_output == "deliver"
+    if problem is None and config.spec_tokens and config.async_scheduling and late:
         return twins.NotFollowed(FORM, "spec_tokens", ASYNC_DRAFTS)
     return problem
 
@@ -294,9 +296,10 @@ def run_all_sizes(
                 "fragment: any block size (a block of B positions as B slots taken, freed and "
                 "published together, held ahead of computation), synchronous or async "
                 "scheduling, stale output dropped or delivered (one proof covers all of them), "
-                "external loads (async and sync) and load failures at block size 1, draft "
-                "tokens without async scheduling (rejected ones rolled back; the twin's draft "
-                "cells), prefix caching on; the model over-approximates "
+                "external loads (async and sync) and load failures (the last token's block too), draft "
+                "tokens (rejected ones rolled back; under async scheduling, the later entries "
+                "moved back; with stale output dropped), prefix caching on; the model "
+                "over-approximates "
                 "the scheduler (any admission, preemption, lookup hit, allocation, finish); its "
                 "agreement with the spec: tests/test_parametric_twin.py"
             )

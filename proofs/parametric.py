@@ -14,8 +14,10 @@ checks that every spec transition is one of this model's, on random reachable st
 
 * **Fragment**: any block size, synchronous or async scheduling with stale output dropped or
   delivered, external loads (asynchronous, which may fail, and synchronous, a computation
-  here; at block size 1), draft tokens without async scheduling (``commit``'s ``rej``), prefix
-  caching on, no sliding window, no deferred frees. Under async
+  here; at any block size, the block of the last known token included, which the request
+  then computes again: ``schedule``'s ``back``), draft tokens (``commit``'s ``rej``; under async scheduling, with
+  stale output dropped, a rejection moves the request's later entries back: ``_move_back``),
+  prefix caching on, no sliding window, no deferred frees. Under async
   scheduling a byte computed on a placeholder is modelled as the token it resolves to (``hk``
   is rigid), and the bytes of a leaving request's unpublished blocks with no pending write may
   turn to garbage (a discarded sample's placeholder never resolves: ``lost``). A preemption
@@ -32,8 +34,8 @@ checks that every spec transition is one of this model's, on random reachable st
   depth of steps in flight, no token budget, no ``max_running``, any finish at a commit, and
   every token sequence (``hk(r, i)``, the hash of request r's tokens 0..i, is a rigid
   uninterpreted function: any prompts and any sampled tokens; a run's final tokens fix it). A
-  withdrawn entry's bad read may garble any of its writes (the spec garbles them exactly when
-  the read is bad); a live entry's garbles only if a read was bad, which the invariant rules
+  withdrawn entry may garble any of its writes, each slot's on its own (the spec garbles them
+  when the read is bad, and those holding a discarded draft or placeholder); a live entry's garbles only if a read was bad, which the invariant rules
   out. Since the spec's transitions are among the model's, an invariant of the model is one of
   the spec (through the abstraction ``tests/test_parametric_twin.py`` computes).
 * **Blocks of several positions.** A model block is one position (a slot); a spec block of B
@@ -85,6 +87,8 @@ PLANTS = (
     "one-position-blocks",
     "publish-rejected-drafts",
     "drafts-resolve",
+    "move-back-keeps-writes",
+    "recompute-rewrites-published",
 )
 """Planted bugs: ``eager-publish`` publishes the blocks a schedule allocates at once (the seed
 bug, ``eager-unsafe``'s publish at schedule time, with no rollback); ``no-evict`` reuses a
@@ -107,7 +111,11 @@ whose slots its request holds ahead without writing them (a step that writes onl
 it allocates, not the partial tail block it already holds); ``one-position-blocks`` allocates
 only at computed positions (the block size 1 model, which the twin test refuses at block size
 2). Drafts: ``publish-rejected-drafts`` lets a commit publish positions its rejection rolled
-back; ``drafts-resolve`` keeps rejected drafts' bytes valid (the twin test refuses it)."""
+back; ``drafts-resolve`` keeps rejected drafts' bytes valid (the twin test refuses it);
+``move-back-keeps-writes`` moves a rejecting request's later entries back under async
+scheduling but leaves their pending writes where they were (none laid at the new positions).
+Loads of the last token's block: ``recompute-rewrites-published`` lets the recomputation of
+that token write its slot although the load's commit published it."""
 
 Term = Any
 """A Z3 term (z3's stubs are untyped)."""
@@ -467,16 +475,22 @@ class Model:
         ahead); every slot of r at positions start..end-1, allocated now or held ahead since an
         earlier schedule (``fill``), gets the step's pending write of r's prefix there. An
         admission may instead load them (``load``: an asynchronous external load; r waits for
-        it; a synchronous load, landed before the step computes, is a computation here)."""
+        it; a synchronous load, landed before the step computes, is a computation here). A
+        load may end at the last known token (its block full): r's ``comp`` counts that token
+        (the spec's ``computed`` plus ``loaded_last``), and r's next schedule, with nothing of r
+        in flight, starts one position back (``back``) to compute it again; that write of a
+        slot the load's commit published is the same prefix again, so it is not made (``fill``
+        skips published slots; ``abstraction.rewrite`` leaves the spec's out)."""
         v = self.v
         R, B, I, Bo = v.Req, v.Blk, z3.IntSort(), z3.BoolSort()  # noqa: E741
         r, n, h = self.fresh("r", R), self.fresh("n", I), self.fresh("h", I)
         load = self.fresh("load", Bo)
         hit, alloc = self.fresh("hit", B, Bo), self.fresh("alloc", B, Bo)
         np_ = self.fresh("np", B, I)
+        back = self.fresh("back", I)
         tb = s.hi - 1
         admit = s.status(r) == WAITING
-        start = z3.If(admit, h, s.comp(r))
+        start = z3.If(admit, h, s.comp(r) - back)
         end = start + n
 
         def new(b: Term) -> Term:
@@ -485,7 +499,12 @@ class Model:
         def fill(b: Term) -> Term:  # r's own slots allocated ahead, now computed
             if self.planted == "skip-reserved-write":
                 return z3.BoolVal(False)
-            return z3.And(s.tab(r, b), start <= s.pos(r, b), s.pos(r, b) < end)
+            return z3.And(
+                s.tab(r, b),
+                start <= s.pos(r, b),
+                s.pos(r, b) < end,
+                z3.Not(s.pub(b)) if self.planted != "recompute-rewrites-published" else True,
+            )
 
         def writes(b: Term) -> Term:
             return z3.Or(z3.And(alloc(b), np_(b) < end), fill(b))
@@ -536,6 +555,16 @@ class Model:
             z3.Implies(load, admit),
             n >= 1,
             h >= 0,
+            back >= 0,
+            back <= 1,
+            z3.Implies(  # a recomputation (the last token over a load): r has nothing in flight
+                back > 0,
+                z3.And(
+                    z3.Not(admit),
+                    back <= s.comp(r),
+                    self.fa([I], lambda u: z3.Not(s.live(u, r))),
+                ),
+            ),
             hit_ok,
             alloc_ok,
             injective,
@@ -566,6 +595,7 @@ class Model:
             loading=lambda q: z3.Or(s.loading(q), z3.And(q == r, load)),
         )
         params = {"r": r, "n": n, "h": h, "hit": hit, "alloc": alloc, "np": np_, "load": load}
+        params["back"] = back
         return Transition("schedule", guard, post, params)
 
     def preempt(self, s: PState) -> Transition:
@@ -624,12 +654,13 @@ class Model:
 
     def execute(self, s: PState) -> Transition:
         """The oldest submitted step t: every write, then every read. A live entry whose read
-        finds the wrong bytes sets ``bad``; ``garble`` says which entries' writes turn to
-        garbage (a withdrawn entry's may, as the spec's do after a bad read; a live entry's
-        only after a bad read)."""
+        finds the wrong bytes sets ``bad``; ``garble`` says which writes turn to garbage (a
+        withdrawn entry's may, any of them: the spec's do after a bad read, and those holding
+        a draft or placeholder of a step whose sample was discarded; a live entry's only after
+        a bad read)."""
         v = self.v
         t = self.fresh("t", z3.IntSort())
-        garble = self.fresh("garble", v.Req, z3.BoolSort())
+        garble = self.fresh("garble", v.Blk, z3.BoolSort())
         fail = self.fresh("fail", v.Req, z3.BoolSort())
         lands = lambda b: z3.And(s.pw(t, b), z3.Not(fail(s.pwr(t, b))))  # noqa: E731
         wv1 = lambda b: z3.Or(lands(b), s.wv(b))  # noqa: E731
@@ -650,19 +681,24 @@ class Model:
             [z3.IntSort()],
             lambda u: z3.Implies(z3.And(s.lo <= u, u < t), s.phase(u) == EXECUTED),
         )
+        loads_fail = self.fa([v.Req], lambda q: z3.Implies(fail(q), s.eload(t, q)))
         live_garbles = self.fa(
-            [v.Req],
-            lambda q: z3.And(
-                z3.Implies(z3.And(garble(q), s.live(t, q)), bad_read(q)),
-                z3.Implies(fail(q), s.eload(t, q)),
-                z3.Implies(s.eload(t, q), z3.Not(garble(q))),
+            [v.Blk],
+            lambda b: z3.Implies(
+                z3.And(garble(b), s.pw(t, b)),
+                z3.And(
+                    z3.Not(s.eload(t, s.pwr(t, b))),
+                    z3.Implies(s.live(t, s.pwr(t, b)), bad_read(s.pwr(t, b))),
+                ),
             ),
         )
-        guard = z3.And(s.lo <= t, t < s.hi, s.phase(t) == SUBMITTED, older_done, live_garbles)
+        guard = z3.And(
+            s.lo <= t, t < s.hi, s.phase(t) == SUBMITTED, older_done, loads_fail, live_garbles
+        )
         any_bad = self.ex([v.Req], lambda q: z3.And(s.live(t, q), bad_read(q)))
         post = replace(
             s,
-            wv=lambda b: z3.And(wv1(b), z3.Not(z3.And(s.pw(t, b), garble(s.pwr(t, b))))),
+            wv=lambda b: z3.And(wv1(b), z3.Not(z3.And(s.pw(t, b), garble(b)))),
             wh=wh1,
             pw=lambda u, b: z3.And(s.pw(u, b), u != t),
             phase=lambda u: z3.If(u == t, EXECUTED, s.phase(u)),
@@ -677,9 +713,10 @@ class Model:
         blocks of live entries, not failed, at positions the entry covers), then sample;
         ``finish`` says which live requests finish (their tables are freed and their entries
         in later steps stop being live). Drafts: ``rej(q)`` of q's drafts are rejected (q
-        running, this its only live entry, which ends at comp): comp drops by it, publication
-        stays below the lowered comp, and the rolled-back slots' bytes may be garbage
-        (``rolled``: a rejected draft never resolves)."""
+        running, its later live entries not executed): comp drops by it, publication stays
+        below the entry's end less ``rej(q)``, the rolled-back slots' bytes may be garbage
+        (``rolled``: a rejected draft never resolves), and q's later live entries move back
+        (``_move_back``)."""
         v = self.v
         B, R, Bo = v.Blk, v.Req, z3.BoolSort()
         t = s.lo
@@ -736,8 +773,12 @@ class Model:
                         z3.Not(s.eload(t, q)),
                         s.status(q) == RUNNING,
                         rej(q) < s.eend(t, q) - s.estart(t, q),
-                        s.comp(q) == s.eend(t, q),
-                        self.fa([I], lambda u: z3.Implies(s.live(u, q), u == t)),
+                        self.fa(  # async: later entries wait for this commit (``_unverified``)
+                            [I],
+                            lambda u: z3.Implies(
+                                z3.And(s.live(u, q), u != t), s.phase(u) != EXECUTED
+                            ),
+                        ),
                     ),
                 ),
             ),
@@ -751,23 +792,27 @@ class Model:
                     lambda q: z3.And(
                         rej(q) > 0,
                         s.tab(q, b),
-                        s.pos(q, b) >= s.comp(q) - rej(q),
-                        s.pos(q, b) < s.comp(q),
+                        s.pos(q, b) >= s.eend(t, q) - rej(q),
+                        s.pos(q, b) < s.eend(t, q),
                     ),
                 ),
             ),
         )
+        moves, moved_ok = self._move_back(s, t, rej, finish)
+
+        def verified(q: Term) -> Term:  # the entry's end less its rejected drafts
+            if self.planted == "publish-partial-block":  # past the entry's end: up to comp
+                return s.comp(q) - rej(q)
+            return s.eend(t, q) - rej(q)
+
         pub_verified = self.fa(
-            [B],
-            lambda b: z3.Implies(
-                publish(b), s.pos(publisher(b), b) < s.comp(publisher(b)) - rej(publisher(b))
-            ),
+            [B], lambda b: z3.Implies(publish(b), s.pos(publisher(b), b) < verified(publisher(b)))
         )
         if self.planted == "publish-rejected-drafts":
             pub_verified = z3.BoolVal(True)
         if self.planted == "drafts-resolve":
             rolled_ok = self.fa([B], lambda b: z3.Not(rolled(b)))
-        guard = z3.And(guard, rej_ok, rolled_ok, pub_verified)
+        guard = z3.And(guard, rej_ok, rolled_ok, pub_verified, moved_ok)
         wv0 = rel.pop("wv")
         rel.pop("comp")
         post = replace(
@@ -782,9 +827,79 @@ class Model:
             failed=lambda u, q: z3.And(s.failed(u, q), u != t),
             lo=s.lo + 1,
             **rel,
+            **moves,
         )
         params = {"publish": publish, "publisher": publisher, "finish": finish, "lost": lost}
+        params["rej"] = rej
         return Transition("commit", guard, post, params)
+
+    def _move_back(self, s: PState, t: Term, rej: Any, finish: Any) -> tuple[dict[str, Any], Term]:
+        """Drafts under async scheduling: the commit of step t rejected ``rej(q)`` of q's drafts
+        (q running, not finishing), and q's later live entries, scheduled as if all were
+        accepted, move back by that many positions (the spec's ``_move_back``): their pending
+        writes are withdrawn and laid again at the new positions. ``mover(b)`` is the request
+        whose moved entries now cover slot b (a slot at a position from the first rolled-back
+        one, ``eend(t, q) - rej(q)``, to the lowered computed tokens), ``mstep(b)`` the step
+        whose entry covers it (the guard: it is one of q's later live entries, moved). Returns
+        the changed fields and the guard."""
+        v = self.v
+        R, B, I = v.Req, v.Blk, z3.IntSort()  # noqa: E741
+        mover, mstep = self.fresh("mover", B, R), self.fresh("mstep", B, I)
+
+        def moving(q: Term) -> Term:
+            return z3.And(rej(q) > 0, z3.Not(finish(q)))
+
+        def relaid_by(q: Term, b: Term) -> Term:
+            return z3.And(
+                moving(q),
+                s.tab(q, b),
+                s.pos(q, b) >= s.eend(t, q) - rej(q),
+                s.pos(q, b) < s.comp(q) - rej(q),
+            )
+
+        def relaid(b: Term) -> Term:
+            return relaid_by(mover(b), b)
+
+        q_of = lambda b: mover(b)  # noqa: E731
+        covered = self.fa(
+            [R, B],
+            lambda q, b: z3.Implies(
+                relaid_by(q, b),
+                z3.And(
+                    mover(b) == q,
+                    s.live(mstep(b), q),
+                    mstep(b) != t,
+                    s.estart(mstep(b), q) - rej(q) <= s.pos(q, b),
+                    s.pos(q, b) < s.eend(mstep(b), q) - rej(q),
+                ),
+            ),
+        )
+
+        def withdrawn(u: Term, b: Term) -> Term:  # a moved entry's old write
+            return z3.And(s.pw(u, b), u != t, s.live(u, s.pwr(u, b)), moving(s.pwr(u, b)))
+
+        def laid(u: Term, b: Term) -> Term:
+            return z3.And(relaid(b), u == mstep(b))
+
+        def shifted(u: Term, q: Term) -> Term:
+            return z3.And(s.live(u, q), u != t, moving(q))
+
+        if self.planted == "move-back-keeps-writes":  # entries move, their writes stay put
+            changes: dict[str, Any] = {}
+        else:
+            changes = {
+                "pw": lambda u, b: z3.Or(z3.And(s.pw(u, b), z3.Not(withdrawn(u, b))), laid(u, b)),
+                "pwr": lambda u, b: z3.If(laid(u, b), q_of(b), s.pwr(u, b)),
+                "pwh": lambda u, b: z3.If(
+                    laid(u, b), v.hk(q_of(b), s.pos(q_of(b), b)), s.pwh(u, b)
+                ),
+                "hw": lambda b: z3.If(relaid(b), mstep(b), s.hw(b)),
+            }
+        changes["estart"] = lambda u, q: z3.If(
+            shifted(u, q), s.estart(u, q) - rej(q), s.estart(u, q)
+        )
+        changes["eend"] = lambda u, q: z3.If(shifted(u, q), s.eend(u, q) - rej(q), s.eend(u, q))
+        return changes, covered
 
     def reset(self, s: PState) -> Transition:
         v = self.v
@@ -1052,7 +1167,7 @@ class Model:
             [I, R, B],
             lambda t, r, b: z3.Implies(
                 z3.And(s.tab(r, b), s.pub(b), s.live(t, r), s.status(r) == RUNNING),
-                s.pos(r, b) < s.estart(t, r),
+                s.pos(r, b) <= s.estart(t, r),
             ),
         )
         out["SnapshotPositions"] = self.fa(

@@ -27,6 +27,7 @@ from test_symbolic import ASYNC_WEIGHT, WEIGHT, candidate_decisions
 
 from kvspec.proofs import abstraction as ab
 from kvspec.spec import INVARIANTS, Config, Illegal, State, apply, initial_state
+from kvspec.spec.actions import loadable
 from kvspec.spec.pool import lookup
 from kvspec.spec.state import Placeholder
 
@@ -48,6 +49,10 @@ CELLS = [
     # draft tokens (synchronous): drafts computed past the known tokens, rejected ones rolled back
     ("deferred", "general", "fcfs", 5, 2, 2, 5, 1, False, "drop", 1, 2),
     ("hide-uncommitted", "vllm", "fcfs", 4, 2, 2, 6, 1, False, "drop", 2, 2),
+    # draft tokens under async scheduling: a rejection moves later entries back (_move_back);
+    # the last field, the walks' seed, is one whose walks reach such a move
+    ("deferred", "general", "fcfs", 5, 2, 2, 5, 1, True, "drop", 1, 2, 19),
+    ("hide-uncommitted", "general", "fcfs", 4, 3, 2, 6, 1, True, "drop", 2, 2, 15),
 ]
 WALKS, WALK_LENGTH = 2, 24
 
@@ -65,11 +70,14 @@ def with_loads(s: State, rng: random.Random, decisions: list[Any]) -> list[Any]:
     """The decisions, and admissions that load blocks (asynchronously: no tokens computed;
     synchronously: one computed after them) and executions where loads fail."""
     out = list(decisions)
+    bsz = s.config.block_size
     for rid in s.waiting:
-        k = len(s.requests[rid].tokens) - 1 - len(lookup(s, s.requests[rid]))
-        if k >= 1:
-            out.append(("schedule", rid, 0, rng.randint(1, k)))
-            out.append(("schedule", rid, 1, rng.randint(1, k)))
+        req = s.requests[rid]
+        hits = len(lookup(s, req))
+        for computed, asynchronous in ((0, True), (1, False)):
+            k = loadable(len(req.tokens), bsz, asynchronous) - hits
+            if k >= 1:
+                out.append(("schedule", rid, computed, rng.randint(1, k)))
     oldest = next((st for st in s.steps if st.phase == "submitted"), None)
     if oldest is not None:
         loads = tuple(r for r, e in oldest.entries.items() if e.load)
@@ -80,12 +88,13 @@ def with_loads(s: State, rng: random.Random, decisions: list[Any]) -> list[Any]:
 
 def with_drafts(s: State, rng: random.Random, decisions: list[Any], k: int, bsz: int) -> list[Any]:
     """The decisions, and schedules that reach 1 .. k draft slots past a running request's
-    known tokens, and commits that accept a random number of each entry's drafts."""
+    known tokens (under async scheduling, past its placeholders), and commits that accept a random number of each entry's drafts."""
     out = list(decisions)
     for rid in [*s.running, *s.waiting]:
         req = s.requests[rid]
         start = req.computed if req.status == "running" else len(lookup(s, req)) * bsz
-        left = len(req.tokens) - start
+        known = s.ahead(req) if s.config.async_scheduling else req.tokens  # async: placeholders
+        left = len(known) - start
         if left > 0:
             out += [("schedule", rid, left + j, 0) for j in range(1, k + 1)]
     if s.steps and s.steps[0].phase == "executed":
@@ -106,6 +115,7 @@ def walk(
     planted: str | None = None,
     stop_at_drift: bool = False,
     weight: dict[str, float] | None = None,
+    loads: bool = False,
 ) -> dict[str, int]:
     policy, discipline, preemption, blocks, depth, requests, tokens, vocab, overlap, stale = cell[
         :10
@@ -132,12 +142,14 @@ def walk(
         "ahead": 0,
         "two_writers": 0,
         "rejected": 0,
+        "moved": 0,
         "states": 0,
         "steps": 0,
         "drift": 0,
         "shared": 0,
         "dead_writes": 0,
         "failed": 0,
+        "loaded_last": 0,
         "placeholders": 0,
         "stale_entries": 0,
     }
@@ -147,6 +159,7 @@ def walk(
             assert ab.in_fragment(s)
             tally["states"] += 1
             tally["shared"] += any(b.refcount > 1 for b in s.blocks)
+            tally["loaded_last"] += any(q.loaded_last for q in s.requests.values())
             tally["ahead"] += any(  # a running request holds positions it has not computed
                 len(q.table) * bsz > q.computed for q in s.requests.values() if q.table
             )
@@ -177,7 +190,7 @@ def walk(
                 assert checker.safety_values(s) == spec
             successors = []
             decisions = candidate_decisions(s, requests, tokens, rng, vocab)
-            if bsz == 1 and not drafts:  # external loads: at block size 1 only (docs/proofs.md)
+            if (bsz == 1 or loads) and not drafts:  # external loads (B > 1: ``LOAD_CELLS``)
                 decisions = with_loads(s, rng, decisions)
             if drafts:
                 decisions = with_drafts(s, rng, decisions, drafts, bsz)
@@ -192,6 +205,12 @@ def walk(
                 tally["rejected"] += decision[0] == "commit" and any(
                     s.steps[0].entries[r].drafts + 1 > sum(1 for x, _ in decision[2] if x == r)
                     for r, _ in decision[2]
+                )
+                tally["moved"] += decision[0] == "commit" and any(
+                    e.start != s.steps[i + 1].entries[r].start
+                    for i, st in enumerate(post.steps)
+                    for r, e in st.entries.items()
+                    if r in st.live and r in s.steps[i + 1].live
                 )
                 if not checker.step_agrees(s, decision, post):
                     tally["drift"] += 1
@@ -214,7 +233,7 @@ def cell_id(c: tuple[Any, ...]) -> str:
 
 @pytest.mark.parametrize("cell", CELLS, ids=cell_id)
 def test_every_spec_step_is_a_parametric_step(cell: tuple[Any, ...]) -> None:
-    tally = walk(cell, seed=CELLS.index(cell))
+    tally = walk(cell, seed=cell[12] if len(cell) > 12 else CELLS.index(cell))
     assert tally["drift"] == 0
     if cell[8]:  # async: bytes holding placeholders reached
         assert tally["placeholders"] > 0
@@ -223,6 +242,7 @@ def test_every_spec_step_is_a_parametric_step(cell: tuple[Any, ...]) -> None:
     assert tally["steps"] >= 20 * WALKS
     if len(cell) > 11:  # drafts rejected (rolled back) and accepted
         assert tally["rejected"] > 0
+        assert tally["moved"] > 0 or not cell[8]  # async: later entries moved back
     elif len(cell) > 10:  # blocks held ahead of computation; async: a block written by two steps
         assert tally["ahead"] > 0  # of one request in flight at once
         assert tally["two_writers"] > 0 or not cell[8]
@@ -551,7 +571,7 @@ def test_a_drifting_model_fails_the_twin_test(planted: str) -> None:
 
 ASYNC_DRAFTS_MOVED_BACK = [
     ("begin", 0),
-    ("arrive", 0, (1, 1, 1), 2, 1),
+    ("arrive", 0, (1, 1, 1), 3, 1),
     ("schedule", 0, 5, 0),  # the prompt's 3 positions and 2 drafts: samples at position 4
     ("submit", 0),
     ("begin", 1),
@@ -559,18 +579,21 @@ ASYNC_DRAFTS_MOVED_BACK = [
     ("submit", 1),
     ("execute", 0, ()),
     ("commit", 0, ((0, 1),)),  # both drafts rejected: step 1's entry moves from 5..6 to 3..4
+    ("execute", 1, ()),  # its write, laid again at position 3, lands where the drafts were
+    ("commit", 1, ((0, 2),)),
+    ("begin", 2),
+    ("schedule", 0, 1, 0),  # position 4, held ahead since the rejection: written again
+    ("submit", 2),
+    ("execute", 2, ()),
+    ("commit", 2, ((0, 1),)),  # r0 finishes
 ]
 """Drafts under async scheduling (deferred, general, D = 2, 8 blocks, K = 2): a commit that
-rejects drafts moves a later step's entry and pending write back (the spec's ``_move_back``)."""
+rejects drafts moves a later step's entry and pending write back (the spec's ``_move_back``);
+the moved write lands on the rolled-back slot, and the slot past it, held ahead, is computed
+again by a later step."""
 
 
-def test_an_async_draft_rejection_is_not_a_parametric_step() -> None:
-    """Why ``kvspec prove --all-sizes`` refuses drafts under async scheduling
-    (``all_sizes.refusal``, docs/proofs.md): every step of this path up to the commit is a
-    model step and every state is inside the invariant, but the commit that moves step 1's
-    entry and its pending write back by the two rejected drafts is none of the model's steps
-    (its commit changes no later step's entry). A model that learns ``_move_back`` turns this
-    test red, and the refusal can go."""
+def follow_async_drafts(planted: str | None = None) -> dict[str, int]:
     config = Config(
         8,
         1,
@@ -582,46 +605,155 @@ def test_an_async_draft_rejection_is_not_a_parametric_step() -> None:
         token_budget=6,
         max_running=2,
     )
-    checker = checker_for(1, 8, 4, None, 1)
+    checker = checker_for(1, 8, 4, planted, 1)
     s: State = initial_state(config)
+    tally = {"drift": 0, "moved": 0}
     for decision in ASYNC_DRAFTS_MOVED_BACK:
         post = copy.deepcopy(s)
         apply(post, decision)
-        assert checker.invariant_holds(s) and checker.invariant_holds(post)
-        moved = decision[0] == "commit"
-        if moved:
+        if planted is None:
+            assert checker.invariant_holds(post)
+            spec = {n: INVARIANTS[n](post) is None for n in checker.safety}
+            assert checker.safety_values(post) == spec
+        if decision == ("commit", 0, ((0, 1),)):
             old, new = s.steps[1].entries[0], post.steps[0].entries[0]
             assert (old.start, old.end, new.start, new.end) == (5, 6, 3, 4)
-        assert checker.step_agrees(s, decision, post) == (not moved), decision
+            tally["moved"] += 1
+        if not checker.step_agrees(s, decision, post):
+            assert planted is not None, f"{decision} from {s} is not a model step"
+            tally["drift"] += 1
         s = post
+    assert s.requests[0].status == "finished" and not s.bad_reads
+    return tally
+
+
+def test_the_twin_covers_an_async_draft_rejection() -> None:
+    """A commit that rejects drafts under async scheduling moves the later step's entry and
+    its pending write back (``Model._move_back``): every step of this path is a model step and
+    every state is inside the invariant. A model whose move-back keeps the old slots' pending
+    writes (``move-back-keeps-writes``) drifts at that commit; the proof refuses it too
+    (``tests/test_parametric.py``)."""
+    assert follow_async_drafts() == {"drift": 0, "moved": 1}
+    assert follow_async_drafts("move-back-keeps-writes")["drift"] > 0
 
 
 @pytest.mark.parametrize(
-    "tokens, blocks, model_step",
+    "tokens, blocks, recomputed",
     [
-        ((1, 1, 1, 1), 1, True),  # the first block only: computed 2 = the entry's end
-        ((1, 1, 1, 1, 1), 2, True),  # two full blocks below the last token: computed 4
-        ((1, 1, 1, 1), 2, False),  # the last token's block: computed 3, one below the end 4
+        ((1, 1, 1, 1), 1, False),  # the first block only: computed 2 = the entry's end
+        ((1, 1, 1, 1, 1), 2, False),  # two full blocks below the last token: computed 4
+        ((1, 1, 1, 1), 2, True),  # the last token's block: computed 3, one below the end 4
     ],
 )
-def test_a_load_of_the_last_tokens_block_is_not_a_parametric_step(
-    tokens: tuple[int, ...], blocks: int, model_step: bool
+def test_a_load_at_block_size_2_is_a_parametric_step(
+    tokens: tuple[int, ...], blocks: int, recomputed: bool
 ) -> None:
-    """Why external loads are in the parametric fragment at block size 1 only (docs/proofs.md,
-    "What is not proved for every size"): at block size 2, an asynchronous load of blocks below
-    the last known token is a model step into the invariant, but a load of the block holding
-    the last known token leaves the request's computed tokens one below the load entry's end
-    (the last token is computed again), which is none of the model's steps and outside its
-    invariant (``LiveEntries``: an entry ends at or below computed)."""
+    """An asynchronous load at block size 2 is a model step into the invariant, also a load of
+    the block holding the last known token, which leaves the request's computed tokens one
+    below the load entry's end (the last token is computed again: ``loaded_last``, which the
+    model's ``comp`` counts)."""
     config = Config(5, 2, depth=1, policy="deferred", discipline="general", token_budget=7)
     checker = checker_for(2, 5, 3, None, 2)
     s: State = initial_state(config)
     for decision in [("arrive", 0, tokens, 2, 1), ("begin", 0), ("schedule", 0, 0, blocks)]:
         post = copy.deepcopy(s)
         apply(post, decision)
-        agrees = checker.step_agrees(s, decision, post)
+        assert checker.step_agrees(s, decision, post), decision
         s = post
     entry = s.steps[0].entries[0]
     assert entry.load and entry.end == blocks * 2
-    assert s.requests[0].computed == entry.end - (not model_step)
-    assert agrees == model_step and checker.invariant_holds(s) == model_step
+    assert s.requests[0].computed == entry.end - recomputed
+    assert checker.invariant_holds(s)
+
+
+LAST_TOKEN_LOADED_THEN_SHARED = [
+    ("arrive", 0, (1, 1, 1, 1), 2, 0),
+    ("begin", 0),
+    ("schedule", 0, 0, 2),  # loads both blocks, the last token's too: computed 3
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ()),  # landed: both blocks published
+    ("arrive", 1, (1, 1, 1, 1, 2), 1, 0),
+    ("begin", 1),
+    ("schedule", 1, 1, 0),  # hits both: the last one shared while r0 has computed 3
+    ("schedule", 0, 1, 0),  # r0 computes token 3 again: its published block rewritten
+    ("submit", 1),
+    ("execute", 1, ()),
+    ("commit", 1, ((0, 2), (1, 1))),
+]
+"""Block size 2 (D = 1, 5 blocks): a load of the block holding the last known token, a hit on
+it by another request before the loading one computes that token again, then the
+recomputation, a write of the published block's own prefix."""
+
+
+RECOMPUTATION_WITHDRAWN_THEN_EVICTED = [
+    ("arrive", 0, (1, 1, 1, 1), 2, 0),
+    ("begin", 0),
+    ("schedule", 0, 0, 2),
+    ("submit", 0),
+    ("execute", 0, ()),
+    ("commit", 0, ()),
+    ("begin", 1),
+    ("schedule", 0, 1, 0),  # the recomputation of token 3, over the published block
+    ("submit", 1),
+    ("begin", 2),
+    ("preempt", 0),  # its write is withdrawn, still pending; the blocks freed, cached
+    ("arrive", 1, (2, 2, 2, 2, 2, 2, 2, 2), 1, 0),
+    ("schedule", 1, 8, 0),  # every block: both cached ones evicted, the rewrite still pending
+    ("submit", 2),
+    ("execute", 1, ()),
+    ("execute", 2, ()),
+    ("commit", 1, ()),
+    ("commit", 2, ((1, 1),)),
+]
+"""Block size 2 (D = 2, 5 blocks): the recomputation over a loaded block is withdrawn by a
+preemption and its block evicted and reallocated before the withdrawn rewrite runs."""
+
+
+@pytest.mark.parametrize(
+    "path, policy, depth",
+    [
+        (LAST_TOKEN_LOADED_THEN_SHARED, "deferred", 1),
+        (RECOMPUTATION_WITHDRAWN_THEN_EVICTED, "hide-uncommitted", 2),
+    ],
+    ids=["shared", "evicted"],
+)
+def test_the_twin_covers_the_last_tokens_block_loaded(
+    path: list[tuple[Any, ...]], policy: str, depth: int
+) -> None:
+    """Every step a model step, every state inside the invariant with the spec's safety
+    values; a model whose recomputation writes the published block again
+    (``recompute-rewrites-published``) drifts."""
+    config = Config(5, 2, depth=depth, policy=policy, discipline="general", token_budget=9)
+    for planted in (None, "recompute-rewrites-published"):
+        checker = checker_for(2, 5, 4, planted, 2)
+        s: State = initial_state(config)
+        drift = 0
+        for decision in path:
+            post = copy.deepcopy(s)
+            apply(post, decision)
+            if planted is None:
+                assert checker.invariant_holds(post)
+                spec = {n: INVARIANTS[n](post) is None for n in checker.safety}
+                assert checker.safety_values(post) == spec
+            drift += not checker.step_agrees(s, decision, post)
+            s = post
+        assert drift == 0 if planted is None else drift > 0, planted
+
+
+LOAD_CELLS = [
+    # loads at block sizes > 1 (the last token's block loaded, then computed again); seed
+    (("hide-uncommitted", "vllm", "fcfs", 5, 2, 2, 5, 1, True, "drop", 2), 0),
+    (("deferred", "general", "priority", 4, 2, 2, 7, 2, False, "drop", 3), 0),
+]
+
+
+@pytest.mark.parametrize("cell, seed", LOAD_CELLS, ids=[cell_id(c) for c, _ in LOAD_CELLS])
+def test_every_spec_step_with_loads_at_larger_blocks_is_a_parametric_step(
+    cell: tuple[Any, ...], seed: int
+) -> None:
+    """The walks of ``CELLS`` at block sizes 2 and 3 with loads too: each must reach a request
+    whose last token's block was loaded (``loaded_last``) and a failed load."""
+    tally = walk(cell, seed, loads=True)
+    assert tally["drift"] == 0 and tally["steps"] >= 20 * WALKS
+    assert tally["loaded_last"] > 0 and tally["failed"] > 0
