@@ -19,6 +19,14 @@ publishes for it: for the legacy tree its recorder's own ``_node_event_hash_valu
 unified tree, whose Rust core exposes no nodes, SGLang's ``get_hash_str`` over the tokens of the
 page's key up to its end (``record.UnifiedRecorder.tokens``), then ``hash_str_to_int64`` and
 ``namespaced_block_hash``. SGLang publishes no group index (None) and medium ``GPU``.
+
+The hybrid sliding-window tree (``swa_factory``, ``swa_sync_factory``: FULL and SWA) publishes the
+same events for its nodes' keys, and nothing for the SWA component: a request's window frees are
+outside the tree, and an SWA value evicted from a node whose FULL value stays (a tombstone) sends no
+``BlockRemoved``. So its cache as the stream names it is the tree's FULL pages alone, and whether
+an announced page can serve a hit (SGLang cuts a hit back to the last boundary whose window the SWA
+component holds) is not judged: the stream does not say (``docs/kv-events.md``, "Hybrid models").
+``count_tombstones`` counts the boundaries where the view announced tombstoned pages.
 """
 
 from __future__ import annotations
