@@ -941,14 +941,14 @@ def _kv_events_arguments(chk: argparse.ArgumentParser, watch: argparse.ArgumentP
         type=_path,
         help="a capture of an engine's KV-event stream (kvspec watch --capture): judge the stream",
     )
-    chk.add_argument(
-        "--known",
-        action="append",
-        choices=tuple(KNOWN),
-        help="a known engine finding to read as the engine means it, counted and named in the "
-        "report, judging the rest of the stream (repeatable; default: reported as a violation)",
-    )
     for p in (chk, watch):
+        p.add_argument(
+            "--known",
+            action="append",
+            choices=tuple(KNOWN),
+            help="a known engine finding to read as the engine means it, counted and named in "
+            "the report, judging the rest of the stream (repeatable; default: a violation)",
+        )
         p.add_argument(
             "--stream-invariant",
             action="append",
@@ -991,6 +991,7 @@ def _watch(args: argparse.Namespace) -> int:
         _stream_invariants(args),
         args.seconds,
         args.json,
+        known=args.known or (),
     )
 
 

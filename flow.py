@@ -337,12 +337,15 @@ def watch(
     invariants: list[str] | None,
     seconds: float | None,
     as_json: bool,
+    known: Iterable[str] = (),
 ) -> int:
     """native KV events (live) -> verdict: judge an engine's KV-event stream over ZMQ as it
     comes (``kvevents/watch.py``); it prints its report and answers the exit code."""
     from kvspec.conformance.kvevents.watch import watch as watch_stream
 
-    return watch_stream(endpoint, replay, topic, capture, blocks, invariants, seconds, as_json)
+    return watch_stream(
+        endpoint, replay, topic, capture, blocks, invariants, seconds, as_json, known=known
+    )
 
 
 def check(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,33 @@ def test_kvspec_check_reports_it_by_default_and_reads_it_with_known(tmp_path: Pa
     assert f"known finding {MAMBA_STORE_TOKENS} met 1 times" in out.getvalue()
     with contextlib.redirect_stderr(io.StringIO()):
         assert main(["check", "--kv-events", str(capture), "--known", "nonsense"]) == 2
+
+
+@pytest.mark.parametrize(("known", "code"), [((), 1), ((MAMBA_STORE_TOKENS,), 0)])
+def test_kvspec_watch_reads_it_live_only_when_told(
+    known: tuple[str, ...], code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvspec watch --known``: the same reading as ``check``, live (the stand-in publisher of
+    ``tests/test_kv_events.py``)."""
+    pytest.importorskip("zmq")
+    from test_kv_events import StandIn
+
+    from kvspec.conformance.kvevents.watch import watch
+
+    stand_in = StandIn()
+
+    def feed() -> None:
+        stand_in.wait_subscribed()
+        time.sleep(0.2)  # the initial replay has ended
+        stand_in.send(SPARSE)
+
+    sender = threading.Thread(target=feed)
+    sender.start()
+    try:
+        got = watch(stand_in.endpoint, stand_in.replay, seconds=2, out=print, known=known)
+    finally:
+        sender.join()
+        stand_in.close()
+    out = capsys.readouterr().out
+    assert got == code, out
+    assert ("StoreConsistent" in out) == (code == 1), out
