@@ -867,6 +867,7 @@ def _check(args: argparse.Namespace) -> int:
         args.observed,
         _stream_invariants(args),
         args.blocks,
+        known=args.known or (),
     )
     for report in reports:
         if report.exit_code == 2:
@@ -929,6 +930,7 @@ def _inputs_kept(inputs: list[str], outputs: dict[str, str | None]) -> None:
 
 def _kv_events_arguments(chk: argparse.ArgumentParser, watch: argparse.ArgumentParser) -> None:
     """``kvspec check --kv-events`` and ``kvspec watch`` (conformance/kvevents/)."""
+    from kvspec.conformance.kvevents.known_findings import KNOWN
     from kvspec.spec.stream import STREAM_INVARIANTS
 
     names = tuple(STREAM_INVARIANTS)
@@ -941,6 +943,13 @@ def _kv_events_arguments(chk: argparse.ArgumentParser, watch: argparse.ArgumentP
         help="a capture of an engine's KV-event stream (kvspec watch --capture): judge the stream",
     )
     for p in (chk, watch):
+        p.add_argument(
+            "--known",
+            action="append",
+            choices=tuple(KNOWN),
+            help="a known engine finding to read as the engine means it, counted and named in "
+            "the report, judging the rest of the stream (repeatable; default: a violation)",
+        )
         p.add_argument(
             "--stream-invariant",
             action="append",
@@ -983,6 +992,7 @@ def _watch(args: argparse.Namespace) -> int:
         _stream_invariants(args),
         args.seconds,
         args.json,
+        known=args.known or (),
     )
 
 

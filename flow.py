@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -337,12 +337,15 @@ def watch(
     invariants: list[str] | None,
     seconds: float | None,
     as_json: bool,
+    known: Iterable[str] = (),
 ) -> int:
     """native KV events (live) -> verdict: judge an engine's KV-event stream over ZMQ as it
     comes (``kvevents/watch.py``); it prints its report and answers the exit code."""
     from kvspec.conformance.kvevents.watch import watch as watch_stream
 
-    return watch_stream(endpoint, replay, topic, capture, blocks, invariants, seconds, as_json)
+    return watch_stream(
+        endpoint, replay, topic, capture, blocks, invariants, seconds, as_json, known=known
+    )
 
 
 def check(
@@ -359,14 +362,18 @@ def check(
 
 
 def check_kv_events(
-    paths: list[str], invariants: list[str] | None = None, capacity: int | None = None
+    paths: list[str],
+    invariants: list[str] | None = None,
+    capacity: int | None = None,
+    known: Iterable[str] = (),
 ) -> Iterator[Report]:
     """native KV events -> verdict: judge each capture of an engine's KV-event stream (what a
-    router is told) with the stream's spec (``spec/stream.py``); its ``report.Report``."""
+    router is told) with the stream's spec (``spec/stream.py``); its ``report.Report``
+    (``known``: engine findings read by name, ``kvevents/known_findings.py``)."""
     from kvspec.conformance.kvevents.stream_judge import check_capture
 
     for path in paths:
-        yield _read_as_file(path, lambda real: check_capture(real, invariants, capacity))
+        yield _read_as_file(path, lambda real: check_capture(real, invariants, capacity, known))
 
 
 def check_all(
@@ -377,11 +384,12 @@ def check_all(
     observed: bool = False,
     stream_invariants: list[str] | None = None,
     capacity: int | None = None,
+    known: Iterable[str] = (),
 ) -> list[Report]:
     """``kvspec check``: the reports of the ``traces`` (``check``), then of the KV-event
     captures (``check_kv_events``), in the order named."""
     reports = list(check(traces, check_every, engine, observed))
-    return reports + list(check_kv_events(kv_events, stream_invariants, capacity))
+    return reports + list(check_kv_events(kv_events, stream_invariants, capacity, known))
 
 
 def witness_file(report: Report, out: str) -> str:

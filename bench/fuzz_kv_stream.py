@@ -34,7 +34,9 @@ TARGETS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=TARGETS, default="vllm")
-    p.add_argument("--factory", default="factory")
+    p.add_argument(
+        "--factory", default="factory", help="a name in the engine's adapter, or MODULE:NAME"
+    )
     p.add_argument("--preemption", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--seconds", type=float, default=60.0)
@@ -43,6 +45,8 @@ def main() -> None:
     p.add_argument("--capture", help="write the counterexample's stream here")
     args = p.parse_args()
     module_name, policy, discipline = TARGETS[args.engine]
+    if ":" in args.factory:  # e.g. kvspec.conformance.adapters.vllm_adapter.hybrid:mamba_factory
+        module_name, args.factory = args.factory.split(":")
     module = importlib.import_module(module_name)
     factory = getattr(module, args.factory)
     failing: list[object] = []
@@ -82,6 +86,11 @@ def main() -> None:
         f"{seconds:.0f} s ({totals['events'] / seconds:.0f} events/s, "
         f"{totals['boundaries'] / seconds:.0f} boundaries/s)"
     )
+    extra = {
+        k: v for k, v in sorted(totals.items()) if k not in ("boundaries", "batches", "events")
+    }
+    if extra:  # known findings read by name, coverage of the engine's stream
+        print(", ".join(f"{k}: {v}" for k, v in extra.items()))
     if result.failure is None:
         print("no violation")
         return

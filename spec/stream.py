@@ -315,7 +315,9 @@ def parent_announced(v: View, event: StreamEvent) -> Violation | None:
 
 def clear_empties_view(v: View, event: StreamEvent) -> Violation | None:
     """After ``AllBlocksCleared`` nothing announced before it is named again unless it is stored
-    anew: no removal of it and no child of it. Guards against an engine that keeps blocks it told
+    anew: no removal of it and no child of it (a child only in groups of full attention,
+    ``CHAINED_KINDS``: elsewhere a store's parent may be a skipped block, as for
+    ``ParentAnnounced``). Guards against an engine that keeps blocks it told
     routers it cleared (a router that emptied its view then sees children of unknown parents and
     removals of unknown hashes)."""
     if not v.cleared:
@@ -330,7 +332,7 @@ def clear_empties_view(v: View, event: StreamEvent) -> Violation | None:
                     "dropped: the engine still held it after saying it cleared everything",
                     step=v.seq,
                 )
-    if isinstance(event, Stored) and event.parent is not None:
+    if isinstance(event, Stored) and event.parent is not None and event.kind in CHAINED_KINDS:
         if announced_in_group(v, event.group, event.parent):
             return None
         if (event.group, event.parent) in v.cleared_pairs:

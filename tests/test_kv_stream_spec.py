@@ -188,3 +188,18 @@ def test_what_holds_per_group_kind_and_for_placeholders() -> None:
     assert judge_all([Batch(0, (window, placeholder))]) == (None, None)
     assert judge_all([Batch(0, (full,))]) == ("ParentAnnounced", 0)
     assert judge_all([Batch(0, (Stored((4,), None, (), 2, "CPU", 0),))]) == ("StoreConsistent", 0)
+
+
+def test_after_a_clear_a_skipped_parent_is_judged_only_in_full_attention_groups() -> None:
+    """vLLM's Mamba group after a reset: the block before the one it keeps is a null block it
+    skipped, whose hash the clear dropped; the full group names that parent having stored it
+    anew, the Mamba group does not store it (``ClearEmptiesView``'s child rule is asked of
+    ``CHAINED_KINDS`` only, as ``ParentAnnounced``)."""
+    before = Batch(0, (stored((1,), None, (1, 2), group=1, kind="mamba"),))
+    mamba = stored((2,), 1, (3, 4), group=1, kind="mamba")
+    full = stored((2,), 1, (3, 4), group=0, kind="full_attention")
+    assert judge_all([before, Batch(1, (Cleared(), mamba))]) == (None, None)
+    before_full = Batch(0, (stored((1,), None, (1, 2), group=0, kind="full_attention"),))
+    assert judge_all([before_full, Batch(1, (Cleared(), full))]) == ("ClearEmptiesView", 1)
+    removal = removed(1, group=1)
+    assert judge_all([before, Batch(1, (Cleared(), removal))]) == ("ClearEmptiesView", 1)

@@ -13,8 +13,9 @@ engine really holds:
   ``AnnouncedHoldsPrefix`` over the blocks announced at the last boundary, judged on the fuzzer's
   spec state (``spec_state_of``), as a ``judge.findings.Finding`` named after the stream invariant.
 
-The frames are kept (they are few per fuzzed example) so that a counterexample's stream can be
-written as a capture file (``write_capture``) and re-judged with ``kvspec check --kv-events``.
+The frames are kept (they are few per fuzzed example), also those after a violation, so that a
+counterexample's whole stream can be written as a capture file (``write_capture``) and re-judged
+with ``kvspec check --kv-events``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvspec.spec.pool import eventual_content, holds
 from kvspec.spec.stream import Hash, Key
 
 from .frames import Frame, FrameError, decode_batch, write_capture
+from .known_findings import Known
 from .stream_judge import StreamJudge
 
 TOTALS: Counter[str] = Counter()
@@ -46,6 +48,16 @@ def chosen_invariants() -> list[str] | None:
     (default: all but ``StoreNamesNewHash``)."""
     names = os.environ.get("KVSPEC_KV_STREAM_INVARIANTS")
     return None if not names else [n.strip() for n in names.split(",") if n.strip()]
+
+
+def chosen_known(default: Collection[str] = ()) -> list[str]:
+    """``KVSPEC_KV_STREAM_KNOWN=A,B``: the known findings (``known_findings.KNOWN``) an adapter's
+    stream reads as the engine means them; ``KVSPEC_KV_STREAM_KNOWN=`` none; unset, the
+    adapter's ``default``."""
+    names = os.environ.get("KVSPEC_KV_STREAM_KNOWN")
+    if names is None:
+        return list(default)
+    return [n.strip() for n in names.split(",") if n.strip()]
 
 
 def spec_state_of(judge: Any) -> State:
@@ -73,31 +85,45 @@ class EngineStream:
     """One engine's stream and its judge, for the time of one fuzzed example."""
 
     def __init__(
-        self, first_seq: int, medium: str | None = "GPU", invariants: Collection[str] | None = None
+        self,
+        first_seq: int,
+        medium: str | None = "GPU",
+        invariants: Collection[str] | None = None,
+        known: Collection[str] = (),
     ) -> None:
         self.first_seq = first_seq
-        self.judge = StreamJudge(invariants, keep_prefixes=True, join=False, start=first_seq)
+        self.judge = StreamJudge(
+            invariants, keep_prefixes=True, join=False, start=first_seq, known=known
+        )
         self.medium = medium
         self.frames: list[Frame] = []
         self.blocks: dict[Key, tuple[int, ...]] = {}
         """The engine's block ids per announced key, at the last boundary."""
         self.violation: Violation | None = None
 
+    def know(self, names: Collection[str]) -> None:
+        """Before the first frame: read these known findings as the engine means them."""
+        self.judge.known = Known(names)
+
     def at_boundary(self, frames: Iterable[tuple[int, bytes]], cache: Cache) -> None:
+        frames = list(frames)  # every frame is kept for the capture, judged or not
+        self.frames += [Frame("pub", seq, b"kvspec", payload) for seq, payload in frames]
         if self.violation is not None:
             return
         judge = self.judge
         TOTALS["boundaries"] += 1
         for seq, payload in frames:
             TOTALS["batches"] += 1
-            self.frames.append(Frame("pub", seq, b"kvspec", payload))
             try:
                 batch = decode_batch(seq, payload)
             except FrameError as err:  # the engine's own publisher sent it: a finding
                 self.violation = Violation("StoreConsistent", f"a malformed frame: {err}")
                 return
             TOTALS["events"] += len(batch.events)
-            if judge.feed(batch) is not None:
+            met = sum(judge.known.seen.values())
+            found = judge.feed(batch)
+            TOTALS["known findings met"] += sum(judge.known.seen.values()) - met
+            if found is not None:
                 self.violation = judge.finding
                 return
         counts = {key: len(ids) for key, ids in cache.items()}

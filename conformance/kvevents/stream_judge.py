@@ -10,6 +10,10 @@ the length of the stream: rings of removed hashes are kept for a bounded number 
 
 ``check_capture(path)`` judges a capture file (``frames.py``) and returns a
 ``report.Report``, so ``kvspec check``'s text, ``--json`` and ``--html`` forms print it.
+
+``known``: engine findings a judge is told to take as known (``known_findings.KNOWN``):
+each such event is read as the engine means it, counted and named in the report, and everything
+else in the stream is judged as usual; without ``known`` the finding is reported as a violation.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvspec.spec.stream import Batch, Cleared, Hash, Key, Removed, Stored, Strea
 
 from ..report import Report
 from .frames import CaptureError, FrameError, Sequencer, decode_batch, iter_capture, read_header
+from .known_findings import Known
 
 RETIRED = 4096
 """Rings of removed hashes kept for reports."""
@@ -100,11 +105,13 @@ class StreamJudge:
         join: bool = True,
         history: int = 32,
         start: int = 0,
+        known: Iterable[str] = (),
     ) -> None:
         self.names = None if invariants is None else set(invariants)
         unknown = (self.names or set()) - set(spec.INVARIANTS)
         if unknown:
             raise ValueError(f"unknown stream invariant(s) {sorted(unknown)}")
+        self.known = Known(known)
         self.capacity = capacity
         self.keep_prefixes = keep_prefixes
         self.join = join
@@ -145,6 +152,7 @@ class StreamJudge:
             else:
                 self.view = View(next_seq=self.start, keep_prefixes=self.keep_prefixes)
         v = self.view
+        batch = self.known.read(v, batch)
         self.batch_lines.append((line, batch.seq, len(batch.events)))
         names = self.names
         if names is None:
@@ -277,13 +285,15 @@ class StreamJudge:
 
     def report(self, path: str, seconds: float | None = None) -> Report:
         seconds = self.stats.seconds if seconds is None else seconds
-        note = None
+        notes = []
         if self.joined_at is not None:
-            note = (
+            notes.append(
                 f"joined the stream at batch {self.joined_at}: blocks announced before it are "
                 "unknown, so removals and parents of unknown hashes were not judged until the "
                 "first clear"
             )
+        notes += self.known.notes()
+        note = "; ".join(notes) or None
         if self.finding is None:
             return Report(path, 0, self.stats.events, seconds, note=note)
         violation = self.finding
@@ -327,11 +337,13 @@ def check_capture(
     path: str | Path,
     invariants: Iterable[str] | None = None,
     capacity: int | None = None,
+    known: Iterable[str] = (),
 ) -> Report:
-    """Judge a capture file; never raises for bad content (exit code 2, ``file:line: message``)."""
+    """Judge a capture file; never raises for bad content (exit code 2, ``file:line: message``).
+    ``known``: names from ``known_findings.KNOWN`` whose events are read as the engine means them."""
     name = str(path)
     started = time.perf_counter()
-    judge = StreamJudge(invariants, capacity)
+    judge = StreamJudge(invariants, capacity, known=known)
     try:
         header = read_header(path)
         replay = header.get("replay") is not None

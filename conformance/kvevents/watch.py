@@ -20,7 +20,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .frames import (
@@ -239,17 +239,18 @@ def watch(
     seconds: float | None = None,
     as_json: bool = False,
     out: Callable[[str], None] = print,
+    known: Iterable[str] = (),
 ) -> int:
     """Judge a live stream until interrupted (or ``seconds``): 0 nothing found, 1 a violation
     (its report printed), 2 a malformed frame (one line on stderr), 3 no batch received (nothing
-    was judged)."""
+    was judged). ``known``: known engine findings read by name (``known_findings.py``)."""
     from rich.console import Console
     from rich.live import Live
 
     check_endpoint(endpoint)
     if replay:
         check_endpoint(replay, "--replay")
-    judge = StreamJudge(invariants, capacity)
+    judge = StreamJudge(invariants, capacity, known=known)
     writer = CaptureWriter(capture, endpoint, replay) if capture else None
     try:
         sub = Subscriber(endpoint, replay, topic, writer)

@@ -19,6 +19,14 @@ publishes for it: for the legacy tree its recorder's own ``_node_event_hash_valu
 unified tree, whose Rust core exposes no nodes, SGLang's ``get_hash_str`` over the tokens of the
 page's key up to its end (``record.UnifiedRecorder.tokens``), then ``hash_str_to_int64`` and
 ``namespaced_block_hash``. SGLang publishes no group index (None) and medium ``GPU``.
+
+The hybrid sliding-window tree (``swa_factory``, ``swa_sync_factory``: FULL and SWA) publishes the
+same events for its nodes' keys, and nothing for the SWA component: a request's window frees are
+outside the tree, and an SWA value evicted from a node whose FULL value stays (a tombstone) sends no
+``BlockRemoved``. So its cache as the stream names it is the tree's FULL pages alone, and whether
+an announced page can serve a hit (SGLang cuts a hit back to the last boundary whose window the SWA
+component holds) is not judged: the stream does not say (``docs/kv-events.md``, "Hybrid models").
+``count_tombstones`` counts the boundaries where the view announced tombstoned pages.
 """
 
 from __future__ import annotations
@@ -34,7 +42,12 @@ from sglang.srt.disaggregation.kv_events import (
     namespaced_block_hash,
 )
 
-from kvspec.conformance.kvevents.engine_stream import Cache, EngineStream, chosen_invariants
+from kvspec.conformance.kvevents.engine_stream import (
+    TOTALS,
+    Cache,
+    EngineStream,
+    chosen_invariants,
+)
 from kvspec.conformance.kvevents.watch import Loopback as SharedLoopback
 from kvspec.judge.findings import Finding
 
@@ -84,6 +97,7 @@ class SglangKvStream:
         scheduler = adapter.scheduler
         self.tree, self.page_size = scheduler.tree, scheduler.page_size
         self.record = scheduler.record
+        self.swa = bool(scheduler.hybrid_swa)
         self.first_seq = self.loop.published
         self.engine = EngineStream(self.first_seq, "GPU", chosen_invariants())
         process, reset = scheduler.process_batch_result, adapter.reset_prefix_cache
@@ -106,6 +120,18 @@ class SglangKvStream:
         events = self.tree.take_events()
         frames = self.loop.receive(self.loop.publish(events)) if events else []
         self.engine.at_boundary(frames, self.cache())
+        if self.swa:
+            self.count_tombstones()
+
+    def count_tombstones(self) -> None:
+        """Coverage of a hybrid SWA tree's stream: the boundaries where the view announced a
+        page whose SWA value SGLang had evicted (a tombstone: its FULL page stays in the tree
+        and in the stream, which names no SWA component)."""
+        record = self.record
+        tombstoned = set(record._walk(False)) - set(record._walk_swa(False))
+        if tombstoned:
+            TOTALS["boundaries announcing SWA-tombstoned pages"] += 1
+            TOTALS["SWA-tombstoned pages announced at a boundary"] += len(tombstoned)
 
     def cache(self) -> Cache:
         """Every tree page under the name SGLang's recorder publishes for it."""
@@ -113,7 +139,7 @@ class SglangKvStream:
             return self._legacy_cache()
         record, page = self.record, self.page_size
         out: dict[tuple[int | None, Any], tuple[int, ...]] = {}
-        for block in record.cached_pages():
+        for block in record._walk(False):  # FULL pages only: no SWA page is named
             tokens = list(record.tokens[block])
             value = get_hash_str(tokens, None, page_size=page)[-1]  # the page's chained hash
             name = (None, namespaced_block_hash(hash_str_to_int64(value), namespace_seed=None))

@@ -134,7 +134,7 @@ class SglangAdapter:
         self._seen = 0
         from .kv_stream import attach  # SGLang's own KV-event publisher, judged
 
-        self.kv_stream = None if tree == "swa" else attach(self)
+        self.kv_stream = attach(self)
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""

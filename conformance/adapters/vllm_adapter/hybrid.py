@@ -47,6 +47,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvspec.conformance.kvevents.engine_stream import chosen_known
+from kvspec.conformance.kvevents.known_findings import MAMBA_STORE_TOKENS
 from kvspec.reference.choices import Choices
 from kvspec.spec import Config
 
@@ -272,20 +274,22 @@ class HybridVllmAdapter(VllmAdapter):
     """vLLM's per-group KV events are judged as a plain model's are (``kv_stream.py``): the
     stream judge keys its view by ``(medium, group, hash)`` and asks announced parents only of
     full-attention groups (``spec.stream.CHAINED_KINDS``: a window's store may follow a nulled,
-    evicted block). Not with a state group (set in ``build_scheduler``): vLLM's ``BlockStored``
-    for a Mamba ``align`` group lists the tokens of the null blocks it skips beside the hashes
-    of the blocks it keeps, with no offsets, so no consumer can tell which chunk a hash is for.
-    That is a known vLLM finding, not a missing rule (``docs/findings/README.md``, "vLLM: a
-    Mamba group's ``BlockStored`` has more tokens than hashes"; vLLM issue #44451, PR #44488):
-    ``StoreConsistent`` rightly names it, and the stream stays off for a state group until
-    vLLM's events carry offsets, so that a fuzz run judges the Mamba block lifecycle."""
+    evicted block). With a Mamba state group (``MambaAdapter``) the stream is judged with one
+    known vLLM finding read by name (``known_stream_findings``)."""
+    known_stream_findings: tuple[str, ...] = ()
+    """Known findings (``kvevents/known_findings.py``) this model's stream is read with, unless
+    ``KVSPEC_KV_STREAM_KNOWN`` says otherwise (``engine_stream.chosen_known``)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        if self.kv_stream is not None:
+            self.kv_stream.engine.know(chosen_known(self.known_stream_findings))
 
     def build_scheduler(
         self, config: Config, async_scheduling: bool, threshold: int, reuse: bool
     ) -> Any:
         scheduler = build_scheduler(self.model, config, async_scheduling, threshold, reuse)
         self.config = replace(self.config, **groups.spec_groups(scheduler))
-        self.streams_kv_events = not any(g.kind == "state" for g in self.config.groups)
         return scheduler
 
 
@@ -315,6 +319,15 @@ class SwaFullFirstAdapter(HybridVllmAdapter):
 
 class MambaAdapter(HybridVllmAdapter):
     model = "mamba"
+    known_stream_findings = (MAMBA_STORE_TOKENS,)
+    """A Mamba ``align`` group's ``BlockStored`` lists the tokens of the null blocks it skips
+    beside the hashes of the blocks it keeps, with no offsets: a known vLLM finding
+    (``docs/findings/README.md``, "vLLM: a Mamba group's ``BlockStored`` has more tokens than
+    hashes"; vLLM issue #44451, PR #44488). The judge reads each such store by name as vLLM
+    means it (each hash the block the full-attention group announced under it), counts it, and
+    judges the rest of the stream; ``KVSPEC_KV_STREAM_KNOWN=`` (empty) reports it instead, as
+    ``StoreConsistent``, and so does ``kvspec check --kv-events`` on its capture unless told
+    ``--known vllm-mamba-store-tokens``."""
 
 
 ADAPTERS: dict[str, type[HybridVllmAdapter]] = {
