@@ -263,11 +263,13 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     )
     if request.prompt_token_ids is not None:
         bsz = sched.block_size
-        full = request.num_tokens // bsz
+        lookahead = hasher_lookahead(request) or 0
+        full = max(0, request.num_tokens - lookahead) // bsz
         need(  # without prefix caching no hash is ever read
             caching and len(request.block_hashes) != full,
             "no block hasher",
-            f"{len(request.block_hashes)} block hashes for {full} full blocks",
+            f"{len(request.block_hashes)} block hashes for {full} full blocks"
+            + (f" with {lookahead} tokens after each" if lookahead else ""),
         )
         need(
             request.num_prompt_tokens >= sched.max_model_len,
@@ -275,6 +277,21 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
             f"{request.num_prompt_tokens} tokens, max_model_len {sched.max_model_len}",
         )
     return found
+
+
+def hasher_lookahead(request: Any) -> int | None:
+    """L, the tokens after each block that the request's block hasher puts in its hash (the
+    ``num_hash_lookahead_tokens`` of vLLM's ``get_request_block_hasher``, read from the hasher's
+    closure: vLLM's tests give a request a lookahead hasher while the scheduler's own lookahead
+    is 0), the spec's ``Config.hash_lookahead``. None where there is no hasher or it is not
+    vLLM's (no such closure variable): its hashes then are checked as plain chained ones."""
+    hasher = getattr(request, "_block_hasher", None)
+    code = getattr(hasher, "__code__", None)
+    cells = getattr(hasher, "__closure__", None)
+    if code is None or not cells or "num_hash_lookahead_tokens" not in code.co_freevars:
+        return None
+    value = cells[code.co_freevars.index("num_hash_lookahead_tokens")].cell_contents
+    return value if type(value) is int and value >= 0 else None
 
 
 def skipped_read(sched: Any, request: Any) -> list[Feature]:
