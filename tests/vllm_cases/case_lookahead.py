@@ -122,3 +122,16 @@ def test_blocks_cached_at_the_output_are_caught():
 @pytest.mark.parametrize("plant", ["early", "blind"])
 def test_a_hasher_mutant_is_refused(plant):
     lookahead_workload(plant)
+
+
+def test_a_request_hashed_otherwise_is_refused():
+    """Two lookaheads in one scheduler, both added before anything is scheduled (under the
+    priority policy kvspec holds them until then): the spec has one."""
+    init_none_hash(sha256)
+    scheduler = make_scheduler(policy="priority", num_blocks=16)
+    for i, lookahead in enumerate((1, 0)):
+        hasher = get_request_block_hasher(BLOCK, sha256, lookahead)
+        request = make_request(f"r{i}", [1, 2, 3, 4, 5], hasher)
+        request.arrival_time = float(i)
+        scheduler.add_request(request)
+    drain(scheduler)

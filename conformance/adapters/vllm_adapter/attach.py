@@ -271,6 +271,7 @@ class Attachment:
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
         self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
+        self._hashed_arrival = False  # a request's hasher has set hash_lookahead (_lookahead)
         self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
         self._admitted: dict[str, int] = {}  # request id -> when the spec admitted it
@@ -1333,12 +1334,14 @@ class Attachment:
     def _lookahead(self, request: Request) -> None:
         """The request's block hasher's lookahead (``features.hasher_lookahead``) is the
         configuration's ``hash_lookahead``: taken as it at the first arrival, before any
-        event (the plugin then rebuilds the judge); a request hashed otherwise later is
-        refused ("lookahead hashing"). Prefix caching off reads no hash."""
+        event (the plugin then rebuilds the judge); a request hashed otherwise, later or held
+        beside it (priority arrivals), is refused ("lookahead hashing"). Prefix caching off
+        reads no hash."""
         lookahead = hasher_lookahead(request) or 0
+        first, self._hashed_arrival = not self._hashed_arrival, True
         if lookahead == self.config.hash_lookahead or not self.config.prefix_caching:
             return
-        if self.events or self.config.groups:
+        if not first or self.events or self.config.groups:
             self.refuse(
                 "lookahead hashing",
                 f"{request.request_id}'s hashes cover {lookahead} tokens after each block, "
