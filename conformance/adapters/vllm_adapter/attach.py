@@ -1040,6 +1040,11 @@ class Attachment:
                 self._admitted.pop(request.request_id, None)
                 self._appended.pop(request.request_id, None)
                 return original(request, *args, **kw)
+            if self.config.sliding_window is not None and self.scheduler.connector is not None:
+                # vLLM's _connector_finished frees the blocks before the window first
+                self.refuse(
+                    "sliding window", f"{request.request_id} finishes beside a KV connector"
+                )
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
             self._admitted.pop(request.request_id, None)
@@ -1197,6 +1202,8 @@ class Attachment:
             if given.get(name):
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
         external = int(given.get("num_external_computed_tokens") or 0)
+        if self.config.sliding_window is not None and (external or given.get("delay_cache_blocks")):
+            self.refuse("sliding window", f"{request.request_id}: a KV load under a window")
         if not external:
             return 0, 0
         bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)

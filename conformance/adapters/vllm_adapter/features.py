@@ -195,15 +195,16 @@ def sliding_window_of(sched: Any) -> int | None:
 
 def window_features(sched: Any, spec: Any) -> list[Feature]:
     """A sliding-window group: modelled (``Config.sliding_window``, read by ``config_of``) when
-    ``sliding_window_of`` reads it, alone, without drafts or a KV connector (the spec models
-    neither beside a window); refused as "sliding window" otherwise."""
+    ``sliding_window_of`` reads it, alone, without drafts (the spec does not model them beside a
+    window); refused as "sliding window" otherwise. Beside a KV connector it is judged up to what
+    the spec does not model there, refused where it happens (``attach.py``): a load (the spec's
+    ``schedule`` has none under a window) and a finish (vLLM's ``_connector_finished`` frees the
+    blocks before the window before the table)."""
     detail = f"{type(spec).__name__}({spec.sliding_window})"
     if sliding_window_of(sched) is None:
         return [("sliding window", detail)]
     if read(sched, "num_spec_tokens") or read(sched, "use_eagle"):
         return [("sliding window", f"{detail} with speculative decoding")]
-    if sched.connector is not None:
-        return [("sliding window", f"{detail} beside a KV connector")]
     return []
 
 
