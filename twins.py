@@ -100,6 +100,10 @@ GROUP_INVARIANTS = (
 """The invariants of several KV-cache groups (issue #36): vacuous with one group."""
 ONE_GROUP = Exempt("vacuous with one KV-cache group; the form refuses several", unreachable=True)
 NO_CONFIG = "takes no Config"
+LOOKAHEAD = (
+    "its hashes name a block's prefix alone (reference/hashing.py): judged by the spec only "
+    "(the pytest plugin's vLLM tests with a lookahead block hasher)"
+)
 DECLARED = (
     "NoUnwrittenRead",
     "NoUnwrittenPublish",
@@ -131,6 +135,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
+    "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
 }
 """The Z3 model's features (its ``Fragment``), which the lemmas share."""
 
@@ -174,7 +179,8 @@ TWINS: tuple[Twin, ...] = (
                 "loads",
             )
         }
-        | {"groups": FOLLOWS},
+        | {"groups": FOLLOWS}
+        | {"hash_lookahead": Refused(LOOKAHEAD)},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),
@@ -206,6 +212,7 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
             "groups": Refused("judged by the spec only: one table per request, one index"),
             "loads": FOLLOWS,
+            "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
         },
         invariants={
             "NoUnwrittenRead": IMPLEMENTS,
@@ -253,6 +260,10 @@ TWINS: tuple[Twin, ...] = (
                 "with the full definitions"
             ),
             "loads": FOLLOWS,
+            "hash_lookahead": Refused(
+                "its NoUnwrittenPublish reads a key as the prefix it names: SpecModel judges "
+                "lookahead keys with the full definitions"
+            ),
         },
         invariants={
             **{name: IMPLEMENTS for name in DECLARED},
@@ -347,6 +358,7 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
             "groups": Refused("its requests have one table and its pool one index"),
             "loads": FOLLOWS,
+            "hash_lookahead": Refused("its hashes are prefixes: a block is keyed once computed"),
         },
         invariants={
             **{

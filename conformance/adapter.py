@@ -98,7 +98,12 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
     """The reference engine's configuration of the spec's ``config``: every ``Config`` field
     (a spec constant the engine has no setting for is refused, never ignored: ``ValueError``),
     the policy as traits (``engine_traits``), then ``engine_only`` (e.g. ``vocab``)."""
+    if config.hash_lookahead:  # its hashes name a block's prefix alone: refused by its row
+        from kvspec import twins
+
+        raise twins.refused("kvspec.reference", "hash_lookahead")
     fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
+    del fields["hash_lookahead"]  # 0: the engine's own hashing
     # several KV-cache groups (issue #36) in the engine's own representation; () is one group
     fields["groups"] = tuple(GroupSpec(*group) for group in config.groups)
     unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))

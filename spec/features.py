@@ -87,6 +87,12 @@ FEATURES: dict[str, Feature] = {
             lambda c: len(getattr(c, "groups", ())) > 1,
             {"groups": (Group("full", 1), Group("state", 1))},
         ),
+        Feature(
+            "hash_lookahead",
+            "lookahead hashing (keys that name the tokens after a block)",
+            lambda c: c.hash_lookahead > 0,
+            {"hash_lookahead": 1},
+        ),
         Feature("loads", "external KV loads (and their failures)", None),
     )
 }
@@ -115,6 +121,7 @@ FIELDS_OF: dict[str, str] = {
     "defer_loads": "defer_loads",
     "sliding_window": "sliding_window",
     "groups": "groups",
+    "hash_lookahead": "hash_lookahead",
 }
 """Each ``Config`` field that is a feature's, and the feature."""
 

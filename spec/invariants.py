@@ -98,10 +98,11 @@ def no_unwritten_publish(s: State) -> Violation | None:
     }
     for key, blocks in s.index.items():
         for block in blocks:
-            if block not in unreported and not holds(eventual_content(s, block), key):
+            held = key[: len(key) - s.config.hash_lookahead]  # the lookahead is not held
+            if block not in unreported and not holds(eventual_content(s, block), held):
                 return Violation(
                     "NoUnwrittenPublish",
-                    f"block {block} is published for a {len(key)}-token prefix it will never hold",
+                    f"block {block} is published for a {len(held)}-token prefix it will never hold",
                     (block,),
                     tuple(r.id for r in s.requests.values() if block in r.table),
                 )

@@ -158,8 +158,11 @@ def registers_after_output(t: Traits) -> bool:
 
 
 def register(s: State, req: Request, upto: int) -> tuple[list[Event], list[int]]:
-    """Publish the request's blocks ``cached .. upto - 1``; return the events and the indices."""
+    """Publish the request's blocks ``cached .. upto - 1`` that have a key (``State.hashed``:
+    with ``hash_lookahead`` a computed block waits for the tokens after it); return the events
+    and the indices."""
     events: list[Event] = []
+    upto = min(upto, s.hashed(req))
     indices = list(range(req.cached, upto))
     for i in indices:
         events += publish(s, req, i)
@@ -226,6 +229,7 @@ def on_schedule(s: State, req: Request, step: Step, end: int) -> list[Event]:
             events += _groups_on_schedule(s, t, req, step, end)
         return events
     if t.publish == "hidden-until-written":
+        upto = min(upto, s.hashed(req))
         _track(s, t, step, req.id, range(req.cached, upto))
         req.cached = max(req.cached, upto)
         if s.config.hybrid:

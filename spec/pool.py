@@ -40,11 +40,12 @@ def holds(content: Content | None, prefix: Content) -> bool:
 
 def lookup(s: State, req: Request) -> list[int]:
     """The longest run of published blocks for the request's hashes, from its first block,
-    stopping at the first miss and capped so the last known token is always recomputed. None
-    without prefix caching. With a sliding window the rule is ``window_lookup``'s."""
+        stopping at the first miss and capped so the last known token is always recomputed (and at
+    the blocks that have a key, ``State.hashed``). None
+        without prefix caching. With a sliding window the rule is ``window_lookup``'s."""
     if not s.config.prefix_caching:
         return []
-    cap = (len(req.tokens) - 1) // s.config.block_size
+    cap = min((len(req.tokens) - 1) // s.config.block_size, s.hashed(req))
     if s.config.window is not None:
         return window_lookup(s, req, cap)
     hits: list[int] = []

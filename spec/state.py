@@ -189,6 +189,12 @@ class Config:
     request's blocks are fenced like those of a request a submitted step computes for: given
     up, they wait for the newest submitted step that computes (vLLM's ``defer_async_loads``,
     ``deferred_loads``; ``docs/model.md``, "Deferred block free")."""
+    hash_lookahead: int = 0
+    """L, lookahead hashing: the key of a block names its tokens and the L tokens after it (vLLM's
+    block hasher with ``num_hash_lookahead_tokens``: a drafter's K/V at a block's last position
+    depends on them), so a block has a key, and can be published or hit, only once those L
+    tokens are known (``State.hashed``). 0: a key names the block's prefix alone
+    (``docs/model.md``, "Lookahead hashing")."""
 
     def __post_init__(self) -> None:
         from .policies import POLICIES  # the registry: policies.py imports this module
@@ -244,6 +250,12 @@ class Config:
             (
                 isinstance(self.defer_loads, bool) and (self.defer_free or not self.defer_loads),
                 f"defer_loads must be a bool, and needs defer_free, got {self.defer_loads!r}",
+            ),
+            (
+                isinstance(self.hash_lookahead, int)
+                and self.hash_lookahead >= 0
+                and not (self.hash_lookahead and self.groups),
+                f"hash_lookahead must be an integer >= 0, one group only, got {self.hash_lookahead!r}",
             ),
         ]
         for ok, message in checks:
@@ -512,8 +524,16 @@ class State:
         return 0 if w is None else max(0, computed - w + 1) // self.config.block_size
 
     def key(self, req: Request, index: int) -> Key:
-        """The chained hash of the request's block ``index`` (of its known tokens)."""
-        return tuple(req.tokens[: (index + 1) * self.config.block_size])
+        """The chained hash of the request's block ``index`` (of its known tokens): its prefix,
+        and with ``hash_lookahead`` L the L tokens after it (a block below ``hashed`` has them)."""
+        return tuple(
+            req.tokens[: (index + 1) * self.config.block_size + self.config.hash_lookahead]
+        )
+
+    def hashed(self, req: Request) -> int:
+        """How many of the request's leading blocks have a key: its full blocks, less those
+        whose ``hash_lookahead`` tokens after them are not known yet."""
+        return max(0, len(req.tokens) - self.config.hash_lookahead) // self.config.block_size
 
     def seen(self, req: Request, step: int, entry: Entry) -> list[int | Placeholder | Draft]:
         """The request's tokens 0 .. ``entry.end`` - 1 as ``entry`` of step ``step`` computes

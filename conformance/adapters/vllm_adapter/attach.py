@@ -94,6 +94,7 @@ from .features import (
     AsyncScheduler,
     Feature,
     grammar_ready,
+    hasher_lookahead,
     lora_skips,
     passed_over,
     pending_features,
@@ -270,6 +271,7 @@ class Attachment:
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
         self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
+        self._hashed_arrival = False  # a request's hasher has set hash_lookahead (_lookahead)
         self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
         self._admitted: dict[str, int] = {}  # request id -> when the spec admitted it
@@ -527,6 +529,7 @@ class Attachment:
             if feature[0] == "streaming input" or request.prompt_token_ids is None:
                 return
             break
+        self._lookahead(request)
         self._check_hashes(request, len(request.block_hashes))
         room = self.scheduler.max_model_len - request.num_prompt_tokens
         max_tokens = min(request.max_tokens, room)
@@ -1037,6 +1040,11 @@ class Attachment:
                 self._admitted.pop(request.request_id, None)
                 self._appended.pop(request.request_id, None)
                 return original(request, *args, **kw)
+            if self.config.sliding_window is not None and self.scheduler.connector is not None:
+                # vLLM's _connector_finished frees the blocks before the window first
+                self.refuse(
+                    "sliding window", f"{request.request_id} finishes beside a KV connector"
+                )
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
             self._admitted.pop(request.request_id, None)
@@ -1194,6 +1202,8 @@ class Attachment:
             if given.get(name):
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
         external = int(given.get("num_external_computed_tokens") or 0)
+        if self.config.sliding_window is not None and (external or given.get("delay_cache_blocks")):
+            self.refuse("sliding window", f"{request.request_id}: a KV load under a window")
         if not external:
             return 0, 0
         bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)
@@ -1328,14 +1338,35 @@ class Attachment:
         else:
             self._pending.append(event)
 
+    def _lookahead(self, request: Request) -> None:
+        """The request's block hasher's lookahead (``features.hasher_lookahead``) is the
+        configuration's ``hash_lookahead``: taken as it at the first arrival, before any
+        event (the plugin then rebuilds the judge); a request hashed otherwise, later or held
+        beside it (priority arrivals), is refused ("lookahead hashing"). Prefix caching off
+        reads no hash."""
+        lookahead = hasher_lookahead(request) or 0
+        first, self._hashed_arrival = not self._hashed_arrival, True
+        if lookahead == self.config.hash_lookahead or not self.config.prefix_caching:
+            return
+        if not first or self.events or self.config.groups:
+            self.refuse(
+                "lookahead hashing",
+                f"{request.request_id}'s hashes cover {lookahead} tokens after each block, "
+                f"the configuration's {self.config.hash_lookahead}",
+            )
+            return
+        self.config = replace(self.config, hash_lookahead=lookahead)
+
     def _check_hashes(self, request: Request, upto: int) -> None:
-        """Block hashes must be a function of the token prefix, and a prefix's alone: a hash
+        """Block hashes must be a function of the token prefix (with ``hash_lookahead`` L, of the
+        prefix and the L tokens after it), and a prefix's alone: a hash
         collision (two prefixes, one hash) or a hash that is not (one prefix, two hashes) is
         a hashing the spec's keys cannot follow."""
         hashes, tokens, bsz = request.block_hashes, request.all_token_ids, self.block_size
         start = self._checked.get(request.request_id, 0)
         for i in range(start, min(upto, len(hashes))):
-            link = (hashes[i - 1] if i else None, tuple(tokens[i * bsz : (i + 1) * bsz]))
+            end = (i + 1) * bsz + self.config.hash_lookahead  # and the tokens after it
+            link = (hashes[i - 1] if i else None, tuple(tokens[i * bsz : end]))
             known = self._links.setdefault(link, hashes[i])
             if known != hashes[i]:
                 self.refuse("block hashes not a function of the tokens", f"{request.request_id}")

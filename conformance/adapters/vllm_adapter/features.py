@@ -195,15 +195,16 @@ def sliding_window_of(sched: Any) -> int | None:
 
 def window_features(sched: Any, spec: Any) -> list[Feature]:
     """A sliding-window group: modelled (``Config.sliding_window``, read by ``config_of``) when
-    ``sliding_window_of`` reads it, alone, without drafts or a KV connector (the spec models
-    neither beside a window); refused as "sliding window" otherwise."""
+    ``sliding_window_of`` reads it, alone, without drafts (the spec does not model them beside a
+    window); refused as "sliding window" otherwise. Beside a KV connector it is judged up to what
+    the spec does not model there, refused where it happens (``attach.py``): a load (the spec's
+    ``schedule`` has none under a window) and a finish (vLLM's ``_connector_finished`` frees the
+    blocks before the window before the table)."""
     detail = f"{type(spec).__name__}({spec.sliding_window})"
     if sliding_window_of(sched) is None:
         return [("sliding window", detail)]
     if read(sched, "num_spec_tokens") or read(sched, "use_eagle"):
         return [("sliding window", f"{detail} with speculative decoding")]
-    if sched.connector is not None:
-        return [("sliding window", f"{detail} beside a KV connector")]
     return []
 
 
@@ -263,11 +264,13 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     )
     if request.prompt_token_ids is not None:
         bsz = sched.block_size
-        full = request.num_tokens // bsz
+        lookahead = hasher_lookahead(request) or 0
+        full = max(0, request.num_tokens - lookahead) // bsz
         need(  # without prefix caching no hash is ever read
             caching and len(request.block_hashes) != full,
             "no block hasher",
-            f"{len(request.block_hashes)} block hashes for {full} full blocks",
+            f"{len(request.block_hashes)} block hashes for {full} full blocks"
+            + (f" with {lookahead} tokens after each" if lookahead else ""),
         )
         need(
             request.num_prompt_tokens >= sched.max_model_len,
@@ -275,6 +278,21 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
             f"{request.num_prompt_tokens} tokens, max_model_len {sched.max_model_len}",
         )
     return found
+
+
+def hasher_lookahead(request: Any) -> int | None:
+    """L, the tokens after each block that the request's block hasher puts in its hash (the
+    ``num_hash_lookahead_tokens`` of vLLM's ``get_request_block_hasher``, read from the hasher's
+    closure: vLLM's tests give a request a lookahead hasher while the scheduler's own lookahead
+    is 0), the spec's ``Config.hash_lookahead``. None where there is no hasher or it is not
+    vLLM's (no such closure variable): its hashes then are checked as plain chained ones."""
+    hasher = getattr(request, "_block_hasher", None)
+    code = getattr(hasher, "__code__", None)
+    cells = getattr(hasher, "__closure__", None)
+    if code is None or not cells or "num_hash_lookahead_tokens" not in code.co_freevars:
+        return None
+    value = cells[code.co_freevars.index("num_hash_lookahead_tokens")].cell_contents
+    return value if type(value) is int and value >= 0 else None
 
 
 def skipped_read(sched: Any, request: Any) -> list[Feature]:
