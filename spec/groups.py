@@ -428,18 +428,13 @@ def reads_in_flight(
     """(step, request, entry, group, position, block, tokens) of every read of groups
     1 .. G - 1 by a live entry of a step not executed yet (of groups of kind ``only`` if
     given); ``tokens`` as the step sees them."""
-    for step in s.steps:
-        if step.phase == "executed":
-            continue
-        for rid, e in step.entries.items():
-            if e.load or rid not in step.live or not e.group_blocks:
+    for step, rid, e in _live_group_entries(s):
+        tokens = tuple(s.ahead(s.requests[rid]))
+        for g, blocks in enumerate(e.group_blocks, 1):
+            if only is not None and kind(s, g) != only:
                 continue
-            tokens = tuple(s.ahead(s.requests[rid]))
-            for g, blocks in enumerate(e.group_blocks, 1):
-                if only is not None and kind(s, g) != only:
-                    continue
-                for at, block in reads_of(s, g, e.start, blocks):
-                    yield step, rid, e, g, at, block, tokens
+            for at, block in reads_of(s, g, e.start, blocks):
+                yield step, rid, e, g, at, block, tokens
 
 
 def window_blocks_in_flight(s: State) -> Iterator[tuple[Step, int, int, int, int]]:
@@ -447,17 +442,22 @@ def window_blocks_in_flight(s: State) -> Iterator[tuple[Step, int, int, int, int
     1 .. G - 1 that a live entry of a step not executed yet attends: those of the window of its
     first token, and its own blocks, which the step writes and its later tokens read (group 0's
     form: ``NoUnwrittenRead``'s window clause, "its own blocks too")."""
+    for step, rid, e in _live_group_entries(s):
+        for g, blocks in enumerate(e.group_blocks, 1):
+            if kind(s, g) == "window":
+                for at in range(skipped(s, g, e.start), len(blocks)):
+                    yield step, rid, g, at, blocks[at]
+
+
+def _live_group_entries(s: State) -> Iterator[tuple[Step, int, Entry]]:
+    """(step, request, entry) of every live entry of a step not executed yet that holds blocks
+    of groups 1 .. G - 1 (loads left out: they read nothing)."""
     for step in s.steps:
         if step.phase == "executed":
             continue
         for rid, e in step.entries.items():
-            if e.load or rid not in step.live or not e.group_blocks:
-                continue
-            for g, blocks in enumerate(e.group_blocks, 1):
-                if kind(s, g) != "window":
-                    continue
-                for at in range(skipped(s, g, e.start), len(blocks)):
-                    yield step, rid, g, at, blocks[at]
+            if not e.load and rid in step.live and e.group_blocks:
+                yield step, rid, e
 
 
 def tables_fit(s: State, req: Request) -> bool:
