@@ -162,20 +162,33 @@ class PoolAttachment:
         outer = self.depth == 0
         if outer:
             self._safe(self._enter, name)
-        saved = self.holder
+        saved, emitted = self.holder, len(self.events)
         if holder is not None:
             self.holder = self._safe(self._holder, holder)
         self.depth += 1
         try:
             return body()
         except BaseException as err:
-            self.refuse("vLLM raised", f"{type(err).__name__} in {name}()")
+            if not (outer and self._rejected(emitted)):
+                self.refuse("vLLM raised", f"{type(err).__name__} in {name}()")
             raise
         finally:
             self.depth -= 1
             self.holder = saved
             if outer:
                 self._safe(self._exit)
+
+    def _rejected(self, emitted: int) -> bool:
+        """vLLM raised in an outermost call that emitted no event and left the pool as it was
+        before the call (``snapshot``): a rejected call, a no-op the pool machine judges as
+        such (vLLM's guard of ``cache_partial_block`` against a tail off the hash boundary,
+        say). Anything else it left is unknown to the spec: refused."""
+        if self.refusal is not None or len(self.events) != emitted:
+            return False
+        try:
+            return bool(self.snapshot() == self._last)
+        except Exception:  # vLLM's state unreadable after its exception
+            return False
 
     def _enter(self, name: str) -> None:
         if self.refusal is not None:
