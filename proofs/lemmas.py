@@ -45,6 +45,7 @@ from .symbolic import (
     SState,
     Term,
     conj,
+    count,
     disj,
     reads_hold,
     zmin,
@@ -63,18 +64,27 @@ class Lemma:
     predicate: Callable[[Model, SState], Term]
     family: Callable[[Traits], bool] | None = None
     """The policies it is stated for, by their traits (``spec.policies``; None: all)."""
+    scheduling: str = "any"
+    """``sync``: stated only for models without placeholders; ``async``: only with them."""
 
     def applies(self, policy: str) -> bool:
         return self.family is None or self.family(POLICIES[policy])
+
+    def applies_to(self, m: Model) -> bool:
+        """Stated for the model's policy and its scheduling (placeholders or not)."""
+        timing = self.scheduling == "any" or (self.scheduling == "async") == m.async_
+        return timing and self.applies(m.config.policy)
 
 
 LEMMAS: list[Lemma] = []
 
 
-def lemma(why: str, family: Callable[[Traits], bool] | None = None) -> Callable:
+def lemma(
+    why: str, family: Callable[[Traits], bool] | None = None, scheduling: str = "any"
+) -> Callable:
     def register(fn: Callable[[Model, SState], Term]) -> Callable[[Model, SState], Term]:
         name = "".join(part.title() for part in fn.__name__.split("_"))
-        LEMMAS.append(Lemma(name, why, fn, family))
+        LEMMAS.append(Lemma(name, why, fn, family, scheduling))
         return fn
 
     return register
@@ -85,7 +95,7 @@ def lemmas(m: Model, S: SState, names: list[str] | None = None) -> dict[str, Ter
     return {
         lem.name: lem.predicate(m, S)
         for lem in LEMMAS
-        if lem.applies(m.config.policy) and (names is None or lem.name in names)
+        if lem.applies_to(m) and (names is None or lem.name in names)
     }
 
 
@@ -99,10 +109,23 @@ def _live_after(m: Model, S: SState, k: int, r: int) -> Term:
     return disj([S["elive", kk, r] for kk in range(k + 1, m.D)])
 
 
+def _sampling_before(m: Model, S: SState, k: int, r: int) -> Term:
+    """How many of request r's live entries in steps older than slot k sample: under async
+    scheduling each is a placeholder beyond r's known tokens."""
+    return count(
+        [
+            conj([S["nst"] > kk, S["ea", kk, r], S["esam", kk, r], S["elive", kk, r]])
+            for kk in range(k)
+        ]
+    )
+
+
 def _fills(m: Model, S: SState, k: int, r: int, lo: Term, hi: Term) -> Term:
     """Table indices [lo, hi) are blocks that r's entry in slot k fills to their end, from the
     block the entry starts in (or the range is empty)."""
     es, ee = S["es", k, r], S["ee", k, r]
+    if m.async_:  # or from an older block: registration stops at the known tokens
+        return Implies(lo < hi, conj([hi <= m.floor_blocks(ee), lo >= 0]))
     return Implies(lo < hi, conj([m.floor_blocks(es) <= lo, hi <= m.floor_blocks(ee), lo >= 0]))
 
 
@@ -198,7 +221,20 @@ def lengths(m: Model, S: SState) -> Term:
         parts.append(Implies(unfinished, S["len", r] < S["plen", r] + S["maxt", r]))
         for k in range(m.D):
             ea, ee = S["ea", k, r], S["ee", k, r]
-            parts.append(Implies(ea, If(S["esam", k, r], ee == S["len", r], ee < S["len", r])))
+            if not m.async_:
+                parts.append(Implies(ea, If(S["esam", k, r], ee == S["len", r], ee < S["len", r])))
+                continue
+            # async: a live entry ends at the known tokens plus the placeholders of r's older
+            # live sampling entries (each commit turns one into a known token). Any entry ends
+            # at most G placeholders beyond the tokens known when it was scheduled (fewer than
+            # plen + maxt), and known tokens only grow; a withdrawn sampling entry ends at or
+            # beyond them, since only r's older live sampling entries append to r meanwhile
+            ahead = S["len", r] + _sampling_before(m, S, k, r)
+            parts.append(Implies(S["elive", k, r], If(S["esam", k, r], ee == ahead, ee < ahead)))
+            parts.append(Implies(ea, ee <= S["len", r] + m.G))
+            parts.append(Implies(ea, ee <= S["plen", r] + S["maxt", r] - 1 + m.G))
+            dead = conj([ea, Not(S["elive", k, r]), S["esam", k, r]])
+            parts.append(Implies(dead, ee >= S["len", r]))
     return conj(parts)
 
 
@@ -209,7 +245,8 @@ def lengths(m: Model, S: SState) -> Term:
 def progress_bounds(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
-        parts += [S["comp", r] >= 0, S["comp", r] <= S["len", r], S["cach", r] >= 0]
+        known = S["len", r] + m.ahead(S, r)[0] if m.async_ else S["len", r]
+        parts += [S["comp", r] >= 0, S["comp", r] <= known, S["cach", r] >= 0]
         parts.append(S["cach", r] <= S["ntab", r])
         parts.append(_in(S["ntab", r], 0, len(m.M)))
         parts += [Implies(S["ntab", r] > i, _in(S["tab", r, i], 1, m.blocks[-1])) for i in m.M]
@@ -253,11 +290,18 @@ def references_valid(m: Model, S: SState) -> Term:
             ]
         )
         parts.append(Implies(S["hk", b], key))
-        parts.append(Implies(S["wv", b], _names_prefix(m, S, S["wreq", b], S["wlen", b], 1)))
-        for k in range(m.D):
-            parts.append(
-                Implies(S["pa", b, k], _names_prefix(m, S, S["preq", b, k], S["pl", b, k], 1))
-            )
+        contents = [(S["wv", b], S["wreq", b], S["wlen", b], S["wk", b] if m.async_ else None)]
+        contents += [
+            (S["pa", b, k], S["preq", b, k], S["pl", b, k], S["pk", b, k] if m.async_ else None)
+            for k in range(m.D)
+        ]
+        for valid, req, length, known in contents:
+            if known is None:
+                parts.append(Implies(valid, _names_prefix(m, S, req, length, 1)))
+                continue
+            # async: the known tokens name a prefix, the rest (at most G) are placeholders
+            shape = [_names_prefix(m, S, req, known, 1), known <= length, length <= known + m.G]
+            parts.append(Implies(valid, conj(shape)))
     return conj(parts)
 
 
@@ -286,7 +330,10 @@ def entries_match_tables(m: Model, S: SState) -> Term:
     for k in range(m.D):
         for r in m.R:
             ea, es, ee = S["ea", k, r], S["es", k, r], S["ee", k, r]
-            shape = conj([S["st", r] != NONE, es >= 0, es < ee, ee <= S["len", r]])
+            known = S["len", r]
+            if m.async_:  # placeholders beyond the known tokens (``Lengths``)
+                known = known + m.G
+            shape = conj([S["st", r] != NONE, es >= 0, es < ee, ee <= known])
             parts.append(Implies(ea, shape))
             parts.append(Implies(S["elive", k, r], ea))
             nblk = m.ceil_blocks(ee)
@@ -433,7 +480,7 @@ def tables_eventually_hold(m: Model, S: SState) -> Term:
         for i in m.M:
             block = S["tab", r, i]
             held = conj([S["st", r] == RUNNING, S["ntab", r] > i])
-            prefix = (r, zmin(S["comp", r], (i + 1) * m.B))
+            prefix = m.reader_prefix(S, r, zmin(S["comp", r], (i + 1) * m.B))
             parts.append(Implies(held, m.holds_eventually(S, block, prefix)))
     return conj(parts)
 
@@ -457,7 +504,13 @@ def held_keys_match(m: Model, S: SState) -> Term:
 @lemma(
     "NoUnwrittenRead holds for withdrawn entries of submitted steps too: a submitted step "
     "still runs all its reads and writes, and nothing changes a block's content before it "
-    "runs except the writes of older steps, which the reads already account for."
+    "runs except the writes of older steps, which the reads already account for. Not under "
+    "async scheduling: there a withdrawn entry reads against its request's tokens as they are "
+    "seen now (``State.seen``), whose placeholders are newer live steps', not the discarded "
+    "ones it wrote, so its read can be bad and garble its own writes (for the deferring "
+    "policies harmless: a block someone holds again gets a newer write, "
+    "``DeadWritesOverwritten``).",
+    scheduling="sync",
 )
 def dead_entries_read_well(m: Model, S: SState) -> Term:
     return conj(reads_hold(m, S, live_only=False))
@@ -542,6 +595,13 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     family=lambda t: t.publish in ("at-schedule", "hidden-until-written"),  # all but deferred
 )
 def cached_tracks_computed(m: Model, S: SState) -> Term:
+    if m.async_:  # registration stops at the known tokens: up to the full computed blocks
+        return conj(
+            [
+                Implies(S["st", r] == RUNNING, S["cach", r] <= m.floor_blocks(S["comp", r]))
+                for r in m.R
+            ]
+        )
     return conj(
         [Implies(S["st", r] == RUNNING, S["cach", r] == m.floor_blocks(S["comp", r])) for r in m.R]
     )

@@ -66,6 +66,55 @@ def test_a_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.verdict == "cti"
 
 
+ASYNC = dict(depth=2, async_scheduling=True)
+"""Async scheduling with a step in flight while another is built: placeholders exist."""
+
+
+@pytest.mark.parametrize("policy", ["deferred", "hide-uncommitted"])
+def test_safe_async_cells_are_inductive(policy: str) -> None:
+    """The async forms of the lemmas (known tokens plus placeholders in flight) make the safe
+    async cells inductive; ``DeadEntriesReadWell`` is stated for synchronous cells only."""
+    result = induction.prove_inductive(fragment(policy, **ASYNC), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+    assert "DeadEntriesReadWell" not in result.lemmas
+    synchronous = sy.Model(fragment(policy, depth=2))
+    assert "DeadEntriesReadWell" in induction.conjunct_names(synchronous)
+
+
+def test_dead_entries_read_well_is_not_stated_under_async(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stated under async scheduling too, ``DeadEntriesReadWell`` is not preserved: a
+    withdrawn entry reads against its request's placeholders as seen now, not the discarded
+    ones it wrote, and its bad read garbles a block another withdrawn entry reads."""
+    everywhere = [
+        lm.Lemma(lem.name, lem.why, lem.predicate, lem.family)
+        if lem.name == "DeadEntriesReadWell"
+        else lem
+        for lem in lm.LEMMAS
+    ]
+    monkeypatch.setattr(lm, "LEMMAS", everywhere)
+    result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "execute" and "DeadEntriesReadWell" in result.cti.broken
+
+
+def test_the_synchronous_lengths_are_refuted_under_async(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Lengths`` with no placeholders counted (a live sampling entry ends at the known
+    tokens, the synchronous fact): scheduling a token on a placeholder breaks it (the CTI of
+    docs/proofs.md)."""
+    monkeypatch.setattr(lm, "_sampling_before", lambda m, S, k, r: z3.IntVal(0))
+    result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "schedule" and "Lengths" in result.cti.broken
+
+
+def test_an_async_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit that (wrongly) leaves its placeholders unresolved in written and pending
+    contents: a later reader finds a placeholder where it expects the sampled token."""
+    monkeypatch.setattr(sy.Model, "resolve", lambda self, S, r, sid: S)
+    result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
+    assert result.verdict == "cti"
+
+
 def test_base_case_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     wrong = lm.Lemma("NobodyArrives", "false once a request arrives", lambda m, S: S["nst"] == 1)
     monkeypatch.setattr(lm, "LEMMAS", [*lm.LEMMAS, wrong])
