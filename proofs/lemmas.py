@@ -109,6 +109,15 @@ def _live_after(m: Model, S: SState, k: int, r: int) -> Term:
     return disj([S["elive", kk, r] for kk in range(k + 1, m.D)])
 
 
+def _holds_its_blocks(m: Model, S: SState, k: int, r: int) -> Term:
+    """r's entry in slot k is live and r still holds the entry's blocks: with stale output
+    delivered a preempted request's entries in submitted steps stay live (their output is
+    delivered) while it waits with its table freed."""
+    if m.deliver:
+        return And(S["elive", k, r], S["st", r] == RUNNING)
+    return S["elive", k, r]
+
+
 def _sampling_before(m: Model, S: SState, k: int, r: int) -> Term:
     """How many of request r's live entries in steps older than slot k sample: under async
     scheduling each is a placeholder beyond r's known tokens."""
@@ -338,8 +347,44 @@ def entries_match_tables(m: Model, S: SState) -> Term:
             parts.append(Implies(S["elive", k, r], ea))
             nblk = m.ceil_blocks(ee)
             same = [Implies(nblk > i, S["eblk", k, r, i] == S["tab", r, i]) for i in m.M]
+            if m.deliver:  # live and waiting: preempted after its step was submitted, so
+                # not in the building step, and not admitted again while it is in flight
+                parts.append(
+                    Implies(S["elive", k, r], Or(S["st", r] == RUNNING, S["st", r] == WAITING))
+                )
+                # only a finish or an abort withdraws an entry of a submitted step (a
+                # preemption withdraws the building step's entry, which leaves the step)
+                parts.append(Implies(And(ea, Not(S["elive", k, r])), S["st", r] == FINISHED))
+                stale = And(S["elive", k, r], S["st", r] == WAITING)
+                idle = [S["ph", k] != BUILDING, S["ntab", r] == 0, S["comp", r] == 0]
+                parts.append(Implies(stale, conj(idle)))
+                # its freed blocks go to others only through the building step, which is newer:
+                # another request's write to them in this step or an older one (a withdrawn
+                # entry's) is followed by its own, before this step
+                for i in m.M:
+
+                    def mine(b: int, k: int = k, r: int = r) -> Term:
+                        parts = []
+                        for kk in range(k + 1):
+                            other = And(S["pa", b, kk], S["preq", b, kk] != r)
+                            own = [
+                                And(S["pa", b, j], S["preq", b, j] == r)
+                                for j in range(kk + 1, k + 1)
+                            ]
+                            parts.append(Implies(other, disj(own)))
+                        return conj(parts)
+
+                    block = S["eblk", k, r, i]
+                    used = And(stale, m.ceil_blocks(ee) > i)
+                    parts.append(Implies(used, m.at_block(block, mine)))
+                    # the blocks are a snapshot of its table then: distinct
+                    parts += [
+                        Implies(And(stale, m.ceil_blocks(ee) > j), block != S["eblk", k, r, j])
+                        for j in m.M
+                        if j > i
+                    ]
             live = conj([S["st", r] == RUNNING, S["comp", r] >= ee] + same)
-            parts.append(Implies(S["elive", k, r], live))
+            parts.append(Implies(_holds_its_blocks(m, S, k, r), live))
             parts += [
                 Implies(And(ea, nblk > i), _in(S["eblk", k, r, i], 1, m.blocks[-1])) for i in m.M
             ]
@@ -392,6 +437,44 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
             )
             parts.append(Implies(S["pa", b, k], And(open_, owner)))
     return conj(parts)
+
+
+@lemma(
+    "under async scheduling a pending write knows every token its request knows up to its "
+    "length: schedule writes min(length, known), a commit that appends a token of the writer "
+    "resolves that placeholder in the pending write (an older step's, the oldest first), and "
+    "no other commit appends to the writer while the write's step is in flight.",
+    scheduling="async",
+)
+def pending_known_is_length(m: Model, S: SState) -> Term:
+    parts = []
+    for b in m.blocks:
+        for k in range(m.D):
+            pk, pl = S["pk", b, k], S["pl", b, k]
+            knows = [And(S["preq", b, k] == r, pk == zmin(pl, S["len", r])) for r in m.R]
+            parts.append(Implies(S["pa", b, k], disj(knows)))
+            # a live writer's placeholders are its request's live sampling steps older than k
+            for r in m.R:
+                cells = _cells_before(m, S, k, r)
+                live = conj([S["pa", b, k], S["preq", b, k] == r, S["elive", k, r]])
+                same = [Implies(pl - pk > i, S["pc", b, k, i] == cells[i]) for i in range(m.G)]
+                parts.append(Implies(live, conj(same)))
+    return conj(parts)
+
+
+def _cells_before(m: Model, S: SState, k: int, r: int) -> list[Term]:
+    """The step ids of r's live sampling entries older than slot k, oldest first (``ahead``)."""
+    active = [
+        conj([S["nst"] > kk, S["ea", kk, r], S["esam", kk, r], S["elive", kk, r]])
+        for kk in range(k)
+    ]
+    cells = []
+    for i in range(m.G):
+        out: Term = z3.IntVal(-1)
+        for kk in reversed(range(k)):
+            out = If(And(active[kk], count(active[:kk]) == i), S["sid", kk], out)
+        cells.append(out)
+    return cells
 
 
 @lemma(
@@ -460,7 +543,7 @@ def newest_entry_ends_at_computed(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         for k in range(m.D):
-            newest = And(S["elive", k, r], Not(_live_after(m, S, k, r)))
+            newest = And(_holds_its_blocks(m, S, k, r), Not(_live_after(m, S, k, r)))
             parts.append(Implies(newest, S["ee", k, r] == S["comp", r]))
     return conj(parts)
 
@@ -504,12 +587,11 @@ def held_keys_match(m: Model, S: SState) -> Term:
 @lemma(
     "NoUnwrittenRead holds for withdrawn entries of submitted steps too: a submitted step "
     "still runs all its reads and writes, and nothing changes a block's content before it "
-    "runs except the writes of older steps, which the reads already account for. Not under "
-    "async scheduling: there a withdrawn entry reads against its request's tokens as they are "
-    "seen now (``State.seen``), whose placeholders are newer live steps', not the discarded "
-    "ones it wrote, so its read can be bad and garble its own writes (for the deferring "
-    "policies harmless: a block someone holds again gets a newer write, "
-    "``DeadWritesOverwritten``).",
+    "runs except the writes of older steps, which the reads already account for. Stated for "
+    "synchronous cells only: under async scheduling the spec judges a withdrawn entry's read "
+    "against its request's tokens as seen now (``State.seen``), whose placeholders are newer "
+    "live steps', not those it was scheduled with, so this argument does not carry over, and "
+    "the async proofs do not need it.",
     scheduling="sync",
 )
 def dead_entries_read_well(m: Model, S: SState) -> Term:
@@ -547,7 +629,7 @@ def written_blocks_unshared(m: Model, S: SState) -> Term:
             first = m.floor_blocks(S["es", k, r])
             nblk = m.ceil_blocks(S["ee", k, r])
             for i in m.M:
-                writes = conj([open_, S["elive", k, r], first <= i, nblk > i])
+                writes = conj([open_, _holds_its_blocks(m, S, k, r), first <= i, nblk > i])
                 parts.append(
                     Implies(writes, m.at_block(S["eblk", k, r, i], lambda b: S["ref", b] == 1))
                 )
@@ -564,7 +646,9 @@ def dead_writes_overwritten(m: Model, S: SState) -> Term:
     parts = []
     for b in m.blocks:
         for k in range(m.D):
-            live_writer = disj([And(S["preq", b, k] == r, S["elive", k, r]) for r in m.R])
+            live_writer = disj(
+                [And(S["preq", b, k] == r, _holds_its_blocks(m, S, k, r)) for r in m.R]
+            )
             newer = disj([S["pa", b, kk] for kk in range(k + 1, m.D)])
             cond = conj([S["pa", b, k], Not(live_writer), S["ref", b] >= 1])
             parts.append(Implies(cond, newer))
@@ -585,7 +669,7 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     for k in range(m.D):
         for r in m.R:
             span = _fills(m, S, k, r, S["rlo", k, r], S["rhi", k, r])
-            parts.append(Implies(S["ra", k, r], And(S["elive", k, r], span)))
+            parts.append(Implies(S["ra", k, r], And(_holds_its_blocks(m, S, k, r), span)))
     return conj(parts)
 
 

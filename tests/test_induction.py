@@ -82,9 +82,9 @@ def test_safe_async_cells_are_inductive(policy: str) -> None:
 
 
 def test_dead_entries_read_well_is_not_stated_under_async(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stated under async scheduling too, ``DeadEntriesReadWell`` is not preserved: a
-    withdrawn entry reads against its request's placeholders as seen now, not the discarded
-    ones it wrote, and its bad read garbles a block another withdrawn entry reads."""
+    """Stated under async scheduling too, ``DeadEntriesReadWell`` is not preserved at N=4: a
+    withdrawn entry reads against its request's placeholders as seen now, not the ones it was
+    scheduled with (a CTI at execute; the async proofs do without it)."""
     everywhere = [
         lm.Lemma(lem.name, lem.why, lem.predicate, lem.family)
         if lem.name == "DeadEntriesReadWell"
@@ -92,7 +92,7 @@ def test_dead_entries_read_well_is_not_stated_under_async(monkeypatch: pytest.Mo
         for lem in lm.LEMMAS
     ]
     monkeypatch.setattr(lm, "LEMMAS", everywhere)
-    result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
+    result = induction.prove_inductive(fragment("deferred", blocks=4, **ASYNC), 300)
     assert result.verdict == "cti" and result.cti is not None
     assert result.cti.instance[0] == "execute" and "DeadEntriesReadWell" in result.cti.broken
 
@@ -105,6 +105,34 @@ def test_the_synchronous_lengths_are_refuted_under_async(monkeypatch: pytest.Mon
     result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
     assert result.verdict == "cti" and result.cti is not None
     assert result.cti.instance[0] == "schedule" and "Lengths" in result.cti.broken
+
+
+DELIVER = dict(depth=2, stale_output="deliver")
+"""Stale output delivered: a preempted request's entries in submitted steps stay live."""
+
+
+@pytest.mark.parametrize("timing", [{}, {"async_scheduling": True}])
+def test_delivered_stale_output_is_inductive(timing: dict[str, bool]) -> None:
+    result = induction.prove_inductive(fragment("deferred", **DELIVER, **timing), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+
+
+def test_delivered_output_is_not_holding_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a live entry's request taken to hold its blocks, as without delivered output:
+    preempting a request whose older step is in flight breaks it (a reachable state)."""
+    monkeypatch.setattr(lm, "_holds_its_blocks", lambda m, S, k, r: S["elive", k, r])
+    result = induction.prove_inductive(fragment("deferred", **DELIVER), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "preempt"
+
+
+def test_a_pending_write_names_its_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a live writer's placeholders named by no step (the lemma's step ids wrong):
+    the first write that carries a placeholder refutes the lemma."""
+    monkeypatch.setattr(lm, "_cells_before", lambda m, S, k, r: [z3.IntVal(-1)] * m.G)
+    result = induction.prove_inductive(fragment("deferred", async_scheduling=True, **DELIVER), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert "PendingKnownIsLength" in result.cti.broken
 
 
 def test_an_async_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
