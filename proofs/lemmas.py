@@ -22,7 +22,10 @@ preemption). A lemma can be limited to a family of policies, named by their trai
 The lemmas were found the usual way: run the proof, read the counterexample to induction (an
 unreachable state that steps out), state the fact that rules it out, repeat. 26 lemmas make all
 eleven cells the fuzzer finds safe inductive; the four unsafe cells stay non-inductive, and bounded
-model checking finds their real counterexamples.
+model checking finds their real counterexamples. Under async scheduling (placeholders) and with
+stale output delivered some lemmas take another form (``Lemma.scheduling``, ``_holds_its_blocks``;
+docs/proofs.md, "The async lemmas of the per-size proofs"), which makes the safe cells there
+inductive too; the synchronous cells' terms are unchanged.
 """
 
 from __future__ import annotations
