@@ -298,11 +298,15 @@ TWINS: tuple[Twin, ...] = (
     Twin(
         "kvspec.proofs.lemmas",
         "the strengthening lemmas of the inductive proofs",
-        "with the invariants, inductive for the safe cells (so true on every reachable state), "
+        "with the invariants, inductive for the safe cells (so true on every reachable state; "
+        "the safe async and delivered-output cells too, by the lemmas' async forms), "
         "and a counterexample to induction when one is removed",
         (
             "tests/test_induction.py::test_safe_cells_are_inductive",
             "tests/test_induction.py::test_a_missing_lemma_leaves_a_counterexample_to_induction",
+            "tests/test_induction.py::test_safe_async_cells_are_inductive",
+            "tests/test_induction.py::test_the_synchronous_lengths_are_refuted_under_async",
+            "tests/test_induction.py::test_delivered_stale_output_is_inductive",
         ),
         label="the lemmas",
         features=Z3_FEATURES,

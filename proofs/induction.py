@@ -177,7 +177,7 @@ def conjuncts(model: sy.Model) -> dict[str, Callable[[sy.SState], Any]]:
     for name, fn in sy.Z3_INVARIANTS.items():
         out[name] = functools.partial(fn, model)
     for lem in lm.LEMMAS:
-        if lem.applies(model.config.policy):
+        if lem.applies_to(model):
             out[lem.name] = functools.partial(lem.predicate, model)
     return out
 
@@ -551,7 +551,7 @@ class CellInduction:
 
 def conjunct_names(model: sy.Model) -> list[str]:
     names = list(sy.Z3_INVARIANTS)
-    names += [lem.name for lem in lm.LEMMAS if lem.applies(model.config.policy)]
+    names += [lem.name for lem in lm.LEMMAS if lem.applies_to(model)]
     return names
 
 

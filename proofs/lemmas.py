@@ -22,7 +22,10 @@ preemption). A lemma can be limited to a family of policies, named by their trai
 The lemmas were found the usual way: run the proof, read the counterexample to induction (an
 unreachable state that steps out), state the fact that rules it out, repeat. 26 lemmas make all
 eleven cells the fuzzer finds safe inductive; the four unsafe cells stay non-inductive, and bounded
-model checking finds their real counterexamples.
+model checking finds their real counterexamples. Under async scheduling (placeholders) and with
+stale output delivered some lemmas take another form (``Lemma.scheduling``, ``_holds_its_blocks``;
+docs/proofs.md, "The async lemmas of the per-size proofs"), which makes the safe cells there
+inductive too; the synchronous cells' terms are unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from .symbolic import (
     SState,
     Term,
     conj,
+    count,
     disj,
     reads_hold,
     zmin,
@@ -63,18 +67,27 @@ class Lemma:
     predicate: Callable[[Model, SState], Term]
     family: Callable[[Traits], bool] | None = None
     """The policies it is stated for, by their traits (``spec.policies``; None: all)."""
+    scheduling: str = "any"
+    """``sync``: stated only for models without placeholders; ``async``: only with them."""
 
     def applies(self, policy: str) -> bool:
         return self.family is None or self.family(POLICIES[policy])
+
+    def applies_to(self, m: Model) -> bool:
+        """Stated for the model's policy and its scheduling (placeholders or not)."""
+        timing = self.scheduling == "any" or (self.scheduling == "async") == m.async_
+        return timing and self.applies(m.config.policy)
 
 
 LEMMAS: list[Lemma] = []
 
 
-def lemma(why: str, family: Callable[[Traits], bool] | None = None) -> Callable:
+def lemma(
+    why: str, family: Callable[[Traits], bool] | None = None, scheduling: str = "any"
+) -> Callable:
     def register(fn: Callable[[Model, SState], Term]) -> Callable[[Model, SState], Term]:
         name = "".join(part.title() for part in fn.__name__.split("_"))
-        LEMMAS.append(Lemma(name, why, fn, family))
+        LEMMAS.append(Lemma(name, why, fn, family, scheduling))
         return fn
 
     return register
@@ -85,7 +98,7 @@ def lemmas(m: Model, S: SState, names: list[str] | None = None) -> dict[str, Ter
     return {
         lem.name: lem.predicate(m, S)
         for lem in LEMMAS
-        if lem.applies(m.config.policy) and (names is None or lem.name in names)
+        if lem.applies_to(m) and (names is None or lem.name in names)
     }
 
 
@@ -99,10 +112,32 @@ def _live_after(m: Model, S: SState, k: int, r: int) -> Term:
     return disj([S["elive", kk, r] for kk in range(k + 1, m.D)])
 
 
+def _holds_its_blocks(m: Model, S: SState, k: int, r: int) -> Term:
+    """r's entry in slot k is live and r still holds the entry's blocks: with stale output
+    delivered a preempted request's entries in submitted steps stay live (their output is
+    delivered) while it waits with its table freed."""
+    if m.deliver:
+        return And(S["elive", k, r], S["st", r] == RUNNING)
+    return S["elive", k, r]
+
+
+def _sampling_before(m: Model, S: SState, k: int, r: int) -> Term:
+    """How many of request r's live entries in steps older than slot k sample: under async
+    scheduling each is a placeholder beyond r's known tokens."""
+    return count(
+        [
+            conj([S["nst"] > kk, S["ea", kk, r], S["esam", kk, r], S["elive", kk, r]])
+            for kk in range(k)
+        ]
+    )
+
+
 def _fills(m: Model, S: SState, k: int, r: int, lo: Term, hi: Term) -> Term:
     """Table indices [lo, hi) are blocks that r's entry in slot k fills to their end, from the
     block the entry starts in (or the range is empty)."""
     es, ee = S["es", k, r], S["ee", k, r]
+    if m.async_:  # or from an older block: registration stops at the known tokens
+        return Implies(lo < hi, conj([hi <= m.floor_blocks(ee), lo >= 0]))
     return Implies(lo < hi, conj([m.floor_blocks(es) <= lo, hi <= m.floor_blocks(ee), lo >= 0]))
 
 
@@ -198,7 +233,20 @@ def lengths(m: Model, S: SState) -> Term:
         parts.append(Implies(unfinished, S["len", r] < S["plen", r] + S["maxt", r]))
         for k in range(m.D):
             ea, ee = S["ea", k, r], S["ee", k, r]
-            parts.append(Implies(ea, If(S["esam", k, r], ee == S["len", r], ee < S["len", r])))
+            if not m.async_:
+                parts.append(Implies(ea, If(S["esam", k, r], ee == S["len", r], ee < S["len", r])))
+                continue
+            # async: a live entry ends at the known tokens plus the placeholders of r's older
+            # live sampling entries (each commit turns one into a known token). Any entry ends
+            # at most G placeholders beyond the tokens known when it was scheduled (fewer than
+            # plen + maxt), and known tokens only grow; a withdrawn sampling entry ends at or
+            # beyond them, since only r's older live sampling entries append to r meanwhile
+            ahead = S["len", r] + _sampling_before(m, S, k, r)
+            parts.append(Implies(S["elive", k, r], If(S["esam", k, r], ee == ahead, ee < ahead)))
+            parts.append(Implies(ea, ee <= S["len", r] + m.G))
+            parts.append(Implies(ea, ee <= S["plen", r] + S["maxt", r] - 1 + m.G))
+            dead = conj([ea, Not(S["elive", k, r]), S["esam", k, r]])
+            parts.append(Implies(dead, ee >= S["len", r]))
     return conj(parts)
 
 
@@ -209,7 +257,8 @@ def lengths(m: Model, S: SState) -> Term:
 def progress_bounds(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
-        parts += [S["comp", r] >= 0, S["comp", r] <= S["len", r], S["cach", r] >= 0]
+        known = S["len", r] + m.ahead(S, r)[0] if m.async_ else S["len", r]
+        parts += [S["comp", r] >= 0, S["comp", r] <= known, S["cach", r] >= 0]
         parts.append(S["cach", r] <= S["ntab", r])
         parts.append(_in(S["ntab", r], 0, len(m.M)))
         parts += [Implies(S["ntab", r] > i, _in(S["tab", r, i], 1, m.blocks[-1])) for i in m.M]
@@ -253,11 +302,18 @@ def references_valid(m: Model, S: SState) -> Term:
             ]
         )
         parts.append(Implies(S["hk", b], key))
-        parts.append(Implies(S["wv", b], _names_prefix(m, S, S["wreq", b], S["wlen", b], 1)))
-        for k in range(m.D):
-            parts.append(
-                Implies(S["pa", b, k], _names_prefix(m, S, S["preq", b, k], S["pl", b, k], 1))
-            )
+        contents = [(S["wv", b], S["wreq", b], S["wlen", b], S["wk", b] if m.async_ else None)]
+        contents += [
+            (S["pa", b, k], S["preq", b, k], S["pl", b, k], S["pk", b, k] if m.async_ else None)
+            for k in range(m.D)
+        ]
+        for valid, req, length, known in contents:
+            if known is None:
+                parts.append(Implies(valid, _names_prefix(m, S, req, length, 1)))
+                continue
+            # async: the known tokens name a prefix, the rest (at most G) are placeholders
+            shape = [_names_prefix(m, S, req, known, 1), known <= length, length <= known + m.G]
+            parts.append(Implies(valid, conj(shape)))
     return conj(parts)
 
 
@@ -286,13 +342,52 @@ def entries_match_tables(m: Model, S: SState) -> Term:
     for k in range(m.D):
         for r in m.R:
             ea, es, ee = S["ea", k, r], S["es", k, r], S["ee", k, r]
-            shape = conj([S["st", r] != NONE, es >= 0, es < ee, ee <= S["len", r]])
+            known = S["len", r]
+            if m.async_:  # placeholders beyond the known tokens (``Lengths``)
+                known = known + m.G
+            shape = conj([S["st", r] != NONE, es >= 0, es < ee, ee <= known])
             parts.append(Implies(ea, shape))
             parts.append(Implies(S["elive", k, r], ea))
             nblk = m.ceil_blocks(ee)
             same = [Implies(nblk > i, S["eblk", k, r, i] == S["tab", r, i]) for i in m.M]
+            if m.deliver:  # live and waiting: preempted after its step was submitted, so
+                # not in the building step, and not admitted again while it is in flight
+                parts.append(
+                    Implies(S["elive", k, r], Or(S["st", r] == RUNNING, S["st", r] == WAITING))
+                )
+                # only a finish or an abort withdraws an entry of a submitted step (a
+                # preemption withdraws the building step's entry, which leaves the step)
+                parts.append(Implies(And(ea, Not(S["elive", k, r])), S["st", r] == FINISHED))
+                stale = And(S["elive", k, r], S["st", r] == WAITING)
+                idle = [S["ph", k] != BUILDING, S["ntab", r] == 0, S["comp", r] == 0]
+                parts.append(Implies(stale, conj(idle)))
+                # its freed blocks go to others only through the building step, which is newer:
+                # another request's write to them in this step or an older one (a withdrawn
+                # entry's) is followed by its own, before this step
+                for i in m.M:
+
+                    def mine(b: int, k: int = k, r: int = r) -> Term:
+                        parts = []
+                        for kk in range(k + 1):
+                            other = And(S["pa", b, kk], S["preq", b, kk] != r)
+                            own = [
+                                And(S["pa", b, j], S["preq", b, j] == r)
+                                for j in range(kk + 1, k + 1)
+                            ]
+                            parts.append(Implies(other, disj(own)))
+                        return conj(parts)
+
+                    block = S["eblk", k, r, i]
+                    used = And(stale, m.ceil_blocks(ee) > i)
+                    parts.append(Implies(used, m.at_block(block, mine)))
+                    # the blocks are a snapshot of its table then: distinct
+                    parts += [
+                        Implies(And(stale, m.ceil_blocks(ee) > j), block != S["eblk", k, r, j])
+                        for j in m.M
+                        if j > i
+                    ]
             live = conj([S["st", r] == RUNNING, S["comp", r] >= ee] + same)
-            parts.append(Implies(S["elive", k, r], live))
+            parts.append(Implies(_holds_its_blocks(m, S, k, r), live))
             parts += [
                 Implies(And(ea, nblk > i), _in(S["eblk", k, r, i], 1, m.blocks[-1])) for i in m.M
             ]
@@ -345,6 +440,44 @@ def pending_matches_entries(m: Model, S: SState) -> Term:
             )
             parts.append(Implies(S["pa", b, k], And(open_, owner)))
     return conj(parts)
+
+
+@lemma(
+    "under async scheduling a pending write knows every token its request knows up to its "
+    "length: schedule writes min(length, known), a commit that appends a token of the writer "
+    "resolves that placeholder in the pending write (an older step's, the oldest first), and "
+    "no other commit appends to the writer while the write's step is in flight.",
+    scheduling="async",
+)
+def pending_known_is_length(m: Model, S: SState) -> Term:
+    parts = []
+    for b in m.blocks:
+        for k in range(m.D):
+            pk, pl = S["pk", b, k], S["pl", b, k]
+            knows = [And(S["preq", b, k] == r, pk == zmin(pl, S["len", r])) for r in m.R]
+            parts.append(Implies(S["pa", b, k], disj(knows)))
+            # a live writer's placeholders are its request's live sampling steps older than k
+            for r in m.R:
+                cells = _cells_before(m, S, k, r)
+                live = conj([S["pa", b, k], S["preq", b, k] == r, S["elive", k, r]])
+                same = [Implies(pl - pk > i, S["pc", b, k, i] == cells[i]) for i in range(m.G)]
+                parts.append(Implies(live, conj(same)))
+    return conj(parts)
+
+
+def _cells_before(m: Model, S: SState, k: int, r: int) -> list[Term]:
+    """The step ids of r's live sampling entries older than slot k, oldest first (``ahead``)."""
+    active = [
+        conj([S["nst"] > kk, S["ea", kk, r], S["esam", kk, r], S["elive", kk, r]])
+        for kk in range(k)
+    ]
+    cells = []
+    for i in range(m.G):
+        out: Term = z3.IntVal(-1)
+        for kk in reversed(range(k)):
+            out = If(And(active[kk], count(active[:kk]) == i), S["sid", kk], out)
+        cells.append(out)
+    return cells
 
 
 @lemma(
@@ -413,7 +546,7 @@ def newest_entry_ends_at_computed(m: Model, S: SState) -> Term:
     parts = []
     for r in m.R:
         for k in range(m.D):
-            newest = And(S["elive", k, r], Not(_live_after(m, S, k, r)))
+            newest = And(_holds_its_blocks(m, S, k, r), Not(_live_after(m, S, k, r)))
             parts.append(Implies(newest, S["ee", k, r] == S["comp", r]))
     return conj(parts)
 
@@ -433,7 +566,7 @@ def tables_eventually_hold(m: Model, S: SState) -> Term:
         for i in m.M:
             block = S["tab", r, i]
             held = conj([S["st", r] == RUNNING, S["ntab", r] > i])
-            prefix = (r, zmin(S["comp", r], (i + 1) * m.B))
+            prefix = m.reader_prefix(S, r, zmin(S["comp", r], (i + 1) * m.B))
             parts.append(Implies(held, m.holds_eventually(S, block, prefix)))
     return conj(parts)
 
@@ -457,7 +590,12 @@ def held_keys_match(m: Model, S: SState) -> Term:
 @lemma(
     "NoUnwrittenRead holds for withdrawn entries of submitted steps too: a submitted step "
     "still runs all its reads and writes, and nothing changes a block's content before it "
-    "runs except the writes of older steps, which the reads already account for."
+    "runs except the writes of older steps, which the reads already account for. Stated for "
+    "synchronous cells only: under async scheduling the spec judges a withdrawn entry's read "
+    "against its request's tokens as seen now (``State.seen``), whose placeholders are newer "
+    "live steps', not those it was scheduled with, so this argument does not carry over, and "
+    "the async proofs do not need it.",
+    scheduling="sync",
 )
 def dead_entries_read_well(m: Model, S: SState) -> Term:
     return conj(reads_hold(m, S, live_only=False))
@@ -494,7 +632,7 @@ def written_blocks_unshared(m: Model, S: SState) -> Term:
             first = m.floor_blocks(S["es", k, r])
             nblk = m.ceil_blocks(S["ee", k, r])
             for i in m.M:
-                writes = conj([open_, S["elive", k, r], first <= i, nblk > i])
+                writes = conj([open_, _holds_its_blocks(m, S, k, r), first <= i, nblk > i])
                 parts.append(
                     Implies(writes, m.at_block(S["eblk", k, r, i], lambda b: S["ref", b] == 1))
                 )
@@ -511,7 +649,9 @@ def dead_writes_overwritten(m: Model, S: SState) -> Term:
     parts = []
     for b in m.blocks:
         for k in range(m.D):
-            live_writer = disj([And(S["preq", b, k] == r, S["elive", k, r]) for r in m.R])
+            live_writer = disj(
+                [And(S["preq", b, k] == r, _holds_its_blocks(m, S, k, r)) for r in m.R]
+            )
             newer = disj([S["pa", b, kk] for kk in range(k + 1, m.D)])
             cond = conj([S["pa", b, k], Not(live_writer), S["ref", b] >= 1])
             parts.append(Implies(cond, newer))
@@ -532,7 +672,7 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     for k in range(m.D):
         for r in m.R:
             span = _fills(m, S, k, r, S["rlo", k, r], S["rhi", k, r])
-            parts.append(Implies(S["ra", k, r], And(S["elive", k, r], span)))
+            parts.append(Implies(S["ra", k, r], And(_holds_its_blocks(m, S, k, r), span)))
     return conj(parts)
 
 
@@ -542,6 +682,13 @@ def step_buckets_are_filled_blocks(m: Model, S: SState) -> Term:
     family=lambda t: t.publish in ("at-schedule", "hidden-until-written"),  # all but deferred
 )
 def cached_tracks_computed(m: Model, S: SState) -> Term:
+    if m.async_:  # registration stops at the known tokens: up to the full computed blocks
+        return conj(
+            [
+                Implies(S["st", r] == RUNNING, S["cach", r] <= m.floor_blocks(S["comp", r]))
+                for r in m.R
+            ]
+        )
     return conj(
         [Implies(S["st", r] == RUNNING, S["cach", r] == m.floor_blocks(S["comp", r])) for r in m.R]
     )

@@ -66,6 +66,83 @@ def test_a_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.verdict == "cti"
 
 
+ASYNC = dict(depth=2, async_scheduling=True)
+"""Async scheduling with a step in flight while another is built: placeholders exist."""
+
+
+@pytest.mark.parametrize("policy", ["deferred", "hide-uncommitted"])
+def test_safe_async_cells_are_inductive(policy: str) -> None:
+    """The async forms of the lemmas (known tokens plus placeholders in flight) make the safe
+    async cells inductive; ``DeadEntriesReadWell`` is stated for synchronous cells only."""
+    result = induction.prove_inductive(fragment(policy, **ASYNC), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+    assert "DeadEntriesReadWell" not in result.lemmas
+    synchronous = sy.Model(fragment(policy, depth=2))
+    assert "DeadEntriesReadWell" in induction.conjunct_names(synchronous)
+
+
+def test_dead_entries_read_well_is_not_stated_under_async(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stated under async scheduling too, ``DeadEntriesReadWell`` is not preserved at N=4: a
+    withdrawn entry reads against its request's placeholders as seen now, not the ones it was
+    scheduled with (a CTI at execute; the async proofs do without it)."""
+    everywhere = [
+        lm.Lemma(lem.name, lem.why, lem.predicate, lem.family)
+        if lem.name == "DeadEntriesReadWell"
+        else lem
+        for lem in lm.LEMMAS
+    ]
+    monkeypatch.setattr(lm, "LEMMAS", everywhere)
+    result = induction.prove_inductive(fragment("deferred", blocks=4, **ASYNC), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "execute" and "DeadEntriesReadWell" in result.cti.broken
+
+
+def test_the_synchronous_lengths_are_refuted_under_async(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Lengths`` with no placeholders counted (a live sampling entry ends at the known
+    tokens, the synchronous fact): scheduling a token on a placeholder breaks it (the CTI of
+    docs/proofs.md)."""
+    monkeypatch.setattr(lm, "_sampling_before", lambda m, S, k, r: z3.IntVal(0))
+    result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "schedule" and "Lengths" in result.cti.broken
+
+
+DELIVER = dict(depth=2, stale_output="deliver")
+"""Stale output delivered: a preempted request's entries in submitted steps stay live."""
+
+
+@pytest.mark.parametrize("timing", [{}, {"async_scheduling": True}])
+def test_delivered_stale_output_is_inductive(timing: dict[str, bool]) -> None:
+    result = induction.prove_inductive(fragment("deferred", **DELIVER, **timing), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+
+
+def test_delivered_output_is_not_holding_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a live entry's request taken to hold its blocks, as without delivered output:
+    preempting a request whose older step is in flight breaks it (a reachable state)."""
+    monkeypatch.setattr(lm, "_holds_its_blocks", lambda m, S, k, r: S["elive", k, r])
+    result = induction.prove_inductive(fragment("deferred", **DELIVER), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "preempt"
+
+
+def test_a_pending_write_names_its_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a live writer's placeholders named by no step (the lemma's step ids wrong):
+    the first write that carries a placeholder refutes the lemma."""
+    monkeypatch.setattr(lm, "_cells_before", lambda m, S, k, r: [z3.IntVal(-1)] * m.G)
+    result = induction.prove_inductive(fragment("deferred", async_scheduling=True, **DELIVER), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert "PendingKnownIsLength" in result.cti.broken
+
+
+def test_an_async_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit that (wrongly) leaves its placeholders unresolved in written and pending
+    contents: a later reader finds a placeholder where it expects the sampled token."""
+    monkeypatch.setattr(sy.Model, "resolve", lambda self, S, r, sid: S)
+    result = induction.prove_inductive(fragment("deferred", **ASYNC), 300)
+    assert result.verdict == "cti"
+
+
 def test_base_case_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     wrong = lm.Lemma("NobodyArrives", "false once a request arrives", lambda m, S: S["nst"] == 1)
     monkeypatch.setattr(lm, "LEMMAS", [*lm.LEMMAS, wrong])
