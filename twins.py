@@ -131,6 +131,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
+    "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
 }
 """The Z3 model's features (its ``Fragment``), which the lemmas share."""
 
@@ -174,7 +175,8 @@ TWINS: tuple[Twin, ...] = (
                 "loads",
             )
         }
-        | {"groups": FOLLOWS},
+        | {"groups": FOLLOWS}
+        | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),
@@ -206,6 +208,7 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
             "groups": Refused("judged by the spec only: one table per request, one index"),
             "loads": FOLLOWS,
+            "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
         },
         invariants={
             "NoUnwrittenRead": IMPLEMENTS,
@@ -253,6 +256,7 @@ TWINS: tuple[Twin, ...] = (
                 "with the full definitions"
             ),
             "loads": FOLLOWS,
+            "cache_aware_admission": FOLLOWS,  # the spec's actions reorder; no invariant reads the order
         },
         invariants={
             **{name: IMPLEMENTS for name in DECLARED},
@@ -347,6 +351,9 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
             "groups": Refused("its requests have one table and its pool one index"),
             "loads": FOLLOWS,
+            "cache_aware_admission": Refused(
+                "its admissions take the queue's head in arrival order"
+            ),
         },
         invariants={
             **{

@@ -87,6 +87,12 @@ FEATURES: dict[str, Feature] = {
             lambda c: len(getattr(c, "groups", ())) > 1,
             {"groups": (Group("full", 1), Group("state", 1))},
         ),
+        Feature(
+            "cache_aware_admission",
+            "cache-aware admission (the waiting queue reordered by cached prefix)",
+            lambda c: c.admission_window > 0,
+            {"admission_window": 2},
+        ),
         Feature("loads", "external KV loads (and their failures)", None),
     )
 }
@@ -115,6 +121,8 @@ FIELDS_OF: dict[str, str] = {
     "defer_loads": "defer_loads",
     "sliding_window": "sliding_window",
     "groups": "groups",
+    "admission_window": "cache_aware_admission",
+    "admission_threshold": "cache_aware_admission",
 }
 """Each ``Config`` field that is a feature's, and the feature."""
 

@@ -189,6 +189,14 @@ class Config:
     request's blocks are fenced like those of a request a submitted step computes for: given
     up, they wait for the newest submitted step that computes (vLLM's ``defer_async_loads``,
     ``deferred_loads``; ``docs/model.md``, "Deferred block free")."""
+    admission_window: int = 0
+    """Cache-aware admission (vLLM 0.34.0's ``cache_aware_admission_window``, fcfs with prefix
+    caching): the first this many waiting requests are reordered, deepest cached prefix first,
+    once per step that preempts nothing, when the pool's usage is at least
+    ``admission_threshold`` (``spec/admission.py``; ``docs/model.md``, "Cache-aware
+    admission"). 0: strict queue order."""
+    admission_threshold: float = 0.5
+    """The usage (1 - free / (N - 1)) below which ``admission_window`` is not applied."""
 
     def __post_init__(self) -> None:
         from .policies import POLICIES  # the registry: policies.py imports this module
@@ -205,6 +213,10 @@ class Config:
                 f"unknown policy {self.policy!r}; one of {', '.join((*POLICIES, *OBSERVED_POLICIES))}",
             ),
             (self.discipline in DISCIPLINES, f"unknown discipline {self.discipline!r}"),
+            (
+                self.admission_window >= 0 and 0.0 <= self.admission_threshold <= 1.0,
+                "admission_window must be >= 0 and admission_threshold in [0, 1]",
+            ),
             (self.preemption in PREEMPTIONS, f"unknown preemption {self.preemption!r}"),
             (self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}"),
             (self.max_running >= 1, f"max_running must be >= 1, got {self.max_running}"),
@@ -330,6 +342,9 @@ class Request:
     is scheduled again or lets go of its table. ``SharedImpliesSamePrefix`` counts that block as
     full."""
 
+    preempted: bool = False
+    """Preempted since it last ran and not admitted again (vLLM's ``PREEMPTED`` status): the
+    cache-aware reorder does not move it (``spec/admission.py``)."""
     group_tables: list[list[int]] = field(default_factory=list)
     """Several groups (``Config.groups``): the tables of groups 1 .. G - 1, in group order
     (``table`` is group 0's); ``group_tables[g - 1][i]`` holds that group's block ``i``, tokens
@@ -391,6 +406,8 @@ class Step:
     budget_used: int = 0
     preempted: bool = False
     admitted: bool = False
+    reordered: bool = False
+    """The cache-aware admission rule was applied in this step (``spec/admission.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
