@@ -142,7 +142,8 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         req.cached = len(hits)
         s.waiting.remove(rid)
         s.running.append(rid)
-        req.status, step.admitted, req.preempted = "running", True, False
+        req.status, step.admitted = "running", True
+        req.preempted = False
     else:
         if num_loaded:
             raise Illegal(f"{where}: only an admission may load blocks")
@@ -216,7 +217,8 @@ def preempt(s: State, rid: int) -> list[Event]:
     events = _leave(s, req, stale=cfg.stale_output)
     s.running.remove(rid)
     s.waiting.insert(0, rid)
-    req.status, req.preempted = "waiting", True
+    req.status = "waiting"
+    req.preempted = bool(cfg.admission_window)  # its one reader: spec/admission.py
     return events
 
 

@@ -59,8 +59,8 @@ def movable(s: State, rid: int) -> bool:
 
 def reorder_once(s: State, step: Step) -> None:
     """Apply the rule to the waiting queue, once in ``step`` and not in a step that preempted."""
-    if step.reordered or step.preempted:
-        return
+    if not s.config.admission_window or step.reordered or step.preempted:
+        return  # off: nothing recorded (the other forms' states have neither field set)
     step.reordered = True
     new = reordered(s)
     if new is not None and new != s.waiting:

@@ -344,7 +344,8 @@ class Request:
 
     preempted: bool = False
     """Preempted since it last ran and not admitted again (vLLM's ``PREEMPTED`` status): the
-    cache-aware reorder does not move it (``spec/admission.py``)."""
+    cache-aware reorder does not move it (``spec/admission.py``). Kept only with
+    ``Config.admission_window``, its one reader."""
     group_tables: list[list[int]] = field(default_factory=list)
     """Several groups (``Config.groups``): the tables of groups 1 .. G - 1, in group order
     (``table`` is group 0's); ``group_tables[g - 1][i]`` holds that group's block ``i``, tokens
