@@ -136,6 +136,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
+    "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
 }
 """The Z3 model's features (its ``Fragment``), which the lemmas share."""
 
@@ -180,7 +181,8 @@ TWINS: tuple[Twin, ...] = (
             )
         }
         | {"groups": FOLLOWS}
-        | {"hash_lookahead": Refused(LOOKAHEAD)},
+        | {"hash_lookahead": Refused(LOOKAHEAD)}
+        | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),
@@ -213,6 +215,7 @@ TWINS: tuple[Twin, ...] = (
             "groups": Refused("judged by the spec only: one table per request, one index"),
             "loads": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
+            "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
         },
         invariants={
             "NoUnwrittenRead": IMPLEMENTS,
@@ -264,6 +267,7 @@ TWINS: tuple[Twin, ...] = (
                 "its NoUnwrittenPublish reads a key as the prefix it names: SpecModel judges "
                 "lookahead keys with the full definitions"
             ),
+            "cache_aware_admission": FOLLOWS,  # the spec's actions reorder; no invariant reads the order
         },
         invariants={
             **{name: IMPLEMENTS for name in DECLARED},
@@ -363,6 +367,9 @@ TWINS: tuple[Twin, ...] = (
             "groups": Refused("its requests have one table and its pool one index"),
             "loads": FOLLOWS,
             "hash_lookahead": Refused("its hashes are prefixes: a block is keyed once computed"),
+            "cache_aware_admission": Refused(
+                "its admissions take the queue's head in arrival order"
+            ),
         },
         invariants={
             **{

@@ -106,6 +106,11 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
     del fields["hash_lookahead"]  # 0: the engine's own hashing
     # several KV-cache groups (issue #36) in the engine's own representation; () is one group
     fields["groups"] = tuple(GroupSpec(*group) for group in config.groups)
+    if config.admission_window:  # cache-aware admission: declared refused in twins.py
+        from kvspec import twins
+
+        raise twins.refused("kvspec.reference", "cache_aware_admission")
+    del fields["admission_window"], fields["admission_threshold"]  # off: queue order, the engine's
     unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
     if unknown:
         raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")

@@ -83,6 +83,11 @@ JSON_TYPES = {
     "bool": (lambda value: isinstance(value, bool), "true or false", False),
     "int": (lambda value: _is_int(value), "an integer", True),
     "int | None": (lambda value: value is None or _is_int(value), "an integer or null", False),
+    "float": (
+        lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+        "a number",
+        True,
+    ),
 }
 """How a model field is checked, by its ``Config`` annotation: (the test, what it must be,
 whether the message names the JSON type it got). A field of another annotation is left to

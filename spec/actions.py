@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import groups, policies
+from . import admission, groups, policies
 from .pool import (
     Event,
     allocate,
@@ -110,6 +110,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         )
     events: list[Event] = []
     if req.status == "waiting":
+        admission.reorder_once(s, step)
         _admission_guard(s, step, req, where)
         if num_loaded and (cfg.window is not None or cfg.hybrid):
             raise Illegal(f"{where}: external loads under a window or groups are not modelled")
@@ -142,6 +143,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         s.waiting.remove(rid)
         s.running.append(rid)
         req.status, step.admitted = "running", True
+        req.preempted = False
     else:
         if num_loaded:
             raise Illegal(f"{where}: only an admission may load blocks")
@@ -216,6 +218,7 @@ def preempt(s: State, rid: int) -> list[Event]:
     s.running.remove(rid)
     s.waiting.insert(0, rid)
     req.status = "waiting"
+    req.preempted = bool(cfg.admission_window)  # its one reader: spec/admission.py
     return events
 
 
@@ -242,6 +245,7 @@ def submit(s: State, step_id: int) -> list[Event]:
     step = _building(s, f"submit step {step_id}")
     if step.id != step_id:
         raise Illegal(f"submit step {step_id}: step {step.id} is building")
+    admission.reorder_once(s, step)  # a step that admitted nothing reorders all the same
     step.phase = "submitted"
     s.touched.steps = True
     return []

@@ -93,6 +93,12 @@ FEATURES: dict[str, Feature] = {
             lambda c: c.hash_lookahead > 0,
             {"hash_lookahead": 1},
         ),
+        Feature(
+            "cache_aware_admission",
+            "cache-aware admission (the waiting queue reordered by cached prefix)",
+            lambda c: c.admission_window > 0,
+            {"admission_window": 2},
+        ),
         Feature("loads", "external KV loads (and their failures)", None),
     )
 }
@@ -122,6 +128,8 @@ FIELDS_OF: dict[str, str] = {
     "sliding_window": "sliding_window",
     "groups": "groups",
     "hash_lookahead": "hash_lookahead",
+    "admission_window": "cache_aware_admission",
+    "admission_threshold": "cache_aware_admission",
 }
 """Each ``Config`` field that is a feature's, and the feature."""
 

@@ -195,6 +195,14 @@ class Config:
     depends on them), so a block has a key, and can be published or hit, only once those L
     tokens are known (``State.hashed``). 0: a key names the block's prefix alone
     (``docs/model.md``, "Lookahead hashing")."""
+    admission_window: int = 0
+    """Cache-aware admission (vLLM 0.34.0's ``cache_aware_admission_window``, fcfs with prefix
+    caching): the first this many waiting requests are reordered, deepest cached prefix first,
+    once per step that preempts nothing, when the pool's usage is at least
+    ``admission_threshold`` (``spec/admission.py``; ``docs/model.md``, "Cache-aware
+    admission"). 0: strict queue order."""
+    admission_threshold: float = 0.5
+    """The usage (1 - free / (N - 1)) below which ``admission_window`` is not applied."""
 
     def __post_init__(self) -> None:
         from .policies import POLICIES  # the registry: policies.py imports this module
@@ -211,6 +219,10 @@ class Config:
                 f"unknown policy {self.policy!r}; one of {', '.join((*POLICIES, *OBSERVED_POLICIES))}",
             ),
             (self.discipline in DISCIPLINES, f"unknown discipline {self.discipline!r}"),
+            (
+                self.admission_window >= 0 and 0.0 <= self.admission_threshold <= 1.0,
+                "admission_window must be >= 0 and admission_threshold in [0, 1]",
+            ),
             (self.preemption in PREEMPTIONS, f"unknown preemption {self.preemption!r}"),
             (self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}"),
             (self.max_running >= 1, f"max_running must be >= 1, got {self.max_running}"),
@@ -342,6 +354,10 @@ class Request:
     is scheduled again or lets go of its table. ``SharedImpliesSamePrefix`` counts that block as
     full."""
 
+    preempted: bool = False
+    """Preempted since it last ran and not admitted again (vLLM's ``PREEMPTED`` status): the
+    cache-aware reorder does not move it (``spec/admission.py``). Kept only with
+    ``Config.admission_window``, its one reader."""
     group_tables: list[list[int]] = field(default_factory=list)
     """Several groups (``Config.groups``): the tables of groups 1 .. G - 1, in group order
     (``table`` is group 0's); ``group_tables[g - 1][i]`` holds that group's block ``i``, tokens
@@ -403,6 +419,8 @@ class Step:
     budget_used: int = 0
     preempted: bool = False
     admitted: bool = False
+    reordered: bool = False
+    """The cache-aware admission rule was applied in this step (``spec/admission.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

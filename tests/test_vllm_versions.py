@@ -177,10 +177,7 @@ def test_a_bounded_or_skipped_prefix_cache_read_that_cuts_a_hit_is_refused(
 @ON_034
 @pytest.mark.parametrize(
     ("option", "value", "feature"),
-    [
-        ("cache_aware_admission_window", 4, "cache-aware admission"),
-        ("max_num_inflight_kv_loads", 2, "in-flight KV load limit"),
-    ],
+    [("max_num_inflight_kv_loads", 2, "in-flight KV load limit")],
 )
 def test_new_admission_options_are_refused_at_construction(
     option: str, value: int, feature: str
@@ -191,6 +188,20 @@ def test_new_admission_options_are_refused_at_construction(
     attachment = attach(scheduler)
     assert attachment.refusal is not None and attachment.refusal.at == "construction"
     assert feature in attachment.refusal.features, attachment.refusal
+
+
+@ON_034
+def test_cache_aware_admission_is_modelled_at_construction() -> None:
+    """``cache_aware_admission_window`` on a plain fcfs scheduler with caching: no refusal, the
+    spec's configuration carries the window and the threshold (``spec/admission.py``; the
+    judging itself: ``tests/test_vllm_plugin_admission.py``)."""
+    vconfig = build.new_vllm_config(16, 2, 16, 4, "fcfs", 1, False)
+    vconfig.scheduler_config.cache_aware_admission_window = 4
+    vconfig.scheduler_config.cache_aware_admission_threshold = 0.25
+    scheduler = build.scheduler_on(vconfig, CELL, async_scheduling=False)
+    attachment = attach(scheduler)
+    assert attachment.refusal is None, attachment.refusal
+    assert (attachment.config.admission_window, attachment.config.admission_threshold) == (4, 0.25)
 
 
 @ON_034

@@ -90,6 +90,7 @@ from kvspec.spec import Config
 from kvspec.spec.actions import loadable
 
 from . import groups as hybrid_groups
+from . import versions
 from .features import (
     AsyncScheduler,
     Feature,
@@ -274,6 +275,7 @@ class Attachment:
         self._hashed_arrival = False  # a request's hasher has set hash_lookahead (_lookahead)
         self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
+        self._reordered = False  # vLLM's cache-aware reorder ran in this schedule() (0.34.0)
         self._admitted: dict[str, int] = {}  # request id -> when the spec admitted it
         self._appended: dict[str, int] = {}  # request id -> when vLLM appended it to running
         self._admissions = 0
@@ -481,6 +483,11 @@ class Attachment:
                 self._refusing("CoW retained blocks", "_free_cow_retained_blocks"),
             ),
             (kv, "pop_blocks_for_free", self._pop_blocks_for_free),
+            *(
+                [(sched, "_reorder_waiting_by_cached_prefix", self._reorder)]
+                if self.config.admission_window
+                else []
+            ),
             (sched, "_reserve_prefill_lookahead", self._prefill_lookahead),
             (kv, "allocate_slots", self._allocate_slots),
             (kv, "cache_blocks", self._cache_blocks),
@@ -611,7 +618,11 @@ class Attachment:
                 step = self.next_step
                 self.next_step += 1
                 self.events.append(("begin", step))
+                self._reordered = False
                 output = original(*args, **kw)
+                if self.config.admission_window and not self._reordered:
+                    if not getattr(output, "preempted_req_ids", None):  # deferred prefills
+                        self.refuse("cache-aware admission", "a step that did not reorder")
                 if self.loads.landing:
                     self.refuse(
                         "KV connector: a landed load not scheduled at once",
@@ -624,6 +635,21 @@ class Attachment:
             return self._outermost("schedule", body)
 
         return schedule
+
+    def _reorder(self, original: Method) -> Method:
+        """Cache-aware admission (0.34.0): the spec reorders its own queue by the rule
+        (``spec/admission.py``) at the step's first admission; this notes that vLLM reordered
+        in this step (it does not where it defers prefills: refused in ``schedule``). Called
+        from anywhere but ``schedule()`` (a test driving it), vLLM's queue changes where the
+        spec's does not: refused."""
+
+        def reorder(*args: Any, **kw: Any) -> Any:
+            if self.entry != "schedule":
+                self.refuse("cache-aware admission", "the reorder called outside schedule()")
+            self._reordered = True
+            return original(*args, **kw)
+
+        return reorder
 
     def _submitted(self, step: int, output: Any) -> None:
         requests = self.scheduler.requests
@@ -1413,6 +1439,8 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         sliding_window=sliding_window_of(scheduler),
         defer_loads=bool(read(scheduler, "defer_async_loads"))
         and bool(read(scheduler, "defer_block_free")),
+        admission_window=versions.admission_window(scheduler),
+        admission_threshold=versions.admission_threshold(scheduler),
         **hybrid_groups.spec_groups(scheduler),
     )
 
@@ -1449,7 +1477,7 @@ def _drift(claimed: Config, now: Config) -> str:
     """Which of the scheduler's limits differ from the configuration judged against."""
     names = ("num_blocks", "block_size", "preemption", "token_budget", "max_running")
     names += ("stale_output", "prefix_caching", "spec_tokens", "defer_free", "sliding_window")
-    names += ("defer_loads",)
+    names += ("defer_loads", "admission_window", "admission_threshold")
     return ", ".join(
         f"{n} {getattr(claimed, n)} -> {getattr(now, n)}"
         for n in names

@@ -156,12 +156,15 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "",
     )
     # 0.34.0's admission changes (versions.py reads them as off on 0.33.0)
+    # cache-aware admission is modelled (Config.admission_window, spec/admission.py) where the
+    # spec's queue is vLLM's: not beside a KV connector (loads wait outside the rule's slots)
+    # nor several groups (the probe is the coordinator's)
     window = versions.admission_window(sched)
     need(
-        window,
+        window and (connector is not None or len(groups) > 1),
         "cache-aware admission",
         f"the first {window} waiting requests reordered by cached prefix "
-        "(cache_aware_admission_window)",
+        "beside a KV connector or several KV-cache groups",
     )
     loads = versions.inflight_kv_loads(sched)
     need(
@@ -418,6 +421,16 @@ def pending_features(
         ):
             mode = "drop" if request.drop_stale_output else "deliver"
             found.append(("stale output mode per request", f"{request.request_id}: {mode}"))
+    if versions.admission_window(sched):  # the rule's probe and slots are the spec's only so
+        for request in sched.waiting:
+            if request.status in BLOCKED:
+                found.append(
+                    ("cache-aware admission", f"{request.request_id} blocked in the queue")
+                )
+            elif versions.prefix_read_limit(request) == 0:
+                found.append(
+                    ("cache-aware admission", f"{request.request_id} skips the prefix-cache read")
+                )
     if versions.async_kv_waiting(sched):
         found.append(("in-flight KV load limit", "async_kv_waiting is not empty"))
     holding = read(sched, "kv_holding_waiting")

@@ -234,6 +234,13 @@ def admission_window(scheduler: Any) -> int:
     return int(read(scheduler, "cache_aware_window") or 0)
 
 
+def admission_threshold(scheduler: Any) -> float:
+    """Cache-aware admission's usage threshold (vLLM's default 0.5 before 0.34.0, unread there)."""
+    if not installed().admission_window:
+        return 0.5
+    return float(read(scheduler, "cache_aware_threshold"))
+
+
 def inflight_kv_loads(scheduler: Any) -> int | None:
     """``max_num_inflight_kv_loads`` (None: off, and always so before 0.34.0)."""
     if not installed().admission_window:
