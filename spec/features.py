@@ -90,13 +90,13 @@ FEATURES: dict[str, Feature] = {
         Feature(
             "hash_lookahead",
             "lookahead hashing (keys that name the tokens after a block)",
-            lambda c: c.hash_lookahead > 0,
+            lambda c: getattr(c, "hash_lookahead", 0) > 0,
             {"hash_lookahead": 1},
         ),
         Feature(
             "cache_aware_admission",
             "cache-aware admission (the waiting queue reordered by cached prefix)",
-            lambda c: c.admission_window > 0,
+            lambda c: getattr(c, "admission_window", 0) > 0,
             {"admission_window": 2},
         ),
         Feature("loads", "external KV loads (and their failures)", None),

@@ -240,7 +240,7 @@ def test_check_kv_events_follows_the_contract(
     assert one_line(capsys.readouterr().err)
     from kvspec.conformance.kvevents import stream_judge
 
-    def broken_judge(*args: object) -> object:
+    def broken_judge(*args: object, **kw: object) -> object:
         raise KeyError("planted")
 
     monkeypatch.setenv("KVSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -269,7 +269,7 @@ def test_watch_follows_the_contract(
         assert one_line(capsys.readouterr().err)
     from kvspec.conformance.kvevents import watch
 
-    def broken_judge(*args: object) -> object:
+    def broken_judge(*args: object, **kw: object) -> object:
         raise KeyError("planted")
 
     monkeypatch.setenv("KVSPEC_CACHE_DIR", str(tmp_path / "cache"))
