@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from itertools import chain
 
 from . import groups
 from .pool import eventual_content, holds
@@ -485,11 +486,11 @@ def no_read_of_recycled(s: State) -> Violation | None:
     if not s.config.hybrid:
         return None
     observed = s.config.policy in OBSERVED_POLICIES
-    read = [
+    read = (
         (step, rid, g, at, block)
         for step, rid, _, g, at, block, _ in groups.reads_in_flight(s, None)
-    ]
-    for step, rid, g, at, block in read + list(groups.window_blocks_in_flight(s)):
+    )
+    for step, rid, g, at, block in chain(read, groups.window_blocks_in_flight(s)):
         if observed and step.phase != "building":
             continue
         req = s.requests[rid]

@@ -89,9 +89,11 @@ def drop_first_removal(adapter: Any) -> None:
     stream.tree.take_events = take_events
 
 
-def drive(adapter: Any, judge: Any, workload: list[Any]) -> Any:
+def drive(adapter: Any, judge: Any, workload: list[Any], to_end: bool = False) -> Any:
     """Runs the workload on the adapter, judging its events and its KV-event stream after each
-    item; the first finding (None if it holds)."""
+    item; the first finding (None if it holds). ``to_end``: the whole workload runs after a
+    finding, so that a capture holds what the engine published after it."""
+    first = None
     for what, args in workload:
         start = len(adapter.events)
         if what == "arrive":
@@ -102,9 +104,10 @@ def drive(adapter: Any, judge: Any, workload: list[Any]) -> Any:
             for _ in range(args[0]):
                 adapter.step()
         finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
-        if finding is not None:
-            return finding
-    return None
+        first = first or finding
+        if first is not None and not to_end:
+            return first
+    return first
 
 
 def run(engine: str, workload: list[Any], factory: str = "factory", fault: str | None = None, **cell: Any) -> None:  # fmt: skip

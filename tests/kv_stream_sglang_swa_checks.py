@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from kv_stream_checks import SHORT, WORKLOAD  # noqa: E402
+from kv_stream_checks import SHORT, WORKLOAD, drive  # noqa: E402
 from thirdparty_checks import Ones  # noqa: E402
 
 from kvspec.cli import main  # noqa: E402
@@ -83,24 +83,6 @@ def plant(adapter: Any, name: str) -> None:
     stream.tree.take_events = take_events
 
 
-def drive(adapter: Any, judge: Any, workload: list[Any]) -> Any:
-    """``kv_stream_checks.drive``, but the whole workload runs after a finding (the first is
-    returned), so that the capture holds what the engine published after it."""
-    first = None
-    for what, args in workload:
-        start = len(adapter.events)
-        if what == "arrive":
-            adapter.add_request(*args)
-        elif what == "reset":
-            adapter.reset_prefix_cache()
-        else:
-            for _ in range(args[0]):
-                adapter.step()
-        finding = judge.feed_all(adapter.events[start:]) or adapter.check_kv_stream(judge)
-        first = first or finding
-    return first
-
-
 def run(folder: Path, factory: str, depth: int, label: str, workload: Any, cell: Any, fault: str | None) -> str:  # fmt: skip
     config = Config(
         policy="engine-registers", discipline="general", stop_token=0, depth=depth, **cell
@@ -110,7 +92,7 @@ def run(folder: Path, factory: str, depth: int, label: str, workload: Any, cell:
         plant(adapter, fault)
     judge = Judge.spec(adapter.config, True)
     before = dict(engine_stream.TOTALS)
-    finding = drive(adapter, judge, workload)
+    finding = drive(adapter, judge, workload, to_end=True)
     stream = adapter.kv_stream.engine
     where: set[tuple[str | None, int | None]] = set()
     for frame in stream.frames:
