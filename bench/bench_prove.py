@@ -218,8 +218,10 @@ def speed(args: argparse.Namespace) -> int:
                 flush=True,
             )
     differs = report(runs, args)
-    if args.profile and runs["after"]:
-        profile(runs["after"][-1]["rows"])
+    if args.profile:
+        for label in ("before", "after"):
+            if runs[label]:
+                profile(label, runs[label])
     if args.large:
         large(args, base)
     print(f"load average after: {load()}")
@@ -362,30 +364,57 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> b
     return differs
 
 
-def profile(rows: list[dict[str, Any]]) -> None:
-    """Where the after-build's solver time went, summed over the cells."""
+def profile(label: str, rounds: list[dict[str, Any]]) -> None:
+    """Where a build's solver time went, summed over the cells, median over the rounds (a build
+    whose induction records no queries prints nothing)."""
+    per_round = [profile_sums(r["rows"]) for r in rounds]
+    per_round = [p for p in per_round if p is not None]
+    if not per_round:
+        return
+    med = lambda key: statistics.median(p[key] for p in per_round)  # noqa: E731
+    print(
+        f"\nprofile ({label}, median of {len(per_round)} rounds, CPU s): induction "
+        f"{med('cpu'):.1f} = building terms {med('build'):.1f} + {med('queries'):.0f} solver "
+        f"queries {med('solve'):.1f} + other {med('cpu') - med('build') - med('solve'):.1f}; "
+        f"bounded model checking {med('bmc'):.1f} (wall)"
+    )
+    for what, most in (("instance", 20), ("conjunct", 12)):
+        keys = set().union(*(p[what] for p in per_round))
+        medians = {k: statistics.median(p[what].get(k, 0.0) for p in per_round) for k in keys}
+        top = sorted(medians.items(), key=lambda kv: -kv[1])[:most]
+        name = "per action" if what == "instance" else "per conjunct"
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
+
+
+def profile_sums(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One round's profile, summed over its cells."""
     instance: Counter[str] = Counter()
     conjunct: Counter[str] = Counter()
     build = cpu = bmc = 0.0
     queries = 0
+    seen = False
     for row in rows:
         p = row.get("profile")
         if p is None:
             continue
+        seen = True
         instance.update(p["instance"])
         conjunct.update(p["conjunct"])
         build += p["build"]
         cpu += p["cpu"]
         bmc += p["bmc"]
         queries += p["queries"]
-    solve = sum(instance.values())
-    print(
-        f"\nprofile (after, last round, CPU s): induction {cpu:.1f} = building terms "
-        f"{build:.1f} + {queries} solver queries {solve:.1f} + other {cpu - build - solve:.1f}; "
-        f"bounded model checking {bmc:.1f} (wall)"
-    )
-    print("per action: " + ", ".join(f"{k} {v:.1f}" for k, v in instance.most_common()))
-    print("per conjunct: " + ", ".join(f"{k} {v:.1f}" for k, v in conjunct.most_common(12)))
+    if not seen:
+        return None
+    return {
+        "instance": instance,
+        "conjunct": conjunct,
+        "build": build,
+        "cpu": cpu,
+        "bmc": bmc,
+        "queries": queries,
+        "solve": sum(instance.values()),
+    }
 
 
 def large(args: argparse.Namespace, base: Path | None) -> None:
