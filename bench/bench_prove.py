@@ -34,6 +34,14 @@ and by ``--baseline``'s (interleaved; ``--no-baseline`` for this tree alone): ex
 verdict, medians of wall and CPU (the command's process and its children), and the load after
 each run.
 
+**Solver work** (``--work``): the same cells, each proved in one process (no pool) by both builds,
+counting Z3's own resource counter (``rlimit count``, summed over every ``check``) beside CPU
+seconds. The counter is deterministic: it does not move with the machine's load, so two builds
+whose counts agree cell by cell gave the solver the same queries and the same work, and a time
+difference between them is the machine's. Use it where the machine is shared.
+
+    .venv/bin/python bench/bench_prove.py --work [--sizes 6,3,3] [--policies P ...] [--baseline REV]
+
 ``--emit`` is the worker mode the speed runs use (one build, all cells, one JSON line each).
 """
 
@@ -134,6 +142,101 @@ def emit(args: argparse.Namespace) -> None:
             }
         print(json.dumps(row), flush=True)
     print(json.dumps({"total": True, "wall": wall, "cpu": cpu}), flush=True)
+
+
+def emit_work(args: argparse.Namespace) -> None:
+    """Prove every cell alone, in this process, counting Z3's resource counter; one JSON line
+    per cell (``--work``)."""
+    import z3
+
+    from kvspec.proofs import prove
+
+    counted = {"rlimit": 0, "checks": 0}
+    check = z3.Solver.check
+
+    def used(solver: Any) -> int:
+        return int(solver.statistics().get_key_value("rlimit count"))
+
+    def counting_check(self: Any, *a: Any, **kw: Any) -> Any:
+        before = used(self)
+        result = check(self, *a, **kw)
+        counted["rlimit"] += used(self) - before
+        counted["checks"] += 1
+        return result
+
+    z3.Solver.check = counting_check  # type: ignore[method-assign]
+    sizes = dict(zip(("blocks", "requests", "depth"), args.sizes, strict=True))
+    sizes |= {"block_size": 1, "tokens": args.tokens}
+    for policy, discipline, preemption in [(p, d, q) for p in args.policies for d, q in CELLS]:
+        fragment = prove.make_fragment(policy, discipline, preemption, **sizes)
+        counted.update(rlimit=0, checks=0)
+        cpu = time.process_time()
+        out = prove.prove_cells([fragment], args.bound, args.timeout, workers=0)[0]
+        row = {
+            "policy": policy,
+            "cell": f"{discipline}/{preemption}",
+            "verdict": out.verdict,
+            "invariant": out.bmc.invariant if out.bmc is not None else None,
+            "length": len(out.bmc.decisions) if out.bmc and out.bmc.decisions else None,
+            "engine": out.engine_confirms if out.verdict == "counterexample" else None,
+            "cpu": time.process_time() - cpu,
+            **counted,
+        }
+        print(json.dumps(row), flush=True)
+
+
+def work(args: argparse.Namespace) -> int:
+    """``--work``: each build once (the counter is deterministic), cell by cell."""
+    base = None if args.no_baseline else baseline_tree(args.baseline, args.cache)
+    print(f"solver work at N,R,D = {tuple(args.sizes)}, T={args.tokens}; load {load()}")
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for label, path in (("before", base), ("after", None)):
+        if label == "before" and base is None:
+            continue
+        env = dict(os.environ)
+        if path is not None:
+            env["PYTHONPATH"] = str(path) + os.pathsep + env.get("PYTHONPATH", "")
+        command = [sys.executable, str(Path(__file__).resolve()), "--emit-work"]
+        command += ["--sizes", ",".join(map(str, args.sizes)), "--tokens", str(args.tokens)]
+        command += ["--bound", str(args.bound), "--timeout", str(args.timeout)]
+        command += ["--policies", *args.policies]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
+        if done.returncode != 0:
+            raise SystemExit(f"bench_prove: the {label} run failed:\n{done.stderr[-3000:]}")
+        rows[label] = [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
+        print(f"{label}: done (load {load()})", flush=True)
+    after, before = rows["after"], rows.get("before")
+    print(
+        "policy | cell | verdict | same | before rlimit | after rlimit | ratio | before cpu | after cpu"
+    )
+    differs = False
+    for i, row in enumerate(after):
+        old = before[i] if before else None
+        same = same_result(old, row) if old else None
+        differs |= same is False
+        cells = [
+            row["policy"],
+            row["cell"],
+            verdict_text(row),
+            {True: "yes", False: "NO", None: "-"}[same],
+            f"{old['rlimit']:,}" if old else "-",
+            f"{row['rlimit']:,}",
+            f"{old['rlimit'] / row['rlimit']:.3f}" if old and row["rlimit"] else "-",
+            f"{old['cpu']:.1f}" if old else "-",
+            f"{row['cpu']:.1f}",
+        ]
+        print(" | ".join(cells))
+    total = sum(r["rlimit"] for r in after)
+    if before:
+        old_total = sum(r["rlimit"] for r in before)
+        print(
+            f"total rlimit: before {old_total:,}, after {total:,}, ratio {old_total / total:.3f}; "
+            f"cpu before {sum(r['cpu'] for r in before):.1f} s, after "
+            f"{sum(r['cpu'] for r in after):.1f} s (load {load()})"
+        )
+    else:
+        print(f"total rlimit: {total:,}; cpu {sum(r['cpu'] for r in after):.1f} s")
+    return 1 if differs else 0
 
 
 # -- the speed comparison ------------------------------------------------------------------------
@@ -583,11 +686,20 @@ def main() -> int:
     ap.add_argument(
         "--all-sizes", action="store_true", help="time kvspec prove --all-sizes per policy"
     )
+    ap.add_argument(
+        "--work", action="store_true", help="Z3's deterministic work per cell, both builds"
+    )
     ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--emit-work", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.emit:
         emit(args)
         return 0
+    if args.emit_work:
+        emit_work(args)
+        return 0
+    if args.work:
+        return work(args)
     if args.table or args.readme is not None:
         table(args)
         return 0
