@@ -746,7 +746,9 @@ def building_publications_recorded(m: Model, S: SState) -> Term:
 @lemma(
     "while steps are in flight, eager-rollback-single's record names only running requests "
     "scheduled in the newest step (begin clears it, preempt and abort drop the leaver), and "
-    "covers blocks that request's entry there fills to their end.",
+    "covers blocks that request's entry there fills to their end; under async scheduling it "
+    "may also name a request finished by a commit while that step is in flight (a finish "
+    "does not touch the record).",
     family=lambda t: t.track == "one-dict",  # eager-rollback-single
 )
 def single_record_is_newest_step(m: Model, S: SState) -> Term:
@@ -758,5 +760,121 @@ def single_record_is_newest_step(m: Model, S: SState) -> Term:
             span = _fills(m, S, k, r, lo, hi)
             options.append(conj([S["nst"] == k + 1, S["elive", k, r], span]))
         in_flight = And(S["son", r], S["nst"] > 0)
-        parts.append(Implies(in_flight, And(S["st", r] == RUNNING, disj(options))))
+        named = And(S["st", r] == RUNNING, disj(options))
+        if m.async_:  # a commit with a newer step in flight may finish it: begin clears it
+            named = Or(named, S["st", r] == FINISHED)
+        parts.append(Implies(in_flight, named))
+    return conj(parts)
+
+
+# -- the rollback policies under async scheduling: what a withdrawn entry's bad read may garble ---
+
+
+def _rolls_back(t: Traits) -> bool:
+    """eager-rollback-single, eager-rollback-fifo: a leaver's registrations are rolled back."""
+    return t.leave == "unpublish"
+
+
+def _entry_reads_hold(m: Model, S: SState, k: int, r: int) -> Term:
+    """Request r's entry in slot k (live or withdrawn) finds its prefix, as seen now, in every
+    block of its table, the ones it writes included, once the writes of that step and older
+    ones have run: what ``Model._bad_read`` asks when the step executes."""
+    end = S["ee", k, r]
+    active = conj([S["nst"] > k, S["ph", k] != EXECUTED, S["ea", k, r]])
+    parts = []
+    for i in m.M:
+        prefix = m.reader_prefix(S, r, zmin(end, (i + 1) * m.B))
+        held = m.holds_eventually(S, S["eblk", k, r, i], prefix, upto=k)
+        parts.append(Implies(And(active, m.ceil_blocks(end) > i), held))
+    return conj(parts)
+
+
+def _withdrawn(m: Model, S: SState, k: int, r: int) -> Term:
+    """r has an entry in slot k that no longer holds its blocks (preempted, aborted, finished)."""
+    return And(S["ea", k, r], Not(_holds_its_blocks(m, S, k, r)))
+
+
+@lemma(
+    "under the rollback policies with async scheduling a withdrawn entry that ends within its "
+    "request's known tokens reads well: the spec judges its read against the known tokens "
+    "(placeholders only begin past them), which its blocks were written with, and nothing "
+    "changes a block's content before the step runs except older steps' writes, which land "
+    "intact (NeededDeadWritesLand).",
+    family=_rolls_back,
+    scheduling="async",
+)
+def known_dead_entries_read_well(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            Implies(
+                And(_withdrawn(m, S, k, r), S["ee", k, r] <= S["len", r]),
+                _entry_reads_hold(m, S, k, r),
+            )
+            for k in range(m.D)
+            for r in m.R
+        ]
+    )
+
+
+@lemma(
+    "under async scheduling an entry that ends past its request's known tokens starts at or "
+    "beyond them: a schedule starts at the computed count, which is the newest live sampling "
+    "entry's end, at or past the known tokens, whenever a placeholder is ahead; known tokens "
+    "grow one per commit, each resolving a placeholder, and the entry ends within them once "
+    "its own placeholders resolve. Stated for the rollback policies, whose withdrawn entries "
+    "need it.",
+    family=_rolls_back,
+    scheduling="async",
+)
+def placeholder_entries_start_past_known(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            Implies(And(S["ea", k, r], S["ee", k, r] > S["len", r]), S["es", k, r] >= S["len", r])
+            for k in range(m.D)
+            for r in m.R
+        ]
+    )
+
+
+@lemma(
+    "under the rollback policies with async scheduling an entry's write holding a placeholder "
+    "(a block past its request's known tokens) is never a block's last write that someone "
+    "else needs: such a block is unpublished (registration stops at the known tokens) and "
+    "this request's alone, so another entry of this step or a newer one lists it only after "
+    "a newer write to it, and once the entry is withdrawn (its read may then be bad, against a discarded "
+    "sample's placeholder, and garble the write) whoever holds or hits the block got it by an "
+    "allocation in a newer step, which writes it later.",
+    family=_rolls_back,
+    scheduling="async",
+)
+def needed_dead_writes_land(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        for r in m.R:
+            gone = _withdrawn(m, S, k, r)
+            for b in m.blocks:
+                mine = conj([S["pa", b, k], S["preq", b, k] == r, S["pl", b, k] > S["len", r]])
+                needed = Or(S["ref", b] >= 1, S["hk", b])
+                newer = disj([S["pa", b, kk] for kk in range(k + 1, m.D)])
+                parts.append(Implies(conj([mine, gone, needed]), newer))
+                for kk in range(k, m.D):
+                    rewritten = disj([S["pa", b, j] for j in range(k + 1, kk + 1)])
+                    for q in m.R:
+                        if (kk, q) == (k, r):
+                            continue
+                        # r's own newer entries list it again only as a new block: once r
+                        # holds its blocks again, or when they end within the known tokens
+                        reader = S["ea", kk, q]
+                        if q == r:
+                            again = And(gone, _holds_its_blocks(m, S, kk, q))
+                            known = And(S["ea", kk, q], S["ee", kk, q] <= S["len", q])
+                            reader = Or(again, known)
+                        reads = m.ceil_blocks(S["ee", kk, q])
+                        parts += [
+                            Implies(
+                                conj([mine, reader, reads > j, S["eblk", kk, q, j] == b]),
+                                rewritten,
+                            )
+                            for j in m.M
+                        ]
     return conj(parts)
