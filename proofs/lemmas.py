@@ -743,6 +743,12 @@ def building_publications_recorded(m: Model, S: SState) -> Term:
     return conj(parts)
 
 
+def _finish_in_flight(m: Model) -> bool:
+    """A commit can finish a request while a newer step that scheduled it is in flight: under
+    async scheduling (without it, nothing is in flight after a finishing commit)."""
+    return m.async_
+
+
 @lemma(
     "while steps are in flight, eager-rollback-single's record names only running requests "
     "scheduled in the newest step (begin clears it, preempt and abort drop the leaver), and "
@@ -761,7 +767,7 @@ def single_record_is_newest_step(m: Model, S: SState) -> Term:
             options.append(conj([S["nst"] == k + 1, S["elive", k, r], span]))
         in_flight = And(S["son", r], S["nst"] > 0)
         named = And(S["st", r] == RUNNING, disj(options))
-        if m.async_:  # a commit with a newer step in flight may finish it: begin clears it
+        if _finish_in_flight(m):  # a commit may finish it, its step in flight: begin clears it
             named = Or(named, S["st", r] == FINISHED)
         parts.append(Implies(in_flight, named))
     return conj(parts)
