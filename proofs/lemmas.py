@@ -68,7 +68,8 @@ class Lemma:
     family: Callable[[Traits], bool] | None = None
     """The policies it is stated for, by their traits (``spec.policies``; None: all)."""
     scheduling: str = "any"
-    """``sync``: stated only for models without placeholders; ``async``: only with them."""
+    """``sync``: stated only for models without placeholders; ``async``: only with them;
+    ``in-flight-output``: with placeholders or with stale output delivered."""
 
     def applies(self, policy: str) -> bool:
         return self.family is None or self.family(POLICIES[policy])
@@ -76,6 +77,8 @@ class Lemma:
     def applies_to(self, m: Model) -> bool:
         """Stated for the model's policy and its scheduling (placeholders or not)."""
         timing = self.scheduling == "any" or (self.scheduling == "async") == m.async_
+        if self.scheduling == "in-flight-output":  # placeholders, or stale output delivered
+            timing = m.async_ or m.deliver
         return timing and self.applies(m.config.policy)
 
 
@@ -363,10 +366,11 @@ def entries_match_tables(m: Model, S: SState) -> Term:
                 parts.append(Implies(stale, conj(idle)))
                 # its freed blocks go to others only through the building step, which is newer:
                 # another request's write to them in this step or an older one (a withdrawn
-                # entry's) is followed by its own, before this step
+                # entry's) is followed by its own, before this step, or (the rollback
+                # policies) is the write of the entry it hit the block from, at that index
                 for i in m.M:
 
-                    def mine(b: int, k: int = k, r: int = r) -> Term:
+                    def mine(b: int, k: int = k, r: int = r, i: int = i) -> Term:
                         parts = []
                         for kk in range(k + 1):
                             other = And(S["pa", b, kk], S["preq", b, kk] != r)
@@ -374,6 +378,18 @@ def entries_match_tables(m: Model, S: SState) -> Term:
                                 And(S["pa", b, j], S["preq", b, j] == r)
                                 for j in range(kk + 1, k + 1)
                             ]
+                            if _shares_written_blocks(m):  # or r hit it from that writer
+                                own += [
+                                    conj(
+                                        [
+                                            S["preq", b, kk] == q,
+                                            S["ea", kk, q],
+                                            S["eblk", kk, q, i] == b,
+                                        ]
+                                    )
+                                    for q in m.R
+                                    if q != r
+                                ]
                             parts.append(Implies(other, disj(own)))
                         return conj(parts)
 
@@ -795,6 +811,13 @@ def _entry_reads_hold(m: Model, S: SState, k: int, r: int) -> Term:
     return conj(parts)
 
 
+def _shares_written_blocks(m: Model) -> bool:
+    """A block another request writes in a step can be in a stale entry's table by a hit on
+    it (the rollback policies publish at schedule; ``EntriesMatchTables``, stale output
+    delivered); the deferring policies share no block being written."""
+    return _rolls_back(m.traits)
+
+
 def _withdrawn(m: Model, S: SState, k: int, r: int) -> Term:
     """r has an entry in slot k that no longer holds its blocks (preempted, aborted, finished)."""
     return And(S["ea", k, r], Not(_holds_its_blocks(m, S, k, r)))
@@ -820,6 +843,38 @@ def known_dead_entries_read_well(m: Model, S: SState) -> Term:
             for r in m.R
         ]
     )
+
+
+@lemma(
+    "under the rollback policies two entries of one step that list the same block list it at "
+    "the same index: their tables were held together at the end of that step's building (an "
+    "entry leaves a step it was built in only with its writes), and a block is shared only by "
+    "a hit on its hash, which names its position. Stated where entries outlive their "
+    "request's table (async scheduling, stale output delivered).",
+    family=_rolls_back,
+    scheduling="in-flight-output",
+)
+def step_entries_share_at_same_index(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        for r in m.R:
+            for q in m.R:
+                if q <= r:
+                    continue
+                for i in m.M:
+                    for j in m.M:
+                        if i == j:
+                            continue
+                        both = conj(
+                            [
+                                S["ea", k, r],
+                                S["ea", k, q],
+                                m.ceil_blocks(S["ee", k, r]) > i,
+                                m.ceil_blocks(S["ee", k, q]) > j,
+                            ]
+                        )
+                        parts.append(Implies(both, S["eblk", k, r, i] != S["eblk", k, q, j]))
+    return conj(parts)
 
 
 @lemma(

@@ -179,6 +179,32 @@ def test_a_finish_in_flight_keeps_the_single_record(monkeypatch: pytest.MonkeyPa
     assert "SingleRecordIsNewestStep" in result.cti.broken
 
 
+@pytest.mark.parametrize("timing", [{}, {"async_scheduling": True}])
+def test_rollback_delivered_output_is_inductive(timing: dict[str, bool]) -> None:
+    """eager-rollback-fifo vllm/fcfs with stale output delivered, synchronous (not inductive
+    before: a CTI at preempt breaking EntriesMatchTables) and async."""
+    result = induction.prove_inductive(fragment("eager-rollback-fifo", **DELIVER, **timing), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+    assert "StepEntriesShareAtSameIndex" in result.lemmas
+
+
+@pytest.mark.parametrize("plant", ["no-same-index", "no-hit-from-writer"])
+def test_rollback_delivered_output_needs_its_lemmas(
+    plant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: ``StepEntriesShareAtSameIndex`` left out, or ``EntriesMatchTables`` without
+    the rollback policies' hit on a block another request writes (``_shares_written_blocks``
+    false, the deferring policies' term): a CTI at preempt breaking EntriesMatchTables."""
+    if plant == "no-same-index":
+        kept = [lem for lem in lm.LEMMAS if lem.name != "StepEntriesShareAtSameIndex"]
+        monkeypatch.setattr(lm, "LEMMAS", kept)
+    else:
+        monkeypatch.setattr(lm, "_shares_written_blocks", lambda m: False)
+    result = induction.prove_inductive(fragment("eager-rollback-fifo", **DELIVER), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "preempt" and "EntriesMatchTables" in result.cti.broken
+
+
 def test_base_case_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     wrong = lm.Lemma("NobodyArrives", "false once a request arrives", lambda m, S: S["nst"] == 1)
     monkeypatch.setattr(lm, "LEMMAS", [*lm.LEMMAS, wrong])
