@@ -25,7 +25,9 @@ eleven cells the fuzzer finds safe inductive; the four unsafe cells stay non-ind
 model checking finds their real counterexamples. Under async scheduling (placeholders) and with
 stale output delivered some lemmas take another form (``Lemma.scheduling``, ``_holds_its_blocks``;
 docs/proofs.md, "The async lemmas of the per-size proofs"), which makes the safe cells there
-inductive too; the synchronous cells' terms are unchanged.
+inductive too; the synchronous cells' terms are unchanged. The rollback policies add lemmas there
+on what a withdrawn entry's bad read may garble (the last group; docs/proofs.md, "The rollback
+policies under async scheduling").
 """
 
 from __future__ import annotations
