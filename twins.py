@@ -415,7 +415,9 @@ TWINS: tuple[Twin, ...] = (
                 "(no preemption after an admission in the same step, fcfs preempts only the "
                 "unscheduled tail), which the model drops, through their rollback bookkeeping, "
                 "which it does not keep, and through a withdrawn entry's writes landing intact, "
-                "which it lets garble (docs/proofs.md, 'Every size')"
+                "which it lets garble; per size they are inductive, synchronous and async, with "
+                "lemmas saying which withdrawn writes land intact (docs/proofs.md, 'Every size', "
+                "'The rollback policies under async scheduling')"
             ),
         },
     ),

@@ -25,7 +25,9 @@ eleven cells the fuzzer finds safe inductive; the four unsafe cells stay non-ind
 model checking finds their real counterexamples. Under async scheduling (placeholders) and with
 stale output delivered some lemmas take another form (``Lemma.scheduling``, ``_holds_its_blocks``;
 docs/proofs.md, "The async lemmas of the per-size proofs"), which makes the safe cells there
-inductive too; the synchronous cells' terms are unchanged.
+inductive too; the synchronous cells' terms are unchanged. The rollback policies add lemmas there
+on what a withdrawn entry's bad read may garble (the last group; docs/proofs.md, "The rollback
+policies under async scheduling").
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class Lemma:
     family: Callable[[Traits], bool] | None = None
     """The policies it is stated for, by their traits (``spec.policies``; None: all)."""
     scheduling: str = "any"
-    """``sync``: stated only for models without placeholders; ``async``: only with them."""
+    """``sync``: stated only for models without placeholders; ``async``: only with them;
+    ``in-flight-output``: with placeholders or with stale output delivered."""
 
     def applies(self, policy: str) -> bool:
         return self.family is None or self.family(POLICIES[policy])
@@ -76,6 +79,8 @@ class Lemma:
     def applies_to(self, m: Model) -> bool:
         """Stated for the model's policy and its scheduling (placeholders or not)."""
         timing = self.scheduling == "any" or (self.scheduling == "async") == m.async_
+        if self.scheduling == "in-flight-output":  # placeholders, or stale output delivered
+            timing = m.async_ or m.deliver
         return timing and self.applies(m.config.policy)
 
 
@@ -363,10 +368,11 @@ def entries_match_tables(m: Model, S: SState) -> Term:
                 parts.append(Implies(stale, conj(idle)))
                 # its freed blocks go to others only through the building step, which is newer:
                 # another request's write to them in this step or an older one (a withdrawn
-                # entry's) is followed by its own, before this step
+                # entry's) is followed by its own, before this step, or (the rollback
+                # policies) is the write of the entry it hit the block from, at that index
                 for i in m.M:
 
-                    def mine(b: int, k: int = k, r: int = r) -> Term:
+                    def mine(b: int, k: int = k, r: int = r, i: int = i) -> Term:
                         parts = []
                         for kk in range(k + 1):
                             other = And(S["pa", b, kk], S["preq", b, kk] != r)
@@ -374,6 +380,18 @@ def entries_match_tables(m: Model, S: SState) -> Term:
                                 And(S["pa", b, j], S["preq", b, j] == r)
                                 for j in range(kk + 1, k + 1)
                             ]
+                            if _shares_written_blocks(m):  # or r hit it from that writer
+                                own += [
+                                    conj(
+                                        [
+                                            S["preq", b, kk] == q,
+                                            S["ea", kk, q],
+                                            S["eblk", kk, q, i] == b,
+                                        ]
+                                    )
+                                    for q in m.R
+                                    if q != r
+                                ]
                             parts.append(Implies(other, disj(own)))
                         return conj(parts)
 
@@ -743,10 +761,18 @@ def building_publications_recorded(m: Model, S: SState) -> Term:
     return conj(parts)
 
 
+def _finish_in_flight(m: Model) -> bool:
+    """A commit can finish a request while a newer step that scheduled it is in flight: under
+    async scheduling (without it, nothing is in flight after a finishing commit)."""
+    return m.async_
+
+
 @lemma(
     "while steps are in flight, eager-rollback-single's record names only running requests "
     "scheduled in the newest step (begin clears it, preempt and abort drop the leaver), and "
-    "covers blocks that request's entry there fills to their end.",
+    "covers blocks that request's entry there fills to their end; under async scheduling it "
+    "may also name a request finished by a commit while that step is in flight (a finish "
+    "does not touch the record).",
     family=lambda t: t.track == "one-dict",  # eager-rollback-single
 )
 def single_record_is_newest_step(m: Model, S: SState) -> Term:
@@ -758,5 +784,160 @@ def single_record_is_newest_step(m: Model, S: SState) -> Term:
             span = _fills(m, S, k, r, lo, hi)
             options.append(conj([S["nst"] == k + 1, S["elive", k, r], span]))
         in_flight = And(S["son", r], S["nst"] > 0)
-        parts.append(Implies(in_flight, And(S["st", r] == RUNNING, disj(options))))
+        named = And(S["st", r] == RUNNING, disj(options))
+        if _finish_in_flight(m):  # a commit may finish it, its step in flight: begin clears it
+            named = Or(named, S["st", r] == FINISHED)
+        parts.append(Implies(in_flight, named))
+    return conj(parts)
+
+
+# -- the rollback policies under async scheduling: what a withdrawn entry's bad read may garble ---
+
+
+def _rolls_back(t: Traits) -> bool:
+    """eager-rollback-single, eager-rollback-fifo: a leaver's registrations are rolled back."""
+    return t.leave == "unpublish"
+
+
+def _entry_reads_hold(m: Model, S: SState, k: int, r: int) -> Term:
+    """Request r's entry in slot k (live or withdrawn) finds its prefix, as seen now, in every
+    block of its table, the ones it writes included, once the writes of that step and older
+    ones have run: what ``Model._bad_read`` asks when the step executes."""
+    end = S["ee", k, r]
+    active = conj([S["nst"] > k, S["ph", k] != EXECUTED, S["ea", k, r]])
+    parts = []
+    for i in m.M:
+        prefix = m.reader_prefix(S, r, zmin(end, (i + 1) * m.B))
+        held = m.holds_eventually(S, S["eblk", k, r, i], prefix, upto=k)
+        parts.append(Implies(And(active, m.ceil_blocks(end) > i), held))
+    return conj(parts)
+
+
+def _shares_written_blocks(m: Model) -> bool:
+    """A block another request writes in a step can be in a stale entry's table by a hit on
+    it (the rollback policies publish at schedule; ``EntriesMatchTables``, stale output
+    delivered); the deferring policies share no block being written."""
+    return _rolls_back(m.traits)
+
+
+def _withdrawn(m: Model, S: SState, k: int, r: int) -> Term:
+    """r has an entry in slot k that no longer holds its blocks (preempted, aborted, finished)."""
+    return And(S["ea", k, r], Not(_holds_its_blocks(m, S, k, r)))
+
+
+@lemma(
+    "under the rollback policies with async scheduling a withdrawn entry that ends within its "
+    "request's known tokens reads well: the spec judges its read against the known tokens "
+    "(placeholders only begin past them), which its blocks were written with, and nothing "
+    "changes a block's content before the step runs except older steps' writes, which land "
+    "intact (NeededDeadWritesLand).",
+    family=_rolls_back,
+    scheduling="async",
+)
+def known_dead_entries_read_well(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            Implies(
+                And(_withdrawn(m, S, k, r), S["ee", k, r] <= S["len", r]),
+                _entry_reads_hold(m, S, k, r),
+            )
+            for k in range(m.D)
+            for r in m.R
+        ]
+    )
+
+
+@lemma(
+    "under the rollback policies two entries of one step that list the same block list it at "
+    "the same index: their tables were held together at the end of that step's building (an "
+    "entry leaves a step it was built in only with its writes), and a block is shared only by "
+    "a hit on its hash, which names its position. Stated where entries outlive their "
+    "request's table (async scheduling, stale output delivered).",
+    family=_rolls_back,
+    scheduling="in-flight-output",
+)
+def step_entries_share_at_same_index(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        for r in m.R:
+            for q in m.R:
+                if q <= r:
+                    continue
+                for i in m.M:
+                    for j in m.M:
+                        if i == j:
+                            continue
+                        both = conj(
+                            [
+                                S["ea", k, r],
+                                S["ea", k, q],
+                                m.ceil_blocks(S["ee", k, r]) > i,
+                                m.ceil_blocks(S["ee", k, q]) > j,
+                            ]
+                        )
+                        parts.append(Implies(both, S["eblk", k, r, i] != S["eblk", k, q, j]))
+    return conj(parts)
+
+
+@lemma(
+    "under async scheduling an entry that ends past its request's known tokens starts at or "
+    "beyond them: a schedule starts at the computed count, which is the newest live sampling "
+    "entry's end, at or past the known tokens, whenever a placeholder is ahead; known tokens "
+    "grow one per commit, each resolving a placeholder, and the entry ends within them once "
+    "its own placeholders resolve. Stated for the rollback policies, whose withdrawn entries "
+    "need it.",
+    family=_rolls_back,
+    scheduling="async",
+)
+def placeholder_entries_start_past_known(m: Model, S: SState) -> Term:
+    return conj(
+        [
+            Implies(And(S["ea", k, r], S["ee", k, r] > S["len", r]), S["es", k, r] >= S["len", r])
+            for k in range(m.D)
+            for r in m.R
+        ]
+    )
+
+
+@lemma(
+    "under the rollback policies with async scheduling an entry's write holding a placeholder "
+    "(a block past its request's known tokens) is never a block's last write that someone "
+    "else needs: such a block is unpublished (registration stops at the known tokens) and "
+    "this request's alone, so another entry of this step or a newer one lists it only after "
+    "a newer write to it, and once the entry is withdrawn (its read may then be bad, against a discarded "
+    "sample's placeholder, and garble the write) whoever holds or hits the block got it by an "
+    "allocation in a newer step, which writes it later.",
+    family=_rolls_back,
+    scheduling="async",
+)
+def needed_dead_writes_land(m: Model, S: SState) -> Term:
+    parts = []
+    for k in range(m.D):
+        for r in m.R:
+            gone = _withdrawn(m, S, k, r)
+            for b in m.blocks:
+                mine = conj([S["pa", b, k], S["preq", b, k] == r, S["pl", b, k] > S["len", r]])
+                needed = Or(S["ref", b] >= 1, S["hk", b])
+                newer = disj([S["pa", b, kk] for kk in range(k + 1, m.D)])
+                parts.append(Implies(conj([mine, gone, needed]), newer))
+                for kk in range(k, m.D):
+                    rewritten = disj([S["pa", b, j] for j in range(k + 1, kk + 1)])
+                    for q in m.R:
+                        if (kk, q) == (k, r):
+                            continue
+                        # r's own newer entries list it again only as a new block: once r
+                        # holds its blocks again, or when they end within the known tokens
+                        reader = S["ea", kk, q]
+                        if q == r:
+                            again = And(gone, _holds_its_blocks(m, S, kk, q))
+                            known = And(S["ea", kk, q], S["ee", kk, q] <= S["len", q])
+                            reader = Or(again, known)
+                        reads = m.ceil_blocks(S["ee", kk, q])
+                        parts += [
+                            Implies(
+                                conj([mine, reader, reads > j, S["eblk", kk, q, j] == b]),
+                                rewritten,
+                            )
+                            for j in m.M
+                        ]
     return conj(parts)

@@ -143,6 +143,68 @@ def test_an_async_model_bug_breaks_the_proof(monkeypatch: pytest.MonkeyPatch) ->
     assert result.verdict == "cti"
 
 
+ROLLBACK_ASYNC_LEMMAS = ["KnownDeadEntriesReadWell", "PlaceholderEntriesStartPastKnown"]
+ROLLBACK_ASYNC_LEMMAS += ["NeededDeadWritesLand"]
+"""What makes the rollback policies' vllm async cells inductive (docs/proofs.md, "The rollback
+policies under async scheduling")."""
+
+
+@pytest.mark.parametrize("policy", ["eager-rollback-single", "eager-rollback-fifo"])
+def test_rollback_async_cells_are_inductive(policy: str) -> None:
+    """A withdrawn entry's bad read garbles no block a live reader, a hit or a withdrawn entry
+    that reads well needs; stated for these policies under async scheduling only."""
+    result = induction.prove_inductive(fragment(policy, **ASYNC), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+    assert set(ROLLBACK_ASYNC_LEMMAS) <= set(result.lemmas)
+    for other in (fragment(policy, depth=2), fragment("deferred", **ASYNC)):
+        assert not set(ROLLBACK_ASYNC_LEMMAS) & set(induction.conjunct_names(sy.Model(other)))
+
+
+@pytest.mark.parametrize("missing", ROLLBACK_ASYNC_LEMMAS)
+def test_each_rollback_async_lemma_is_needed(missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: each lemma left out, eager-rollback-fifo vllm/fcfs async is not inductive (a
+    CTI), so none of them is vacuous."""
+    monkeypatch.setattr(lm, "LEMMAS", [lem for lem in lm.LEMMAS if lem.name != missing])
+    result = induction.prove_inductive(fragment("eager-rollback-fifo", **ASYNC), 300)
+    assert result.verdict == "cti" and result.cti is not None, missing
+
+
+def test_a_finish_in_flight_keeps_the_single_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: ``SingleRecordIsNewestStep`` in its synchronous form (the record names a
+    running request) under async scheduling: a commit that finishes the request named by the
+    record while the newer step is in flight refutes it (a reachable state: begin clears it)."""
+    monkeypatch.setattr(lm, "_finish_in_flight", lambda m: False)
+    result = induction.prove_inductive(fragment("eager-rollback-single", **ASYNC), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert "SingleRecordIsNewestStep" in result.cti.broken
+
+
+@pytest.mark.parametrize("timing", [{}, {"async_scheduling": True}])
+def test_rollback_delivered_output_is_inductive(timing: dict[str, bool]) -> None:
+    """eager-rollback-fifo vllm/fcfs with stale output delivered, synchronous (not inductive
+    before: a CTI at preempt breaking EntriesMatchTables) and async."""
+    result = induction.prove_inductive(fragment("eager-rollback-fifo", **DELIVER, **timing), 300)
+    assert result.verdict == "inductive", induction.describe(result)
+    assert "StepEntriesShareAtSameIndex" in result.lemmas
+
+
+@pytest.mark.parametrize("plant", ["no-same-index", "no-hit-from-writer"])
+def test_rollback_delivered_output_needs_its_lemmas(
+    plant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: ``StepEntriesShareAtSameIndex`` left out, or ``EntriesMatchTables`` without
+    the rollback policies' hit on a block another request writes (``_shares_written_blocks``
+    false, the deferring policies' term): a CTI at preempt breaking EntriesMatchTables."""
+    if plant == "no-same-index":
+        kept = [lem for lem in lm.LEMMAS if lem.name != "StepEntriesShareAtSameIndex"]
+        monkeypatch.setattr(lm, "LEMMAS", kept)
+    else:
+        monkeypatch.setattr(lm, "_shares_written_blocks", lambda m: False)
+    result = induction.prove_inductive(fragment("eager-rollback-fifo", **DELIVER), 300)
+    assert result.verdict == "cti" and result.cti is not None
+    assert result.cti.instance[0] == "preempt" and "EntriesMatchTables" in result.cti.broken
+
+
 def test_base_case_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     wrong = lm.Lemma("NobodyArrives", "false once a request arrives", lambda m, S: S["nst"] == 1)
     monkeypatch.setattr(lm, "LEMMAS", [*lm.LEMMAS, wrong])
