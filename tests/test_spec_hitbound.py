@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvspec.conformance.monitor import Monitor
+from kvspec.conformance.report import describe
 from kvspec.conformance.trace import event_error, parse_object, to_json
 from kvspec.judge.fastmodel import FastModel
 from kvspec.reference import DefaultChoices, Engine, EngineConfig
@@ -139,6 +140,7 @@ def test_the_trace_format_keeps_a_bound_of_zero_and_drops_none(bound: int) -> No
     assert parse_object(to_json(unbounded), 16)[0] == unbounded
     assert event_error(bounded, 16) is None
     assert event_error(("schedule", 1, 5, 0, -1), 16) is not None
+    assert describe(bounded) == f"schedule r1 for 5 tokens, its hit bounded to {bound} tokens"
 
 
 # -- the reference engine in lockstep, and planted engines -----------------------------------
@@ -205,3 +207,22 @@ def test_a_lookup_that_does_not_take_the_bound_is_a_finding(
     finding = _judge(list(eng.events))
     assert finding is not None
     assert "hit" in str(finding).lower()
+
+
+def test_kvspec_check_judges_a_trace_with_bounds(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvspec check`` reads the trace's ``bound`` (the fast reader hands such lines to the
+    full parser) and judges it: the reference engine's trace holds, a planted engine's does
+    not."""
+    from kvspec.conformance.check import check_file
+    from kvspec.conformance.trace import write_trace
+
+    cfg = Config(num_blocks=24, block_size=BSZ, token_budget=16, depth=1)
+    path = tmp_path / "t.jsonl"
+    write_trace(path, cfg, list(_engine(LIMITS).events), engine=("test", "0"))
+    assert '"bound":0' in path.read_text().replace(" ", "")
+    assert check_file(path).exit_code == 0
+    monkeypatch.setattr(KVCacheManager, "lookup", _lookup_ignoring_bound)
+    write_trace(path, cfg, list(_engine(LIMITS).events), engine=("test", "0"))
+    assert check_file(path).exit_code == 1
