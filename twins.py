@@ -135,6 +135,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
+    "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
     "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
     "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
 }
@@ -162,6 +163,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_decode.py::test_the_reference_engine_with_drafts_conforms",
             "tests/test_async_spec_decode.py::test_the_reference_engine_with_drafts_under_async_conforms",
             "tests/test_spec_window.py::test_the_reference_engine_with_a_window_conforms",
+            "tests/test_spec_hitbound.py::test_the_reference_engine_with_bounded_reads_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
             "tests/test_reference_groups.py::test_the_reference_engine_with_groups_conforms",
         ),
@@ -178,6 +180,7 @@ TWINS: tuple[Twin, ...] = (
                 "defer_loads",
                 "sliding_window",
                 "loads",
+                "bounded_hits",  # a request's read_limit (engine.add_request)
             )
         }
         | {"groups": FOLLOWS}
@@ -201,6 +204,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_defer.py::test_kvspec_check_judges_deferred_frees_by_the_spec",
             "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
             "tests/test_spec_window.py::test_kvspec_check_judges_a_window_by_the_spec",
+            "tests/test_spec_hitbound.py::test_the_fast_model_takes_the_same_bound",
         ),
         label="the fast model",
         features={
@@ -214,6 +218,7 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
             "groups": Refused("judged by the spec only: one table per request, one index"),
             "loads": FOLLOWS,
+            "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
             "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
         },
@@ -263,6 +268,7 @@ TWINS: tuple[Twin, ...] = (
                 "with the full definitions"
             ),
             "loads": FOLLOWS,
+            "bounded_hits": FOLLOWS,  # the spec's actions bound the hit; no invariant reads it
             "hash_lookahead": Refused(
                 "its NoUnwrittenPublish reads a key as the prefix it names: SpecModel judges "
                 "lookahead keys with the full definitions"
@@ -366,6 +372,9 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
             "groups": Refused("its requests have one table and its pool one index"),
             "loads": FOLLOWS,
+            # its lookup may hit any published blocks under the request's hashes: a bounded
+            # hit is one of them
+            "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("its hashes are prefixes: a block is keyed once computed"),
             "cache_aware_admission": Refused(
                 "its admissions take the queue's head in arrival order"

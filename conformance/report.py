@@ -130,6 +130,9 @@ def describe(event: Event) -> str:
             return f"schedule r{rid} to load {loaded} blocks from the external store"
         case "schedule", (rid, tokens, loaded):
             return f"schedule r{rid} for {tokens} tokens and to load {loaded} blocks"
+        case "schedule", (rid, tokens, loaded, bound):  # spec.events.BOUNDED
+            more = f" and to load {loaded} blocks" if loaded else ""
+            return f"schedule r{rid} for {tokens} tokens{more}, its hit bounded to {bound} tokens"
         case "preempt", (rid,):
             return f"preempt r{rid}"
         case "trim", (rid,):

@@ -34,7 +34,7 @@ import orjson
 
 from kvspec import __version__
 from kvspec.spec import OBSERVED_POLICIES, Config
-from kvspec.spec.events import KINDS, OPTIONAL, REASONS, TRAILING, group_of
+from kvspec.spec.events import BOUNDED, KINDS, OPTIONAL, REASONS, TRAILING, group_of
 from kvspec.spec.state import Group
 
 from . import budget
@@ -195,6 +195,8 @@ def to_json(event: Event, hash_: str | None = None) -> dict[str, object]:
         line[name] = list(value) if isinstance(value, tuple) else value
     if len(event) > len(fields) + 1 and kind in TRAILING and event[-1]:
         line[TRAILING[kind][0]] = event[-1]
+    if len(event) > len(fields) + 1 and kind in BOUNDED:  # 0 too: only its absence is unbounded
+        line[BOUNDED[kind][0]] = event[-1]
     if hash_ is not None:
         line["hash"] = hash_
     return line
@@ -439,7 +441,12 @@ def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
     if kind == "arrive" and "tokens" not in obj and "hashes" in obj:
         raise ValueError(PRIVATE)
     trailing = TRAILING.get(str(kind))
-    optional: tuple[str, ...] = (*OPTIONAL.get(str(kind), ()), *(trailing or ())[:1])
+    bounded = BOUNDED.get(str(kind))
+    optional: tuple[str, ...] = (
+        *OPTIONAL.get(str(kind), ()),
+        *(trailing or ())[:1],
+        *(bounded or ())[:1],
+    )
     if len(obj) != len(fields) + 1:
         names = {name for name, _ in fields}
         for key in obj:
@@ -459,6 +466,8 @@ def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
         group = _value(str(kind), trailing[0], trailing[1], obj[trailing[0]], num_blocks)
         if group:
             values.append(group)
+    if bounded is not None and bounded[0] in obj:  # present exactly when set, 0 included
+        values.append(_value(str(kind), bounded[0], bounded[1], obj[bounded[0]], num_blocks))
     hash_ = obj.get("hash")
     if "hash" in obj and (not isinstance(hash_, str) or not hash_):  # null too (the schema)
         raise ValueError(f'{kind}: "hash" must be a non-empty string')
@@ -533,6 +542,11 @@ def event_error(event: object, num_blocks: int, hash_: object = None) -> str | N
         group = event[-1]
         if type(group) is not int or group < 1:  # the canonical tuple: group 0 goes unsaid
             return f'{kind}: a trailing "{trailing[0]}" must be an integer >= 1, got {group!r}'
+        event = event[:-1]
+    bounded = BOUNDED.get(kind)
+    if bounded is not None and len(event) == len(fields) + 2:  # its optional last field
+        if type(event[-1]) is not int or event[-1] < 0:
+            return f'{kind}: "{bounded[0]}" must be an integer >= 0, got {event[-1]!r}'
         event = event[:-1]
     if len(event) != len(fields) + 1:
         names = ", ".join(name for name, _ in fields)
@@ -709,7 +723,8 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     fields = FIELDS.get(kind)
     if fields is None:
         raise ValueError(f"unknown event kind {kind!r}")
-    if len(value) != len(fields) + 1 + (kind in TRAILING and len(value) == len(fields) + 2):
+    optional = kind in TRAILING or kind in BOUNDED
+    if len(value) != len(fields) + 1 + (optional and len(value) == len(fields) + 2):
         names = ", ".join(name for name, _ in fields) or "none"
         raise ValueError(
             f"{kind}: {len(fields)} values after the kind ({names}), got {len(value) - 1}"
@@ -717,6 +732,8 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     extra = {}
     if kind in TRAILING and len(value) == len(fields) + 2:  # the optional group
         extra = {TRAILING[kind][0]: value.pop()}
+    elif kind in BOUNDED and len(value) == len(fields) + 2:  # a schedule's bound
+        extra = {BOUNDED[kind][0]: value.pop()}
     obj = {"ev": kind, **{name: v for (name, _), v in zip(fields, value[1:], strict=True)}}
     obj.update(extra)
     return parse_object(obj, num_blocks)[0], None

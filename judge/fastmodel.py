@@ -73,7 +73,7 @@ ROOT: Final = 0
 ARITY: Final = {
     "arrive": (4, 4),
     "begin": (1, 1),
-    "schedule": (2, 3),
+    "schedule": (2, 4),
     "preempt": (1, 1),
     "submit": (1, 1),
     "execute": (1, 2),
@@ -370,8 +370,10 @@ class FastModel:
         if kind == "schedule":
             if len(d) == 3:
                 self.schedule(cast(int, d[1]), cast(int, d[2]))
-            else:
+            elif len(d) == 4:
                 self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]))
+            else:  # an admission's bounded hit (spec.events.BOUNDED)
+                self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]), cast(int, d[4]))
         elif kind == "begin":
             self.begin(cast(int, d[1]))
         elif kind == "submit":
@@ -631,10 +633,13 @@ class FastModel:
                 if req.verified > i:
                     req.verified = i
 
-    def _lookup(self, req: Req) -> list[int]:
+    def _lookup(self, req: Req, bound: int) -> list[int]:
+        """``spec.pool.lookup``; ``bound`` the hit's bound in tokens, -1 for none."""
         if not self.caching:
             return []
         cap = (len(req.tokens) - 1) // self.bsz
+        if bound >= 0:
+            cap = min(cap, bound // self.bsz)
         hits: list[int] = []
         index = self.index
         for i in range(cap):
@@ -785,10 +790,12 @@ class FastModel:
             raise Illegal()
         return req
 
-    def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0) -> None:
+    def schedule(self, rid: int, num_tokens: int, num_loaded: int = 0, bound: int = -1) -> None:
         steps, req = self.steps, self.requests.get(rid)
         if not steps or steps[-1].phase != BUILDING or req is None:
             raise Illegal()
+        if bound != -1 and (bound < 0 or req.status != WAITING):
+            raise Illegal()  # spec.actions.schedule: a bound on an admission only
         step, bsz = steps[-1], self.bsz
         if rid in step.entries or req.loading is not None or req.status == FINISHED:
             raise Illegal()
@@ -817,7 +824,7 @@ class FastModel:
                             break
                 if rid != head:
                     raise Illegal()
-            hits = self._lookup(req)
+            hits = self._lookup(req, bound)
             known = len(req.tokens)  # spec.actions.loadable
             loadable = (known if num_tokens == 0 and bsz > 1 else known - 1) // bsz
             if len(hits) + num_loaded > loadable:

@@ -73,11 +73,12 @@ class OutsideFragment(ValueError):
 
 
 class LoadsNotFollowed(OutsideFragment, twins.NotFollowed):
-    """A load decision: the refusal kvspec/twins.py declares for ``loads``."""
+    """A load decision (or a bounded hit's): the refusal kvspec/twins.py declares for ``loads``
+    (``bounded_hits``)."""
 
 
-def refuse_loads() -> LoadsNotFollowed:
-    declared = twins.refused(FORM, "loads")
+def refuse_loads(what: str = "loads") -> LoadsNotFollowed:
+    declared = twins.refused(FORM, what)
     return LoadsNotFollowed(declared.form, declared.what, str(declared))
 
 
@@ -1606,9 +1607,11 @@ def instances_for(model: Model, decision: tuple[Any, ...]) -> tuple[list[Instanc
             raise OutsideFragment("failed loads are outside the fragment")
         return [("execute", k) for k in D], {"sid": iv(args[0])}
     if kind == "schedule":
-        rid, tokens, loaded = args
+        rid, tokens, loaded, *bound = args
         if loaded:
             raise refuse_loads()
+        if bound:  # spec.events.BOUNDED
+            raise refuse_loads("bounded_hits")
         if rid not in model.R:
             return [], {}
         return [("schedule", rid, k) for k in D], {"n": iv(tokens)}

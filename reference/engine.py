@@ -106,7 +106,10 @@ class Engine:
         max_tokens: int,
         priority: int = 0,
         external: bool = False,
+        read_limit: int | None = None,
     ) -> None:
+        """A request arrives. ``read_limit``: its prefix-cache hits are bounded to that many
+        tokens (0: it reads nothing), as vLLM's ``prefix_cache_hit_limit``; one group only."""
         sched, cfg = self.scheduler, self.config
         prompt = tuple(prompt)
         if rid in sched.requests:
@@ -125,8 +128,13 @@ class Engine:
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "
                 f"the pool has {cfg.num_blocks - 1}"
             )
+        if read_limit is not None and (type(read_limit) is not int or read_limit < 0):
+            raise ValueError(f"request {rid!r}: read_limit must be an int >= 0 or None")
+        if read_limit is not None and cfg.grouped:
+            raise ValueError(f"request {rid!r}: a bounded read across groups is not modelled")
         packed = pack_tokens(prompt)
         req = Request(rid, prompt, packed, max_tokens, priority, len(sched.requests), external)
+        req.read_limit = read_limit
         if self.record:
             self.events.append(("arrive", rid, prompt, max_tokens, priority))
         sched.add(req)

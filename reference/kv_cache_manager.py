@@ -46,10 +46,13 @@ class KVCacheManager:
 
     def lookup(self, req: Request) -> list[Block]:
         """The longest run of cached blocks for the request's prefix, from its first block,
-        capped so that the last known token is always computed (none without prefix caching)."""
+        capped so that the last known token is always computed (none without prefix caching),
+        and at the whole blocks of the request's ``read_limit`` (the spec's bounded hit)."""
         if not self.prefix_caching:
             return []
         cap = (len(req.tokens) - 1) // self.block_size
+        if req.read_limit is not None:
+            cap = min(cap, req.read_limit // self.block_size)
         hashes = req.block_hashes
         if len(hashes) < cap:
             extend_hashes(hashes, req.tokens, self.block_size, cap)

@@ -31,6 +31,7 @@ class Request:
         "holding",
         "drafts",
         "tables",
+        "read_limit",
     )
 
     def __init__(
@@ -75,6 +76,10 @@ class Request:
         self.holding = 0
         """With stale output delivered: steps in flight whose output holds an entry for it; a
         preempted request is not admitted again until this is 0. Always 0 in drop mode."""
+        self.read_limit: int | None = None
+        """The engine's bound on its prefix-cache hit in tokens at every admission (vLLM's
+        ``prefix_cache_hit_limit``; 0 skips the read), or None: unbounded. Its admissions'
+        ``schedule`` events carry it (the spec's bounded-hit rule)."""
         self.tables: list[list[Block]] = []
         """Several KV-cache groups: one table per group, ``table`` first (``groups.GroupedKV``
         keeps them); empty with one group."""

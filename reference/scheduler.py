@@ -229,7 +229,9 @@ class Scheduler:
         """Admit a waiting request: its hits are touched, then blocks allocated for
         ``num_tokens`` computed (or ``num_loaded`` full blocks loaded) tokens after them."""
         if self.events is not None:
-            self.events.append(("schedule", req.rid, num_tokens, num_loaded))
+            decision = ("schedule", req.rid, num_tokens, num_loaded)
+            bound = req.read_limit  # the bound its lookup took (spec.events.BOUNDED)
+            self.events.append(decision if bound is None else (*decision, bound))
         kv = self.kv
         kv.admit(req, hits)
         self.waiting.remove(req)

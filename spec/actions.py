@@ -81,7 +81,9 @@ def begin(s: State, step_id: int) -> list[Event]:
     return policies.on_begin(s, step)
 
 
-def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[Event]:
+def schedule(
+    s: State, rid: int, num_tokens: int, num_loaded: int = 0, bound: int | None = None
+) -> list[Event]:
     """Give a request ``num_tokens`` tokens to compute in the building step; a waiting request is
     admitted first (prefix lookup, hits touched before anything is allocated). An admission may
     instead load ``num_loaded`` full blocks from an external KV store after its hits: with no
@@ -96,7 +98,11 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
     (``Config.spec_tokens``) an entry that computes the last known token (under async
     scheduling the last of ``ahead``: the placeholders of a step in flight include its drafts,
     as if all were accepted) may also reach up to K draft slots past it (``Draft``; vLLM pads
-    an admission's single token with K drafts too); they are computed, never hashed."""
+    an admission's single token with K drafts too); they are computed, never hashed.
+    An admission's decision may carry ``bound``, the engine's bound on its prefix-cache hit in
+    tokens (an input it observed: an aux output connector's cap, a request's bounded or skipped
+    read): the hit is then ``lookup``'s under that bound (the bounded-hit rule); a bound on a
+    running request, which looks nothing up, is illegal."""
     step, req, cfg = _building(s, f"schedule r{rid}"), _request(s, rid), s.config
     bsz = cfg.block_size
     where = f"schedule r{rid} in step {step.id}"
@@ -108,12 +114,16 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
         raise Illegal(
             f"{where}: either compute tokens or (on admission) load blocks; neither given"
         )
+    if bound is not None and (type(bound) is not int or bound < 0 or req.status != "waiting"):
+        raise Illegal(f"{where}: a hit bound {bound!r} on no admission, or not a count >= 0")
     events: list[Event] = []
     if req.status == "waiting":
         admission.reorder_once(s, step)
         _admission_guard(s, step, req, where)
         if num_loaded and (cfg.window is not None or cfg.hybrid):
             raise Illegal(f"{where}: external loads under a window or groups are not modelled")
+        if bound is not None and cfg.hybrid:
+            raise Illegal(f"{where}: a bounded hit across groups is not modelled")
         others: list[list[int]] = []
         if cfg.hybrid and s.steered_hits is not None:  # observed: the engine's own hits
             hits, *others = s.steered_hits
@@ -123,7 +133,7 @@ def schedule(s: State, rid: int, num_tokens: int, num_loaded: int = 0) -> list[E
             hits = groups.hits_at(s, req, 0, length)
             others = [groups.hits_at(s, req, g, length) for g in range(1, len(cfg.groups))]
         else:
-            hits = lookup(s, req)
+            hits = lookup(s, req, bound)
         pad = min(s.skipped(len(hits) * bsz), len(hits))  # before the window: the null block
         hits = [NULL_BLOCK] * pad + hits[pad:]
         if len(hits) + num_loaded > loadable(len(req.tokens), bsz, num_tokens == 0):

@@ -100,6 +100,11 @@ FEATURES: dict[str, Feature] = {
             {"admission_window": 2},
         ),
         Feature("loads", "external KV loads (and their failures)", None),
+        Feature(
+            "bounded_hits",
+            "prefix-cache hits bounded by the engine (an admission's bound)",
+            None,
+        ),
     )
 }
 """Every feature, by name."""

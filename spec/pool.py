@@ -38,14 +38,19 @@ def holds(content: Content | None, prefix: Content) -> bool:
     return content is not None and content[: len(prefix)] == prefix and len(content) >= len(prefix)
 
 
-def lookup(s: State, req: Request) -> list[int]:
+def lookup(s: State, req: Request, bound: int | None = None) -> list[int]:
     """The longest run of published blocks for the request's hashes, from its first block,
-        stopping at the first miss and capped so the last known token is always recomputed (and at
-    the blocks that have a key, ``State.hashed``). None
-        without prefix caching. With a sliding window the rule is ``window_lookup``'s."""
+    stopping at the first miss and capped so the last known token is always recomputed (and at
+    the blocks that have a key, ``State.hashed``). None without prefix caching. With a sliding
+    window the rule is ``window_lookup``'s. ``bound``: the engine's bound on this hit in tokens
+    (the admission's ``schedule`` decision carries it; None: unbounded): the hit is at most its
+    whole blocks, so exactly min(the longest cached prefix, ``bound // block_size``) blocks
+    (the bounded-hit rule; 0 skips the read)."""
     if not s.config.prefix_caching:
         return []
     cap = min((len(req.tokens) - 1) // s.config.block_size, s.hashed(req))
+    if bound is not None:
+        cap = min(cap, bound // s.config.block_size)
     if s.config.window is not None:
         return window_lookup(s, req, cap)
     hits: list[int] = []

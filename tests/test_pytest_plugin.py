@@ -13,7 +13,7 @@ through kvspec's wrapper is judged, one that does not is refused), a KV connecto
 and asynchronous loads hold and blocks cached before their asynchronous load has landed fail
 with a Disagreement, an EC connector and an aux output connector hold (text-only requests
 sharing prefixes) and a planted free order under the aux output connector (a table freed head
-first) fails with a Disagreement while a delayed free and a capped prefix-cache hit are refused,
+first) fails with a Disagreement while a delayed free is refused and a capped prefix-cache hit holds,
 ``defer_block_free``'s deferred frees hold and a free at once or a drain before the fence fail
 with a Disagreement, a feature the spec does not model is refused (listed, never failed; every
 one seen at construction, not only the first), the features judged where the spec covers them
@@ -86,7 +86,7 @@ LIFTED = {  # case_lifted.py: test -> (outcome, its finding's start or its one f
         "Illegal: preempt r0 in step 2: fcfs preempts the unscheduled tail of running",
     ),
     "test_skipped_read_with_nothing_to_hit_holds": ("judged", ""),
-    "test_skipped_read_that_would_hit_is_refused": ("run", "prefix-cache read skipped"),
+    "test_skipped_read_that_would_hit_holds": ("judged", ""),  # its bound 0 (Bounded hits)
     "test_lora_within_max_loras_holds": ("judged", ""),
     "test_a_request_passed_over_for_max_loras_is_refused": ("run", "LoRA"),
     "test_one_prompt_under_two_adapters_is_refused": (
@@ -197,9 +197,8 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         assert other["outcome"] == "judged" and other["events"] > 80, other
     delayed = tests["test_ec_connector_delaying_a_free_is_refused"]
     assert delayed["outcome"] == "run" and delayed["features"] == ["delayed block free"], delayed
-    capped = tests["test_aux_output_connector_capping_a_hit_is_refused"]
-    assert capped["outcome"] == "run", capped
-    assert capped["features"] == ["aux output connector: a capped prefix-cache hit"], capped
+    capped = tests["test_aux_output_connector_capping_a_hit_holds"]  # the bound carried
+    assert capped["outcome"] == "judged" and capped["events"] > 40, capped
     head = tests["test_aux_output_connector_blocks_freed_head_first"]
     assert head["outcome"] == "violation", head  # a table freed head first, under aux output
     assert head["finding"].startswith(
@@ -245,7 +244,7 @@ def test_the_plugin_judges_vllm_style_tests(tmp_path: Path) -> None:
         elif outcome == "run":
             assert entry["features"] == [what], entry
     summary = out[out.index("= kvspec =") :]
-    assert "14  violations" in summary and "29  judged and holding" in summary, summary
+    assert "14  violations" in summary and "31  judged and holding" in summary, summary
     assert "Scheduler subclass" in summary and "state edited between calls" in summary
 
 

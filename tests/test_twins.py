@@ -159,6 +159,9 @@ def _probe(form: str, feature: str) -> Callable[[], object]:
     if feature == "loads":  # a stream feature: refused where a load decision is read
         model = symbolic.Model(symbolic.Fragment(Config(4, 1)))
         return lambda: symbolic.instances_for(model, ("schedule", 0, 0, 1))
+    if feature == "bounded_hits":  # a stream feature: refused where a bounded hit is read
+        model = symbolic.Model(symbolic.Fragment(Config(4, 1)))
+        return lambda: symbolic.instances_for(model, ("schedule", 0, 1, 0, 0))
     return lambda: symbolic.Model(symbolic.Fragment(config))
 
 

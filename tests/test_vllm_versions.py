@@ -3,9 +3,10 @@ platform (``cpu_platform.py``), on the installed vLLM: run where vLLM imports
 (``tests/test_adapter_vllm.py`` runs this file in every supported release's environment).
 
 A name kvspec reads that is missing is a refusal naming it, never an internal error; a release
-outside the supported set is tried with one message; 0.34.0's new block-lifecycle features (bounded
-prefix-cache reads, cache-aware admission, ``max_num_inflight_kv_loads``, ``evict_first``) are
-each refused by name where they show."""
+outside the supported set is tried with one message; 0.34.0's new block-lifecycle features
+(cache-aware admission, ``max_num_inflight_kv_loads``, ``evict_first``) are each refused by name
+where they show; a bounded or skipped prefix-cache read is judged, its admission carrying the
+bound."""
 
 from __future__ import annotations
 
@@ -141,24 +142,22 @@ def _request(rid: str, prompt: list[int], params: SamplingParams) -> Request:
 
 
 @pytest.mark.parametrize(
-    ("params", "feature"),
+    ("params", "bound"),
     [
-        (
-            dict(prompt_logprobs=1, prompt_logprob_start=2, skip_reading_prefix_cache=False),
-            "bounded prefix-cache read",
-        ),
-        (dict(prompt_logprobs=1), "prefix-cache read skipped"),
+        (dict(prompt_logprobs=1, prompt_logprob_start=2, skip_reading_prefix_cache=False), 2),
+        (dict(prompt_logprobs=1), 0),
         (dict(), None),
     ],
     ids=["bounded", "skipped", "unbounded"],
 )
-def test_a_bounded_or_skipped_prefix_cache_read_that_cuts_a_hit_is_refused(
-    params: dict[str, Any], feature: str | None
+def test_a_bounded_or_skipped_prefix_cache_read_is_carried_by_its_admission(
+    params: dict[str, Any], bound: int | None
 ) -> None:
     """r0 caches three blocks of its prompt; r1 repeats it with its read bounded (0.34.0:
     ``prefix_cache_hit_limit`` 2, one block), skipped (limit 0; 0.33.0's
-    ``skip_reading_prefix_cache``), or unbounded (judged: the control)."""
-    if feature == "bounded prefix-cache read" and vllm.__version__ != "0.34.0":
+    ``skip_reading_prefix_cache``), or unbounded: judged, r1's admission carrying the bound in
+    tokens (``docs/model.md``, "Bounded hits"), the unbounded one none."""
+    if params.get("prompt_logprob_start") and vllm.__version__ != "0.34.0":
         pytest.skip("bounded reads are new in vLLM 0.34.0")
     scheduler = build.build_scheduler(CELL, async_scheduling=False, reuse=False)
     attachment = attach(scheduler)
@@ -166,12 +165,11 @@ def test_a_bounded_or_skipped_prefix_cache_read_that_cuts_a_hit_is_refused(
     _drive(scheduler, [_request("0", prompt, SamplingParams(max_tokens=1))])
     assert attachment.refusal is None
     _drive(scheduler, [_request("1", prompt, SamplingParams(max_tokens=1, **params))])
-    if feature is None:
-        assert attachment.refusal is None and attachment.error is None
-    else:
-        assert attachment.refusal is not None and attachment.refusal.feature == feature, (
-            attachment.refusal
-        )
+    assert attachment.refusal is None and attachment.error is None, attachment.refusal
+    (admission,) = [e for e in attachment.events if e[:2] == ("schedule", 1)]
+    assert admission[4:] == (() if bound is None else (bound,)), admission
+    (hit,) = [e for e in attachment.events if e[:2] == ("hit", 1)]
+    assert len(hit[2]) == (3 if bound is None else bound // CELL.block_size), hit
 
 
 @ON_034

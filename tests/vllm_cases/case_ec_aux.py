@@ -2,9 +2,10 @@
 ``ECExampleConnector``) and with an aux output connector (vLLM's ``AuxOutputSchedulerConnector``,
 set after construction as vLLM's tests do), vLLM's objects only, no kvspec import; run by
 tests/test_pytest_plugin.py in .venv-vllm with and without kvspec's plugin. Text-only requests
-share prefixes, so later ones hit blocks earlier ones left. Two are refused, not judged: an EC
-connector that delays a finished request's free, and an aux output connector whose
-``max_cache_hit`` (stubbed, as vLLM's own test does) caps a hit below the cached prefix. One
+share prefixes, so later ones hit blocks earlier ones left. One is refused, not judged: an EC
+connector that delays a finished request's free; an aux output connector whose
+``max_cache_hit`` (stubbed, as vLLM's own test does) caps a hit below the cached prefix is
+judged (the admission's decision carries the bound: tests/vllm_cases/case_hitbound.py). One
 plants a pool bug under the aux output connector: a finished request's blocks freed head first
 instead of tail first."""
 
@@ -115,7 +116,7 @@ def test_aux_output_connector_holds():
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-def test_aux_output_connector_capping_a_hit_is_refused():
+def test_aux_output_connector_capping_a_hit_holds():
     scheduler = with_aux(make_scheduler())
     scheduler.aux_output_connector.max_cache_hit = lambda request: BLOCK  # one block at most
     run(scheduler, PROMPTS[:2])

@@ -7,8 +7,8 @@ spec covers them (vLLM's objects only, no kvspec import), run by tests/test_pyte
   ``arrival_time``; refused: two equal arrival times of one priority;
 * ``reset_prefix_cache(reset_running_requests=True)`` (a step of preemptions, tail first, then
   the reset), under fcfs and priority; planted: a reset that preempts from the head;
-* a request that skips the prefix-cache read (prompt logprobs) where the read would hit nothing;
-  refused where it would have hit;
+* a request that skips the prefix-cache read (prompt logprobs), where the read would hit nothing
+  and where it would have hit (its admission's bound 0: ``docs/model.md``, "Bounded hits");
 * LoRA adapters within ``max_loras``; refused where a request is passed over for ``max_loras``,
   and where one prompt hashes differently under two adapters;
 * multi-module MTP's prefill lookahead (``num_prefill_lookahead``, set after construction as
@@ -161,7 +161,7 @@ def test_skipped_read_with_nothing_to_hit_holds():
     drain(scheduler)
 
 
-def test_skipped_read_that_would_hit_is_refused():
+def test_skipped_read_that_would_hit_holds():
     scheduler = make_scheduler(policy="fcfs", num_blocks=12)
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], priority=0, arrival=0.0))
     drain(scheduler)

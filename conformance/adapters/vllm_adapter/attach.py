@@ -250,6 +250,7 @@ class Attachment(StepCalls, OutputCalls, Preemptions, BlockCalls):
         self._links: dict[object, object] = {}  # (parent hash, block tokens) -> hash
         self._hashes: dict[object, object] = {}  # hash -> (parent hash, block tokens)
         self._checked: dict[str, int] = {}  # request id -> blocks whose hashes were checked
+        self._hit_bounds: dict[str, int | None] = {}  # request id -> its lookup's bound (tokens)
         self._latest: dict[int, float] = {}  # priority -> latest arrival time released
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
         self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
@@ -471,6 +472,7 @@ class Attachment(StepCalls, OutputCalls, Preemptions, BlockCalls):
                 else []
             ),
             (sched, "_reserve_prefill_lookahead", self._prefill_lookahead),
+            (kv, "get_computed_blocks", self._get_computed_blocks),
             (kv, "allocate_slots", self._allocate_slots),
             (kv, "cache_blocks", self._cache_blocks),
             (kv, "take_events", self._take_events),

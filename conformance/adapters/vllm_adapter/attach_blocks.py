@@ -21,9 +21,9 @@ from kvspec.spec.actions import loadable
 
 from . import groups as hybrid_groups
 from .attach_steps import Event
-from .features import hasher_lookahead, lora_skips, passed_over, skipped_read
+from .features import hasher_lookahead, lora_skips, passed_over
 from .methods import Method
-from .versions import evict_first, read
+from .versions import evict_first, max_cache_hit_length, prefix_read_limit, read
 
 EVICT_FIRST = ("freed cached blocks to the free queue's head", "free_blocks(evict_first=True)")
 """vLLM 0.34.0's ``free_blocks(..., evict_first=True)``: not the spec's free order."""
@@ -78,13 +78,15 @@ class BlockCalls:
             hits = kw.get("new_computed_blocks", args[1] if len(args) > 1 else None)
             slots = self._safe(self._slots_features, request, num_new_tokens, args, kw)
             loaded, extra = slots or (0, 0)
+            bound = self._hit_bounds.pop(request.request_id, None) if admission else None
             if admission:
                 self._safe(self._admission_room, request)
                 if self._safe(read, self.scheduler, "aux_output_connector") is not None:
                     self._safe(self._bounded_hit, request, hits)
-                for check in (skipped_read, lora_skips):
-                    for feature in self._safe(check, self.scheduler, request) or ():
-                        self.refuse(*feature)
+                if bound is not None and self.hybrid:
+                    self.refuse("bounded prefix-cache hit across groups", request.request_id)
+                for feature in self._safe(lora_skips, self.scheduler, request) or ():
+                    self.refuse(*feature)
                 waiting_loads = self.loads.waiting
                 for feature in (
                     self._safe(passed_over, self.scheduler, request, waiting_loads) or ()
@@ -110,7 +112,8 @@ class BlockCalls:
                 elif pending:
                     self.problems.append(f"allocate_slots failed after effects {pending}")
                 return None
-            self.events.append(("schedule", rid, num_new_tokens + extra, loaded))
+            decision = ("schedule", rid, num_new_tokens + extra, loaded)
+            self.events.append(decision if bound is None else (*decision, bound))
             self._extra += extra
             if admission and self.hybrid:
                 hit = hybrid_groups.hit_events(self, rid, hits)
@@ -194,21 +197,46 @@ class BlockCalls:
                 f"{request.request_id} admitted beside {len(self.loads.waiting)} loading",
             )
 
+    def _get_computed_blocks(self, original: Method) -> Method:
+        def get_computed_blocks(request: Request, *args: Any, **kw: Any) -> Any:
+            """vLLM's lookup: the bound it was given (the aux output connector's
+            ``max_cache_hit``) and the request's own read limit, kept for the admission's
+            ``schedule`` decision (``_hit_bound``); what it hits is checked there."""
+            given = kw.get("max_cache_hit_length", args[0] if args else None)
+            bound = self._safe(self._hit_bound, request, given)
+            self._hit_bounds[request.request_id] = bound
+            return original(request, *args, **kw)
+
+        return get_computed_blocks
+
+    def _hit_bound(self, request: Request, given: int | None) -> int | None:
+        """The bound on this lookup's hit in tokens, as the spec's ``schedule`` decision carries
+        it (``docs/model.md``, "Bounded hits"): 0 where the request skips the read (0.33.0's
+        ``skip_reading_prefix_cache``, 0.34.0's ``prefix_cache_hit_limit`` 0), else the least
+        of the bound vLLM's lookup was given and the request's limit
+        (``versions.max_cache_hit_length``); None where it cuts nothing the spec's own cap (the
+        last token's block) does not, so an unbounded admission's decision stays as before."""
+        if not self.config.prefix_caching:
+            return None  # vLLM looks nothing up; nor does the spec
+        if prefix_read_limit(request) == 0:
+            return 0
+        bound = max_cache_hit_length(request, given)
+        bsz = self.block_size
+        return None if bound // bsz >= (request.num_tokens - 1) // bsz else max(bound, 0)
+
     def _bounded_hit(self, request: Request, hits: Any) -> None:
-        """An aux output connector's ``max_cache_hit`` bounds vLLM's lookup; the spec's hit is
-        the longest cached prefix short of the last token's block (``spec.pool.lookup``). vLLM's
-        own connector never bounds it lower (``features.scheduler_features``); a hit that stops
-        before a block the pool holds, or covers the last token's block, is refused."""
+        """An aux output connector's ``max_cache_hit`` bounds vLLM's lookup: the admission's
+        decision carries the bound (``_hit_bound``) and the spec's hit is the longest cached
+        prefix under it. A bound past the last token lets vLLM 0.33.0 hit the last token's
+        block (a test's stub; vLLM's own connector stays under it), which the spec never
+        does: refused."""
         if not self.config.prefix_caching:
             return  # vLLM looks nothing up
         got = len(hits.blocks[0]) if hits is not None else 0
         most = (request.num_tokens - 1) // self.block_size
-        hashes = request.block_hashes
-        where = f"{request.request_id}: {got} blocks hit"
         if got > most:
+            where = f"{request.request_id}: {got} blocks hit"
             self.refuse("aux output connector: a hit over the last token's block", where)
-        elif got < min(most, len(hashes)) and self.pool.get_cached_block(hashes[got], [0]):
-            self.refuse("aux output connector: a capped prefix-cache hit", f"{where}, more cached")
 
     def _get_new_blocks(self, original: Method) -> Method:
         def get_new_blocks(num_blocks: int, *args: Any, **kw: Any) -> list[Any]:

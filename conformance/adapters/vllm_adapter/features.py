@@ -255,8 +255,8 @@ def request_features(sched: Any, request: Any) -> list[Feature]:
     need(read(request, "cache_salt"), "cache salt", "a salt in the first block's hash")
     need(request.prompt_token_ids is None, "prompt embeddings", "no prompt token ids")
     need(request.pooling_params is not None or params is None, "pooling", "no sampling")
-    # A request that skips the prefix-cache read (prompt logprobs) is refused only at an
-    # admission where the read would have hit (``skipped_read``).
+    # A request that skips or bounds the prefix-cache read (prompt logprobs, prompt scoring) is
+    # judged: its admissions' decisions carry the bound (``attach_blocks._hit_bound``).
     caching = bool(read(sched.kv_cache_manager, "enable_caching"))
     need(read(request, "kv_transfer_params"), "KV connector", "kv_transfer_params")
     fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
@@ -296,36 +296,6 @@ def hasher_lookahead(request: Any) -> int | None:
         return None
     value = cells[code.co_freevars.index("num_hash_lookahead_tokens")].cell_contents
     return value if type(value) is int and value >= 0 else None
-
-
-def skipped_read(sched: Any, request: Any) -> list[Feature]:
-    """A request whose prefix-cache read is skipped or bounded (``versions.prefix_read_limit``:
-    0.33.0's ``skip_reading_prefix_cache``, prompt logprobs and all-token pooling; 0.34.0's
-    ``prefix_cache_hit_limit``, 0 skipped, n > 0 at most n tokens read, prompt scoring) admitted
-    where the bound cuts the hit short: vLLM then computes from scratch what the spec's lookup
-    hits. Where the read would hit no further than the bound (the cached run of its full blocks
-    before its last token ends there) the two agree, so it is judged. Checked at each admission
-    (a preempted request is read again). On 0.34.0 any bound also drops a KV connector's
-    external hit (``skip_reading_external_kv``), which the spec would load: refused beside a
-    connector."""
-    pool = sched.kv_cache_manager.block_pool
-    limit = versions.prefix_read_limit(request)
-    if limit is None or not pool.enable_caching:
-        return []
-    name = "prefix-cache read skipped" if limit == 0 else "bounded prefix-cache read"
-    if sched.connector is not None and versions.installed().prefix_read == "prefix_cache_hit_limit":
-        return [(name, f"{request.request_id}: the KV connector's external hit dropped")]
-    bsz = sched.block_size
-    readable = (request.num_tokens - 1) // bsz  # vLLM's hits stop before the last token
-    hashes = request.block_hashes
-    bound = min(readable, limit // bsz)
-    cached = 0
-    while cached < min(readable, len(hashes)) and pool.get_cached_block(hashes[cached], [0]):
-        cached += 1
-        if cached > bound:
-            detail = f"{request.request_id} would hit block {cached - 1}, past its bound"
-            return [(name, detail)]
-    return []
 
 
 def lora_skips(sched: Any, request: Any) -> list[Feature]:
