@@ -200,9 +200,10 @@ def window_features(sched: Any, spec: Any) -> list[Feature]:
     """A sliding-window group: modelled (``Config.sliding_window``, read by ``config_of``) when
     ``sliding_window_of`` reads it, alone, without drafts (the spec does not model them beside a
     window); refused as "sliding window" otherwise. Beside a KV connector it is judged up to what
-    the spec does not model there, refused where it happens (``attach.py``): a load (the spec's
-    ``schedule`` has none under a window) and a finish (vLLM's ``_connector_finished`` frees the
-    blocks before the window before the table)."""
+    the spec does not model there, refused where it happens (``attach_blocks.py``,
+    ``attach_outputs.py``): an asynchronous load (a synchronous one is the spec's ``WindowLoad``)
+    and a finish (vLLM's ``_connector_finished`` frees the blocks before the window before the
+    table)."""
     detail = f"{type(spec).__name__}({spec.sliding_window})"
     if sliding_window_of(sched) is None:
         return [("sliding window", detail)]
