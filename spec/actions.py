@@ -373,7 +373,8 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
         if running:
             events += policies.on_output(s, req, entry, rejected)
         if reason:
-            events += _give_up(s, req, committing=step) + [("finish", rid, reason)]
+            events += _give_up(s, req, committing=step, finishing=True)
+            events.append(("finish", rid, reason))
             (s.running if running else s.waiting).remove(rid)
             req.status = "finished"
             s.touched.left.add(rid)
@@ -441,7 +442,7 @@ def abort(s: State, rid: int) -> list[Event]:
     req = _request(s, rid)
     if s.building is not None or req.status == "finished":
         raise Illegal(f"abort r{rid}: finished already, or a step is building")
-    events = _leave(s, req)
+    events = _leave(s, req, finishing=True)
     (s.running if req.status == "running" else s.waiting).remove(rid)
     req.status = "finished"
     s.touched.left.add(rid)
@@ -545,7 +546,11 @@ def window_head(s: State, hits: list[int], num_loaded: int) -> list[int]:
 
 
 def _leave(
-    s: State, req: Request, stale: str = "drop", committing: Step | None = None
+    s: State,
+    req: Request,
+    stale: str = "drop",
+    committing: Step | None = None,
+    finishing: bool = False,
 ) -> list[Event]:
     """The request gives up its blocks early (preempt, abort, failed load). Its part in the
     building step is withdrawn, so that step will not write it; submitted steps still will, and
@@ -564,27 +569,47 @@ def _leave(
             st.live.discard(req.id)
     events = policies.on_remove(s, req)
     req.loading = None
-    return events + _give_up(s, req, committing)
+    return events + _give_up(s, req, committing, finishing)
 
 
-def _give_up(s: State, req: Request, committing: Step | None = None) -> list[Event]:
+def _give_up(
+    s: State, req: Request, committing: Step | None = None, finishing: bool = False
+) -> list[Event]:
     """The request lets go of its table (it leaves, or finishes at ``committing``'s commit).
     Freed at once, unless ``Config.defer_free`` and a submitted step other than ``committing``
     still computes for it: then the table's blocks keep their references in a ``Deferred``
     holder fenced by the newest submitted step that computes anything, and the request holds
     nothing from now on (vLLM's ``pop_blocks_for_free`` and ``deferred_frees``). A fence is
-    never older than an earlier one, so the holders drain in order."""
+    never older than an earlier one, so the holders drain in order. ``WindowFinish``
+    (``Config.trim_at_finish``, a request ``finishing``): its skipped blocks are freed first,
+    at once (``_trim_at_finish``)."""
+    events = _trim_at_finish(s, req, committing) if finishing else []
     fence = _fence(s, req.id, committing)
     if fence is None:
         if s.config.hybrid:  # group by group (groups.free_groups)
-            return free_table(s, req) + groups.free_groups(s, req)
-        return free_table(s, req)
+            return events + free_table(s, req) + groups.free_groups(s, req)
+        return events + free_table(s, req)
     held = tuple(b for b in req.table if b != NULL_BLOCK)  # a window's nulls hold nothing
     if held:  # nothing to hold for a request that holds nothing (vLLM appends no entry)
         s.deferred.append(Deferred(fence, req.id, held))
         s.touched.blocks.update(req.table)
     clear_table(s, req)
-    return []
+    return events
+
+
+def _trim_at_finish(s: State, req: Request, committing: Step | None) -> list[Event]:
+    """``WindowFinish``: with ``Config.trim_at_finish`` a finishing request's blocks wholly before
+    the window of the token after its processed ones are freed, as one batch, before the rest of
+    its table (vLLM's ``_connector_finished``: ``remove_skipped_blocks`` on
+    ``num_computed_tokens - num_in_flight_tokens``, the committing step's tokens drained
+    already). No step in flight reads them. Nothing without the field, or for a request that
+    holds no table (waiting)."""
+    if not s.config.trim_at_finish or req.status != "running":
+        return []
+    bsz = s.config.block_size
+    own = committing.entries.get(req.id) if committing is not None else None
+    settled = own.end - own.start - own.loaded * bsz if own is not None else 0
+    return remove_skipped(s, req, max(0, req.computed - _in_flight(s, req.id) + settled))
 
 
 def _fence(s: State, rid: int, committing: Step | None) -> int | None:

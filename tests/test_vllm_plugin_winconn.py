@@ -14,9 +14,11 @@ from test_pytest_plugin import CASES, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_winconn.py")
-HOLDS = ("test_synchronous_loads_under_a_window_hold",)
+HOLDS = ("test_synchronous_loads_under_a_window_hold", "test_finishes_beside_a_connector_hold")
 PLANTED = {  # test -> what kvspec's finding must say
     "test_a_load_given_blocks_before_the_window_is_caught": "Disagreement",
+    "test_a_finish_freeing_the_table_whole_is_caught": "Disagreement",
+    "test_a_finish_freeing_what_a_step_in_flight_reads_is_caught": "Disagreement",
 }
 
 
