@@ -138,6 +138,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
     "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
     "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
+    "trim_at_finish": Refused("it needs sliding_window, which the model refuses"),
 }
 """The Z3 model's features (its ``Fragment``), which the lemmas share."""
 
@@ -185,7 +186,8 @@ TWINS: tuple[Twin, ...] = (
         }
         | {"groups": FOLLOWS}
         | {"hash_lookahead": Refused(LOOKAHEAD)}
-        | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")},
+        | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
+        | {"trim_at_finish": Refused("it has no KV connector: a finish frees its table whole")},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
     ),
@@ -221,6 +223,7 @@ TWINS: tuple[Twin, ...] = (
             "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
             "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
+            "trim_at_finish": Refused("judged by the spec only: it needs sliding_window"),
         },
         invariants={
             "NoUnwrittenRead": IMPLEMENTS,
@@ -274,6 +277,9 @@ TWINS: tuple[Twin, ...] = (
                 "lookahead keys with the full definitions"
             ),
             "cache_aware_admission": FOLLOWS,  # the spec's actions reorder; no invariant reads the order
+            "trim_at_finish": Refused(
+                "it needs sliding_window: SpecModel judges it with the full definitions"
+            ),
         },
         invariants={
             **{name: IMPLEMENTS for name in DECLARED},
@@ -379,6 +385,7 @@ TWINS: tuple[Twin, ...] = (
             "cache_aware_admission": Refused(
                 "its admissions take the queue's head in arrival order"
             ),
+            "trim_at_finish": Refused("it needs sliding_window, which the model refuses"),
         },
         invariants={
             **{

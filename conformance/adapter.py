@@ -111,6 +111,11 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
 
         raise twins.refused("kvspec.reference", "cache_aware_admission")
     del fields["admission_window"], fields["admission_threshold"]  # off: queue order, the engine's
+    if config.trim_at_finish:  # WindowFinish: declared refused in twins.py
+        from kvspec import twins
+
+        raise twins.refused("kvspec.reference", "trim_at_finish")
+    del fields["trim_at_finish"]  # off: a finish gives up the table in one piece, the engine's
     unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
     if unknown:
         raise ValueError(f"the reference engine has no setting {', '.join(unknown)}")

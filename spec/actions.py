@@ -120,8 +120,11 @@ def schedule(
     if req.status == "waiting":
         admission.reorder_once(s, step)
         _admission_guard(s, step, req, where)
-        if num_loaded and (cfg.window is not None or cfg.hybrid):
-            raise Illegal(f"{where}: external loads under a window or groups are not modelled")
+        if num_loaded and (cfg.hybrid or (cfg.window is not None and num_tokens == 0)):
+            raise Illegal(
+                f"{where}: asynchronous loads under a window, and loads under groups, are not "
+                "modelled"
+            )
         if bound is not None and cfg.hybrid:
             raise Illegal(f"{where}: a bounded hit across groups is not modelled")
         others: list[list[int]] = []
@@ -134,22 +137,23 @@ def schedule(
             others = [groups.hits_at(s, req, g, length) for g in range(1, len(cfg.groups))]
         else:
             hits = lookup(s, req, bound)
-        pad = min(s.skipped(len(hits) * bsz), len(hits))  # before the window: the null block
-        hits = [NULL_BLOCK] * pad + hits[pad:]
         if len(hits) + num_loaded > loadable(len(req.tokens), bsz, num_tokens == 0):
             raise Illegal(f"{where}: the last known token must be computed, not loaded")
         start = len(hits) * bsz
         end = start + num_tokens + num_loaded * bsz
+        head = window_head(s, hits, num_loaded)
+        hits, skipped_loads = head[: len(hits)], head[len(hits) :]
         hit = [b for h in [hits, *others] for b in h if b != NULL_BLOCK]
         held_free = sum(1 for b in set(hit) if s.blocks[b].refcount == 0)
         more = groups.needed(s, others, end) if cfg.hybrid else 0
-        if -(-end // bsz) - len(hits) + more > len(s.free) - held_free:
+        if -(-end // bsz) - len(head) + more > len(s.free) - held_free:
             raise Illegal(f"{where}: not enough free blocks")
         events += touch(s, req, hits)
+        req.table += skipped_loads  # null blocks: nothing to touch, nothing hit
         if cfg.hybrid:
             events += groups.admit(s, req, others)
             s.admission = (rid, start, (tuple(hits), *map(tuple, others)))
-        req.cached = len(hits)
+        req.cached = len(head)
         s.waiting.remove(rid)
         s.running.append(rid)
         req.status, step.admitted = "running", True
@@ -190,6 +194,8 @@ def schedule(
     load = num_loaded > 0 and num_tokens == 0  # asynchronous: the request waits for it
     span = -(-end // bsz)  # after rejected drafts the table may reach further: not written
     for i in range(start // bsz, span):
+        if req.table[i] == NULL_BLOCK:  # a loaded position before the window: not loaded
+            continue
         prefix = tuple(tokens[: min(end, (i + 1) * bsz)])
         s.blocks[req.table[i]].pending.append(Write(step.id, rid, prefix, load))
         s.touched.content.add(req.table[i])
@@ -280,6 +286,8 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
     stale = groups.read_states(s, step) if s.config.hybrid else ()  # before the step's writes
     for rid, e in step.entries.items():
         for block in e.blocks[e.start // bsz :]:
+            if block == NULL_BLOCK:  # WindowLoad: a loaded position before the window
+                continue
             s.touched.content.add(block)
             b = s.blocks[block]
             mine = [w for w in b.pending if w.step == step.id and w.req == rid]
@@ -292,7 +300,7 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
         if e.load:  # a load reads nothing
             continue
         tokens = tuple(s.seen(s.requests[rid], step.id, e)[: e.end])
-        lo = s.first_read(e.start)  # a sliding window reads only from there
+        lo = s.first_read(e.start + e.loaded * bsz)  # a window reads only from there
         bad = [
             block
             for i, block in enumerate(e.blocks)
@@ -304,7 +312,8 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
             bad.append(NULL_BLOCK)  # a group read the wrong bytes (recorded there)
         if bad:  # K/V computed from wrong inputs is wrong too
             for block in e.blocks[e.start // bsz :]:
-                s.blocks[block].written = None
+                if block != NULL_BLOCK:
+                    s.blocks[block].written = None
             if e.group_blocks:
                 groups.spoil(s, e)
     step.phase = "executed"
@@ -374,7 +383,8 @@ def commit(s: State, step_id: int, sampled: tuple[tuple[int, int], ...]) -> list
         if running:
             events += policies.on_output(s, req, entry, rejected)
         if reason:
-            events += _give_up(s, req, committing=step) + [("finish", rid, reason)]
+            events += _give_up(s, req, committing=step, finishing=True)
+            events.append(("finish", rid, reason))
             (s.running if running else s.waiting).remove(rid)
             req.status = "finished"
             s.touched.left.add(rid)
@@ -442,7 +452,7 @@ def abort(s: State, rid: int) -> list[Event]:
     req = _request(s, rid)
     if s.building is not None or req.status == "finished":
         raise Illegal(f"abort r{rid}: finished already, or a step is building")
-    events = _leave(s, req)
+    events = _leave(s, req, finishing=True)
     (s.running if req.status == "running" else s.waiting).remove(rid)
     req.status = "finished"
     s.touched.left.add(rid)
@@ -522,12 +532,35 @@ def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:
 def _in_flight(s: State, rid: int) -> int:
     """Tokens the request's entries in steps not yet committed schedule (vLLM's
     ``num_in_flight_tokens``: counted at schedule, drained at each step's output, stale
-    entries of a preempted request included)."""
-    return sum(st.entries[rid].end - st.entries[rid].start for st in s.steps if rid in st.entries)
+    entries of a preempted request included). A load's tokens are not scheduled tokens: vLLM
+    counts them computed at once (``WindowLoad``)."""
+    bsz = s.config.block_size
+    return sum(
+        st.entries[rid].end - st.entries[rid].start - st.entries[rid].loaded * bsz
+        for st in s.steps
+        if rid in st.entries
+    )
+
+
+def window_head(s: State, hits: list[int], num_loaded: int) -> list[int]:
+    """``WindowLoad``: the head of an admitted request's table under a sliding window. Its
+    ``hits`` and ``num_loaded`` loaded blocks count as computed at once, so the positions wholly
+    before the window of the token after all of them hold the null block (vLLM's
+    ``add_local_computed_blocks`` pads ``get_num_skipped_tokens(local + external)``): hits
+    there are not touched, and loaded blocks there are neither allocated nor loaded (its
+    ``allocate_external_computed_blocks`` allocates only those after). The returned head is
+    the hits, nulled in front, and nulls for the skipped loaded positions after them (no
+    part of the hit: the ``hit`` event names the hits' positions only)."""
+    pad = min(s.skipped((len(hits) + num_loaded) * s.config.block_size), len(hits) + num_loaded)
+    return [NULL_BLOCK] * pad + hits[pad:]
 
 
 def _leave(
-    s: State, req: Request, stale: str = "drop", committing: Step | None = None
+    s: State,
+    req: Request,
+    stale: str = "drop",
+    committing: Step | None = None,
+    finishing: bool = False,
 ) -> list[Event]:
     """The request gives up its blocks early (preempt, abort, failed load). Its part in the
     building step is withdrawn, so that step will not write it; submitted steps still will, and
@@ -546,27 +579,47 @@ def _leave(
             st.live.discard(req.id)
     events = policies.on_remove(s, req)
     req.loading = None
-    return events + _give_up(s, req, committing)
+    return events + _give_up(s, req, committing, finishing)
 
 
-def _give_up(s: State, req: Request, committing: Step | None = None) -> list[Event]:
+def _give_up(
+    s: State, req: Request, committing: Step | None = None, finishing: bool = False
+) -> list[Event]:
     """The request lets go of its table (it leaves, or finishes at ``committing``'s commit).
     Freed at once, unless ``Config.defer_free`` and a submitted step other than ``committing``
     still computes for it: then the table's blocks keep their references in a ``Deferred``
     holder fenced by the newest submitted step that computes anything, and the request holds
     nothing from now on (vLLM's ``pop_blocks_for_free`` and ``deferred_frees``). A fence is
-    never older than an earlier one, so the holders drain in order."""
+    never older than an earlier one, so the holders drain in order. ``WindowFinish``
+    (``Config.trim_at_finish``, a request ``finishing``): its skipped blocks are freed first,
+    at once (``_trim_at_finish``)."""
+    events = _trim_at_finish(s, req, committing) if finishing else []
     fence = _fence(s, req.id, committing)
     if fence is None:
         if s.config.hybrid:  # group by group (groups.free_groups)
-            return free_table(s, req) + groups.free_groups(s, req)
-        return free_table(s, req)
+            return events + free_table(s, req) + groups.free_groups(s, req)
+        return events + free_table(s, req)
     held = tuple(b for b in req.table if b != NULL_BLOCK)  # a window's nulls hold nothing
     if held:  # nothing to hold for a request that holds nothing (vLLM appends no entry)
         s.deferred.append(Deferred(fence, req.id, held))
         s.touched.blocks.update(req.table)
     clear_table(s, req)
-    return []
+    return events
+
+
+def _trim_at_finish(s: State, req: Request, committing: Step | None) -> list[Event]:
+    """``WindowFinish``: with ``Config.trim_at_finish`` a finishing request's blocks wholly before
+    the window of the token after its processed ones are freed, as one batch, before the rest of
+    its table (vLLM's ``_connector_finished``: ``remove_skipped_blocks`` on
+    ``num_computed_tokens - num_in_flight_tokens``, the committing step's tokens drained
+    already). No step in flight reads them. Nothing without the field, or for a request that
+    holds no table (waiting)."""
+    if not s.config.trim_at_finish or req.status != "running":
+        return []
+    bsz = s.config.block_size
+    own = committing.entries.get(req.id) if committing is not None else None
+    settled = own.end - own.start - own.loaded * bsz if own is not None else 0
+    return remove_skipped(s, req, max(0, req.computed - _in_flight(s, req.id) + settled))
 
 
 def _fence(s: State, rid: int, committing: Step | None) -> int | None:

@@ -99,6 +99,12 @@ FEATURES: dict[str, Feature] = {
             lambda c: getattr(c, "admission_window", 0) > 0,
             {"admission_window": 2},
         ),
+        Feature(
+            "trim_at_finish",
+            "a finish that frees the blocks before the window first (beside a KV connector)",
+            lambda c: getattr(c, "trim_at_finish", False),
+            {"sliding_window": 2, "trim_at_finish": True},
+        ),
         Feature("loads", "external KV loads (and their failures)", None),
         Feature(
             "bounded_hits",
@@ -135,6 +141,7 @@ FIELDS_OF: dict[str, str] = {
     "hash_lookahead": "hash_lookahead",
     "admission_window": "cache_aware_admission",
     "admission_threshold": "cache_aware_admission",
+    "trim_at_finish": "trim_at_finish",
 }
 """Each ``Config`` field that is a feature's, and the feature."""
 

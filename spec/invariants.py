@@ -58,7 +58,7 @@ def no_unwritten_read(s: State) -> Violation | None:
                 continue
             req = s.requests[rid]
             tokens = s.ahead(req)
-            lo = s.first_read(e.start)  # a sliding window reads from the window's first block
+            lo = s.first_read(e.start + e.loaded * bsz)  # a window reads from its first block
             for i in range(lo, len(e.blocks)):  # its own blocks too: the step reads them
                 block = e.blocks[i]
                 gone = i < len(req.table) and req.table[i] == NULL_BLOCK != block
@@ -330,8 +330,9 @@ def misplaced_null(s: State, req: Request) -> bool:
         return False
     if s.config.window is None or req.status != "running":
         return True
-    flying = sum(
-        st.entries[req.id].end - st.entries[req.id].start
+    bsz = s.config.block_size
+    flying = sum(  # a load's tokens are computed at once (WindowLoad)
+        st.entries[req.id].end - st.entries[req.id].start - st.entries[req.id].loaded * bsz
         for st in s.steps
         if req.id in st.entries and req.id in st.live
     )

@@ -203,6 +203,13 @@ class Config:
     admission"). 0: strict queue order."""
     admission_threshold: float = 0.5
     """The usage (1 - free / (N - 1)) below which ``admission_window`` is not applied."""
+    trim_at_finish: bool = False
+    """``WindowFinish``, with ``sliding_window``: a request that finishes or is aborted first
+    frees its blocks wholly before the window of the token after its *processed* ones (as a
+    schedule would, ``pool.remove_skipped``; the tokens of the committing step count as
+    processed), then gives up the rest of its table (vLLM's ``_connector_finished`` beside a
+    KV connector, before ``request_finished`` is handed the table; ``docs/model.md``, "Sliding
+    window"). False: the table is given up in one piece, the skipped blocks with it."""
 
     def __post_init__(self) -> None:
         from .policies import POLICIES  # the registry: policies.py imports this module
@@ -268,6 +275,11 @@ class Config:
                 and self.hash_lookahead >= 0
                 and not (self.hash_lookahead and self.groups),
                 f"hash_lookahead must be an integer >= 0, one group only, got {self.hash_lookahead!r}",
+            ),
+            (
+                isinstance(self.trim_at_finish, bool)
+                and (self.sliding_window is not None or not self.trim_at_finish),
+                f"trim_at_finish must be a bool, and needs sliding_window, got {self.trim_at_finish!r}",
             ),
         ]
         for ok, message in checks:

@@ -4,9 +4,8 @@ KV connector that loads nothing, as vLLM's
 has it (its aux output connector drops the external hit): ``case_window.py``'s
 ``AsyncScheduler`` (window 5, blocks of 2) and batch queue of two steps, with vLLM's
 ``ExampleConnector`` whose store holds nothing past the local hit. Long shared prompts that hit
-past the window and decodes past it, no request finishing (a finish beside a connector frees
-the blocks before the window first, which the spec does not model: refused there, as is a
-load). ``tests/test_vllm_plugin_window_connector.py`` runs them in every supported release's
+past the window and decodes past it; a finish beside the connector frees the blocks before
+the window first (the spec's ``WindowFinish``; loads: ``case_winconn.py``). ``tests/test_vllm_plugin_window_connector.py`` runs them in every supported release's
 environment, with and without the plugin. Planted: a hit that takes one cached block as enough
 where the window needs two."""
 
@@ -90,5 +89,5 @@ def test_a_hit_short_of_the_window_beside_a_connector_is_caught(tmp_path, monkey
     workload(make_scheduler(tmp_path))
 
 
-def test_a_finish_beside_a_connector_is_refused(tmp_path):
+def test_a_finish_beside_a_connector_holds(tmp_path):
     workload(make_scheduler(tmp_path), max_tokens=3, steps=8)

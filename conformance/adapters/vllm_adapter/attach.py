@@ -100,6 +100,7 @@ from .features import (
     pending_features,
     scheduler_features,
     sliding_window_of,
+    trims_at_finish,
 )
 from .methods import Method, Wrappers
 from .pool_view import PoolView, read_pool_view
@@ -532,6 +533,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         delay_load_registration=scheduler.connector is not None,
         defer_free=bool(read(scheduler, "defer_block_free")),
         sliding_window=sliding_window_of(scheduler),
+        trim_at_finish=trims_at_finish(scheduler),
         defer_loads=bool(read(scheduler, "defer_async_loads"))
         and bool(read(scheduler, "defer_block_free")),
         admission_window=versions.admission_window(scheduler),

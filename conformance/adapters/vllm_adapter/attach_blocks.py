@@ -170,8 +170,10 @@ class BlockCalls:
             if given.get(name):
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
         external = int(given.get("num_external_computed_tokens") or 0)
-        if self.config.sliding_window is not None and (external or given.get("delay_cache_blocks")):
-            self.refuse("sliding window", f"{request.request_id}: a KV load under a window")
+        if self.config.sliding_window is not None and given.get("delay_cache_blocks"):
+            # a synchronous load is the spec's (WindowLoad); an asynchronous one is not
+            where = f"{request.request_id}: an asynchronous KV load under a window"
+            self.refuse("sliding window", where)
         if not external:
             return 0, 0
         bsz, local = self.block_size, int(given.get("num_new_computed_tokens") or 0)

@@ -244,10 +244,12 @@ class OutputCalls:
                 self._appended.pop(request.request_id, None)
                 return original(request, *args, **kw)
             if self.config.sliding_window is not None and self.scheduler.connector is not None:
-                # vLLM's _connector_finished frees the blocks before the window first
-                self.refuse(
-                    "sliding window", f"{request.request_id} finishes beside a KV connector"
-                )
+                # vLLM's _connector_finished frees the blocks before the window first: the
+                # spec's WindowFinish (Config.trim_at_finish, features.trims_at_finish)
+                if not self.config.trim_at_finish:
+                    self.refuse(
+                        "sliding window", f"{request.request_id} finishes beside a KV connector"
+                    )
             rid = self.ids.get(request.request_id)
             self.loads.forget(request.request_id)
             self._admitted.pop(request.request_id, None)

@@ -196,13 +196,22 @@ def sliding_window_of(sched: Any) -> int | None:
     return int(spec.sliding_window)
 
 
+def trims_at_finish(sched: Any) -> bool:
+    """The spec's ``Config.trim_at_finish`` (``WindowFinish``): a sliding window the spec models
+    (``sliding_window_of``) beside a KV connector, whose ``_connector_finished`` frees the
+    blocks before the window (``remove_skipped_blocks`` on the processed tokens) before the
+    table is handed to the connector and freed."""
+    return sliding_window_of(sched) is not None and read(sched, "connector") is not None
+
+
 def window_features(sched: Any, spec: Any) -> list[Feature]:
     """A sliding-window group: modelled (``Config.sliding_window``, read by ``config_of``) when
     ``sliding_window_of`` reads it, alone, without drafts (the spec does not model them beside a
     window); refused as "sliding window" otherwise. Beside a KV connector it is judged up to what
-    the spec does not model there, refused where it happens (``attach.py``): a load (the spec's
-    ``schedule`` has none under a window) and a finish (vLLM's ``_connector_finished`` frees the
-    blocks before the window before the table)."""
+    the spec does not model there, refused where it happens (``attach_blocks.py``,
+    ``attach_outputs.py``): an asynchronous load (a synchronous one is the spec's ``WindowLoad``;
+    a finish, whose ``_connector_finished`` frees the blocks before the window before the table,
+    is its ``WindowFinish``, ``trims_at_finish``)."""
     detail = f"{type(spec).__name__}({spec.sliding_window})"
     if sliding_window_of(sched) is None:
         return [("sliding window", detail)]
