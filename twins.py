@@ -135,6 +135,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
+    "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
     "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
     "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
 }
@@ -182,6 +183,7 @@ TWINS: tuple[Twin, ...] = (
         }
         | {"groups": FOLLOWS}
         | {"hash_lookahead": Refused(LOOKAHEAD)}
+        | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")},
         invariants=ENGINE_ONLY,
         traits=_all_axes_but("by-engine"),
@@ -216,6 +218,7 @@ TWINS: tuple[Twin, ...] = (
             "loads": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
             "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
+            "reset_running": Refused("judged by the spec only: its reset needs no step in flight"),
         },
         invariants={
             "NoUnwrittenRead": IMPLEMENTS,
@@ -241,6 +244,7 @@ TWINS: tuple[Twin, ...] = (
         "and the same answer on every corrupted state",
         (
             "tests/test_incremental.py::test_incremental_and_full_checks_report_the_same_first_violation",
+            "tests/test_spec_reset.py::test_incremental_checks_agree_on_a_reset_beside_steps_in_flight",
             "tests/test_async_spec_decode.py::test_incremental_checks_agree_with_the_full_ones",
             "tests/test_incremental.py::test_corrupting_a_changed_item_is_found_as_by_the_full_check",
             "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
@@ -268,6 +272,7 @@ TWINS: tuple[Twin, ...] = (
                 "lookahead keys with the full definitions"
             ),
             "cache_aware_admission": FOLLOWS,  # the spec's actions reorder; no invariant reads the order
+            "reset_running": FOLLOWS,  # the reset's footprint names the steps and its victims
         },
         invariants={
             **{name: IMPLEMENTS for name in DECLARED},
@@ -370,6 +375,7 @@ TWINS: tuple[Twin, ...] = (
             "cache_aware_admission": Refused(
                 "its admissions take the queue's head in arrival order"
             ),
+            "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
         },
         invariants={
             **{

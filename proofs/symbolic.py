@@ -76,6 +76,11 @@ class LoadsNotFollowed(OutsideFragment, twins.NotFollowed):
     """A load decision: the refusal kvspec/twins.py declares for ``loads``."""
 
 
+class ResetNotFollowed(OutsideFragment, twins.NotFollowed):
+    """A reset preempting running requests: the refusal kvspec/twins.py declares for
+    ``reset_running``."""
+
+
 def refuse_loads() -> LoadsNotFollowed:
     declared = twins.refused(FORM, "loads")
     return LoadsNotFollowed(declared.form, declared.what, str(declared))
@@ -1628,6 +1633,9 @@ def instances_for(model: Model, decision: tuple[Any, ...]) -> tuple[list[Instanc
     if kind == "abort":
         return ([("abort", args[0])] if args[0] in model.R else []), {}
     if kind == "reset":
+        if args:  # a reset preempting running requests
+            declared = twins.refused(FORM, "reset_running")
+            raise ResetNotFollowed(declared.form, declared.what, str(declared))
         return [("reset",)], {}
     raise OutsideFragment(f"unknown decision {decision!r}")
 

@@ -100,6 +100,11 @@ FEATURES: dict[str, Feature] = {
             {"admission_window": 2},
         ),
         Feature("loads", "external KV loads (and their failures)", None),
+        Feature(
+            "reset_running",
+            "a reset preempting the running requests beside steps in flight",
+            None,
+        ),
     )
 }
 """Every feature, by name."""
