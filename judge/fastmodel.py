@@ -221,6 +221,7 @@ class Stp:
         "failed",
         "budget_used",
         "preempted",
+        "victims",
         "admitted",
     )
 
@@ -232,6 +233,7 @@ class Stp:
         self.failed: tuple[int, ...] = ()
         self.budget_used = 0
         self.preempted = False
+        self.victims: list[int] = []  # spec.state.Step.victims (read only by a reset it refuses)
         self.admitted = False
 
 
@@ -921,6 +923,7 @@ class FastModel:
             if self.preemption == "priority" and rid != max(self.running, key=self._rank):
                 raise Illegal()
         step.preempted = True
+        step.victims.append(rid)
         self._leave(req, self.deliver)
         self.running.remove(rid)
         self._wait_first(rid)
@@ -1311,6 +1314,7 @@ class FastModel:
                 st.preempted,
                 st.admitted,
             )
+            step.victims = list(st.victims)
             steps.append(step)
         return State(
             config=self.config,
