@@ -5,9 +5,11 @@ that a reset discards the output in flight of the requests it preempts, whatever
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from kvspec.spec import Config, Illegal, apply, check, initial_state
+from kvspec.spec import INVARIANTS, Config, Illegal, Violation, apply, check, initial_state
 from kvspec.spec.state import State
 
 
@@ -117,3 +119,52 @@ def test_incremental_checks_agree_on_a_reset_beside_steps_in_flight() -> None:
         apply(s, decision)
         assert check(s) is None and inc.check(s, s.touched) is None, decision
     assert s.requests[0].tokens == [1, 2, 3, 9]
+
+
+def _left_keyed(drop: bool) -> tuple[Violation | None, Violation | None, Violation | None]:
+    """r0's decode of its 4th token (step 1) is in flight when the reset preempts it; both
+    steps still write r0's blocks, block 1 with step 0's placeholder for that token. A buggy
+    engine leaves block 1 keyed under (1, 2, 3, 7) after the reset (planted: the key put back
+    by hand), and r1, whose prompt starts with those tokens, hits it in step 3. The first
+    failing invariant once it is keyed, NoUnwrittenRead's verdict once r1 read it, and the
+    first failing one then."""
+    config = replace(DELIVER, discipline="general")  # r1 admitted ahead of the waiting r0
+    s = run(config, *PREFILL, ("begin", 1), ("schedule", 0, 1, 0), ("submit", 1))
+    first, block = s.requests[0].table[:2]
+    for decision in (("begin", 2), ("preempt", 0)):
+        apply(s, decision)
+    if drop:
+        apply(s, ("reset", True))
+    apply(s, ("submit", 2))
+    for decision in (("execute", 0, ()), ("commit", 0, () if drop else ((0, 7),))):
+        apply(s, decision)
+    for b, key in ((first, (1, 2)), (block, (1, 2, 3, 7))):  # planted: the reset left them keyed
+        s.blocks[b].key = key
+        s.index[key] = [b]
+    keyed = check(s)
+    for decision in (
+        ("arrive", 1, (1, 2, 3, 7, 5), 2, 0),
+        ("execute", 1, ()),
+        ("commit", 1, () if drop else ((0, 8),)),
+        ("execute", 2, ()),
+        ("commit", 2, ()),
+        ("begin", 3),
+        ("schedule", 1, 1, 0),
+        ("submit", 3),
+        ("execute", 3, ()),
+    ):
+        apply(s, decision)
+    assert s.requests[1].table[1] == block  # the hit
+    return keyed, INVARIANTS["NoUnwrittenRead"](s), check(s)
+
+
+def test_a_block_left_keyed_after_the_reset_is_named() -> None:
+    """What must hold of a block whose write was in flight at the reset: nothing keys or reads
+    it before it is written again. Its placeholder is never resolved (the output is dropped):
+    keyed, it is published for a prefix it will never hold (NoUnwrittenPublish), and a hit on it
+    is an unwritten read (NoUnwrittenRead). Had the output been delivered (the rule undone), the
+    placeholder would resolve to the token and the same key and hit would pass, hiding the bug."""
+    keyed, read, _ = _left_keyed(drop=True)
+    assert keyed is not None and keyed.invariant == "NoUnwrittenPublish", keyed
+    assert read is not None and read.invariant == "NoUnwrittenRead", read
+    assert _left_keyed(drop=False) == (None, None, None)
