@@ -136,6 +136,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "groups": Refused("its requests have one table and its pool one index"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
+    "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
     "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
     "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
     "trim_at_finish": Refused("it needs sliding_window, which the model refuses"),
@@ -186,6 +187,7 @@ TWINS: tuple[Twin, ...] = (
         }
         | {"groups": FOLLOWS}
         | {"hash_lookahead": Refused(LOOKAHEAD)}
+        | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
         | {"trim_at_finish": Refused("it has no KV connector: a finish frees its table whole")},
         invariants=ENGINE_ONLY,
@@ -224,6 +226,7 @@ TWINS: tuple[Twin, ...] = (
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
             "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
             "trim_at_finish": Refused("judged by the spec only: it needs sliding_window"),
+            "reset_running": Refused("judged by the spec only: its reset needs no step in flight"),
         },
         invariants={
             "NoUnwrittenRead": IMPLEMENTS,
@@ -249,6 +252,7 @@ TWINS: tuple[Twin, ...] = (
         "and the same answer on every corrupted state",
         (
             "tests/test_incremental.py::test_incremental_and_full_checks_report_the_same_first_violation",
+            "tests/test_spec_reset.py::test_incremental_checks_agree_on_a_reset_beside_steps_in_flight",
             "tests/test_async_spec_decode.py::test_incremental_checks_agree_with_the_full_ones",
             "tests/test_incremental.py::test_corrupting_a_changed_item_is_found_as_by_the_full_check",
             "tests/test_spec_window.py::test_the_fast_and_z3_models_refuse_a_window",
@@ -280,6 +284,7 @@ TWINS: tuple[Twin, ...] = (
             "trim_at_finish": Refused(
                 "it needs sliding_window: SpecModel judges it with the full definitions"
             ),
+            "reset_running": FOLLOWS,  # the reset's footprint names the steps and its victims
         },
         invariants={
             **{name: IMPLEMENTS for name in DECLARED},
@@ -386,6 +391,7 @@ TWINS: tuple[Twin, ...] = (
                 "its admissions take the queue's head in arrival order"
             ),
             "trim_at_finish": Refused("it needs sliding_window, which the model refuses"),
+            "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
         },
         invariants={
             **{

@@ -43,7 +43,7 @@ from kvspec.spec import Config, Illegal, Placeholder, Violation
 from kvspec.spec.observed import refuse_strict
 from kvspec.spec.policies import registers_after_output, traits
 from kvspec.spec.state import Block, Content, Entry, Request, State, Step, Write
-from kvspec.twins import follows, refuse
+from kvspec.twins import follows, refuse, refused
 
 TWIN_OF = "kvspec.spec"
 """This module restates the spec in another form (kvspec/twins.py says what it must equal)."""
@@ -79,7 +79,7 @@ ARITY: Final = {
     "execute": (1, 2),
     "commit": (2, 2),
     "abort": (1, 1),
-    "reset": (0, 0),
+    "reset": (0, 1),
 }
 """Each decision's count of values after its kind: the least and the most its action takes."""
 
@@ -221,6 +221,7 @@ class Stp:
         "failed",
         "budget_used",
         "preempted",
+        "victims",
         "admitted",
     )
 
@@ -232,6 +233,7 @@ class Stp:
         self.failed: tuple[int, ...] = ()
         self.budget_used = 0
         self.preempted = False
+        self.victims: list[int] = []  # spec.state.Step.victims (read only by a reset it refuses)
         self.admitted = False
 
 
@@ -393,6 +395,8 @@ class FastModel:
             self.preempt(cast(int, d[1]))
         elif kind == "abort":
             self.abort(cast(int, d[1]))
+        elif len(d) > 1:  # a reset preempting running requests: the spec judges it
+            raise refused(FORM, "reset_running")
         else:
             self.reset()
 
@@ -926,6 +930,7 @@ class FastModel:
             if self.preemption == "priority" and rid != max(self.running, key=self._rank):
                 raise Illegal()
         step.preempted = True
+        step.victims.append(rid)
         self._leave(req, self.deliver)
         self.running.remove(rid)
         self._wait_first(rid)
@@ -1316,6 +1321,7 @@ class FastModel:
                 st.preempted,
                 st.admitted,
             )
+            step.victims = list(st.victims)
             steps.append(step)
         return State(
             config=self.config,

@@ -36,6 +36,7 @@ import z3
 
 from kvspec.spec.state import NULL_BLOCK, Draft, Placeholder, State
 
+from . import all_sizes
 from . import parametric as pm
 
 STATUS = {"waiting": pm.WAITING, "running": pm.RUNNING, "finished": pm.FINISHED}
@@ -305,6 +306,7 @@ class Checker:
     def step_agrees(self, s: State, decision: tuple[Any, ...], post: State) -> bool:
         """Whether the model's action of the decision's kind (its request or step fixed) takes
         the encoding of s to the encoding of the spec's successor ``post``."""
+        all_sizes.admit_decision(decision)
         kind = str(decision[0])
         t = self.action(kind)
         solver = self.solver_at(s)

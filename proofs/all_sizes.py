@@ -68,6 +68,13 @@ def admit(config: Config) -> None:
         raise problem
 
 
+def admit_decision(decision: tuple[Any, ...]) -> None:
+    """Raise ``twins.NotFollowed`` for a decision the parametric model has no action for: a
+    reset preempting running requests (``("reset", True)``)."""
+    if decision[0] == "reset" and decision[1:]:
+        raise twins.refused(FORM, "reset_running")
+
+
 SAFE_POLICIES = tuple(name for name in POLICIES if twins.follows(FORM, Config(4, 1, policy=name)))
 """The policies whose traits the parametric model follows: the ones it proves for every size,
 synchronous or async, stale output dropped or delivered (both refine its commit-time publish,

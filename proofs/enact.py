@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvspec import twins
 from kvspec.conformance.adapter import ReferenceAdapter
 from kvspec.judge import Finding, Judge
 from kvspec.reference import Engine
@@ -51,6 +52,8 @@ def enact(config: Config, decisions: Sequence[Event]) -> tuple[list[Event], Find
     for number, decision in enumerate(decisions, 1):
         try:
             _enact_one(engine, choices, decision)
+        except twins.NotFollowed:  # a decision its row refuses: not a disagreement
+            raise
         except (EnactError, ValueError, KeyError, AssertionError, IndexError) as err:
             raise EnactError(
                 f"decision {number} {decision}: the engine cannot take it: {err}"
@@ -111,6 +114,8 @@ def _enact_one(engine: Engine, choices: _ScriptedLoads, decision: Event) -> None
         if not engine.abort(decision[1]):  # type: ignore[arg-type]
             raise EnactError("the engine refuses the abort")
     elif kind == "reset":
+        if decision[1:]:  # a reset preempting running requests
+            raise twins.refused("kvspec.reference", "reset_running")
         if not engine.reset_prefix_cache():
             raise EnactError("the engine refuses the reset")
     else:

@@ -77,6 +77,11 @@ class LoadsNotFollowed(OutsideFragment, twins.NotFollowed):
     (``bounded_hits``)."""
 
 
+class ResetNotFollowed(OutsideFragment, twins.NotFollowed):
+    """A reset preempting running requests: the refusal kvspec/twins.py declares for
+    ``reset_running``."""
+
+
 def refuse_loads(what: str = "loads") -> LoadsNotFollowed:
     declared = twins.refused(FORM, what)
     return LoadsNotFollowed(declared.form, declared.what, str(declared))
@@ -1631,6 +1636,9 @@ def instances_for(model: Model, decision: tuple[Any, ...]) -> tuple[list[Instanc
     if kind == "abort":
         return ([("abort", args[0])] if args[0] in model.R else []), {}
     if kind == "reset":
+        if args:  # a reset preempting running requests
+            declared = twins.refused(FORM, "reset_running")
+            raise ResetNotFollowed(declared.form, declared.what, str(declared))
         return [("reset",)], {}
     raise OutsideFragment(f"unknown decision {decision!r}")
 

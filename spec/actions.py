@@ -18,6 +18,8 @@ Decision events (``apply`` takes these; see ``docs/events.md``)::
                                        listed once per token sampled (with draft tokens, 1 .. K + 1)
     ("abort", req)
     ("reset",)                         reset the prefix cache
+    ("reset", True)                    reset it in the building step that preempted every
+                                       running request, beside steps in flight
 
 With ``Config.defer_free`` a request that leaves while a submitted step still computes for it
 hands its blocks to a ``Deferred`` holder (``_give_up``), freed when the fence step commits
@@ -229,8 +231,9 @@ def preempt(s: State, rid: int) -> list[Event]:
         if _fence(s, rid, None) is not None:
             raise Illegal(f"{where}: vllm never preempts a request whose free would be deferred")
     step.preempted = True
+    step.victims.append(rid)
     s.touched.left.add(rid)
-    events = _leave(s, req, stale=cfg.stale_output)
+    events = _leave(s, req, stale=_stale_mode(s, rid))
     s.running.remove(rid)
     s.waiting.insert(0, rid)
     req.status = "waiting"
@@ -459,9 +462,26 @@ def abort(s: State, rid: int) -> list[Event]:
     return events + [("finish", rid, "abort")]
 
 
-def reset(s: State) -> list[Event]:
-    """Reset the prefix cache: only when no block is in use and no step is in flight."""
-    if s.steps or any(b.refcount for b in s.blocks):
+def reset(s: State, preempting: bool = False) -> list[Event]:
+    """Reset the prefix cache: only when no block is in use and no step is in flight. With
+    ``preempting`` (vLLM's ``reset_prefix_cache(reset_running_requests=True)``), in the building
+    step that preempted every running request and scheduled nothing, beside steps in flight: a
+    reset discards the output in flight of the requests it preempts (their later resume
+    resamples those positions), then unpublishes as ever."""
+    if preempting is True:
+        step = _building(s, "reset preempting running requests")
+        if step.entries or s.running or any(b.refcount for b in s.blocks):
+            raise Illegal(
+                f"reset preempting running requests in step {step.id}: it scheduled something, "
+                "requests still run or blocks are in use"
+            )
+        for st in s.steps:  # the rule: the victims' output in flight is dropped
+            st.live.difference_update(step.victims)
+        s.touched.steps = True
+        s.touched.requests.update(step.victims)
+    elif preempting is not False:
+        raise Illegal(f"malformed decision ('reset', {preempting!r})")
+    elif s.steps or any(b.refcount for b in s.blocks):
         raise Illegal("reset: blocks are in use or steps in flight")
     events: list[Event] = []
     indexes = [s.index, *s.group_index.values()]
@@ -513,8 +533,19 @@ def waiting_order(s: State) -> list[int]:
 
 def admissible(s: State, rid: int) -> bool:
     """Whether a waiting request may be admitted: with stale output delivered, not while a step
-    in flight still holds it (its output there is yet to be appended to its tokens)."""
-    return s.config.stale_output != "deliver" or not any(rid in st.entries for st in s.steps)
+    in flight still holds it with its output used (yet to be appended to its tokens; output a
+    reset dropped is not)."""
+    return s.config.stale_output != "deliver" or not any(
+        rid in st.entries and rid in st.live for st in s.steps
+    )
+
+
+def _stale_mode(s: State, rid: int) -> str:
+    """What a preemption does with the request's output in flight: the configured mode, except
+    that output already dropped stays dropped, and with it the rest (vLLM's sticky
+    ``drop_stale_output`` while a dropped share is undrained): only after a reset dropped it."""
+    dropped = any(rid in st.entries and rid not in st.live for st in s.steps)
+    return "drop" if dropped else s.config.stale_output
 
 
 def _admission_guard(s: State, step: Step, req: Request, where: str) -> None:

@@ -111,6 +111,11 @@ FEATURES: dict[str, Feature] = {
             "prefix-cache hits bounded by the engine (an admission's bound)",
             None,
         ),
+        Feature(
+            "reset_running",
+            "a reset preempting the running requests beside steps in flight",
+            None,
+        ),
     )
 }
 """Every feature, by name."""

@@ -430,6 +430,9 @@ class Step:
     """Requests whose external load failed when the step executed."""
     budget_used: int = 0
     preempted: bool = False
+    victims: list[int] = field(default_factory=list)
+    """The requests this step preempted, in order: those whose output in flight a reset in this
+    step discards (``actions.reset``)."""
     admitted: bool = False
     reordered: bool = False
     """The cache-aware admission rule was applied in this step (``spec/admission.py``)."""

@@ -135,6 +135,8 @@ def test_every_config_field_is_a_feature_or_a_parameter() -> None:
 
 def _probe(form: str, feature: str) -> Callable[[], object]:
     """Build ``form`` with ``feature`` on: the way each form is first given a configuration."""
+    if feature == "reset_running":
+        return _probe_reset(form)
     config = Config(4, 1, **FEATURES[feature].example)
     if form == FAST:
         from kvspec.judge.fastmodel import FastModel
@@ -163,6 +165,32 @@ def _probe(form: str, feature: str) -> Callable[[], object]:
         model = symbolic.Model(symbolic.Fragment(Config(4, 1)))
         return lambda: symbolic.instances_for(model, ("schedule", 0, 1, 0, 0))
     return lambda: symbolic.Model(symbolic.Fragment(config))
+
+
+def _probe_reset(form: str) -> Callable[[], object]:
+    """A stream feature: refused where a reset preempting running requests is read."""
+    decision = ("reset", True)
+    if form == FAST:
+        from kvspec.judge.fastmodel import FastModel
+
+        return lambda: FastModel(Config(4, 1)).apply(decision)
+    if form == INCREMENTAL:  # it follows: it judges the spec's state after the decision
+        from kvspec.judge.incremental import Incremental
+
+        return lambda: Incremental(initial_state(Config(4, 1)))
+    if form == "kvspec.reference":
+        from kvspec.proofs.enact import enact
+
+        return lambda: enact(Config(4, 1), [decision])
+    pytest.importorskip("z3")
+    if form == "kvspec.proofs.parametric":
+        from kvspec.proofs.all_sizes import admit_decision
+
+        return lambda: admit_decision(decision)
+    from kvspec.proofs import symbolic
+
+    model = symbolic.Model(symbolic.Fragment(Config(4, 1)))
+    return lambda: symbolic.instances_for(model, decision)
 
 
 @pytest.mark.parametrize(

@@ -256,6 +256,9 @@ class Attachment(StepCalls, OutputCalls, Preemptions, BlockCalls):
         self._held: list[tuple[float, str, Request, Event]] = []  # (time, id, request, arrive)
         self._grammars: dict[str, tuple[Request, Event]] = {}  # waiting for their grammar
         self._reset_at: int | None = None  # the step of a reset's preemptions, while open
+        self._edited: str | None = None  # state the caller edited that later calls would read
+        self._dropped: set[str] = set()  # requests whose output in flight a reset dropped
+        self._victims: list[str] = []  # the requests the open reset step preempts
         self._hashed_arrival = False  # a request's hasher has set hash_lookahead (_lookahead)
         self._lone_at: int | None = None  # the step of the caller's own preemption, while open
         self._next_id = 0  # the event stream's next request id
@@ -402,11 +405,14 @@ class Attachment(StepCalls, OutputCalls, Preemptions, BlockCalls):
             return self.refuse("KV cache manager replaced", "after construction")
         if self.fingerprint() != self._fingerprint:
             return self.refuse("state edited between calls", f"before {name}()")
+        if self._edited is not None:  # set where a call judged had it edited (a reset's)
+            return self.refuse("state edited between calls", f"{self._edited}, before {name}()")
         for feature in scheduler_features(self.scheduler) + pending_features(
             self.scheduler,
             scheduling=name == "schedule",
             loaders=self.loads.waiting,
             held=self._grammars,
+            dropped=self._dropped_by_reset(),
         ):
             return self.refuse(*feature)
         now = config_of(self.scheduler)

@@ -4,7 +4,9 @@ manager's).
 
 A preemption inside ``schedule()`` is one of its decisions; the caller's own, between a
 ``schedule()`` and its output, is a step of its own to the spec (``_lone_preemption``), and so
-is a reset that preempts the running requests (``_reset_step``). Beside an asynchronous load the
+is a reset that preempts the running requests (``_reset_step``; beside steps in flight the spec's
+``("reset", True)`` inside that step, which drops the victims' output in flight as vLLM's
+``drop_stale_output=True`` does). Beside an asynchronous load the
 spec and vLLM rank running requests differently: ``_victim_beside_loads`` judges where their
 victims agree. The attachment's state lives in ``Attachment``; this class only groups its
 methods.
@@ -54,42 +56,97 @@ class Preemptions:
     def _reset_step(self) -> None:
         """``reset_prefix_cache(reset_running_requests=True)`` preempts every running request,
         the tail of ``running`` first, then resets the cache. To the spec that is a step of
-        its own: ``begin``, the preemptions (vLLM's ``_preempt_request``, wrapped), then
-        ``submit``, ``execute`` and ``commit`` of an empty batch before the ``reset``
-        (``_close_reset_step``). It matches vLLM only with no step in flight (vLLM drops their
-        output for these requests whatever its mode; the spec's ``reset`` needs none in flight
-        anyway) and, under the priority policy, where the tail of ``running`` is always its
-        largest (priority, arrival), the spec's victim."""
+        its own: ``begin``, the preemptions (vLLM's ``_preempt_request``, wrapped), then, with
+        no step in flight, ``submit``, ``execute`` and ``commit`` of an empty batch before the
+        ``reset`` (``_close_reset_step``); beside steps in flight, ``("reset", True)`` in that
+        step (vLLM drops the victims' output in flight whatever its mode, and so does the
+        spec's rule), then its ``submit``: its empty batch executes and commits after the
+        steps before it (``_commit``). Under the priority policy judged where the tail of
+        ``running`` is always its largest (priority, arrival), the spec's victim; refused where
+        the victims' frees would be deferred (vLLM's reset then fails and raises)."""
         running = list(self.scheduler.running)
         if self.in_flight:
-            self.refuse(
-                "reset preempting running requests", f"{len(self.in_flight)} steps in flight"
-            )
+            if self.config.defer_free:
+                self.refuse(
+                    "reset preempting running requests", "frees deferred by steps in flight"
+                )
+            if len(self.in_flight) >= self.config.depth:
+                self.refuse("reset preempting running requests", "no room for its step")
+            self._in_flight_counts(running)
         if self.config.preemption == "priority":
             ranks = [(r.priority, self.ids.get(r.request_id, -1)) for r in running]
             if ranks != sorted(ranks):
                 self.refuse("reset preempting running requests", "not in priority order")
+        self._victims = [r.request_id for r in running]
         step = self.next_step
         self.next_step += 1
         self._reset_at = step
         self.events.append(("begin", step))
 
+    def _in_flight_counts(self, running: list[Request]) -> None:
+        """A request's ``num_in_flight_tokens`` is the tokens the steps in flight schedule for it
+        (counted at ``schedule()``, drained at each output). One the caller set otherwise (vLLM's
+        ``test_scheduler_reset_prefix_cache`` zeroes them for a step whose output it never
+        processes) changes nothing of the reset the spec models: the preemptions, their frees
+        and the unpublishing read no count, and the victims' output in flight is dropped
+        whatever the count says. It matters only to that output's processing later, where
+        vLLM drains the stale share by the count: so the reset is judged and every entry point
+        after it refused as the edit it is (``_edited``)."""
+        for request in running:
+            counted = sum(
+                f.output.num_scheduled_tokens.get(request.request_id, 0) for f in self.in_flight
+            )
+            if request.num_in_flight_tokens != counted:
+                self._edited = (
+                    f"{request.request_id}'s num_in_flight_tokens {request.num_in_flight_tokens}, "
+                    f"its steps in flight schedule {counted}"
+                )
+                return
+
+    def _dropped_by_reset(self) -> set[str]:
+        """The requests whose output in flight a reset beside steps in flight dropped and whose
+        dropped share vLLM has not drained yet (``num_stale_output_tokens``): their stale output
+        is dropped whatever the scheduler's mode, as the spec's rule drops it (a preemption
+        while the share is undrained keeps dropping, vLLM's and the spec's alike)."""
+        requests = self.scheduler.requests
+        self._dropped = {
+            r for r in self._dropped if r in requests and requests[r].num_stale_output_tokens > 0
+        }
+        return self._dropped
+
     def _close_reset_step(self) -> None:
         step, self._reset_at = self._reset_at, None
-        if step is not None:
-            self.events += [("submit", step), ("execute", step, ()), ("commit", step, ())]
+        if step is None:
+            return
+        self.events.append(("submit", step))
+        if self.in_flight:  # it executes and commits after the steps before it (_commit)
+            self.in_flight.append(InFlight(step, _EMPTY, {}))
+        else:
+            self.events += [("execute", step, ()), ("commit", step, ())]
 
     def _kv_reset(self, original: Method) -> Method:
         def reset_prefix_cache(*args: Any, **kw: Any) -> bool:
             def body() -> bool:
-                self._close_reset_step()  # the preemptions' step ends before the reset
+                beside = self._reset_at is not None and bool(self.in_flight)
+                if not beside:
+                    self._close_reset_step()  # the preemptions' step ends before the reset
                 cached = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
-                done = bool(original(*args, **kw))
-                if done:
-                    if self.in_flight:
-                        self.refuse("reset with steps in flight", f"{len(self.in_flight)} steps")
-                    self.events.append(("reset",))
-                    self.events.extend(("unpublish", block) for block in cached)
+                try:
+                    done = bool(original(*args, **kw))
+                    if done:
+                        if beside:  # in the reset's own step, beside the steps in flight
+                            self.events.append(("reset", True))
+                            self._dropped.update(self._victims)
+                        elif self.in_flight:
+                            self.refuse(
+                                "reset with steps in flight", f"{len(self.in_flight)} steps"
+                            )
+                        else:
+                            self.events.append(("reset",))
+                        self.events.extend(("unpublish", block) for block in cached)
+                finally:
+                    if beside:
+                        self._close_reset_step()
                 return done
 
             return self._outermost("reset_prefix_cache", body)  # type: ignore[no-any-return]
@@ -180,7 +237,11 @@ class Preemptions:
         if self.config.defer_free and self.in_flight:
             return self.refuse("preemption outside schedule()", f"{rid}'s free deferred")
         for feature in scheduler_features(sched) + pending_features(
-            sched, scheduling=False, loaders=self.loads.waiting, held=self._grammars
+            sched,
+            scheduling=False,
+            loaders=self.loads.waiting,
+            held=self._grammars,
+            dropped=self._dropped_by_reset(),
         ):
             return self.refuse(*feature)
         step = self.next_step

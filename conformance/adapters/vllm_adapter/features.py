@@ -371,7 +371,11 @@ def grammar_ready(request: Any) -> bool:
 
 
 def pending_features(
-    sched: Any, scheduling: bool, loaders: Collection[str] = (), held: Collection[str] = ()
+    sched: Any,
+    scheduling: bool,
+    loaders: Collection[str] = (),
+    held: Collection[str] = (),
+    dropped: Collection[str] = (),
 ) -> list[Feature]:
     """What vLLM's requests show at an entry point that the spec does not model: blocked
     waiting states, drafts on a request beyond the scheduler's ``num_spec_tokens`` (any, without
@@ -384,7 +388,8 @@ def pending_features(
     follows through an asynchronous KV load (``WAITING_FOR_REMOTE_KVS``, then waiting with
     their loaded blocks until scheduled), which the spec models. ``held``: requests waiting
     for their grammar that the attachment keeps from the spec until it is compiled (vLLM
-    passes them over as if they were not there)."""
+    passes them over as if they were not there). ``dropped``: requests whose output in flight a
+    reset beside steps in flight dropped, which the spec's rule drops too."""
     found: list[Feature] = []
     for request in sched.requests.values():
         blocked = request.status in BLOCKED and not grammar_ready(request)
@@ -397,6 +402,7 @@ def pending_features(
             request.num_stale_output_tokens
             and not request.is_finished()
             and bool(request.drop_stale_output) != bool(sched.requires_kv_delivery)
+            and not (request.drop_stale_output and request.request_id in dropped)
         ):
             mode = "drop" if request.drop_stale_output else "deliver"
             found.append(("stale output mode per request", f"{request.request_id}: {mode}"))
