@@ -197,6 +197,7 @@ def _fast_run(
                 raise TraceError(name, feed.number, f"effect {effect!r} before any decision")
             elif why == CRASH:
                 run.crash = (feed.crash, fast.events_seen - 1)
+                run.refused = feed.refused
                 break
             elif why == FOUND:
                 break

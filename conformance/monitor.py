@@ -41,6 +41,7 @@ from kvspec.judge.fastmodel import restates
 from kvspec.judge.handover import MONITOR_WINDOW, FastRun
 from kvspec.spec import Config
 from kvspec.spec.events import DECISIONS
+from kvspec.twins import NotFollowed
 
 from .report import Report, report_of
 from .trace import event_error
@@ -148,6 +149,7 @@ class Monitor:
                 return None
         except Exception as err:  # a malformed event (or a bug): the spec decides
             run.crash = (repr(err), fast.events_seen - 1)
+            run.refused = isinstance(err, NotFollowed)  # a decision it does not follow
         self._kept_well_formed(run, number)
         return self._outcome(self._hand_over(None))
 
@@ -175,6 +177,7 @@ class Monitor:
                     continue
             except Exception as err:  # a malformed event (or a bug): the spec decides
                 run.crash = (repr(err), fast.events_seen - 1)
+                run.refused = isinstance(err, NotFollowed)  # a decision it does not follow
             self._kept_well_formed(run, fast.events_seen)
             self._outcome(self._hand_over(None))
             break

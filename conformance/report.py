@@ -130,7 +130,7 @@ def describe(event: Event) -> str:
             return f"schedule r{rid} to load {loaded} blocks from the external store"
         case "schedule", (rid, tokens, loaded):
             return f"schedule r{rid} for {tokens} tokens and to load {loaded} blocks"
-        case "schedule", (rid, tokens, loaded, bound):  # spec.events.BOUNDED
+        case "schedule", (rid, tokens, loaded, bound):  # spec.events.WHEN_SET
             more = f" and to load {loaded} blocks" if loaded else ""
             return f"schedule r{rid} for {tokens} tokens{more}, its hit bounded to {bound} tokens"
         case "preempt", (rid,):
@@ -149,6 +149,8 @@ def describe(event: Event) -> str:
             return f"abort r{rid}"
         case "reset", ():
             return "reset the prefix cache"
+        case "reset", (True,):  # spec.events.WHEN_SET
+            return "reset the prefix cache, the running requests preempted in this step"
         case "hit", (rid, blocks):
             return f"r{rid} hits blocks {list(blocks)}"
         case "evict", (block,):

@@ -34,7 +34,7 @@ import orjson
 
 from kvspec import __version__
 from kvspec.spec import OBSERVED_POLICIES, Config
-from kvspec.spec.events import BOUNDED, KINDS, OPTIONAL, REASONS, TRAILING, group_of
+from kvspec.spec.events import KINDS, OPTIONAL, REASONS, TRAILING, WHEN_SET, group_of
 from kvspec.spec.state import Group
 
 from . import budget
@@ -195,8 +195,8 @@ def to_json(event: Event, hash_: str | None = None) -> dict[str, object]:
         line[name] = list(value) if isinstance(value, tuple) else value
     if len(event) > len(fields) + 1 and kind in TRAILING and event[-1]:
         line[TRAILING[kind][0]] = event[-1]
-    if len(event) > len(fields) + 1 and kind in BOUNDED:  # 0 too: only its absence is unbounded
-        line[BOUNDED[kind][0]] = event[-1]
+    if len(event) > len(fields) + 1 and kind in WHEN_SET:  # 0 too: only its absence is unset
+        line[WHEN_SET[kind][0]] = event[-1]
     if hash_ is not None:
         line["hash"] = hash_
     return line
@@ -441,7 +441,7 @@ def parse_object(obj: object, num_blocks: int) -> tuple[Event, str | None]:
     if kind == "arrive" and "tokens" not in obj and "hashes" in obj:
         raise ValueError(PRIVATE)
     trailing = TRAILING.get(str(kind))
-    bounded = BOUNDED.get(str(kind))
+    bounded = WHEN_SET.get(str(kind))
     optional: tuple[str, ...] = (
         *OPTIONAL.get(str(kind), ()),
         *(trailing or ())[:1],
@@ -487,6 +487,13 @@ def _value(kind: str, name: str, type_: str, value: object, num_blocks: int) -> 
             raise ValueError(f"{where} must be >= 0, got {value}")
         if type_ == "block" and value >= num_blocks:
             raise ValueError(f"{where}: block {value} is out of range (num_blocks {num_blocks})")
+        return value
+    if type_ == "true":  # a flag present only where set (WHEN_SET)
+        if value is not True:
+            raise ValueError(
+                f"{where} must be true where present, got "
+                f"{'false' if value is False else json_type(value)}"
+            )
         return value
     if type_ == "int":
         if type(value) is not int:
@@ -543,10 +550,13 @@ def event_error(event: object, num_blocks: int, hash_: object = None) -> str | N
         if type(group) is not int or group < 1:  # the canonical tuple: group 0 goes unsaid
             return f'{kind}: a trailing "{trailing[0]}" must be an integer >= 1, got {group!r}'
         event = event[:-1]
-    bounded = BOUNDED.get(kind)
-    if bounded is not None and len(event) == len(fields) + 2:  # its optional last field
-        if type(event[-1]) is not int or event[-1] < 0:
-            return f'{kind}: "{bounded[0]}" must be an integer >= 0, got {event[-1]!r}'
+    when_set = WHEN_SET.get(kind)
+    if when_set is not None and len(event) == len(fields) + 2:  # its optional last field
+        name, type_ = when_set
+        if type_ == "true" and event[-1] is not True:
+            return f'{kind}: "{name}" must be True where present, got {event[-1]!r}'
+        if type_ == "nat" and (type(event[-1]) is not int or event[-1] < 0):
+            return f'{kind}: "{name}" must be an integer >= 0, got {event[-1]!r}'
         event = event[:-1]
     if len(event) != len(fields) + 1:
         names = ", ".join(name for name, _ in fields)
@@ -723,7 +733,7 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     fields = FIELDS.get(kind)
     if fields is None:
         raise ValueError(f"unknown event kind {kind!r}")
-    optional = kind in TRAILING or kind in BOUNDED
+    optional = kind in TRAILING or kind in WHEN_SET
     if len(value) != len(fields) + 1 + (optional and len(value) == len(fields) + 2):
         names = ", ".join(name for name, _ in fields) or "none"
         raise ValueError(
@@ -732,8 +742,8 @@ def v0_line(raw: bytes, num_blocks: int) -> tuple[Event, None]:
     extra = {}
     if kind in TRAILING and len(value) == len(fields) + 2:  # the optional group
         extra = {TRAILING[kind][0]: value.pop()}
-    elif kind in BOUNDED and len(value) == len(fields) + 2:  # a schedule's bound
-        extra = {BOUNDED[kind][0]: value.pop()}
+    elif kind in WHEN_SET and len(value) == len(fields) + 2:  # a bound, a preempting reset
+        extra = {WHEN_SET[kind][0]: value.pop()}
     obj = {"ev": kind, **{name: v for (name, _), v in zip(fields, value[1:], strict=True)}}
     obj.update(extra)
     return parse_object(obj, num_blocks)[0], None

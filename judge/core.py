@@ -46,6 +46,7 @@ from kvspec.spec import Config, Illegal, Violation
 from kvspec.spec.events import DECISIONS, blocks_of, requests_of
 from kvspec.spec.observed import refuse_strict
 from kvspec.spec.state import State
+from kvspec.twins import NotFollowed
 
 from .fastmodel import FAST_INVARIANTS, FastModel
 from .ids import IdSet, UnknownId, check_ids
@@ -677,7 +678,10 @@ class FileFeed:
         """Per kind of ``BLOCK_EFFECTS``, the line of the effect on each block (``due_line``),
         made once."""
         self.crash = ""
-        """``repr`` of what the judge raised (``CRASH``): a bug in the model."""
+        """``repr`` of what the judge raised (``CRASH``): a bug in the model, or (``refused``)
+        a decision it does not follow."""
+        self.refused = False
+        """The crash was a ``twins.NotFollowed``: the spec judges on (``handover.FastRun``)."""
 
     def run(self, due: int) -> int:
         """Feed events until the lines run out, a finding, a crash, an effect before any
@@ -767,5 +771,6 @@ class FileFeed:
             raise
         except Exception as err:  # a bug in the fast model: the spec decides, loudly
             self.crash = repr(err)
+            self.refused = isinstance(err, NotFollowed)  # or a decision it refuses: quietly
             return CRASH
         return -1 if found is None else FOUND

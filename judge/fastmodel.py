@@ -374,8 +374,11 @@ class FastModel:
                 self.schedule(cast(int, d[1]), cast(int, d[2]))
             elif len(d) == 4:
                 self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]))
-            else:  # an admission's bounded hit (spec.events.BOUNDED)
-                self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]), cast(int, d[4]))
+            else:  # an admission's bounded hit (spec.events.WHEN_SET)
+                bound = cast(int, d[4])
+                if bound < 0:  # -1 is ``schedule``'s "no bound": never a decision's value
+                    raise Illegal()
+                self.schedule(cast(int, d[1]), cast(int, d[2]), cast(int, d[3]), bound)
         elif kind == "begin":
             self.begin(cast(int, d[1]))
         elif kind == "submit":

@@ -71,6 +71,11 @@ class FastRun:
         self.crash: tuple[str, int] | None = None
         """(what the fast model raised, at which event): a bug, or a malformed in-process event;
         the spec judge must find something at that event."""
+        self.refused = False
+        """The crash is the fast model refusing a decision it does not follow (``twins.
+        NotFollowed``: a decision feature its row refuses, seen only when the decision comes):
+        no bug, so the spec judge re-judges from the older checkpoint, takes over, and its
+        verdict stands, whatever it is."""
 
     def checkpoint(self, at: object = None) -> None:
         """Before a decision, once ``due``: a checkpoint is made if the spacing has passed since
@@ -107,6 +112,8 @@ class FastRun:
         verdict = self.fast.finding
         fast = None if verdict is None else (verdict.invariant, verdict.event)
         if self.crash is None and found == fast:
+            return
+        if self.refused:  # the fast model stepped aside: nothing to compare
             return
         if self.crash is not None and found is not None and found[1] == self.crash[1]:
             return

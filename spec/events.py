@@ -146,12 +146,18 @@ TRAILING: dict[str, tuple[str, str]] = {
 """The optional trailing field of each kind that has one: its name and type. An event of such a
 kind is its fields, then that field when it is not 0 (the trace format's ``"group"``)."""
 
-BOUNDED: dict[str, tuple[str, str]] = {"schedule": ("bound", "nat")}
+WHEN_SET: dict[str, tuple[str, str]] = {
+    "schedule": ("bound", "nat"),
+    "reset": ("preempting", "true"),
+}
 """A decision's optional last field past its kind's fields, there exactly when the engine set it
 (every value is meaningful, 0 included: no value stands for its absence): an admission's
 ``schedule`` carries ``bound``, the engine's bound on the request's prefix-cache hit in tokens
-(``actions.schedule``; the trace format's ``"bound"``). Without it the hit is unbounded, so
-every event before the field reads as before."""
+(``actions.schedule``; the trace format's ``"bound"``), and a ``reset`` made in the building step
+that preempted every running request beside steps in flight carries ``preempting`` (always
+``True``: ``("reset", True)``, ``actions.reset``; the trace format's ``"preempting": true``).
+Without the field the hit is unbounded and the reset needs no step in flight, so every event
+before the field reads as before."""
 
 DECISIONS = frozenset(name for name, kind in KINDS.items() if kind.decision)
 EFFECTS = frozenset(name for name, kind in KINDS.items() if not kind.decision)

@@ -33,6 +33,7 @@ from kvspec.judge import Judge, core, fastbuild
 from kvspec.reference import Engine, EngineConfig
 from kvspec.reference.workload import shared_prefix_workload
 from kvspec.spec import Config
+from kvspec.spec.events import WHEN_SET
 
 KVSPEC = [sys.executable, "-m", "kvspec"]
 SAFE = dict(
@@ -138,7 +139,9 @@ def test_monitor_in_process(counterexample: tuple[Config, list]) -> None:
 def _malformed(event: tuple) -> list[tuple]:
     """Ways an in-process event can be malformed: a field missing or extra, a field of the
     wrong type (a string, None, a fraction, a list for a number, a dict for a list)."""
-    out: list[tuple] = [(*event, 0)]
+    # an extra field; a kind with an optional last field (spec.events.WHEN_SET: a schedule's
+    # bound) takes one, so its extra value is one that field never has
+    out: list[tuple] = [(*event, -1 if event[0] in WHEN_SET else 0)]
     if len(event) > 1 and event[0] not in SPEC_DEFAULTS:  # else the short form is the default
         out.append(event[:-1])
     for i in range(1, len(event)):

@@ -168,3 +168,55 @@ def test_a_block_left_keyed_after_the_reset_is_named() -> None:
     assert keyed is not None and keyed.invariant == "NoUnwrittenPublish", keyed
     assert read is not None and read.invariant == "NoUnwrittenRead", read
     assert _left_keyed(drop=False) == (None, None, None)
+
+
+# -- the trace format: the flag is written, read back and judged, never lost ---------------------
+
+
+def test_the_trace_format_keeps_a_preempting_reset(tmp_path: pytest.TempPathFactory) -> None:
+    """``("reset", True)`` is ``{"ev": "reset", "preempting": true}`` in a trace (the schema's
+    optional field, ``spec.events.WHEN_SET``): written, read back as the same tuple, judged by
+    ``kvspec check`` like the run it came from; a ``false`` or a number is bad input, and the
+    plain reset is written without the field. Planted: ``to_json`` dropping the flag makes the
+    first assertion fail (and the check's verdict would be an Illegal reset, not a hold)."""
+    from kvspec.conformance.check import check_file
+    from kvspec.conformance.report import describe
+    from kvspec.conformance.trace import event_error, parse_object, to_json, write_trace
+
+    line = to_json(("reset", True))
+    assert line == {"ev": "reset", "preempting": True}
+    assert parse_object(line, 8)[0] == ("reset", True)
+    assert to_json(("reset",)) == {"ev": "reset"}
+    assert parse_object({"ev": "reset"}, 8)[0] == ("reset",)
+    for bad in (False, 1, "yes"):
+        with pytest.raises(ValueError, match="preempting"):
+            parse_object({"ev": "reset", "preempting": bad}, 8)
+    assert event_error(("reset", True), 8) is None
+    assert event_error(("reset", False), 8) is not None
+    assert "preempted" in describe(("reset", True))
+    s, events = initial_state(DELIVER), []
+    for decision in [*PREFILL, *RESET, ("execute", 0, ()), ("commit", 0, ())]:
+        events += [decision, *apply(s, decision)]  # the decision, then its effects
+    path = tmp_path / "reset.jsonl"  # type: ignore[operator]
+    write_trace(path, DELIVER, events, engine=("test", "0"))
+    assert '"preempting":true' in path.read_text().replace(" ", "")
+    assert check_file(path).exit_code == 0
+
+
+def test_the_fast_judges_hand_a_preempting_reset_to_the_spec() -> None:
+    """The fast model refuses ``("reset", True)`` by name (``twins.py``), seen only when the
+    decision comes: ``kvspec check`` (above) and a fast ``Monitor`` hand the stream to the spec
+    judge from their older checkpoint, which takes over and judges the rest, not a disagreement
+    between the two (``handover.FastRun.refused``). Planted: ``agree`` comparing verdicts after
+    a refusal raised ``FastPathDisagrees`` here, an internal error on a trace that holds."""
+    from kvspec.conformance.monitor import Monitor
+
+    s, events = initial_state(DELIVER), []
+    for decision in [*PREFILL, *RESET, ("execute", 0, ()), ("commit", 0, ())]:
+        events += [decision, *apply(s, decision)]
+    one, every = Monitor.fast(DELIVER, raise_on_finding=False), Monitor.fast(DELIVER)
+    assert one.run is not None and every.run is not None  # the fast path, to begin with
+    assert all(one.feed(event) is None for event in events)
+    assert every.feed_all(events) is None
+    assert one.run is None and every.run is None  # the spec judge took over
+    assert one.close() is None and every.close() is None
