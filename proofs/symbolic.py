@@ -1615,7 +1615,7 @@ def instances_for(model: Model, decision: tuple[Any, ...]) -> tuple[list[Instanc
         rid, tokens, loaded, *bound = args
         if loaded:
             raise refuse_loads()
-        if bound:  # spec.events.BOUNDED
+        if bound:  # spec.events.WHEN_SET
             raise refuse_loads("bounded_hits")
         if rid not in model.R:
             return [], {}

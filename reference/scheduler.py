@@ -230,7 +230,7 @@ class Scheduler:
         ``num_tokens`` computed (or ``num_loaded`` full blocks loaded) tokens after them."""
         if self.events is not None:
             decision = ("schedule", req.rid, num_tokens, num_loaded)
-            bound = req.read_limit  # the bound its lookup took (spec.events.BOUNDED)
+            bound = req.read_limit  # the bound its lookup took (spec.events.WHEN_SET)
             self.events.append(decision if bound is None else (*decision, bound))
         kv = self.kv
         kv.admit(req, hits)
