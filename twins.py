@@ -96,6 +96,7 @@ GROUP_INVARIANTS = (
     "NoUnwrittenStateRead",
     "NoReadOfRecycled",
     "StateAtItsBoundary",
+    "CrossBlocksPrivate",
 )
 """The invariants of several KV-cache groups (issue #36): vacuous with one group."""
 ONE_GROUP = Exempt("vacuous with one KV-cache group; the form refuses several", unreachable=True)
@@ -134,6 +135,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "defer_loads": Refused("it needs defer_free, which the model refuses"),
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
+    "cross_attention": Refused("it has no cross-attention group (it refuses several groups)"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "hash_lookahead": Refused("its keys are prefixes: a block is keyed once computed"),
     "cache_aware_admission": Refused("its admissions take the queue's head in arrival order"),
@@ -181,6 +183,12 @@ TWINS: tuple[Twin, ...] = (
             )
         }
         | {"groups": FOLLOWS}
+        | {
+            "cross_attention": Refused(
+                "its groups are full, window and state: a cross-attention group is judged by "
+                "the spec only (the pytest plugin's encoder-decoder schedulers)"
+            )
+        }
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")},
         invariants=ENGINE_ONLY,
@@ -213,6 +221,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_loads": Refused("judged by the spec only: it needs defer_free"),
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
             "groups": Refused("judged by the spec only: one table per request, one index"),
+            "cross_attention": Refused("judged by the spec only: no cross-attention group"),
             "loads": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
             "cache_aware_admission": Refused("judged by the spec only: its queue is not reordered"),
@@ -262,6 +271,7 @@ TWINS: tuple[Twin, ...] = (
                 "its footprints know one table per request: SpecModel judges several groups "
                 "with the full definitions"
             ),
+            "cross_attention": Refused("it refuses several groups: SpecModel judges them"),
             "loads": FOLLOWS,
             "hash_lookahead": Refused(
                 "its NoUnwrittenPublish reads a key as the prefix it names: SpecModel judges "
@@ -365,6 +375,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_loads": Refused("it needs defer_free, which the model refuses"),
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
             "groups": Refused("its requests have one table and its pool one index"),
+            "cross_attention": Refused("it refuses several groups"),
             "loads": FOLLOWS,
             "hash_lookahead": Refused("its hashes are prefixes: a block is keyed once computed"),
             "cache_aware_admission": Refused(
