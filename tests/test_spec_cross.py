@@ -8,12 +8,14 @@ one freed under a step in flight, ``CrossBlocksPrivate`` for one shared or publi
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import replace
 
 import pytest
 
 from kvspec.conformance import trace
+from kvspec.conformance.check import check_file
 from kvspec.spec import Config, apply, check, initial_state
 from kvspec.spec import groups as spec_groups
 from kvspec.spec.state import Encoded, Group, Illegal, State
@@ -42,9 +44,9 @@ def _run(s: State, events: list[Event]) -> list[Event]:
     return out
 
 
-def _admit(encoder: int) -> list[Event]:
+def _admit(encoder: int, max_tokens: int = 2) -> list[Event]:
     return [
-        ("arrive", 1, PROMPT, 2, 0, encoder),
+        ("arrive", 1, PROMPT, max_tokens, 0, encoder),
         ("begin", 0),
         ("schedule", 1, len(PROMPT), 0),
         ("submit", 0),
@@ -155,3 +157,59 @@ def test_the_encoder_field_round_trips_in_a_trace(tmp_path) -> None:
     assert lines[1]["encoder"] == 5 and "encoder" not in lines[2]
     assert lines[0]["model"]["groups"][1] == {"kind": "cross", "block_size": B, "window": None}
     assert trace.read_trace(path) == (config, events)
+
+
+def test_the_schema_names_the_encoder_and_the_cross_kind() -> None:
+    schema = json.loads(
+        importlib.resources.files("kvspec.conformance").joinpath("trace-v1.schema.json").read_text()
+    )
+    assert schema["$defs"]["arrive"]["properties"]["encoder"]["minimum"] == 0
+    assert "encoder" not in schema["$defs"]["arrive"]["required"]
+    model = schema["$defs"]["header"]["properties"]["model"]["properties"]
+    assert "cross" in model["groups"]["items"]["properties"]["kind"]["enum"]
+
+
+def _whole_run() -> tuple[Config, list[Event]]:
+    """Two requests (9 and 0 encoder tokens) to their finish, with a preemption and a
+    re-admission of the first: the trace, decisions and effects."""
+    s = initial_state(_config())
+    events = _run(
+        s,
+        [
+            *_admit(9, max_tokens=4),
+            ("arrive", 2, (7, 8, 9), 1, 0),
+            ("execute", 0, ()),
+            ("commit", 0, ((1, 9),)),
+            ("begin", 1),
+            ("schedule", 1, 1, 0),
+            ("schedule", 2, 3, 0),
+            ("submit", 1),
+            ("execute", 1, ()),
+            ("commit", 1, ((1, 9), (2, 9))),
+            ("begin", 2),
+            ("preempt", 1),
+            ("submit", 2),
+            ("execute", 2, ()),
+            ("commit", 2, ()),
+            ("begin", 3),
+            ("schedule", 1, 8, 0),
+            ("submit", 3),
+            ("execute", 3, ()),
+            ("commit", 3, ((1, 9),)),
+        ],
+    )
+    return s.config, events
+
+
+def test_kvspec_check_judges_a_cross_trace_and_names_a_short_table(tmp_path) -> None:
+    """A whole run holds under ``kvspec check``; the same trace with the admission's last cross
+    alloc dropped (an engine one block short for the encoder tokens) is a finding (exit 1)."""
+    config, events = _whole_run()
+    path = tmp_path / "ok.jsonl"
+    trace.write_trace(path, config, events)
+    assert check_file(path).exit_code == 0
+    last = max(i for i, e in enumerate(events) if e[0] == "alloc" and len(e) == 4)
+    short = events[:last] + events[last + 1 :]
+    bad = tmp_path / "short.jsonl"
+    trace.write_trace(bad, config, short)
+    assert check_file(bad).exit_code == 1
