@@ -76,10 +76,12 @@ class Draft(NamedTuple):
     slot: int
 
 
-class Encoded(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Encoded:
     """What the encoder pass writes in cross-attention block ``position`` of request ``req``
     (``Config.groups``, kind ``cross``): the K/V of that request's encoder tokens
-    ``position * B_g .. (position + 1) * B_g - 1``, a value no decoder token has."""
+    ``position * B_g .. (position + 1) * B_g - 1``, a value no decoder token has (a dataclass,
+    not a tuple: it equals no ``Placeholder`` or ``Draft`` of the same fields)."""
 
     req: int
     position: int

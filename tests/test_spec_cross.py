@@ -213,3 +213,27 @@ def test_kvspec_check_judges_a_cross_trace_and_names_a_short_table(tmp_path) -> 
     bad = tmp_path / "short.jsonl"
     trace.write_trace(bad, config, short)
     assert check_file(bad).exit_code == 1
+
+
+def test_an_encoder_output_survives_the_commit_of_a_placeholder_of_the_same_numbers() -> None:
+    """Async scheduling: step 0's placeholder for r0 is resolved at its commit in every block;
+    r0's cross block 0 holds ``Encoded(0, 0)``, which must not read as that placeholder (the
+    two once compared equal as tuples, and the commit overwrote the encoder output)."""
+    s = initial_state(_config(async_scheduling=True, depth=2))
+    _run(
+        s,
+        [
+            ("arrive", 0, PROMPT, 3, 0, 5),
+            ("begin", 0),
+            ("schedule", 0, len(PROMPT), 0),
+            ("submit", 0),
+            ("execute", 0, ()),
+            ("commit", 0, ((0, 9),)),
+            ("begin", 1),
+            ("schedule", 0, 1, 0),
+            ("submit", 1),
+            ("execute", 1, ()),
+        ],
+    )
+    block = s.requests[0].group_tables[0][0]
+    assert s.blocks[block].written == (Encoded(0, 0),) and not s.bad_reads
