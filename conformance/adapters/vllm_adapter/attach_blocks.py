@@ -192,7 +192,9 @@ class BlockCalls:
         its admission, for every encoder token it arrived with (``arrive``'s ``encoder``), and
         nothing later. vLLM passes the count with the encoder inputs it schedules: all of them,
         with an admission's first decoder token, or, when some input's embeddings fall past
-        that chunk, fewer (judging would guess where the rest lands: refused)."""
+        that chunk, fewer (judging would guess where the rest lands: refused). A scheduler with
+        the groups but ``is_encoder_decoder`` off passes 0 (its inputs are a decoder-only
+        model's): refused here too, before vLLM allocates nothing where the spec would."""
         admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         arrived = hybrid_groups.encoder_tokens(request)
         if encoder != (arrived if admission else 0):

@@ -152,7 +152,7 @@ def group_features(sched: Any) -> list[Feature]:
         kind = group_kind(spec)
         if kind == "chunked":
             found.append(("chunked local attention", f"group {i}: {type(spec).__name__}"))
-        elif kind == "cross" and kinds_of(sched) != CROSS_MODEL:
+        elif kind == "cross" and not encoder_decoder(sched):
             found.append(("cross-attention", f"group {i} of {'+'.join(kinds_of(sched))}"))
         elif kind not in KINDS:
             found.append((f"KV-cache spec {kind}", f"group {i}: not full, window or state"))
