@@ -96,6 +96,7 @@ GROUP_INVARIANTS = (
     "NoUnwrittenStateRead",
     "NoReadOfRecycled",
     "StateAtItsBoundary",
+    "CrossBlocksPrivate",
 )
 """The invariants of several KV-cache groups (issue #36): vacuous with one group."""
 ONE_GROUP = Exempt("vacuous with one KV-cache group; the form refuses several", unreachable=True)
@@ -134,6 +135,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "defer_loads": Refused("it needs defer_free, which the model refuses"),
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
+    "cross_attention": Refused("it has no cross-attention group (it refuses several groups)"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
     "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
@@ -186,6 +188,12 @@ TWINS: tuple[Twin, ...] = (
             )
         }
         | {"groups": FOLLOWS}
+        | {
+            "cross_attention": Refused(
+                "its groups are full, window and state: a cross-attention group is judged by "
+                "the spec only (the pytest plugin's encoder-decoder schedulers)"
+            )
+        }
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
@@ -221,6 +229,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_loads": Refused("judged by the spec only: it needs defer_free"),
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
             "groups": Refused("judged by the spec only: one table per request, one index"),
+            "cross_attention": Refused("judged by the spec only: no cross-attention group"),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
@@ -274,6 +283,7 @@ TWINS: tuple[Twin, ...] = (
                 "its footprints know one table per request: SpecModel judges several groups "
                 "with the full definitions"
             ),
+            "cross_attention": Refused("it refuses several groups: SpecModel judges them"),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,  # the spec's actions bound the hit; no invariant reads it
             "hash_lookahead": Refused(
@@ -382,6 +392,7 @@ TWINS: tuple[Twin, ...] = (
             "defer_loads": Refused("it needs defer_free, which the model refuses"),
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
             "groups": Refused("its requests have one table and its pool one index"),
+            "cross_attention": Refused("it refuses several groups"),
             "loads": FOLLOWS,
             # its lookup may hit any published blocks under the request's hashes: a bounded
             # hit is one of them

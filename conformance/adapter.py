@@ -102,6 +102,10 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
         from kvspec import twins
 
         raise twins.refused("kvspec.reference", "hash_lookahead")
+    if any(group.kind == "cross" for group in config.groups):  # refused by its row
+        from kvspec import twins
+
+        raise twins.refused("kvspec.reference", "cross_attention")
     fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
     del fields["hash_lookahead"]  # 0: the engine's own hashing
     # several KV-cache groups (issue #36) in the engine's own representation; () is one group

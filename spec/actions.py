@@ -59,13 +59,18 @@ from .state import (
 
 
 def arrive(
-    s: State, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int
+    s: State, rid: int, prompt: tuple[int, ...], max_tokens: int, priority: int, encoder: int = 0
 ) -> list[Event]:
+    """A request arrives; ``encoder``: its encoder tokens, which a ``cross`` group's table holds
+    (``groups.cross_blocks``; only where the model has such a group)."""
     if rid in s.requests:
         raise Illegal(f"arrive r{rid}: the id is taken")
     if not prompt or max_tokens < 1:
         raise Illegal(f"arrive r{rid}: empty prompt or max_tokens < 1")
+    if encoder and not groups.has_cross(s):
+        raise Illegal(f"arrive r{rid}: {encoder} encoder tokens but no cross-attention group")
     s.requests[rid] = Request(rid, list(prompt), len(prompt), max_tokens, priority, s.arrivals)
+    s.requests[rid].encoder = encoder
     s.arrivals += 1
     s.waiting.append(rid)
     s.touched.requests.add(rid)
@@ -147,7 +152,7 @@ def schedule(
         hits, skipped_loads = head[: len(hits)], head[len(hits) :]
         hit = [b for h in [hits, *others] for b in h if b != NULL_BLOCK]
         held_free = sum(1 for b in set(hit) if s.blocks[b].refcount == 0)
-        more = groups.needed(s, others, end) if cfg.hybrid else 0
+        more = groups.needed(s, others, end, req.encoder) if cfg.hybrid else 0
         if -(-end // bsz) - len(head) + more > len(s.free) - held_free:
             raise Illegal(f"{where}: not enough free blocks")
         events += touch(s, req, hits)
@@ -172,7 +177,7 @@ def schedule(
         more = 0
         if cfg.hybrid:
             gone += groups.gone(s, req, processed)
-            more = groups.needed(s, req.group_tables, end)
+            more = groups.needed(s, req.group_tables, end, req.encoder)
         if -(-end // bsz) - len(req.table) + more > len(s.free) + gone:
             raise Illegal(f"{where}: not enough free blocks")
         events += remove_skipped(s, req, processed)

@@ -142,9 +142,13 @@ OPTIONAL = {"publish": ("hash",)}
 
 TRAILING: dict[str, tuple[str, str]] = {
     kind: ("group", "nat") for kind in ("alloc", "hit", "publish", "dedup")
-}
+} | {"arrive": ("encoder", "nat")}
 """The optional trailing field of each kind that has one: its name and type. An event of such a
-kind is its fields, then that field when it is not 0 (the trace format's ``"group"``)."""
+kind is its fields, then that field when it is not 0 (the trace format's ``"group"``; an
+``arrive``'s ``"encoder"``: the request's encoder tokens, which a ``cross`` group's table holds,
+``docs/model.md``, "Cross-attention"; a property of the request, known when it arrives, needed
+again at every re-admission, and no choice of the scheduler's: so the arrival carries it, not a
+``schedule`` decision)."""
 
 WHEN_SET: dict[str, tuple[str, str]] = {
     "schedule": ("bound", "nat"),
@@ -247,7 +251,9 @@ def group_of(event: Event) -> int:
     """The KV-cache group an ``alloc``, ``hit``, ``publish`` or ``dedup`` is about (its trailing
     ``group``; 0 when absent, and for every other kind)."""
     kind = kind_of(event)
-    if kind is None or kind.name not in TRAILING or len(event) <= len(kind.fields) + 1:
+    if kind is None or TRAILING.get(kind.name, ("",))[0] != "group":
+        return 0
+    if len(event) <= len(kind.fields) + 1:
         return 0
     return cast(int, event[len(kind.fields) + 1])
 

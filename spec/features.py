@@ -88,6 +88,12 @@ FEATURES: dict[str, Feature] = {
             {"groups": (Group("full", 1), Group("state", 1))},
         ),
         Feature(
+            "cross_attention",
+            "a cross-attention group (encoder-decoder: tables sized by encoder tokens)",
+            lambda c: any(g.kind == "cross" for g in getattr(c, "groups", ())),
+            {"groups": (Group("full", 1), Group("cross", 1))},
+        ),
+        Feature(
             "hash_lookahead",
             "lookahead hashing (keys that name the tokens after a block)",
             lambda c: getattr(c, "hash_lookahead", 0) > 0,
@@ -149,6 +155,10 @@ FIELDS_OF: dict[str, str] = {
     "trim_at_finish": "trim_at_finish",
 }
 """Each ``Config`` field that is a feature's, and the feature."""
+
+GROUP_KIND_FEATURES: dict[str, str] = {"cross": "cross_attention"}
+"""Group kinds (``Group.kind`` in ``Config.groups``) that are a feature of their own beside
+``groups``: the field is ``groups``', the feature the kind's."""
 
 
 def features_on(config: Config) -> list[str]:

@@ -22,6 +22,13 @@ rule (``hit_length``, a function of the published indexes alone) and the tables 
   first registration point whose known tokens reach the boundary, the slot's block whatever step
   last wrote it (right only where every step that writes the slot ends at its boundary or stops
   short of it: vLLM's aligned prefill chunks; else ``StateAtItsBoundary``).
+* ``cross`` (an encoder-decoder model's cross-attention, ``docs/model.md``, "Cross-attention"):
+  block ``i`` holds the K/V of the request's encoder tokens ``i * B_g .. (i + 1) * B_g - 1``
+  (``Encoded``). The table is sized by the encoder input alone (``cross_blocks``: ``ceil(E /
+  B_g)`` for the ``E`` of ``arrive``), allocated whole by the schedule that admits the request
+  (the step whose encoder pass writes every block), never hashed, published nor hit, and read
+  whole by every step of the request (each decoder token attends to every encoder token); it is
+  freed with the rest of the request's tables. Its blocks are private (``CrossBlocksPrivate``).
 
 Every effect of a group other than 0 carries its group (``events.grouped``). The effects come in
 group order: hits, then skipped frees, then allocations (``actions.schedule``), a whole table's
@@ -35,7 +42,18 @@ from math import lcm
 
 from .events import grouped
 from .pool import Event, add_key, drop_key, free_batch, free_blocks, touch_counted
-from .state import NULL_BLOCK, OBSERVED_POLICIES, Entry, Illegal, Key, Request, State, Step, Write
+from .state import (
+    NULL_BLOCK,
+    OBSERVED_POLICIES,
+    Encoded,
+    Entry,
+    Illegal,
+    Key,
+    Request,
+    State,
+    Step,
+    Write,
+)
 
 
 def size(s: State, g: int) -> int:
@@ -53,6 +71,17 @@ def kind(s: State, g: int) -> str:
 def key(req: Request, end: int) -> Key:
     """The chained prefix of the request's first ``end`` tokens (a group's published key)."""
     return tuple(req.tokens[:end])
+
+
+def has_cross(s: State) -> bool:
+    """The model has a cross-attention group (``Group.kind == "cross"``)."""
+    return any(group.kind == "cross" for group in s.config.groups)
+
+
+def cross_blocks(s: State, g: int, encoder: int) -> int:
+    """The blocks a cross group ``g``'s table holds for a request of ``encoder`` encoder tokens:
+    one slot per encoder token, ``ceil(encoder / B_g)``."""
+    return -(-encoder // size(s, g))
 
 
 def when_known(s: State, g: int) -> bool:
@@ -80,6 +109,8 @@ def first_hit(s: State, req: Request, g: int, i: int) -> int | None:
 def accepts(s: State, req: Request, g: int, length: int) -> bool:
     """Group ``g``'s own rule: whether it can serve a hit of the request's first ``length``
     tokens (a multiple of its block size) from what is published now."""
+    if kind(s, g) == "cross":  # nothing cached: no hit asks anything of it
+        return True
     n = length // size(s, g)
     if kind(s, g) == "state":
         return n == 0 or first_hit(s, req, g, n - 1) is not None
@@ -88,8 +119,9 @@ def accepts(s: State, req: Request, g: int, length: int) -> bool:
 
 
 def alignment(s: State) -> int:
-    """The unit a hit length comes in: every group's block size divides it."""
-    return lcm(*(group.block_size for group in s.config.groups))
+    """The unit a hit length comes in: every group's block size divides it (but a cross group's,
+    which hits nothing)."""
+    return lcm(*(group.block_size for group in s.config.groups if group.kind != "cross"))
 
 
 def hit_length(s: State, req: Request) -> int:
@@ -108,7 +140,10 @@ def hit_length(s: State, req: Request) -> int:
 
 def hits_at(s: State, req: Request, g: int, length: int) -> list[int]:
     """Group ``g``'s hit blocks for a hit of ``length`` tokens (which it accepts): its table's
-    first ``length / B_g`` positions, the null block where its rule needs nothing."""
+    first ``length / B_g`` positions, the null block where its rule needs nothing; none for a
+    cross group (it caches nothing)."""
+    if kind(s, g) == "cross":
+        return []
     n = length // size(s, g)
     if kind(s, g) == "state":
         lo = max(0, n - 1)
@@ -142,12 +177,15 @@ def span(s: State, g: int, end: int) -> int:
     return -(-end // size(s, g))
 
 
-def needed(s: State, tables: list[list[int]], end: int) -> int:
-    """The blocks groups 1 .. G - 1, with ``tables``, allocate to reach ``end`` tokens."""
+def needed(s: State, tables: list[list[int]], end: int, encoder: int = 0) -> int:
+    """The blocks groups 1 .. G - 1, with ``tables``, allocate to reach ``end`` tokens (a
+    cross group: its ``encoder`` tokens' blocks)."""
     count = 0
     for g, table in enumerate(tables, 1):
         last = span(s, g, end)
-        if kind(s, g) == "state":
+        if kind(s, g) == "cross":
+            count += max(0, cross_blocks(s, g, encoder) - len(table))
+        elif kind(s, g) == "state":
             count += int(last > 0 and (len(table) < last or table[last - 1] == NULL_BLOCK))
         else:
             count += max(0, last - len(table))
@@ -216,12 +254,21 @@ def schedule(
     """Allocate what groups 1 .. G - 1 need for tokens ``start .. end - 1`` and lay the step's
     writes there: every block of ``start / B_g .. `` for full and window, the block of the end
     position for a state group (the state after exactly ``end`` tokens). Returns the events and
-    each group's table prefix the entry reads and writes."""
+    each group's table prefix the entry reads and writes. A cross group's table is allocated
+    whole by the request's first schedule since admission, whose encoder pass writes each block
+    (``Encoded``); its later steps read it and write nothing there."""
     events: list[Event] = []
     prefixes = []
     for g in range(1, len(s.config.groups)):
         table, bs, last = s.table_of(req, g), size(s, g), span(s, g, end)
-        if kind(s, g) == "state":
+        if kind(s, g) == "cross":
+            first = len(table)
+            while len(table) < cross_blocks(s, g, req.encoder):
+                events += allocate(s, req, g)
+            writes = list(range(first, len(table)))
+            contents: list[tuple[object, ...]] = [(Encoded(req.id, i),) for i in writes]
+            last = len(table)
+        elif kind(s, g) == "state":
             while len(table) < last - 1:
                 table.append(NULL_BLOCK)
             if len(table) < last:
@@ -308,7 +355,8 @@ def read(s: State, step: Step, rid: int, entry: Entry, tokens: tuple[object, ...
         if kind(s, g) == "state":
             continue
         for at, block in reads_of(s, g, entry.start, blocks):
-            if valid(s, g, s.blocks[block].written, read_content(s, g, entry.start, at, tokens)):
+            wanted = read_content(s, g, entry.start, at, tokens, rid)
+            if valid(s, g, s.blocks[block].written, wanted):
                 continue
             bad = True
             if rid in step.live:
@@ -318,14 +366,19 @@ def read(s: State, step: Step, rid: int, entry: Entry, tokens: tuple[object, ...
 
 def spoil(s: State, entry: Entry) -> None:
     """A step that read wrong bytes computed wrong ones: its writes in groups 1 .. G - 1 hold
-    garbage."""
+    garbage (not a cross group's: the encoder's output does not depend on the decoder's reads)."""
     for g, blocks in enumerate(entry.group_blocks, 1):
+        if kind(s, g) == "cross":
+            continue
         for block in writes_of(s, g, entry.start, blocks):
             s.blocks[block].written = None
 
 
 def writes_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> tuple[int, ...]:
-    """The blocks of group ``g`` an entry from ``start`` writes (``schedule``'s)."""
+    """The blocks of group ``g`` an entry from ``start`` writes (``schedule``'s; a cross group's:
+    those its encoder pass writes, if any: ``write`` takes only the entry's own pending writes)."""
+    if kind(s, g) == "cross":
+        return blocks
     if kind(s, g) == "state":
         return blocks[-1:]
     return blocks[start // size(s, g) :]
@@ -334,7 +387,10 @@ def writes_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> tuple[in
 def reads_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> list[tuple[int, int]]:
     """(position, block) of group ``g`` an entry from ``start`` reads as computed: a state
     group's block of the state after ``start`` tokens; a window's blocks of the window of token
-    ``start``; every earlier block under full attention."""
+    ``start``; every earlier block under full attention; every block of a cross group (each
+    decoder token attends to every encoder token)."""
+    if kind(s, g) == "cross":
+        return list(enumerate(blocks))
     bs = size(s, g)
     if kind(s, g) == "state":
         at = -(-start // bs) - 1
@@ -343,9 +399,14 @@ def reads_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> list[tupl
     return [(i, blocks[i]) for i in range(lo, len(blocks)) if i * bs < start]
 
 
-def read_content(s: State, g: int, start: int, position: int, tokens: tuple[object, ...]) -> tuple:
+def read_content(
+    s: State, g: int, start: int, position: int, tokens: tuple[object, ...], rid: int = -1
+) -> tuple:
     """What group ``g``'s block at ``position`` must hold for a step from ``start``: the state
-    after exactly ``start`` tokens, or the K/V of the block's tokens before ``start``."""
+    after exactly ``start`` tokens, or the K/V of the block's tokens before ``start``, or (a
+    cross group) the encoder output of request ``rid`` there."""
+    if kind(s, g) == "cross":
+        return (Encoded(rid, position),)
     if kind(s, g) == "state":
         return tuple(tokens[:start])
     return tuple(tokens[: min(start, (position + 1) * size(s, g))])
@@ -370,6 +431,8 @@ def pending(s: State, req: Request, end: int, limit: int) -> list[tuple[int, int
     ``when-known``, every slot as full blocks (``publish`` skips a null one)."""
     out: list[tuple[int, int]] = []
     for g in range(1, len(s.config.groups)):
+        if kind(s, g) == "cross":  # never hashed nor published
+            continue
         bs, cached = size(s, g), req.group_cached[g - 1]
         upto = min(end, limit) // bs
         if kind(s, g) == "state" and not when_known(s, g):
@@ -415,6 +478,8 @@ def hit_positions(s: State, g: int, length: int) -> range:
     """The positions of group ``g``'s hit of ``length`` tokens that hold a published block
     (``hits_at``; the others hold the null block)."""
     n = length // size(s, g)
+    if kind(s, g) == "cross":
+        return range(0)
     if kind(s, g) == "state":
         return range(max(0, n - 1), n)
     if kind(s, g) == "window":
@@ -466,8 +531,36 @@ def tables_fit(s: State, req: Request) -> bool:
     if req.status != "running":
         return not groups_held(req)
     return len(req.group_tables) == len(s.config.groups) - 1 and all(
-        len(table) == span(s, g, req.computed) for g, table in enumerate(req.group_tables, 1)
+        len(table) == positions(s, req, g) for g, table in enumerate(req.group_tables, 1)
     )
+
+
+def positions(s: State, req: Request, g: int) -> int:
+    """The positions group ``g``'s table of a running request holds: ``span`` of its computed
+    tokens, or a cross group's ``cross_blocks`` of its encoder tokens."""
+    if kind(s, g) == "cross":
+        return cross_blocks(s, g, req.encoder)
+    return span(s, g, req.computed)
+
+
+def private_cross_blocks(s: State) -> tuple[int, int, int] | None:
+    """(request, group, block) of the first block of a cross group's table that is published
+    or held anywhere else (another position, table or request), or None (``CrossBlocksPrivate``)."""
+    holders: dict[int, int] = {}
+    for req in s.requests.values():
+        for b in req.table:
+            holders[b] = holders.get(b, 0) + 1
+        for table in req.group_tables:
+            for b in table:
+                holders[b] = holders.get(b, 0) + 1
+    for req in s.requests.values():
+        for g, table in enumerate(req.group_tables, 1):
+            if kind(s, g) != "cross":
+                continue
+            for b in table:
+                if b != NULL_BLOCK and (holders[b] > 1 or s.blocks[b].key is not None):
+                    return req.id, g, b
+    return None
 
 
 def groups_held(req: Request) -> bool:

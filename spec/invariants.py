@@ -530,6 +530,24 @@ def state_at_its_boundary(s: State) -> Violation | None:
     return None
 
 
+def cross_blocks_private(s: State) -> Violation | None:
+    """Several groups: a block of a cross-attention group's table (``docs/model.md``,
+    "Cross-attention") is held by that table alone, at one position, and never published: it
+    holds one request's encoder output, which no other request's tokens name. Guards against a
+    cross block handed to a second table (a hit, a block allocated twice) or registered as
+    cached: its next reader would attend to another request's encoder output."""
+    found = groups.private_cross_blocks(s)
+    if found is None:
+        return None
+    rid, g, block = found
+    return Violation(
+        "CrossBlocksPrivate",
+        f"block {block} of r{rid}'s cross-attention group {g} is shared or published",
+        (block,),
+        _holders(s, block),
+    )
+
+
 @dataclass(frozen=True)
 class Invariant:
     """One invariant, once: its name, its definition, why it matters and what can break it."""
@@ -556,6 +574,7 @@ REGISTRY: dict[str, Invariant] = {
         Invariant("NoUnwrittenStateRead", no_unwritten_state_read, ("groups",)),
         Invariant("NoReadOfRecycled", no_read_of_recycled, ("groups",)),
         Invariant("StateAtItsBoundary", state_at_its_boundary, ("groups",)),
+        Invariant("CrossBlocksPrivate", cross_blocks_private),
         Invariant("NoUnwrittenRead", no_unwritten_read, ("publish=at-schedule",)),
         Invariant("NoUnwrittenPublish", no_unwritten_publish, ("publish=at-schedule",)),
         Invariant("RefcountIsOwnership", refcount_is_ownership),

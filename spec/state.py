@@ -32,10 +32,11 @@ output): ``drop``, discarded, and the request may be re-admitted at once (vLLM's
 and the request is not re-admitted until every step that held it has committed (vLLM's default,
 ``num_stale_output_tokens``)."""
 NULL_BLOCK = 0
-GROUP_KINDS = ("full", "window", "state")
+GROUP_KINDS = ("full", "window", "state", "cross")
 """The kinds of KV-cache group the spec follows (``Group.kind``, ``docs/model.md``, "Hybrid
-groups"): full attention, sliding-window attention, and a recurrent state (Mamba, linear
-attention) cached at block boundaries."""
+groups"): full attention, sliding-window attention, a recurrent state (Mamba, linear
+attention) cached at block boundaries, and cross-attention (an encoder-decoder model's K/V of
+the request's encoder output, ``docs/model.md``, "Cross-attention")."""
 REFUSED_GROUP_KINDS = {"chunked": "chunked local attention is not modelled yet"}
 """Group kinds an engine has that the spec refuses by name (``Config`` raises naming them)."""
 STATE_REGISTRATIONS = ("at-its-step", "when-known")
@@ -75,7 +76,18 @@ class Draft(NamedTuple):
     slot: int
 
 
-Content = tuple["int | Placeholder | Draft", ...]
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """What the encoder pass writes in cross-attention block ``position`` of request ``req``
+    (``Config.groups``, kind ``cross``): the K/V of that request's encoder tokens
+    ``position * B_g .. (position + 1) * B_g - 1``, a value no decoder token has (a dataclass,
+    not a tuple: it equals no ``Placeholder`` or ``Draft`` of the same fields)."""
+
+    req: int
+    position: int
+
+
+Content = tuple["int | Placeholder | Draft | Encoded", ...]
 """What a write puts in a block: a request's tokens 0 .. the last slot written, placeholders
 and drafts included (a published ``Key`` never holds either)."""
 
@@ -376,6 +388,9 @@ class Request:
     ``i * B_g .. (i + 1) * B_g - 1``. Empty for one group."""
     group_cached: list[int] = field(default_factory=list)
     """``cached`` of groups 1 .. G - 1, in group order."""
+    encoder: int = 0
+    """The request's encoder tokens (``arrive``'s ``encoder``): a ``cross`` group's table holds
+    ``ceil(encoder / B_g)`` blocks while it runs (``docs/model.md``, "Cross-attention")."""
 
     @property
     def output_len(self) -> int:

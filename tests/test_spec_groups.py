@@ -128,6 +128,7 @@ GROUP_INVARIANTS = (
     "NoUnwrittenStateRead",
     "NoReadOfRecycled",
     "StateAtItsBoundary",
+    "CrossBlocksPrivate",
 )
 
 
@@ -149,5 +150,11 @@ def corrupt_groups(name: str, s: State) -> None:
         s.config = replace(s.config, groups=(Group("full", 4), Group("state", 4)))
         s.group_index[1] = {tuple(r1.tokens[:4]): [s.free[0]]}
         s.blocks[s.free[0]].key, s.blocks[s.free[0]].group = tuple(r1.tokens[:4]), 1
+    elif name == "CrossBlocksPrivate":  # r1's block 0 in r2's cross table too
+        s.config = replace(s.config, groups=(Group("full", 4), Group("cross", 4)))
+        r1.encoder = 4
+        r1.group_tables = [[s.free[0]]]
+        s.requests[2].group_tables = [[s.free[0]]]
+        s.blocks[s.free[0]].refcount = 2
     else:
         raise AssertionError(name)

@@ -17,7 +17,7 @@ import pytest
 import kvspec
 from kvspec import twins
 from kvspec.spec import Config, initial_state, pool, pool_machine
-from kvspec.spec.features import FEATURES, FIELDS_OF, PARAMETERS, Feature
+from kvspec.spec.features import FEATURES, FIELDS_OF, GROUP_KIND_FEATURES, PARAMETERS, Feature
 from kvspec.spec.invariants import REGISTRY, Invariant
 from kvspec.spec.state import Request
 from kvspec.twins import TWINS, twin
@@ -130,7 +130,8 @@ def test_a_feature_added_to_the_registry_alone_fails_until_every_form_declares_i
 def test_every_config_field_is_a_feature_or_a_parameter() -> None:
     fields = set(Config.__dataclass_fields__)
     assert fields == set(PARAMETERS) | set(FIELDS_OF)
-    assert set(FIELDS_OF.values()) == {n for n, f in FEATURES.items() if f.on is not None}
+    named = set(FIELDS_OF.values()) | set(GROUP_KIND_FEATURES.values())
+    assert named == {n for n, f in FEATURES.items() if f.on is not None}
 
 
 def _probe(form: str, feature: str) -> Callable[[], object]:

@@ -167,7 +167,9 @@ class BlockCalls:
             ("num_lookahead_tokens", "speculative decoding"),
             ("num_encoder_tokens", "encoder-decoder model"),
         ):
-            if given.get(name):
+            if name == "num_encoder_tokens" and hybrid_groups.encoder_decoder(self.scheduler):
+                self._encoder_slots(request, int(given.get(name) or 0))
+            elif given.get(name):
                 self.refuse(feature, f"allocate_slots({name}={given[name]})")
         external = int(given.get("num_external_computed_tokens") or 0)
         if self.config.sliding_window is not None and given.get("delay_cache_blocks"):
@@ -188,6 +190,24 @@ class BlockCalls:
             # over the loaded block) unless a block holds that token alone
             self.refuse("KV connector: a load over the last token's block", where)
         return external // bsz, external % bsz
+
+    def _encoder_slots(self, request: Request, encoder: int) -> None:
+        """An encoder-decoder scheduler's ``num_encoder_tokens`` (its cross-attention table's
+        size, ``groups.encoder_decoder``): the spec allocates a request's whole cross table at
+        its admission, for every encoder token it arrived with (``arrive``'s ``encoder``), and
+        nothing later. vLLM passes the count with the encoder inputs it schedules: all of them,
+        with an admission's first decoder token, or, when some input's embeddings fall past
+        that chunk, fewer (judging would guess where the rest lands: refused). A scheduler with
+        the groups but ``is_encoder_decoder`` off passes 0 (its inputs are a decoder-only
+        model's): refused here too, before vLLM allocates nothing where the spec would."""
+        admission = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        arrived = hybrid_groups.encoder_tokens(request)
+        if encoder != (arrived if admission else 0):
+            when = "at its admission" if admission else "after its admission"
+            self.refuse(
+                "cross-attention: encoder inputs scheduled in part",
+                f"{request.request_id}: {encoder} of {arrived} encoder tokens {when}",
+            )
 
     def _admission_room(self, request: Request) -> None:
         """The spec counts a request loading asynchronously as running, vLLM as waiting: an
@@ -356,7 +376,11 @@ class BlockCalls:
         """Block hashes must be a function of the token prefix (with ``hash_lookahead`` L, of the
         prefix and the L tokens after it), and a prefix's alone: a hash
         collision (two prefixes, one hash) or a hash that is not (one prefix, two hashes) is
-        a hashing the spec's keys cannot follow."""
+        a hashing the spec's keys cannot follow. Not on an encoder-decoder scheduler kvspec
+        judges (``groups.encoder_decoder``): vLLM turns prefix caching off there, so no hash is
+        ever read, and its requests' hashes name their encoder inputs beside their tokens."""
+        if not self.config.prefix_caching and hybrid_groups.encoder_decoder(self.scheduler):
+            return
         hashes, tokens, bsz = request.block_hashes, request.all_token_ids, self.block_size
         start = self._checked.get(request.request_id, 0)
         for i in range(start, min(upto, len(hashes))):

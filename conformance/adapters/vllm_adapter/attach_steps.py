@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
+from . import groups as hybrid_groups
 from .features import grammar_ready, request_features
 from .methods import Method
 
@@ -56,6 +57,7 @@ class StepCalls:
         max_tokens = min(request.max_tokens, room)
         prompt = tuple(request.prompt_token_ids)
         event: Event = ("arrive", None, prompt, max_tokens, request.priority)
+        event += hybrid_groups.encoder_field(self.scheduler, request)  # cross-attention's
         if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and not (
             grammar_ready(request)
         ):

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from . import versions
-from .groups import hybrid_features
+from .groups import encoder_decoder, hybrid_features
 from .versions import read
 
 try:
@@ -133,7 +133,11 @@ def scheduler_features(sched: Any) -> list[Feature]:
         "partial prefix-cache hits",
         "hits inside a block",
     )
-    need(read(sched, "is_encoder_decoder"), "encoder-decoder model", "cross-attention")
+    need(  # a decoder full-attention group beside a cross-attention one is judged (groups.py)
+        read(sched, "is_encoder_decoder") and not encoder_decoder(sched),
+        "encoder-decoder model",
+        "cross-attention",
+    )
     need(read(sched, "is_mm_encoder_only"), "multimodal encoder-only", "no sampling")
     need(read(sched, "num_sampled_tokens_per_step") != 1, "pooling or diffusion model", "")
     need(read(sched, "prefix_replay_tokens"), "prefix replay", "recomputed hit tails")

@@ -26,13 +26,19 @@ from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from kvspec.spec import Config
+from kvspec.spec import state as spec_state
 
 from . import versions
 
 Feature = tuple[str, str]
 
-KINDS = ("full", "window", "state")
-"""The group kinds kvspec follows (``docs/hybrid.md``); ``chunked`` is refused this round."""
+KINDS = ("full", "window", "state", "cross")
+"""The group kinds kvspec follows (``docs/hybrid.md``; ``cross``: ``docs/model.md``,
+"Cross-attention", only as ``CROSS_MODEL``); ``chunked`` is refused this round."""
+CROSS_MODEL = ("full", "cross")
+"""The groups of the encoder-decoder models kvspec judges: the decoder's full attention, then
+a cross-attention group (vLLM's ``CrossAttentionManager``), as Whisper's are grouped and
+vLLM's encoder-decoder tests build them."""
 MAMBA_MODES = ("align",)
 """The Mamba cache modes kvspec follows: ``align`` (a state at each block boundary a step ended
 at), the one vLLM picks with prefix caching on (``MambaModelConfig``)."""
@@ -56,6 +62,8 @@ MANAGER_METHODS = (
 """The methods of a group's manager inside which the pool's calls are that group's."""
 SPEC_FOLLOWS_GROUPS = "groups" in getattr(Config, "__dataclass_fields__", {})
 """Whether the spec of this build models several groups (``Config.groups``, issue #36)."""
+SPEC_FOLLOWS_CROSS = "cross" in getattr(spec_state, "GROUP_KINDS", ())
+"""Whether the spec of this build has the cross-attention kind (``docs/model.md``)."""
 
 
 def group_kind(spec: Any) -> str:
@@ -63,6 +71,8 @@ def group_kind(spec: Any) -> str:
     ``chunked``), or the spec's class name where it is none of them."""
     if isinstance(spec, SlidingWindowSpec):
         return "window"
+    if type(spec).__name__ == "CrossAttentionSpec":
+        return "cross"
     if isinstance(spec, MambaSpec):
         return "state"
     if type(spec).__name__ == "ChunkedLocalAttentionSpec" or getattr(
@@ -86,6 +96,32 @@ def model_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
         read = {"kind": kind, "block_size": spec.block_size, "window": window}
         out.append(read | ({"registers": STATE_REGISTRATION} if kind == "state" else {}))
     return out
+
+
+def kinds_of(sched: Any) -> tuple[str, ...]:
+    """The kinds of the scheduler's groups, in group order."""
+    return tuple(group_kind(g.kv_cache_spec) for g in sched.kv_cache_config.kv_cache_groups)
+
+
+def encoder_decoder(sched: Any) -> bool:
+    """Whether the scheduler's groups are an encoder-decoder model's that kvspec judges
+    (``CROSS_MODEL``) and the spec of this build has the cross kind."""
+    return kinds_of(sched) == CROSS_MODEL and SPEC_FOLLOWS_CROSS
+
+
+def encoder_tokens(request: Any) -> int:
+    """The request's encoder tokens as vLLM sizes its cross-attention table: the embeddings of
+    every multimodal input (``Request.get_num_encoder_embeds``; an encoder-decoder request's
+    inputs all sit at position 0 and are scheduled together, with its first decoder token)."""
+    features = getattr(request, "mm_features", None) or ()
+    return sum(int(f.mm_position.get_num_embeds()) for f in features)
+
+
+def encoder_field(sched: Any, request: Any) -> tuple[int, ...]:
+    """``arrive``'s trailing ``encoder`` for the request (``spec/events.py``): its encoder
+    tokens, on an encoder-decoder scheduler kvspec judges, when not 0; else nothing."""
+    count = encoder_tokens(request) if encoder_decoder(sched) else 0
+    return (count,) if count else ()
 
 
 def group_block_sizes(sched: Any) -> tuple[int, ...]:
@@ -116,8 +152,8 @@ def group_features(sched: Any) -> list[Feature]:
         kind = group_kind(spec)
         if kind == "chunked":
             found.append(("chunked local attention", f"group {i}: {type(spec).__name__}"))
-        elif type(spec).__name__ == "CrossAttentionSpec":
-            found.append(("cross-attention", f"group {i}"))
+        elif kind == "cross" and not encoder_decoder(sched):
+            found.append(("cross-attention", f"group {i} of {'+'.join(kinds_of(sched))}"))
         elif kind not in KINDS:
             found.append((f"KV-cache spec {kind}", f"group {i}: not full, window or state"))
         if kind == "state" and versions.read(spec, "mamba_cache_mode") not in MAMBA_MODES:
