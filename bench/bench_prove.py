@@ -193,9 +193,7 @@ def work(args: argparse.Namespace) -> int:
     for label, path in (("before", base), ("after", None)):
         if label == "before" and base is None:
             continue
-        env = dict(os.environ)
-        if path is not None:
-            env["PYTHONPATH"] = str(path) + os.pathsep + env.get("PYTHONPATH", "")
+        env = build_env(path)
         command = [sys.executable, str(Path(__file__).resolve()), "--emit-work"]
         command += ["--sizes", ",".join(map(str, args.sizes)), "--tokens", str(args.tokens)]
         command += ["--bound", str(args.bound), "--timeout", str(args.timeout)]
@@ -261,13 +259,19 @@ def baseline_tree(rev: str, cache: Path) -> Path:
     return where
 
 
+def build_env(path: Path | None) -> dict[str, str]:
+    """The environment of a worker process: this tree's kvspec (None), or ``path``'s first."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = str(path) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def run_build(
     path: Path | None, args: argparse.Namespace, sizes: tuple[int, int, int], timeout: float
 ) -> dict[str, Any]:
     """One run of ``--emit`` in a fresh process: this tree (path None) or the baseline's."""
-    env = dict(os.environ)
-    if path is not None:
-        env["PYTHONPATH"] = str(path) + os.pathsep + env.get("PYTHONPATH", "")
+    env = build_env(path)
     command = [sys.executable, str(Path(__file__).resolve()), "--emit"]
     command += ["--sizes", ",".join(map(str, sizes)), "--tokens", str(args.tokens)]
     command += ["--bound", str(args.bound), "--timeout", str(args.timeout)]

@@ -10,26 +10,12 @@ returning the hits alone: the loaded positions get blocks, and the table holds n
 from __future__ import annotations
 
 import pytest
+from window_cases import PROMPT
+from window_cases import run_checked as _run
+from window_cases import window_config as _config
 
-from kvspec.spec import Config, Illegal, apply, check, initial_state
-from kvspec.spec.state import NULL_BLOCK, State
-
-PROMPT = tuple(range(1, 15))  # 14 tokens: three full blocks of 4 and two
-
-
-def _config(**kw: object) -> Config:
-    base: dict[str, object] = dict(
-        num_blocks=12, block_size=4, depth=1, sliding_window=4, policy="deferred"
-    )
-    return Config(**{**base, **kw})  # type: ignore[arg-type]
-
-
-def _run(s: State, events: list[tuple[object, ...]]) -> list[list[tuple[object, ...]]]:
-    out = []
-    for event in events:
-        out.append(apply(s, event))
-        assert check(s) is None, (event, check(s))
-    return out
+from kvspec.spec import Illegal, apply, initial_state
+from kvspec.spec.state import NULL_BLOCK
 
 
 def test_a_load_before_the_window_leaves_its_position_null() -> None:
