@@ -246,9 +246,11 @@ def test_events_name_the_group_vllm_puts_each_block_in(model: str) -> None:
 
 
 def test_a_group_the_spec_has_no_kind_for_is_refused_not_built() -> None:
-    """A cross-attention or chunked group beside a full one: ``spec_groups`` builds no
-    ``Config.groups`` from it (``Group`` would raise: an internal error in vLLM's
-    encoder-decoder tests), and ``group_features`` names it."""
+    """A chunked group beside a full one, or a cross-attention group anywhere but in the
+    encoder-decoder layout (``groups.CROSS_MODEL``: a decoder full-attention group and a cross
+    group, judged since h-cross): ``group_features`` names it, so the attachment refuses it at
+    construction (a chunked group builds no ``Config.groups``: ``Group`` would raise). The
+    encoder-decoder layout itself maps to the spec's ``cross`` kind and is named by nothing."""
     chunked = KVCacheGroupSpec(
         ["c"],
         ChunkedLocalAttentionSpec(
@@ -256,7 +258,12 @@ def test_a_group_the_spec_has_no_kind_for_is_refused_not_built() -> None:
         ),
     )
     cross = KVCacheGroupSpec(["x"], type("CrossAttentionSpec", (), {"block_size": 4})())
-    for other, feature in ((chunked, "chunked local attention"), (cross, "cross-attention")):
-        sched = _fake([FULL, other])
-        assert groups.spec_groups(sched) == {}
-        assert feature in [name for name, _ in groups.group_features(sched)]
+    sched = _fake([FULL, chunked])
+    assert groups.spec_groups(sched) == {}
+    assert "chunked local attention" in [name for name, _ in groups.group_features(sched)]
+    for layout in ([FULL, FULL, cross], [cross, FULL]):  # the spec has the kind: refused by name
+        sched = _fake(layout)
+        assert "cross-attention" in [name for name, _ in groups.group_features(sched)], layout
+    sched = _fake([FULL, cross])
+    assert [g.kind for g in groups.spec_groups(sched)["groups"]] == ["full", "cross"]
+    assert "cross-attention" not in [name for name, _ in groups.group_features(sched)]
