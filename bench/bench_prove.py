@@ -38,7 +38,9 @@ each run.
 counting Z3's own resource counter (``rlimit count``, summed over every ``check``) beside CPU
 seconds. The counter is deterministic: it does not move with the machine's load, so two builds
 whose counts agree cell by cell gave the solver the same queries and the same work, and a time
-difference between them is the machine's. Use it where the machine is shared.
+difference between them is the machine's. Use it where the machine is shared. The cells share
+one process (and Z3's context), so a cell's count depends on the cells proved before it: compare
+runs of the same ``--policies`` only.
 
     .venv/bin/python bench/bench_prove.py --work [--sizes 6,3,3] [--policies P ...] [--baseline REV]
 
@@ -99,6 +101,18 @@ def load() -> str:
 # -- worker mode: one build of kvspec proves the cells -------------------------------------------
 
 
+def verdict_fields(policy: str, discipline: str, preemption: str, out: Any) -> dict[str, Any]:
+    """A cell's row as both worker modes print it: the cell, and what ``same_result`` compares."""
+    return {
+        "policy": policy,
+        "cell": f"{discipline}/{preemption}",
+        "verdict": out.verdict,
+        "invariant": out.bmc.invariant if out.bmc is not None else None,
+        "length": len(out.bmc.decisions) if out.bmc and out.bmc.decisions else None,
+        "engine": out.engine_confirms if out.verdict == "counterexample" else None,
+    }
+
+
 def emit(args: argparse.Namespace) -> None:
     """Prove every cell with whichever kvspec is importable, print one JSON line per cell
     and one for the run."""
@@ -116,12 +130,7 @@ def emit(args: argparse.Namespace) -> None:
     wall, cpu = time.monotonic() - started, cpu_seconds() - cpu
     for (policy, discipline, preemption), out in zip(cells, outcomes, strict=True):
         row: dict[str, Any] = {
-            "policy": policy,
-            "cell": f"{discipline}/{preemption}",
-            "verdict": out.verdict,
-            "invariant": out.bmc.invariant if out.bmc is not None else None,
-            "length": len(out.bmc.decisions) if out.bmc and out.bmc.decisions else None,
-            "engine": out.engine_confirms if out.verdict == "counterexample" else None,
+            **verdict_fields(policy, discipline, preemption, out),
             "seconds": getattr(out, "work_seconds", out.seconds),
             "cti": list(out.induction.cti.broken) if out.induction and out.induction.cti else None,
         }
@@ -173,12 +182,7 @@ def emit_work(args: argparse.Namespace) -> None:
         cpu = time.process_time()
         out = prove.prove_cells([fragment], args.bound, args.timeout, workers=0)[0]
         row = {
-            "policy": policy,
-            "cell": f"{discipline}/{preemption}",
-            "verdict": out.verdict,
-            "invariant": out.bmc.invariant if out.bmc is not None else None,
-            "length": len(out.bmc.decisions) if out.bmc and out.bmc.decisions else None,
-            "engine": out.engine_confirms if out.verdict == "counterexample" else None,
+            **verdict_fields(policy, discipline, preemption, out),
             "cpu": time.process_time() - cpu,
             **counted,
         }
