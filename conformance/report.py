@@ -169,6 +169,9 @@ def describe(event: Event) -> str:
             return f"r{rid} finishes ({reason})"
         case "dedup", (rid, index, block):
             return f"r{rid}[{index}] now names the published copy block {block}"
+        case "snapshot", (rid, index, block, *group):  # always in a slot group
+            where = f" (group {group[0]})" if group else ""
+            return f"r{rid}'s state after its block {index} cached in block {block}{where}"
     return repr(event)
 
 

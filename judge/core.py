@@ -193,6 +193,8 @@ class Judge:
             if model.config.policy == "engine-registers"
             else ("unpublish",)
         )
+        if model.config.policy == "engine-registers" and model.config.slots:
+            self.own_effects += ("snapshot", "evict")  # spec/slots.py: the engine's copies
         self.finding: Finding | None = None
         self.events_seen = 0
         self.decisions = 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import admission, groups, policies
+from . import admission, groups, policies, slots
 from .pool import (
     Event,
     allocate,
@@ -150,7 +150,8 @@ def schedule(
         end = start + num_tokens + num_loaded * bsz
         head = window_head(s, hits, num_loaded)
         hits, skipped_loads = head[: len(hits)], head[len(hits) :]
-        hit = [b for h in [hits, *others] for b in h if b != NULL_BLOCK]
+        touched = groups.referenced(s, others) if cfg.hybrid else []  # a slot's hit is copied
+        hit = [b for h in [hits, *touched] for b in h if b != NULL_BLOCK]
         held_free = sum(1 for b in set(hit) if s.blocks[b].refcount == 0)
         more = groups.needed(s, others, end, req.encoder) if cfg.hybrid else 0
         if -(-end // bsz) - len(head) + more > len(s.free) - held_free:
@@ -291,6 +292,8 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
     bsz = s.config.block_size
     step.failed = tuple(failed)
     s.touched.steps = True
+    if s.copies:  # slot groups: the step's copies run first (spec/slots.py)
+        slots.run_copies(s, step)
     stale = groups.read_states(s, step) if s.config.hybrid else ()  # before the step's writes
     for rid, e in step.entries.items():
         for block in e.blocks[e.start // bsz :]:

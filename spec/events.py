@@ -13,9 +13,9 @@ an int >= 0, ``int`` any int, ``tokens`` a non-empty tuple of token ids >= 0, ``
 of block ids, ``ids`` a tuple of request ids, ``sampled`` a tuple of ``(req, token)`` pairs,
 ``reason`` one of ``REASONS``.
 
-Several KV-cache groups (``Config.groups``): ``alloc``, ``hit``, ``publish`` and ``dedup`` take
-an optional trailing field ``group`` (a nat, default 0; ``TRAILING``), after the kind's fields.
-The tuple form is canonical: the field is there exactly when the group is not 0 (``grouped``
+Several KV-cache groups (``Config.groups``): ``alloc``, ``hit``, ``publish``, ``dedup`` and
+``snapshot`` (always in a slot group, so always with it) take an optional trailing field
+``group`` (a nat, default 0; ``TRAILING``), after the kind's fields. The tuple form is canonical: the field is there exactly when the group is not 0 (``grouped``
 builds such an event, ``canonical`` drops a trailing 0, ``group_of`` reads it), so a one-group
 event never carries it and every event before groups reads as before.
 """
@@ -134,6 +134,15 @@ KINDS: dict[str, Kind] = _kinds(
         "takes the reference, or in a window group the null block: the request gives that "
         "position up (engines that register on their own: observed judging only)",
     ),
+    Kind(
+        "snapshot",
+        False,
+        (("req", "id"), ("index", "nat"), ("block", "block")),
+        "the request's recurrent state is cached in block, published at the boundary of its "
+        "index-th block of a slot group (key: its first (index + 1) * block_size tokens): its "
+        "own slot, published in place, or a free block taking a copy of the slot (engines that "
+        "register on their own: observed judging only; docs/model.md, Slot groups)",
+    ),
 )
 
 OPTIONAL = {"publish": ("hash",)}
@@ -141,7 +150,7 @@ OPTIONAL = {"publish": ("hash",)}
 (the trace format's ``hash``; the judge checks it against the token chain)."""
 
 TRAILING: dict[str, tuple[str, str]] = {
-    kind: ("group", "nat") for kind in ("alloc", "hit", "publish", "dedup")
+    kind: ("group", "nat") for kind in ("alloc", "hit", "publish", "dedup", "snapshot")
 } | {"arrive": ("encoder", "nat")}
 """The optional trailing field of each kind that has one: its name and type. An event of such a
 kind is its fields, then that field when it is not 0 (the trace format's ``"group"``; an
@@ -248,8 +257,8 @@ def step_of(event: Event) -> int | None:
 
 
 def group_of(event: Event) -> int:
-    """The KV-cache group an ``alloc``, ``hit``, ``publish`` or ``dedup`` is about (its trailing
-    ``group``; 0 when absent, and for every other kind)."""
+    """The KV-cache group an ``alloc``, ``hit``, ``publish``, ``dedup`` or ``snapshot`` is about
+    (its trailing ``group``; 0 when absent, and for every other kind)."""
     kind = kind_of(event)
     if kind is None or TRAILING.get(kind.name, ("",))[0] != "group":
         return 0

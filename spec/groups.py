@@ -29,6 +29,13 @@ rule (``hit_length``, a function of the published indexes alone) and the tables 
   (the step whose encoder pass writes every block), never hashed, published nor hit, and read
   whole by every step of the request (each decoder token attends to every encoder token); it is
   freed with the rest of the request's tables. Its blocks are private (``CrossBlocksPrivate``).
+* ``slot`` (SGLang's MAMBA component, ``spec/slots.py``, ``docs/model.md``, "Slot groups"): the
+  table holds ONE block, the request's slot, allocated by its admission and held until it lets
+  go of its tables; every step reads the state after exactly its start there (when it starts
+  past 0) and writes the state after exactly its end there. A hit of ``L`` tokens needs a state
+  published at exactly ``L`` (``accepts``, as ``state``), names that one block, takes no
+  reference on it and copies it into the fresh slot when the admitting step executes. Nothing
+  registers a slot group but the engine's own ``snapshot`` effects (``observed.engine_effect``).
 
 Every effect of a group other than 0 carries its group (``events.grouped``). The effects come in
 group order: hits, then skipped frees, then allocations (``actions.schedule``), a whole table's
@@ -40,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from math import lcm
 
+from . import slots
 from .events import grouped
 from .pool import Event, add_key, drop_key, free_batch, free_blocks, touch_counted
 from .state import (
@@ -112,7 +120,7 @@ def accepts(s: State, req: Request, g: int, length: int) -> bool:
     if kind(s, g) == "cross":  # nothing cached: no hit asks anything of it
         return True
     n = length // size(s, g)
-    if kind(s, g) == "state":
+    if kind(s, g) in ("state", "slot"):  # the state after exactly ``length`` tokens
         return n == 0 or first_hit(s, req, g, n - 1) is not None
     lo = max(0, n - need(s, g)) if kind(s, g) == "window" else 0
     return all(first_hit(s, req, g, i) is not None for i in range(lo, n))
@@ -144,6 +152,8 @@ def hits_at(s: State, req: Request, g: int, length: int) -> list[int]:
     cross group (it caches nothing)."""
     if kind(s, g) == "cross":
         return []
+    if kind(s, g) == "slot":  # the one state copied (slots.hit_block)
+        return slots.hit_block(s, req, g, length)
     n = length // size(s, g)
     if kind(s, g) == "state":
         lo = max(0, n - 1)
@@ -162,14 +172,22 @@ def hits_at(s: State, req: Request, g: int, length: int) -> list[int]:
 
 def admit(s: State, req: Request, hits: list[list[int]]) -> list[Event]:
     """Touch the hits of groups 1 .. G - 1 (``hits[g - 1]``) into the request's tables, one
-    ``hit`` each, in group order."""
+    ``hit`` each, in group order (a slot group's hit is copied, not touched: ``referenced``)."""
     req.group_tables = [[] for _ in hits]
     req.group_cached = [len(h) for h in hits]
     events: list[Event] = []
-    for g, blocks in enumerate(hits, 1):
+    for g, blocks in enumerate(referenced(s, hits), 1):
         touch_counted(s, req, blocks, req.group_tables[g - 1], g)
+    for g, blocks in enumerate(hits, 1):
         events.append(grouped(("hit", req.id, tuple(blocks)), g))
     return events
+
+
+def referenced(s: State, hits: list[list[int]]) -> list[list[int]]:
+    """The hit blocks of groups 1 .. G - 1 that join a table and take a reference: every one
+    but a slot group's, whose state is copied into the request's own slot (no reference: the
+    copy runs before the admitting step's writes, so nothing can overwrite it first)."""
+    return [[] if kind(s, g) == "slot" else h for g, h in enumerate(hits, 1)]
 
 
 def span(s: State, g: int, end: int) -> int:
@@ -187,6 +205,8 @@ def needed(s: State, tables: list[list[int]], end: int, encoder: int = 0) -> int
             count += max(0, cross_blocks(s, g, encoder) - len(table))
         elif kind(s, g) == "state":
             count += int(last > 0 and (len(table) < last or table[last - 1] == NULL_BLOCK))
+        elif kind(s, g) == "slot":
+            count += int(not table)
         else:
             count += max(0, last - len(table))
     return count
@@ -268,6 +288,9 @@ def schedule(
             writes = list(range(first, len(table)))
             contents: list[tuple[object, ...]] = [(Encoded(req.id, i),) for i in writes]
             last = len(table)
+        elif kind(s, g) == "slot":
+            events += slot_schedule(s, req, step, g)
+            writes, contents, last = [0], [tuple(tokens[:end])], 1
         elif kind(s, g) == "state":
             while len(table) < last - 1:
                 table.append(NULL_BLOCK)
@@ -290,6 +313,21 @@ def schedule(
             s.touched.content.add(table[i])
         prefixes.append(tuple(table[:last]))
     return events, tuple(prefixes)
+
+
+def slot_schedule(s: State, req: Request, step: Step, g: int) -> list[Event]:
+    """A slot group's part of a schedule, before its write is laid: the admission allocates the
+    slot (``Request.slots`` remembers it) and, with a hit, copies the hit's state into it for
+    the building step (``slots.copy``; the hit is the decision's ``State.admission``)."""
+    table = s.table_of(req, g)
+    if table:
+        return []
+    events = allocate(s, req, g)
+    req.slots[g] = table[0]
+    admitted = s.admission
+    if admitted is not None and admitted[0] == req.id and admitted[2][g]:
+        slots.copy(s, step.id, admitted[2][g][0], table[0], req.id)
+    return events
 
 
 def allocate(s: State, req: Request, g: int) -> list[Event]:
@@ -334,7 +372,7 @@ def read_states(s: State, step: Step) -> set[int]:
             continue
         tokens = tuple(s.seen(s.requests[rid], step.id, e)[: e.end])
         for g, blocks in enumerate(e.group_blocks, 1):
-            if kind(s, g) != "state":
+            if kind(s, g) not in ("state", "slot"):
                 continue
             for at, block in reads_of(s, g, e.start, blocks):
                 if not valid(
@@ -352,7 +390,7 @@ def read(s: State, step: Step, rid: int, entry: Entry, tokens: tuple[object, ...
     recorded in ``State.bad_reads``, ``NoUnwrittenRead``)."""
     bad = False
     for g, blocks in enumerate(entry.group_blocks, 1):
-        if kind(s, g) == "state":
+        if kind(s, g) in ("state", "slot"):
             continue
         for at, block in reads_of(s, g, entry.start, blocks):
             wanted = read_content(s, g, entry.start, at, tokens, rid)
@@ -379,7 +417,7 @@ def writes_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> tuple[in
     those its encoder pass writes, if any: ``write`` takes only the entry's own pending writes)."""
     if kind(s, g) == "cross":
         return blocks
-    if kind(s, g) == "state":
+    if kind(s, g) in ("state", "slot"):
         return blocks[-1:]
     return blocks[start // size(s, g) :]
 
@@ -391,6 +429,8 @@ def reads_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> list[tupl
     decoder token attends to every encoder token)."""
     if kind(s, g) == "cross":
         return list(enumerate(blocks))
+    if kind(s, g) == "slot":  # the one slot, holding the state after ``start`` tokens
+        return [(0, blocks[0])] if start > 0 else []
     bs = size(s, g)
     if kind(s, g) == "state":
         at = -(-start // bs) - 1
@@ -407,7 +447,7 @@ def read_content(
     cross group) the encoder output of request ``rid`` there."""
     if kind(s, g) == "cross":
         return (Encoded(rid, position),)
-    if kind(s, g) == "state":
+    if kind(s, g) in ("state", "slot"):
         return tuple(tokens[:start])
     return tuple(tokens[: min(start, (position + 1) * size(s, g))])
 
@@ -417,7 +457,7 @@ def valid(s: State, g: int, content: object, wanted: tuple) -> bool:
     it is the state after exactly those tokens, K/V when it holds them as a prefix."""
     if not isinstance(content, tuple):
         return False
-    if kind(s, g) == "state":
+    if kind(s, g) in ("state", "slot"):
         return content == wanted
     return content[: len(wanted)] == wanted
 
@@ -431,7 +471,7 @@ def pending(s: State, req: Request, end: int, limit: int) -> list[tuple[int, int
     ``when-known``, every slot as full blocks (``publish`` skips a null one)."""
     out: list[tuple[int, int]] = []
     for g in range(1, len(s.config.groups)):
-        if kind(s, g) == "cross":  # never hashed nor published
+        if kind(s, g) in ("cross", "slot"):  # never hashed, or only by the engine's snapshots
             continue
         bs, cached = size(s, g), req.group_cached[g - 1]
         upto = min(end, limit) // bs
@@ -493,7 +533,7 @@ def reads_in_flight(
     """(step, request, entry, group, position, block, tokens) of every read of groups
     1 .. G - 1 by a live entry of a step not executed yet (of groups of kind ``only`` if
     given); ``tokens`` as the step sees them."""
-    for step, rid, e in _live_group_entries(s):
+    for step, rid, e in live_group_entries(s):
         tokens = tuple(s.ahead(s.requests[rid]))
         for g, blocks in enumerate(e.group_blocks, 1):
             if only is not None and kind(s, g) != only:
@@ -507,14 +547,14 @@ def window_blocks_in_flight(s: State) -> Iterator[tuple[Step, int, int, int, int
     1 .. G - 1 that a live entry of a step not executed yet attends: those of the window of its
     first token, and its own blocks, which the step writes and its later tokens read (group 0's
     form: ``NoUnwrittenRead``'s window clause, "its own blocks too")."""
-    for step, rid, e in _live_group_entries(s):
+    for step, rid, e in live_group_entries(s):
         for g, blocks in enumerate(e.group_blocks, 1):
             if kind(s, g) == "window":
                 for at in range(skipped(s, g, e.start), len(blocks)):
                     yield step, rid, g, at, blocks[at]
 
 
-def _live_group_entries(s: State) -> Iterator[tuple[Step, int, Entry]]:
+def live_group_entries(s: State) -> Iterator[tuple[Step, int, Entry]]:
     """(step, request, entry) of every live entry of a step not executed yet that holds blocks
     of groups 1 .. G - 1 (loads left out: they read nothing)."""
     for step in s.steps:
@@ -540,6 +580,8 @@ def positions(s: State, req: Request, g: int) -> int:
     tokens, or a cross group's ``cross_blocks`` of its encoder tokens."""
     if kind(s, g) == "cross":
         return cross_blocks(s, g, req.encoder)
+    if kind(s, g) == "slot":
+        return 1
     return span(s, g, req.computed)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from itertools import chain
 
-from . import groups
+from . import groups, slots
 from .pool import eventual_content, holds
 from .state import NULL_BLOCK, OBSERVED_POLICIES, Request, State
 
@@ -108,7 +108,7 @@ def no_unwritten_publish(s: State) -> Violation | None:
                     tuple(r.id for r in s.requests.values() if block in r.table),
                 )
     for g, index in s.group_index.items():  # several groups: full and window ones alike
-        if groups.kind(s, g) == "state":  # a state's publish is StateAtItsBoundary's
+        if groups.kind(s, g) in ("state", "slot"):  # a state's publish is StateAtItsBoundary's
             continue
         for key, blocks in index.items():
             for block in blocks:
@@ -417,7 +417,9 @@ def hit_served_by_every_group(s: State) -> Violation | None:
     for g, blocks in enumerate(hits):
         bs = groups.size(s, g)
         rule = groups.hit_positions(s, g, length)
-        if length % bs or len(blocks) != length // bs:
+        if groups.kind(s, g) == "slot":  # one state, published at exactly ``length``
+            wrong = "" if _slot_hit(s, req, g, length, blocks) else f"blocks {list(blocks)}"
+        elif length % bs or len(blocks) != length // bs:
             wrong = f"{len(blocks)} blocks of {bs} tokens"
         else:
             wrong = ""
@@ -438,12 +440,25 @@ def hit_served_by_every_group(s: State) -> Violation | None:
     return None
 
 
+def _slot_hit(s: State, req: Request, g: int, length: int, blocks: tuple[int, ...]) -> bool:
+    """A slot group's hit of ``length`` tokens: no block for 0, else the one block it copies,
+    published in group ``g`` under the request's first ``length`` tokens."""
+    if length % groups.size(s, g):
+        return False
+    if not length:
+        return not blocks
+    return len(blocks) == 1 and slots.published_state(s, req, g, blocks[0]) == length
+
+
 def no_unwritten_state_read(s: State) -> Violation | None:
     """Several groups: a step that starts from a state block (the recurrence after its first
     ``start`` tokens) finds there the state after exactly those tokens, written by an earlier
     step (committed or in flight): not by its own step, whose recurrence reads the state once,
     before any of the step's writes (another request's state written in the same step is not
-    there yet). The state form of ``NoUnwrittenRead``: a
+    there yet). A slot group's slot (``spec/slots.py``) may also have it from a copy run
+    first thing in the step: the admission's copy of its hit, which brings what the source
+    holds then (a source not at its boundary yet, or overwritten, is found here). The state
+    form of ``NoUnwrittenRead``: a
     state written at another boundary, or never written, makes every later token silently
     wrong with no K/V involved."""
     if s.bad_state_reads:
@@ -458,9 +473,14 @@ def no_unwritten_state_read(s: State) -> Violation | None:
         )
     if not s.config.hybrid:
         return None
-    for step, rid, e, g, at, block, tokens in groups.reads_in_flight(s, "state"):
+    for step, rid, e, g, at, block, tokens in groups.reads_in_flight(s, None):
+        if groups.kind(s, g) not in ("state", "slot"):
+            continue
         wanted = groups.read_content(s, g, e.start, at, tokens)
-        before = eventual_content(s, block, upto_step=step.id - 1)  # not its own step's
+        if groups.kind(s, g) == "slot":  # its own step's copies run before its read
+            before = slots.before_forward(s, block, step.id)
+        else:
+            before = eventual_content(s, block, upto_step=step.id - 1)  # not its own step's
         if not groups.valid(s, g, before, wanted):
             return Violation(
                 "NoUnwrittenStateRead",
@@ -483,9 +503,14 @@ def no_read_of_recycled(s: State) -> Violation | None:
     observed policy a step already submitted reads what it was handed, whatever the engine's own
     ``dedup`` or let-go did to the table since (``observed.dedup``: on one stream a block given
     up is overwritten only by a step launched later); whether its bytes survive until it runs
-    is ``NoUnwrittenRead``'s to judge, at execute."""
+    is ``NoUnwrittenRead``'s to judge, at execute. A slot group's slot (``spec/slots.py``) is no
+    block the engine gives up on its own: every live entry of a step not executed yet, submitted
+    or building, reads and writes the slot its request holds (``recycled_slot``)."""
     if not s.config.hybrid:
         return None
+    found = recycled_slot(s)
+    if found is not None:
+        return found
     observed = s.config.policy in OBSERVED_POLICIES
     read = (
         (step, rid, g, at, block)
@@ -508,14 +533,41 @@ def no_read_of_recycled(s: State) -> Violation | None:
     return None
 
 
+def recycled_slot(s: State) -> Violation | None:
+    """``NoReadOfRecycled`` of a slot group: the first live entry of a step not executed yet
+    whose request no longer holds the slot the entry reads or writes (it let go of its tables:
+    preempted with its output still delivered; the slot may be handed out and rewritten
+    under the step)."""
+    if not s.config.slots:
+        return None
+    for step, rid, e in groups.live_group_entries(s):
+        req = s.requests[rid]
+        for g, blocks in enumerate(e.group_blocks, 1):
+            if groups.kind(s, g) != "slot" or not blocks:
+                continue
+            table = s.table_of(req, g) if req.group_tables else []
+            if table != [blocks[0]]:
+                return Violation(
+                    "NoReadOfRecycled",
+                    f"step {step.id} will read and write block {blocks[0]} as r{rid}'s slot in "
+                    f"group {g}, but r{rid} let go of it before the step ran",
+                    (blocks[0],),
+                    (rid,),
+                    step.id,
+                )
+    return None
+
+
 def state_at_its_boundary(s: State) -> Violation | None:
     """Several groups: a published state block holds, or will once the writes in flight run,
     the state after exactly the tokens of its key: it was written by a step that ended at its
     boundary, of the same chained prefix. Guards against publishing a state computed at
     another boundary, or never written (its writer preempted before it ran under an eager
-    policy): the hit that follows resumes the recurrence from it."""
+    policy): the hit that follows resumes the recurrence from it. A slot group's state is
+    published by the engine's ``snapshot`` (``spec/slots.py``): in place, or in a block that
+    takes a copy of the slot as the steps submitted by then leave it."""
     for g, index in s.group_index.items():
-        if groups.kind(s, g) != "state":
+        if groups.kind(s, g) not in ("state", "slot"):
             continue
         for key, blocks in index.items():
             for block in blocks:

@@ -20,7 +20,7 @@ illegal event.
 
 from __future__ import annotations
 
-from . import groups
+from . import groups, slots
 from .events import group_of
 from .pool import Event, add_key, release, unpublish
 from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, State
@@ -71,6 +71,14 @@ def _steer_groups(s: State, req: Request, hits: list[Event]) -> None:
             raise Illegal(f"r{req.id} hits in group {g}, which the model does not have")
         blocks = list(effect[2])  # type: ignore[call-overload]
         size = s.config.groups[g].block_size
+        if slots.is_slot(s, g):  # one published state, at the hit's length
+            if len(blocks) > 1 or any(slots.published_state(s, req, g, b) is None for b in blocks):
+                raise Illegal(
+                    f"r{req.id}'s hit in slot group {g} names {blocks}: not one state published "
+                    f"there under a prefix of r{req.id}'s tokens"
+                )
+            chosen[g] = blocks
+            continue
         for i, block in enumerate(blocks):
             owners = s.index_of(g).get(tuple(req.tokens[: (i + 1) * size]), [])
             if block != NULL_BLOCK and block not in owners:
@@ -104,13 +112,19 @@ def refuse_strict(config: Config) -> None:
 
 def engine_effect(s: State, effect: Event) -> list[Event]:
     """An effect the engine had on its own, beyond the decision's effects in the spec: an
-    ``unpublish`` (any policy); under ``engine-registers`` also a ``publish`` or a ``dedup``.
+    ``unpublish`` (any policy); under ``engine-registers`` also a ``publish``, a ``dedup``, and
+    with a slot group a ``snapshot`` and the ``evict`` of a cached free block before it
+    (``spec/slots.py``).
     Raises ``Illegal`` for any other effect or one whose guard fails."""
     kind, engine_registers = effect[0], s.config.policy == "engine-registers"
     if kind == "publish" and engine_registers:
         return publish_own(s, effect)
     if kind == "dedup" and engine_registers:
         return dedup(s, effect)
+    if kind == "snapshot" and engine_registers:
+        return slots.snapshot(s, effect)
+    if kind == "evict" and engine_registers and s.config.slots:
+        return slots.evict(s, effect)
     return drop(s, effect)
 
 

@@ -32,11 +32,14 @@ output): ``drop``, discarded, and the request may be re-admitted at once (vLLM's
 and the request is not re-admitted until every step that held it has committed (vLLM's default,
 ``num_stale_output_tokens``)."""
 NULL_BLOCK = 0
-GROUP_KINDS = ("full", "window", "state", "cross")
+GROUP_KINDS = ("full", "window", "state", "cross", "slot")
 """The kinds of KV-cache group the spec follows (``Group.kind``, ``docs/model.md``, "Hybrid
 groups"): full attention, sliding-window attention, a recurrent state (Mamba, linear
-attention) cached at block boundaries, and cross-attention (an encoder-decoder model's K/V of
-the request's encoder output, ``docs/model.md``, "Cross-attention")."""
+attention) cached at block boundaries, cross-attention (an encoder-decoder model's K/V of
+the request's encoder output, ``docs/model.md``, "Cross-attention"), and ``slot``: a recurrent
+state held in one private slot per request, rewritten in place by every step, cached and hit
+by copying whole states (SGLang's MAMBA component; ``spec/slots.py``, ``docs/model.md``, "Slot
+groups")."""
 REFUSED_GROUP_KINDS = {"chunked": "chunked local attention is not modelled yet"}
 """Group kinds an engine has that the spec refuses by name (``Config`` raises naming them)."""
 STATE_REGISTRATIONS = ("at-its-step", "when-known")
@@ -301,6 +304,9 @@ class Config:
             problem = group.problem(self.block_size)
             if problem:
                 raise ValueError(f"group {g}: {problem}")
+        slot_problem = _slot_problem(self)
+        if slot_problem:
+            raise ValueError(slot_problem)
         if len(self.groups) > 1:
             first = self.groups[0]
             limits = [
@@ -316,6 +322,11 @@ class Config:
                     raise ValueError(message)
 
     @property
+    def slots(self) -> bool:
+        """A group of kind ``slot`` is among the groups (``spec/slots.py``)."""
+        return any(group.kind == "slot" for group in self.groups)
+
+    @property
     def window(self) -> int | None:
         """Group 0's sliding window W, or None (``sliding_window``, or the first group's)."""
         return self.groups[0].window if self.groups else self.sliding_window
@@ -324,6 +335,23 @@ class Config:
     def hybrid(self) -> bool:
         """Several groups: the tables, lookups and effects of groups 1.. are followed too."""
         return len(self.groups) > 1
+
+
+def _slot_problem(config: Config) -> str:
+    """Why ``config``'s slot groups are none it can have, or "": a slot group is never group 0
+    (the table ``actions.py`` handles is a block per position), and with prefix caching it is
+    cached only by the engine's own ``snapshot`` effects, so only under ``engine-registers``:
+    none of the spec's own policies snapshots (``docs/model.md``, "Slot groups")."""
+    if not config.slots:
+        return ""
+    if config.groups[0].kind == "slot":
+        return "group 0 of kind 'slot' is not modelled: a slot group follows a full group 0"
+    if config.prefix_caching and config.policy != "engine-registers":
+        return (
+            f"a slot group under policy {config.policy!r}: a slot group is cached only by the "
+            "engine's own snapshots (engine-registers)"
+        )
+    return ""
 
 
 @dataclass(slots=True)
@@ -336,6 +364,11 @@ class Write:
     prefix: Content
     load: bool = False
     """Written by an external KV load (a connector) rather than by the model; it may fail."""
+    source: int | None = None
+    """A slot group's copy (``spec/slots.py``): the block takes a copy of block ``source``'s
+    bytes when step ``step`` executes, before any read or write of that step, in the order the
+    copies were made (``State.copies``); ``prefix`` is what the copy was foreseen to bring when it
+    was made (what ``source`` will hold then, as far as the writes in flight tell)."""
 
 
 @dataclass(slots=True)
@@ -391,6 +424,10 @@ class Request:
     encoder: int = 0
     """The request's encoder tokens (``arrive``'s ``encoder``): a ``cross`` group's table holds
     ``ceil(encoder / B_g)`` blocks while it runs (``docs/model.md``, "Cross-attention")."""
+    slots: dict[int, int] = field(default_factory=dict)
+    """Slot groups (``spec/slots.py``): the slot block of each slot group the request holds, or
+    last held (kept after it lets go of its tables: a finished request's ``snapshot`` names
+    the state it left there)."""
 
     @property
     def output_len(self) -> int:
@@ -537,6 +574,9 @@ class State:
     commits: int = 0
     arrivals: int = 0
     """Requests that ever arrived: the next one's arrival order (``Request.arrival``)."""
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    """Slot groups: (step, source, target) of every copy not run yet, in the order they were
+    made; step ``step``'s execute runs its copies first (``spec/slots.py``)."""
     group_index: dict[int, dict[Key, list[int]]] = field(default_factory=dict)
     """Several groups: the published index of each group 1 .. G - 1 (vLLM keys it by
     ``(hash, group)``); ``index_of`` reads any group's."""
