@@ -482,11 +482,13 @@ def no_unwritten_state_read(s: State) -> Violation | None:
         else:
             before = eventual_content(s, block, upto_step=step.id - 1)  # not its own step's
         if not groups.valid(s, g, before, wanted):
+            copied = tuple(w.source for w in s.blocks[block].pending if w.source is not None)
             return Violation(
                 "NoUnwrittenStateRead",
                 f"step {step.id} will read block {block} as r{rid}'s state after "
-                f"{e.start} tokens, but no write that runs first puts that state there",
-                (block,),
+                f"{e.start} tokens, but no write that runs first puts that state there"
+                + (f" (copied from block {copied[-1]})" if copied else ""),
+                (block, *copied),
                 (rid,),
                 step.id,
             )

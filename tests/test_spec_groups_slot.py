@@ -175,7 +175,7 @@ def test_a_hit_copying_a_source_not_yet_at_its_boundary_is_no_unwritten_state_re
     assert ("hit", 1, (R0_SLOT,), 1) in events
     finding = judged(SLOT, events)
     assert finding is not None and finding.invariant == "NoUnwrittenStateRead", finding
-    assert finding.requests == (1,)
+    assert finding.requests == (1,) and R0_SLOT in finding.blocks  # the copy's source too
     actions.apply(s, ("submit", 1))
     actions.apply(s, ("execute", 1, ()))
     assert s.bad_state_reads and s.bad_state_reads[0][1] == 1  # and at execute: the bytes
