@@ -30,6 +30,7 @@ MARKERS = {
     "evict": ("X", "tab:gray", "evicted"),
     "free": ("P", "black", "freed"),
     "dedup": ("*", "tab:pink", "deduplicated onto"),
+    "snapshot": ("h", "tab:olive", "a state cached (slot group)"),
 }
 
 
@@ -74,7 +75,7 @@ COLOURS = {
     "publish": "#ff7f0e", "free": "#333", "evict": "#999", "unpublish": "#8c564b",
     "preempt": "#d62728", "abort": "#d62728", "finish": "#2ca02c", "write-full": "#2ca02c",
     "write-partial": "#bcbd22", "read": "#9467bd", "witness": "#e0007f", "submit": "#aaa",
-    "execute": "#555", "dedup": "#e377c2", "load_failed": "#d62728",
+    "execute": "#555", "dedup": "#e377c2", "snapshot": "#8c8c00", "load_failed": "#d62728",
 }  # fmt: skip
 """The colour of each kind of mark (``trace_events.Mark.kind``)."""
 

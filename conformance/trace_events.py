@@ -109,6 +109,9 @@ def timeline(
                 "publish": f"publish [{event[2]}] as block {event[3]}" if len(event) > 3 else kind,
                 "finish": f"finish ({event[2]})" if len(event) > 2 else "finish",
                 "dedup": "dedup",
+                "snapshot": f"snapshot [{event[2]}] to block {event[3]}"
+                if len(event) > 3
+                else kind,
                 "load_failed": "load failed",
             }.get(kind, kind)
             lane = _lane(lanes, REQUESTS, rid)
@@ -119,7 +122,12 @@ def timeline(
             if kind == "hit" and block == 0:
                 continue
             who = f" r{rid}" if rid is not None else ""
-            verb = {"alloc": "alloc to", "hit": "hit by", "publish": "published by"}.get(kind, kind)
+            verb = {
+                "alloc": "alloc to",
+                "hit": "hit by",
+                "publish": "published by",
+                "snapshot": "state cached from",
+            }.get(kind, kind)
             _lane(lanes, BLOCKS, block).marks.append(Mark(i, f"{verb}{who}", kind))
         for block, mark in writes.get(i, ()):
             if mark.kind == "read" and block in zombies and finding_at is not None:
