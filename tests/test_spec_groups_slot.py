@@ -349,3 +349,21 @@ def test_kvspec_check_judges_a_slot_trace(
     refused.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     report = check_file(refused)
     assert report.exit_code == 2 and "engine-registers" in (report.error or ""), report.error
+
+
+def test_a_finished_requests_state_copied_into_another_free_block_is_hit_by_copy() -> None:
+    """Instead of donating its slot, the finished r0's state is copied into free block 12 (the
+    copy runs first in the next step): r1 hits block 12 and runs on (no finding); published at
+    boundary 4 instead, the copy never holds that state (StateAtItsBoundary)."""
+    donate = [
+        *step(1, ("schedule", 0, 1, 0), sampled=((0, 8),)),
+        ("own", ("publish", 0, 4, 7)),
+        ("own", ("snapshot", 0, 4, 12, 1)),
+    ]
+    s, events = stream(SLOT, [*prefill(), *donate, *HIT])
+    assert ("hit", 1, (12,), 1) in events and judged(SLOT, events) is None
+    assert s.blocks[12].written == (1, 2, 3, 4, 7) and s.blocks[12].refcount == 0
+    wrong = [*donate[:-1], ("own", ("snapshot", 0, 3, 12, 1))]
+    _, events = stream(SLOT, [*prefill(snapshot=("snapshot", 0, 3, TREE, 1)), *wrong])
+    finding = judged(SLOT, events)
+    assert finding is not None and finding.invariant == "StateAtItsBoundary", finding
