@@ -10,7 +10,8 @@ SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Ru
 ``python_core_factory`` and ``legacy_factory`` name the others, ``build.TREES``;
 ``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``; ``swa_factory``,
 ``swa_sync_factory`` and ``swa_retract_factory`` the FULL + SWA tree of a hybrid sliding-window
-model, ``swa.py``; ``mamba_factory`` refuses a Mamba model's by name),
+model, ``swa.py``; ``mamba_factory`` the FULL + MAMBA tree of a hybrid linear-attention model,
+``mamba.py``),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
@@ -170,18 +171,45 @@ def swa_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
 
 MAMBA_REFUSAL = (
     "SGLang's MAMBA component copies recurrent states between whole-state slots (a hit's state "
-    "into the request's own slot, copy-on-write; a running request's state into the tree at an "
-    "insert, from the ping-pong slot of its last tracked boundary), and the spec's state group "
-    "has no copy: its state blocks are written only by the step ending at their boundary and "
-    "shared by reference: MAMBA refused (docs/adapters.md, SGLang, hybrid models)"
+    "into the request's own slot, copy-on-write; a running request's state into a fresh slot "
+    "the tree keeps, at an insert), and this spec has no slot group kind (a state in one slot "
+    "per request, cached by copy: snapshot): MAMBA refused (docs/adapters.md, SGLang, hybrid "
+    "models)"
 )
-"""Why ``mamba_factory`` refuses every cell."""
+"""Why ``mamba_factory`` refuses where the spec has no ``slot`` group kind."""
+
+
+def mamba_refusal(config: Config) -> str | None:
+    """Why ``mamba_factory`` cannot run this cell, or None: the cell the loop without overlap
+    refuses (SGLang's auto strategy forces it for the model, ``mamba.py``), groups set by hand,
+    pages over 1 token (no_buffer asserts pages of 1), or a spec without the slot kind."""
+    from .loops import spec_has_slot
+
+    why = supported(config, overlap=False)
+    if why is not None:
+        return why
+    if getattr(config, "groups", ()):
+        return "mamba_factory sets the groups from SGLang's model: leave groups empty"
+    if config.block_size != 1:
+        return (
+            "SGLang's no_buffer MAMBA component asserts pages of 1 token (a cached state needs "
+            f"one at every key's end): block_size 1, not {config.block_size}"
+        )
+    if not spec_has_slot():
+        return MAMBA_REFUSAL
+    return None
 
 
 def mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
-    """SGLang's tree for a hybrid Mamba model (``UnifiedRadixCache`` with FULL and MAMBA):
-    refused by name (``MAMBA_REFUSAL``), exit 2."""
-    raise ValueError(supported(config) or MAMBA_REFUSAL)
+    """SGLang's tree for a hybrid linear-attention model (``mamba.MAMBA_MODEL``:
+    ``UnifiedRadixCache`` with FULL and MAMBA over a ``HybridReqToTokenPool``), as its ``auto``
+    strategy resolves it: ``no_buffer``, which forces the loop without overlap (depth 1); its
+    events those of a full group and a slot group (``mamba.py``). ``extra_buffer`` is refused
+    (``mamba.EXTRA_BUFFER_REFUSAL``)."""
+    why = mamba_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=False, tree="mamba")
 
 
 def swa_refusal(config: Config, overlap: bool = True) -> str | None:

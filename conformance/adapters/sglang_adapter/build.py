@@ -150,12 +150,13 @@ MODEL = types.SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False)
 whether the model has an encoder."""
 
 
-TREES = ("unified", "python-core", "legacy", "swa")
+TREES = ("unified", "python-core", "legacy", "swa", "mamba")
 """The tree caches the adapter can build (``memory``): ``unified``, SGLang 0.5.23's default;
 ``python-core``, the same ``UnifiedRadixCache`` over SGLang's Python ``TreeCore`` instead of its
 Rust one; ``legacy``, the ``RadixCache`` SGLang built before ``UnifiedRadixCache``; ``swa``, the
 ``UnifiedRadixCache`` (FULL and SWA components) SGLang builds for a hybrid sliding-window model
-(``SWA_MODEL``)."""
+(``SWA_MODEL``); ``mamba``, the ``UnifiedRadixCache`` (FULL and MAMBA) over a
+``HybridReqToTokenPool`` that SGLang builds for a hybrid linear-attention model (``mamba.py``)."""
 
 SWA_MODEL = {
     "architectures": ["GptOssForCausalLM"],
@@ -247,6 +248,10 @@ def memory(
         raise ValueError(f"tree {tree!r}: one of {', '.join(TREES)}")
     if tree == "swa":
         return swa_memory(page_size, pages, swa_pages, rows)
+    if tree == "mamba":
+        from .mamba import mamba_memory
+
+        return mamba_memory(page_size, pages, swa_pages, rows)
     pool = ReqToTokenPool(
         size=rows, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
     )
@@ -278,9 +283,11 @@ def _create(
     tree: str,
     window: int | None,
     full_tokens: int | None,
+    ssm: bool = False,
 ) -> Any:
     """SGLang's ``create_tree_cache`` as ``build_kv_cache`` calls it on one CPU rank, no draft:
-    a hybrid SWA model when ``window`` is given (``full_tokens``: its full pool's tokens)."""
+    a hybrid SWA model when ``window`` is given (``full_tokens``: its full pool's tokens), a
+    hybrid SSM model with ``ssm`` (``pool`` then a ``HybridReqToTokenPool``, no extra buffer)."""
     settings = runtime_context.get_memory()
     params = CacheInitParams(
         disable=False,
@@ -299,7 +306,7 @@ def _create(
         server_args=None,  # read only where a hierarchical cache is attached
         params=params,
         is_hybrid_swa=window is not None,
-        is_hybrid_ssm=False,
+        is_hybrid_ssm=ssm,
         enable_hierarchical_cache=False,
         disable_radix_cache=False,
         tp_worker=None,

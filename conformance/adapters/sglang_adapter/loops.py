@@ -44,6 +44,30 @@ def hybrid_swa_config(config: Config) -> Config:
     return replace(config, groups=groups)
 
 
+def hybrid_mamba_config(config: Config) -> Config:
+    """The cell as the judge sees a hybrid SSM model (``mamba.py``): the FULL pool's
+    ``num_blocks - 1`` pages, then the ``MambaPool``'s state slots (3 per running request, as
+    SGLang sizes them), one id space; group 0 full attention, group 1 the spec's ``slot`` kind
+    (where the spec has it; SGLang's no_buffer strategy asserts pages of 1 token)."""
+    from .mamba import slots_for
+
+    config = replace(config, num_blocks=config.num_blocks + slots_for(config.max_running))
+    group = spec_group()
+    if group is None or not spec_has_slot():
+        return config
+    return replace(config, groups=(group("full", 1), group("slot", 1)))
+
+
+def spec_has_slot() -> bool:
+    """Whether the spec follows the ``slot`` group kind (a recurrent state in one slot per
+    request, cached by copy: ``snapshot``)."""
+    try:
+        from kvspec.spec.state import GROUP_KINDS
+    except ImportError:
+        return False
+    return "slot" in GROUP_KINDS
+
+
 def spec_follows_groups() -> bool:
     """Whether the spec follows several KV-cache groups as SGLang's events need it: its own
     ``schedule`` of a new request on the SWA cell emits a ``hit`` for each group, and it takes an
@@ -126,6 +150,8 @@ class SglangAdapter:
             config = replace(config, async_scheduling=True)
         if tree == "swa":
             config = hybrid_swa_config(config)
+        if tree == "mamba":
+            config = hybrid_mamba_config(config)
         self.config = config
         self.overlap, self.tree, self.test_retract = overlap, tree, test_retract
         self.scheduler = self.new_scheduler(config, choices, overlap)
@@ -134,7 +160,8 @@ class SglangAdapter:
         self._seen = 0
         from .kv_stream import attach  # SGLang's own KV-event publisher, judged
 
-        self.kv_stream = attach(self)
+        # a hybrid SSM tree's KV events (a state per node) are not judged yet: docs/adapters.md
+        self.kv_stream = attach(self) if tree != "mamba" else None
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""
@@ -209,6 +236,8 @@ class SglangAdapter:
         holding it past ``cache_protected_len``. Free: the allocator's free pages and the
         unlocked tree pages (evictable, like the spec's cached free blocks)."""
         s, record = self.scheduler, self.scheduler.record
+        if s.hybrid_ssm:
+            return self._mamba_snapshot()
         refcounts = [0] * self.config.num_blocks
         if s.hybrid_swa:
             free = record.free_pages()  # type: ignore[attr-defined]
@@ -232,6 +261,31 @@ class SglangAdapter:
         free |= unlocked
         return tuple(refcounts), tuple(sorted(free))
 
+    def _mamba_snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``snapshot`` over FULL and MAMBA (``mamba.py``): FULL pages as for one group; a
+        request's own state slot counts 1, a tree state the requests whose tree lock sits on its
+        node; free: both allocators' free ids and the unlocked tree values."""
+        s, record = self.scheduler, self.scheduler.record
+        refcounts = [0] * self.config.num_blocks
+        holders = s.holders()
+        free = record.free_pages()  # type: ignore[attr-defined]
+        unlocked = record.unlocked(holders)  # type: ignore[call-arg]
+        protected: dict[int, int] = {}
+        for req in holders:
+            row, own = record.tables(req)
+            cut = req.kv.cache_protected_len // s.page_size
+            for page in row[:cut]:
+                protected[page] = protected.get(page, 0) + 1
+            for page in row[cut:] + own:
+                refcounts[page] += 1
+        locked = record.locked_states(holders)  # type: ignore[attr-defined]
+        for page in record.cached_pages():
+            if page > s.full_pages:
+                refcounts[page] = locked[page]
+            elif page not in unlocked:
+                refcounts[page] = protected.get(page, 0)
+        return tuple(refcounts), tuple(sorted(free | unlocked))
+
     def check_kv_stream(self, judge: Any) -> Any:
         """The stream SGLang's publisher sent, judged (``kv_stream.py``)."""
         return None if self.kv_stream is None else self.kv_stream.check(judge)
@@ -240,7 +294,7 @@ class SglangAdapter:
         """Cross-check the wrappers with SGLang's tree: the pages the events registered and did
         not drop (``publish`` less ``evict``, ``unpublish``, ``reset``) are the tree's pages."""
         for event in self.events[self._seen :]:
-            if event[0] == "publish":
+            if event[0] in ("publish", "snapshot"):
                 self._published.add(event[3])  # type: ignore[arg-type]
             elif event[0] in ("evict", "unpublish"):
                 self._published.discard(event[1])  # type: ignore[arg-type]

@@ -222,6 +222,11 @@ class UnifiedRecorder(Recorder):
     def cached_pages(self) -> dict[int, int]:
         return self._walk(False)
 
+    def page_values(self) -> dict[int, int]:
+        """The tree's values an insert publishes page by page and an eviction drops (all of
+        ``cached_pages``; a state slot, ``mamba.py``, is not a page)."""
+        return self.cached_pages()
+
     def unlocked(self) -> set[int]:
         return set(self._walk(True))
 
@@ -245,9 +250,9 @@ class UnifiedRecorder(Recorder):
         insert, evict = tree.insert, tree._evict
 
         def insert_(params: Any) -> Any:
-            before = self.cached_pages()
+            before = self.page_values()
             result = insert(params)
-            after = self.cached_pages()
+            after = self.page_values()
             tokens = tuple(int(t) for t in params.key.raw_token_ids())
             # A hybrid tree's insert may replace a node's value: a tombstoned node's FULL pages
             # give way to the inserting request's (SWAComponent.update_component_on_insert_overlap).
@@ -259,9 +264,9 @@ class UnifiedRecorder(Recorder):
             return result
 
         def evict_(*args: Any, **kw: Any) -> Any:
-            before = self.cached_pages()
+            before = self.page_values()
             result = evict(*args, **kw)
-            after = self.cached_pages()
+            after = self.page_values()
             self.evicted += [page for page in before if page not in after]
             return result
 

@@ -51,6 +51,7 @@ from .build import (
     release_kv_cache,
     swa_layers,
 )
+from .mamba import MambaRecorder, slots_for
 from .record import Event, LegacyRecorder, Recorder, UnifiedRecorder, rid
 from .swa import SwaRecorder
 
@@ -59,9 +60,12 @@ def recorder(
     tree: Any, pool: Any, page_size: int, events: list[Event], full_pages: int = 0
 ) -> Recorder:
     """The recorder for the tree ``build.memory`` built (``full_pages``: the FULL pool's pages,
-    after which a hybrid SWA tree's SWA pages are numbered, ``swa.py``)."""
+    after which a hybrid SWA tree's SWA pages, or a hybrid SSM tree's state slots, are
+    numbered: ``swa.py``, ``mamba.py``)."""
     if ComponentType.SWA in getattr(tree, "components", {}):
         return SwaRecorder(tree, pool, page_size, events, full_pages)
+    if ComponentType.MAMBA in getattr(tree, "components", {}):
+        return MambaRecorder(tree, pool, page_size, events, full_pages)
     kind = LegacyRecorder if core_backend(tree) == "legacy" else UnifiedRecorder
     return kind(tree, pool, page_size, events)
 
@@ -82,16 +86,29 @@ class Scheduler:
         self.hybrid_swa = tree == "swa"
         self.window = swa_layers()[0] if self.hybrid_swa else None
         """SGLang's ``sliding_window_size`` (the hybrid SWA model's), or None."""
-        self.full_pages = (config.num_blocks - 1) // 2 if self.hybrid_swa else config.num_blocks - 1
+        self.hybrid_ssm = tree == "mamba"
+        self.slots = slots_for(config.max_running) if self.hybrid_ssm else 0
+        """State slots of a hybrid SSM model's ``MambaPool`` (``mamba.py``), or 0."""
+        if self.hybrid_swa:
+            self.full_pages = (config.num_blocks - 1) // 2
+        else:
+            self.full_pages = config.num_blocks - 1 - self.slots
         """Pages of the FULL pool; a hybrid SWA model's SWA pool has as many, numbered after them
-        (``swa.py``): the spec's blocks are both pools'."""
+        (``swa.py``), a hybrid SSM model's state slots too (``mamba.py``): the spec's blocks are
+        all pools'."""
         # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
         # max_running counts the chunked request too, and so do SGLang's rows.
         self.pool, self.allocator, self.tree = memory(
-            ps, self.full_pages, config.max_running, tree, swa_pages=self.full_pages
+            ps,
+            self.full_pages,
+            config.max_running,
+            tree,
+            swa_pages=self.slots if self.hybrid_ssm else self.full_pages,
         )
         self.hook_tree()
         self.record = recorder(self.tree, self.pool, ps, self.events, self.full_pages)
+        if self.hybrid_ssm:
+            self.record.holders_of = self.holders  # type: ignore[attr-defined]
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
         self.ratio = NewTokenRatioTracker.from_config()
         self.token_budget = config.token_budget
@@ -228,6 +245,13 @@ class Scheduler:
         """S 3772: insert the chunk the last prefill computed (``checkpoint_kv_cache``)."""
         with self.record.acting_for(req):
             checkpoint_kv_cache(req, self.tree)
+        self._leftover()
+
+    def _leftover(self) -> None:
+        """A hybrid SSM tree's insert may evict a state to make room for its copy: what that
+        left free is an ``unpublish`` (``MambaRecorder.report_leftover``)."""
+        if self.hybrid_ssm:
+            self.record.report_leftover()  # type: ignore[attr-defined]
 
     def get_num_allocatable_reqs(self, running_bs: int, num_held_rows: int = 0) -> int:
         """S 4027 (pipeline size 1: ``pp_max_micro_batch_size`` is ``max_running_requests``)."""
@@ -268,6 +292,9 @@ class Scheduler:
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        mamba_allocator = getattr(self.pool, "mamba_allocator", None)
+        if mamba_allocator is not None:  # S 4199
+            mamba_allocator.alloc_group_begin(len(self.waiting))
         for req in self.waiting:
             if adder.budget_state() == AddReqResult.OTHER:
                 break
@@ -284,9 +311,19 @@ class Scheduler:
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
                     running.batch_is_full = len(adder.can_run_list) > 0 or not running.is_empty()
+                added = len(adder.can_run_list) > 0 and req is adder.can_run_list[-1]
+                if not added:  # S 4285: give back the state slot the match took for it
+                    req.kv.mamba_cow_src_index = None
+                    req.kv.mamba_needs_clear = False
+                    if req.kv.holds_mamba:
+                        mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+                        req.kv.mamba_pool_idx = None
                 break
+        if mamba_allocator is not None:  # S 4302
+            mamba_allocator.alloc_group_end()
         can_run: list[Req] = adder.can_run_list
         if not can_run:
+            self._leftover()  # a match evicted a state for a request left waiting
             return None
         admitted = set(can_run) - {continuing}
         self.waiting = [r for r in self.waiting if r not in admitted]
@@ -306,6 +343,8 @@ class Scheduler:
             chunked_req=self.chunked_req,
         )
         held = [self.record.tables(r) for r in can_run]
+        if self.hybrid_ssm:
+            self.record.note_cow(can_run)  # type: ignore[attr-defined]
         batch.prepare_for_extend()
         batch.decoding_reqs = None
         evicted, self.record.evicted = self.record.evicted, []
@@ -316,10 +355,15 @@ class Scheduler:
                 if self.hybrid_swa:
                     self.record.count_hit(req)  # type: ignore[attr-defined]
                 hit = req.prefix_len // self.page_size
-                for group, table in enumerate(tables):
-                    event: Event = ("hit", rid(req), tuple(table[:hit]))
+                hits = [table[:hit] for table in tables]
+                if self.hybrid_ssm:
+                    hits = self.record.admitted(req, tables, hit)  # type: ignore[attr-defined]
+                for group, table in enumerate(hits):
+                    event: Event = ("hit", rid(req), tuple(table))
                     self.events.append(event + (group,) if group else event)
                 before = [table[:hit] for table in tables]
+                if self.hybrid_ssm:
+                    before = [before[0], []]
             self._scheduled(req, before, tables, evicted)
         self.events += [("unpublish", page) for page in evicted]
         return batch
@@ -483,6 +527,7 @@ class Scheduler:
         (``checkpoint_kv_cache``: ``extend_end``)."""
         with self.record.acting_for(req):
             checkpoint_kv_cache(req, self.tree)
+        self._leftover()
 
     def _release(self, req: Req, checkpoint: bool) -> None:
         """``release_kv_cache``: (with ``checkpoint``) insert, then free the row and unlock. The
@@ -491,6 +536,7 @@ class Scheduler:
         with self.record.acting_for(req, finishing=True):
             release_kv_cache(req, self.tree, checkpoint=checkpoint)
         self.events += [("free", page) for page in table]
+        self._leftover()
 
     def _held(self, req: Req) -> list[int]:
         """The blocks a release frees: each group's table, last block first, group order."""
