@@ -182,7 +182,8 @@ MAMBA_REFUSAL = (
 def mamba_refusal(config: Config) -> str | None:
     """Why ``mamba_factory`` cannot run this cell, or None: the cell the loop without overlap
     refuses (SGLang's auto strategy forces it for the model, ``mamba.py``), groups set by hand,
-    pages over 1 token (no_buffer asserts pages of 1), or a spec without the slot kind."""
+    or a spec without the slot kind. The cell's pages become pages of 1 token
+    (``loops.hybrid_mamba_config``: no_buffer asserts them)."""
     from .loops import spec_has_slot
 
     why = supported(config, overlap=False)
@@ -190,11 +191,6 @@ def mamba_refusal(config: Config) -> str | None:
         return why
     if getattr(config, "groups", ()):
         return "mamba_factory sets the groups from SGLang's model: leave groups empty"
-    if config.block_size != 1:
-        return (
-            "SGLang's no_buffer MAMBA component asserts pages of 1 token (a cached state needs "
-            f"one at every key's end): block_size 1, not {config.block_size}"
-        )
     if not spec_has_slot():
         return MAMBA_REFUSAL
     return None

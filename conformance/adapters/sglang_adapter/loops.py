@@ -45,13 +45,16 @@ def hybrid_swa_config(config: Config) -> Config:
 
 
 def hybrid_mamba_config(config: Config) -> Config:
-    """The cell as the judge sees a hybrid SSM model (``mamba.py``): the FULL pool's
-    ``num_blocks - 1`` pages, then the ``MambaPool``'s state slots (3 per running request, as
-    SGLang sizes them), one id space; group 0 full attention, group 1 the spec's ``slot`` kind
-    (where the spec has it; SGLang's no_buffer strategy asserts pages of 1 token)."""
+    """The cell as the judge sees a hybrid SSM model (``mamba.py``): pages of 1 token (SGLang's
+    no_buffer MAMBA component asserts them: a cached state needs a page boundary at every key's
+    end), as many as the cell's ``num_blocks - 1`` pages hold tokens, then the ``MambaPool``'s
+    state slots (3 per running request, as SGLang sizes them), one id space; group 0 full
+    attention, group 1 the spec's ``slot`` kind (where the spec has it)."""
     from .mamba import slots_for
 
-    config = replace(config, num_blocks=config.num_blocks + slots_for(config.max_running))
+    pages = (config.num_blocks - 1) * config.block_size
+    blocks = 1 + pages + slots_for(config.max_running)
+    config = replace(config, num_blocks=blocks, block_size=1)
     group = spec_group()
     if group is None or not spec_has_slot():
         return config

@@ -1,0 +1,83 @@
+"""SGLang 0.5.23's hybrid linear-attention model through the adapter (``sglang_adapter/mamba.py``):
+the tree cache SGLang builds for it (FULL + MAMBA over a ``HybridReqToTokenPool``), and the
+full-group and slot-group events the adapter reads off it, held against SGLang's own state on
+seeded random workloads after every loop iteration.
+
+Run in ``.venv-sglang`` (``make thirdparty``) as a subprocess (``tests/sglang_mamba_checks.py``);
+skipped with the reason without it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-sglang"
+
+needs_sglang = pytest.mark.skipif(
+    not (VENV / ".stamp").exists(), reason="no .venv-sglang: run `make thirdparty` to build it"
+)
+
+CASES = ("build", "replay:20", "python:10")
+
+
+@pytest.fixture(scope="module")
+def case() -> dict[str, str]:
+    """Each case's line, from one subprocess (SGLang takes seconds to import)."""
+    done = subprocess.run(
+        [str(VENV / "bin" / "python"), "tests/sglang_mamba_checks.py", *CASES],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(CASES, done.stdout.splitlines()[-len(CASES) :], strict=True))
+
+
+@needs_sglang
+def test_sglang_resolves_the_model_to_no_buffer_and_builds_full_and_mamba(
+    case: dict[str, str],
+) -> None:
+    """SGLang's ``auto`` strategy on the LFM2-like config: ``no_buffer``, overlap forced off;
+    ``create_tree_cache``: ``UnifiedRadixCache`` with FULL and MAMBA over the Rust ``TreeCore``,
+    on a ``HybridReqToTokenPool`` of 3 state slots per running request."""
+    assert case["build"] == (
+        "no_buffer overlap-off True UnifiedRadixCache FULL+MAMBA rust HybridReqToTokenPool "
+        "slots 9 of Lfm2ForCausalLM"
+    ), case["build"]
+
+
+def _counts(line: str) -> tuple[dict[str, int], dict[str, int]]:
+    import ast
+
+    assert line.startswith("none {"), line
+    kinds, _, paths = line[len("none ") :].partition("} {")
+    return ast.literal_eval(kinds + "}"), ast.literal_eval("{" + paths)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", ["replay:20", "python:10"])
+def test_the_events_replayed_are_sglangs_rows_slots_tree_states_and_free_slots(
+    case: dict[str, str], name: str
+) -> None:
+    """After every loop iteration of 20 seeded workloads (10 over the Python ``TreeCore``, whose
+    nodes also give each state's key length and lock count): no difference, and the paths the
+    contract names were taken: states hit by copy, snapshots by copy and by donation, a copy
+    dropped where the node had a state, evictions of states, retractions. Planted in the
+    recorder, a snapshot one token late (``snapshot length differs``), a hit without its
+    source (``hit 3 FULL pages and states {}``) and a lock not counted were each named."""
+    kinds, paths = _counts(case[name])
+    for kind in ("hit/g", "alloc/g", "snapshot/g", "evict", "unpublish", "preempt"):
+        assert kinds.get(kind, 0) > 0, (kind, kinds)
+    for path in (
+        "states hit by copy",
+        "snapshots by copy",
+        "snapshots by donation",
+        "state evictions",
+        "states already cached (copy dropped)",
+    ):
+        assert paths.get(path, 0) > 0, (path, paths)
