@@ -266,13 +266,17 @@ class SglangAdapter:
 
     def _mamba_snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``snapshot`` over FULL and MAMBA (``mamba.py``): FULL pages as for one group; a
-        request's own state slot counts 1, a tree state the requests whose tree lock sits on its
-        node; free: both allocators' free ids and the unlocked tree values."""
+        request's own state slot counts 1 and a tree state 0: a hit copies it and takes no
+        reference (``spec/slots.py``), and SGLang's lock on the node of a request's last match
+        or insert, which keeps that state from eviction while the request runs, guards a state
+        the request never reads again. Free: both allocators' free ids, the unlocked tree pages
+        and every tree state (cached, evictable in the spec's sense)."""
         s, record = self.scheduler, self.scheduler.record
         refcounts = [0] * self.config.num_blocks
         holders = s.holders()
         free = record.free_pages()  # type: ignore[attr-defined]
         unlocked = record.unlocked(holders)  # type: ignore[call-arg]
+        states = record.states()  # type: ignore[attr-defined]
         protected: dict[int, int] = {}
         for req in holders:
             row, own = record.tables(req)
@@ -281,13 +285,10 @@ class SglangAdapter:
                 protected[page] = protected.get(page, 0) + 1
             for page in row[cut:] + own:
                 refcounts[page] += 1
-        locked = record.locked_states(holders)  # type: ignore[attr-defined]
         for page in record.cached_pages():
-            if page > s.full_pages:
-                refcounts[page] = locked[page]
-            elif page not in unlocked:
+            if page <= s.full_pages and page not in unlocked:
                 refcounts[page] = protected.get(page, 0)
-        return tuple(refcounts), tuple(sorted(free | unlocked))
+        return tuple(refcounts), tuple(sorted(free | unlocked | states))
 
     def check_kv_stream(self, judge: Any) -> Any:
         """The stream SGLang's publisher sent, judged (``kv_stream.py``)."""

@@ -32,6 +32,12 @@ drops) is reused only by batches launched after that forward.
   pages further on, so they free SWA pages inside the window the next forward reads, which then
   reads a window block its request gave up: the spec's ``NoUnwrittenRead``
   (``early_window_free_swa_factory``).
+* ``ShortSnapshot`` (a state cached under too short a key): the hybrid SSM model's MAMBA
+  component, inserting a running request's state (``MambaComponent.prepare_for_caching_req``,
+  ``no_buffer``: a copy of the request's slot), returns a cache length one token short, so the
+  tree keys the state after L tokens at L - 1 (the FULL pages with it): the spec's
+  ``StateAtItsBoundary`` at the snapshot, and ``NoUnwrittenStateRead`` if a hit copies it
+  before (``short_snapshot_mamba_factory``).
 """
 
 from __future__ import annotations
@@ -120,6 +126,18 @@ class EarlyWindowFree(Scheduler):
         component._free_out_of_window_slots = free_out_of_window_
 
 
+class ShortSnapshot(Scheduler):
+    def hook_tree(self) -> None:
+        component = self.tree.components[ComponentType.MAMBA]
+        prepare = component.prepare_for_caching_req
+
+        def prepare_(req: Req, insert_params: Any, token_ids_len: int, is_finished: bool) -> Any:
+            length = prepare(req, insert_params, token_ids_len, is_finished)
+            return length - 1 if not is_finished and length else length
+
+        component.prepare_for_caching_req = prepare_
+
+
 class _MutantAdapter(SglangAdapter):
     scheduler_class: type[Scheduler] = Scheduler
 
@@ -175,3 +193,13 @@ def early_window_free_swa_factory(config: Config, choices: Choices) -> SglangAda
     if why is not None:
         raise ValueError(why)
     return mutant(EarlyWindowFree)(config, choices, overlap=True, tree="swa")
+
+
+def short_snapshot_mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``ShortSnapshot`` on ``mamba_factory``'s cell (refused where ``mamba_factory`` is)."""
+    from . import mamba_refusal
+
+    why = mamba_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return mutant(ShortSnapshot)(config, choices, overlap=False, tree="mamba")
