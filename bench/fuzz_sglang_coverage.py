@@ -3,11 +3,18 @@ factory as usual, with every engine it builds kept, then the events of all of th
 the orders that only overlap has counted apart (``docs/adapters.md``, "SGLang 0.5.23").
 
     .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 120 --seed 3 [--sync] [--swa]
+    .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 60 --mamba [--retract]
 
 ``--swa``: the hybrid sliding-window model (``swa_factory``, ``swa_sync_factory``), with a second
 line of the hybrid paths its recorder counted (``SwaRecorder.paths``: hits SGLang cut back by
 the window, window blocks given up while their SWA page is in the tree, ...) and the let-gos
 (``dedup`` to the null block) of a request a submitted step holds.
+
+``--mamba``: the hybrid linear-attention model (``mamba_factory``: no_buffer, the loop without
+overlap, depth 1), with a second line of the MAMBA paths its recorder counted
+(``MambaRecorder.paths``: admissions, states hit by copy, snapshots by copy and by donation,
+copies dropped where the node had a state, evictions of states); ``--retract`` runs it in
+SGLang's retraction test mode (``mamba_retract_factory``).
 
 Prints the fuzzer's verdict line and one line of counts. "In flight" means: while a step that
 was submitted and has not executed yet holds the request (SGLang's batch N+1, launched before
@@ -34,7 +41,8 @@ from kvspec.spec import Config
 
 TALLY: Counter[str] = Counter()
 PATHS: Counter[str] = Counter()
-"""The hybrid paths of every SWA engine built (``SwaRecorder.paths``)."""
+"""The hybrid paths of every SWA or MAMBA engine built (``SwaRecorder.paths``,
+``MambaRecorder.paths``)."""
 LAST: list[Any] = []
 """The engine built last, counted when the next one is built (or at the end)."""
 
@@ -62,6 +70,14 @@ def swa_factory(config: Config, choices: Choices) -> Any:
 
 def swa_sync_factory(config: Config, choices: Choices) -> Any:
     return keep(sglang_adapter.swa_sync_factory(config, choices))
+
+
+def mamba_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.mamba_factory(config, choices))
+
+
+def mamba_retract_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.mamba_retract_factory(config, choices))
 
 
 def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:
@@ -103,9 +119,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="the loop without overlap, depth 1")
     parser.add_argument("--swa", action="store_true", help="the hybrid sliding-window model")
+    parser.add_argument(
+        "--mamba", action="store_true", help="the hybrid linear-attention model (depth 1)"
+    )
+    parser.add_argument(
+        "--retract", action="store_true", help="with --mamba: SGLang's retraction test mode"
+    )
     args = parser.parse_args(argv)
-    cell = flow.Cell("engine-registers", "general", depth=1 if args.sync else 2)
-    name = ("swa_" if args.swa else "") + ("sync_factory" if args.sync else "factory")
+    if args.mamba and args.swa:
+        parser.error("--mamba and --swa are two models: one at a time")
+    sync = args.sync or args.mamba
+    cell = flow.Cell("engine-registers", "general", depth=1 if sync else 2)
+    name = ("swa_" if args.swa else "") + ("sync_factory" if sync else "factory")
+    if args.mamba:
+        name = "mamba_retract_factory" if args.retract else "mamba_factory"
     target = f"__main__:{name}"
     result, _ = flow.fuzz(cell, args.seconds, args.seed, None, target)
     keep(None)
@@ -126,6 +153,7 @@ def main(argv: list[str]) -> int:
         "dedups in flight",
         "preempt",
         "retractions in flight",
+        "snapshot",
         "evict",
         "unpublish",
         "abort",
@@ -133,8 +161,9 @@ def main(argv: list[str]) -> int:
         "reset",
     ]
     print(", ".join(f"{tally[k]:,} {k}" for k in keys))
-    if args.swa:
-        paths = sorted({**PATHS, "let-gos in flight": tally["let-gos in flight"]}.items())
+    if args.swa or args.mamba:
+        extra = {} if args.mamba else {"let-gos in flight": tally["let-gos in flight"]}
+        paths = sorted({**PATHS, **extra}.items())
         print(", ".join(f"{count:,} {path}" for path, count in paths))
     return 0 if failure is None else 1
 

@@ -17,7 +17,9 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_mamba.py``:
   besides, each tree state sits on a node whose key is as long as its ``snapshot`` said
   (``i + 1``), and the states SGLang has locked (``lock_ref``) are those the adapter counts
   (``MambaRecorder.locked_states``, which the Rust core's refcounts rest on);
-* ``seeds:S1,S2``: ``replay`` on those seeds only.
+* ``seeds:S1,S2``: ``replay`` on those seeds only;
+* ``judge:NAME``: ``kvspec fuzz`` on a MAMBA factory (``JUDGED``), one line as
+  ``thirdparty_checks.kvspec`` prints it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,26 @@ CELL = dict(
     preemption="fcfs",
     stop_token=0,
 )
+
+
+MAMBA_CELL = ("--policy", "engine-registers", "--discipline", "general")
+JUDGED = {
+    "mamba": ("sglang_adapter:mamba_factory", "1", "20"),
+    "retract": ("sglang_adapter:mamba_retract_factory", "1", "20"),
+    "short": ("sglang_adapter.mutants:short_snapshot_mamba_factory", "1", "30"),
+    "overlap": ("sglang_adapter:mamba_factory", "2", "5"),
+}
+"""``judge:NAME``: (factory, depth, seconds): ``mamba_factory`` and its retraction test mode,
+20 s each (seed 0); the planted ``mutants.ShortSnapshot``, up to 30 s; ``mamba_factory`` at
+depth 2, refused (SGLang's auto strategy forces the loop without overlap)."""
+
+
+def judge(name: str) -> None:
+    from thirdparty_checks import kvspec
+
+    target, depth, seconds = JUDGED[name]
+    target = f"kvspec.conformance.adapters.{target}"
+    kvspec("fuzz", "--target", target, *MAMBA_CELL, "--depth", depth, "--seconds", seconds)
 
 
 def build() -> None:
@@ -222,6 +244,8 @@ def main(cases: list[str]) -> None:
             replay(list(range(int(arg))))
         elif name == "seeds":
             replay([int(x) for x in arg.split(",")])
+        elif name == "judge":
+            judge(arg)
         elif name == "python":
             os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
             try:

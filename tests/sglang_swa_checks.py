@@ -229,11 +229,10 @@ JUDGED = {
     "overlap": ("sglang_adapter:swa_factory", "2", "10"),
     "sync": ("sglang_adapter:swa_sync_factory", "1", "10"),
     "early-free": ("sglang_adapter.mutants:early_window_free_swa_factory", "2", "30"),
-    "mamba": ("sglang_adapter:mamba_factory", "2", "1"),
 }
 """``judge:NAME``: (factory, depth, seconds): SGLang's two loops over the hybrid SWA tree, 10 s
-each (seed 0), the planted ``mutants.EarlyWindowFree``, up to 30 s, and the MAMBA factory,
-refused."""
+each (seed 0), and the planted ``mutants.EarlyWindowFree``, up to 30 s (the MAMBA factory's
+are ``tests/sglang_mamba_checks.py``'s)."""
 
 
 def judge(name: str) -> None:

@@ -21,7 +21,15 @@ needs_sglang = pytest.mark.skipif(
     not (VENV / ".stamp").exists(), reason="no .venv-sglang: run `make thirdparty` to build it"
 )
 
-CASES = ("build", "replay:20", "python:10")
+CASES = (
+    "build",
+    "replay:20",
+    "python:10",
+    "judge:mamba",
+    "judge:retract",
+    "judge:short",
+    "judge:overlap",
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +89,31 @@ def test_the_events_replayed_are_sglangs_rows_slots_tree_states_and_free_slots(
         "states already cached (copy dropped)",
     ):
         assert paths.get(path, 0) > 0, (path, paths)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", ["judge:mamba", "judge:retract"])
+def test_kvspec_fuzz_judges_the_mamba_factory_with_no_counterexample(
+    case: dict[str, str], name: str
+) -> None:
+    """20 s of ``kvspec fuzz`` on ``mamba_factory`` and ``mamba_retract_factory`` (depth 1,
+    seed 0): the spec's slot group follows every copy, snapshot and eviction SGLang made."""
+    assert case[name].startswith("exit 0 False no counterexample"), case[name]
+
+
+@needs_sglang
+def test_a_planted_short_snapshot_is_named_state_at_its_boundary(case: dict[str, str]) -> None:
+    """``mutants.ShortSnapshot``: SGLang's MAMBA component caches a running request's state one
+    token short: ``StateAtItsBoundary``, within the 30 s."""
+    line = case["judge:short"]
+    assert line.startswith("exit 1 False counterexample found after"), line
+    assert "violated: StateAtItsBoundary: group 1's block" in line, line
+
+
+@needs_sglang
+def test_the_overlap_loop_is_refused_by_name(case: dict[str, str]) -> None:
+    """SGLang's auto strategy forces the loop without overlap for the model: a depth-2 cell
+    exits 2 naming depth 1, no traceback."""
+    words = case["judge:overlap"].split(maxsplit=3)
+    assert words[:3] == ["exit", "2", "False"], case["judge:overlap"]
+    assert "depth 1, not 2" in words[3], words[3]

@@ -68,6 +68,7 @@ __all__ = [
     "retract_factory",
     "supported",
     "mamba_factory",
+    "mamba_retract_factory",
     "swa_factory",
     "swa_retract_factory",
     "swa_sync_factory",
@@ -194,6 +195,15 @@ def mamba_refusal(config: Config) -> str | None:
     if not spec_has_slot():
         return MAMBA_REFUSAL
     return None
+
+
+def mamba_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``mamba_factory`` in SGLang's retraction test mode (``retract_factory``): a retracted
+    request's slot goes back to the allocator, unpublished (its state is not inserted)."""
+    why = mamba_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return SglangAdapter(config, choices, overlap=False, tree="mamba", test_retract=True)
 
 
 def mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
