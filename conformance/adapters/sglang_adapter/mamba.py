@@ -83,7 +83,7 @@ EXTRA_BUFFER_REFUSAL = (
 """Why the MAMBA factories run ``no_buffer`` only."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_folder() -> str:
     """A temporary folder holding ``MAMBA_MODEL`` as its ``config.json``."""
     folder = tempfile.mkdtemp(prefix="kvspec-sglang-mamba-")
@@ -92,7 +92,7 @@ def model_folder() -> str:
     return folder
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolved(disable_overlap: bool = False) -> tuple[tuple[str, Any], ...]:
     """What SGLang's own resolution pass (``_mamba_radix_cache_resolution``) decides for
     ``MAMBA_MODEL`` with the server's default arguments on a CPU (``--disable-overlap-schedule``
@@ -111,7 +111,7 @@ def resolved(disable_overlap: bool = False) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(overrides._mamba_radix_cache_resolution(view).items()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def state_model() -> Any:
     """SGLang's ``mambaish_config`` of ``MAMBA_MODEL`` (``configs/hybrid_arch.py``): the state's
     cache parameters (``mamba2_cache_params``) and layers."""
