@@ -52,10 +52,12 @@ JUDGED = {
     "mamba": ("sglang_adapter:mamba_factory", "1", "20"),
     "retract": ("sglang_adapter:mamba_retract_factory", "1", "20"),
     "short": ("sglang_adapter.mutants:short_snapshot_mamba_factory", "1", "30"),
+    "skip-cow": ("sglang_adapter.mutants:skip_cow_mamba_factory", "1", "30"),
     "overlap": ("sglang_adapter:mamba_factory", "2", "5"),
 }
 """``judge:NAME``: (factory, depth, seconds): ``mamba_factory`` and its retraction test mode,
-20 s each (seed 0); the planted ``mutants.ShortSnapshot``, up to 30 s; ``mamba_factory`` at
+20 s each (seed 0); the planted ``mutants.ShortSnapshot`` and ``mutants.SkipCow``, up to 30 s
+each; ``mamba_factory`` at
 depth 2, refused (SGLang's auto strategy forces the loop without overlap)."""
 
 

@@ -28,6 +28,7 @@ CASES = (
     "judge:mamba",
     "judge:retract",
     "judge:short",
+    "judge:skip-cow",
     "judge:overlap",
 )
 
@@ -108,6 +109,18 @@ def test_a_planted_short_snapshot_is_named_state_at_its_boundary(case: dict[str,
     line = case["judge:short"]
     assert line.startswith("exit 1 False counterexample found after"), line
     assert "violated: StateAtItsBoundary: group 1's block" in line, line
+
+
+@needs_sglang
+def test_a_planted_skipped_copy_on_write_is_named_hit_served_by_every_group(
+    case: dict[str, str],
+) -> None:
+    """``mutants.SkipCow``: SGLang's match keeps the FULL hit but drops the state's copy into
+    the request's slot: ``HitServedByEveryGroup`` (group 1 serves none of the hit), within the
+    30 s."""
+    line = case["judge:skip-cow"]
+    assert line.startswith("exit 1 False counterexample found after"), line
+    assert "violated: HitServedByEveryGroup:" in line and "not served by group 1 (slot)" in line
 
 
 @needs_sglang

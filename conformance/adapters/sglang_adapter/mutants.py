@@ -38,6 +38,11 @@ drops) is reused only by batches launched after that forward.
   tree keys the state after L tokens at L - 1 (the FULL pages with it): the spec's
   ``StateAtItsBoundary`` at the snapshot, and ``NoUnwrittenStateRead`` if a hit copies it
   before (``short_snapshot_mamba_factory``).
+* ``SkipCow`` (a hit resumed from a stale slot): the MAMBA component's match
+  (``finalize_match_result_in_cache``) takes the request's slot but drops the copy-on-write
+  (``mamba_cow_src_index``), so the request computes from the FULL hit's end with whatever its
+  slot held: the hit's slot group has no state, the spec's ``HitServedByEveryGroup``
+  (``skip_cow_mamba_factory``).
 """
 
 from __future__ import annotations
@@ -138,6 +143,21 @@ class ShortSnapshot(Scheduler):
         component.prepare_for_caching_req = prepare_
 
 
+class SkipCow(Scheduler):
+    def hook_tree(self) -> None:
+        component = self.tree.components[ComponentType.MAMBA]
+        finalize = component.finalize_match_result_in_cache
+
+        def finalize_(params: Any, result: Any) -> Any:
+            result = finalize(params, result)
+            req = params.req
+            if req is not None and req.kv.mamba_cow_src_index is not None:
+                req.kv.mamba_cow_src_index = None  # the slot keeps what it held
+            return result
+
+        component.finalize_match_result_in_cache = finalize_
+
+
 class _MutantAdapter(SglangAdapter):
     scheduler_class: type[Scheduler] = Scheduler
 
@@ -203,3 +223,13 @@ def short_snapshot_mamba_factory(config: Config, choices: Choices) -> SglangAdap
     if why is not None:
         raise ValueError(why)
     return mutant(ShortSnapshot)(config, choices, overlap=False, tree="mamba")
+
+
+def skip_cow_mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``SkipCow`` on ``mamba_factory``'s cell (refused where ``mamba_factory`` is)."""
+    from . import mamba_refusal
+
+    why = mamba_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return mutant(SkipCow)(config, choices, overlap=False, tree="mamba")
