@@ -19,7 +19,8 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_mamba.py``:
   (``MambaRecorder.locked_states``, which the Rust core's refcounts rest on);
 * ``seeds:S1,S2``: ``replay`` on those seeds only;
 * ``judge:NAME``: ``kvspec fuzz`` on a MAMBA factory (``JUDGED``), one line as
-  ``thirdparty_checks.kvspec`` prints it.
+  ``thirdparty_checks.kvspec`` prints it; ``judge-trace``: the planted ``ShortSnapshot``'s
+  counterexample as a v1 trace file, then ``kvspec check`` on it (two lines).
 """
 
 from __future__ import annotations
@@ -67,6 +68,22 @@ def judge(name: str) -> None:
     target, depth, seconds = JUDGED[name]
     target = f"kvspec.conformance.adapters.{target}"
     kvspec("fuzz", "--target", target, *MAMBA_CELL, "--depth", depth, "--seconds", seconds)
+
+
+def judge_trace() -> None:
+    """The planted ``ShortSnapshot``'s counterexample written as a v1 trace (a ``slot`` group in
+    its header, ``snapshot`` events), then ``kvspec check`` on that file: two lines."""
+    import tempfile
+    from pathlib import Path
+
+    from thirdparty_checks import kvspec
+
+    target, depth, seconds = JUDGED["short"]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "short.json")
+        fuzz = ("fuzz", "--target", f"kvspec.conformance.adapters.{target}", *MAMBA_CELL)
+        kvspec(*fuzz, "--depth", depth, "--seconds", seconds, "--out", out, "--format", "v1")
+        kvspec("check", out)
 
 
 def build() -> None:
@@ -248,6 +265,8 @@ def main(cases: list[str]) -> None:
             replay([int(x) for x in arg.split(",")])
         elif name == "judge":
             judge(arg)
+        elif name == "judge-trace":
+            judge_trace()
         elif name == "python":
             os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
             try:
