@@ -275,8 +275,7 @@ class SglangAdapter:
         refcounts = [0] * self.config.num_blocks
         holders = s.holders()
         free = record.free_pages()  # type: ignore[attr-defined]
-        unlocked = record.unlocked(holders)  # type: ignore[call-arg]
-        states = record.states()  # type: ignore[attr-defined]
+        unlocked = record.unlocked()
         protected: dict[int, int] = {}
         for req in holders:
             row, own = record.tables(req)
@@ -288,7 +287,7 @@ class SglangAdapter:
         for page in record.cached_pages():
             if page <= s.full_pages and page not in unlocked:
                 refcounts[page] = protected.get(page, 0)
-        return tuple(refcounts), tuple(sorted(free | unlocked | states))
+        return tuple(refcounts), tuple(sorted(free | unlocked))
 
     def check_kv_stream(self, judge: Any) -> Any:
         """The stream SGLang's publisher sent, judged (``kv_stream.py``)."""

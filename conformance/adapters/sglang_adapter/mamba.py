@@ -236,16 +236,11 @@ class MambaRecorder(UnifiedRecorder):
     def page_values(self) -> dict[int, int]:
         return self._walk(False)
 
-    def unlocked(self, holders: list[Req] | None = None) -> set[int]:
-        locked = self.locked_states(holders if holders is not None else self.holders())
-        return set(self._walk(True)) | {b for b in self.states() if not locked[b]}
-
-    def holders(self) -> list[Req]:
-        """Requests holding a row (set by the scheduler: ``holders_of``)."""
-        return list(self.holders_of())
-
-    def holders_of(self) -> list[Req]:  # replaced by the scheduler
-        return []
+    def unlocked(self) -> set[int]:
+        """The tree's unlocked FULL pages and every tree state: a hit copies a state and takes
+        no reference, so the spec counts none (SGLang's lock on the state at a request's lock
+        node, ``locked_states``, guards a state the request never reads again)."""
+        return set(self._walk(True)) | self.states()
 
     def locks(self) -> dict[int, int] | None:
         return None  # the Rust core's FULL lock counts are out of Python's reach
@@ -272,16 +267,12 @@ class MambaRecorder(UnifiedRecorder):
         """The tables of an admission's ``hit``: the FULL prefix, and the state its slot is
         copied from (none when no state was hit)."""
         src = self.cow.get(rid(req))
-        self.paths["hits"] += 1
+        self.paths["admissions"] += 1
         if src is not None:
             self.paths["states hit by copy"] += 1
         elif hit:
             self.paths["FULL hits without a state"] += 1
         return [tables[0][:hit], [src] if src is not None else []]
-
-    def before_alloc(self, tables: list[list[int]], hit: int) -> list[list[int]]:
-        """What the request held before SGLang allocated: its FULL prefix, no slot of its own."""
-        return [tables[0][:hit], []]
 
     # -- reporting ------------------------------------------------------------------------------
 

@@ -107,8 +107,6 @@ class Scheduler:
         )
         self.hook_tree()
         self.record = recorder(self.tree, self.pool, ps, self.events, self.full_pages)
-        if self.hybrid_ssm:
-            self.record.holders_of = self.holders  # type: ignore[attr-defined]
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
         self.ratio = NewTokenRatioTracker.from_config()
         self.token_budget = config.token_budget
