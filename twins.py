@@ -136,6 +136,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "sliding_window": Refused("its tables have no null positions and its reads no window"),
     "groups": Refused("its requests have one table and its pool one index"),
     "cross_attention": Refused("it has no cross-attention group (it refuses several groups)"),
+    "chunked_local": Refused("its tables have no null positions and its reads no chunk"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
     "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
@@ -194,6 +195,12 @@ TWINS: tuple[Twin, ...] = (
                 "the spec only (the pytest plugin's encoder-decoder schedulers)"
             )
         }
+        | {
+            "chunked_local": Refused(
+                "its groups are full, window and state: a chunked local attention group is "
+                "judged by the spec only (the pytest plugin's chunked schedulers)"
+            )
+        }
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
@@ -230,6 +237,7 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("judged by the spec only: no null positions, no window"),
             "groups": Refused("judged by the spec only: one table per request, one index"),
             "cross_attention": Refused("judged by the spec only: no cross-attention group"),
+            "chunked_local": Refused("judged by the spec only: no null positions, no chunk"),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
@@ -284,6 +292,10 @@ TWINS: tuple[Twin, ...] = (
                 "with the full definitions"
             ),
             "cross_attention": Refused("it refuses several groups: SpecModel judges them"),
+            "chunked_local": Refused(
+                "its footprints do not restate the null-block positions: SpecModel judges a "
+                "chunked group with the full definitions"
+            ),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,  # the spec's actions bound the hit; no invariant reads it
             "hash_lookahead": Refused(
@@ -393,6 +405,7 @@ TWINS: tuple[Twin, ...] = (
             "sliding_window": Refused("its tables have no null positions and its reads no window"),
             "groups": Refused("its requests have one table and its pool one index"),
             "cross_attention": Refused("it refuses several groups"),
+            "chunked_local": Refused("its tables have no null positions and its reads no chunk"),
             "loads": FOLLOWS,
             # its lookup may hit any published blocks under the request's hashes: a bounded
             # hit is one of them

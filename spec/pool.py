@@ -53,6 +53,8 @@ def lookup(s: State, req: Request, bound: int | None = None) -> list[int]:
         cap = min(cap, bound // s.config.block_size)
     if s.config.window is not None:
         return window_lookup(s, req, cap)
+    if s.config.chunk is not None:
+        return chunk_lookup(s, req, cap)
     hits: list[int] = []
     for i in range(cap):
         blocks = s.index.get(s.key(req, i))
@@ -82,6 +84,24 @@ def window_lookup(s: State, req: Request, cap: int) -> list[int]:
         if run >= need:
             return [NULL_BLOCK] * i + [found[j] for j in range(i, i + run)]
     return [found[j] for j in range(run)]
+
+
+def chunk_lookup(s: State, req: Request, cap: int) -> list[int]:
+    """A chunked group 0 of chunk C (vLLM's ``ChunkedLocalAttentionManager.find_longest_cache_hit``):
+    the next token computed after a hit of ``L`` tokens attends to its chunk from
+    ``(L // C) * C`` on only, so the positions of the whole chunks before the chunk of the
+    cap's end hold the null block (taken as computed whatever is published), and the hit goes
+    on with the run of published blocks from that chunk's first block, up to the cap. Every
+    hit ends in the cap's chunk: a shorter one would need more blocks, not fewer."""
+    chunk, bsz = s.config.chunk or 1, s.config.block_size
+    lo = cap * bsz // chunk * chunk // bsz
+    hits = [NULL_BLOCK] * lo
+    for i in range(lo, cap):
+        blocks = s.index.get(s.key(req, i))
+        if not blocks:
+            break
+        hits.append(blocks[0])
+    return hits
 
 
 def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
