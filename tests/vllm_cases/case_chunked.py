@@ -16,7 +16,12 @@ from case_window import workload as window_workload
 from case_window import make_scheduler as window_scheduler
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.structured_output import StructuredOutputManager
 
 CHUNK = 4  # two blocks of 2: token t attends to (t // 4) * 4 .. t
@@ -27,13 +32,19 @@ def runner_v2(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM 0.33.0's default on a GPU
 
 
-def make_scheduler(num_blocks=40):
-    config = window_scheduler(num_blocks).vllm_config  # case_window's, its group replaced
+def make_scheduler(num_blocks=40, beside_full=False):
+    """``case_window.py``'s scheduler, its group replaced by a chunked one (``beside_full``:
+    after a full-attention group, as vLLM groups Llama 4's global and local layers)."""
+    config = window_scheduler(num_blocks).vllm_config
     spec = ChunkedLocalAttentionSpec(
         block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
         attention_chunk_size=CHUNK,
     )
-    kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["local"], spec)]
+    if beside_full:
+        groups.insert(0, KVCacheGroupSpec(["global"], full))
+    kv = KVCacheConfig(num_blocks, [], groups)
     return AsyncScheduler(
         vllm_config=config,
         kv_cache_config=kv,
@@ -56,22 +67,22 @@ def workload(core):
     window_workload(core)
 
 
-def _nulls(scheduler):
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+def _nulls(scheduler, group):
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[group]
     return sum(1 for blocks in manager.req_to_blocks.values() for b in blocks if b.is_null)
 
 
-def test_chunked_local_attention_holds():
-    scheduler = make_scheduler()
-    assert type(scheduler.kv_cache_manager.coordinator.single_type_managers[0]).__name__ == (
-        "ChunkedLocalAttentionManager"
-    )
+def _holds(scheduler, kinds):
+    """The workload, asserting vLLM's managers are ``kinds`` and that the chunked group (the
+    last) freed and nulled blocks before the chunk and took hits past whole chunks."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    assert [type(m).__name__ for m in managers] == kinds
     seen = []
     original = scheduler.kv_cache_manager.coordinator.remove_skipped_blocks
 
     def spy(*args, **kw):  # counts what the chunks freed, calling through
         original(*args, **kw)
-        seen.append(_nulls(scheduler))
+        seen.append(_nulls(scheduler, len(managers) - 1))
 
     scheduler.kv_cache_manager.coordinator.remove_skipped_blocks = spy
     hits = []
@@ -85,7 +96,20 @@ def test_chunked_local_attention_holds():
     scheduler.kv_cache_manager.get_computed_blocks = hit_spy
     workload(EngineCore(scheduler, stops={"req-3": 2}))
     assert max(seen) > 2  # blocks before the chunk were freed and nulled
+    return hits
+
+
+def test_chunked_local_attention_holds():
+    hits = _holds(make_scheduler(), ["ChunkedLocalAttentionManager"])
     assert max(hits) >= 2 * CHUNK  # hits past whole chunks (nulls before the cap's chunk)
+
+
+def test_chunked_beside_full_attention_holds():
+    hits = _holds(
+        make_scheduler(num_blocks=80, beside_full=True),
+        ["FullAttentionManager", "ChunkedLocalAttentionManager"],
+    )
+    assert max(hits) >= 2 * CHUNK  # hits both groups serve, past a whole chunk
 
 
 def test_a_skip_one_chunk_too_far_is_caught(monkeypatch):
