@@ -11,11 +11,18 @@ and Z3 models and the reference engine refuse the kind by name."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_spec_groups_rules import _walk
 
+from kvspec.conformance import trace
+from kvspec.conformance.check import check_file
+from kvspec.conformance.trace import write_trace
 from kvspec.spec import Config, apply, check, initial_state
 from kvspec.spec import actions as spec_actions
 from kvspec.spec import groups as spec_groups
@@ -289,3 +296,59 @@ def test_the_other_forms_refuse_a_chunked_group_by_name() -> None:
         engine_config(_config())
     assert Monitor.fast(_config()).run is None
     assert SpecModel(_config()).incremental is None
+
+
+# -- the trace -----------------------------------------------------------------------------------
+
+
+def test_a_chunked_trace_round_trips_and_holds_under_kvspec_check(tmp_path: Path) -> None:
+    """The header carries each chunked group's ``chunk``; ``kvspec check`` judges the vLLM
+    scenario by the spec (exit 0), and the same trace with the planted frees one chunk too far
+    (the spec's own effects under the plant) is a finding (exit 1)."""
+    for groups in (CHUNKED, FULL_CHUNKED):
+        config = _config(groups, depth=3, async_scheduling=True, prefix_caching=False)
+        events = [*IN_FLIGHT, ("execute", 0, ()), ("commit", 0, ((1, 11),)), ("begin", 2)]
+        events += [("schedule", 1, 1, 0), ("submit", 2)]
+        path = tmp_path / "t.jsonl"
+        write_trace(path, config, _spec_trace(config, events), engine=("test", "0"))
+        header = json.loads(path.read_text().splitlines()[0])
+        assert {"kind": "chunked", "block_size": B, "window": None, "chunk": C} in header[
+            "model"
+        ]["groups"]
+        assert trace.read_trace(path)[0] == config
+        assert check_file(path).exit_code == 0
+    bad = _spec_trace(config, IN_FLIGHT[:-1])
+    bad += [("free", 5)]  # a free of a block the prefill in flight reads: not the spec's effect
+    write_trace(path, config, bad, engine=("test", "0"))
+    assert check_file(path).exit_code == 1
+
+
+@pytest.mark.parametrize(
+    "group, words",
+    [
+        ({"kind": "chunked", "block_size": 4}, "chunk must be a positive multiple"),
+        ({"kind": "chunked", "block_size": 4, "chunk": 6}, "multiple of its block_size"),
+        ({"kind": "chunked", "block_size": 4, "chunk": "8"}, '"chunk" must be an integer'),
+        ({"kind": "full", "block_size": 4, "chunk": 8}, "only a chunked group has a chunk"),
+    ],
+)
+def test_a_malformed_chunked_group_is_bad_input_exit_2(tmp_path: Path, group, words) -> None:
+    header = trace.header_for(Config(8, 4), ("x", "1"))
+    header["model"] = {"groups": [group]}  # type: ignore[index]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(header) + "\n")
+    with pytest.raises(trace.TraceError, match=words):
+        trace.read_trace(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvspec", "check", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "chunk" in done.stderr
+
+
+def _spec_trace(config: Config, events: list[Event]) -> list[Event]:
+    s = initial_state(config)
+    out: list[Event] = []
+    for event in events:
+        out += [event, *apply(s, event)]
+    return out
