@@ -159,7 +159,8 @@ TWINS: tuple[Twin, ...] = (
         "request takes the newest counted step's sequence number), and with a sliding window "
         "(``Config.sliding_window``: its own window hit rule and skipped-block frees on its own "
         "count of the tokens in flight), and with several KV-cache groups (``Config.groups``: "
-        "its coordinator's iterated hit, per-group tables, frees and registrations)",
+        "its coordinator's iterated hit, per-group tables, frees and registrations), chunked "
+        "local attention among them, alone or after a full or window group",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
@@ -171,6 +172,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_hitbound.py::test_the_reference_engine_with_bounded_reads_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
             "tests/test_reference_groups.py::test_the_reference_engine_with_groups_conforms",
+            "tests/test_reference_groups.py::test_the_reference_engine_with_a_chunked_group_conforms",
         ),
         label="the reference engine",
         features={
@@ -195,12 +197,7 @@ TWINS: tuple[Twin, ...] = (
                 "the spec only (the pytest plugin's encoder-decoder schedulers)"
             )
         }
-        | {
-            "chunked_local": Refused(
-                "its groups are full, window and state: a chunked local attention group is "
-                "judged by the spec only (the pytest plugin's chunked schedulers)"
-            )
-        }
+        | {"chunked_local": FOLLOWS}  # its own chunk hit rule, skipped frees and reads
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}

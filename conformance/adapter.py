@@ -106,15 +106,11 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
         from kvspec import twins
 
         raise twins.refused("kvspec.reference", "cross_attention")
-    if any(group.kind == "chunked" for group in config.groups):  # refused by its row
-        from kvspec import twins
-
-        raise twins.refused("kvspec.reference", "chunked_local")
     fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
     del fields["hash_lookahead"]  # 0: the engine's own hashing
     # several KV-cache groups (issue #36) in the engine's own representation; () is one group
     fields["groups"] = tuple(
-        GroupSpec(group.kind, group.block_size, group.window, group.registers)
+        GroupSpec(group.kind, group.block_size, group.window, group.registers, group.chunk)
         for group in config.groups
     )
     if config.admission_window:  # cache-aware admission: declared refused in twins.py

@@ -247,10 +247,15 @@ def free_batch(s: State, rid: int, table: list[int] | tuple[int, ...]) -> None:
 
 def publish(s: State, req: Request, index: int) -> list[Event]:
     """Register the request's block ``index`` under its hash (several blocks may share one).
-    Illegal without prefix caching: such a pool publishes nothing."""
+    Illegal without prefix caching: such a pool publishes nothing. Nothing for a position a
+    window or chunk skipped and nulled before its registration point came (a chunked group's
+    block completed by a step whose registration waits for the next commit can be skipped by a
+    schedule in between; vLLM's ``cache_full_blocks`` skips null blocks)."""
     if not s.config.prefix_caching:
         raise Illegal(f"publish of r{req.id}'s block {index}: prefix caching is off")
     block = req.table[index]
+    if block == NULL_BLOCK and s.config.local:
+        return []
     if block == NULL_BLOCK:
         raise Illegal("publish of the null block")
     if (index + 1) * s.config.block_size > len(req.tokens):

@@ -7,7 +7,8 @@ its next *processed* token are freed and nulled when it is next scheduled; a ste
 first token's chunk and its own blocks. The planted bugs (a skipped count one chunk too far, a
 hit that nulls its own chunk) are named by ``NoUnwrittenRead`` (group 0) and
 ``NoReadOfRecycled`` (a later group); random walks hold every invariant; the fast, incremental
-and Z3 models and the reference engine refuse the kind by name."""
+and Z3 models refuse the kind by name (the reference engine follows it:
+``tests/test_reference_groups.py``)."""
 
 from __future__ import annotations
 
@@ -277,23 +278,22 @@ def test_walks_with_a_chunked_group_hold_every_invariant(policy: str) -> None:
 
 
 def test_the_other_forms_refuse_a_chunked_group_by_name() -> None:
-    """Declared in kvspec/twins.py: the fast model, the incremental checks, the Z3 model and
-    the reference engine refuse ``chunked_local`` by name; the judge falls back to the spec's
-    full definitions."""
+    """Declared in kvspec/twins.py: the fast model, the incremental checks and the Z3 model
+    refuse ``chunked_local`` by name; the judge falls back to the spec's full definitions. The
+    reference engine follows it (``tests/test_reference_groups.py``, lockstep): its
+    configuration carries the chunk."""
     from kvspec.conformance.adapter import engine_config
     from kvspec.conformance.monitor import Monitor
     from kvspec.judge.fastmodel import FastModel, restates
     from kvspec.judge.spec_model import SpecModel
     from kvspec.proofs.symbolic import Fragment
-    from kvspec.twins import NotFollowed
 
     assert not restates(_config())
     with pytest.raises(ValueError, match="chunked"):
         FastModel(_config())
     with pytest.raises(ValueError, match="chunked"):
         Fragment(Config(4, 1, groups=(Group("chunked", 1, chunk=2),)))
-    with pytest.raises(NotFollowed, match="chunked"):
-        engine_config(_config())
+    assert engine_config(_config()).groups[0].chunk == C
     assert Monitor.fast(_config()).run is None
     assert SpecModel(_config()).incremental is None
 
