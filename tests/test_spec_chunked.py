@@ -312,9 +312,9 @@ def test_a_chunked_trace_round_trips_and_holds_under_kvspec_check(tmp_path: Path
         path = tmp_path / "t.jsonl"
         write_trace(path, config, _spec_trace(config, events), engine=("test", "0"))
         header = json.loads(path.read_text().splitlines()[0])
-        assert {"kind": "chunked", "block_size": B, "window": None, "chunk": C} in header[
-            "model"
-        ]["groups"]
+        assert {"kind": "chunked", "block_size": B, "window": None, "chunk": C} in header["model"][
+            "groups"
+        ]
         assert trace.read_trace(path)[0] == config
         assert check_file(path).exit_code == 0
     bad = _spec_trace(config, IN_FLIGHT[:-1])

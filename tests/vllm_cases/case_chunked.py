@@ -12,8 +12,8 @@ takes the block before the chunk as well (a block where vLLM's rule holds the nu
 import pytest
 import torch
 from case_window import BLOCK, EngineCore, make_request
-from case_window import workload as window_workload
 from case_window import make_scheduler as window_scheduler
+from case_window import workload as window_workload
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
 from vllm.v1.kv_cache_interface import (
@@ -37,7 +37,10 @@ def make_scheduler(num_blocks=40, beside_full=False):
     after a full-attention group, as vLLM groups Llama 4's global and local layers)."""
     config = window_scheduler(num_blocks).vllm_config
     spec = ChunkedLocalAttentionSpec(
-        block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
+        block_size=BLOCK,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
         attention_chunk_size=CHUNK,
     )
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
@@ -135,7 +138,7 @@ def test_a_hit_taking_the_block_before_its_chunk_is_caught(monkeypatch):
         if start and len(blocks[0]) > start:
             cached = pool.get_cached_block(block_hashes[start - 1], groups)
             if cached is not None:
-                for mine, block in zip(blocks, cached):
+                for mine, block in zip(blocks, cached, strict=True):
                     mine[start - 1] = block
         return blocks, length
 

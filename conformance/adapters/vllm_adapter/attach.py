@@ -88,9 +88,8 @@ from vllm.v1.request import Request
 
 from kvspec.spec import Config
 
-from . import chunked
+from . import chunked, versions
 from . import groups as hybrid_groups
-from . import versions
 from .attach_blocks import EVICT_FIRST, BlockCalls
 from .attach_outputs import OutputCalls
 from .attach_preemption import Preemptions
