@@ -352,3 +352,20 @@ def _spec_trace(config: Config, events: list[Event]) -> list[Event]:
     for event in events:
         out += [event, *apply(s, event)]
     return out
+
+
+def test_the_schema_takes_a_chunked_group_and_refuses_a_bad_chunk(tmp_path: Path) -> None:
+    """``trace-v1.schema.json``: a written header with a chunked group validates; a chunk
+    below 1 or an unknown kind does not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(trace.__file__).parent / "trace-v1.schema.json").read_text())
+    config = _config(FULL_CHUNKED)
+    path = tmp_path / "t.jsonl"
+    write_trace(path, config, _spec_trace(config, IN_FLIGHT[:3]), engine=("test", "0"))
+    header = json.loads(path.read_text().splitlines()[0])
+    jsonschema.validate(header, schema)
+    for field, value in (("chunk", 0), ("kind", "local")):
+        bad = json.loads(json.dumps(header))
+        bad["model"]["groups"][1][field] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
