@@ -137,6 +137,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "groups": Refused("its requests have one table and its pool one index"),
     "cross_attention": Refused("it has no cross-attention group (it refuses several groups)"),
     "slot_groups": Refused("it has no slot group (it refuses several groups)"),
+    "chunked_local": Refused("its tables have no null positions and its reads no chunk"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
     "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
@@ -159,7 +160,8 @@ TWINS: tuple[Twin, ...] = (
         "request takes the newest counted step's sequence number), and with a sliding window "
         "(``Config.sliding_window``: its own window hit rule and skipped-block frees on its own "
         "count of the tokens in flight), and with several KV-cache groups (``Config.groups``: "
-        "its coordinator's iterated hit, per-group tables, frees and registrations)",
+        "its coordinator's iterated hit, per-group tables, frees and registrations), chunked "
+        "local attention among them, alone or after a full or window group",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
@@ -171,6 +173,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_spec_hitbound.py::test_the_reference_engine_with_bounded_reads_conforms",
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
             "tests/test_reference_groups.py::test_the_reference_engine_with_groups_conforms",
+            "tests/test_reference_groups.py::test_the_reference_engine_with_a_chunked_group_conforms",
         ),
         label="the reference engine",
         features={
@@ -202,6 +205,7 @@ TWINS: tuple[Twin, ...] = (
                 "the spec)"
             )
         }
+        | {"chunked_local": FOLLOWS}  # its own chunk hit rule, skipped frees and reads
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
@@ -239,6 +243,7 @@ TWINS: tuple[Twin, ...] = (
             "groups": Refused("judged by the spec only: one table per request, one index"),
             "cross_attention": Refused("judged by the spec only: no cross-attention group"),
             "slot_groups": Refused("judged by the spec only: no slot group, no copies"),
+            "chunked_local": Refused("judged by the spec only: no null positions, no chunk"),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
@@ -294,6 +299,10 @@ TWINS: tuple[Twin, ...] = (
             ),
             "cross_attention": Refused("it refuses several groups: SpecModel judges them"),
             "slot_groups": Refused("it refuses several groups: SpecModel judges them"),
+            "chunked_local": Refused(
+                "its footprints do not restate the null-block positions: SpecModel judges a "
+                "chunked group with the full definitions"
+            ),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,  # the spec's actions bound the hit; no invariant reads it
             "hash_lookahead": Refused(
@@ -404,6 +413,7 @@ TWINS: tuple[Twin, ...] = (
             "groups": Refused("its requests have one table and its pool one index"),
             "cross_attention": Refused("it refuses several groups"),
             "slot_groups": Refused("it refuses several groups"),
+            "chunked_local": Refused("its tables have no null positions and its reads no chunk"),
             "loads": FOLLOWS,
             # its lookup may hit any published blocks under the request's hashes: a bounded
             # hit is one of them

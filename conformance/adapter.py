@@ -113,7 +113,10 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
     fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
     del fields["hash_lookahead"]  # 0: the engine's own hashing
     # several KV-cache groups (issue #36) in the engine's own representation; () is one group
-    fields["groups"] = tuple(GroupSpec(*group) for group in config.groups)
+    fields["groups"] = tuple(
+        GroupSpec(group.kind, group.block_size, group.window, group.registers, group.chunk)
+        for group in config.groups
+    )
     if config.admission_window:  # cache-aware admission: declared refused in twins.py
         from kvspec import twins
 

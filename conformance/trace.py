@@ -131,16 +131,17 @@ def groups_json(groups: tuple[Group, ...]) -> list[dict[str, object]]:
     return [
         {"kind": g.kind, "block_size": g.block_size, "window": g.window}
         | ({"registers": g.registers} if g.registers is not None else {})
+        | ({"chunk": g.chunk} if g.chunk is not None else {})
         for g in groups
     ]
 
 
-GROUP_FIELDS = ("kind", "block_size", "window", "registers")
+GROUP_FIELDS = ("kind", "block_size", "window", "registers", "chunk")
 
 
 def groups_of(value: object, where: str) -> tuple[Group, ...]:
     """A header's ``groups`` (a list of ``{"kind", "block_size", "window"}`` objects, ``window``
-    and a state group's ``registers`` optional) as ``Group``s; ``ValueError`` naming ``where`` for anything else. What each group
+    a state group's ``registers`` and a chunked group's ``chunk`` optional) as ``Group``s; ``ValueError`` naming ``where`` for anything else. What each group
     may be (kinds, block sizes, windows) is ``Config``'s to check."""
     if not isinstance(value, list):
         raise ValueError(f'"{where}" must be a list of group objects, got {json_type(value)}')
@@ -162,7 +163,10 @@ def groups_of(value: object, where: str) -> tuple[Group, ...]:
         registers = obj.get("registers")
         if registers is not None and not isinstance(registers, str):
             raise ValueError(f'{at}: "registers" must be a string or null')
-        groups.append(Group(obj["kind"], obj["block_size"], window, registers))
+        chunk = obj.get("chunk")
+        if chunk is not None and not _is_int(chunk):
+            raise ValueError(f'{at}: "chunk" must be an integer or null')
+        groups.append(Group(obj["kind"], obj["block_size"], window, registers, chunk))
     return tuple(groups)
 
 

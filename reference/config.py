@@ -32,22 +32,26 @@ POLICIES: dict[str, PolicyTraits] = {
 }
 """The policies the engine knows by name. Another combination of the same traits is run by
 naming it with ``EngineConfig.policy_traits`` (the conformance layer hands over the spec's)."""
-GROUP_KINDS = ("full", "window", "state")
+GROUP_KINDS = ("full", "window", "state", "chunked")
 """The KV-cache group kinds the engine follows (docs/hybrid.md): full attention, sliding-window
-attention, and a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode."""
+attention, a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode, and chunked
+local attention (a token attends to its own chunk of ``GroupSpec.chunk`` tokens only)."""
 
 
 class GroupSpec(NamedTuple):
     """One KV-cache group as the engine follows it: its kind (``GROUP_KINDS``), its block size
     (a multiple of ``EngineConfig.block_size``, the hash block size) and, for a ``window``
     group, its window in tokens; for a ``state`` group, ``registers``, when its states are
-    registered (``STATE_REGISTRATIONS``; None: ``at-its-step``). The engine's own representation
-    of the spec's ``Group``, which a test checks field by field (the engine imports no spec)."""
+    registered (``STATE_REGISTRATIONS``; None: ``at-its-step``); for a ``chunked`` group,
+    ``chunk``, its attention chunk in tokens (a multiple of its block size). The engine's own
+    representation of the spec's ``Group``, which a test checks field by field (the engine
+    imports no spec)."""
 
     kind: str
     block_size: int
     window: int | None = None
     registers: str | None = None
+    chunk: int | None = None
 
 
 STATE_REGISTRATIONS = ("at-its-step", "when-known")
@@ -236,6 +240,11 @@ class EngineConfig:
                     raise ValueError(f"{where}: a window group needs a window, an int >= 1")
             elif g.window is not None:
                 raise ValueError(f"{where}: only a window group has a window")
+            if g.kind == "chunked":
+                if not (_is_int(g.chunk) and g.chunk and g.chunk % g.block_size == 0):
+                    raise ValueError(f"{where}: a chunked group's chunk is a multiple of its block")
+            elif g.chunk is not None:
+                raise ValueError(f"{where}: only a chunked group has a chunk")
             if g.registers is not None and (
                 g.kind != "state" or g.registers not in STATE_REGISTRATIONS
             ):
@@ -250,7 +259,9 @@ class EngineConfig:
         groups, a state group, or a group block size other than the hash block size."""
         groups = self.groups
         return bool(groups) and (
-            len(groups) > 1 or groups[0].kind == "state" or groups[0].block_size != self.block_size
+            len(groups) > 1
+            or groups[0].kind in ("state", "chunked")
+            or groups[0].block_size != self.block_size
         )
 
     @property

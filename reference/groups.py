@@ -148,7 +148,7 @@ class GroupedKV(KVCacheManager):
         size = spec.block_size
         if spec.kind == "full":
             return range(length // size)
-        if spec.kind == "window":
+        if spec.kind in ("window", "chunked"):  # a chunk's hit: its end's chunk, from its start
             return range(self._skipped(g, length), length // size)
         return range(length // size - 1, length // size) if length else range(0)
 
@@ -191,6 +191,9 @@ class GroupedKV(KVCacheManager):
         if spec.kind == "window":
             assert spec.window is not None
             return max(0, processed - spec.window + 1) // spec.block_size
+        if spec.kind == "chunked":  # the whole chunks before the next token's
+            assert spec.chunk is not None
+            return (processed - processed % spec.chunk) // spec.block_size
         if spec.kind == "state":
             return max(0, -(-processed // spec.block_size) - 1)
         return 0
@@ -283,7 +286,7 @@ class GroupedKV(KVCacheManager):
             freed: list[Block] = []
             for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
                 if table[i] is null:
-                    if kind == "window":
+                    if kind in ("window", "chunked"):
                         break
                     continue
                 freed.append(table[i])

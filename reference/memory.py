@@ -137,6 +137,8 @@ class GroupMemory:
                         scratch.append(BadRead(name, step.step_id, req.rid, g, block, start))
                 continue
             lo = 0 if spec.window is None else max(0, start - spec.window + 1)
+            if spec.chunk is not None:  # a chunked group reads its first token's chunk
+                lo = start - start % spec.chunk
             for p in range(lo, start):
                 block, gen = table[p // size]
                 name, bytes_wrong = self._kv_fault(req, block, gen, p, size)

@@ -127,10 +127,12 @@ def schedule(
     if req.status == "waiting":
         admission.reorder_once(s, step)
         _admission_guard(s, step, req, where)
-        if num_loaded and (cfg.hybrid or (cfg.window is not None and num_tokens == 0)):
+        if num_loaded and (
+            cfg.hybrid or cfg.chunk is not None or (cfg.window is not None and num_tokens == 0)
+        ):
             raise Illegal(
-                f"{where}: asynchronous loads under a window, and loads under groups, are not "
-                "modelled"
+                f"{where}: asynchronous loads under a window, and loads under groups or a "
+                "chunked group, are not modelled"
             )
         if bound is not None and cfg.hybrid:
             raise Illegal(f"{where}: a bounded hit across groups is not modelled")
@@ -255,8 +257,8 @@ def trim(s: State, rid: int) -> list[Event]:
     preemption's frees. Its schedule then frees nothing more. Only with a window or groups."""
     step, req, cfg = _building(s, f"trim r{rid}"), _request(s, rid), s.config
     where = f"trim r{rid} in step {step.id}"
-    if cfg.window is None and not cfg.hybrid:
-        raise Illegal(f"{where}: no window or state group has blocks to trim")
+    if not cfg.local and not cfg.hybrid:
+        raise Illegal(f"{where}: no window or state group (nor a chunked one) has blocks to trim")
     if req.status != "running" or rid in step.entries:
         raise Illegal(f"{where}: not running, or already scheduled in this step")
     processed = max(0, req.computed - _in_flight(s, rid))

@@ -100,6 +100,12 @@ FEATURES: dict[str, Feature] = {
             {"groups": (Group("full", 1), Group("slot", 1)), "prefix_caching": False},
         ),
         Feature(
+            "chunked_local",
+            "a chunked local attention group (a token attends to its own chunk only)",
+            lambda c: any(g.kind == "chunked" for g in getattr(c, "groups", ())),
+            {"groups": (Group("chunked", 1, chunk=2),)},
+        ),
+        Feature(
             "hash_lookahead",
             "lookahead hashing (keys that name the tokens after a block)",
             lambda c: getattr(c, "hash_lookahead", 0) > 0,
@@ -162,7 +168,11 @@ FIELDS_OF: dict[str, str] = {
 }
 """Each ``Config`` field that is a feature's, and the feature."""
 
-GROUP_KIND_FEATURES: dict[str, str] = {"cross": "cross_attention", "slot": "slot_groups"}
+GROUP_KIND_FEATURES: dict[str, str] = {
+    "cross": "cross_attention",
+    "slot": "slot_groups",
+    "chunked": "chunked_local",
+}
 """Group kinds (``Group.kind`` in ``Config.groups``) that are a feature of their own beside
 ``groups``: the field is ``groups``', the feature the kind's."""
 

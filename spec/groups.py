@@ -22,6 +22,12 @@ rule (``hit_length``, a function of the published indexes alone) and the tables 
   first registration point whose known tokens reach the boundary, the slot's block whatever step
   last wrote it (right only where every step that writes the slot ends at its boundary or stops
   short of it: vLLM's aligned prefill chunks; else ``StateAtItsBoundary``).
+* ``chunked`` (C, chunked local attention, ``docs/model.md``, "Chunked local attention"): as
+  ``full``, but token ``t`` attends to tokens ``(t // C) * C .. t`` only. A hit of ``L``
+  tokens needs the blocks of ``L``'s chunk before ``L`` published (``chunk_start``; nulls
+  before them), the blocks of the whole chunks before the chunk of a running request's next
+  processed token are freed and nulled when it is scheduled, and a step reads the blocks of
+  its first token's chunk and its own.
 * ``cross`` (an encoder-decoder model's cross-attention, ``docs/model.md``, "Cross-attention"):
   block ``i`` holds the K/V of the request's encoder tokens ``i * B_g .. (i + 1) * B_g - 1``
   (``Encoded``). The table is sized by the encoder input alone (``cross_blocks``: ``ceil(E /
@@ -103,6 +109,20 @@ def window(s: State, g: int) -> int | None:
     return s.config.groups[g].window if s.config.groups else s.config.window
 
 
+def chunk(s: State, g: int) -> int:
+    """A chunked group ``g``'s chunk C (``Group.chunk``; group 0's for a model of one group)."""
+    return (s.config.groups[g].chunk if s.config.groups else None) or 1
+
+
+def chunk_start(s: State, g: int, end: int) -> int:
+    """The position of group ``g``'s table where the chunk of token ``end`` starts, a chunked
+    group's: ``(end // C) * C // B_g``. The token at ``end`` (the first one computed after a
+    hit of ``end`` tokens, or after ``end`` processed ones) attends to nothing before it
+    (vLLM's ``get_num_skipped_tokens``, and ``local_attention_start_idx`` in
+    ``find_longest_cache_hit``)."""
+    return end // chunk(s, g) * chunk(s, g) // size(s, g)
+
+
 def need(s: State, g: int) -> int:
     """A window group's blocks a hit needs before its end: ``ceil((W - 1) / B_g)``."""
     return -(-((window(s, g) or 1) - 1) // size(s, g))
@@ -123,6 +143,8 @@ def accepts(s: State, req: Request, g: int, length: int) -> bool:
     if kind(s, g) in ("state", "slot"):  # the state after exactly ``length`` tokens
         return n == 0 or first_hit(s, req, g, n - 1) is not None
     lo = max(0, n - need(s, g)) if kind(s, g) == "window" else 0
+    if kind(s, g) == "chunked":
+        lo = chunk_start(s, g, length)
     return all(first_hit(s, req, g, i) is not None for i in range(lo, n))
 
 
@@ -159,6 +181,8 @@ def hits_at(s: State, req: Request, g: int, length: int) -> list[int]:
         lo = max(0, n - 1)
     elif kind(s, g) == "window":
         lo = max(0, n - need(s, g))
+    elif kind(s, g) == "chunked":
+        lo = chunk_start(s, g, length)
     else:
         lo = 0
     blocks = [NULL_BLOCK] * lo
@@ -234,9 +258,12 @@ def gone(s: State, req: Request, processed: int) -> int:
 
 def skipped(s: State, g: int, processed: int) -> int:
     """Group ``g``'s leading positions no step will read again once ``processed`` tokens are
-    processed: a window's blocks wholly before the window of the next token; a state group's
-    blocks before the one holding the state after ``processed`` tokens; none for full."""
+    processed: a window's blocks wholly before the window of the next token; a chunked group's
+    blocks of the whole chunks before that token's; a state group's blocks before the one
+    holding the state after ``processed`` tokens; none for full."""
     bs = size(s, g)
+    if kind(s, g) == "chunked":
+        return chunk_start(s, g, processed)
     if kind(s, g) == "window":
         return max(0, processed - (window(s, g) or 1) + 1) // bs
     if kind(s, g) == "state":
@@ -256,8 +283,8 @@ def remove_skipped(s: State, req: Request, processed: int) -> list[Event]:
         freed = []
         for i in range(min(skipped(s, g, processed), len(table)) - 1, -1, -1):
             if table[i] == NULL_BLOCK:
-                if kind(s, g) == "window":
-                    break  # a window's nulls are a leading run
+                if kind(s, g) in ("window", "chunked"):
+                    break  # a window's (a chunked group's) nulls are a leading run
                 continue
             freed.append(table[i])
             table[i] = NULL_BLOCK
@@ -425,7 +452,8 @@ def writes_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> tuple[in
 def reads_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> list[tuple[int, int]]:
     """(position, block) of group ``g`` an entry from ``start`` reads as computed: a state
     group's block of the state after ``start`` tokens; a window's blocks of the window of token
-    ``start``; every earlier block under full attention; every block of a cross group (each
+    ``start``; a chunked group's blocks of token ``start``'s chunk; every earlier block under
+    full attention; every block of a cross group (each
     decoder token attends to every encoder token)."""
     if kind(s, g) == "cross":
         return list(enumerate(blocks))
@@ -435,7 +463,7 @@ def reads_of(s: State, g: int, start: int, blocks: tuple[int, ...]) -> list[tupl
     if kind(s, g) == "state":
         at = -(-start // bs) - 1
         return [(at, blocks[at])] if start > 0 else []
-    lo = skipped(s, g, start) if kind(s, g) == "window" else 0
+    lo = skipped(s, g, start) if kind(s, g) in ("window", "chunked") else 0
     return [(i, blocks[i]) for i in range(lo, len(blocks)) if i * bs < start]
 
 
@@ -524,6 +552,8 @@ def hit_positions(s: State, g: int, length: int) -> range:
         return range(max(0, n - 1), n)
     if kind(s, g) == "window":
         return range(max(0, n - need(s, g)), n)
+    if kind(s, g) == "chunked":
+        return range(chunk_start(s, g, length), n)
     return range(n)
 
 
@@ -543,13 +573,13 @@ def reads_in_flight(
 
 
 def window_blocks_in_flight(s: State) -> Iterator[tuple[Step, int, int, int, int]]:
-    """(step, request, group, position, block) of every block of a window group in groups
+    """(step, request, group, position, block) of every block of a window (or chunked) group in groups
     1 .. G - 1 that a live entry of a step not executed yet attends: those of the window of its
     first token, and its own blocks, which the step writes and its later tokens read (group 0's
     form: ``NoUnwrittenRead``'s window clause, "its own blocks too")."""
     for step, rid, e in live_group_entries(s):
         for g, blocks in enumerate(e.group_blocks, 1):
-            if kind(s, g) == "window":
+            if kind(s, g) in ("window", "chunked"):
                 for at in range(skipped(s, g, e.start), len(blocks)):
                     yield step, rid, g, at, blocks[at]
 

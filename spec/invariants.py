@@ -144,7 +144,7 @@ def refcount_is_ownership(s: State) -> Violation | None:
         owners.update(held.blocks)
     for req in s.requests.values():
         table = req.table
-        if s.config.window is not None:  # a window's skipped positions hold nothing
+        if s.config.local:  # a window's (chunked group's) skipped positions hold nothing
             table = [b for b in table if b != NULL_BLOCK]
         if req.group_tables:  # several groups: every table the request holds
             table = [b for b in table if b != NULL_BLOCK] + groups.held(req)
@@ -188,7 +188,7 @@ def shared_implies_same_prefix(s: State) -> Violation | None:
     bsz = s.config.block_size
     for req in s.requests.values():
         for i, block in enumerate(req.table):
-            if block == NULL_BLOCK and s.config.window is not None:  # skipped
+            if block == NULL_BLOCK and s.config.local:  # skipped
                 continue
             if block not in seen:
                 seen[block] = (req.id, i)
@@ -328,7 +328,7 @@ def misplaced_null(s: State, req: Request) -> bool:
     nulls = [i for i, b in enumerate(req.table) if b == NULL_BLOCK]
     if not nulls:
         return False
-    if s.config.window is None or req.status != "running":
+    if not s.config.local or req.status != "running":
         return True
     bsz = s.config.block_size
     flying = sum(  # a load's tokens are computed at once (WindowLoad)
@@ -670,7 +670,7 @@ def tables_append_only(before: dict[int, tuple[int, ...]], s: State) -> Violatio
     for rid, table in before.items():
         req = s.requests[rid]
         now = tuple(req.table[: len(table)])
-        if s.config.window is not None:  # skipped positions may turn null, from the head
+        if s.config.local:  # skipped positions may turn null, from the head
             now = tuple(b if b != NULL_BLOCK else table[i] for i, b in enumerate(now))
         if req.status == "running" and now != table:
             changed = tuple(sorted(set(table) ^ set(req.table[: len(table)])))

@@ -53,6 +53,8 @@ def lookup(s: State, req: Request, bound: int | None = None) -> list[int]:
         cap = min(cap, bound // s.config.block_size)
     if s.config.window is not None:
         return window_lookup(s, req, cap)
+    if s.config.chunk is not None:
+        return chunk_lookup(s, req, cap)
     hits: list[int] = []
     for i in range(cap):
         blocks = s.index.get(s.key(req, i))
@@ -82,6 +84,24 @@ def window_lookup(s: State, req: Request, cap: int) -> list[int]:
         if run >= need:
             return [NULL_BLOCK] * i + [found[j] for j in range(i, i + run)]
     return [found[j] for j in range(run)]
+
+
+def chunk_lookup(s: State, req: Request, cap: int) -> list[int]:
+    """A chunked group 0 of chunk C (vLLM's ``ChunkedLocalAttentionManager.find_longest_cache_hit``):
+    the next token computed after a hit of ``L`` tokens attends to its chunk from
+    ``(L // C) * C`` on only, so the positions of the whole chunks before the chunk of the
+    cap's end hold the null block (taken as computed whatever is published), and the hit goes
+    on with the run of published blocks from that chunk's first block, up to the cap. Every
+    hit ends in the cap's chunk: a shorter one would need more blocks, not fewer."""
+    chunk, bsz = s.config.chunk or 1, s.config.block_size
+    lo = cap * bsz // chunk * chunk // bsz
+    hits = [NULL_BLOCK] * lo
+    for i in range(lo, cap):
+        blocks = s.index.get(s.key(req, i))
+        if not blocks:
+            break
+        hits.append(blocks[0])
+    return hits
 
 
 def touch(s: State, req: Request, blocks: list[int]) -> list[Event]:
@@ -227,10 +247,15 @@ def free_batch(s: State, rid: int, table: list[int] | tuple[int, ...]) -> None:
 
 def publish(s: State, req: Request, index: int) -> list[Event]:
     """Register the request's block ``index`` under its hash (several blocks may share one).
-    Illegal without prefix caching: such a pool publishes nothing."""
+    Illegal without prefix caching: such a pool publishes nothing. Nothing for a position a
+    window or chunk skipped and nulled before its registration point came (a chunked group's
+    block completed by a step whose registration waits for the next commit can be skipped by a
+    schedule in between; vLLM's ``cache_full_blocks`` skips null blocks)."""
     if not s.config.prefix_caching:
         raise Illegal(f"publish of r{req.id}'s block {index}: prefix caching is off")
     block = req.table[index]
+    if block == NULL_BLOCK and s.config.local:
+        return []
     if block == NULL_BLOCK:
         raise Illegal("publish of the null block")
     if (index + 1) * s.config.block_size > len(req.tokens):

@@ -32,15 +32,16 @@ output): ``drop``, discarded, and the request may be re-admitted at once (vLLM's
 and the request is not re-admitted until every step that held it has committed (vLLM's default,
 ``num_stale_output_tokens``)."""
 NULL_BLOCK = 0
-GROUP_KINDS = ("full", "window", "state", "cross", "slot")
+GROUP_KINDS = ("full", "window", "state", "cross", "slot", "chunked")
 """The kinds of KV-cache group the spec follows (``Group.kind``, ``docs/model.md``, "Hybrid
 groups"): full attention, sliding-window attention, a recurrent state (Mamba, linear
 attention) cached at block boundaries, cross-attention (an encoder-decoder model's K/V of
-the request's encoder output, ``docs/model.md``, "Cross-attention"), and ``slot``: a recurrent
+the request's encoder output, ``docs/model.md``, "Cross-attention"), ``slot``: a recurrent
 state held in one private slot per request, rewritten in place by every step, cached and hit
 by copying whole states (SGLang's MAMBA component; ``spec/slots.py``, ``docs/model.md``, "Slot
-groups")."""
-REFUSED_GROUP_KINDS = {"chunked": "chunked local attention is not modelled yet"}
+groups"), and chunked local attention (Llama 4's: a token attends to its own chunk of
+``Group.chunk`` tokens only, ``docs/model.md``, "Chunked local attention")."""
+REFUSED_GROUP_KINDS: dict[str, str] = {}
 """Group kinds an engine has that the spec refuses by name (``Config`` raises naming them)."""
 STATE_REGISTRATIONS = ("at-its-step", "when-known")
 """When a state group registers the state at a block boundary (``Group.registers``;
@@ -100,12 +101,15 @@ class Group(NamedTuple):
     block table per request. ``block_size`` is a multiple of ``Config.block_size`` (the hash
     block size, the unit tokens are chained in); ``window`` is W for a ``window`` group and None
     otherwise; ``registers`` is a ``state`` group's registration rule (``STATE_REGISTRATIONS``;
-    None: ``at-its-step``), None for the other kinds."""
+    None: ``at-its-step``), None for the other kinds; ``chunk`` is C for a ``chunked`` group (a
+    multiple of ``block_size``: token ``t`` attends to tokens ``(t // C) * C .. t``; vLLM's
+    ``attention_chunk_size``) and None otherwise."""
 
     kind: str
     block_size: int
     window: int | None = None
     registers: str | None = None
+    chunk: int | None = None
 
     def problem(self, hash_block: int) -> str:
         """Why this group is no group of a ``Config`` with hash block size ``hash_block``, or
@@ -124,6 +128,14 @@ class Group(NamedTuple):
                 return f"a window group needs an integer window >= 1, got {self.window!r}"
         elif self.window is not None:
             return f"only a window group has a window, got {self.window!r} for {self.kind!r}"
+        if self.kind == "chunked":
+            if type(self.chunk) is not int or self.chunk < 1 or self.chunk % size:
+                return (
+                    f"a chunked group's chunk must be a positive multiple of its block_size "
+                    f"{size}, got {self.chunk!r}"
+                )
+        elif self.chunk is not None:
+            return f"only a chunked group has a chunk, got {self.chunk!r} for {self.kind!r}"
         if self.registers is not None and self.kind != "state":
             return f"only a state group has a registration rule, got {self.registers!r}"
         if self.registers is not None and self.registers not in STATE_REGISTRATIONS:
@@ -311,7 +323,7 @@ class Config:
             first = self.groups[0]
             limits = [
                 (
-                    first.kind != "state" and first.block_size == self.block_size,
+                    first.kind not in ("state", "chunked") and first.block_size == self.block_size,
                     "group 0 of several must be full or window, at block_size (not modelled)",
                 ),
                 (not self.spec_tokens, "several groups with spec_tokens are not modelled"),
@@ -330,6 +342,17 @@ class Config:
     def window(self) -> int | None:
         """Group 0's sliding window W, or None (``sliding_window``, or the first group's)."""
         return self.groups[0].window if self.groups else self.sliding_window
+
+    @property
+    def chunk(self) -> int | None:
+        """Group 0's attention chunk C (a ``chunked`` group 0, alone), or None."""
+        return self.groups[0].chunk if self.groups else None
+
+    @property
+    def local(self) -> bool:
+        """Group 0 is local attention, a sliding window or chunked: the positions before the
+        reach of a request's next token are freed and hold the null block (``State.skipped``)."""
+        return self.window is not None or self.chunk is not None
 
     @property
     def hybrid(self) -> bool:
@@ -600,15 +623,19 @@ class State:
     def first_read(self, start: int) -> int:
         """The first table index a computation of tokens from ``start`` on reads as computed
         prefix: 0 under full attention; with a sliding window W, the block of position
-        ``start - W + 1`` (the window of token ``start``)."""
-        w = self.config.window
-        return 0 if w is None else max(0, start - w + 1) // self.config.block_size
+        ``start - W + 1`` (the window of token ``start``); with a chunked group 0 of chunk C,
+        the block of the start of token ``start``'s chunk, ``(start // C) * C``."""
+        return self.skipped(start)
 
     def skipped(self, computed: int) -> int:
         """With a sliding window W, the leading table blocks wholly before the window of the
         token after ``computed`` tokens: ``(computed - W + 1) // B`` (vLLM's
-        ``get_num_skipped_tokens`` in blocks); 0 under full attention."""
-        w = self.config.window
+        ``get_num_skipped_tokens`` in blocks); with a chunked group 0 of chunk C, those of the
+        whole chunks before that token's: ``(computed // C) * C // B``
+        (``ChunkedLocalAttentionManager.get_num_skipped_tokens``); 0 under full attention."""
+        w, c = self.config.window, self.config.chunk
+        if c is not None:
+            return computed // c * c // self.config.block_size
         return 0 if w is None else max(0, computed - w + 1) // self.config.block_size
 
     def key(self, req: Request, index: int) -> Key:

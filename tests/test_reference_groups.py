@@ -65,7 +65,10 @@ def test_one_group_is_todays_engine(policy: str, discipline: str) -> None:
 def test_group_config_is_checked() -> None:
     """Bad groups are refused by name when the config is made."""
     cases = [
-        (dict(groups=(GroupSpec("chunked", 2),)), "kind"),
+        (dict(groups=(GroupSpec("cross", 2),)), "kind"),
+        (dict(groups=(GroupSpec("chunked", 2),)), "chunk is a multiple of its block"),
+        (dict(groups=(GroupSpec("chunked", 2, chunk=3),)), "chunk is a multiple of its block"),
+        (dict(groups=(GroupSpec("full", 2, chunk=4),)), "only a chunked group has a chunk"),
         (dict(groups=(GroupSpec("full", 3),)), "multiple"),
         (dict(groups=(GroupSpec("window", 2),)), "window"),
         (dict(groups=(GroupSpec("state", 2, 4),)), "only a window group"),
@@ -539,6 +542,58 @@ def test_the_reference_engine_with_groups_conforms(policy: str, discipline: str)
                 if e[0] == "hit" and 0 in e[2]:  # type: ignore[operator]
                     seen["null hits"] += 1
     assert seen["state hits"] > 3 and seen["null hits"] > 3, seen
+
+
+CHUNKED_GROUPS = [
+    (GroupSpec("chunked", 2, chunk=4),),
+    (GroupSpec("chunked", 2, chunk=2),),
+    (GroupSpec("full", 2), GroupSpec("chunked", 2, chunk=4)),
+    (GroupSpec("window", 2, 3), GroupSpec("chunked", 2, chunk=6), GroupSpec("state", 2)),
+]
+
+
+@pytest.mark.parametrize("policy", ["deferred", "hide-uncommitted", "eager-unsafe"])
+def test_the_reference_engine_with_a_chunked_group_conforms(policy: str) -> None:
+    """Lockstep with chunked local attention (h-chunked): alone and beside other groups, the
+    reference engine (its own chunk hit rule, skipped frees and reads in ``groups.GroupedKV``
+    and ``memory``) emits the spec's effects decision by decision, its pool is the spec's after
+    each, and the invariants hold at the end under the safe policies; hits with nulls before
+    the chunk and skipped frees happen."""
+    from collections import Counter
+
+    from test_reference import drive, recording_engine
+
+    from kvspec.spec import INVARIANTS
+
+    seen: Counter[str] = Counter()
+    for n, groups in enumerate(CHUNKED_GROUPS):
+        for depth, asynchronous in ((1, False), (2, False), (2, True), (3, True)):
+            rng = random.Random(f"chunked-{policy}-{n}-{depth}-{asynchronous}")
+            cfg = EngineConfig(
+                num_blocks=rng.randint(30, 45),
+                block_size=2,
+                depth=depth,
+                policy=policy,
+                discipline=rng.choice(["vllm", "general"]),
+                preemption=rng.choice(["fcfs", "priority"]),
+                token_budget=rng.randint(2, 10),
+                max_running=rng.randint(1, 4),
+                stop_token=0,
+                vocab=3,
+                async_scheduling=asynchronous,
+                stale_output="deliver" if depth > 1 and rng.random() < 0.5 else "drop",
+                groups=groups,
+            )
+            eng, rec = recording_engine(cfg, n, fail_rate=0.0)
+            drive(eng, rng, num_requests=rng.randint(4, 10))
+            rec.snapshots.append(eng.snapshot())
+            s = _replay_groups(cfg, list(rec), rec.snapshots)
+            if policy in ("deferred", "hide-uncommitted"):
+                broken = [name for name, inv in INVARIANTS.items() if inv(s) is not None]  # type: ignore[operator]
+                assert not broken, (cfg, broken)
+            seen["null hits"] += sum(1 for e in rec if e[0] == "hit" and 0 in e[2] and any(e[2]))  # type: ignore[operator]
+            seen["frees"] += sum(1 for e in rec if e[0] == "free")
+    assert seen["null hits"] > 3 and seen["frees"] > 10, seen
 
 
 def test_the_reference_adapter_takes_the_spec_groups() -> None:

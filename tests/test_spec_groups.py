@@ -21,7 +21,12 @@ def test_groups_are_validated_up_front_naming_the_problem() -> None:
     assert Config(8, 4, groups=HYBRID).hybrid
     assert not Config(8, 4, groups=(Group("full", 4),)).hybrid
     cases = {
-        (Group("chunked", 4),): "chunked",
+        (Group("chunked", 4),): "a chunked group's chunk must be a positive multiple",
+        (Group("chunked", 4, chunk=6),): "multiple of its block_size 4",
+        (Group("full", 4, chunk=8),): "only a chunked group has a chunk",
+        (Group("full", 4), Group("chunked", 4, chunk=4), Group("chunked", 4, chunk=4))[1:]: (
+            "group 0 of several must be full or window"
+        ),
         (Group("mamba", 4),): "unknown group kind",
         (Group("full", 6),): "multiple of block_size 4",
         (Group("window", 4),): "needs an integer window",

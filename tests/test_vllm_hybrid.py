@@ -149,7 +149,6 @@ def _mamba(mode: str, block_size: int = 4) -> KVCacheGroupSpec:
         (
             _fake(
                 [
-                    FULL,
                     KVCacheGroupSpec(
                         ["c"],
                         ChunkedLocalAttentionSpec(
@@ -160,6 +159,7 @@ def _mamba(mode: str, block_size: int = 4) -> KVCacheGroupSpec:
                             attention_chunk_size=8,
                         ),
                     ),
+                    FULL,
                 ]
             ),
             "chunked local attention",
@@ -246,21 +246,30 @@ def test_events_name_the_group_vllm_puts_each_block_in(model: str) -> None:
 
 
 def test_a_group_the_spec_has_no_kind_for_is_refused_not_built() -> None:
-    """A chunked group beside a full one, or a cross-attention group anywhere but in the
-    encoder-decoder layout (``groups.CROSS_MODEL``: a decoder full-attention group and a cross
-    group, judged since h-cross): ``group_features`` names it, so the attachment refuses it at
-    construction (a chunked group builds no ``Config.groups``: ``Group`` would raise). The
-    encoder-decoder layout itself maps to the spec's ``cross`` kind and is named by nothing."""
-    chunked = KVCacheGroupSpec(
-        ["c"],
-        ChunkedLocalAttentionSpec(
-            4, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=8
-        ),
-    )
+    """A chunked group first of several or of a chunk no whole number of blocks, or a
+    cross-attention group anywhere but in the encoder-decoder layout (``groups.CROSS_MODEL``: a
+    decoder full-attention group and a cross group, judged since h-cross): ``group_features``
+    names it, so the attachment refuses it at construction (no ``Config.groups`` is built:
+    ``Group`` would raise). A chunked group after a full one maps to the spec's ``chunked``
+    kind (h-chunked), and the encoder-decoder layout to its ``cross`` kind, named by nothing."""
+
+    def chunked_of(chunk: int) -> KVCacheGroupSpec:
+        spec = ChunkedLocalAttentionSpec(
+            4, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
+        )
+        return KVCacheGroupSpec(["c"], spec)
+
     cross = KVCacheGroupSpec(["x"], type("CrossAttentionSpec", (), {"block_size": 4})())
-    sched = _fake([FULL, chunked])
-    assert groups.spec_groups(sched) == {}
-    assert "chunked local attention" in [name for name, _ in groups.group_features(sched)]
+    sched = _fake([FULL, chunked_of(8)])
+    assert [(g.kind, g.chunk) for g in groups.spec_groups(sched)["groups"]] == [
+        ("full", None),
+        ("chunked", 8),
+    ]
+    assert not groups.group_features(sched)
+    for layout in ([chunked_of(8), FULL], [FULL, chunked_of(6)]):
+        sched = _fake(layout)
+        assert groups.spec_groups(sched) == {}, layout
+        assert "chunked local attention" in [n for n, _ in groups.group_features(sched)], layout
     for layout in ([FULL, FULL, cross], [cross, FULL]):  # the spec has the kind: refused by name
         sched = _fake(layout)
         assert "cross-attention" in [name for name, _ in groups.group_features(sched)], layout

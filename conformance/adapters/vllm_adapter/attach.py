@@ -88,8 +88,8 @@ from vllm.v1.request import Request
 
 from kvspec.spec import Config
 
+from . import chunked, versions
 from . import groups as hybrid_groups
-from . import versions
 from .attach_blocks import EVICT_FIRST, BlockCalls
 from .attach_outputs import OutputCalls
 from .attach_preemption import Preemptions
@@ -277,6 +277,7 @@ class Attachment(StepCalls, OutputCalls, Preemptions, BlockCalls):
         self._group: int | None = None  # the group whose manager is working, when hybrid
         self._windowed = (
             self.config.sliding_window is not None
+            or chunked.one_chunked_group(self.scheduler) is not None
             or hybrid_groups.frees_skipped_blocks(self.scheduler)
         )
         self.loads = AsyncLoads()
@@ -545,6 +546,7 @@ def config_of(scheduler: Any, depth: int = UNBOUNDED, stop_token: int | None = S
         admission_window=versions.admission_window(scheduler),
         admission_threshold=versions.admission_threshold(scheduler),
         **hybrid_groups.spec_groups(scheduler),
+        **chunked.spec_groups(scheduler),
     )
 
 

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from . import versions
+from .chunked import chunked_features, is_chunked
 from .groups import encoder_decoder, hybrid_features
 from .versions import read
 
@@ -106,8 +107,8 @@ def scheduler_features(sched: Any) -> list[Feature]:
         spec = group.kv_cache_spec
         if getattr(spec, "sliding_window", None):
             found += window_features(sched, spec)
-        elif getattr(spec, "attention_chunk_size", None):
-            found.append(("chunked local attention", type(spec).__name__))
+        elif is_chunked(spec):
+            found += chunked_features(sched, spec)
         elif type(spec) is not FullAttentionSpec:
             found.append((f"KV-cache spec {type(spec).__name__}", "not plain full attention"))
     # defer_block_free and defer_async_loads are modelled (Config.defer_free, defer_loads, read

@@ -29,12 +29,14 @@ from kvspec.spec import Config
 from kvspec.spec import state as spec_state
 
 from . import versions
+from .chunked import SPEC_FOLLOWS_CHUNKED, chunk_of, chunked_features, is_chunked
 
 Feature = tuple[str, str]
 
-KINDS = ("full", "window", "state", "cross")
+KINDS = ("full", "window", "state", "cross") + (("chunked",) if SPEC_FOLLOWS_CHUNKED else ())
 """The group kinds kvspec follows (``docs/hybrid.md``; ``cross``: ``docs/model.md``,
-"Cross-attention", only as ``CROSS_MODEL``); ``chunked`` is refused this round."""
+"Cross-attention", only as ``CROSS_MODEL``; ``chunked``: ``chunked.py``, where the spec of this
+build has it)."""
 CROSS_MODEL = ("full", "cross")
 """The groups of the encoder-decoder models kvspec judges: the decoder's full attention, then
 a cross-attention group (vLLM's ``CrossAttentionManager``), as Whisper's are grouped and
@@ -75,9 +77,7 @@ def group_kind(spec: Any) -> str:
         return "cross"
     if isinstance(spec, MambaSpec):
         return "state"
-    if type(spec).__name__ == "ChunkedLocalAttentionSpec" or getattr(
-        spec, "attention_chunk_size", None
-    ):
+    if is_chunked(spec):
         return "chunked"
     if isinstance(spec, FullAttentionSpec) and type(spec).__name__ == "FullAttentionSpec":
         return "window" if spec.sliding_window else "full"
@@ -94,6 +94,7 @@ def model_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
         window = getattr(spec, "sliding_window", None)
         kind = group_kind(spec)
         read = {"kind": kind, "block_size": spec.block_size, "window": window}
+        read |= {"chunk": int(spec.attention_chunk_size)} if kind == "chunked" else {}
         out.append(read | ({"registers": STATE_REGISTRATION} if kind == "state" else {}))
     return out
 
@@ -140,7 +141,7 @@ def frees_skipped_blocks(sched: Any) -> bool:
     one plain window's are (``docs/hybrid.md``)."""
     groups = sched.kv_cache_config.kv_cache_groups
     kinds = {group_kind(g.kv_cache_spec) for g in groups}
-    return len(groups) > 1 and bool(kinds & {"window", "state"})
+    return len(groups) > 1 and bool(kinds & {"window", "state", "chunked"})
 
 
 def group_features(sched: Any) -> list[Feature]:
@@ -151,7 +152,9 @@ def group_features(sched: Any) -> list[Feature]:
         spec = group.kv_cache_spec
         kind = group_kind(spec)
         if kind == "chunked":
-            found.append(("chunked local attention", f"group {i}: {type(spec).__name__}"))
+            found += chunked_features(sched, spec, f"group {i}: ")
+            if i == 0:
+                found.append(("chunked local attention", "group 0 of several (not modelled)"))
         elif kind == "cross" and not encoder_decoder(sched):
             found.append(("cross-attention", f"group {i} of {'+'.join(kinds_of(sched))}"))
         elif kind not in KINDS:
@@ -247,9 +250,15 @@ def spec_groups(sched: Any) -> dict[str, Any]:
     read = model_groups(sched.kv_cache_config)
     if any(g["kind"] not in KINDS for g in read):  # refused by name (group_features), not built
         return {}
+    specs = [g.kv_cache_spec for g in groups]
+    chunked = [i for i, g in enumerate(read) if g["kind"] == "chunked"]
+    if 0 in chunked or any(chunk_of(specs[i]) is None for i in chunked):  # refused, not built
+        return {}
     return {
         "groups": tuple(
             group(g["kind"], g["block_size"], window=g["window"], registers=g.get("registers"))
+            if g["kind"] != "chunked"
+            else group("chunked", g["block_size"], chunk=g["chunk"])
             for g in read
         )
     }
