@@ -43,7 +43,7 @@ from typing import Final, Protocol, cast
 
 from kvspec.judge.findings import HASH_CHAIN, Finding
 from kvspec.spec import Config, Illegal, Violation
-from kvspec.spec.events import DECISIONS, blocks_of, requests_of
+from kvspec.spec.events import DECISIONS, blocks_of, group_of, requests_of
 from kvspec.spec.observed import refuse_strict
 from kvspec.spec.state import State
 from kvspec.twins import NotFollowed
@@ -194,7 +194,7 @@ class Judge:
             else ("unpublish",)
         )
         if model.config.policy == "engine-registers" and model.config.slots:
-            self.own_effects += ("snapshot", "evict")  # spec/slots.py: the engine's copies
+            self.own_effects += ("snapshot", "evict", "track")  # spec/slots.py, spec/tracks.py
         self.finding: Finding | None = None
         self.events_seen = 0
         self.decisions = 0
@@ -517,7 +517,7 @@ class Judge:
             kind = effect[0]
             if pos < len(expected) and effect == expected[pos]:
                 pos += 1
-            elif kind in self.own_effects:
+            elif kind in self.own_effects or self._track_alloc(effect):
                 check_ids(kind, effect, self.ids, self.max_step)
                 try:
                     model.engine_effect(effect)
@@ -593,6 +593,15 @@ class Judge:
             self.key_hash[key] = (h, m - 1)
 
     # -- findings ---------------------------------------------------------------------------------
+
+    def _track_alloc(self, effect: Event) -> bool:
+        """An ``alloc`` in a slot group the spec did not make: the engine's track slot, its own
+        effect under engine-registers (``spec/tracks.py``)."""
+        config = self.model.config
+        if effect[0] != "alloc" or config.policy != "engine-registers" or not config.slots:
+            return False
+        g = group_of(effect)
+        return 0 < g < len(config.groups) and config.groups[g].kind == "slot"
 
     def _mismatch(self, event: Event, want: Event | None, index: int) -> Finding:
         named = (event,) if want is None else (event, want)

@@ -571,8 +571,16 @@ def tables_fit(s: State, req: Request) -> bool:
     if req.status != "running":
         return not groups_held(req)
     return len(req.group_tables) == len(s.config.groups) - 1 and all(
-        len(table) == positions(s, req, g) for g, table in enumerate(req.group_tables, 1)
+        slot_table_ok(table) if kind(s, g) == "slot" else len(table) == positions(s, req, g)
+        for g, table in enumerate(req.group_tables, 1)
     )
+
+
+def slot_table_ok(table: list[int]) -> bool:
+    """A running request's slot table: its working slot first, then the track slots the engine
+    allocated (``spec/tracks.py``; a position a donation emptied holds the null block until the
+    next track ``alloc``)."""
+    return bool(table) and table[0] != NULL_BLOCK
 
 
 def positions(s: State, req: Request, g: int) -> int:

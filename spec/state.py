@@ -369,6 +369,9 @@ class Write:
     bytes when step ``step`` executes, before any read or write of that step, in the order the
     copies were made (``State.copies``); ``prefix`` is what the copy was foreseen to bring when it
     was made (what ``source`` will hold then, as far as the writes in flight tell)."""
+    track: bool = False
+    """A slot group's track write (``spec/tracks.py``): the step's recurrence also leaves its state
+    after ``len(prefix)`` tokens in this track slot, when the step executes, after its reads."""
 
 
 @dataclass(slots=True)
