@@ -112,9 +112,7 @@ def timeline(
                 "snapshot": f"snapshot [{event[2]}] to block {event[3]}"
                 if len(event) > 3
                 else kind,
-                "track": f"track {event[3]} tokens to block {event[2]}"
-                if len(event) > 3
-                else kind,
+                "track": f"track {event[3]} tokens to block {event[2]}" if len(event) > 3 else kind,
                 "load_failed": "load failed",
             }.get(kind, kind)
             lane = _lane(lanes, REQUESTS, rid)

@@ -29,8 +29,10 @@ from .state import NULL_BLOCK, Illegal, State, Step, Write
 
 
 def _slot_group(s: State, g: int) -> bool:
-    return bool(s.config.groups) and 0 < g < len(s.config.groups) and (
-        s.config.groups[g].kind == "slot"
+    return (
+        bool(s.config.groups)
+        and 0 < g < len(s.config.groups)
+        and (s.config.groups[g].kind == "slot")
     )
 
 
