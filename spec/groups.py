@@ -324,6 +324,7 @@ def slot_schedule(s: State, req: Request, step: Step, g: int) -> list[Event]:
         return []
     events = allocate(s, req, g)
     req.slots[g] = table[0]
+    req.tracks[g] = []  # the engine's track slots follow (spec/tracks.py)
     admitted = s.admission
     if admitted is not None and admitted[0] == req.id and admitted[2][g]:
         slots.copy(s, step.id, admitted[2][g][0], table[0], req.id)

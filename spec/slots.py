@@ -159,8 +159,11 @@ def snapshot(s: State, effect: Event) -> list[Event]:
         )
     if b.key is not None:
         raise Illegal(f"{where}: the block is published already (an evict comes first)")
+    left = req.status == "finished" and block in req.tracks.get(g, ())
+    if left:  # a finished request donates a track slot it left (spec/tracks.py)
+        req.tracks[g].remove(block)
     if not held:
-        if block != slot:
+        if block != slot and not left:
             copy(s, copy_step(s), slot, block, rid)
         b.group = g
         s.free.remove(block)

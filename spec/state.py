@@ -431,6 +431,9 @@ class Request:
     """Slot groups (``spec/slots.py``): the slot block of each slot group the request holds, or
     last held (kept after it lets go of its tables: a finished request's ``snapshot`` names
     the state it left there)."""
+    tracks: dict[int, list[int]] = field(default_factory=dict)
+    """Slot groups' track slots (``spec/tracks.py``) the request holds, or held when it let go of
+    its tables (a finished request donates one: SGLang's ``_select_finished_checkpoint``)."""
 
     @property
     def output_len(self) -> int:

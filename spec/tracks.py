@@ -63,6 +63,7 @@ def alloc_track(s: State, effect: Event) -> list[Event]:
         raise Illegal(f"{where}: the block is published (an evict comes first)")
     s.free.remove(block)
     b.refcount, b.group = 1, g
+    req.tracks.setdefault(g, []).append(block)
     hole = next((i for i in range(1, len(table)) if table[i] == NULL_BLOCK), None)
     if hole is None:
         table.append(block)
@@ -111,6 +112,7 @@ def donate(s: State, rid: int, block: int, g: int, key: tuple) -> None:
     req = s.requests[rid]
     table = s.table_of(req, g)
     table[table.index(block)] = NULL_BLOCK
+    req.tracks[g].remove(block)
     b = s.blocks[block]
     b.refcount = 0
     s.free.append(block)

@@ -305,3 +305,44 @@ def test_an_empty_track_position_is_refilled_first() -> None:
         ],
     )
     assert s.requests[0].group_tables[0] == [R0_SLOT, NULL_BLOCK, PONG]
+
+
+def finish_and_donate(block: int) -> list[Item]:
+    """r0 (max 2 tokens) after the insert: its decode (tokens 1..6) also tracks the state after
+    6 tokens into FRESH, samples its last token and finishes (its tables freed, track slots
+    too); then SGLang's finished insert donates ``block`` at boundary 6
+    (``_select_finished_checkpoint``: the tracked slot is kept)."""
+    return [
+        *admit_max(2),
+        ("execute", 0, ()),
+        ("commit", 0, ((0, 6),)),
+        *insert(),
+        ("begin", 1),
+        ("schedule", 0, 1, 0),
+        *own(("track", 0, FRESH, 6, 1)),
+        ("submit", 1),
+        ("execute", 1, ()),
+        ("commit", 1, ((0, 7),)),
+        *own(("snapshot", 0, 2, block, 1)),
+    ]
+
+
+def admit_max(max_tokens: int) -> list[Item]:
+    first, *rest = admit(5, 4)
+    return [("arrive", 0, PROMPT, max_tokens, 0), *rest]
+
+
+def test_a_finished_request_donates_the_track_slot_it_left() -> None:
+    """After the finish frees r0's slot table, the snapshot of FRESH (a track slot r0 left,
+    tracked at 6) publishes it in place, no copy: no finding, and r1 can hit it. Donating PONG
+    (never written) instead is StateAtItsBoundary."""
+    s, events = stream(TRACKED, finish_and_donate(FRESH))
+    assert judged(TRACKED, events) is None
+    assert s.requests[0].status == "finished"
+    assert (
+        s.blocks[FRESH].key == (1, 2, 3, 4, 5, 6) and s.blocks[FRESH].written == s.blocks[FRESH].key
+    )
+    assert not s.copies and s.blocks[FRESH].refcount == 0
+    _, bad = stream(TRACKED, finish_and_donate(PONG))
+    found = judged(TRACKED, bad)
+    assert found is not None and found.invariant == "StateAtItsBoundary", found
