@@ -100,7 +100,7 @@ def track(s: State, effect: Event) -> list[Event]:
             f"{e.start}..{e.end - 1}"
         )
     tokens = tuple(s.seen(req, step.id, e)[:t])
-    s.blocks[block].pending.append(Write(step.id, rid, tokens, track=True))  # type: ignore[arg-type]
+    s.blocks[block].pending.append(Write(step.id, rid, tokens, track=True))
     s.touched.content.add(block)
     return [effect]
 
