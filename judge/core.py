@@ -53,6 +53,12 @@ from .ids import IdSet, UnknownId, check_ids
 from .recorder import Recorder as HistoryRecorder
 from .spec_model import SpecModel
 
+TRACK_REFUSAL: Final = (
+    "a track write is the engine's own effect, judged only observed under engine-registers "
+    "with a slot group (spec/tracks.py)"
+)
+"""Why a ``track`` effect is refused where the judge does not take the engine's own effects."""
+
 Event = tuple[object, ...]
 KINDS_DECIDED: Final = DECISIONS
 """``spec.events.DECISIONS``, Final here (compiled: read from a C static, not looked up)."""
@@ -604,6 +610,8 @@ class Judge:
         return 0 < g < len(config.groups) and config.groups[g].kind == "slot"
 
     def _mismatch(self, event: Event, want: Event | None, index: int) -> Finding:
+        if event and event[0] == "track":  # never the spec's own effect (spec/tracks.py)
+            return self._illegal(TRACK_REFUSAL, event, index)
         named = (event,) if want is None else (event, want)
         if want is None:
             message = (

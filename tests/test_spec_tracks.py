@@ -346,3 +346,18 @@ def test_a_finished_request_donates_the_track_slot_it_left() -> None:
     _, bad = stream(TRACKED, finish_and_donate(PONG))
     found = judged(TRACKED, bad)
     assert found is not None and found.invariant == "StateAtItsBoundary", found
+
+
+def test_a_track_in_a_strict_stream_is_refused_by_name() -> None:
+    """The spec's own policy, strict judging: a ``track`` after a schedule is Illegal, named
+    (not a disagreement about an effect the spec did not expect)."""
+    config = Config(8, 1)
+    s = initial_state(config)
+    events: list[Event] = []
+    for decision in [("arrive", 0, (1, 2), 2, 0), ("begin", 0), ("schedule", 0, 2, 0)]:
+        events += [decision, *actions.apply(s, decision)]
+    judge = Judge.spec(config)
+    found = judge.feed_all([*events, ("track", 0, 1, 2, 1), ("submit", 0)])
+    found = found or judge.settle() or judge.finding
+    assert found is not None and found.invariant == "Illegal", found
+    assert "track write is the engine's own effect" in found.message
