@@ -138,6 +138,7 @@ Z3_FEATURES: dict[str, str | Refused] = {
     "cross_attention": Refused("it has no cross-attention group (it refuses several groups)"),
     "slot_groups": Refused("it has no slot group (it refuses several groups)"),
     "chunked_local": Refused("its tables have no null positions and its reads no chunk"),
+    "track_slots": Refused("it has no slot group, so no track slot (it refuses several groups)"),
     "loads": Refused("the fragment has no external KV loads (nor their failures)"),
     "bounded_hits": Refused("its hit is the longest cached prefix, never bounded"),
     "reset_running": Refused("its reset needs no step in flight and preempts nothing"),
@@ -206,6 +207,12 @@ TWINS: tuple[Twin, ...] = (
             )
         }
         | {"chunked_local": FOLLOWS}  # its own chunk hit rule, skipped frees and reads
+        | {
+            "track_slots": Refused(
+                "no policy of its own writes a track slot: the track effects are an engine's own "
+                "(engine-registers, judged by the spec)"
+            )
+        }
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
@@ -244,6 +251,7 @@ TWINS: tuple[Twin, ...] = (
             "cross_attention": Refused("judged by the spec only: no cross-attention group"),
             "slot_groups": Refused("judged by the spec only: no slot group, no copies"),
             "chunked_local": Refused("judged by the spec only: no null positions, no chunk"),
+            "track_slots": Refused("judged by the spec only: no slot group, no track write"),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,
             "hash_lookahead": Refused("judged by the spec only: its keys are prefixes"),
@@ -303,6 +311,7 @@ TWINS: tuple[Twin, ...] = (
                 "its footprints do not restate the null-block positions: SpecModel judges a "
                 "chunked group with the full definitions"
             ),
+            "track_slots": Refused("it refuses several groups: SpecModel judges them"),
             "loads": FOLLOWS,
             "bounded_hits": FOLLOWS,  # the spec's actions bound the hit; no invariant reads it
             "hash_lookahead": Refused(
@@ -414,6 +423,7 @@ TWINS: tuple[Twin, ...] = (
             "cross_attention": Refused("it refuses several groups"),
             "slot_groups": Refused("it refuses several groups"),
             "chunked_local": Refused("its tables have no null positions and its reads no chunk"),
+            "track_slots": Refused("it refuses several groups"),
             "loads": FOLLOWS,
             # its lookup may hit any published blocks under the request's hashes: a bounded
             # hit is one of them

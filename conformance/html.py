@@ -31,6 +31,7 @@ MARKERS = {
     "free": ("P", "black", "freed"),
     "dedup": ("*", "tab:pink", "deduplicated onto"),
     "snapshot": ("h", "tab:olive", "a state cached (slot group)"),
+    "track": ("d", "tab:olive", "a state tracked (slot group's track slot)"),
 }
 
 

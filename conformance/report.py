@@ -172,6 +172,11 @@ def describe(event: Event) -> str:
         case "snapshot", (rid, index, block, *group):  # always in a slot group
             where = f" (group {group[0]})" if group else ""
             return f"r{rid}'s state after its block {index} cached in block {block}{where}"
+        case "track", (rid, block, tokens, *group):  # always in a slot group
+            where = f" (group {group[0]})" if group else ""
+            return (
+                f"r{rid}'s step also writes its state after {tokens} tokens to block {block}{where}"
+            )
     return repr(event)
 
 

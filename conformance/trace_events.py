@@ -112,6 +112,7 @@ def timeline(
                 "snapshot": f"snapshot [{event[2]}] to block {event[3]}"
                 if len(event) > 3
                 else kind,
+                "track": f"track {event[3]} tokens to block {event[2]}" if len(event) > 3 else kind,
                 "load_failed": "load failed",
             }.get(kind, kind)
             lane = _lane(lanes, REQUESTS, rid)
@@ -127,6 +128,7 @@ def timeline(
                 "hit": "hit by",
                 "publish": "published by",
                 "snapshot": "state cached from",
+                "track": "state tracked by",
             }.get(kind, kind)
             _lane(lanes, BLOCKS, block).marks.append(Mark(i, f"{verb}{who}", kind))
         for block, mark in writes.get(i, ()):

@@ -43,7 +43,7 @@ from typing import Final, Protocol, cast
 
 from kvspec.judge.findings import HASH_CHAIN, Finding
 from kvspec.spec import Config, Illegal, Violation
-from kvspec.spec.events import DECISIONS, blocks_of, requests_of
+from kvspec.spec.events import DECISIONS, blocks_of, group_of, requests_of
 from kvspec.spec.observed import refuse_strict
 from kvspec.spec.state import State
 from kvspec.twins import NotFollowed
@@ -52,6 +52,12 @@ from .fastmodel import FAST_INVARIANTS, FastModel
 from .ids import IdSet, UnknownId, check_ids
 from .recorder import Recorder as HistoryRecorder
 from .spec_model import SpecModel
+
+TRACK_REFUSAL: Final = (
+    "a track write is the engine's own effect, judged only observed under engine-registers "
+    "with a slot group (spec/tracks.py)"
+)
+"""Why a ``track`` effect is refused where the judge does not take the engine's own effects."""
 
 Event = tuple[object, ...]
 KINDS_DECIDED: Final = DECISIONS
@@ -194,7 +200,7 @@ class Judge:
             else ("unpublish",)
         )
         if model.config.policy == "engine-registers" and model.config.slots:
-            self.own_effects += ("snapshot", "evict")  # spec/slots.py: the engine's copies
+            self.own_effects += ("snapshot", "evict", "track")  # spec/slots.py, spec/tracks.py
         self.finding: Finding | None = None
         self.events_seen = 0
         self.decisions = 0
@@ -517,7 +523,7 @@ class Judge:
             kind = effect[0]
             if pos < len(expected) and effect == expected[pos]:
                 pos += 1
-            elif kind in self.own_effects:
+            elif kind in self.own_effects or self._track_alloc(effect):
                 check_ids(kind, effect, self.ids, self.max_step)
                 try:
                     model.engine_effect(effect)
@@ -594,7 +600,18 @@ class Judge:
 
     # -- findings ---------------------------------------------------------------------------------
 
+    def _track_alloc(self, effect: Event) -> bool:
+        """An ``alloc`` in a slot group the spec did not make: the engine's track slot, its own
+        effect under engine-registers (``spec/tracks.py``)."""
+        config = self.model.config
+        if effect[0] != "alloc" or config.policy != "engine-registers" or not config.slots:
+            return False
+        g = group_of(effect)
+        return 0 < g < len(config.groups) and config.groups[g].kind == "slot"
+
     def _mismatch(self, event: Event, want: Event | None, index: int) -> Finding:
+        if event and event[0] == "track":  # never the spec's own effect (spec/tracks.py)
+            return self._illegal(TRACK_REFUSAL, event, index)
         named = (event,) if want is None else (event, want)
         if want is None:
             message = (

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import admission, groups, policies, slots
+from . import admission, groups, policies, slots, tracks
 from .pool import (
     Event,
     allocate,
@@ -329,6 +329,8 @@ def execute(s: State, step_id: int, failed: tuple[int, ...] = ()) -> list[Event]
                     s.blocks[block].written = None
             if e.group_blocks:
                 groups.spoil(s, e)
+        if s.config.slots:  # a slot group's track writes land after the reads (spec/tracks.py)
+            tracks.run_tracks(s, step, rid, bool(bad))
     step.phase = "executed"
     return []
 

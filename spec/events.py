@@ -14,7 +14,7 @@ of block ids, ``ids`` a tuple of request ids, ``sampled`` a tuple of ``(req, tok
 ``reason`` one of ``REASONS``.
 
 Several KV-cache groups (``Config.groups``): ``alloc``, ``hit``, ``publish``, ``dedup`` and
-``snapshot`` (always in a slot group, so always with it) take an optional trailing field
+``snapshot`` and ``track`` (always in a slot group, so always with it) take an optional trailing field
 ``group`` (a nat, default 0; ``TRAILING``), after the kind's fields. The tuple form is canonical: the field is there exactly when the group is not 0 (``grouped``
 builds such an event, ``canonical`` drops a trailing 0, ``group_of`` reads it), so a one-group
 event never carries it and every event before groups reads as before.
@@ -143,6 +143,14 @@ KINDS: dict[str, Kind] = _kinds(
         "own slot, published in place, or a free block taking a copy of the slot (engines that "
         "register on their own: observed judging only; docs/model.md, Slot groups)",
     ),
+    Kind(
+        "track",
+        False,
+        (("req", "id"), ("block", "block"), ("tokens", "nat")),
+        "the request's entry in the step being built also writes its recurrent state after "
+        "exactly tokens tokens into block, one of its track slots in a slot group (SGLang's "
+        "MAMBA extra_buffer; observed judging only; docs/model.md, Track slots)",
+    ),
 )
 
 OPTIONAL = {"publish": ("hash",)}
@@ -150,7 +158,7 @@ OPTIONAL = {"publish": ("hash",)}
 (the trace format's ``hash``; the judge checks it against the token chain)."""
 
 TRAILING: dict[str, tuple[str, str]] = {
-    kind: ("group", "nat") for kind in ("alloc", "hit", "publish", "dedup", "snapshot")
+    kind: ("group", "nat") for kind in ("alloc", "hit", "publish", "dedup", "snapshot", "track")
 } | {"arrive": ("encoder", "nat")}
 """The optional trailing field of each kind that has one: its name and type. An event of such a
 kind is its fields, then that field when it is not 0 (the trace format's ``"group"``; an

@@ -106,6 +106,13 @@ FEATURES: dict[str, Feature] = {
             {"groups": (Group("chunked", 1, chunk=2),)},
         ),
         Feature(
+            "track_slots",
+            "a slot group's track slots (a step's track write, a track slot donated: "
+            "SGLang's MAMBA extra_buffer, spec/tracks.py)",
+            None,  # a feature of the engine's effects; it needs a slot group (the example)
+            {"groups": (Group("full", 1), Group("slot", 1)), "prefix_caching": False},
+        ),
+        Feature(
             "hash_lookahead",
             "lookahead hashing (keys that name the tokens after a block)",
             lambda c: getattr(c, "hash_lookahead", 0) > 0,

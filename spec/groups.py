@@ -351,6 +351,7 @@ def slot_schedule(s: State, req: Request, step: Step, g: int) -> list[Event]:
         return []
     events = allocate(s, req, g)
     req.slots[g] = table[0]
+    req.tracks[g] = []  # the engine's track slots follow (spec/tracks.py)
     admitted = s.admission
     if admitted is not None and admitted[0] == req.id and admitted[2][g]:
         slots.copy(s, step.id, admitted[2][g][0], table[0], req.id)
@@ -601,8 +602,16 @@ def tables_fit(s: State, req: Request) -> bool:
     if req.status != "running":
         return not groups_held(req)
     return len(req.group_tables) == len(s.config.groups) - 1 and all(
-        len(table) == positions(s, req, g) for g, table in enumerate(req.group_tables, 1)
+        slot_table_ok(table) if kind(s, g) == "slot" else len(table) == positions(s, req, g)
+        for g, table in enumerate(req.group_tables, 1)
     )
+
+
+def slot_table_ok(table: list[int]) -> bool:
+    """A running request's slot table: its working slot first, then the track slots the engine
+    allocated (``spec/tracks.py``; a position a donation emptied holds the null block until the
+    next track ``alloc``)."""
+    return bool(table) and table[0] != NULL_BLOCK
 
 
 def positions(s: State, req: Request, g: int) -> int:

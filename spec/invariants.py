@@ -548,7 +548,7 @@ def recycled_slot(s: State) -> Violation | None:
             if groups.kind(s, g) != "slot" or not blocks:
                 continue
             table = s.table_of(req, g) if req.group_tables else []
-            if table != [blocks[0]]:
+            if not table or table[0] != blocks[0]:
                 return Violation(
                     "NoReadOfRecycled",
                     f"step {step.id} will read and write block {blocks[0]} as r{rid}'s slot in "

@@ -20,7 +20,7 @@ illegal event.
 
 from __future__ import annotations
 
-from . import groups, slots
+from . import groups, slots, tracks
 from .events import group_of
 from .pool import Event, add_key, release, unpublish
 from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, State
@@ -125,6 +125,15 @@ def engine_effect(s: State, effect: Event) -> list[Event]:
         return slots.snapshot(s, effect)
     if kind == "evict" and engine_registers and s.config.slots:
         return slots.evict(s, effect)
+    if kind == "alloc" and engine_registers and tracks.is_track_alloc(s, effect):
+        return tracks.alloc_track(s, effect)
+    if kind == "track":
+        if not (engine_registers and s.config.slots):
+            raise Illegal(
+                f"{effect}: a track write is the engine's own effect, judged only under "
+                "engine-registers with a slot group (spec/tracks.py)"
+            )
+        return tracks.track(s, effect)
     return drop(s, effect)
 
 

@@ -25,6 +25,7 @@ read that follows.
 
 from __future__ import annotations
 
+from . import tracks
 from .events import group_of
 from .pool import Event, add_key, drop_key
 from .state import NULL_BLOCK, Content, Illegal, Request, State, Step, Write
@@ -146,20 +147,28 @@ def snapshot(s: State, effect: Event) -> list[Event]:
     if block == NULL_BLOCK or not 0 <= block < len(s.blocks):
         raise Illegal(f"{where}: no such block")
     b, slot = s.blocks[block], req.slots[g]
-    held = req.status == "running" and s.table_of(req, g) == [block]
+    key = tuple(req.tokens[: (index + 1) * s.config.groups[g].block_size])
+    if b.key is None and tracks.is_track_slot(s, rid, block, g):  # extra_buffer's donation
+        tracks.donate(s, rid, block, g, key)
+        return [effect]
+    table = s.table_of(req, g) if req.status == "running" else []
+    held = bool(table) and table[0] == block
     if not held and b.refcount:
         raise Illegal(
             f"{where}: the block is held (refcount {b.refcount}) and is not r{rid}'s own slot"
         )
     if b.key is not None:
         raise Illegal(f"{where}: the block is published already (an evict comes first)")
+    left = req.status == "finished" and block in req.tracks.get(g, ())
+    if left:  # a finished request donates a track slot it left (spec/tracks.py)
+        req.tracks[g].remove(block)
     if not held:
-        if block != slot:
+        if block != slot and not left:
             copy(s, copy_step(s), slot, block, rid)
         b.group = g
         s.free.remove(block)
         s.free.append(block)
-    add_key(s, block, tuple(req.tokens[: (index + 1) * s.config.groups[g].block_size]), g)
+    add_key(s, block, key, g)
     s.touched.blocks.add(block)
     s.touched.requests.add(rid)
     return [effect]

@@ -392,6 +392,9 @@ class Write:
     bytes when step ``step`` executes, before any read or write of that step, in the order the
     copies were made (``State.copies``); ``prefix`` is what the copy was foreseen to bring when it
     was made (what ``source`` will hold then, as far as the writes in flight tell)."""
+    track: bool = False
+    """A slot group's track write (``spec/tracks.py``): the step's recurrence also leaves its state
+    after ``len(prefix)`` tokens in this track slot, when the step executes, after its reads."""
 
 
 @dataclass(slots=True)
@@ -451,6 +454,9 @@ class Request:
     """Slot groups (``spec/slots.py``): the slot block of each slot group the request holds, or
     last held (kept after it lets go of its tables: a finished request's ``snapshot`` names
     the state it left there)."""
+    tracks: dict[int, list[int]] = field(default_factory=dict)
+    """Slot groups' track slots (``spec/tracks.py``) the request holds, or held when it let go of
+    its tables (a finished request donates one: SGLang's ``_select_finished_checkpoint``)."""
 
     @property
     def output_len(self) -> int:

@@ -17,6 +17,8 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_mamba.py``:
   besides, each tree state sits on a node whose key is as long as its ``snapshot`` said
   (``i + 1``), and the states SGLang has locked (``lock_ref``) are those the adapter counts
   (``MambaRecorder.locked_states``, which the Rust core's refcounts rest on);
+* ``extra``: what SGLang's resolution makes of ``mamba.EXTRA_MODEL`` (Qwen3-Next), with and
+  without overlap;
 * ``seeds:S1,S2``: ``replay`` on those seeds only;
 * ``judge:NAME``: ``kvspec fuzz`` on a MAMBA factory (``JUDGED``), one line as
   ``thirdparty_checks.kvspec`` prints it; ``judge-trace``: the planted ``ShortSnapshot``'s
@@ -55,11 +57,13 @@ JUDGED = {
     "short": ("sglang_adapter.mutants:short_snapshot_mamba_factory", "1", "30"),
     "skip-cow": ("sglang_adapter.mutants:skip_cow_mamba_factory", "1", "30"),
     "overlap": ("sglang_adapter:mamba_factory", "2", "5"),
+    "extra": ("sglang_adapter:mamba_extra_factory", "2", "5"),
 }
 """``judge:NAME``: (factory, depth, seconds): ``mamba_factory`` and its retraction test mode,
 20 s each (seed 0); the planted ``mutants.ShortSnapshot`` and ``mutants.SkipCow``, up to 30 s
 each; ``mamba_factory`` at
-depth 2, refused (SGLang's auto strategy forces the loop without overlap)."""
+depth 2, refused (SGLang's auto strategy forces the loop without overlap); ``mamba_extra_factory``
+(Qwen3-Next, extra_buffer under overlap, depth 2), refused by name."""
 
 
 def judge(name: str) -> None:
@@ -84,6 +88,17 @@ def judge_trace() -> None:
         fuzz = ("fuzz", "--target", f"kvspec.conformance.adapters.{target}", *MAMBA_CELL)
         kvspec(*fuzz, "--depth", depth, "--seconds", seconds, "--out", out, "--format", "v1")
         kvspec("check", out)
+
+
+def extra() -> None:
+    """What SGLang's resolution makes of ``mamba.EXTRA_MODEL`` (Qwen3-Next) with its default
+    overlap loop, and with ``--disable-overlap-schedule``: one line."""
+    on, off = dict(mamba.extra_resolved()), dict(mamba.extra_resolved(True))
+    print(
+        f"{mamba.EXTRA_MODEL['architectures'][0]} overlap {on['mamba_radix_cache_strategy']} "
+        f"overlap-off {on.get('disable_overlap_schedule', False)}; disabled "
+        f"{off['mamba_radix_cache_strategy']} overlap-off {off.get('disable_overlap_schedule')}"
+    )
 
 
 def build() -> None:
@@ -265,6 +280,8 @@ def main(cases: list[str]) -> None:
             replay([int(x) for x in arg.split(",")])
         elif name == "judge":
             judge(arg)
+        elif name == "extra":
+            extra()
         elif name == "judge-trace":
             judge_trace()
         elif name == "python":

@@ -30,6 +30,8 @@ CASES = (
     "judge:short",
     "judge:skip-cow",
     "judge:overlap",
+    "extra",
+    "judge:extra",
     "judge-trace",
 )
 
@@ -134,6 +136,26 @@ def test_the_overlap_loop_is_refused_by_name(case: dict[str, str]) -> None:
     words = case["judge:overlap"].split(maxsplit=3)
     assert words[:3] == ["exit", "2", "False"], case["judge:overlap"]
     assert "depth 1, not 2" in words[3], words[3]
+
+
+@needs_sglang
+def test_sglang_resolves_qwen3_next_to_extra_buffer_under_overlap(case: dict[str, str]) -> None:
+    """SGLang's ``auto`` on the Qwen3-Next-like config (``mamba.EXTRA_MODEL``): ``extra_buffer``
+    with its default overlap loop (overlap kept), ``no_buffer`` with overlap forced off once
+    ``--disable-overlap-schedule`` is given: the strategy the spec's track slots model."""
+    assert case["extra"] == (
+        "Qwen3NextForCausalLM overlap extra_buffer overlap-off False; "
+        "disabled no_buffer overlap-off True"
+    ), case["extra"]
+
+
+@needs_sglang
+def test_the_extra_buffer_factory_is_refused_by_name(case: dict[str, str]) -> None:
+    """``mamba_extra_factory`` (depth 2, the overlap loop SGLang keeps for it): exit 2, one line
+    naming ``extra_buffer`` and why (the recorder reports no track slots yet), no traceback."""
+    words = case["judge:extra"].split(maxsplit=3)
+    assert words[:3] == ["exit", "2", "False"], case["judge:extra"]
+    assert "extra_buffer refused" in words[3] and "Traceback" not in words[3], words[3]
 
 
 @needs_sglang

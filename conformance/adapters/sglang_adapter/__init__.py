@@ -69,6 +69,7 @@ __all__ = [
     "supported",
     "mamba_factory",
     "mamba_retract_factory",
+    "mamba_extra_factory",
     "swa_factory",
     "swa_retract_factory",
     "swa_sync_factory",
@@ -216,6 +217,22 @@ def mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
     if why is not None:
         raise ValueError(why)
     return SglangAdapter(config, choices, overlap=False, tree="mamba")
+
+
+def mamba_extra_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang's tree for Qwen3-Next (``mamba.EXTRA_MODEL``) as its ``auto`` strategy resolves it
+    under the overlap loop: ``extra_buffer`` (``mamba.extra_resolved``). Refused by name,
+    every cell: ``mamba.EXTRA_BUFFER_REFUSAL`` (the spec follows track slots, the recorder
+    does not report them yet); a cell the overlap loop refuses is refused first."""
+    from . import mamba
+
+    why = supported(config, overlap=True)
+    if why is not None:
+        raise ValueError(why)
+    strategy = dict(mamba.extra_resolved()).get("mamba_radix_cache_strategy")
+    if strategy != "extra_buffer":
+        raise ValueError(f"SGLang resolves {mamba.EXTRA_MODEL['architectures'][0]} to {strategy}")
+    raise ValueError(mamba.EXTRA_BUFFER_REFUSAL)
 
 
 def swa_refusal(config: Config, overlap: bool = True) -> str | None:

@@ -28,8 +28,9 @@ request's own slot counts 1.
 The model (``MAMBA_MODEL``) is LFM2's layout, a hybrid of short-convolution (state) layers and
 full-attention ones: SGLang's ``auto`` strategy resolves it to ``no_buffer`` and forces
 ``disable_overlap_schedule`` (``arg_groups/overrides.py``, ``_mamba_radix_cache_resolution``): the
-loop without overlap, depth 1. A model with the ping-pong ``extra_buffer`` (Qwen3-Next, Nemotron-H
-under overlap) is refused by name (``EXTRA_BUFFER_REFUSAL``).
+loop without overlap, depth 1. A model with the ping-pong ``extra_buffer`` (``EXTRA_MODEL``,
+Qwen3-Next, which ``auto`` resolves to ``extra_buffer`` under overlap: ``extra_resolved``) is
+refused by name (``EXTRA_BUFFER_REFUSAL``; the spec's side is ``spec/tracks.py``).
 """
 
 from __future__ import annotations
@@ -75,34 +76,72 @@ SGLang's ``ModelConfig`` and ``mambaish_config`` read from it the state's shape 
 EXTRA_BUFFER_REFUSAL = (
     "SGLang's extra_buffer strategy (what auto picks for Qwen3-Next or Nemotron-H under the "
     "overlap scheduler, or with pages over 1 token) keeps each request's state in a ping-pong "
-    "pair of slots and caches the one tracked at mamba_last_track_seqlen: a step writes two "
-    "slots and an insert publishes a state behind the key's end; the spec's slot group has one "
-    "slot per request rewritten in place: extra_buffer refused (mamba_factory runs no_buffer; "
-    "docs/adapters.md, SGLang, hybrid models)"
+    "pair of track slots beside its working slot and donates the one tracked at "
+    "mamba_last_track_seqlen at an insert; the spec follows it (track slots: docs/model.md), "
+    "but the adapter records no track alloc, track write or donation from SGLang's batch yet: "
+    "extra_buffer refused (mamba_factory runs no_buffer; docs/adapters.md, SGLang, hybrid "
+    "models)"
 )
-"""Why the MAMBA factories run ``no_buffer`` only."""
+"""Why ``mamba_extra_factory`` refuses every cell (``docs/adapters.md``: what is left)."""
+
+
+EXTRA_MODEL = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "full_attention_interval": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 1,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "vocab_size": 256,
+    "max_position_embeddings": MAX_CONTEXT,
+}
+"""The ``config.json`` of a tiny Qwen3-Next (a gated-delta-net layer beside a full-attention one),
+no weights: the model SGLang's ``auto`` resolves to ``extra_buffer`` under the overlap loop
+(``extra_resolved``; spec side: ``docs/model.md``, "Track slots")."""
+
+MODELS = {"lfm2": MAMBA_MODEL, "qwen3-next": EXTRA_MODEL}
+"""The hybrid SSM models the adapter writes, by name."""
 
 
 @functools.cache
-def model_folder() -> str:
-    """A temporary folder holding ``MAMBA_MODEL`` as its ``config.json``."""
-    folder = tempfile.mkdtemp(prefix="kvspec-sglang-mamba-")
+def model_folder(model: str = "lfm2") -> str:
+    """A temporary folder holding ``MODELS[model]`` as its ``config.json``."""
+    folder = tempfile.mkdtemp(prefix=f"kvspec-sglang-{model}-")
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(MAMBA_MODEL, f)
+        json.dump(MODELS[model], f)
     return folder
 
 
+def extra_resolved(disable_overlap: bool = False) -> tuple[tuple[str, Any], ...]:
+    """``resolved`` for ``EXTRA_MODEL`` (Qwen3-Next)."""
+    return resolved(disable_overlap, "qwen3-next")
+
+
 @functools.cache
-def resolved(disable_overlap: bool = False) -> tuple[tuple[str, Any], ...]:
+def resolved(disable_overlap: bool = False, model: str = "lfm2") -> tuple[tuple[str, Any], ...]:
     """What SGLang's own resolution pass (``_mamba_radix_cache_resolution``) decides for
-    ``MAMBA_MODEL`` with the server's default arguments on a CPU (``--disable-overlap-schedule``
-    with ``disable_overlap``): ``mamba_radix_cache_strategy`` from ``auto``, and whether it
-    forces ``disable_overlap_schedule``."""
+    ``MODELS[model]`` with the server's default arguments on a CPU
+    (``--disable-overlap-schedule`` with ``disable_overlap``): ``mamba_radix_cache_strategy``
+    from ``auto``, and whether it forces ``disable_overlap_schedule``."""
     from sglang.srt.arg_groups import overrides
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(
-        model_path=model_folder(),
+        model_path=model_folder(model),
         device="cpu",
         skip_tokenizer_init=True,
         disable_overlap_schedule=disable_overlap,
