@@ -372,7 +372,8 @@ def test_a_crash_inside_kvspec_never_changes_a_test_outcome(tmp_path: Path, venv
     (vLLM's methods called as often, its exceptions unchanged), each crash is counted as an
     internal error, and no manager is kept alive. On kvspec before the safety net, 11 of the 25
     items failed under the plugin (the planted crash raised into the test, and the plugin kept
-    a manager alive)."""
+    a manager alive). Its own sessions, not the shared ones of ``tests/vllm_case_sessions.py``:
+    the summary's count of internal errors is over the whole session."""
     case = str(CASES / "case_crash.py")
     _, bare, _ = _junit(tmp_path, "bare", case, "-p", "no:kvspec.pytest_plugin", venv=venv)
     out, judged, report = _junit(tmp_path, "judged", case, "-p", "kvspec.pytest_plugin", venv=venv)

@@ -22,9 +22,15 @@ they all read ``::test_...`` and would collide across files) and JUnit's class n
 the plugin's report is split on the node id, JUnit's cases on the class name (a module skipped or
 broken at collection is a case named after the module, with no class name).
 
-A new case file joins by one line in ``CASE_FILES``. The crash test
-(``test_pytest_plugin.py``'s ``case_crash.py``) stays alone: it counts the kvspec internal errors
-of its whole session in the summary, and its planted crashes are the errors counted.
+A new case file joins by one line in ``CASE_FILES`` (``tests/test_vllm_case_sessions.py`` fails
+while a test file that asks for the sessions is not registered with its case file). Left alone,
+each in its own sessions: the crash test (``test_pytest_plugin.py``, ``case_crash.py``), which
+asserts the summary's count of kvspec internal errors over its whole session (its planted crashes
+are the errors counted) and runs without the CPU platform plugin; and ``test_pytest_plugin.py``'s
+tests outside the e2e stage (the twelve files of ``test_the_plugin_judges_vllm_style_tests`` and
+``test_without_the_plugin_every_case_passes``, ``case_loads.py``), which assert the counts of their
+own session's summary ("14 failed", "45 passed", "31  judged and holding") on ``.venv-vllm``
+alone, in ``make test``.
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ class Part:
 def split(record: dict, case: str) -> Part:
     """``case``'s part of a session's ``record`` (``CaseSessions._run``): its JUnit cases by class
     name (a module-level skip or collection error: the module's name, no class name), its report
-    entries by node id."""
+    entries by node id; each keyed by the test's name, as JUnit has it (two alike: refused)."""
     module = case.removesuffix(".py")
     outcomes, skipped = {}, {}
     for test in ET.fromstring(record["junit"]).iter("testcase"):
@@ -86,12 +92,12 @@ def split(record: dict, case: str) -> Part:
         outcomes[name] = "failed" if failed else "passed"
         for child in test.iter("skipped"):
             skipped[name] = f"{child.get('message', '')}: {child.text or ''}"
-    prefix = f"{case}::"
-    tests = {
-        nodeid.removeprefix(prefix): entry
-        for nodeid, entry in (record["report"] or {}).get("tests", {}).items()
-        if nodeid.startswith(prefix)
-    }
+    tests: dict[str, dict] = {}
+    for nodeid, entry in (record["report"] or {}).get("tests", {}).items():
+        if nodeid.startswith(f"{case}::"):
+            name = nodeid.split("::")[-1]  # as JUnit names it
+            assert name not in tests, f"{case}: two tests named {name}"
+            tests[name] = entry
     return Part(record["out"], outcomes, skipped, tests)
 
 
@@ -194,9 +200,10 @@ def judge_case(
     bare_part, judged_part = sessions.parts(venv, Path(case).name)
     bare = bare_part.outcomes
     assert bare == dict.fromkeys((*passing, *planted), "passed"), bare
-    judged = judged_part.outcomes
-    assert judged == {**bare, **dict.fromkeys(planted, "failed")}, judged_part.out[-3000:]
-    tests = judged_part.tests
+    judged, tests = judged_part.outcomes, judged_part.tests
+    expected = {**bare, **dict.fromkeys(planted, "failed")}
+    unexpected = {name: tests.get(name) for name in judged if judged[name] != expected.get(name)}
+    assert judged == expected, (judged, unexpected)  # with the plugin's entry of each off one
     for name, finding in planted.items():
         assert tests[name]["outcome"] == "violation", tests[name]
         assert finding in tests[name]["finding"], tests[name]["finding"]
