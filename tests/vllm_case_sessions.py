@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,7 @@ class CaseSessions:
         junit = folder / "junit.xml"
         argv = [str(CASES / case) for case in self.cases]
         argv += [*CPU_PLATFORM, *PASSES[mode], f"--junitxml={junit}"]
+        start = time.monotonic()
         try:
             done, _ = _pytest(folder, *argv, venv=venv, rootdir=CASES, timeout=TIMEOUT)
         except subprocess.TimeoutExpired as err:
@@ -183,6 +185,7 @@ class CaseSessions:
             "out": out,
             "junit": junit.read_text(),
             "report": json.loads(report.read_text()) if report.exists() else None,
+            "seconds": round(time.monotonic() - start, 1),  # the session's wall time, for its cost
         }
 
 
