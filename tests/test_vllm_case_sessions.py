@@ -2,14 +2,20 @@
 vLLM: every test file that reads a case file's part is registered with that case file (a case
 file a test asks for but the registry lacks would not be in the session), and a session's
 results split per case file even where two files name a test alike (JUnit by class name, the
-plugin's report by node id), a module skipped at collection going to its own file."""
+plugin's report by node id), a module skipped at collection going to its own file; and a pass
+another xdist worker holds is read once it is written, never run twice."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+import time
 from pathlib import Path
 
-from vllm_case_sessions import CASE_FILES, split
+import pytest
+from filelock import FileLock
+from vllm_case_sessions import CASE_FILES, CaseSessions, split
 
 TESTS = Path(__file__).resolve().parent
 
@@ -62,3 +68,41 @@ def test_a_session_splits_per_case_file() -> None:
     assert c.outcomes == {"test_same[1]": "failed"}, c
     assert c.tests == {"test_same[1]": {"outcome": "violation"}}, c
     assert split({**record, "report": None}, "case_a.py").tests == {}  # the bare pass
+
+
+def test_a_pass_another_worker_holds_is_read_not_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers of one run: this one finds the bare pass's lock taken, runs the judged pass
+    meanwhile, then waits and reads the bare pass the other wrote; a third asker runs nothing."""
+    ran = []
+
+    def run(self: CaseSessions, venv: Path, mode: str) -> dict:
+        ran.append(mode)
+        return {"error": None, "out": mode, "junit": JUNIT, "report": REPORT}
+
+    monkeypatch.setattr(CaseSessions, "_run", run)
+    sessions = CaseSessions(tmp_path, ("case_a.py",))
+    tmp_path.mkdir(exist_ok=True)
+    other = FileLock(str(tmp_path / "venv-x-bare.lock"))
+    other.acquire()
+    parts: list = []
+    asker = threading.Thread(
+        target=lambda: parts.extend(sessions.parts(Path(".venv-x"), "case_a.py")), daemon=True
+    )  # a daemon: a planted wait never holds the test run open
+    asker.start()
+    record = tmp_path / "venv-x-judged.json"
+    for _ in range(500):
+        if record.exists():
+            break
+        time.sleep(0.01)
+    assert ran == ["judged"] and asker.is_alive()  # the free pass run, the held one awaited
+    (tmp_path / "venv-x-bare.json").write_text(
+        json.dumps({"error": None, "out": "other", "junit": JUNIT, "report": None})
+    )
+    other.release()
+    asker.join(timeout=10)
+    assert [part.out for part in parts] == ["other", "judged"], parts  # in the asked order
+    assert parts[1].tests["test_other"] == {"outcome": "violation"}
+    again = CaseSessions(tmp_path, ("case_a.py",)).parts(Path(".venv-x"), "case_a.py")
+    assert ran == ["judged"] and [part.out for part in again] == ["other", "judged"]

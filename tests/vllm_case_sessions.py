@@ -132,7 +132,7 @@ class CaseSessions:
             "tests/vllm_case_sessions.py's CASE_FILES joins a case file to its test file"
         )
         self.root.mkdir(exist_ok=True)
-        keys = [(venv.name, mode) for mode in modes]
+        keys = [(venv.name.lstrip("."), mode) for mode in modes]  # no hidden files
         waiting = [key for key in keys if key not in self.records]
         while waiting:
             for key in waiting:
@@ -166,7 +166,7 @@ class CaseSessions:
     def _run(self, venv: Path, mode: str) -> dict:
         """One session of every case file in ``venv``: its output, JUnit file and report, or
         what stopped it (then every test that reads it fails saying so)."""
-        folder = self.root / f"{venv.name}-{mode}"
+        folder = self.root / f"{venv.name.lstrip('.')}-{mode}"
         folder.mkdir()
         junit = folder / "junit.xml"
         argv = [str(CASES / case) for case in self.cases]
@@ -176,9 +176,10 @@ class CaseSessions:
             done, _ = _pytest(folder, *argv, venv=venv, rootdir=CASES, timeout=TIMEOUT)
         except subprocess.TimeoutExpired as err:
             return {"error": f"timed out after {err.timeout} s", "out": "", "junit": ""}
-        out = done.stdout + done.stderr[-3000:]
+        out = done.stdout
         if not junit.exists():
-            return {"error": f"no JUnit file (exit {done.returncode}): {out[-3000:]}", "out": out}
+            why = f"no JUnit file (exit {done.returncode}): {out[-2000:]}{done.stderr[-2000:]}"
+            return {"error": why, "out": out}
         report = folder / "report.json"
         return {
             "error": None,
