@@ -120,10 +120,6 @@ class CaseSessions:
         cases = tuple(case for case, test in CASE_FILES.items() if test in collected)
         return cls(root / "vllm-case-sessions", cases)
 
-    def part(self, venv: Path, mode: str, case: str) -> Part:
-        """``case``'s part of ``mode``'s session on ``venv`` (run by whichever worker is first)."""
-        return self.parts(venv, case, (mode,))[0]
-
     def parts(self, venv: Path, case: str, modes: tuple[str, ...] = tuple(PASSES)) -> list[Part]:
         """``case``'s parts of ``modes``' sessions on ``venv``, in that order: each session run
         here unless another worker has run it or is running it (then run what is free first)."""
@@ -167,7 +163,7 @@ class CaseSessions:
         """One session of every case file in ``venv``: its output, JUnit file and report, or
         what stopped it (then every test that reads it fails saying so)."""
         folder = self.root / f"{venv.name.lstrip('.')}-{mode}"
-        folder.mkdir()
+        folder.mkdir(exist_ok=True)  # left by a worker stopped mid-run: run again
         junit = folder / "junit.xml"
         argv = [str(CASES / case) for case in self.cases]
         argv += [*CPU_PLATFORM, *PASSES[mode], f"--junitxml={junit}"]
