@@ -71,3 +71,14 @@ def seed_bug_run(tmp_path_factory: pytest.TempPathFactory) -> SeedBugRun:
             record.write_text(json.dumps([done.returncode, done.stdout, done.stderr]))
     returncode, stdout, stderr = json.loads(record.read_text())
     return SeedBugRun(returncode, stdout, stderr, path)
+
+
+@pytest.fixture(scope="session")
+def vllm_case_sessions(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> object:
+    """The plugin's case files judged in one vLLM session per release and pass, shared by this
+    run's tests and xdist workers (``tests/vllm_case_sessions.py``)."""
+    from vllm_case_sessions import CaseSessions
+
+    return CaseSessions.of(request.session, tmp_path_factory)

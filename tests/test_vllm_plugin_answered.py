@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_answered.py")
@@ -30,8 +31,10 @@ REFUSED = {  # test -> its one refusal's start
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_plugin_judges_answered_calls_and_empty_outputs(tmp_path: Path, venv: Path) -> None:
-    tests = judge_case(tmp_path, CASE, venv, (*HOLDS, *REFUSED), PLANTED)
+def test_the_plugin_judges_answered_calls_and_empty_outputs(
+    vllm_case_sessions: CaseSessions, venv: Path
+) -> None:
+    tests = judge_case(vllm_case_sessions, CASE, venv, (*HOLDS, *REFUSED), PLANTED)
     for name in HOLDS:
         entry = tests[name]
         assert entry["outcome"] == "judged" and entry["events"] > 20, entry

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_hitbound.py")
@@ -32,12 +33,12 @@ PLANTED_034 = {"test_a_bounded_read_ignored_is_caught": "Disagreement: engine em
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_plugin_judges_bounded_hits(tmp_path: Path, venv: Path) -> None:
+def test_the_plugin_judges_bounded_hits(vllm_case_sessions: CaseSessions, venv: Path) -> None:
     later = venv.name.endswith("0.34.0")
     holds = HOLDS + (HOLDS_034 if later else ())
     planted = PLANTED | (PLANTED_034 if later else {})
     skipped = () if later else (*HOLDS_034, *PLANTED_034)  # JUnit counts a skip as passed
-    tests = judge_case(tmp_path, CASE, venv, holds + skipped, planted)
+    tests = judge_case(vllm_case_sessions, CASE, venv, holds + skipped, planted)
     for name in holds:
         entry = tests[name]
         assert entry["outcome"] == "judged" and entry["events"] > 20, entry

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_rejected.py")
@@ -23,9 +24,9 @@ REFUSED = "test_a_touch_that_fails_after_taking_a_block_off_the_free_queue_is_re
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
 def test_the_plugin_judges_a_rejected_call_only_where_it_changed_nothing(
-    tmp_path: Path, venv: Path
+    vllm_case_sessions: CaseSessions, venv: Path
 ) -> None:
-    tests = judge_case(tmp_path, CASE, venv, (JUDGED, REFUSED), {})
+    tests = judge_case(vllm_case_sessions, CASE, venv, (JUDGED, REFUSED), {})
     judged = tests[JUDGED]
     assert judged["outcome"] == "pool" and judged["refusals"] == [], judged
     assert judged["events"] >= 3, judged  # the allocations and the free after the rejection

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_reset.py")
@@ -29,8 +30,10 @@ REFUSED = {  # test -> its one refusal's start
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_plugin_judges_a_reset_beside_steps_in_flight(tmp_path: Path, venv: Path) -> None:
-    tests = judge_case(tmp_path, CASE, venv, (*HOLDS, *REFUSED), PLANTED)
+def test_the_plugin_judges_a_reset_beside_steps_in_flight(
+    vllm_case_sessions: CaseSessions, venv: Path
+) -> None:
+    tests = judge_case(vllm_case_sessions, CASE, venv, (*HOLDS, *REFUSED), PLANTED)
     for name in HOLDS:
         entry = tests[name]
         assert entry["outcome"] == "judged" and entry["events"] > 50, entry

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_winconn.py")
@@ -24,8 +25,10 @@ PLANTED = {  # test -> what kvspec's finding must say
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_plugin_judges_loads_under_a_window(tmp_path: Path, venv: Path) -> None:
-    tests = judge_case(tmp_path, CASE, venv, HOLDS, PLANTED)
+def test_the_plugin_judges_loads_under_a_window(
+    vllm_case_sessions: CaseSessions, venv: Path
+) -> None:
+    tests = judge_case(vllm_case_sessions, CASE, venv, HOLDS, PLANTED)
     for name in HOLDS:
         entry = tests[name]
         assert entry["outcome"] == "judged" and entry["events"] > 200, entry

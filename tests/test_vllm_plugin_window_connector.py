@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_window_connector.py")
@@ -24,8 +25,10 @@ REFUSED: dict[str, str] = {}  # test -> its one refusal's start (a finish: Windo
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_plugin_judges_a_window_beside_a_connector(tmp_path: Path, venv: Path) -> None:
-    tests = judge_case(tmp_path, CASE, venv, (*HOLDS, *REFUSED), PLANTED)
+def test_the_plugin_judges_a_window_beside_a_connector(
+    vllm_case_sessions: CaseSessions, venv: Path
+) -> None:
+    tests = judge_case(vllm_case_sessions, CASE, venv, (*HOLDS, *REFUSED), PLANTED)
     for name in HOLDS:
         entry = tests[name]
         assert entry["outcome"] == "judged" and entry["events"] > 100, entry
