@@ -9,17 +9,8 @@ skipped with the reason without it.
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv-sglang"
-
-needs_sglang = pytest.mark.skipif(
-    not (VENV / ".stamp").exists(), reason="no .venv-sglang: run `make thirdparty` to build it"
-)
+from sglang_cases import needs_sglang, run_cases
 
 CASES = (
     "build",
@@ -39,18 +30,7 @@ CASES = (
 @pytest.fixture(scope="module")
 def case() -> dict[str, str]:
     """Each case's line, from one subprocess (SGLang takes seconds to import)."""
-    done = subprocess.run(
-        [str(VENV / "bin" / "python"), "tests/sglang_mamba_checks.py", *CASES],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()[-len(CASES) - 1 :]  # judge-trace prints two lines
-    said = dict(zip(CASES, lines, strict=False))
-    said["judge-trace"] = "\n".join(lines[-2:])
-    return said
+    return run_cases("tests/sglang_mamba_checks.py", CASES)
 
 
 @needs_sglang

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pytest_plugin import CASES, judge_case
+from test_pytest_plugin import CASES
+from vllm_case_sessions import CaseSessions, judge_case
 from vllm_venvs import VENVS
 
 CASE = str(CASES / "case_chunked.py")
@@ -25,8 +26,10 @@ PLANTED = {  # test -> what kvspec's finding must say
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_plugin_judges_chunked_local_attention(tmp_path: Path, venv: Path) -> None:
-    tests = judge_case(tmp_path, CASE, venv, HOLDS, PLANTED)
+def test_the_plugin_judges_chunked_local_attention(
+    vllm_case_sessions: CaseSessions, venv: Path
+) -> None:
+    tests = judge_case(vllm_case_sessions, CASE, venv, HOLDS, PLANTED)
     for name in HOLDS:
         entry = tests[name]
         assert entry["outcome"] == "judged" and entry["events"] > 200, entry

@@ -50,6 +50,7 @@ from test_pytest_plugin import CASES, CPU_PLATFORM, _pytest
 CASE_FILES = {  # the case file -> the test file that reads its part: one line joins a case
     "case_admission.py": "test_vllm_plugin_admission.py",
     "case_answered.py": "test_vllm_plugin_answered.py",
+    "case_chunked.py": "test_vllm_plugin_chunked.py",
     "case_cross.py": "test_vllm_plugin_cross.py",
     "case_hitbound.py": "test_vllm_plugin_hitbound.py",
     "case_hybrid.py": "test_vllm_plugin_hybrid.py",
