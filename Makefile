@@ -177,7 +177,7 @@ pytest: venv
 # The tests marked e2e run a third-party engine end to end, once per supported release: whole
 # pytest sessions (the plugin's crash test and hybrid cases, the suite's table) or its real code
 # fuzzed or planted in a process of its environment (hybrid models, drafts, loads, Mamba, pool
-# plants, hybrid KV-event streams): .ci/run runs them after `make test`, which they would push
+# plants, hybrid KV-event streams, SGLang's SWA and MAMBA trees against its own objects): .ci/run runs them after `make test`, which they would push
 # past its 15 minutes on 2 cores.
 test-e2e: venv
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=5 -m e2e

@@ -12,6 +12,9 @@ from __future__ import annotations
 import pytest
 from sglang_cases import needs_sglang, run_cases
 
+# SGLang in a process of its own, once per xdist worker that runs a test here (make test-e2e)
+pytestmark = pytest.mark.e2e
+
 CASES = (
     "build",
     "replay:30",
