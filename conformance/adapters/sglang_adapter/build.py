@@ -150,13 +150,14 @@ MODEL = types.SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False)
 whether the model has an encoder."""
 
 
-TREES = ("unified", "python-core", "legacy", "swa", "mamba")
+TREES = ("unified", "python-core", "legacy", "swa")
 """The tree caches the adapter can build (``memory``): ``unified``, SGLang 0.5.23's default;
 ``python-core``, the same ``UnifiedRadixCache`` over SGLang's Python ``TreeCore`` instead of its
 Rust one; ``legacy``, the ``RadixCache`` SGLang built before ``UnifiedRadixCache``; ``swa``, the
 ``UnifiedRadixCache`` (FULL and SWA components) SGLang builds for a hybrid sliding-window model
-(``SWA_MODEL``); ``mamba``, the ``UnifiedRadixCache`` (FULL and MAMBA) over a
-``HybridReqToTokenPool`` that SGLang builds for a hybrid linear-attention model (``mamba.py``)."""
+(``SWA_MODEL``). The fifth tree the adapter runs, ``mamba`` (FULL and MAMBA over a
+``HybridReqToTokenPool``, for a hybrid linear-attention model), is ``mamba.mamba_memory``'s to
+build: its model and pools are that module's, and it imports this one."""
 
 SWA_MODEL = {
     "architectures": ["GptOssForCausalLM"],
@@ -248,10 +249,6 @@ def memory(
         raise ValueError(f"tree {tree!r}: one of {', '.join(TREES)}")
     if tree == "swa":
         return swa_memory(page_size, pages, swa_pages, rows)
-    if tree == "mamba":
-        from .mamba import mamba_memory
-
-        return mamba_memory(page_size, pages, swa_pages, rows)
     pool = ReqToTokenPool(
         size=rows, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
     )

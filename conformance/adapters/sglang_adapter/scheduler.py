@@ -51,7 +51,7 @@ from .build import (
     release_kv_cache,
     swa_layers,
 )
-from .mamba import MambaRecorder, slots_for
+from .mamba import MambaRecorder, mamba_memory, slots_for
 from .record import Event, LegacyRecorder, Recorder, UnifiedRecorder, rid
 from .swa import SwaRecorder
 
@@ -98,13 +98,11 @@ class Scheduler:
         all pools'."""
         # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
         # max_running counts the chunked request too, and so do SGLang's rows.
-        self.pool, self.allocator, self.tree = memory(
-            ps,
-            self.full_pages,
-            config.max_running,
-            tree,
-            swa_pages=self.slots if self.hybrid_ssm else self.full_pages,
-        )
+        if self.hybrid_ssm:  # the hybrid SSM tree is mamba.py's to build (its pools, its model)
+            built = mamba_memory(ps, self.full_pages, self.slots, config.max_running)
+        else:
+            built = memory(ps, self.full_pages, config.max_running, tree, swa_pages=self.full_pages)
+        self.pool, self.allocator, self.tree = built
         self.hook_tree()
         self.record = recorder(self.tree, self.pool, ps, self.events, self.full_pages)
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
