@@ -14,16 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from own_streams import Own, judged, stream
 
 from kvspec.cli import main
 from kvspec.conformance import trace
 from kvspec.conformance.check import check_file
 from kvspec.judge import Judge
-from kvspec.judge.findings import Finding
 from kvspec.spec import Config, actions
 from kvspec.spec.events import Event
-from kvspec.spec.observed import engine_effect
-from kvspec.spec.state import Group, Illegal, State, initial_state
+from kvspec.spec.state import Group
 
 SLOT = Config(
     24,
@@ -33,36 +32,6 @@ SLOT = Config(
     discipline="general",
 )
 """Page size 1, as SGLang's hybrid Mamba models run: group 0 full attention, group 1 the state."""
-
-Own = tuple[str, Event]
-"""``("own", effect)``: an effect the engine makes on its own, after the decision before it."""
-
-
-def stream(config: Config, script: list[Event | Own]) -> tuple[State, list[Event]]:
-    """The events an engine running ``script`` emits: each decision with the spec's effects,
-    each own effect as the engine makes it. An own effect whose guard fails is written all the
-    same (the judge names it), and not applied. A callable in ``script`` is called with the
-    state and returns the next items (for block ids the spec chose)."""
-    s = initial_state(config)
-    events: list[Event] = []
-    for item in script:
-        if item[0] == "own":
-            effect: Event = item[1]  # type: ignore[assignment]
-            events.append(effect)
-            try:
-                engine_effect(s, effect)
-            except Illegal:
-                pass
-            continue
-        events += [item, *actions.apply(s, item)]
-    return s, events
-
-
-def judged(config: Config, events: list[Event]) -> Finding | None:
-    judge = Judge.spec(config, observed=True)
-    judge.feed_all(events)
-    judge.settle()
-    return judge.finding
 
 
 def step(n: int, *schedules: Event, sampled: tuple[tuple[int, int], ...] = ()) -> list[Event]:

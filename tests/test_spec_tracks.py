@@ -10,20 +10,19 @@ donated slot's writer still in flight at depth 2; each plant is named by its inv
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from own_streams import Own, judged, own, stream
 
 from kvspec.cli import main
 from kvspec.conformance import trace
 from kvspec.judge import Judge
-from kvspec.judge.findings import Finding
 from kvspec.spec import Config, actions
 from kvspec.spec.events import Event
 from kvspec.spec.observed import engine_effect
-from kvspec.spec.state import NULL_BLOCK, Group, Illegal, State, initial_state
+from kvspec.spec.state import NULL_BLOCK, Group, Illegal, initial_state
 
 TRACKED = Config(
     24,
@@ -43,37 +42,7 @@ R0_SLOT = 6  # after group 0's blocks 1..5
 PING, PONG = 7, 8  # r0's track slots, allocated by the engine after its working slot
 FRESH = 9  # the track slot r0 takes after donating PING
 
-Item = Event | tuple[str, Event] | Callable[[State], list[Event]]
-
-
-def stream(config: Config, script: list[Item]) -> tuple[State, list[Event]]:
-    """The events an engine running ``script`` emits: each decision with the spec's effects,
-    each ``("own", effect)`` as the engine makes it (written even when its guard fails, which
-    the judge names)."""
-    s = initial_state(config)
-    events: list[Event] = []
-    for item in script:
-        if item[0] == "own":
-            effect: Event = item[1]  # type: ignore[assignment]
-            events.append(effect)
-            try:
-                engine_effect(s, effect)
-            except Illegal:
-                pass
-            continue
-        events += [item, *actions.apply(s, item)]  # type: ignore[list-item]
-    return s, events
-
-
-def judged(config: Config, events: list[Event]) -> Finding | None:
-    judge = Judge.spec(config, observed=True)
-    judge.feed_all(events)
-    judge.settle()
-    return judge.finding
-
-
-def own(*effects: Event) -> list[Item]:
-    return [("own", e) for e in effects]
+Item = Event | Own
 
 
 def admit(tokens: int, track: int) -> list[Item]:
