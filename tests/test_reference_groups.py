@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -495,6 +496,48 @@ def _replay_groups(cfg: EngineConfig, events: list[tuple[object, ...]], snapshot
     return s
 
 
+def _lockstep(
+    rng: random.Random,
+    n: int,
+    groups: tuple[GroupSpec, ...],
+    policy: str,
+    discipline: str | None,
+    depth: int,
+    asynchronous: bool,
+) -> Any:
+    """One lockstep run of the reference engine with ``groups`` (the rest of its configuration
+    drawn from ``rng``; ``discipline`` too where None): its events replayed by the spec decision
+    by decision (``_replay_groups``), and every invariant held at the end under the safe
+    policies. The recorded events."""
+    from test_reference import drive, recording_engine
+
+    from kvspec.spec import INVARIANTS
+
+    cfg = EngineConfig(
+        num_blocks=rng.randint(30, 45),
+        block_size=2,
+        depth=depth,
+        policy=policy,
+        discipline=discipline or rng.choice(["vllm", "general"]),
+        preemption=rng.choice(["fcfs", "priority"]),
+        token_budget=rng.randint(2, 10),
+        max_running=rng.randint(1, 4),
+        stop_token=0,
+        vocab=3,
+        async_scheduling=asynchronous,
+        stale_output="deliver" if depth > 1 and rng.random() < 0.5 else "drop",
+        groups=groups,
+    )
+    eng, rec = recording_engine(cfg, n, fail_rate=0.0)
+    drive(eng, rng, num_requests=rng.randint(4, 10))
+    rec.snapshots.append(eng.snapshot())
+    s = _replay_groups(cfg, list(rec), rec.snapshots)
+    if policy in ("deferred", "hide-uncommitted"):
+        broken = [name for name, inv in INVARIANTS.items() if inv(s) is not None]  # type: ignore[operator]
+        assert not broken, (cfg, broken)
+    return rec
+
+
 @pytest.mark.parametrize("discipline", ["vllm", "general"])
 @pytest.mark.parametrize(
     "policy", ["deferred", "hide-uncommitted", "eager-rollback-fifo", "eager-unsafe"]
@@ -505,36 +548,11 @@ def test_the_reference_engine_with_groups_conforms(policy: str, discipline: str)
     under the safe policies; state hits, hits with nulls and skipped frees happen."""
     from collections import Counter
 
-    from test_reference import drive, recording_engine
-
-    from kvspec.spec import INVARIANTS
-
     seen: Counter[str] = Counter()
     for n, groups in enumerate(LOCKSTEP_GROUPS):
         for depth, asynchronous in ((1, False), (2, False), (2, True), (3, True)):
             rng = random.Random(f"groups-{policy}-{discipline}-{n}-{depth}-{asynchronous}")
-            cfg = EngineConfig(
-                num_blocks=rng.randint(30, 45),
-                block_size=2,
-                depth=depth,
-                policy=policy,
-                discipline=discipline,
-                preemption=rng.choice(["fcfs", "priority"]),
-                token_budget=rng.randint(2, 10),
-                max_running=rng.randint(1, 4),
-                stop_token=0,
-                vocab=3,
-                async_scheduling=asynchronous,
-                stale_output="deliver" if depth > 1 and rng.random() < 0.5 else "drop",
-                groups=groups,
-            )
-            eng, rec = recording_engine(cfg, n, fail_rate=0.0)
-            drive(eng, rng, num_requests=rng.randint(4, 10))
-            rec.snapshots.append(eng.snapshot())
-            s = _replay_groups(cfg, list(rec), rec.snapshots)
-            if policy in ("deferred", "hide-uncommitted"):
-                broken = [name for name, inv in INVARIANTS.items() if inv(s) is not None]  # type: ignore[operator]
-                assert not broken, (cfg, broken)
+            rec = _lockstep(rng, n, groups, policy, discipline, depth, asynchronous)
             kinds = [g.kind for g in groups]
             for e in rec:
                 if e[0] == "hit" and len(e) > 3 and kinds[e[3]] == "state" and any(e[2]):  # type: ignore[index]
@@ -561,36 +579,11 @@ def test_the_reference_engine_with_a_chunked_group_conforms(policy: str) -> None
     the chunk and skipped frees happen."""
     from collections import Counter
 
-    from test_reference import drive, recording_engine
-
-    from kvspec.spec import INVARIANTS
-
     seen: Counter[str] = Counter()
     for n, groups in enumerate(CHUNKED_GROUPS):
         for depth, asynchronous in ((1, False), (2, False), (2, True), (3, True)):
             rng = random.Random(f"chunked-{policy}-{n}-{depth}-{asynchronous}")
-            cfg = EngineConfig(
-                num_blocks=rng.randint(30, 45),
-                block_size=2,
-                depth=depth,
-                policy=policy,
-                discipline=rng.choice(["vllm", "general"]),
-                preemption=rng.choice(["fcfs", "priority"]),
-                token_budget=rng.randint(2, 10),
-                max_running=rng.randint(1, 4),
-                stop_token=0,
-                vocab=3,
-                async_scheduling=asynchronous,
-                stale_output="deliver" if depth > 1 and rng.random() < 0.5 else "drop",
-                groups=groups,
-            )
-            eng, rec = recording_engine(cfg, n, fail_rate=0.0)
-            drive(eng, rng, num_requests=rng.randint(4, 10))
-            rec.snapshots.append(eng.snapshot())
-            s = _replay_groups(cfg, list(rec), rec.snapshots)
-            if policy in ("deferred", "hide-uncommitted"):
-                broken = [name for name, inv in INVARIANTS.items() if inv(s) is not None]  # type: ignore[operator]
-                assert not broken, (cfg, broken)
+            rec = _lockstep(rng, n, groups, policy, None, depth, asynchronous)
             seen["null hits"] += sum(1 for e in rec if e[0] == "hit" and 0 in e[2] and any(e[2]))  # type: ignore[operator]
             seen["frees"] += sum(1 for e in rec if e[0] == "free")
     assert seen["null hits"] > 3 and seen["frees"] > 10, seen
