@@ -11,7 +11,13 @@
   tree's stream in both loops holds against the tree's FULL pages (SWA tombstones reached and
   still announced), in process and from the capture (exit 0); a lost ``BlockStored`` is named
   ``ViewEqualsCache`` in process and ``ParentAnnounced`` from the capture, an unannounced parent
-  ``ParentAnnounced`` both ways (exit 1)."""
+  ``ParentAnnounced`` both ways (exit 1).
+* SGLang 0.5.23 (``tests/kv_stream_sglang_mamba_checks.py``, one process): the FULL + MAMBA
+  tree's stream holds against the tree's FULL pages (no group, no state announced; states hit,
+  snapshots by copy and by donation, state evictions reached, and pages announced that no state
+  extends), in process and from the capture (exit 0); a lost ``BlockStored`` is named
+  ``ViewEqualsCache``, an unannounced parent ``ParentAnnounced``, a ``BlockRemoved`` sent twice
+  ``RemovalNamesAnnounced`` (exit 1 from the capture)."""
 
 from __future__ import annotations
 
@@ -68,12 +74,13 @@ def test_a_mamba_models_stream_is_judged_with_its_known_finding_named(
         assert known.startswith("check exit 1") and "ParentAnnounced" in known, known
 
 
-def _sglang(folder: Path, *plant: str) -> list[list[str]]:
+def _sglang(folder: Path, *plant: str, script: str = "swa") -> list[list[str]]:
     venv = ROOT / ".venv-sglang"
     if not (venv / ".stamp").exists():
         pytest.skip("no .venv-sglang: run `make thirdparty` to build it")
+    checks = f"tests/kv_stream_sglang_{script}_checks.py"
     done = subprocess.run(
-        [str(venv / "bin" / "python"), "tests/kv_stream_sglang_swa_checks.py", str(folder), *plant],
+        [str(venv / "bin" / "python"), checks, str(folder), *plant],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -103,3 +110,28 @@ def test_sglangs_swa_tree_stream_is_judged_in_both_loops(tmp_path: Path) -> None
     for _, said, _, _, _, checked in parent:
         assert said.startswith("ParentAnnounced: ") and "0x5eed5eed" in said, said
         assert checked.startswith("check exit 1") and "ParentAnnounced" in checked, checked
+
+
+@pytest.mark.e2e
+def test_sglangs_mamba_tree_stream_is_judged_and_its_faults_named(tmp_path: Path) -> None:
+    runs = {line[0]: line for line in _sglang(tmp_path, script="mamba")}
+    assert len(runs) == 7, sorted(runs)  # four clean workloads, three planted faults
+    clean = [line for run, line in runs.items() if run.endswith(" clean")]
+    for run, said, counts, where, _, paths, checked in clean:
+        assert said == "none" and int(counts.split()[0]) >= 1, (run, said, counts)
+        assert where == "stored in [('GPU', None)]", where  # SGLang names no group, no state
+        assert checked.startswith("check exit 0"), (run, checked)
+    reached = [dict(reversed(p.split(" ", 1)) for p in line[5].split(", ")) for line in clean]
+    for path in ("states hit by copy", "snapshots by copy", "snapshots by donation"):
+        assert sum(int(r[path]) for r in reached) > 0, (path, reached)
+    stateless = {line[0].split()[1]: int(line[4].split()[0]) for line in clean}
+    assert stateless["SHORT"] > 0 and stateless["HIT"] == 0, stateless  # fed by the states' keys
+    named = {
+        "lost-store": ("ViewEqualsCache", "ParentAnnounced"),
+        "unannounced-parent": ("ParentAnnounced", "ParentAnnounced"),
+        "double-removal": ("RemovalNamesAnnounced", "RemovalNamesAnnounced"),
+    }
+    for fault, (live, captured) in named.items():
+        _, said, _, _, _, _, checked = runs[f"mamba_factory WORKLOAD {fault}"]
+        assert said.startswith(f"{live}: "), (fault, said)
+        assert checked.startswith("check exit 1") and captured in checked, (fault, checked)

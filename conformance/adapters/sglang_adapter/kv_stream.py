@@ -27,6 +27,18 @@ outside the tree, and an SWA value evicted from a node whose FULL value stays (a
 an announced page can serve a hit (SGLang cuts a hit back to the last boundary whose window the SWA
 component holds) is not judged: the stream does not say (``docs/kv-events.md``, "Hybrid models").
 ``count_tombstones`` counts the boundaries where the view announced tombstoned pages.
+
+The hybrid linear-attention tree (``mamba_factory``: FULL and MAMBA, ``mamba.py``) publishes the
+same events for its nodes' keys too, and nothing for the MAMBA component: SGLang's ``TreeCore``
+records a store when a node is made (or its FULL value restored) and a removal when a node's FULL
+value goes; a state copied into a node (an insert over a node that had none), a state evicted from
+an inner node whose FULL pages stay (``MambaComponent``'s tombstone), a state donated by a
+finished request: none of these is an event, and a BlockStored carries no group (None) and medium
+``GPU``, as for the other trees. So its cache as the stream names it is again the tree's FULL
+pages alone. What a router cannot read from it: SGLang cuts a hit back to the deepest node that
+holds a state (``no_buffer``: ``best_match_node``), so an announced page that no tree state's key
+extends serves no hit at all. ``count_stateless`` counts the boundaries where the view announced
+such pages (the states' keys read at each insert, ``note_states``).
 """
 
 from __future__ import annotations
@@ -98,6 +110,11 @@ class SglangKvStream:
         self.tree, self.page_size = scheduler.tree, scheduler.page_size
         self.record = scheduler.record
         self.swa = bool(scheduler.hybrid_swa)
+        self.mamba = adapter.tree == "mamba"
+        self.state_keys: dict[int, tuple[int, ...]] = {}
+        """MAMBA: per tree state (global id), the tokens of the key it sits at the end of."""
+        if self.mamba:
+            self.note_states()
         self.first_seq = self.loop.published
         self.engine = EngineStream(self.first_seq, "GPU", chosen_invariants())
         process, reset = scheduler.process_batch_result, adapter.reset_prefix_cache
@@ -122,6 +139,8 @@ class SglangKvStream:
         self.engine.at_boundary(frames, self.cache())
         if self.swa:
             self.count_tombstones()
+        if self.mamba:
+            self.count_stateless()
 
     def count_tombstones(self) -> None:
         """Coverage of a hybrid SWA tree's stream: the boundaries where the view announced a
@@ -132,6 +151,35 @@ class SglangKvStream:
         if tombstoned:
             TOTALS["boundaries announcing SWA-tombstoned pages"] += 1
             TOTALS["SWA-tombstoned pages announced at a boundary"] += len(tombstoned)
+
+    def note_states(self) -> None:
+        """Wrap the tree's ``insert``: the key each state it took sits at the end of."""
+        tree, record = self.tree, self.record
+        insert = tree.insert
+
+        def insert_(params: Any) -> Any:
+            before = record.states()
+            result = insert(params)
+            tokens = tuple(int(t) for t in params.key.raw_token_ids())
+            for block in record.states() - before:
+                self.state_keys[block] = tokens
+            return result
+
+        tree.insert = insert_
+
+    def count_stateless(self) -> None:
+        """Coverage of a hybrid SSM tree's stream: the boundaries where the view announced a
+        page that no tree state's key extends (a hit through it is cut back before it, so it
+        serves none), and how many such pages."""
+        record, page = self.record, self.page_size
+        servable: set[tuple[int, ...]] = set()
+        for block in record.states():
+            key = self.state_keys.get(block, ())
+            servable.update(key[:end] for end in range(page, len(key) + 1, page))
+        stateless = [b for b in record._walk(False) if record.tokens[b] not in servable]
+        if stateless:
+            TOTALS["boundaries announcing pages no state extends"] += 1
+            TOTALS["pages no state extends announced at a boundary"] += len(stateless)
 
     def cache(self) -> Cache:
         """Every tree page under the name SGLang's recorder publishes for it."""

@@ -163,8 +163,7 @@ class SglangAdapter:
         self._seen = 0
         from .kv_stream import attach  # SGLang's own KV-event publisher, judged
 
-        # a hybrid SSM tree's KV events (a state per node) are not judged yet: docs/adapters.md
-        self.kv_stream = attach(self) if tree != "mamba" else None
+        self.kv_stream = attach(self)
 
     def new_scheduler(self, config: Config, choices: Choices, overlap: bool) -> Scheduler:
         """The scheduler the loops drive (a mutant's subclass overrides this)."""
