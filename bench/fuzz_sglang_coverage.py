@@ -13,8 +13,10 @@ the window, window blocks given up while their SWA page is in the tree, ...) and
 ``--mamba``: the hybrid linear-attention model (``mamba_factory``: no_buffer, the loop without
 overlap, depth 1), with a second line of the MAMBA paths its recorder counted
 (``MambaRecorder.paths``: admissions, states hit by copy, snapshots by copy and by donation,
-copies dropped where the node had a state, evictions of states); ``--retract`` runs it in
-SGLang's retraction test mode (``mamba_retract_factory``).
+copies dropped where the node had a state, evictions of states), and a third, the fuzzer's own
+``groups_line`` (``conformance/fuzz_coverage.py``: the same paths read from the judged events
+alone, which must agree with the recorder's); ``--retract`` runs it in SGLang's retraction test
+mode (``mamba_retract_factory``).
 
 Prints the fuzzer's verdict line and one line of counts. "In flight" means: while a step that
 was submitted and has not executed yet holds the request (SGLang's batch N+1, launched before
@@ -165,6 +167,7 @@ def main(argv: list[str]) -> int:
         extra = {} if args.mamba else {"let-gos in flight": tally["let-gos in flight"]}
         paths = sorted({**PATHS, **extra}.items())
         print(", ".join(f"{count:,} {path}" for path, count in paths))
+        print(result.coverage.groups_line())  # the same paths, read from the judged events
     return 0 if failure is None else 1
 
 

@@ -41,6 +41,16 @@ Counters:
   ``RunCoverage(kinds, sizes)`` reads it from the events: an admission whose hit is shorter
   than the longest prefix a full-attention group has published for the request, up to the
   last token a hit may cover, as vLLM's coordinator iterates from its full-attention group);
+* slot groups (``kinds`` naming ``slot``: SGLang's MAMBA states, ``spec/slots.py``, and their
+  track slots, ``spec/tracks.py``), read from the judged events alone: ``slot_hits``, states hit
+  by copy (a slot group's ``hit`` naming a block: its state is copied into the request's own
+  slot); ``snapshots_copied``, ``snapshot`` effects whose block the request does not hold (the
+  engine copied the slot into a fresh block); ``snapshots_donated``, ``snapshot`` effects of a
+  block the request's table holds (allocated to it, not freed yet) that no ``track`` effect
+  named (the working slot itself, given to the cache at a finish); ``track_writes``, ``track`` effects (a step also leaves a
+  boundary state in a track slot); ``track_donations``, ``snapshot`` effects of a track slot
+  (a block a ``track`` effect named for that request); ``slot_runs``, runs with a slot group
+  (``groups_line`` then prints these);
 * ``grouped_runs``: runs with several KV-cache groups (``kvspec fuzz`` then prints
   ``Coverage.groups_line`` too);
 * ``refused_runs``: runs ended by the adapter's refusal (a feature the spec does not model, seen
@@ -81,6 +91,12 @@ class Coverage:
     hits_shortened: int = 0
     refused_runs: int = 0
     grouped_runs: int = 0
+    slot_hits: int = 0
+    snapshots_copied: int = 0
+    snapshots_donated: int = 0
+    track_writes: int = 0
+    track_donations: int = 0
+    slot_runs: int = 0
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
     def add(self, other: Coverage) -> None:
@@ -116,6 +132,13 @@ class Coverage:
             f"groups: {self.hits_shortened} hits shortened by a group, {self.state_hits} state "
             f"blocks hit, {self.window_nulled_shared} window blocks nulled while the request "
             "shared others"
+            + (
+                f"; slot groups: {self.slot_hits} states hit by copy, {self.snapshots_copied} "
+                f"snapshots by copy, {self.snapshots_donated} by donation, {self.track_writes} "
+                f"track writes, {self.track_donations} track slots donated"
+                if self.slot_runs
+                else ""
+            )
         )
 
 
@@ -131,6 +154,14 @@ class RunCoverage(Coverage):
         self.kinds = kinds
         self.grouped_runs = int(bool(kinds))
         """Several KV-cache groups: each group's kind, in group order (empty: one group)."""
+        self.slot_runs = int("slot" in kinds)
+        self.own_slot: dict[int, int] = {}
+        """Slot groups: block -> the request its table holds it for (an ``alloc``; gone at its
+        ``free`` or ``evict``)."""
+        self.track_of: dict[int, int] = {}
+        """Slot groups: block -> the request a ``track`` effect wrote it for (kept past the
+        table's ``free``: a finish frees the table, then donates the slot it tracked; gone at
+        its next ``alloc`` or its ``evict``)."""
         self.sizes = sizes
         """Several groups: each group's block size, where ``hits_shortened`` is read from the
         events (empty: the engine counts it)."""
@@ -248,6 +279,9 @@ class RunCoverage(Coverage):
             self.group_of[block] = fields_[2] if len(fields_) > 2 else 0
             holders[block] = 1
             self.held.setdefault(rid, set()).add(block)
+            self.track_of.pop(block, None)
+            if self.kinds[self.group_of[block]] == "slot":
+                self.own_slot[block] = rid
         elif kind == "hit":
             blocks = event[2]
             assert isinstance(blocks, tuple)
@@ -260,9 +294,26 @@ class RunCoverage(Coverage):
                 self.held.setdefault(fields_[0], set()).add(block)
                 if self.kinds[group] == "state":
                     self.state_hits += 1
+                elif self.kinds[group] == "slot":
+                    self.slot_hits += 1
+        elif kind == "track" and len(fields_) == 4:
+            self.track_writes += 1
+            self.track_of[fields_[1]] = fields_[0]
+        elif kind == "snapshot" and len(fields_) == 4 and self.kinds[fields_[3]] == "slot":
+            rid, block = fields_[0], fields_[2]
+            if self.track_of.get(block) == rid:
+                self.track_donations += 1
+            elif self.own_slot.get(block) == rid:
+                self.snapshots_donated += 1
+            else:
+                self.snapshots_copied += 1
+        elif kind == "evict" and fields_:
+            self.own_slot.pop(fields_[0], None)
+            self.track_of.pop(fields_[0], None)
         elif kind == "free":
             block = fields_[0]
             holders[block] = holders.get(block, 1) - 1
+            self.own_slot.pop(block, None)
             if self.building is not None and self.decision == "schedule":
                 mine = self.held.get(self.scheduling, set())
                 mine.discard(block)

@@ -8,7 +8,9 @@ the fault planted in what SGLang's tree hands its publisher (``take_events``) or
 in-process finding or ``none``, the batches, events and step boundaries judged, the groups and
 media stores named, the boundaries where the view announced a page no tree state's key extends
 (``kv_stream.count_stateless``) and how many such pages, the MAMBA paths the recorder saw (states
-hit, snapshots by copy and by donation, state evictions), and the exit code and first line of
+hit, snapshots by copy and by donation, state evictions), the same three as the fuzzer's
+generic counters read them from the adapter's events (``fuzz_coverage.RunCoverage``: slot hits,
+snapshots by copy, by donation), and the exit code and first line of
 ``kvspec check --kv-events`` on the capture written under DIR. Faults (the ``WORKLOAD`` run
 only): ``lost-store`` and ``unannounced-parent`` (``kv_stream_sglang_swa_checks.plant``), and
 ``double-removal`` (the first ``BlockRemoved`` is sent twice).
@@ -31,6 +33,7 @@ from thirdparty_checks import Ones  # noqa: E402
 
 from kvspec.cli import main  # noqa: E402
 from kvspec.conformance.adapters import sglang_adapter  # noqa: E402
+from kvspec.conformance.fuzz_coverage import RunCoverage  # noqa: E402
 from kvspec.conformance.kvevents import engine_stream  # noqa: E402
 from kvspec.conformance.kvevents.frames import decode_batch  # noqa: E402
 from kvspec.judge import Judge  # noqa: E402
@@ -103,6 +106,9 @@ def run(folder: Path, label: str, workload: Any, cell: Any, fault: str | None) -
     stats = stream.judge.stats
     totals = {k: v - before.get(k, 0) for k, v in engine_stream.TOTALS.items()}
     paths = adapter.scheduler.record.paths
+    generic = RunCoverage(tuple(g.kind for g in adapter.config.groups))
+    generic.observe(adapter.events)  # the fuzzer's counters, from the judged events alone
+    counted = (generic.slot_hits, generic.snapshots_copied, generic.snapshots_donated)
     return (
         f"mamba_factory {label} {fault or 'clean'} | {said} | {stats.batches} batches "
         f"{stats.events} events {stats.boundaries} boundaries | stored in "
@@ -110,6 +116,7 @@ def run(folder: Path, label: str, workload: Any, cell: Any, fault: str | None) -
         f"{totals.get('boundaries announcing pages no state extends', 0)} stateless boundaries "
         f"{totals.get('pages no state extends announced at a boundary', 0)} pages | "
         + ", ".join(f"{paths[p]} {p}" for p in PATHS)
+        + " | events: {} {} {}".format(*counted)
         + f" | check exit {code}: {checked[0] if checked else ''}"
     )
 

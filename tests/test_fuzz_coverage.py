@@ -123,3 +123,52 @@ def test_hits_shortened_are_read_from_the_events_of_several_groups() -> None:
     engine_counts = RunCoverage(("window", "full"))
     engine_counts.observe(events)
     assert engine_counts.hits_shortened == 0 and engine_counts.grouped_runs == 1
+
+
+def test_slot_group_paths_are_read_from_the_judged_events() -> None:
+    """``RunCoverage(kinds)`` with a slot group (SGLang's MAMBA states, ``spec/slots.py``; track
+    slots, ``spec/tracks.py``): a slot group's hit is a state hit by copy; a ``snapshot`` into a
+    block the request does not hold is a copy, of its own working slot (before the table's
+    ``free``) a donation, of a slot a ``track`` effect wrote for it (also after the table's
+    ``free``) a track donation; each ``track`` is a track write; ``groups_line`` prints them.
+    A state group's hit stays a ``state_hits``, and a run without a slot group prints no slot
+    figures. (Planted: a snapshot always counted as a copy, or the slot hits not fed, fails.)"""
+    events: list[tuple[object, ...]] = [
+        ("arrive", 0, (1, 2, 3, 4), 2, 0),
+        ("schedule", 0, 4),
+        ("hit", 0, ()),
+        ("alloc", 0, 1, 0),
+        ("alloc", 0, 10, 1),  # r0's working slot
+        ("snapshot", 0, 3, 11, 1),  # a running insert: the slot copied into block 11
+        ("finish", 0),
+        ("snapshot", 0, 4, 10, 1),  # r0 donates its working slot
+        ("free", 1),
+        ("free", 10),
+        ("arrive", 1, (1, 2, 3, 4, 5, 6), 2, 0),
+        ("schedule", 1, 2),
+        ("hit", 1, ()),
+        ("hit", 1, (11,), 1),  # the state after 4 tokens, copied into r1's slot
+        ("alloc", 1, 12, 1),
+        ("alloc", 1, 13, 1),  # a track slot
+        ("track", 1, 13, 6, 1),
+        ("finish", 1),
+        ("free", 12),
+        ("free", 13),
+        ("snapshot", 1, 5, 13, 1),  # the finish donates the slot it tracked
+        ("evict", 11),
+        ("snapshot", 1, 3, 11, 1),  # block 11 again, by copy: no one holds it
+    ]
+    run = RunCoverage(("full", "slot"))
+    run.observe(events)
+    assert (run.slot_hits, run.snapshots_copied, run.snapshots_donated) == (1, 2, 1)
+    assert (run.track_writes, run.track_donations, run.slot_runs, run.state_hits) == (1, 1, 1, 0)
+    total = Coverage()
+    total.add(run)
+    assert total.groups_line().endswith(
+        "; slot groups: 1 states hit by copy, 2 snapshots by copy, 1 by donation, 1 track "
+        "writes, 1 track slots donated"
+    )
+    state = RunCoverage(("full", "state"))
+    state.observe([("arrive", 0, (1, 2), 1, 0), ("hit", 0, ()), ("hit", 0, (5,), 1)])
+    assert (state.state_hits, state.slot_hits, state.slot_runs) == (1, 0, 0)
+    assert "slot groups" not in state.groups_line()

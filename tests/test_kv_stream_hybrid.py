@@ -15,7 +15,8 @@
 * SGLang 0.5.23 (``tests/kv_stream_sglang_mamba_checks.py``, one process): the FULL + MAMBA
   tree's stream holds against the tree's FULL pages (no group, no state announced; states hit,
   snapshots by copy and by donation, state evictions reached, and pages announced that no state
-  extends), in process and from the capture (exit 0); a lost ``BlockStored`` is named
+  extends; the fuzzer's generic slot counters, read from the adapter's events, equal the
+  recorder's own), in process and from the capture (exit 0); a lost ``BlockStored`` is named
   ``ViewEqualsCache``, an unannounced parent ``ParentAnnounced``, a ``BlockRemoved`` sent twice
   ``RemovalNamesAnnounced`` (exit 1 from the capture)."""
 
@@ -117,10 +118,14 @@ def test_sglangs_mamba_tree_stream_is_judged_and_its_faults_named(tmp_path: Path
     runs = {line[0]: line for line in _sglang(tmp_path, script="mamba")}
     assert len(runs) == 7, sorted(runs)  # four clean workloads, three planted faults
     clean = [line for run, line in runs.items() if run.endswith(" clean")]
-    for run, said, counts, where, _, paths, checked in clean:
+    for run, said, counts, where, _, paths, counted, checked in clean:
         assert said == "none" and int(counts.split()[0]) >= 1, (run, said, counts)
         assert where == "stored in [('GPU', None)]", where  # SGLang names no group, no state
         assert checked.startswith("check exit 0"), (run, checked)
+        recorded = dict(reversed(p.split(" ", 1)) for p in paths.split(", "))
+        mine = [recorded[p] for p in ("states hit by copy", "snapshots by copy")]
+        mine.append(recorded["snapshots by donation"])
+        assert counted == "events: " + " ".join(mine), (run, paths, counted)  # generic counters
     reached = [dict(reversed(p.split(" ", 1)) for p in line[5].split(", ")) for line in clean]
     for path in ("states hit by copy", "snapshots by copy", "snapshots by donation"):
         assert sum(int(r[path]) for r in reached) > 0, (path, reached)
@@ -132,6 +137,6 @@ def test_sglangs_mamba_tree_stream_is_judged_and_its_faults_named(tmp_path: Path
         "double-removal": ("RemovalNamesAnnounced", "RemovalNamesAnnounced"),
     }
     for fault, (live, captured) in named.items():
-        _, said, _, _, _, _, checked = runs[f"mamba_factory WORKLOAD {fault}"]
+        _, said, _, _, _, _, _, checked = runs[f"mamba_factory WORKLOAD {fault}"]
         assert said.startswith(f"{live}: "), (fault, said)
         assert checked.startswith("check exit 1") and captured in checked, (fault, checked)
