@@ -617,6 +617,8 @@ def _leave(
             b = s.blocks[block]
             b.pending = [w for w in b.pending if not (w.step == step.id and w.req == req.id)]
             s.touched.content.add(block)
+        if s.config.slots:  # and its track writes (spec/tracks.py)
+            tracks.withdraw(s, step, req.id)
     for st in s.steps:
         if stale == "drop" or st is step:
             st.live.discard(req.id)

@@ -507,7 +507,11 @@ def no_read_of_recycled(s: State) -> Violation | None:
     up is overwritten only by a step launched later); whether its bytes survive until it runs
     is ``NoUnwrittenRead``'s to judge, at execute. A slot group's slot (``spec/slots.py``) is no
     block the engine gives up on its own: every live entry of a step not executed yet, submitted
-    or building, reads and writes the slot its request holds (``recycled_slot``)."""
+    or building, reads and writes the slot its request holds (``recycled_slot``). A track
+    slot (``spec/tracks.py``) is written and never read by a step, and one let go under a
+    submitted writer takes that write before any later step's copy or write (steps execute in
+    order): no clause here (``docs/model.md``, "Track slots"); a writer withdrawn while
+    building drops its track write (``tracks.withdraw``)."""
     if not s.config.hybrid:
         return None
     found = recycled_slot(s)

@@ -121,6 +121,19 @@ def donate(s: State, rid: int, block: int, g: int, key: tuple) -> None:
     s.touched.requests.add(rid)
 
 
+def withdraw(s: State, step: Step, rid: int) -> None:
+    """``rid``'s entry left the step being built (``actions._leave``): its track writes go with
+    it, as its other pending writes do. Left pending, a write no step will make would vouch for
+    whatever the slot is published as next: a track slot the next owner donates unwritten, of
+    the same tokens, would hold (``docs/model.md``, "Track slots")."""
+    for block, b in enumerate(s.blocks):
+        if any(w.track and w.step == step.id and w.req == rid for w in b.pending):
+            b.pending = [
+                w for w in b.pending if not (w.track and w.step == step.id and w.req == rid)
+            ]
+            s.touched.content.add(block)
+
+
 def is_track_slot(s: State, rid: int, block: int, g: int) -> bool:
     """``block`` is one of running ``r``'s track slots in slot group ``g``."""
     req = s.requests.get(rid)

@@ -330,3 +330,107 @@ def test_a_track_in_a_strict_stream_is_refused_by_name() -> None:
     found = found or judge.settle() or judge.finding
     assert found is not None and found.invariant == "Illegal", found
     assert "track write is the engine's own effect" in found.message
+
+
+R1_SLOT = 14  # r1's working slot when both are admitted in step 0 (after r0's and its tracks)
+
+
+def both_then_withdraw(r1_tracks: bool) -> list[Item]:
+    """r0 and r1 (the same prompt) admitted in step 0, both sample 6. Step 1 schedules both
+    decodes, r0's also writing the state after 6 tokens into PONG (``track``); then r0 is
+    preempted while step 1 is built (its entry withdrawn, its tables freed: PONG too), the
+    engine gives PONG to r1 as a track slot, and r1's insert donates it at boundary 6. With
+    ``r1_tracks`` r1's entry writes it first."""
+    return [
+        ("arrive", 0, PROMPT, 3, 0),
+        ("arrive", 1, PROMPT, 3, 0),
+        ("begin", 0),
+        ("schedule", 0, 5, 0),
+        *own(("alloc", 0, PING, 1), ("alloc", 0, PONG, 1), ("track", 0, PING, 4, 1)),
+        ("schedule", 1, 5, 0),
+        ("submit", 0),
+        ("execute", 0, ()),
+        ("commit", 0, ((0, 6), (1, 6))),
+        ("begin", 1),
+        ("schedule", 0, 1, 0),
+        *own(("track", 0, PONG, 6, 1)),
+        ("schedule", 1, 1, 0),
+        ("preempt", 0),
+        *own(("alloc", 1, PONG, 1)),
+        *(own(("track", 1, PONG, 6, 1)) if r1_tracks else []),
+        ("submit", 1),
+        ("execute", 1, ()),
+        ("commit", 1, ((1, 7),)),
+        *own(("snapshot", 1, 2, PONG, 1)),
+    ]
+
+
+def test_a_track_write_withdrawn_with_its_entry_vouches_for_nothing() -> None:
+    """A track write of an entry withdrawn from the step being built is not made (SGLang
+    rebuilds the batch without the retracted request): it goes with the entry
+    (``tracks.withdraw``). So r1's donation of PONG, which no step wrote, of the very tokens
+    r0's withdrawn write named, is StateAtItsBoundary; the same donation after r1's own track
+    write holds. (Planted: a withdrawal that keeps the track writes lets the first hold.)"""
+    s, events = stream(TRACKED, both_then_withdraw(False))
+    assert ("preempt", 0) in events and s.requests[1].group_tables[0][0] == R1_SLOT
+    found = judged(TRACKED, events)
+    assert found is not None and found.invariant == "StateAtItsBoundary", found
+    assert not s.blocks[PONG].pending and s.blocks[PONG].written is None
+    s, events = stream(TRACKED, both_then_withdraw(True))
+    assert judged(TRACKED, events) is None
+    assert s.blocks[PONG].written == s.blocks[PONG].key == (1, 2, 3, 4, 5, 6)
+
+
+STOPS = replace(OVERLAP, stop_token=0)
+
+
+def let_go_in_flight(r1_tracks: bool) -> list[Item]:
+    """Depth 2: r0 and r1 (``1 2 3 4 8 8``) admitted in step 0; step 1 (both decodes, r0's
+    also writing the state after 6 tokens into PONG) is submitted when step 0's commit
+    finishes r0 (it samples the stop token): r0's tables, PONG too, are freed while step 1 will
+    still write PONG. The engine gives PONG to r1 as a track slot in step 2 (with
+    ``r1_tracks``, writing the state after 8 tokens into it), and r1's insert, with step 2 in
+    flight, donates PONG at boundary 8."""
+    return [
+        ("arrive", 0, PROMPT, 3, 0),
+        ("arrive", 1, (1, 2, 3, 4, 8, 8), 3, 0),
+        ("begin", 0),
+        ("schedule", 0, 5, 0),
+        *own(("alloc", 0, PING, 1), ("alloc", 0, PONG, 1), ("track", 0, PING, 4, 1)),
+        ("schedule", 1, 6, 0),
+        ("submit", 0),
+        ("begin", 1),
+        ("schedule", 0, 1, 0),
+        *own(("track", 0, PONG, 6, 1)),
+        ("schedule", 1, 1, 0),
+        ("submit", 1),
+        ("execute", 0, ()),
+        ("commit", 0, ((0, 0), (1, 9))),
+        ("begin", 2),
+        ("schedule", 1, 1, 0),
+        *own(("alloc", 1, PONG, 1)),
+        *(own(("track", 1, PONG, 8, 1)) if r1_tracks else []),
+        ("submit", 2),
+        ("execute", 1, ()),
+        ("commit", 1, ((1, 10),)),
+        *own(("snapshot", 1, 3, PONG, 1)),
+        ("execute", 2, ()),
+        ("commit", 2, ((1, 11),)),
+    ]
+
+
+def test_a_track_slot_let_go_under_its_submitted_writer_is_not_named() -> None:
+    """NoReadOfRecycled has no track-slot clause, and needs none: a step reads no track slot,
+    and a track slot let go while a submitted step still writes it (here freed by a finish at
+    the commit before) takes that write before any later step's copy or write (one stream,
+    steps in order), from an entry whose recurrence is judged as any. r1, given PONG and
+    writing it in step 2, donates it: holds (step 1's stale write of r0's state lands first and
+    is overwritten). Without r1's write the donation names the stale state:
+    StateAtItsBoundary."""
+    s, events = stream(STOPS, let_go_in_flight(True))
+    assert ("finish", 0, "stop") in events and ("free", PONG) in events
+    assert judged(STOPS, events) is None
+    assert s.blocks[PONG].written == s.blocks[PONG].key == (1, 2, 3, 4, 8, 8, 9, 10)
+    _, stale = stream(STOPS, let_go_in_flight(False))
+    found = judged(STOPS, stale)
+    assert found is not None and found.invariant == "StateAtItsBoundary", found
