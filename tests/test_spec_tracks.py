@@ -434,3 +434,21 @@ def test_a_track_slot_let_go_under_its_submitted_writer_is_not_named() -> None:
     _, stale = stream(STOPS, let_go_in_flight(False))
     found = judged(STOPS, stale)
     assert found is not None and found.invariant == "StateAtItsBoundary", found
+
+
+def test_the_fuzzers_coverage_counts_the_track_paths_of_a_judged_run() -> None:
+    """``fuzz_coverage.RunCoverage`` on the events of the correct run (and of a finished
+    request's donation): the track writes, the donations of a track slot (a running insert's,
+    and one after the finish freed the table), r1's hit of the donated state by copy; no
+    snapshot counted a copy or a donation of a working slot."""
+    from kvspec.conformance.fuzz_coverage import RunCoverage
+
+    _, events = stream(TRACKED, SYNC_RUN)
+    run = RunCoverage(("full", "slot"))
+    run.observe(events)
+    assert (run.track_writes, run.track_donations, run.slot_hits) == (1, 1, 1)
+    assert run.snapshots_copied == run.snapshots_donated == 0
+    _, events = stream(TRACKED, finish_and_donate(FRESH))
+    finished = RunCoverage(("full", "slot"))
+    finished.observe(events)
+    assert (finished.track_writes, finished.track_donations) == (2, 2)
