@@ -161,6 +161,23 @@ class Replay:
         return {b: i for b, i in self.tree.items() if b > self.full}
 
 
+class ExtraReplay(Replay):
+    """``Replay`` with track slots (``sglang_adapter/extra.py``): a running request's snapshot of
+    one of its track slots leaves a hole in its slot table, which its next slot ``alloc`` fills;
+    ``track`` writes change no table."""
+
+    def apply(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "snapshot" and event[1] in self.tables and event[3] in self.tables[event[1]][1]:
+            slots = self.tables[event[1]][1]
+            slots[slots.index(event[3])] = None  # type: ignore[call-overload]
+        elif kind == "alloc" and len(event) == 4 and None in self.tables.get(event[1], [[], []])[1]:
+            slots = self.tables[event[1]][1]
+            slots[slots.index(None)] = event[2]  # type: ignore[call-overload]
+            return
+        super().apply(event)
+
+
 def differences(adapter: SglangAdapter, replay: Replay, python_core: bool) -> str | None:
     s = adapter.scheduler
     record = s.record
@@ -219,16 +236,23 @@ def node_truth(adapter: SglangAdapter, states: dict[int, int]) -> str | None:
     return None
 
 
-def workload(seed: int, python_core: bool) -> tuple[str | None, Counter[str], Counter[str]]:
+def workload(
+    seed: int, python_core: bool, extra: bool = False
+) -> tuple[str | None, Counter[str], Counter[str]]:
     rng = random.Random(seed)
     config = Config(num_blocks=rng.choice((10, 16, 24)), **CELL)
     retract = seed % 2 == 1  # SGLang's retraction test mode on odd seeds (retract_factory)
-    adapter = SglangAdapter(
-        config, RandomChoices(seed), overlap=False, tree="mamba", test_retract=retract
-    )
+    if extra:  # extra_buffer under SGLang's overlap loop (sglang_adapter/extra.py)
+        from kvspec.conformance.adapters.sglang_adapter.extra import ExtraAdapter
+
+        adapter: SglangAdapter = ExtraAdapter(config, RandomChoices(seed), test_retract=retract)
+    else:
+        adapter = SglangAdapter(
+            config, RandomChoices(seed), overlap=False, tree="mamba", test_retract=retract
+        )
     if (core_backend(adapter.scheduler.tree) == "python") != python_core:
         raise RuntimeError(f"wanted the {'Python' if python_core else 'Rust'} TreeCore")
-    replay = Replay(adapter.scheduler.full_pages)
+    replay = (ExtraReplay if extra else Replay)(adapter.scheduler.full_pages)
     bases = [[rng.randrange(1, 4) for _ in range(8)] for _ in range(2)]
     seen, arrivals = 0, 0
     for iteration in range(80):
@@ -250,17 +274,18 @@ def workload(seed: int, python_core: bool) -> tuple[str | None, Counter[str], Co
         if why:
             return f"seed {seed} iteration {iteration}: {why}", Counter(), Counter()
     kinds = Counter(
-        e[0] + ("/g" if (e[0] in ("hit", "alloc") and len(e) == 4) or e[0] == "snapshot" else "")
+        e[0]
+        + ("/g" if (e[0] in ("hit", "alloc") and len(e) == 4) or e[0] in ("snapshot", "track") else "")
         for e in adapter.events
     )
     return None, kinds, adapter.scheduler.record.paths  # type: ignore[attr-defined]
 
 
-def replay(seeds: list[int], python_core: bool = False) -> None:
+def replay(seeds: list[int], python_core: bool = False, extra: bool = False) -> None:
     kinds: Counter[str] = Counter()
     paths: Counter[str] = Counter()
     for seed in seeds:
-        why, k, p = workload(seed, python_core)
+        why, k, p = workload(seed, python_core, extra)
         if why:
             print(why)
             return
@@ -278,6 +303,16 @@ def main(cases: list[str]) -> None:
             replay(list(range(int(arg))))
         elif name == "seeds":
             replay([int(x) for x in arg.split(",")])
+        elif name == "extra-replay":
+            replay(list(range(int(arg))), extra=True)
+        elif name == "extra-seeds":
+            replay([int(x) for x in arg.split(",")], extra=True)
+        elif name == "extra-python":
+            os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+            try:
+                replay(list(range(int(arg))), python_core=True, extra=True)
+            finally:
+                del os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"]
         elif name == "judge":
             judge(arg)
         elif name == "extra":
