@@ -22,7 +22,12 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_mamba.py``:
 * ``seeds:S1,S2``: ``replay`` on those seeds only;
 * ``judge:NAME``: ``kvspec fuzz`` on a MAMBA factory (``JUDGED``), one line as
   ``thirdparty_checks.kvspec`` prints it; ``judge-trace``: the planted ``ShortSnapshot``'s
-  counterexample as a v1 trace file, then ``kvspec check`` on it (two lines).
+  counterexample as a v1 trace file, then ``kvspec check`` on it (two lines); ``extra-trace``
+  the same for the planted ``DonateOtherSlot`` (one line, the two joined by `` || ``);
+* ``extra-replay:N`` (``extra-seeds:S1,S2``, ``extra-python:N``): ``replay`` through
+  ``mamba_extra_factory``'s adapter (``sglang_adapter/extra.py``: extra_buffer, the overlap
+  loop), the events replayed by ``ExtraReplay`` (a donation leaves a hole in the slot table that
+  the fresh slot's ``alloc`` fills).
 """
 
 from __future__ import annotations
@@ -57,13 +62,19 @@ JUDGED = {
     "short": ("sglang_adapter.mutants:short_snapshot_mamba_factory", "1", "30"),
     "skip-cow": ("sglang_adapter.mutants:skip_cow_mamba_factory", "1", "30"),
     "overlap": ("sglang_adapter:mamba_factory", "2", "5"),
-    "extra": ("sglang_adapter:mamba_extra_factory", "2", "5"),
+    "extra": ("sglang_adapter:mamba_extra_factory", "2", "10"),
+    "extra-fixed": ("sglang_adapter:mamba_extra_fixed_factory", "2", "10"),
+    "donate-other": ("sglang_adapter.extra_mutants:donate_other_slot_factory", "2", "30"),
+    "short-key": ("sglang_adapter.extra_mutants:short_track_key_factory", "2", "30"),
 }
 """``judge:NAME``: (factory, depth, seconds): ``mamba_factory`` and its retraction test mode,
 20 s each (seed 0); the planted ``mutants.ShortSnapshot`` and ``mutants.SkipCow``, up to 30 s
 each; ``mamba_factory`` at
 depth 2, refused (SGLang's auto strategy forces the loop without overlap); ``mamba_extra_factory``
-(Qwen3-Next, extra_buffer under overlap, depth 2), refused by name."""
+(Qwen3-Next, extra_buffer under overlap, depth 2, up to 10 s: SGLang's missed ping-pong flip,
+named StateAtItsBoundary), ``mamba_extra_fixed_factory`` (the flip made, 10 s, no
+counterexample), the planted ``extra_mutants.DonateOtherSlot`` and ``ShortTrackKey`` (up to
+30 s each)."""
 
 
 def judge(name: str) -> None:
@@ -74,20 +85,33 @@ def judge(name: str) -> None:
     kvspec("fuzz", "--target", target, *MAMBA_CELL, "--depth", depth, "--seconds", seconds)
 
 
-def judge_trace() -> None:
-    """The planted ``ShortSnapshot``'s counterexample written as a v1 trace (a ``slot`` group in
-    its header, ``snapshot`` events), then ``kvspec check`` on that file: two lines."""
+def judge_trace(name: str = "short") -> None:
+    """The planted ``ShortSnapshot``'s counterexample (``JUDGED[name]``'s) written as a v1 trace
+    (a ``slot`` group in its header, ``snapshot`` events; ``track`` ones for an extra_buffer
+    plant), then ``kvspec check`` on that file: two lines."""
     import tempfile
     from pathlib import Path
 
     from thirdparty_checks import kvspec
 
-    target, depth, seconds = JUDGED["short"]
+    target, depth, seconds = JUDGED[name]
     with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "short.json")
+        out = str(Path(folder) / f"{name}.json")
         fuzz = ("fuzz", "--target", f"kvspec.conformance.adapters.{target}", *MAMBA_CELL)
         kvspec(*fuzz, "--depth", depth, "--seconds", seconds, "--out", out, "--format", "v1")
         kvspec("check", out)
+
+
+def extra_trace() -> None:
+    """``judge_trace`` of the planted ``DonateOtherSlot`` (extra_buffer), its two lines joined by
+    `` || `` into one."""
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        judge_trace("donate-other")
+    print(" || ".join(said.getvalue().strip().splitlines()))
 
 
 def extra() -> None:
@@ -319,6 +343,8 @@ def main(cases: list[str]) -> None:
             extra()
         elif name == "judge-trace":
             judge_trace()
+        elif name == "extra-trace":
+            extra_trace()
         elif name == "python":
             os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
             try:

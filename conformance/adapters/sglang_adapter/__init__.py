@@ -71,6 +71,7 @@ __all__ = [
     "mamba_retract_factory",
     "mamba_extra_factory",
     "mamba_extra_retract_factory",
+    "mamba_extra_fixed_factory",
     "swa_factory",
     "swa_retract_factory",
     "swa_sync_factory",
@@ -250,6 +251,17 @@ def mamba_extra_factory(config: Config, choices: Choices) -> SglangAdapter:
     from .extra import ExtraAdapter
 
     return ExtraAdapter(config, choices)
+
+
+def mamba_extra_fixed_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``mamba_extra_factory`` with the ping-pong flip SGLang 0.5.23 misses after a prefill
+    (``extra.FlippedScheduler``): the run the rest of ``extra_buffer`` is judged on."""
+    why = mamba_extra_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    from .extra import FixedAdapter
+
+    return FixedAdapter(config, choices)
 
 
 def mamba_extra_retract_factory(config: Config, choices: Choices) -> SglangAdapter:

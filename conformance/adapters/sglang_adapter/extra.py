@@ -310,9 +310,41 @@ class ExtraScheduler(Scheduler):
             )
 
 
+class FlippedScheduler(ExtraScheduler):
+    """SGLang with the ping-pong flip its non-lazy decode misses (``mamba_extra_fixed_factory``).
+
+    SGLang flips ``mamba_next_track_idx`` for a decode boundary at the result of the decode
+    *before* it (``mamba_track_mask_next_cpu``, the ``known_boundary`` path), after the boundary's
+    own batch is formed. When the step before the first decode boundary was a prefill (whose
+    result path updates no Mamba state), no flip happens: the boundary's slot is then both
+    ``mamba_last_track_idx`` and ``mamba_next_track_idx``, so the next boundary writes the slot
+    that holds the tracked state, and a request that finishes while that write is in flight
+    donates a slot the in-flight step overwrites (``kvspec fuzz`` names it StateAtItsBoundary:
+    docs/adapters.md). This scheduler flips at the completed boundary's result where SGLang left
+    the two equal, as the lazy mode's guard (R 1408-1416) anticipates, in time for the next
+    boundary (the track interval is over 1): every other line is SGLang's."""
+
+    def decode_result(self, batch: ScheduleBatch, req: Req) -> None:
+        super().decode_result(batch, req)
+        i = batch.reqs.index(req)
+        kv = req.kv
+        if (
+            batch.mamba_track_mask_cpu is not None
+            and batch.mamba_track_mask_cpu[i]
+            and kv.mamba_ping_pong_track_buffer is not None
+            and kv.mamba_next_track_idx == kv.mamba_last_track_idx
+        ):
+            kv.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(
+                kv.mamba_last_track_idx
+            )
+            self.record.paths["missed flips made"] += 1  # type: ignore[attr-defined]
+
+
 class ExtraAdapter(SglangAdapter):
-    """``SglangAdapter`` over ``ExtraScheduler``, every SGLang call under ``sglang()``; SGLang's
-    overlap loop (depth 2)."""
+    """``SglangAdapter`` over ``ExtraScheduler`` (``scheduler_class``), every SGLang call under
+    ``sglang()``; SGLang's overlap loop (depth 2)."""
+
+    scheduler_class: type[ExtraScheduler] = ExtraScheduler
 
     def __init__(self, config: Any, choices: Any, test_retract: bool | None = None) -> None:
         with sglang():
@@ -321,7 +353,7 @@ class ExtraAdapter(SglangAdapter):
             )
 
     def new_scheduler(self, config: Any, choices: Any, overlap: bool) -> Scheduler:
-        return ExtraScheduler(config, choices, overlap, self.tree, self.test_retract)
+        return self.scheduler_class(config, choices, overlap, self.tree, self.test_retract)
 
     def add_request(self, *args: Any, **kw: Any) -> None:
         with sglang():
@@ -338,3 +370,9 @@ class ExtraAdapter(SglangAdapter):
     def reset_prefix_cache(self) -> bool:
         with sglang():
             return super().reset_prefix_cache()
+
+
+class FixedAdapter(ExtraAdapter):
+    """``ExtraAdapter`` over ``FlippedScheduler``."""
+
+    scheduler_class = FlippedScheduler
