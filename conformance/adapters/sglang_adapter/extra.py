@@ -68,6 +68,13 @@ TRACK_INTERVAL = 2
 """``--mamba-track-interval`` (SGLang's default 256): a decode tracks every 2 tokens."""
 
 
+NOT_BUILT = (
+    "the extra_buffer adapter follows SGLang's defaults: mamba_max_states_per_path (a cap on the "
+    "states one tree path keeps), the int8 checkpoint pool and ReplaySSM are not built"
+)
+"""Why ``context`` refuses resolved settings that turn one of them on."""
+
+
 def _server_args() -> Any:
     from sglang.srt.server_args import ServerArgs
 
@@ -99,6 +106,14 @@ def context() -> Any:
             raise RuntimeError(f"SGLang resolves EXTRA_MODEL to {mamba.mamba_radix_cache_strategy}")
         if args.disable_overlap_schedule:
             raise RuntimeError("SGLang turns the overlap loop off for EXTRA_MODEL")
+        built = {
+            "mamba_max_states_per_path": mamba.mamba_max_states_per_path in (None, -1),
+            "int8 checkpoint pool": not mamba.enable_int8_mamba_checkpoint,
+            "ReplaySSM": not mamba.enable_linear_replayssm,
+        }
+        for name, off in built.items():
+            if not off:
+                raise RuntimeError(f"{NOT_BUILT}: {name} is on")
     return made
 
 

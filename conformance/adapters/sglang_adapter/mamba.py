@@ -30,7 +30,7 @@ full-attention ones: SGLang's ``auto`` strategy resolves it to ``no_buffer`` and
 ``disable_overlap_schedule`` (``arg_groups/overrides.py``, ``_mamba_radix_cache_resolution``): the
 loop without overlap, depth 1. A model with the ping-pong ``extra_buffer`` (``EXTRA_MODEL``,
 Qwen3-Next, which ``auto`` resolves to ``extra_buffer`` under overlap: ``extra_resolved``) is
-refused by name (``EXTRA_BUFFER_REFUSAL``; the spec's side is ``spec/tracks.py``).
+``extra.py``'s (the spec's side is ``spec/tracks.py``).
 """
 
 from __future__ import annotations
@@ -72,18 +72,6 @@ MAMBA_MODEL = {
 """The ``config.json`` of a tiny hybrid linear-attention model (LFM2's layout: a short-convolution
 layer, whose state SGLang keeps in its ``MambaPool``, beside a full-attention layer), no weights:
 SGLang's ``ModelConfig`` and ``mambaish_config`` read from it the state's shape and layers."""
-
-EXTRA_BUFFER_REFUSAL = (
-    "SGLang's extra_buffer strategy (what auto picks for Qwen3-Next or Nemotron-H under the "
-    "overlap scheduler, or with pages over 1 token) keeps each request's state in a ping-pong "
-    "pair of track slots beside its working slot and donates the one tracked at "
-    "mamba_last_track_seqlen at an insert; the spec follows it (track slots: docs/model.md), "
-    "but the adapter records no track alloc, track write or donation from SGLang's batch yet: "
-    "extra_buffer refused (mamba_factory runs no_buffer; docs/adapters.md, SGLang, hybrid "
-    "models)"
-)
-"""Why ``mamba_extra_factory`` refuses every cell (``docs/adapters.md``: what is left)."""
-
 
 EXTRA_MODEL = {
     "architectures": ["Qwen3NextForCausalLM"],
