@@ -160,7 +160,11 @@ def main(argv: list[str]) -> int:
         name = "mamba_retract_factory" if args.retract else "mamba_factory"
     if args.extra:
         name = "mamba_extra_" + (
-            "retract_factory" if args.retract else "fixed_factory" if args.extra == "fixed" else "factory"
+            "retract_factory"
+            if args.retract
+            else "fixed_factory"
+            if args.extra == "fixed"
+            else "factory"
         )
     target = f"__main__:{name}"
     result, _ = flow.fuzz(cell, args.seconds, args.seed, None, target)

@@ -299,7 +299,11 @@ def workload(
             return f"seed {seed} iteration {iteration}: {why}", Counter(), Counter()
     kinds = Counter(
         e[0]
-        + ("/g" if (e[0] in ("hit", "alloc") and len(e) == 4) or e[0] in ("snapshot", "track") else "")
+        + (
+            "/g"
+            if (e[0] in ("hit", "alloc") and len(e) == 4) or e[0] in ("snapshot", "track")
+            else ""
+        )
         for e in adapter.events
     )
     return None, kinds, adapter.scheduler.record.paths  # type: ignore[attr-defined]
