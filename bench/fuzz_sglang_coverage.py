@@ -96,6 +96,16 @@ def mamba_extra_retract_factory(config: Config, choices: Choices) -> Any:
     return keep(sglang_adapter.mamba_extra_retract_factory(config, choices))
 
 
+def mamba_extra_fixed_retract_factory(config: Config, choices: Choices) -> Any:
+    """``mamba_extra_fixed_factory`` in SGLang's retraction test mode."""
+    from kvspec.conformance.adapters.sglang_adapter.extra import FixedAdapter
+
+    why = sglang_adapter.mamba_extra_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return keep(FixedAdapter(config, choices, test_retract=True))
+
+
 def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:
     """Add one engine's events to ``tally``."""
     holds: dict[object, set[object]] = {}  # step -> the requests it schedules
@@ -146,7 +156,7 @@ def main(argv: list[str]) -> int:
         choices=("sglang", "fixed"),
         help="with --mamba: Qwen3-Next's extra_buffer under overlap (depth 2): SGLang as it is "
         "(mamba_extra_factory), or with the ping-pong flip it misses after a prefill "
-        "(mamba_extra_fixed_factory); --retract: mamba_extra_retract_factory",
+        "(mamba_extra_fixed_factory); with --retract in SGLang's retraction test mode",
     )
     args = parser.parse_args(argv)
     if args.mamba and args.swa:
@@ -159,13 +169,8 @@ def main(argv: list[str]) -> int:
     if args.mamba:
         name = "mamba_retract_factory" if args.retract else "mamba_factory"
     if args.extra:
-        name = "mamba_extra_" + (
-            "retract_factory"
-            if args.retract
-            else "fixed_factory"
-            if args.extra == "fixed"
-            else "factory"
-        )
+        name = "mamba_extra_" + ("fixed_" if args.extra == "fixed" else "")
+        name += "retract_factory" if args.retract else "factory"
     target = f"__main__:{name}"
     result, _ = flow.fuzz(cell, args.seconds, args.seed, None, target)
     keep(None)
