@@ -64,8 +64,8 @@ JUDGED = {
     "overlap": ("sglang_adapter:mamba_factory", "2", "5"),
     "extra": ("sglang_adapter:mamba_extra_factory", "2", "10"),
     "extra-fixed": ("sglang_adapter:mamba_extra_fixed_factory", "2", "5"),
-    "donate-other": ("sglang_adapter.extra_mutants:donate_other_slot_factory", "2", "10"),
-    "short-key": ("sglang_adapter.extra_mutants:short_track_key_factory", "2", "10"),
+    "donate-other": ("sglang_adapter.extra_mutants:donate_other_slot_factory", "2", "5"),
+    "short-key": ("sglang_adapter.extra_mutants:short_track_key_factory", "2", "5"),
 }
 """``judge:NAME``: (factory, depth, seconds): ``mamba_factory`` and its retraction test mode,
 20 s each (seed 0); the planted ``mutants.ShortSnapshot`` and ``mutants.SkipCow``, up to 30 s
@@ -74,7 +74,7 @@ depth 2, refused (SGLang's auto strategy forces the loop without overlap); ``mam
 (Qwen3-Next, extra_buffer under overlap, depth 2, up to 10 s: SGLang's missed ping-pong flip,
 named StateAtItsBoundary), ``mamba_extra_fixed_factory`` (the flip made, 5 s, no
 counterexample), the planted ``extra_mutants.DonateOtherSlot`` and ``ShortTrackKey`` (up to
-10 s each)."""
+5 s each)."""
 
 
 def judge(name: str) -> None:

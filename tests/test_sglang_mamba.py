@@ -180,7 +180,7 @@ def test_a_planted_wrong_ping_pong_choice_is_named_state_at_its_boundary(
 ) -> None:
     """On the fixed run: ``extra_mutants.DonateOtherSlot`` (an insert donates the ping-pong slot
     the latest track did not write) and ``ShortTrackKey`` (the donated state keyed one track
-    interval short): ``StateAtItsBoundary`` within the 10 s."""
+    interval short): ``StateAtItsBoundary`` within the 5 s."""
     line = case[name]
     assert line.startswith("exit 1 False counterexample found after"), line
     assert "violated: StateAtItsBoundary: group 1's block" in line, line
