@@ -4,6 +4,7 @@ the orders that only overlap has counted apart (``docs/adapters.md``, "SGLang 0.
 
     .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 120 --seed 3 [--sync] [--swa]
     .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 60 --mamba [--retract]
+    .venv-sglang/bin/python bench/fuzz_sglang_coverage.py --seconds 60 --mamba --extra fixed
 
 ``--swa``: the hybrid sliding-window model (``swa_factory``, ``swa_sync_factory``), with a second
 line of the hybrid paths its recorder counted (``SwaRecorder.paths``: hits SGLang cut back by
@@ -16,7 +17,10 @@ overlap, depth 1), with a second line of the MAMBA paths its recorder counted
 copies dropped where the node had a state, evictions of states), and a third, the fuzzer's own
 ``groups_line`` (``conformance/fuzz_coverage.py``: the same paths read from the judged events
 alone, which must agree with the recorder's); ``--retract`` runs it in SGLang's retraction test
-mode (``mamba_retract_factory``).
+mode (``mamba_retract_factory``). ``--mamba --extra sglang|fixed``:
+Qwen3-Next's ``extra_buffer`` under the overlap loop (depth 2, ``mamba_extra_factory``, or
+``mamba_extra_fixed_factory`` with the ping-pong flip SGLang misses after a prefill), its second
+line ``ExtraRecorder.paths`` (track writes, track donations, finished donations, ...).
 
 Prints the fuzzer's verdict line and one line of counts. "In flight" means: while a step that
 was submitted and has not executed yet holds the request (SGLang's batch N+1, launched before
@@ -82,6 +86,28 @@ def mamba_retract_factory(config: Config, choices: Choices) -> Any:
     return keep(sglang_adapter.mamba_retract_factory(config, choices))
 
 
+def mamba_extra_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.mamba_extra_factory(config, choices))
+
+
+def mamba_extra_fixed_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.mamba_extra_fixed_factory(config, choices))
+
+
+def mamba_extra_retract_factory(config: Config, choices: Choices) -> Any:
+    return keep(sglang_adapter.mamba_extra_retract_factory(config, choices))
+
+
+def mamba_extra_fixed_retract_factory(config: Config, choices: Choices) -> Any:
+    """``mamba_extra_fixed_factory`` in SGLang's retraction test mode."""
+    from kvspec.conformance.adapters.sglang_adapter.extra import FixedAdapter
+
+    why = sglang_adapter.mamba_extra_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    return keep(FixedAdapter(config, choices, test_retract=True))
+
+
 def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:
     """Add one engine's events to ``tally``."""
     holds: dict[object, set[object]] = {}  # step -> the requests it schedules
@@ -127,14 +153,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--retract", action="store_true", help="with --mamba: SGLang's retraction test mode"
     )
+    parser.add_argument(
+        "--extra",
+        choices=("sglang", "fixed"),
+        help="with --mamba: Qwen3-Next's extra_buffer under overlap (depth 2): SGLang as it is "
+        "(mamba_extra_factory), or with the ping-pong flip it misses after a prefill "
+        "(mamba_extra_fixed_factory); with --retract in SGLang's retraction test mode",
+    )
     args = parser.parse_args(argv)
     if args.mamba and args.swa:
         parser.error("--mamba and --swa are two models: one at a time")
-    sync = args.sync or args.mamba
+    if args.extra and not args.mamba:
+        parser.error("--extra is a strategy of the --mamba model")
+    sync = args.sync or (args.mamba and not args.extra)
     cell = flow.Cell("engine-registers", "general", depth=1 if sync else 2)
     name = ("swa_" if args.swa else "") + ("sync_factory" if sync else "factory")
     if args.mamba:
         name = "mamba_retract_factory" if args.retract else "mamba_factory"
+    if args.extra:
+        name = "mamba_extra_" + ("fixed_" if args.extra == "fixed" else "")
+        name += "retract_factory" if args.retract else "factory"
     target = f"__main__:{name}"
     result, _ = flow.fuzz(cell, args.seconds, args.seed, None, target)
     keep(None)
@@ -156,6 +194,7 @@ def main(argv: list[str]) -> int:
         "preempt",
         "retractions in flight",
         "snapshot",
+        "track",
         "evict",
         "unpublish",
         "abort",

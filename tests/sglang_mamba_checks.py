@@ -22,7 +22,12 @@ run inside ``.venv-sglang`` by ``tests/test_sglang_mamba.py``:
 * ``seeds:S1,S2``: ``replay`` on those seeds only;
 * ``judge:NAME``: ``kvspec fuzz`` on a MAMBA factory (``JUDGED``), one line as
   ``thirdparty_checks.kvspec`` prints it; ``judge-trace``: the planted ``ShortSnapshot``'s
-  counterexample as a v1 trace file, then ``kvspec check`` on it (two lines).
+  counterexample as a v1 trace file, then ``kvspec check`` on it (two lines); ``extra-trace``
+  the same for the planted ``DonateOtherSlot`` (one line, the two joined by `` || ``);
+* ``extra-replay:N`` (``extra-seeds:S1,S2``, ``extra-python:N``): ``replay`` through
+  ``mamba_extra_factory``'s adapter (``sglang_adapter/extra.py``: extra_buffer, the overlap
+  loop), the events replayed by ``ExtraReplay`` (a donation leaves a hole in the slot table that
+  the fresh slot's ``alloc`` fills).
 """
 
 from __future__ import annotations
@@ -57,13 +62,19 @@ JUDGED = {
     "short": ("sglang_adapter.mutants:short_snapshot_mamba_factory", "1", "30"),
     "skip-cow": ("sglang_adapter.mutants:skip_cow_mamba_factory", "1", "30"),
     "overlap": ("sglang_adapter:mamba_factory", "2", "5"),
-    "extra": ("sglang_adapter:mamba_extra_factory", "2", "5"),
+    "extra": ("sglang_adapter:mamba_extra_factory", "2", "10"),
+    "extra-fixed": ("sglang_adapter:mamba_extra_fixed_factory", "2", "5"),
+    "donate-other": ("sglang_adapter.extra_mutants:donate_other_slot_factory", "2", "5"),
+    "short-key": ("sglang_adapter.extra_mutants:short_track_key_factory", "2", "5"),
 }
 """``judge:NAME``: (factory, depth, seconds): ``mamba_factory`` and its retraction test mode,
 20 s each (seed 0); the planted ``mutants.ShortSnapshot`` and ``mutants.SkipCow``, up to 30 s
 each; ``mamba_factory`` at
 depth 2, refused (SGLang's auto strategy forces the loop without overlap); ``mamba_extra_factory``
-(Qwen3-Next, extra_buffer under overlap, depth 2), refused by name."""
+(Qwen3-Next, extra_buffer under overlap, depth 2, up to 10 s: SGLang's missed ping-pong flip,
+named StateAtItsBoundary), ``mamba_extra_fixed_factory`` (the flip made, 5 s, no
+counterexample), the planted ``extra_mutants.DonateOtherSlot`` and ``ShortTrackKey`` (up to
+5 s each)."""
 
 
 def judge(name: str) -> None:
@@ -74,20 +85,33 @@ def judge(name: str) -> None:
     kvspec("fuzz", "--target", target, *MAMBA_CELL, "--depth", depth, "--seconds", seconds)
 
 
-def judge_trace() -> None:
-    """The planted ``ShortSnapshot``'s counterexample written as a v1 trace (a ``slot`` group in
-    its header, ``snapshot`` events), then ``kvspec check`` on that file: two lines."""
+def judge_trace(name: str = "short") -> None:
+    """The planted ``ShortSnapshot``'s counterexample (``JUDGED[name]``'s) written as a v1 trace
+    (a ``slot`` group in its header, ``snapshot`` events; ``track`` ones for an extra_buffer
+    plant), then ``kvspec check`` on that file: two lines."""
     import tempfile
     from pathlib import Path
 
     from thirdparty_checks import kvspec
 
-    target, depth, seconds = JUDGED["short"]
+    target, depth, seconds = JUDGED[name]
     with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "short.json")
+        out = str(Path(folder) / f"{name}.json")
         fuzz = ("fuzz", "--target", f"kvspec.conformance.adapters.{target}", *MAMBA_CELL)
         kvspec(*fuzz, "--depth", depth, "--seconds", seconds, "--out", out, "--format", "v1")
         kvspec("check", out)
+
+
+def extra_trace() -> None:
+    """``judge_trace`` of the planted ``DonateOtherSlot`` (extra_buffer), its two lines joined by
+    `` || `` into one."""
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        judge_trace("donate-other")
+    print(" || ".join(said.getvalue().strip().splitlines()))
 
 
 def extra() -> None:
@@ -161,6 +185,23 @@ class Replay:
         return {b: i for b, i in self.tree.items() if b > self.full}
 
 
+class ExtraReplay(Replay):
+    """``Replay`` with track slots (``sglang_adapter/extra.py``): a running request's snapshot of
+    one of its track slots leaves a hole in its slot table, which its next slot ``alloc`` fills;
+    ``track`` writes change no table."""
+
+    def apply(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "snapshot" and event[1] in self.tables and event[3] in self.tables[event[1]][1]:
+            slots = self.tables[event[1]][1]
+            slots[slots.index(event[3])] = None  # type: ignore[call-overload]
+        elif kind == "alloc" and len(event) == 4 and None in self.tables.get(event[1], [[], []])[1]:
+            slots = self.tables[event[1]][1]
+            slots[slots.index(None)] = event[2]  # type: ignore[call-overload]
+            return
+        super().apply(event)
+
+
 def differences(adapter: SglangAdapter, replay: Replay, python_core: bool) -> str | None:
     s = adapter.scheduler
     record = s.record
@@ -219,16 +260,23 @@ def node_truth(adapter: SglangAdapter, states: dict[int, int]) -> str | None:
     return None
 
 
-def workload(seed: int, python_core: bool) -> tuple[str | None, Counter[str], Counter[str]]:
+def workload(
+    seed: int, python_core: bool, extra: bool = False
+) -> tuple[str | None, Counter[str], Counter[str]]:
     rng = random.Random(seed)
     config = Config(num_blocks=rng.choice((10, 16, 24)), **CELL)
     retract = seed % 2 == 1  # SGLang's retraction test mode on odd seeds (retract_factory)
-    adapter = SglangAdapter(
-        config, RandomChoices(seed), overlap=False, tree="mamba", test_retract=retract
-    )
+    if extra:  # extra_buffer under SGLang's overlap loop (sglang_adapter/extra.py)
+        from kvspec.conformance.adapters.sglang_adapter.extra import ExtraAdapter
+
+        adapter: SglangAdapter = ExtraAdapter(config, RandomChoices(seed), test_retract=retract)
+    else:
+        adapter = SglangAdapter(
+            config, RandomChoices(seed), overlap=False, tree="mamba", test_retract=retract
+        )
     if (core_backend(adapter.scheduler.tree) == "python") != python_core:
         raise RuntimeError(f"wanted the {'Python' if python_core else 'Rust'} TreeCore")
-    replay = Replay(adapter.scheduler.full_pages)
+    replay = (ExtraReplay if extra else Replay)(adapter.scheduler.full_pages)
     bases = [[rng.randrange(1, 4) for _ in range(8)] for _ in range(2)]
     seen, arrivals = 0, 0
     for iteration in range(80):
@@ -250,17 +298,22 @@ def workload(seed: int, python_core: bool) -> tuple[str | None, Counter[str], Co
         if why:
             return f"seed {seed} iteration {iteration}: {why}", Counter(), Counter()
     kinds = Counter(
-        e[0] + ("/g" if (e[0] in ("hit", "alloc") and len(e) == 4) or e[0] == "snapshot" else "")
+        e[0]
+        + (
+            "/g"
+            if (e[0] in ("hit", "alloc") and len(e) == 4) or e[0] in ("snapshot", "track")
+            else ""
+        )
         for e in adapter.events
     )
     return None, kinds, adapter.scheduler.record.paths  # type: ignore[attr-defined]
 
 
-def replay(seeds: list[int], python_core: bool = False) -> None:
+def replay(seeds: list[int], python_core: bool = False, extra: bool = False) -> None:
     kinds: Counter[str] = Counter()
     paths: Counter[str] = Counter()
     for seed in seeds:
-        why, k, p = workload(seed, python_core)
+        why, k, p = workload(seed, python_core, extra)
         if why:
             print(why)
             return
@@ -278,12 +331,24 @@ def main(cases: list[str]) -> None:
             replay(list(range(int(arg))))
         elif name == "seeds":
             replay([int(x) for x in arg.split(",")])
+        elif name == "extra-replay":
+            replay(list(range(int(arg))), extra=True)
+        elif name == "extra-seeds":
+            replay([int(x) for x in arg.split(",")], extra=True)
+        elif name == "extra-python":
+            os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+            try:
+                replay(list(range(int(arg))), python_core=True, extra=True)
+            finally:
+                del os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"]
         elif name == "judge":
             judge(arg)
         elif name == "extra":
             extra()
         elif name == "judge-trace":
             judge_trace()
+        elif name == "extra-trace":
+            extra_trace()
         elif name == "python":
             os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
             try:

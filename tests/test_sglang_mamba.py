@@ -25,7 +25,12 @@ CASES = (
     "judge:skip-cow",
     "judge:overlap",
     "extra",
+    "extra-replay:4",
     "judge:extra",
+    "judge:extra-fixed",
+    "judge:donate-other",
+    "judge:short-key",
+    "extra-trace",
     "judge-trace",
 )
 
@@ -133,12 +138,63 @@ def test_sglang_resolves_qwen3_next_to_extra_buffer_under_overlap(case: dict[str
 
 
 @needs_sglang
-def test_the_extra_buffer_factory_is_refused_by_name(case: dict[str, str]) -> None:
-    """``mamba_extra_factory`` (depth 2, the overlap loop SGLang keeps for it): exit 2, one line
-    naming ``extra_buffer`` and why (the recorder reports no track slots yet), no traceback."""
-    words = case["judge:extra"].split(maxsplit=3)
-    assert words[:3] == ["exit", "2", "False"], case["judge:extra"]
-    assert "extra_buffer refused" in words[3] and "Traceback" not in words[3], words[3]
+def test_the_extra_buffer_events_replayed_are_sglangs(case: dict[str, str]) -> None:
+    """``mamba_extra_factory``'s adapter (extra_buffer, overlap loop) on 4 seeded workloads
+    (odd seeds in the retraction test mode): after every loop iteration the events replayed give
+    each running request SGLang's FULL row and slot table (working slot, then its ping-pong
+    slots), the tree's states and SGLang's free slots; the track paths were taken: track writes
+    of extends and decodes, donations at running inserts and at finishes, hits by copy."""
+    kinds, paths = _counts(case["extra-replay:4"])
+    for kind in ("track/g", "snapshot/g", "alloc/g", "hit/g", "evict", "unpublish"):
+        assert kinds.get(kind, 0) > 0, (kind, kinds)
+    for path in (
+        "track writes (extend)",
+        "track writes (decode)",
+        "track donations",
+        "finished donations",
+        "states hit by copy",
+    ):
+        assert paths.get(path, 0) > 0, (path, paths)
+
+
+@needs_sglang
+def test_sglangs_missed_ping_pong_flip_is_named_state_at_its_boundary(
+    case: dict[str, str],
+) -> None:
+    """``mamba_extra_factory`` as SGLang 0.5.23 runs: the first decode boundary after a prefill
+    is not flipped (``extra.FlippedScheduler``), the next boundary's in-flight step rewrites the
+    slot a finished request donated: ``StateAtItsBoundary`` within the 10 s. The same run with
+    the flip made (``mamba_extra_fixed_factory``) holds for 5 s."""
+    line = case["judge:extra"]
+    assert line.startswith("exit 1 False counterexample found after"), line
+    assert "violated: StateAtItsBoundary: group 1's block" in line, line
+    assert case["judge:extra-fixed"].startswith("exit 0 False no counterexample"), case[
+        "judge:extra-fixed"
+    ]
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", ["judge:donate-other", "judge:short-key"])
+def test_a_planted_wrong_ping_pong_choice_is_named_state_at_its_boundary(
+    case: dict[str, str], name: str
+) -> None:
+    """On the fixed run: ``extra_mutants.DonateOtherSlot`` (an insert donates the ping-pong slot
+    the latest track did not write) and ``ShortTrackKey`` (the donated state keyed one track
+    interval short): ``StateAtItsBoundary`` within the 5 s."""
+    line = case[name]
+    assert line.startswith("exit 1 False counterexample found after"), line
+    assert "violated: StateAtItsBoundary: group 1's block" in line, line
+
+
+@needs_sglang
+def test_the_planted_donation_trace_file_is_judged_the_same_by_kvspec_check(
+    case: dict[str, str],
+) -> None:
+    """``DonateOtherSlot``'s counterexample as a v1 trace (``track`` events in it): ``kvspec
+    check`` exits 1 naming ``StateAtItsBoundary``."""
+    fuzz, _, check = case["extra-trace"].partition(" || ")
+    assert fuzz.startswith("exit 1 False counterexample found after"), fuzz
+    assert check.startswith("exit 1 False") and ": StateAtItsBoundary: group 1's block" in check
 
 
 @needs_sglang

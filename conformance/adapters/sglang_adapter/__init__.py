@@ -11,7 +11,7 @@ SGLang's ``create_tree_cache`` builds (``UnifiedRadixCache``, FULL component, Ru
 ``retract_factory`` runs SGLang's retraction test mode, ``SGLANG_TEST_RETRACT``; ``swa_factory``,
 ``swa_sync_factory`` and ``swa_retract_factory`` the FULL + SWA tree of a hybrid sliding-window
 model, ``swa.py``; ``mamba_factory`` the FULL + MAMBA tree of a hybrid linear-attention model,
-``mamba.py``),
+``mamba.py``; ``mamba_extra_factory`` Qwen3-Next's ``extra_buffer`` under overlap, ``extra.py``),
 ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``, and the memory path of its ``Scheduler``
 methods line for line (``scheduler.py``, with SGLang's line numbers); it plays the model runner
 and draws each sampled token from ``choices``. Modules: ``build`` (SGLang's import on a CPU,
@@ -70,6 +70,8 @@ __all__ = [
     "mamba_factory",
     "mamba_retract_factory",
     "mamba_extra_factory",
+    "mamba_extra_retract_factory",
+    "mamba_extra_fixed_factory",
     "swa_factory",
     "swa_retract_factory",
     "swa_sync_factory",
@@ -211,28 +213,65 @@ def mamba_factory(config: Config, choices: Choices) -> SglangAdapter:
     """SGLang's tree for a hybrid linear-attention model (``mamba.MAMBA_MODEL``:
     ``UnifiedRadixCache`` with FULL and MAMBA over a ``HybridReqToTokenPool``), as its ``auto``
     strategy resolves it: ``no_buffer``, which forces the loop without overlap (depth 1); its
-    events those of a full group and a slot group (``mamba.py``). ``extra_buffer`` is refused
-    (``mamba.EXTRA_BUFFER_REFUSAL``)."""
+    events those of a full group and a slot group (``mamba.py``). ``extra_buffer`` is
+    ``mamba_extra_factory``'s."""
     why = mamba_refusal(config)
     if why is not None:
         raise ValueError(why)
     return SglangAdapter(config, choices, overlap=False, tree="mamba")
 
 
-def mamba_extra_factory(config: Config, choices: Choices) -> SglangAdapter:
-    """SGLang's tree for Qwen3-Next (``mamba.EXTRA_MODEL``) as its ``auto`` strategy resolves it
-    under the overlap loop: ``extra_buffer`` (``mamba.extra_resolved``). Refused by name,
-    every cell: ``mamba.EXTRA_BUFFER_REFUSAL`` (the spec follows track slots, the recorder
-    does not report them yet); a cell the overlap loop refuses is refused first."""
+def mamba_extra_refusal(config: Config) -> str | None:
+    """Why ``mamba_extra_factory`` cannot run this cell, or None: the cell the overlap loop
+    refuses (depth 2), groups set by hand, a spec without the slot kind, or SGLang resolving
+    ``EXTRA_MODEL`` to anything but ``extra_buffer``."""
     from . import mamba
+    from .loops import spec_has_slot
 
     why = supported(config, overlap=True)
     if why is not None:
-        raise ValueError(why)
+        return why
+    if getattr(config, "groups", ()):
+        return "mamba_extra_factory sets the groups from SGLang's model: leave groups empty"
+    if not spec_has_slot():
+        return MAMBA_REFUSAL
     strategy = dict(mamba.extra_resolved()).get("mamba_radix_cache_strategy")
     if strategy != "extra_buffer":
-        raise ValueError(f"SGLang resolves {mamba.EXTRA_MODEL['architectures'][0]} to {strategy}")
-    raise ValueError(mamba.EXTRA_BUFFER_REFUSAL)
+        return f"SGLang resolves {mamba.EXTRA_MODEL['architectures'][0]} to {strategy}"
+    return None
+
+
+def mamba_extra_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """SGLang's tree for Qwen3-Next (``mamba.EXTRA_MODEL``) as its ``auto`` strategy resolves it
+    under the overlap loop: ``extra_buffer``, depth 2, each request's working slot and ping-pong
+    track slots a slot table of the spec's track slots (``extra.py``)."""
+    why = mamba_extra_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    from .extra import ExtraAdapter
+
+    return ExtraAdapter(config, choices)
+
+
+def mamba_extra_fixed_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``mamba_extra_factory`` with the ping-pong flip SGLang 0.5.23 misses after a prefill
+    (``extra.FlippedScheduler``): the run the rest of ``extra_buffer`` is judged on."""
+    why = mamba_extra_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    from .extra import FixedAdapter
+
+    return FixedAdapter(config, choices)
+
+
+def mamba_extra_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``mamba_extra_factory`` in SGLang's retraction test mode (``retract_factory``)."""
+    why = mamba_extra_refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    from .extra import ExtraAdapter
+
+    return ExtraAdapter(config, choices, test_retract=True)
 
 
 def swa_refusal(config: Config, overlap: bool = True) -> str | None:

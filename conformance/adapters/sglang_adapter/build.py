@@ -281,10 +281,12 @@ def _create(
     window: int | None,
     full_tokens: int | None,
     ssm: bool = False,
+    extra: bool = False,
 ) -> Any:
     """SGLang's ``create_tree_cache`` as ``build_kv_cache`` calls it on one CPU rank, no draft:
     a hybrid SWA model when ``window`` is given (``full_tokens``: its full pool's tokens), a
-    hybrid SSM model with ``ssm`` (``pool`` then a ``HybridReqToTokenPool``, no extra buffer)."""
+    hybrid SSM model with ``ssm`` (``pool`` then a ``HybridReqToTokenPool``; with ``extra`` its
+    ping-pong track buffers, ``extra_buffer``: ``extra.py``)."""
     settings = runtime_context.get_memory()
     params = CacheInitParams(
         disable=False,
@@ -298,6 +300,7 @@ def _create(
         chunked_prefill_size=None,
         sliding_window_size=window,
         tree_core_backend="python" if tree == "python-core" else None,
+        enable_mamba_extra_buffer=extra,
     )
     context = TreeCacheBuildContext(
         server_args=None,  # read only where a hierarchical cache is attached

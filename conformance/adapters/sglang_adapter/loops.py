@@ -44,16 +44,17 @@ def hybrid_swa_config(config: Config) -> Config:
     return replace(config, groups=groups)
 
 
-def hybrid_mamba_config(config: Config) -> Config:
+def hybrid_mamba_config(config: Config, extra: bool = False) -> Config:
     """The cell as the judge sees a hybrid SSM model (``mamba.py``): pages of 1 token (SGLang's
     no_buffer MAMBA component asserts them: a cached state needs a page boundary at every key's
     end), as many as the cell's ``num_blocks - 1`` pages hold tokens, then the ``MambaPool``'s
-    state slots (3 per running request, as SGLang sizes them), one id space; group 0 full
-    attention, group 1 the spec's ``slot`` kind (where the spec has it)."""
+    state slots (3 per running request, as SGLang sizes them, 5 with ``extra``: its ping-pong
+    track slots, ``extra.py``), one id space; group 0 full attention, group 1 the spec's ``slot``
+    kind (where the spec has it)."""
     from .mamba import slots_for
 
     pages = (config.num_blocks - 1) * config.block_size
-    blocks = 1 + pages + slots_for(config.max_running)
+    blocks = 1 + pages + slots_for(config.max_running, extra)
     config = replace(config, num_blocks=blocks, block_size=1)
     group = spec_group()
     if group is None or not spec_has_slot():
@@ -153,8 +154,8 @@ class SglangAdapter:
             config = replace(config, async_scheduling=True)
         if tree == "swa":
             config = hybrid_swa_config(config)
-        if tree == "mamba":
-            config = hybrid_mamba_config(config)
+        if tree in ("mamba", "mamba-extra"):
+            config = hybrid_mamba_config(config, extra=tree == "mamba-extra")
         self.config = config
         self.overlap, self.tree, self.test_retract = overlap, tree, test_retract
         self.scheduler = self.new_scheduler(config, choices, overlap)

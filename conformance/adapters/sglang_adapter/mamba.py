@@ -30,7 +30,7 @@ full-attention ones: SGLang's ``auto`` strategy resolves it to ``no_buffer`` and
 ``disable_overlap_schedule`` (``arg_groups/overrides.py``, ``_mamba_radix_cache_resolution``): the
 loop without overlap, depth 1. A model with the ping-pong ``extra_buffer`` (``EXTRA_MODEL``,
 Qwen3-Next, which ``auto`` resolves to ``extra_buffer`` under overlap: ``extra_resolved``) is
-refused by name (``EXTRA_BUFFER_REFUSAL``; the spec's side is ``spec/tracks.py``).
+``extra.py``'s (the spec's side is ``spec/tracks.py``).
 """
 
 from __future__ import annotations
@@ -73,18 +73,6 @@ MAMBA_MODEL = {
 layer, whose state SGLang keeps in its ``MambaPool``, beside a full-attention layer), no weights:
 SGLang's ``ModelConfig`` and ``mambaish_config`` read from it the state's shape and layers."""
 
-EXTRA_BUFFER_REFUSAL = (
-    "SGLang's extra_buffer strategy (what auto picks for Qwen3-Next or Nemotron-H under the "
-    "overlap scheduler, or with pages over 1 token) keeps each request's state in a ping-pong "
-    "pair of track slots beside its working slot and donates the one tracked at "
-    "mamba_last_track_seqlen at an insert; the spec follows it (track slots: docs/model.md), "
-    "but the adapter records no track alloc, track write or donation from SGLang's batch yet: "
-    "extra_buffer refused (mamba_factory runs no_buffer; docs/adapters.md, SGLang, hybrid "
-    "models)"
-)
-"""Why ``mamba_extra_factory`` refuses every cell (``docs/adapters.md``: what is left)."""
-
-
 EXTRA_MODEL = {
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
@@ -108,10 +96,13 @@ EXTRA_MODEL = {
     "decoder_sparse_step": 1,
     "vocab_size": 256,
     "max_position_embeddings": MAX_CONTEXT,
+    "mamba_chunk_size": 2,
 }
 """The ``config.json`` of a tiny Qwen3-Next (a gated-delta-net layer beside a full-attention one),
 no weights: the model SGLang's ``auto`` resolves to ``extra_buffer`` under the overlap loop
-(``extra_resolved``; spec side: ``docs/model.md``, "Track slots")."""
+(``extra_resolved``; spec side: ``docs/model.md``, "Track slots"). ``mamba_chunk_size`` 2 (read by
+SGLang's ``mamba_cache_chunk_size`` in place of the FLA kernel's 64): a state checkpoint every 2
+tokens, so that a cell of a few dozen tokens tracks, donates and hits states (``extra.py``)."""
 
 MODELS = {"lfm2": MAMBA_MODEL, "qwen3-next": EXTRA_MODEL}
 """The hybrid SSM models the adapter writes, by name."""
@@ -151,29 +142,33 @@ def resolved(disable_overlap: bool = False, model: str = "lfm2") -> tuple[tuple[
 
 
 @functools.cache
-def state_model() -> Any:
-    """SGLang's ``mambaish_config`` of ``MAMBA_MODEL`` (``configs/hybrid_arch.py``): the state's
+def state_model(model: str = "lfm2") -> Any:
+    """SGLang's ``mambaish_config`` of ``MODELS[model]`` (``configs/hybrid_arch.py``): the state's
     cache parameters (``mamba2_cache_params``) and layers."""
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_folder(), device="cpu", skip_tokenizer_init=True)
+    args = ServerArgs(model_path=model_folder(model), device="cpu", skip_tokenizer_init=True)
     config = mambaish_config(ModelConfig.from_server_args(args))
     if config is None:
-        raise RuntimeError("SGLang does not take MAMBA_MODEL for a hybrid SSM model")
+        raise RuntimeError(f"SGLang does not take the {model} model for a hybrid SSM model")
     return config
 
 
-def slots_for(rows: int) -> int:
+def slots_for(rows: int, extra: bool = False) -> int:
     """``max_mamba_cache_size`` for ``rows`` running requests, as SGLang sizes them: 3 state slots
     per request (``MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO``, no_buffer: its own slot, the
-    tree state its lock holds, and a fresh copy at an insert)."""
+    tree state its lock holds, and a fresh copy at an insert); with ``extra`` (``extra_buffer``
+    under overlap) 2 more, its ping-pong track slots (``_calculate_mamba_ratio``,
+    ``get_mamba_tracking_slots``)."""
+    from sglang.srt.mem_cache.allocation_sizing import get_mamba_tracking_slots
     from sglang.srt.mem_cache.kv_cache_configurator import (
         MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO,
     )
 
-    return MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO * rows
+    tracking = get_mamba_tracking_slots(extra_buffer=extra, overlap=True) if extra else 0
+    return (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO + tracking) * rows
 
 
 def mamba_memory(page_size: int, pages: int, slots: int, rows: int) -> tuple[Any, Any, Any]:
@@ -315,6 +310,13 @@ class MambaRecorder(UnifiedRecorder):
 
     # -- reporting ------------------------------------------------------------------------------
 
+    def state_inserted(self, req: Req, index: int, block: int) -> None:
+        """A new tree state ``block`` at ``index``, inserted by ``req``: its ``snapshot``
+        (``extra.py`` reports a donation of a track slot later, in the order the spec takes)."""
+        own = req.kv.holds_mamba and self.block(req.kv.mamba_pool_idx) == block
+        self.paths["snapshots by donation" if own else "snapshots by copy"] += 1
+        self.events.append(("snapshot", rid(req), index, block, MAMBA_GROUP))
+
     def _publish(self, index: int, page: int) -> None:
         req = self.acting
         if req is None:
@@ -344,10 +346,8 @@ class MambaRecorder(UnifiedRecorder):
                     self.events.append(("evict", block))
                 if req is None:
                     raise AssertionError("SGLang inserted a state outside a request's insert")
-                own = req.kv.holds_mamba and self.block(req.kv.mamba_pool_idx) == block
-                self.paths["snapshots by donation" if own else "snapshots by copy"] += 1
                 self.state_index[block] = index
-                self.events.append(("snapshot", rid(req), index, block, MAMBA_GROUP))
+                self.state_inserted(req, index, block)
             if params.mamba_value is not None and not (after - before):
                 self.paths["states already cached (copy dropped)"] += 1
             return result

@@ -86,8 +86,10 @@ class Scheduler:
         self.hybrid_swa = tree == "swa"
         self.window = swa_layers()[0] if self.hybrid_swa else None
         """SGLang's ``sliding_window_size`` (the hybrid SWA model's), or None."""
-        self.hybrid_ssm = tree == "mamba"
-        self.slots = slots_for(config.max_running) if self.hybrid_ssm else 0
+        self.hybrid_ssm = tree in ("mamba", "mamba-extra")
+        self.model = MODEL
+        """The ``ModelConfig`` a batch carries (``extra.py``'s scheduler gives Qwen3-Next's)."""
+        self.slots = self.state_slots(config.max_running) if self.hybrid_ssm else 0
         """State slots of a hybrid SSM model's ``MambaPool`` (``mamba.py``), or 0."""
         if self.hybrid_swa:
             self.full_pages = (config.num_blocks - 1) // 2
@@ -98,13 +100,9 @@ class Scheduler:
         all pools'."""
         # One req-to-token row per running request (Scheduler.max_running_requests): the spec's
         # max_running counts the chunked request too, and so do SGLang's rows.
-        if self.hybrid_ssm:  # the hybrid SSM tree is mamba.py's to build (its pools, its model)
-            built = mamba_memory(ps, self.full_pages, self.slots, config.max_running)
-        else:
-            built = memory(ps, self.full_pages, config.max_running, tree, swa_pages=self.full_pages)
-        self.pool, self.allocator, self.tree = built
+        self.pool, self.allocator, self.tree = self.build_memory(tree)
         self.hook_tree()
-        self.record = recorder(self.tree, self.pool, ps, self.events, self.full_pages)
+        self.record = self.new_recorder()
         self.policy = SchedulePolicy("fcfs", self.tree, False, False, False)
         self.ratio = NewTokenRatioTracker.from_config()
         self.token_budget = config.token_budget
@@ -130,6 +128,34 @@ class Scheduler:
         """SGLang's own retraction test mode (``SGLANG_TEST_RETRACT``, read at S 399, off by
         default; ``test_retract`` overrides it): (interval, running batch size above which no
         prefill is formed), or None."""
+
+    def state_slots(self, rows: int) -> int:
+        """A hybrid SSM model's state slots for ``rows`` running requests (``mamba.slots_for``)."""
+        return slots_for(rows)
+
+    def build_memory(self, tree: str) -> tuple[Any, Any, Any]:
+        """The pools and the tree (``build.memory``; a hybrid SSM model's, ``mamba.py``'s)."""
+        ps, rows = self.page_size, self.config.max_running
+        if self.hybrid_ssm:  # the hybrid SSM tree is mamba.py's to build (its pools, its model)
+            return mamba_memory(ps, self.full_pages, self.slots, rows)
+        return memory(ps, self.full_pages, rows, tree, swa_pages=self.full_pages)
+
+    def new_recorder(self) -> Recorder:
+        return recorder(self.tree, self.pool, self.page_size, self.events, self.full_pages)
+
+    def tracked(self, batch: ScheduleBatch, index: int, extend: bool) -> list[Event]:
+        """The track writes of the batch's request at ``index`` (``extra.py``), after its
+        allocations: none without track slots."""
+        return []
+
+    def decode_result(self, batch: ScheduleBatch, req: Req) -> None:
+        """R 1385: what a decode result updates before a finished request is released (the
+        ping-pong flip of ``extra.py``); nothing without track slots."""
+
+    def after_finish(self, req: Req) -> list[Event]:
+        """Effects SGLang's finished insert made that come after the ``finish`` (``extra.py``:
+        the donation of the track slot the request left)."""
+        return []
 
     def hook_tree(self) -> None:
         """Called before the recorder wraps the tree (a mutant wraps SGLang's methods here)."""
@@ -333,7 +359,7 @@ class Scheduler:
             self.pool,
             self.allocator,
             self.tree,
-            MODEL,
+            self.model,
             self.overlap,
             SpeculativeAlgorithm.NONE,
             chunked_req=self.chunked_req,
@@ -344,7 +370,7 @@ class Scheduler:
         batch.prepare_for_extend()
         batch.decoding_reqs = None
         evicted, self.record.evicted = self.record.evicted, []
-        for req, before in zip(can_run, held, strict=True):
+        for i, (req, before) in enumerate(zip(can_run, held, strict=True)):
             self.events.append(("schedule", rid(req), req.extend_end - req.prefix_len, 0))
             tables = self.record.tables(req)
             if req in admitted:
@@ -361,6 +387,7 @@ class Scheduler:
                 if self.hybrid_ssm:
                     before = [before[0], []]
             self._scheduled(req, before, tables, evicted)
+            self.events += self.tracked(batch, i, True)
         self.events += [("unpublish", page) for page in evicted]
         return batch
 
@@ -421,9 +448,10 @@ class Scheduler:
         held = [self.record.tables(r) for r in batch.reqs]
         batch.prepare_for_decode()  # B 3736: alloc_for_decode evicts, allocates, writes rows
         evicted, self.record.evicted = self.record.evicted, []
-        for req, before in zip(batch.reqs, held, strict=True):
+        for i, (req, before) in enumerate(zip(batch.reqs, held, strict=True)):
             self.events.append(("schedule", rid(req), 1, 0))
             self._scheduled(req, before, self.record.tables(req), evicted)
+            self.events += self.tracked(batch, i, False)
         self.events += [("unpublish", page) for page in evicted]
         return batch
 
@@ -476,6 +504,7 @@ class Scheduler:
         A client abort (``to_finish``) finishes its request here; the spec takes it as an
         ``abort`` after the ``commit``, so such requests are processed after the others."""
         extend = batch.forward_mode.is_extend()
+        self.result_batch = batch
         self.before_result(step)
         self.events.append(("execute", step, ()))
         users = [r for r in batch.reqs if self._uses_output(r, extend)]
@@ -510,10 +539,13 @@ class Scheduler:
         aborted = req.to_finish is not None and not self._ends(req, token)
         req.output_ids.append(token)
         req.update_finish_state()
+        if not extend:
+            self.decode_result(self.result_batch, req)
         if req.finished():
             self._release(req, checkpoint=True)
             reason = "abort" if aborted else "stop" if token == 0 else "length"
             self.events.append(("finish", rid(req), reason))
+            self.events += self.after_finish(req)
             self.gone.add(rid(req))
         elif extend:
             self.insert_unfinished(req)
