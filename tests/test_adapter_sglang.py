@@ -26,6 +26,9 @@ CASES = (
 needs_sglang = pytest.mark.skipif(
     not (VENV / ".stamp").exists(), reason="no .venv-sglang: run `make thirdparty` to build it"
 )
+# The cases' one SGLang process (``case``, about 80 s) once per run: the module's tests on one
+# xdist worker (--dist loadgroup, docs/adapters.md "CI").
+pytestmark = pytest.mark.xdist_group("adapter_sglang")
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
