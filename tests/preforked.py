@@ -91,10 +91,12 @@ def _server(key: tuple) -> subprocess.Popen[str] | None:
 
 
 @atexit.register
-def _close() -> None:
+def close() -> None:
     """Each server told to leave (the end of its stdin) and waited for, so that its CPU time is
-    counted with this process's children (``/usr/bin/time``, ``resource.getrusage``)."""
-    for server in _servers.values():
+    counted with this process's children (``/usr/bin/time``, ``resource.getrusage``); called at
+    the end of the test session (``tests/conftest.py``) and at exit."""
+    for key, server in list(_servers.items()):
+        _servers.pop(key)
         if server is not None and server.poll() is None:
             assert server.stdin is not None
             server.stdin.close()
