@@ -132,6 +132,10 @@ def run(
         return _plain(command, cwd, env, timeout)
     if Path(python).name != "python" or Path(python).parent.name != "bin":
         return _plain(command, cwd, env, timeout)
+    if tuple(preload) == VLLM and env.get("VLLM_TARGET_DEVICE") != "cpu":
+        # vLLM resolves its platform as it is imported: a script that picks the device itself
+        # (``os.environ.setdefault`` before its first import of vLLM) must import it itself
+        return _plain(command, cwd, env, timeout)
     key = _key(Path(python), env, preload)
     server = _server(key)
     if server is None:

@@ -106,6 +106,7 @@ def _child(python: Path, engine: str, names: list[str]) -> dict[str, dict[str, o
     env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp")}
     argv = ["bench/planted_child.py", engine, "tests", "60", *names]
     if engine.startswith("vllm"):  # vLLM imported once (tests/preforked.py)
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # what planted_child.py sets before vLLM's import
         done = preforked.run(python, argv, cwd=ROOT, env=env, timeout=400)
     else:
         done = subprocess.run(

@@ -111,3 +111,12 @@ def test_one_server_per_environment(tmp_path: Path) -> None:
     mine = [key for key in preforked._servers if key[0] == str(PYTHON) and key[2] == ("json",)]
     assert len(mine) == 2, mine  # this process's environment (every test above) and the other
     assert all(preforked._servers[key] is not None for key in mine)
+
+
+def test_a_vllm_script_that_picks_its_device_itself_runs_fresh(tmp_path: Path) -> None:
+    """vLLM resolves its platform as it is imported: without ``VLLM_TARGET_DEVICE=cpu`` in the
+    environment no server imports it first (the script sets it before its own import)."""
+    env = {name: value for name, value in os.environ.items() if name != "VLLM_TARGET_DEVICE"}
+    done = preforked.run(PYTHON, ["-c", "print('fresh')"], cwd=tmp_path, env=env)
+    assert done.stdout == "fresh\n"
+    assert not [key for key in preforked._servers if key[2] == preforked.VLLM]
