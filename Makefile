@@ -171,14 +171,8 @@ contracts: venv
 test: venv
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint contracts pytest
 
-# --dist loadgroup: like xdist's default (load), but the tests of one xdist_group mark run on one
-# worker, so a module whose tests share one costly module-scoped fixture (an engine's process)
-# pays it once per run, not once per worker: a module joins by one line,
-# `pytestmark = pytest.mark.xdist_group("NAME")` (docs/adapters.md, "CI").
-XDIST := --dist loadgroup
-
 pytest: venv
-	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto $(XDIST) --durations=15 -m "not e2e"
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15 -m "not e2e"
 
 # The tests marked e2e run a third-party engine end to end, once per supported release: whole
 # pytest sessions (the plugin's crash test and hybrid cases, the suite's table) or its real code
@@ -186,7 +180,7 @@ pytest: venv
 # plants, hybrid KV-event streams, SGLang's SWA and MAMBA trees against its own objects): .ci/run runs them after `make test`, which they would push
 # past its 15 minutes on 2 cores.
 test-e2e: venv
-	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto $(XDIST) --durations=5 -m e2e
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=5 -m e2e
 
 format: venv
 	$(BIN)/ruff format .

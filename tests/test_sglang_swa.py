@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 from sglang_cases import needs_sglang, run_cases
 
-# SGLang in a process of its own (make test-e2e), once per run: the module's tests on one xdist
-# worker (--dist loadgroup, docs/adapters.md "CI")
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("sglang_swa")]
+# SGLang in a process of its own, once per xdist worker that runs a test here (make test-e2e)
+pytestmark = pytest.mark.e2e
 
 CASES = (
     "build",
