@@ -82,3 +82,11 @@ def vllm_case_sessions(
     from vllm_case_sessions import CaseSessions
 
     return CaseSessions.of(request.session, tmp_path_factory)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """This process's preforked servers (``tests/preforked.py``) told to leave and waited for
+    here, not at interpreter exit, which an xdist worker does not reach: so they leave no process
+    behind and their CPU time counts with this process's children."""
+    if "preforked" in sys.modules:
+        sys.modules["preforked"].close()

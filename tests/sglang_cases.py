@@ -7,10 +7,12 @@ file share one process). Used by ``tests/test_sglang_swa.py`` and ``tests/test_s
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 
 import pytest
+from run_once import once
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-sglang"
@@ -22,7 +24,13 @@ needs_sglang = pytest.mark.skipif(
 
 def run_cases(script: str, cases: tuple[str, ...]) -> dict[str, str]:
     """Each case's line printed by ``script`` (a path under ``tests/``) run once in
-    ``.venv-sglang`` with every case; ``judge-trace``'s two lines joined."""
+    ``.venv-sglang`` with every case; ``judge-trace``'s two lines joined. Once per test run, the
+    xdist workers sharing it (``tests/run_once.py``)."""
+    name = Path(script).stem + "-" + hashlib.sha256(" ".join(cases).encode()).hexdigest()[:12]
+    return once(name, lambda: _run_cases(script, cases))
+
+
+def _run_cases(script: str, cases: tuple[str, ...]) -> dict[str, str]:
     done = subprocess.run(
         [str(VENV / "bin" / "python"), script, *cases],
         capture_output=True,

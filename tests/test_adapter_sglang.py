@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from run_once import once
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-sglang"
@@ -35,7 +36,12 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def case() -> dict[str, str]:
-    """Each case of ``tests/thirdparty_checks.py sglang`` and the line it printed."""
+    """Each case of ``tests/thirdparty_checks.py sglang`` and the line it printed (once per run:
+    ``tests/run_once.py``)."""
+    return once("adapter_sglang", _cases)
+
+
+def _cases() -> dict[str, str]:
     done = _run("tests/thirdparty_checks.py", "sglang", *CASES)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()[-len(CASES) :]

@@ -12,6 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 from vllm_venvs import VENVS
 
@@ -23,14 +24,7 @@ pytestmark = pytest.mark.parametrize("venv", VENVS)
 
 def _run(venv: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    return subprocess.run(
-        [str(venv / "bin" / "python"), *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=timeout,
-    )
+    return preforked.run(venv / "bin" / "python", argv, cwd=ROOT, env=env, timeout=timeout)
 
 
 def _cover(line: str) -> dict[str, int]:

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 
+import preforked
 import pytest
 from planted import BOOKS, Plant
 from vllm_venvs import VENVS
@@ -103,14 +104,14 @@ def test_a_malformed_view_is_bad_input() -> None:
 
 def _child(python: Path, engine: str, names: list[str]) -> dict[str, dict[str, object]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp")}
-    done = subprocess.run(
-        [str(python), "bench/planted_child.py", engine, "tests", "60", *names],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=400,
-    )
+    argv = ["bench/planted_child.py", engine, "tests", "60", *names]
+    if engine.startswith("vllm"):  # vLLM imported once (tests/preforked.py)
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # what planted_child.py sets before vLLM's import
+        done = preforked.run(python, argv, cwd=ROOT, env=env, timeout=400)
+    else:
+        done = subprocess.run(
+            [str(python), *argv], capture_output=True, text=True, cwd=ROOT, env=env, timeout=400
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {str(row["name"]): row for row in rows}

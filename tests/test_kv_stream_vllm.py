@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 from vllm_venvs import VENVS
 
@@ -19,14 +20,17 @@ def _run(venv: str | Path, *argv: str) -> list[str]:
     if not (ROOT / venv / ".stamp").exists():
         pytest.skip(f"no {venv}: run `make thirdparty` to build it")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        [str(python), "tests/kv_stream_checks.py", *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
+    if "vllm" in Path(venv).name:  # vLLM imported once (tests/preforked.py)
+        done = preforked.run(python, ["tests/kv_stream_checks.py", *argv], cwd=ROOT, env=env)
+    else:
+        done = subprocess.run(
+            [str(python), "tests/kv_stream_checks.py", *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=600,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines()
 

@@ -11,9 +11,9 @@ FreeQueueExact, an allocation that does not tell an unpinned block's reader Read
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 
 pytestmark = pytest.mark.e2e  # a process of each vLLM release (make test-e2e)
@@ -38,13 +38,7 @@ EXPECTED = {
 @pytest.mark.parametrize("venv", RELEASES)
 def test_each_planted_pool_bug_is_named_by_its_invariant(venv: Path) -> None:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), str(SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = preforked.run(venv / "bin" / "python", [str(SCRIPT)], cwd=os.getcwd(), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     found = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert found == EXPECTED

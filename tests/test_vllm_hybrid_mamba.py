@@ -11,6 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 from vllm_venvs import VENVS
 
@@ -21,12 +22,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("venv", VENVS)]
 
 
 def _fuzz(venv: Path, target: str, seconds: int, *extra: str) -> subprocess.CompletedProcess[str]:
-    argv = [str(venv / "bin" / "kvspec"), "fuzz", "--target", target, "--policy", "eager-unsafe"]
+    argv = ["fuzz", "--target", target, "--policy", "eager-unsafe"]
     argv += ["--seed", "0", "--seconds", str(seconds), *extra]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    return subprocess.run(
-        argv, capture_output=True, text=True, cwd=TESTS, env=env, timeout=seconds + 300
-    )
+    return preforked.run_console(venv, "kvspec", argv, cwd=TESTS, env=env, timeout=seconds + 300)
 
 
 def test_the_mamba_model_holds_under_fcfs(venv: Path) -> None:

@@ -6,9 +6,9 @@ with ours."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 from vllm_venvs import VENVS
 
@@ -19,13 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("venv", VENVS)
 def test_hybrid_models_on_every_release(venv: Path) -> None:
     argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:kvspec.pytest_plugin"]
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), *argv, "tests/test_vllm_hybrid.py"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=600,
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    done = preforked.run(
+        venv / "bin" / "python", [*argv, "tests/test_vllm_hybrid.py"], cwd=ROOT, env=env
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout, done.stdout[-2000:]
@@ -44,13 +40,9 @@ def test_the_hybrid_seed_question_on_every_release(
     step wrote (exit 1); with a Mamba group the state is published unwritten but the
     coordinator's common hit stops before it in this workload (exit 0), as
     ``docs/findings/README.md`` says."""
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), "docs/findings/vllm_hybrid_seed.py", model],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=600,
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    done = preforked.run(
+        venv / "bin" / "python", ["docs/findings/vllm_hybrid_seed.py", model], cwd=ROOT, env=env
     )
     assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
     assert says in done.stdout, done.stdout[-2000:]

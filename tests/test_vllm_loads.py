@@ -14,6 +14,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 from vllm_venvs import VENVS
 
@@ -24,12 +25,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("venv", VENVS)]
 
 
 def _fuzz(venv: Path, target: str, seconds: int, *extra: str) -> subprocess.CompletedProcess[str]:
-    argv = [str(venv / "bin" / "kvspec"), "fuzz", "--target", target, "--policy", "eager-unsafe"]
+    argv = ["fuzz", "--target", target, "--policy", "eager-unsafe"]
     argv += ["--loads", "--depth", "1", "--seed", "1", "--seconds", str(seconds), *extra]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    return subprocess.run(
-        argv, capture_output=True, text=True, cwd=TESTS, env=env, timeout=seconds + 240
-    )
+    return preforked.run_console(venv, "kvspec", argv, cwd=TESTS, env=env, timeout=seconds + 240)
 
 
 def test_loads_reach_vllm_and_hold(venv: Path) -> None:

@@ -2,7 +2,8 @@
 (``make thirdparty``: ``.venv-vllm`` holds 0.33.0, ``.venv-vllm-VERSION`` the others;
 ``conformance/adapters/vllm_adapter/versions.py`` lists them). ``VENVS`` parametrizes a test over
 them, each skipped with the reason where it is not built. ``run_in`` runs a script of the
-repository in one of them, as the tests that need vLLM's objects do."""
+repository in one of them, as the tests that need vLLM's objects do (``run_script``: through
+``tests/preforked.py``, vLLM imported once per environment and pytest process)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import preforked
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,14 +34,7 @@ def run_script(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     the path: a worktree's kvspec where one is linked there); its exit code is the caller's to
     judge (a findings script exits 1 where the bug is present)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / ".pp"), "VLLM_TARGET_DEVICE": "cpu"}
-    return subprocess.run(
-        [str(venv / "bin" / "python"), *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
+    return preforked.run(venv / "bin" / "python", argv, cwd=ROOT, env=env, timeout=600)
 
 
 def run_in(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
