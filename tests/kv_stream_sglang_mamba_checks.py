@@ -18,8 +18,6 @@ only): ``lost-store`` and ``unannounced-parent`` (``kv_stream_sglang_swa_checks.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import sys
 from pathlib import Path
@@ -27,18 +25,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from kv_stream_checks import SHORT, WORKLOAD, drive  # noqa: E402
-from kv_stream_sglang_swa_checks import SHARED, plant  # noqa: E402
+from kv_stream_checks import SHORT, WORKLOAD  # noqa: E402
+from kv_stream_sglang_swa_checks import SHARED, judged, plant  # noqa: E402
 from thirdparty_checks import Ones  # noqa: E402
 
-from kvspec.cli import main  # noqa: E402
 from kvspec.conformance.adapters import sglang_adapter  # noqa: E402
 from kvspec.conformance.fuzz_coverage import RunCoverage  # noqa: E402
-from kvspec.conformance.kvevents import engine_stream  # noqa: E402
-from kvspec.conformance.kvevents.frames import decode_batch  # noqa: E402
-from kvspec.judge import Judge  # noqa: E402
 from kvspec.spec import Config  # noqa: E402
-from kvspec.spec.stream import Stored  # noqa: E402
 
 CELL = dict(num_blocks=5, block_size=4, token_budget=16, max_running=2)  # 16 pages: evictions
 TIGHT = dict(num_blocks=6, block_size=2, token_budget=8, max_running=2)  # 10 pages
@@ -88,23 +81,8 @@ def run(folder: Path, label: str, workload: Any, cell: Any, fault: str | None) -
         double_removal(adapter)
     elif fault is not None:
         plant(adapter, fault)
-    judge = Judge.spec(adapter.config, True)
-    before = dict(engine_stream.TOTALS)
-    finding = drive(adapter, judge, workload, to_end=True)
-    stream = adapter.kv_stream.engine
-    where: set[tuple[str | None, int | None]] = set()
-    for frame in stream.frames:
-        for event in decode_batch(frame.seq, frame.payload).events:
-            if isinstance(event, Stored):
-                where.add((event.medium, event.group))
     capture = folder / f"mamba-{label}-{fault or 'clean'}.kvcap"
-    stream.write_capture(capture)
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        code = main(["check", "--kv-events", str(capture)])
-    checked = out.getvalue().strip().splitlines()[:1]
-    said = "none" if finding is None else f"{finding.invariant}: {finding.message}"
-    stats = stream.judge.stats
-    totals = {k: v - before.get(k, 0) for k, v in engine_stream.TOTALS.items()}
+    said, stats, where, totals, code, checked = judged(adapter, capture, workload)
     paths = adapter.scheduler.record.paths
     generic = RunCoverage(tuple(g.kind for g in adapter.config.groups))
     generic.observe(adapter.events)  # the fuzzer's counters, from the judged events alone

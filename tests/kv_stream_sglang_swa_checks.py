@@ -83,13 +83,11 @@ def plant(adapter: Any, name: str) -> None:
     stream.tree.take_events = take_events
 
 
-def run(folder: Path, factory: str, depth: int, label: str, workload: Any, cell: Any, fault: str | None) -> str:  # fmt: skip
-    config = Config(
-        policy="engine-registers", discipline="general", stop_token=0, depth=depth, **cell
-    )
-    adapter = getattr(sglang_adapter, factory)(config, Ones())
-    if fault is not None:
-        plant(adapter, fault)
+def judged(adapter: Any, capture: Path, workload: Any) -> tuple[str, Any, set[Any], dict[str, int], int, list[str]]:  # fmt: skip
+    """Drive ``workload`` judged by the spec with SGLang's stream attached; write the stream's
+    capture to ``capture`` and read it back through ``kvspec check --kv-events``. Returns what the
+    spec said, the stream judge's stats, the (medium, group) pairs stores named, the stream
+    counters this run moved, and the check's exit code and first line."""
     judge = Judge.spec(adapter.config, True)
     before = dict(engine_stream.TOTALS)
     finding = drive(adapter, judge, workload, to_end=True)
@@ -99,14 +97,25 @@ def run(folder: Path, factory: str, depth: int, label: str, workload: Any, cell:
         for event in decode_batch(frame.seq, frame.payload).events:
             if isinstance(event, Stored):
                 where.add((event.medium, event.group))
-    capture = folder / f"{factory}-{label}.kvcap"
     stream.write_capture(capture)
     with contextlib.redirect_stdout(io.StringIO()) as out:
         code = main(["check", "--kv-events", str(capture)])
     checked = out.getvalue().strip().splitlines()[:1]
     said = "none" if finding is None else f"{finding.invariant}: {finding.message}"
-    stats = stream.judge.stats
     totals = {k: v - before.get(k, 0) for k, v in engine_stream.TOTALS.items()}
+    return said, stream.judge.stats, where, totals, code, checked
+
+
+def run(folder: Path, factory: str, depth: int, label: str, workload: Any, cell: Any, fault: str | None) -> str:  # fmt: skip
+    config = Config(
+        policy="engine-registers", discipline="general", stop_token=0, depth=depth, **cell
+    )
+    adapter = getattr(sglang_adapter, factory)(config, Ones())
+    if fault is not None:
+        plant(adapter, fault)
+    said, stats, where, totals, code, checked = judged(
+        adapter, folder / f"{factory}-{label}.kvcap", workload
+    )
     return (
         f"{factory} depth {depth} {label} | {said} | {stats.batches} batches {stats.events} "
         f"events {stats.boundaries} boundaries | stored in {sorted(where, key=str)} | "

@@ -49,18 +49,20 @@ from contextlib import contextmanager
 from typing import Any
 
 from .build import (
-    MAX_CONTEXT,
     VOCAB,
-    ComponentType,
-    PagedTokenToKVPoolAllocator,
     Req,
     ScheduleBatch,
-    UnifiedRadixCache,
-    _create,
     torch,
 )
 from .loops import SglangAdapter
-from .mamba import MAMBA_GROUP, MambaRecorder, model_folder, slots_for, state_model
+from .mamba import (
+    MAMBA_GROUP,
+    MambaRecorder,
+    hybrid_memory,
+    model_folder,
+    slots_for,
+    state_model,
+)
 from .record import Event, rid
 from .scheduler import Scheduler
 
@@ -146,37 +148,8 @@ def model() -> Any:
 def extra_memory(page_size: int, pages: int, slots: int, rows: int) -> tuple[Any, Any, Any]:
     """``mamba.mamba_memory`` for ``EXTRA_MODEL``: the ``HybridReqToTokenPool`` with its ping-pong
     track buffers (``enable_mamba_extra_buffer``, overlap on) and ``create_tree_cache``'s
-    FULL + MAMBA ``UnifiedRadixCache`` with ``extra_buffer`` (checked)."""
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-
-    config = state_model("qwen3-next")
-    pool = HybridReqToTokenPool(
-        size=rows,
-        mamba_size=slots,
-        mamba_spec_state_size=rows,
-        max_context_len=MAX_CONTEXT,
-        device="cpu",
-        enable_memory_saver=False,
-        cache_params=config.mamba2_cache_params,
-        mamba_layer_ids=list(config.mamba2_cache_params.layers),
-        enable_mamba_extra_buffer=True,
-        enable_overlap_schedule=True,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        pages * page_size, page_size, torch.float32, "cpu", None, need_sort=False
-    )
-    cache = _create(pool, allocator, page_size, "unified", None, None, ssm=True, extra=True)
-    if (
-        not isinstance(cache, UnifiedRadixCache)
-        or set(cache.components) != {ComponentType.FULL, ComponentType.MAMBA}
-        or not cache.enable_mamba_extra_buffer
-        or pool.mamba_ping_pong_track_buffer_size != 2
-    ):
-        raise RuntimeError(
-            f"SGLang's create_tree_cache built {type(cache).__name__} without FULL + MAMBA "
-            "extra_buffer and a ping-pong pair"
-        )
-    return pool, allocator, cache
+    FULL + MAMBA ``UnifiedRadixCache`` with ``extra_buffer`` (checked: ``mamba.hybrid_memory``)."""
+    return hybrid_memory(state_model("qwen3-next"), page_size, pages, slots, rows, extra=True)
 
 
 class ExtraRecorder(MambaRecorder):

@@ -177,12 +177,22 @@ def mamba_memory(page_size: int, pages: int, slots: int, rows: int) -> tuple[Any
     ``MambaPool`` on the CPU, no extra buffer, no overlap; a ``PagedTokenToKVPoolAllocator`` over
     ``pages`` full pages; ``create_tree_cache`` with ``is_hybrid_ssm``): a ``UnifiedRadixCache``
     with FULL and MAMBA."""
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-
     strategy = dict(resolved())
     if strategy.get("mamba_radix_cache_strategy") != "no_buffer":
         raise RuntimeError(f"SGLang resolves MAMBA_MODEL to {strategy}, not no_buffer")
-    config = state_model()
+    return hybrid_memory(state_model(), page_size, pages, slots, rows, extra=False)
+
+
+def hybrid_memory(
+    config: Any, page_size: int, pages: int, slots: int, rows: int, extra: bool
+) -> tuple[Any, Any, Any]:
+    """SGLang's objects for a hybrid SSM model ``config`` (``state_model``): the
+    ``HybridReqToTokenPool`` (``extra``: with its ping-pong track buffers and the overlap loop,
+    as ``extra_buffer`` builds it; else neither) and ``create_tree_cache``'s ``UnifiedRadixCache``
+    with FULL and MAMBA (checked: ``extra`` also checks the tree's extra buffer and a ping-pong
+    pair). Shared by ``mamba_memory`` and ``extra.extra_memory``."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
     pool = HybridReqToTokenPool(
         size=rows,
         mamba_size=slots,
@@ -192,21 +202,23 @@ def mamba_memory(page_size: int, pages: int, slots: int, rows: int) -> tuple[Any
         enable_memory_saver=False,
         cache_params=config.mamba2_cache_params,
         mamba_layer_ids=list(config.mamba2_cache_params.layers),
-        enable_mamba_extra_buffer=False,
-        enable_overlap_schedule=False,
+        enable_mamba_extra_buffer=extra,
+        enable_overlap_schedule=extra,
     )
     allocator = PagedTokenToKVPoolAllocator(
         pages * page_size, page_size, torch.float32, "cpu", None, need_sort=False
     )
-    cache = _create(pool, allocator, page_size, "unified", None, None, ssm=True)
-    if not isinstance(cache, UnifiedRadixCache) or set(cache.components) != {
-        ComponentType.FULL,
-        ComponentType.MAMBA,
-    }:
+    cache = _create(pool, allocator, page_size, "unified", None, None, ssm=True, extra=extra)
+    wanted = {ComponentType.FULL, ComponentType.MAMBA}
+    if not isinstance(cache, UnifiedRadixCache) or set(cache.components) != wanted:
         raise RuntimeError(
             f"SGLang's create_tree_cache built {type(cache).__name__} with "
             f"{sorted(c.name for c in getattr(cache, 'components', {}))}, not FULL and MAMBA"
         )
+    if extra and (
+        not cache.enable_mamba_extra_buffer or pool.mamba_ping_pong_track_buffer_size != 2
+    ):
+        raise RuntimeError("SGLang's create_tree_cache built no extra_buffer ping-pong pair")
     return pool, allocator, cache
 
 
