@@ -40,6 +40,10 @@ def test_the_race_shows_at_the_shrunk_sizes() -> None:
         "RACE: step 3 (in flight, seq_len 4) writes Mamba slot 2, which the tree holds"
         in done.stdout
     )
+    assert (
+        "a later request with r0's 4 tokens matches 2; its Mamba state is copied from slot 2"
+        in done.stdout
+    )
 
 
 def test_the_race_shows_at_sglangs_default_interval_and_chunk() -> None:

@@ -305,43 +305,51 @@ def main() -> int:
                 req.update_finish_state()
                 if done.forward_mode.is_extend():
                     if not req.finished():
-                        checkpoint_kv_cache(req, tree)  # R 394: a prefill that goes on
+                        checkpoint_kv_cache(
+                            req, tree
+                        )  # process_batch_result_prefill: a prefill that goes on
                 else:
                     results._handle_finish_state_updated_req(req, done, result, 0, None)
-                    if control_flip(req, done, pool):
+                    if args.mode == "control" and control_flip(req, done, pool):
                         print(f"  control: flipped next to {req.kv.mamba_next_track_idx}")
                 if verbose or req.finished():
                     print(
                         f"step {done_step} result: token {token}, finished {req.finished()}, "
                         f"tree's cached states {sorted(cached_slots())}"
                     )
-                for later, flying in in_flight:
+                for flying_step, flying in in_flight:
                     mask = flying.mamba_track_mask_cpu
                     if flying.forward_mode.is_decode() and mask and mask[0]:
                         slot = int(flying.mamba_track_indices[0])
                         if slot in cached_slots():
                             found = True
                             print(
-                                f"RACE: step {later} (in flight, seq_len "
+                                f"RACE: step {flying_step} (in flight, seq_len "
                                 f"{int(flying.seq_lens_cpu[0])}) writes Mamba slot {slot}, which "
                                 f"the tree holds as a cached state (all_mamba_values_flatten)"
                             )
             if batch is None and not in_flight:
                 break
+        # what a later request with r0's tokens would read: the tree's match, as admission does
+        tokens = prompt + list(req.output_ids)
+        later = Req("r1", "", array("q", tokens), sampling, eos_token_ids={0}, vocab_size=256)
+        later.init_next_round_input(tree)
+        source = later.kv.mamba_cow_src_index
+        print(
+            f"a later request with r0's {len(tokens)} tokens matches {later.prefix_len}; "
+            f"its Mamba state is copied from slot "
+            f"{None if source is None else int(source.reshape(-1)[0])}"
+        )
         if not found:
             print("no in-flight step writes a slot the tree holds as cached")
         return 1 if found else 0
 
 
-MODE = {"control": False}
-
-
-def control_flip(req, batch, pool) -> bool:  # type: ignore[no-untyped-def]
+def control_flip(req, batch, pool) -> bool:  # type: ignore[no-untyped-def]  # noqa: ANN001
     """``control``: the flip SGLang misses, at the completed boundary's result."""
     kv = req.kv
     if (
-        MODE["control"]
-        and batch.mamba_track_mask_cpu is not None
+        batch.mamba_track_mask_cpu is not None
         and batch.mamba_track_mask_cpu[0]
         and kv.mamba_ping_pong_track_buffer is not None
         and kv.mamba_next_track_idx == kv.mamba_last_track_idx
@@ -352,5 +360,4 @@ def control_flip(req, batch, pool) -> bool:  # type: ignore[no-untyped-def]
 
 
 if __name__ == "__main__":
-    MODE["control"] = "control" in sys.argv[1:2]
     sys.exit(main())
