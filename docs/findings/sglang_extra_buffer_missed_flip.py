@@ -27,7 +27,11 @@ without an accelerator; SGLang pins the decode's host track mask before copying 
 ``control`` makes the flip SGLang misses (at the completed boundary's result, where
 ``mamba_next_track_idx == mamba_last_track_idx``, as the lazy mode's guard anticipates): no
 in-flight step then names a cached slot, exit 0. ``race --prompt N`` takes an ``N``-token
-prompt; with ``N`` even (interval 2) the first decode is not a boundary and the race does not show either.
+prompt; with ``N`` even (interval 2) the first decode is not a boundary and the race does not
+show either. ``--interval 256 --chunk 64 --prompt 255 --max-tokens 258`` is SGLang's default
+interval and FLA chunk with a first decode at a boundary: the race shows (exit 1). Last, a later
+request with r0's tokens is matched against the tree (``init_next_round_input``, as admission
+does): it names the slot its Mamba state would be copied from.
 """
 
 from __future__ import annotations
