@@ -99,13 +99,7 @@ def mamba_extra_retract_factory(config: Config, choices: Choices) -> Any:
 
 
 def mamba_extra_fixed_retract_factory(config: Config, choices: Choices) -> Any:
-    """``mamba_extra_fixed_factory`` in SGLang's retraction test mode."""
-    from kvspec.conformance.adapters.sglang_adapter.extra import FixedAdapter
-
-    why = sglang_adapter.mamba_extra_refusal(config)
-    if why is not None:
-        raise ValueError(why)
-    return keep(FixedAdapter(config, choices, test_retract=True))
+    return keep(sglang_adapter.mamba_extra_fixed_retract_factory(config, choices))
 
 
 def count(events: list[tuple[object, ...]], tally: Counter[str]) -> None:

@@ -245,33 +245,36 @@ def mamba_extra_factory(config: Config, choices: Choices) -> SglangAdapter:
     """SGLang's tree for Qwen3-Next (``mamba.EXTRA_MODEL``) as its ``auto`` strategy resolves it
     under the overlap loop: ``extra_buffer``, depth 2, each request's working slot and ping-pong
     track slots a slot table of the spec's track slots (``extra.py``)."""
-    why = mamba_extra_refusal(config)
-    if why is not None:
-        raise ValueError(why)
-    from .extra import ExtraAdapter
-
-    return ExtraAdapter(config, choices)
+    return _extra(config, choices, fixed=False, test_retract=None)
 
 
 def mamba_extra_fixed_factory(config: Config, choices: Choices) -> SglangAdapter:
     """``mamba_extra_factory`` with the ping-pong flip SGLang 0.5.23 misses after a prefill
     (``extra.FlippedScheduler``): the run the rest of ``extra_buffer`` is judged on."""
-    why = mamba_extra_refusal(config)
-    if why is not None:
-        raise ValueError(why)
-    from .extra import FixedAdapter
-
-    return FixedAdapter(config, choices)
+    return _extra(config, choices, fixed=True, test_retract=None)
 
 
 def mamba_extra_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
     """``mamba_extra_factory`` in SGLang's retraction test mode (``retract_factory``)."""
+    return _extra(config, choices, fixed=False, test_retract=True)
+
+
+def mamba_extra_fixed_retract_factory(config: Config, choices: Choices) -> SglangAdapter:
+    """``mamba_extra_fixed_factory`` in SGLang's retraction test mode."""
+    return _extra(config, choices, fixed=True, test_retract=True)
+
+
+def _extra(
+    config: Config, choices: Choices, fixed: bool, test_retract: bool | None
+) -> SglangAdapter:
+    """The ``extra_buffer`` factories: refused by name where ``mamba_extra_refusal`` says so,
+    else ``extra.ExtraAdapter`` (``FixedAdapter`` with the flip made)."""
     why = mamba_extra_refusal(config)
     if why is not None:
         raise ValueError(why)
-    from .extra import ExtraAdapter
+    from .extra import ExtraAdapter, FixedAdapter
 
-    return ExtraAdapter(config, choices, test_retract=True)
+    return (FixedAdapter if fixed else ExtraAdapter)(config, choices, test_retract=test_retract)
 
 
 def swa_refusal(config: Config, overlap: bool = True) -> str | None:
