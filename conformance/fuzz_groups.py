@@ -9,8 +9,9 @@ engine's own checks, which name what the engine's path breaks: every read a step
 fake device memory (``reference.memory``: ``NoUnwrittenRead``, ``NoUnwrittenStateRead``,
 ``StateAtItsBoundary``, ``NoReadOfRecycled``), every admission's per-group ``hit`` events by
 ``HitServedByEveryGroup`` (one length, each group's slots for it present), every registered
-state by ``StateAtItsBoundary`` once no step in flight writes it; a disagreement they do not
-name is reported as ``Disagreement``. Only running requests are aborted (the spec at h-groups'
+state by ``StateAtItsBoundary`` once no step in flight writes it, every published or hit block
+of a cross group by ``CrossBlocksPrivate`` (with a cross group half the requests carry encoder
+tokens); a disagreement they do not name is reported as ``Disagreement``. Only running requests are aborted (the spec at h-groups'
 471bfc7 raises on the abort of a request without group tables); a run whose spec judge raises
 is judged by the engine's checks alone (``GroupsResult.spec_errors``). Runs are drawn from ``--seed`` alone (run ``i`` of seed ``s`` is the same run
 everywhere), workloads share prefixes (and half the time whole prompts) across requests in a

@@ -28,6 +28,10 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
   or, for a state group that registers ``when-known`` (vLLM's ``align`` ``MambaManager``), every
   slot as full blocks, once the known tokens reach its boundary (a null slot registers nothing;
   the scheduler's aligned prefill chunks, ``Scheduler.clip``, keep each slot at its boundary).
+* A cross group (never group 0) holds the request's encoder tokens (``Request.encoder``):
+  ``ceil(E / B_g)`` blocks, allocated whole by the schedule that admits it (``grow_cross``; the
+  positions go to the entry's encoder pass, ``Entry.encoded``), never hit (it accepts every
+  length with no block) nor registered, freed with the other tables.
 """
 
 from __future__ import annotations

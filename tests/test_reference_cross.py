@@ -327,3 +327,46 @@ def test_stale_output_delivered_is_judged_as_the_spec_judges_it() -> None:
             parse_groups(groups), "deferred", "general", stale_output="deliver", max_runs=200
         )
         assert result.finding is None, result.finding
+
+
+def test_cross_coverage_counts_read_the_events() -> None:
+    """``RunCoverage`` with a cross group counts its allocations and the frees a ``preempt``
+    decision makes of them (not a finish's, nor another group's). (Planted: counting the
+    frees of any decision makes the finish's count.)"""
+    from kvspec.conformance.fuzz_coverage import RunCoverage
+
+    events: list[Event] = [
+        ("arrive", 0, (1, 2, 3), 2, 0, 3),
+        ("begin", 0),
+        ("schedule", 0, 3, 0),
+        ("hit", 0, ()),
+        ("hit", 0, (), 1),
+        ("alloc", 0, 1),
+        ("alloc", 0, 2, 1),
+        ("alloc", 0, 3, 1),
+        ("submit", 0),
+        ("begin", 1),
+        ("preempt", 0),
+        ("free", 1),
+        ("free", 3),
+        ("free", 2),
+        ("schedule", 0, 3, 0),
+        ("hit", 0, ()),
+        ("hit", 0, (), 1),
+        ("alloc", 0, 1),
+        ("alloc", 0, 3, 1),
+        ("alloc", 0, 2, 1),
+        ("submit", 1),
+        ("finish", 0, "length"),
+        ("free", 1),
+        ("free", 2),
+        ("free", 3),
+    ]
+    run = RunCoverage(("full", "cross"))
+    run.observe(events)
+    assert (run.cross_blocks, run.cross_preempt_frees, run.cross_runs) == (4, 2, 1)
+    assert "2 freed by a preemption" in run.groups_line()
+    plain = RunCoverage(("full", "window"))
+    plain.observe(events)
+    assert plain.cross_blocks == plain.cross_preempt_frees == 0
+    assert "cross" not in plain.groups_line()
