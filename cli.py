@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_groups,
         default=None,
         help="several KV-cache groups in the reference engine, KIND[:WINDOW|:RULE][@BLOCK_SIZE] "
-        "comma separated (KIND full, window or state; RULE a state's at-its-step or "
-        "when-known, vLLM's; e.g. full,window:8,state:when-known), judged by the "
+        "comma separated (KIND full, window, state or cross, a cross group never first; RULE "
+        "a state's at-its-step or when-known, vLLM's; e.g. full,window:8,state:when-known or "
+        "full,cross@4), judged by the "
         "spec in lockstep (docs/reference-groups.md; default: one group, no flag)",
     )
     fuzz.add_argument(

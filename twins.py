@@ -162,7 +162,9 @@ TWINS: tuple[Twin, ...] = (
         "(``Config.sliding_window``: its own window hit rule and skipped-block frees on its own "
         "count of the tokens in flight), and with several KV-cache groups (``Config.groups``: "
         "its coordinator's iterated hit, per-group tables, frees and registrations), chunked "
-        "local attention among them, alone or after a full or window group",
+        "local attention among them, alone or after a full or window group, and a "
+        "cross-attention group after them (tables of a request's encoder tokens, allocated and "
+        "written at admission, read whole, never hashed)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
@@ -175,6 +177,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_fuzz.py::test_safe_cells_hold_in_lockstep",
             "tests/test_reference_groups.py::test_the_reference_engine_with_groups_conforms",
             "tests/test_reference_groups.py::test_the_reference_engine_with_a_chunked_group_conforms",
+            "tests/test_reference_cross.py::test_the_reference_engine_with_a_cross_group_conforms",
         ),
         label="the reference engine",
         features={
@@ -193,12 +196,7 @@ TWINS: tuple[Twin, ...] = (
             )
         }
         | {"groups": FOLLOWS}
-        | {
-            "cross_attention": Refused(
-                "its groups are full, window and state: a cross-attention group is judged by "
-                "the spec only (the pytest plugin's encoder-decoder schedulers)"
-            )
-        }
+        | {"cross_attention": FOLLOWS}  # a cross group: tables of encoder tokens (add_request)
         | {
             "slot_groups": Refused(
                 "it implements the spec's own policies, none of which snapshots a slot group's "

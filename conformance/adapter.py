@@ -102,10 +102,6 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
         from kvspec import twins
 
         raise twins.refused("kvspec.reference", "hash_lookahead")
-    if any(group.kind == "cross" for group in config.groups):  # refused by its row
-        from kvspec import twins
-
-        raise twins.refused("kvspec.reference", "cross_attention")
     if config.slots:  # refused by its row: none of its policies snapshots (spec/slots.py)
         from kvspec import twins
 
@@ -150,8 +146,10 @@ class ReferenceAdapter:
         max_tokens: int,
         priority: int,
         external: bool = False,
+        encoder: int = 0,
     ) -> None:
-        self.engine.add_request(rid, prompt, max_tokens, priority, external)
+        """``encoder``: the request's encoder tokens (a cross group's, ``Engine.add_request``)."""
+        self.engine.add_request(rid, prompt, max_tokens, priority, external, encoder=encoder)
 
     def step(self) -> bool:
         return self.engine.step()

@@ -51,6 +51,10 @@ Counters:
   boundary state in a track slot); ``track_donations``, ``snapshot`` effects of a track slot
   (a block a ``track`` effect named for that request); ``slot_runs``, runs with a slot group
   (``groups_line`` then prints these);
+* cross groups (``kinds`` naming ``cross``: an encoder-decoder model's cross-attention,
+  ``docs/model.md``): ``cross_blocks``, blocks allocated in a cross group (the encoder tokens'
+  tables, at admissions); ``cross_preempt_frees``, those freed by a ``preempt`` decision (to be
+  allocated and written again at the re-admission); ``cross_runs``, runs with a cross group;
 * ``grouped_runs``: runs with several KV-cache groups (``kvspec fuzz`` then prints
   ``Coverage.groups_line`` too);
 * ``refused_runs``: runs ended by the adapter's refusal (a feature the spec does not model, seen
@@ -97,6 +101,9 @@ class Coverage:
     track_writes: int = 0
     track_donations: int = 0
     slot_runs: int = 0
+    cross_blocks: int = 0
+    cross_preempt_frees: int = 0
+    cross_runs: int = 0
     preempt_at_depth: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
 
     def add(self, other: Coverage) -> None:
@@ -139,6 +146,12 @@ class Coverage:
                 if self.slot_runs
                 else ""
             )
+            + (
+                f"; cross groups: {self.cross_blocks} blocks allocated for encoder tokens, "
+                f"{self.cross_preempt_frees} freed by a preemption"
+                if self.cross_runs
+                else ""
+            )
         )
 
 
@@ -155,6 +168,7 @@ class RunCoverage(Coverage):
         self.grouped_runs = int(bool(kinds))
         """Several KV-cache groups: each group's kind, in group order (empty: one group)."""
         self.slot_runs = int("slot" in kinds)
+        self.cross_runs = int("cross" in kinds)
         self.own_slot: dict[int, int] = {}
         """Slot groups: block -> the request its table holds it for (an ``alloc``; gone at its
         ``free`` or ``evict``)."""
@@ -282,6 +296,7 @@ class RunCoverage(Coverage):
             self.track_of.pop(block, None)
             if self.kinds[self.group_of[block]] == "slot":
                 self.own_slot[block] = rid
+            self.cross_blocks += self.kinds[self.group_of[block]] == "cross"
         elif kind == "hit":
             blocks = event[2]
             assert isinstance(blocks, tuple)
@@ -314,6 +329,8 @@ class RunCoverage(Coverage):
             block = fields_[0]
             holders[block] = holders.get(block, 1) - 1
             self.own_slot.pop(block, None)
+            if self.decision == "preempt" and self.kinds[self.group_of.get(block, 0)] == "cross":
+                self.cross_preempt_frees += 1
             if self.building is not None and self.decision == "schedule":
                 mine = self.held.get(self.scheduling, set())
                 mine.discard(block)

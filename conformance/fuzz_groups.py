@@ -9,8 +9,9 @@ engine's own checks, which name what the engine's path breaks: every read a step
 fake device memory (``reference.memory``: ``NoUnwrittenRead``, ``NoUnwrittenStateRead``,
 ``StateAtItsBoundary``, ``NoReadOfRecycled``), every admission's per-group ``hit`` events by
 ``HitServedByEveryGroup`` (one length, each group's slots for it present), every registered
-state by ``StateAtItsBoundary`` once no step in flight writes it; a disagreement they do not
-name is reported as ``Disagreement``. Only running requests are aborted (the spec at h-groups'
+state by ``StateAtItsBoundary`` once no step in flight writes it, every published or hit block
+of a cross group by ``CrossBlocksPrivate`` (with a cross group half the requests carry encoder
+tokens); a disagreement they do not name is reported as ``Disagreement``. Only running requests are aborted (the spec at h-groups'
 471bfc7 raises on the abort of a request without group tables); a run whose spec judge raises
 is judged by the engine's checks alone (``GroupsResult.spec_errors``). Runs are drawn from ``--seed`` alone (run ``i`` of seed ``s`` is the same run
 everywhere), workloads share prefixes (and half the time whole prompts) across requests in a
@@ -42,8 +43,8 @@ from kvspec.spec.events import DECISIONS
 from kvspec.spec.state import Group
 
 SYNTAX = (
-    "KIND[:WINDOW|:RULE][@BLOCK_SIZE],... (KIND full, window or state; RULE a state's "
-    "at-its-step or when-known; e.g. full,window:8,state:when-known)"
+    "KIND[:WINDOW|:RULE][@BLOCK_SIZE],... (KIND full, window, state or cross; RULE a state's "
+    "at-its-step or when-known; e.g. full,window:8,state:when-known or full,cross@4)"
 )
 RULES = ("at-its-step", "when-known")
 """A state group's registration rules (the reference engine's ``STATE_REGISTRATIONS``)."""
@@ -56,7 +57,13 @@ MAX_LENGTH = 8
 """A request's prompt and output tokens are at most this many times the groups' common block
 size: a shared prefix of 1..4 of them, a suffix and an output of 1..2 each."""
 
+MAX_ENCODER = 4
+"""With a cross group, half the requests carry 1 .. this many times the common block size
+encoder tokens (within ``MAX_LENGTH``: the pool fits any request), the others none."""
+
 NAMES = (
+    "CrossBlocksPrivate",
+    "TableMatchesComputed",
     "HitServedByEveryGroup",
     "StateAtItsBoundary",
     "NoUnwrittenStateRead",
@@ -74,9 +81,11 @@ def parse_groups(text: str) -> tuple[GroupText, ...]:
         where = f"group {i} ({part!r})" if part else f"group {i}"
         spec, _, size_text = part.partition("@")
         kind, _, window_text = spec.partition(":")
-        if kind not in ("full", "window", "state"):
-            raise ValueError(f"{where}: the kind is full, window or state; syntax {SYNTAX}")
+        if kind not in ("full", "window", "state", "cross"):
+            raise ValueError(f"{where}: the kind is full, window, state or cross; syntax {SYNTAX}")
         size = _positive(size_text, where, "block size") if size_text else None
+        if kind == "cross" and (window_text or i == 0):
+            raise ValueError(f"{where}: a cross group takes no :VALUE and is never group 0")
         if kind == "state" and window_text:
             if window_text not in RULES:
                 raise ValueError(
@@ -261,7 +270,12 @@ def _one_run(
                 rng.randrange(config.vocab) for _ in range(rng.randint(1, 2 * align))
             )
             prompt = rng.choice(prefixes) + suffix
-            engine.add_request(rid, prompt, rng.randint(1, 2 * align), rng.randrange(3))
+            max_tokens, priority = rng.randint(1, 2 * align), rng.randrange(3)
+            if config.cross:  # (drawn only here: the runs without a cross group stay as they were)
+                encoder = rng.choice((0, rng.randint(1, MAX_ENCODER * align)))
+                engine.add_request(rid, prompt, max_tokens, priority, encoder=encoder)
+            else:
+                engine.add_request(rid, prompt, max_tokens, priority)
             rid += 1
         elif move < 0.33 and rid:
             victim = rng.randrange(rid)
@@ -294,7 +308,9 @@ def _one_run(
                 return finding, steps, coverage, spec_error
         # in the order they happen within one engine call: reads run before the commit
         for b in engine.bad_reads[read:]:
-            what = "state" if config.groups[b.group].kind == "state" else "K/V"
+            what = {"state": "state", "cross": "encoder K/V"}.get(
+                config.groups[b.group].kind, "K/V"
+            )
             detail = (
                 f"step {b.step}: request {b.rid} read the {what} of group {b.group} in block "
                 f"{b.block} at position {b.position}"
@@ -303,6 +319,9 @@ def _one_run(
                 return finding, steps, coverage, spec_error
         bad = _hit_fault(config, events, hits)
         if bad is not None and (finding := found("HitServedByEveryGroup", bad)):
+            return finding, steps, coverage, spec_error
+        bad = _cross_fault(config, events)
+        if bad is not None and (finding := found("CrossBlocksPrivate", bad)):
             return finding, steps, coverage, spec_error
         bad = _published_fault(engine, events, published)
         if bad is not None and (finding := found("StateAtItsBoundary", bad)):
@@ -440,13 +459,17 @@ def _hit_fault(
         if len(got) < len(groups):
             continue
         del hits[rid]
-        lengths = {len(b) * g.block_size for b, g in zip(got, groups, strict=True)}
+        lengths = {
+            len(b) * g.block_size for b, g in zip(got, groups, strict=True) if g.kind != "cross"
+        }
         if len(lengths) != 1:
             return f"request {rid}'s groups hit different lengths {sorted(lengths)}"
         (length,) = lengths
         for g, (spec, blocks_g) in enumerate(zip(groups, got, strict=True)):
             if spec.kind == "full":
                 need = range(len(blocks_g))
+            elif spec.kind == "cross":  # caches nothing: its hit is empty (_cross_fault)
+                need = range(0)
             elif spec.kind == "window":
                 assert spec.window is not None
                 need = range(max(0, length - spec.window + 1) // spec.block_size, len(blocks_g))
@@ -456,4 +479,21 @@ def _hit_fault(
                 return (
                     f"request {rid}'s hit of {length} tokens: group {g} ({spec.kind}) lacks a block"
                 )
+    return None
+
+
+def _cross_fault(config: EngineConfig, events: list[tuple[object, ...]]) -> str | None:
+    """``CrossBlocksPrivate`` on the engine's effects: a block of a cross group's table is
+    never published nor hit (it holds one request's encoder output)."""
+    groups = config.groups
+    for event in events:
+        if event[0] not in ("publish", "hit"):
+            continue
+        group = event[-1] if len(event) == (5 if event[0] == "publish" else 4) else 0
+        if not isinstance(group, int) or groups[group].kind != "cross":
+            continue
+        if event[0] == "publish":
+            return f"request {event[1]}'s cross block {event[3]} (group {group}) is published"
+        if event[2]:
+            return f"request {event[1]}'s cross group {group} hit blocks {event[2]}"
     return None

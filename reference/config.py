@@ -32,10 +32,12 @@ POLICIES: dict[str, PolicyTraits] = {
 }
 """The policies the engine knows by name. Another combination of the same traits is run by
 naming it with ``EngineConfig.policy_traits`` (the conformance layer hands over the spec's)."""
-GROUP_KINDS = ("full", "window", "state", "chunked")
+GROUP_KINDS = ("full", "window", "state", "cross", "chunked")
 """The KV-cache group kinds the engine follows (docs/hybrid.md): full attention, sliding-window
-attention, a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode, and chunked
-local attention (a token attends to its own chunk of ``GroupSpec.chunk`` tokens only)."""
+attention, a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode, an
+encoder-decoder model's cross-attention (a table of the request's encoder tokens,
+``Engine.add_request``'s ``encoder``; never group 0), and chunked local attention (a token
+attends to its own chunk of ``GroupSpec.chunk`` tokens only)."""
 
 
 class GroupSpec(NamedTuple):
@@ -142,6 +144,11 @@ class EngineConfig:
     has been committed, so until then its request counts as computed for by it."""
 
     @property
+    def cross(self) -> bool:
+        """A cross-attention group is among the groups: requests may carry encoder tokens."""
+        return any(g.kind == "cross" for g in self.groups)
+
+    @property
     def traits(self) -> PolicyTraits:
         """The policy's traits: ``policy_traits`` when given, else its name's in ``POLICIES``."""
         if self.policy_traits is not None:
@@ -228,6 +235,8 @@ class EngineConfig:
             where = f"groups[{i}]"
             if g.kind not in GROUP_KINDS:
                 raise ValueError(f"{where}: kind must be one of {', '.join(GROUP_KINDS)}")
+            if g.kind == "cross" and i == 0:
+                raise ValueError(f"{where}: kind cross is never group 0: it follows a decoder's")
             if not (_is_int(g.block_size) and g.block_size >= 1):
                 raise ValueError(f"{where}: block_size must be an int >= 1")
             if g.block_size % self.block_size:
@@ -266,9 +275,12 @@ class EngineConfig:
 
     @property
     def align(self) -> int:
-        """The unit of a hit's length: the least common multiple of the groups' block sizes."""
+        """The unit of a hit's length: the least common multiple of the groups' block sizes (but
+        a cross group's, which hits nothing)."""
         out = self.block_size
         for g in self.groups:
+            if g.kind == "cross":
+                continue
             out = out * g.block_size // math.gcd(out, g.block_size)
         return out
 

@@ -107,9 +107,13 @@ class Engine:
         priority: int = 0,
         external: bool = False,
         read_limit: int | None = None,
+        encoder: int = 0,
     ) -> None:
         """A request arrives. ``read_limit``: its prefix-cache hits are bounded to that many
-        tokens (0: it reads nothing), as vLLM's ``prefix_cache_hit_limit``; one group only."""
+        tokens (0: it reads nothing), as vLLM's ``prefix_cache_hit_limit``; one group only.
+        ``encoder``: its encoder tokens (an encoder-decoder model's input), whose K/V each cross
+        group's table holds; only with a cross group (the spec's ``arrive`` refuses it else),
+        and its ``arrive`` event carries it when not 0 (``spec.events.TRAILING``)."""
         sched, cfg = self.scheduler, self.config
         prompt = tuple(prompt)
         if rid in sched.requests:
@@ -120,9 +124,16 @@ class Engine:
             raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
         if not isinstance(priority, int):
             raise ValueError(f"request {rid!r}: priority must be an int, got {priority!r}")
+        if type(encoder) is not int or encoder < 0:
+            raise ValueError(f"request {rid!r}: encoder must be an int >= 0, got {encoder!r}")
+        if encoder and not cfg.cross:
+            raise ValueError(f"request {rid!r}: {encoder} encoder tokens but no cross group")
         tokens = len(prompt) + max_tokens + cfg.reach
         sizes = [g.block_size for g in cfg.groups] if cfg.grouped else [cfg.block_size]
         need = sum(-(-tokens // size) for size in sizes)
+        if cfg.cross:  # a cross table holds the encoder tokens, not the decoder's
+            cross = [g.block_size for g in cfg.groups if g.kind == "cross"]
+            need += sum(-(-encoder // size) - -(-tokens // size) for size in cross)
         if need > cfg.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "
@@ -135,8 +146,10 @@ class Engine:
         packed = pack_tokens(prompt)
         req = Request(rid, prompt, packed, max_tokens, priority, len(sched.requests), external)
         req.read_limit = read_limit
+        req.encoder = encoder
         if self.record:
-            self.events.append(("arrive", rid, prompt, max_tokens, priority))
+            arrive = ("arrive", rid, prompt, max_tokens, priority)
+            self.events.append((*arrive, encoder) if encoder else arrive)
         sched.add(req)
 
     def step(self) -> bool:

@@ -28,6 +28,10 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
   or, for a state group that registers ``when-known`` (vLLM's ``align`` ``MambaManager``), every
   slot as full blocks, once the known tokens reach its boundary (a null slot registers nothing;
   the scheduler's aligned prefill chunks, ``Scheduler.clip``, keep each slot at its boundary).
+* A cross group (never group 0) holds the request's encoder tokens (``Request.encoder``):
+  ``ceil(E / B_g)`` blocks, allocated whole by the schedule that admits it (``grow_cross``; the
+  positions go to the entry's encoder pass, ``Entry.encoded``), never hit (it accepts every
+  length with no block) nor registered, freed with the other tables.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class GroupedKV(KVCacheManager):
 
     grouped = True
 
-    __slots__ = ("groups", "align", "group_cached", "n_shortened", "states_this_step")
+    __slots__ = ("groups", "align", "group_cached", "n_shortened", "states_this_step", "encoding")
 
     def __init__(
         self,
@@ -88,6 +92,9 @@ class GroupedKV(KVCacheManager):
         recurrence cannot start from a state the same batch computes)."""
         self.group_cached: dict[int, list[int]] = {}
         """Per request, each group's (1 .. G - 1) leading blocks registered or tracked."""
+        self.encoding: dict[int, tuple[tuple[int, int], ...]] = {}
+        """Per request, the cross groups' (group, position) its last ``grow`` allocated: what
+        the encoder pass of the entry being scheduled writes (``Entry.encoded``)."""
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -150,6 +157,8 @@ class GroupedKV(KVCacheManager):
             return range(length // size)
         if spec.kind in ("window", "chunked"):  # a chunk's hit: its end's chunk, from its start
             return range(self._skipped(g, length), length // size)
+        if spec.kind == "cross":  # nothing cached: any length, no block
+            return range(0)
         return range(length // size - 1, length // size) if length else range(0)
 
     def _accepts(self, hashes: list[bytes], g: int, length: int) -> int:
@@ -167,6 +176,8 @@ class GroupedKV(KVCacheManager):
 
     def _hit_blocks(self, hashes: list[bytes], g: int, length: int) -> list[Block]:
         null = self.pool.blocks[0]
+        if self.groups[g].kind == "cross":  # a cross group hits nothing
+            return []
         out = [null] * (length // self.groups[g].block_size)
         for slot in self._needed(g, length):
             block = self._cached(hashes, g, slot)
@@ -198,9 +209,12 @@ class GroupedKV(KVCacheManager):
             return max(0, -(-processed // spec.block_size) - 1)
         return 0
 
-    def _new_blocks(self, g: int, table: list[Block], end: int) -> int:
-        """Blocks the group allocates for its table to cover ``end`` tokens."""
+    def _new_blocks(self, g: int, table: list[Block], end: int, encoder: int = 0) -> int:
+        """Blocks the group allocates for its table to cover ``end`` tokens (a cross group: the
+        request's ``encoder`` tokens, whatever ``end``)."""
         size = self.groups[g].block_size
+        if self.groups[g].kind == "cross":
+            return max(0, -(-encoder // size) - len(table))
         if self.groups[g].kind != "state":
             return max(0, -(-end // size) - len(table))
         slot = -(-end // size) - 1
@@ -221,7 +235,7 @@ class GroupedKV(KVCacheManager):
         else:
             tables = self.tables(req)
             free = self.pool.free_queue.num_free
-        need = sum(self._new_blocks(g, t, end) for g, t in enumerate(tables))
+        need = sum(self._new_blocks(g, t, end, req.encoder) for g, t in enumerate(tables))
         return need > free
 
     def blocks_short_running(self, req: Request, end: int, processed: int) -> bool:  # noqa: D102
@@ -229,7 +243,7 @@ class GroupedKV(KVCacheManager):
         state groups would free first."""
         tables = self.tables(req)
         free = self.pool.free_queue.num_free + self.skippable(req, processed)
-        return sum(self._new_blocks(g, t, end) for g, t in enumerate(tables)) > free
+        return sum(self._new_blocks(g, t, end, req.encoder) for g, t in enumerate(tables)) > free
 
     def admit(self, req: Request, hits: list[Block]) -> None:
         """Touch each group's hit blocks (not the nulls) and make them its table's start; one
@@ -250,9 +264,13 @@ class GroupedKV(KVCacheManager):
         """Each group in order allocates what covering ``end`` tokens needs: full and window
         groups every block up to it, a state group the slot ``end`` falls in (nulls before)."""
         pool, rid, null = self.pool, req.rid, self.pool.blocks[0]
+        encoded: list[tuple[int, int]] = []
         for g, table in enumerate(self.tables(req)):
             spec = self.groups[g]
             size = spec.block_size
+            if spec.kind == "cross":
+                encoded += self.grow_cross(req, g, table)
+                continue
             if spec.kind != "state":
                 while len(table) * size < end:
                     table.append(pool.allocate(rid, g or None))
@@ -266,6 +284,16 @@ class GroupedKV(KVCacheManager):
                 table.append(pool.allocate(rid, g or None))
             elif table[slot].block_id == 0:
                 table[slot] = pool.allocate(rid, g or None)
+        self.encoding[rid] = tuple(encoded)
+
+    def grow_cross(self, req: Request, g: int, table: list[Block]) -> list[tuple[int, int]]:
+        """A cross group's table is allocated whole, ``ceil(encoder / B_g)`` blocks, by the
+        schedule that admits the request (a running request's is whole already: none); the
+        (group, position) allocated, which that step's encoder pass writes."""
+        first, count = len(table), -(-req.encoder // self.groups[g].block_size)
+        while len(table) < count:
+            table.append(self.pool.allocate(req.rid, g))
+        return [(g, i) for i in range(first, len(table))]
 
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""
@@ -325,6 +353,8 @@ class GroupedKV(KVCacheManager):
             spec = self.groups[g]
             size, done = spec.block_size, cached[g - 1]
             upto = min(end, limit) // size
+            if spec.kind == "cross":  # never hashed nor registered
+                continue
             if spec.kind == "state" and spec.registers != "when-known":
                 if end % size == 0 and end <= limit and end // size > done:
                     out.append((g, end // size - 1))

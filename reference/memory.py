@@ -22,6 +22,14 @@ garbage. The names:
 * ``NoUnwrittenStateRead``, ``NoUnwrittenRead``: nothing was written there in this use of the
   block (its writer never ran: preempted, aborted), or what was written is garbage;
 * ``StateAtItsBoundary``: the state read was computed after another number of tokens.
+
+A cross group (an encoder-decoder model's cross-attention) holds the request's encoder output:
+block ``i`` the K/V of encoder tokens ``i * B_g ..``, identified as (request, ``i``). Only the
+encoder pass of the entry that allocated them writes there (``Entry.encoded``, every block at
+admission); every computing entry then reads the whole table (each decoder token attends to
+every encoder token), after the step's writes, and a table of another size than the request's
+encoder tokens need is named ``TableMatchesComputed``. An entry that read wrong bytes does not
+spoil its cross blocks: the encoder's output does not depend on the decoder's reads.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from typing import NamedTuple
 from .block_pool import Block
 from .config import GroupSpec
 from .hashing import pack_token
-from .request import Entry, Request, Step
+from .request import RUNNING, Entry, Request, Step
 
 Content = tuple[int, int]
 """(tokens, crc32 of those tokens): the prefix a K/V slot closes or a state follows."""
@@ -54,7 +62,7 @@ class BadRead(NamedTuple):
 class GroupMemory:
     """Block contents per group kind; ``execute`` checks a step's reads, then does its writes."""
 
-    __slots__ = ("groups", "blocks", "kv", "state", "prefixes", "bad_reads")
+    __slots__ = ("groups", "blocks", "kv", "state", "cross", "prefixes", "bad_reads")
 
     def __init__(self, groups: Sequence[GroupSpec], blocks: Sequence[Block]) -> None:
         self.groups = tuple(groups)
@@ -63,6 +71,9 @@ class GroupMemory:
         """(block, slot) -> (generation, content) of K/V groups."""
         self.state: dict[int, tuple[int, Content | None]] = {}
         """block -> (generation, content) of state groups."""
+        self.cross: dict[int, tuple[int, tuple[int, int]]] = {}
+        """block -> (generation, (request, position)) of cross groups: that request's encoder
+        output of its cross table's position."""
         self.prefixes: dict[int, list[int]] = {}
         """Per request, the crc32 of its first n tokens at index n (kept as tokens grow)."""
         self.bad_reads: list[BadRead] = []
@@ -89,8 +100,13 @@ class GroupMemory:
             req = requests[rid]
             kv_writes: list[tuple[int, int, int, Content | None]] = []
             state_writes: list[tuple[int, int, Content | None]] = []
+            for g, pos in entry.encoded:  # the encoder pass (never spoiled)
+                block, gen = entry.tables[g][pos]
+                self.cross[block] = (gen, (rid, pos))
             for g, spec in enumerate(self.groups):
                 table, size = entry.tables[g], spec.block_size
+                if spec.kind == "cross":
+                    continue
                 if spec.kind == "state":
                     block, gen = table[-(-entry.end // size) - 1]
                     state_writes.append((block, gen, self._content(req, entry.end)))
@@ -121,12 +137,29 @@ class GroupMemory:
         live: bool,
     ) -> bool:
         """Check the entry's reads (recorded when ``live``); True when what it read was wrong
-        (a recycled block whose bytes are still the right ones is named, but reads right)."""
+        (a recycled block whose bytes are still the right ones is named, but reads right). A
+        request no longer running (preempted, its stale output delivered: still live) holds no
+        table a block could have left: as the spec's, only its wrong bytes are named (unwritten
+        reads), a recycled block whose bytes are right is not."""
         start, wrong = entry.start, False
         scratch: list[BadRead] = []
+        running = req.status == RUNNING
+
+        def note(name: str, g: int, block: int, at: int, bytes_wrong: bool, unwritten: str) -> None:
+            if name == "NoReadOfRecycled" and not running:
+                if not bytes_wrong:
+                    return
+                name = unwritten
+            scratch.append(BadRead(name, step.step_id, req.rid, g, block, at))
+
         assert entry.tables is not None
         for g, spec in enumerate(self.groups):
             table, size = entry.tables[g], spec.block_size
+            if spec.kind == "cross":
+                for fault, at, block, bytes_wrong in self._cross_faults(req, table, size):
+                    wrong |= bytes_wrong
+                    note(fault, g, block, at, bytes_wrong, "NoUnwrittenRead")
+                continue
             if spec.kind == "state":
                 if start:
                     block, gen = table[-(-start // size) - 1]
@@ -134,7 +167,7 @@ class GroupMemory:
                     name, bytes_wrong = self._state_fault(req, block, gen, held, start)
                     wrong |= bytes_wrong
                     if name:
-                        scratch.append(BadRead(name, step.step_id, req.rid, g, block, start))
+                        note(name, g, block, start, bytes_wrong, "NoUnwrittenStateRead")
                 continue
             lo = 0 if spec.window is None else max(0, start - spec.window + 1)
             if spec.chunk is not None:  # a chunked group reads its first token's chunk
@@ -144,7 +177,7 @@ class GroupMemory:
                 name, bytes_wrong = self._kv_fault(req, block, gen, p, size)
                 wrong |= bytes_wrong
                 if name:
-                    scratch.append(BadRead(name, step.step_id, req.rid, g, block, p))
+                    note(name, g, block, p, bytes_wrong, "NoUnwrittenRead")
         if live:
             self.bad_reads += scratch
         return wrong
@@ -169,6 +202,29 @@ class GroupMemory:
         if not right:
             return "NoUnwrittenStateRead", True
         return None, False
+
+    def _cross_faults(
+        self, req: Request, table: tuple[tuple[int, int], ...], size: int
+    ) -> list[tuple[str, int, int, bool]]:
+        """(invariant, position, block, whether the bytes read are wrong) of each wrong read of
+        a cross table, which is read whole: a table of another size than ``ceil(encoder / B_g)``
+        (``TableMatchesComputed``, at its first missing or extra position), a block recycled
+        under the step (its bytes may still be right), or one that does not hold the request's
+        encoder output of its position (``NoUnwrittenRead``)."""
+        out: list[tuple[str, int, int, bool]] = []
+        count = -(-req.encoder // size)
+        if len(table) != count:
+            at = min(len(table), count)
+            block = table[at][0] if at < len(table) else 0
+            out.append(("TableMatchesComputed", at, block, True))
+        for at, (block, gen) in enumerate(table):
+            held = self.cross.get(block)
+            right = block != 0 and held is not None and held[1] == (req.rid, at)
+            if block == 0 or self.blocks[block].generation != gen:
+                out.append(("NoReadOfRecycled", at, block, not right))
+            elif held is None or held[0] != gen or not right:
+                out.append(("NoUnwrittenRead", at, block, True))
+        return out
 
     def _kv_fault(
         self, req: Request, block: int, gen: int, pos: int, size: int

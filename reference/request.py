@@ -32,6 +32,7 @@ class Request:
         "drafts",
         "tables",
         "read_limit",
+        "encoder",
     )
 
     def __init__(
@@ -80,6 +81,9 @@ class Request:
         """The engine's bound on its prefix-cache hit in tokens at every admission (vLLM's
         ``prefix_cache_hit_limit``; 0 skips the read), or None: unbounded. Its admissions'
         ``schedule`` events carry it (the spec's bounded-hit rule)."""
+        self.encoder = 0
+        """Its encoder tokens (an encoder-decoder model's input, ``Engine.add_request``): a cross
+        group's table holds ``ceil(encoder / B_g)`` blocks while it runs; 0 without."""
         self.tables: list[list[Block]] = []
         """Several KV-cache groups: one table per group, ``table`` first (``groups.GroupedKV``
         keeps them); empty with one group."""
@@ -122,6 +126,7 @@ class Entry:
         "drafts",
         "loaded",
         "tables",
+        "encoded",
     )
 
     def __init__(
@@ -148,6 +153,9 @@ class Entry:
         self.tables: tuple[tuple[tuple[int, int], ...], ...] | None = None
         """Several KV-cache groups: every group's table as (block id, generation) pairs when it
         was scheduled (``groups.GroupedKV.snapshot``)."""
+        self.encoded: tuple[tuple[int, int], ...] = ()
+        """A cross group's (group, position) this entry's encoder pass writes: every block the
+        schedule allocated there (``groups.GroupedKV.grow``), at the request's admission."""
         self.loaded = loaded
         """Full blocks loaded from the external store from ``start`` on; computed tokens after
         them make the load synchronous (landed before the forward pass reads it)."""

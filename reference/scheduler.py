@@ -319,6 +319,7 @@ class Scheduler:
         )
         if isinstance(kv, GroupedKV):
             entry.tables = kv.snapshot(req)
+            entry.encoded = kv.encoding.pop(req.rid, ())  # a cross group's encoder pass
         step.live.add(req.rid)
         if self.async_scheduling:
             if end > len(req.tokens):

@@ -408,8 +408,9 @@ def hit_served_by_every_group(s: State) -> Violation | None:
     own rule: ``L / B_g`` positions in each group, full attention every one a block published
     under the request's chained prefix there, a window the blocks of the window before ``L``
     (the null block before them), a state group the state published at exactly ``L`` (the null
-    block before it). Guards against a hit one group can serve and another cannot: the step
-    then computes from ``L`` with a group's K/V or state missing or from another boundary."""
+    block before it), a cross group none (it caches nothing, whatever ``L``). Guards against a
+    hit one group can serve and another cannot: the step then computes from ``L`` with a
+    group's K/V or state missing or from another boundary."""
     if s.admission is None:
         return None
     rid, length, hits = s.admission
@@ -419,6 +420,8 @@ def hit_served_by_every_group(s: State) -> Violation | None:
         rule = groups.hit_positions(s, g, length)
         if groups.kind(s, g) == "slot":  # one state, published at exactly ``length``
             wrong = "" if _slot_hit(s, req, g, length, blocks) else f"blocks {list(blocks)}"
+        elif groups.kind(s, g) == "cross":  # caches nothing: no block, whatever ``length``
+            wrong = f"blocks {list(blocks)}" if blocks else ""
         elif length % bs or len(blocks) != length // bs:
             wrong = f"{len(blocks)} blocks of {bs} tokens"
         else:

@@ -237,3 +237,30 @@ def test_an_encoder_output_survives_the_commit_of_a_placeholder_of_the_same_numb
     )
     block = s.requests[0].group_tables[0][0]
     assert s.blocks[block].written == (Encoded(0, 0),) and not s.bad_reads
+
+
+def test_a_prefix_cache_hit_beside_a_cross_group_is_served_by_every_group() -> None:
+    """Prefix caching on (the spec allows it with a cross group; vLLM turns it off for these
+    models): r2 shares r1's first block, its admission hits 4 tokens of group 0 and nothing of
+    the cross group (``hit`` with no blocks), which allocates its whole table anyway; every
+    invariant holds. (Planted: without ``hit_served_by_every_group``'s cross branch the empty
+    cross hit is named HitServedByEveryGroup, "0 blocks of 4 tokens".)"""
+    s = initial_state(_config(prefix_caching=True))
+    prompt = (*PROMPT, 7, 8)
+    out = _run(
+        s,
+        [
+            ("arrive", 1, prompt, 1, 0, 5),
+            ("begin", 0),
+            ("schedule", 1, len(prompt), 0),
+            ("submit", 0),
+            ("execute", 0, ()),
+            ("commit", 0, ((1, 9),)),
+            ("arrive", 2, prompt, 1, 0, 3),
+            ("begin", 1),
+            ("schedule", 2, 4, 0),
+        ],
+    )
+    hits = [e for e in out if e[0] == "hit" and e[1] == 2]
+    assert len(hits[0][2]) == 1 and hits[1] == ("hit", 2, (), 1), hits  # type: ignore[arg-type]
+    assert len(s.requests[2].group_tables[0]) == 1
