@@ -32,10 +32,11 @@ POLICIES: dict[str, PolicyTraits] = {
 }
 """The policies the engine knows by name. Another combination of the same traits is run by
 naming it with ``EngineConfig.policy_traits`` (the conformance layer hands over the spec's)."""
-GROUP_KINDS = ("full", "window", "state", "chunked")
+GROUP_KINDS = ("full", "window", "state", "slot", "chunked")
 """The KV-cache group kinds the engine follows (docs/hybrid.md): full attention, sliding-window
-attention, a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode, and chunked
-local attention (a token attends to its own chunk of ``GroupSpec.chunk`` tokens only)."""
+attention, a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode, a recurrent
+state in one slot per request (SGLang's MAMBA ``no_buffer``, ``slots.py``), and chunked local
+attention (a token attends to its own chunk of ``GroupSpec.chunk`` tokens only)."""
 
 
 class GroupSpec(NamedTuple):
@@ -252,6 +253,21 @@ class EngineConfig:
                     f"{where}: only a state group registers by a rule, one of "
                     f"{', '.join(STATE_REGISTRATIONS)}; got {g.registers!r}"
                 )
+        self._check_slots()
+
+    def _check_slots(self) -> None:
+        """A slot group follows a full group 0, and with prefix caching is cached only by the
+        engine's own snapshots (``policy="engine-registers"``, ``slots.py``)."""
+        kinds = [g.kind for g in self.groups]
+        if "slot" not in kinds:
+            return
+        if kinds[0] == "slot":
+            raise ValueError("groups[0]: a slot group is never group 0 (it follows a full group)")
+        if self.prefix_caching and self.policy != "engine-registers":
+            raise ValueError(
+                f"groups: a slot group under policy {self.policy!r} with prefix caching: its "
+                "states are cached only by the engine's own snapshots (engine-registers)"
+            )
 
     @property
     def grouped(self) -> bool:

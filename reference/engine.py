@@ -76,6 +76,8 @@ class Engine:
         if config.grouped:
             assert isinstance(self.worker, FakeWorker)
             self.worker.memory = GroupMemory(config.groups, self.pool.blocks)
+            assert isinstance(self.kv, GroupedKV)
+            self.worker.memory.copies = self.kv.copies
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -123,6 +125,7 @@ class Engine:
         tokens = len(prompt) + max_tokens + cfg.reach
         sizes = [g.block_size for g in cfg.groups] if cfg.grouped else [cfg.block_size]
         need = sum(-(-tokens // size) for size in sizes)
+        need -= sum(-(-tokens // g.block_size) - 1 for g in cfg.groups if g.kind == "slot")
         if need > cfg.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "

@@ -28,6 +28,11 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
   or, for a state group that registers ``when-known`` (vLLM's ``align`` ``MambaManager``), every
   slot as full blocks, once the known tokens reach its boundary (a null slot registers nothing;
   the scheduler's aligned prefill chunks, ``Scheduler.clip``, keep each slot at its boundary).
+* A slot group (SGLang's MAMBA ``no_buffer``, ``slots.py``) holds one block per request, its
+  slot, allocated at admission after group 0's blocks and rewritten in place by every step; a
+  hit names one published state, takes no reference on it, and is copied into the fresh slot
+  first thing in the admitting step (``slots.SlotCopies``). Nothing registers it but the
+  engine's own snapshots (``slots.py``, under ``engine-registers``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .config import GroupSpec
 from .hashing import extend_hashes
 from .kv_cache_manager import KVCacheManager
 from .request import Request
+from .slots import SlotCopies
 
 
 class GroupHits(list[Block]):
@@ -67,7 +73,15 @@ class GroupedKV(KVCacheManager):
 
     grouped = True
 
-    __slots__ = ("groups", "align", "group_cached", "n_shortened", "states_this_step")
+    __slots__ = (
+        "groups",
+        "align",
+        "group_cached",
+        "n_shortened",
+        "states_this_step",
+        "copies",
+        "slot_hits",
+    )
 
     def __init__(
         self,
@@ -88,6 +102,11 @@ class GroupedKV(KVCacheManager):
         recurrence cannot start from a state the same batch computes)."""
         self.group_cached: dict[int, list[int]] = {}
         """Per request, each group's (1 .. G - 1) leading blocks registered or tracked."""
+        self.copies = SlotCopies()
+        """Slot groups: the copies of whole states the device runs first in a step."""
+        self.slot_hits: dict[tuple[int, int], Block] = {}
+        """(request, slot group) -> the published state its admission hit, copied into its
+        fresh slot when ``grow`` allocates it (in the same decision)."""
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -150,7 +169,7 @@ class GroupedKV(KVCacheManager):
             return range(length // size)
         if spec.kind in ("window", "chunked"):  # a chunk's hit: its end's chunk, from its start
             return range(self._skipped(g, length), length // size)
-        return range(length // size - 1, length // size) if length else range(0)
+        return range(length // size - 1, length // size) if length else range(0)  # state, slot
 
     def _accepts(self, hashes: list[bytes], g: int, length: int) -> int:
         """The largest length ``<= length`` (a multiple of ``align``) the group accepts."""
@@ -167,6 +186,9 @@ class GroupedKV(KVCacheManager):
 
     def _hit_blocks(self, hashes: list[bytes], g: int, length: int) -> list[Block]:
         null = self.pool.blocks[0]
+        if self.groups[g].kind == "slot":  # the one state the hit copies
+            found = self._cached(hashes, g, length // self.groups[g].block_size - 1)
+            return [found] if length and found is not None else []
         out = [null] * (length // self.groups[g].block_size)
         for slot in self._needed(g, length):
             block = self._cached(hashes, g, slot)
@@ -176,6 +198,7 @@ class GroupedKV(KVCacheManager):
 
     def new_step(self) -> None:
         self.states_this_step.clear()
+        self.copies.begin()
 
     def hit_length(self, hits: list[Block]) -> int:
         """The hit's length in tokens."""
@@ -201,6 +224,8 @@ class GroupedKV(KVCacheManager):
     def _new_blocks(self, g: int, table: list[Block], end: int) -> int:
         """Blocks the group allocates for its table to cover ``end`` tokens."""
         size = self.groups[g].block_size
+        if self.groups[g].kind == "slot":  # its one slot, allocated at admission
+            return int(not table)
         if self.groups[g].kind != "state":
             return max(0, -(-end // size) - len(table))
         slot = -(-end // size) - 1
@@ -211,7 +236,7 @@ class GroupedKV(KVCacheManager):
         ``end`` tokens needs more blocks than are free."""
         if hits is not None:
             assert isinstance(hits, GroupHits)
-            tables = hits.groups
+            tables = [[] if self.groups[g].kind == "slot" else p for g, p in enumerate(hits.groups)]
             for g, part in enumerate(tables):
                 if self.groups[g].kind == "state" and part and part[-1] in self.states_this_step:
                     return True  # vLLM: num_gpu_blocks + 1, "not enough blocks" this step
@@ -238,8 +263,12 @@ class GroupedKV(KVCacheManager):
         assert isinstance(hits, GroupHits)
         tables, pool, events = self.tables(req), self.pool, self.pool.events
         for g, part in enumerate(hits.groups):
-            pool.touch([b for b in part if b.block_id != 0])
-            tables[g].extend(part)
+            if self.groups[g].kind == "slot":  # copied into the fresh slot, not touched
+                if part:
+                    self.slot_hits[(req.rid, g)] = part[0]
+            else:
+                pool.touch([b for b in part if b.block_id != 0])
+                tables[g].extend(part)
             if events is not None:
                 hit = ("hit", req.rid, tuple(b.block_id for b in part))
                 events.append((*hit, g) if g else hit)  # group 0's field is left out
@@ -253,6 +282,10 @@ class GroupedKV(KVCacheManager):
         for g, table in enumerate(self.tables(req)):
             spec = self.groups[g]
             size = spec.block_size
+            if spec.kind == "slot":
+                if not table:
+                    self._slot(req, g, table)
+                continue
             if spec.kind != "state":
                 while len(table) * size < end:
                     table.append(pool.allocate(rid, g or None))
@@ -266,6 +299,21 @@ class GroupedKV(KVCacheManager):
                 table.append(pool.allocate(rid, g or None))
             elif table[slot].block_id == 0:
                 table[slot] = pool.allocate(rid, g or None)
+
+    def _slot(self, req: Request, g: int, table: list[Block]) -> None:
+        """The admission allocates the request's slot in slot group ``g``; a hit's state is
+        copied into it first thing in the step being built."""
+        slot = self.pool.allocate(req.rid, g)
+        table.append(slot)
+        source = self.slot_hits.pop((req.rid, g), None)
+        if source is not None:
+            self.copies.make(self.copies.building, source, slot, req.rid)
+
+    def withdraw_copies(self, step: int, req: Request) -> None:
+        """The request left the building step ``step``: the copies into its slots made for it
+        do not run (the spec withdraws the entry's pending writes, a copy among them)."""
+        if self.copies.pending:
+            self.copies.withdraw(step, req.rid, [b for t in self.tables(req) for b in t])
 
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""
@@ -323,6 +371,8 @@ class GroupedKV(KVCacheManager):
         out: list[tuple[int, int]] = []
         for g in range(1, len(self.groups)):
             spec = self.groups[g]
+            if spec.kind == "slot":  # only the engine's own snapshots (slots.py)
+                continue
             size, done = spec.block_size, cached[g - 1]
             upto = min(end, limit) // size
             if spec.kind == "state" and spec.registers != "when-known":

@@ -207,6 +207,8 @@ class Scheduler:
         if self.events is not None:
             self.events.append(("submit", step.step_id))
         self.building = None
+        if isinstance(self.kv, GroupedKV):  # a slot group's copies made now run in the next step
+            self.kv.copies.submitted()
         self.in_flight.append(step)
         self.counters["computed_tokens"] += step.budget_used
         if self.defer_free and step.budget_used > 0:
@@ -363,6 +365,8 @@ class Scheduler:
                     req.placeholders -= 1 + entry.drafts
                 if self.deliver:
                     req.holding -= 1
+                if isinstance(self.kv, GroupedKV):  # its admission's copies do not run
+                    self.kv.withdraw_copies(building.step_id, req)
             building.live.discard(rid)
         if not keep_stale:
             for step in steps:
