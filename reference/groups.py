@@ -81,6 +81,7 @@ class GroupedKV(KVCacheManager):
         "states_this_step",
         "copies",
         "slot_hits",
+        "let_go",
     )
 
     def __init__(
@@ -107,6 +108,9 @@ class GroupedKV(KVCacheManager):
         self.slot_hits: dict[tuple[int, int], Block] = {}
         """(request, slot group) -> the published state its admission hit, copied into its
         fresh slot when ``grow`` allocates it (in the same decision)."""
+        self.let_go: dict[int, dict[int, Block]] = {}
+        """Per request that gave up its tables, its slot of each slot group (for a donation,
+        ``own_registration.py``; taken by the policy's ``on_finish``)."""
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -237,10 +241,13 @@ class GroupedKV(KVCacheManager):
         if hits is not None:
             assert isinstance(hits, GroupHits)
             tables = [[] if self.groups[g].kind == "slot" else p for g, p in enumerate(hits.groups)]
+            pinned = sum(  # a slot group's hit state is kept out of the admission's allocations
+                1 for g, p in enumerate(hits.groups) if self.groups[g].kind == "slot" and p
+            )
             for g, part in enumerate(tables):
                 if self.groups[g].kind == "state" and part and part[-1] in self.states_this_step:
                     return True  # vLLM: num_gpu_blocks + 1, "not enough blocks" this step
-            free = self.pool.free_queue.num_free
+            free = self.pool.free_queue.num_free - pinned
             for part in tables:
                 free -= sum(1 for b in part if b.ref_cnt == 0 and b.block_id != 0)
         else:
@@ -262,10 +269,13 @@ class GroupedKV(KVCacheManager):
         event of group 0: the canonical form of docs/hybrid.md)."""
         assert isinstance(hits, GroupHits)
         tables, pool, events = self.tables(req), self.pool, self.pool.events
+        self.let_go.pop(req.rid, None)  # (a preempted request's slots, not donated)
         for g, part in enumerate(hits.groups):
             if self.groups[g].kind == "slot":  # copied into the fresh slot, not touched
                 if part:
                     self.slot_hits[(req.rid, g)] = part[0]
+                    if part[0].ref_cnt == 0:  # out of the free queue until the slot is allocated
+                        pool.free_queue.remove(part[0])
             else:
                 pool.touch([b for b in part if b.block_id != 0])
                 tables[g].extend(part)
@@ -308,12 +318,44 @@ class GroupedKV(KVCacheManager):
         source = self.slot_hits.pop((req.rid, g), None)
         if source is not None:
             self.copies.make(self.copies.building, source, slot, req.rid)
+            if source.ref_cnt == 0:  # back on the free queue (its tail: just used), still cached
+                self.pool.free_queue.append(source)
 
     def withdraw_copies(self, step: int, req: Request) -> None:
         """The request left the building step ``step``: the copies into its slots made for it
         do not run (the spec withdraws the entry's pending writes, a copy among them)."""
         if self.copies.pending:
             self.copies.withdraw(step, req.rid, [b for t in self.tables(req) for b in t])
+
+    def state_key(self, req: Request, g: int, end: int) -> bytes:
+        """The key of slot group ``g``'s state after the request's first ``end`` tokens (a
+        multiple of its block size)."""
+        k = self.groups[g].block_size // self.block_size
+        index = end // self.groups[g].block_size - 1
+        return self._key(self._hashes(req, (index + 1) * k - 1), g, index)
+
+    def snapshot_state(self, req: Request, g: int, end: int, source: Block | None) -> bool:
+        """Cache the state after ``end`` tokens of slot group ``g`` (``snapshot`` event):
+        ``source`` None, the request's finished slot itself (a donation: it must be free);
+        else by copy of ``source`` into the free queue's head, the copy running in the step
+        a copy made now runs in (``SlotCopies.now``). False when there is no free block."""
+        key = self.state_key(req, g, end)
+        index = end // self.groups[g].block_size - 1
+        if source is None:
+            block = self.let_go.get(req.rid, {}).get(g)
+            if block is None or block.ref_cnt:
+                return False
+        else:
+            found = self.pool.first_free()
+            if found is None:
+                return False
+            block = found
+        self.pool.cache_free(block, key)
+        if source is not None:
+            self.copies.make(self.copies.now, source, block, req.rid)
+        if self.pool.events is not None:
+            self.pool.events.append(("snapshot", req.rid, index, block.block_id, g))
+        return True
 
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""
@@ -415,6 +457,9 @@ class GroupedKV(KVCacheManager):
     def pop_table(self, req: Request) -> list[Block]:
         """Take the request's tables away (their nulls left out) without dropping references."""
         parts = [[b for b in t if b.block_id != 0] for t in self.tables(req)]
+        slots = {g: p[0] for g, p in enumerate(parts) if p and self.groups[g].kind == "slot"}
+        if slots:
+            self.let_go[req.rid] = slots
         req.table = []
         req.tables = [req.table] + [[] for _ in self.groups[1:]]
         req.computed = 0

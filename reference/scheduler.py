@@ -481,6 +481,9 @@ class Scheduler:
                     self.waiting.remove(req)
                     self.held.discard(rid)
                 self._finish(req, reason)
+                if running:  # (a request finishing while it waits gave its tables up before)
+                    later = any(rid in st.entries for st in itertools.islice(in_flight, 1, None))
+                    policy.on_finish(req, entry, later)
                 if len(in_flight) > 1:
                     self._leave_later_steps(req)
             elif rejected and async_scheduling and len(in_flight) > 1:
