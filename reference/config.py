@@ -68,6 +68,13 @@ STATE_REGISTRATIONS = ("at-its-step", "when-known")
 boundary (its block, unless the slot is null)."""
 
 
+SLOT_BUFFERS = ("no_buffer", "extra_buffer")
+"""How a slot group's states are cached under the engine's own registration (SGLang's MAMBA
+strategies, ``own_registration.py``): ``no_buffer``, by copy of the working slot;
+``extra_buffer``, through two track slots per request, written beside the working slot and
+donated to the cache (``tracks.py``)."""
+
+
 DISCIPLINES = ("vllm", "general")
 PREEMPTIONS = ("fcfs", "priority")
 STALE_OUTPUTS = ("drop", "deliver")
@@ -143,6 +150,9 @@ class EngineConfig:
     ``HybridKVCacheCoordinator``; ``groups.py``): empty, one group as ``sliding_window`` says.
     ``block_size`` is then the hash block size, the unit tokens are chained and registered in.
     External loads are not modelled with groups (no request loads), nor speculative decoding."""
+    slot_buffer: str = "no_buffer"
+    """``SLOT_BUFFERS``: how a slot group's states are cached under ``engine-registers`` (an
+    engine choice the spec's ``Config`` does not name: both are judged by the same effects)."""
     defer_loads: bool = False
     """vLLM's ``defer_async_loads`` (the spec's ``Config.defer_loads``; needs ``defer_free``):
     an asynchronous load admitted while a counted step is in flight starts only once that step
@@ -224,6 +234,8 @@ class EngineConfig:
                 raise ValueError(f"{message}, got {getattr(self, field)!r}")
         if self.groups:
             self._check_groups()
+        elif self.slot_buffer != "no_buffer":
+            raise ValueError("slot_buffer extra_buffer needs a slot group")
         if self.policy == "engine-registers" and (
             self.sliding_window is not None
             or any(g.kind in ("window", "state", "chunked") for g in self.groups)
@@ -279,9 +291,21 @@ class EngineConfig:
         engine's own snapshots (``policy="engine-registers"``, ``slots.py``)."""
         kinds = [g.kind for g in self.groups]
         if "slot" not in kinds:
+            if self.slot_buffer != "no_buffer":
+                raise ValueError("slot_buffer extra_buffer needs a slot group")
             return
         if kinds[0] == "slot":
             raise ValueError("groups[0]: a slot group is never group 0 (it follows a full group)")
+        if self.slot_buffer not in SLOT_BUFFERS:
+            raise ValueError(f"slot_buffer must be one of {', '.join(SLOT_BUFFERS)}")
+        if self.slot_buffer == "extra_buffer" and (
+            self.policy != "engine-registers" or self.depth > 1
+        ):
+            raise ValueError(
+                "slot_buffer extra_buffer: track slots are the engine's own registration "
+                "(engine-registers), at depth 1 (a submitted step's track write must not land "
+                "in a track slot its request let go of)"
+            )
         if self.stale_output == "deliver" and self.depth > 1:
             raise ValueError(
                 "groups: a slot group with stale_output='deliver' under depth > 1: a preempted "

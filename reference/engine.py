@@ -60,6 +60,9 @@ class Engine:
                 self.pool, config.block_size, config.prefix_caching, config.spec_tokens > 0, window
             )
         )
+        if config.slot_buffer == "extra_buffer":  # (config: a slot group, so the coordinator)
+            assert isinstance(self.kv, GroupedKV)
+            self.kv.tracks_per_request = 2
         policy = make_policy(config.traits, self.kv) if config.prefix_caching else Policy(self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
         self.worker: Worker = (

@@ -82,6 +82,7 @@ class GroupedKV(KVCacheManager):
         "copies",
         "slot_hits",
         "let_go",
+        "tracks_per_request",
     )
 
     def __init__(
@@ -108,6 +109,9 @@ class GroupedKV(KVCacheManager):
         self.slot_hits: dict[tuple[int, int], Block] = {}
         """(request, slot group) -> the published state its admission hit, copied into its
         fresh slot when ``grow`` allocates it (in the same decision)."""
+        self.tracks_per_request = 0
+        """Track slots a request holds in each slot group beside its working slot (2 under
+        ``extra_buffer``, allocated by the engine's own registration right after admission)."""
         self.let_go: dict[int, dict[int, Block]] = {}
         """Per request that gave up its tables, its slot of each slot group (for a donation,
         ``own_registration.py``; taken by the policy's ``on_finish``)."""
@@ -228,8 +232,8 @@ class GroupedKV(KVCacheManager):
     def _new_blocks(self, g: int, table: list[Block], end: int) -> int:
         """Blocks the group allocates for its table to cover ``end`` tokens."""
         size = self.groups[g].block_size
-        if self.groups[g].kind == "slot":  # its one slot, allocated at admission
-            return int(not table)
+        if self.groups[g].kind == "slot":  # its slot (and track slots), allocated at admission
+            return 0 if table else 1 + self.tracks_per_request
         if self.groups[g].kind != "state":
             return max(0, -(-end // size) - len(table))
         slot = -(-end // size) - 1
@@ -356,6 +360,32 @@ class GroupedKV(KVCacheManager):
         if self.pool.events is not None:
             self.pool.events.append(("snapshot", req.rid, index, block.block_id, g))
         return True
+
+    def alloc_track(self, req: Request, g: int) -> Block:
+        """A track slot for the request in slot group ``g`` (the engine's own ``alloc``): into
+        the first position a donation left empty, else at the table's end."""
+        block = self.pool.allocate(req.rid, g)
+        table = self.tables(req)[g]
+        hole = next((i for i in range(1, len(table)) if table[i].block_id == 0), None)
+        if hole is None:
+            table.append(block)
+        else:
+            table[hole] = block
+        return block
+
+    def donate_track(self, req: Request, g: int, block: Block, t: int) -> None:
+        """The request's track slot ``block`` holds its state after ``t`` tokens: published in
+        place (``snapshot``), it leaves the table (the null block in its place), unreferenced,
+        at the free queue's tail."""
+        table = self.tables(req)[g]
+        table[table.index(block)] = self.pool.blocks[0]
+        block.ref_cnt -= 1
+        assert block.ref_cnt == 0, block
+        self.pool.free_queue.append(block)
+        self.pool.cache_free(block, self.state_key(req, g, t))
+        if self.pool.events is not None:
+            index = t // self.groups[g].block_size - 1
+            self.pool.events.append(("snapshot", req.rid, index, block.block_id, g))
 
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""

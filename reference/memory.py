@@ -127,12 +127,19 @@ class GroupMemory:
                 self.kv[(block, slot)] = (gen, content)
             for block, gen, content in state_writes:
                 self.state[block] = (gen, content)
+        wrong: dict[int, bool] = {}
         for req, entry, kv_writes, state_writes in plans:
-            if self._reads_bad(step, req, entry, before, req.rid in step.live):
+            wrong[req.rid] = self._reads_bad(step, req, entry, before, req.rid in step.live)
+            if wrong[req.rid]:
                 for block, slot, gen, _ in kv_writes:  # computed from wrong inputs
                     self.kv[(block, slot)] = (gen, None)
                 for block, gen, _ in state_writes:
                     self.state[block] = (gen, None)
+        if self.copies is not None:  # extra_buffer's track writes land after the reads
+            for w in self.copies.take_tracks(step.step_id):
+                bad = wrong.get(w.rid, True)
+                content = None if bad else self._content(requests[w.rid], w.t)
+                self.state[w.block.block_id] = (w.gen, content)
 
     def _reads_bad(
         self,

@@ -70,6 +70,9 @@ class Policy:
     def on_output(self, req: Request, entry: Entry, rejected: int = 0) -> None:
         pass
 
+    def on_committed(self, step: Step, requests: dict[int, Request]) -> None:
+        """The end of the step's commit: every sampled token appended, every finish done."""
+
     def on_finish(self, req: Request, entry: Entry, later: bool) -> None:
         """The request finished at the commit of the step of ``entry`` (its tables given up);
         ``later``: a later submitted step still holds an entry of it (which will run)."""

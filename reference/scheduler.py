@@ -488,6 +488,7 @@ class Scheduler:
                     self._leave_later_steps(req)
             elif rejected and async_scheduling and len(in_flight) > 1:
                 self._move_back(req, rejected)
+        policy.on_committed(step, requests)
         in_flight.popleft()
         self.counters["steps"] += 1
 

@@ -9,6 +9,11 @@ thing in a step's execute, in the order the copies were made, before the step's 
 writes: the copies of step ``S`` see every write of the steps before ``S`` and none of
 ``S``'s. ``SlotCopies`` keeps them until their step executes; the scheduler withdraws a
 request's copies from the building step when it leaves it (its admission did not happen).
+
+Under ``extra_buffer`` (``own_registration.py``) a request also holds two track slots, and a
+step may leave the state at a boundary inside its entry in one of them: a ``TrackWrite``,
+landed after the step's reads (as garbage when the entry read a wrong state), withdrawn with
+the entry.
 """
 
 from __future__ import annotations
@@ -30,14 +35,28 @@ class Copy(NamedTuple):
     """The target's generation when the copy was made (the use it is made for)."""
 
 
+class TrackWrite(NamedTuple):
+    """Request ``rid``'s entry in step ``step`` also leaves the state after ``t`` tokens in its
+    track slot ``block`` (``extra_buffer``), after the step's reads; ``gen``: the block's
+    generation when the write was laid."""
+
+    step: int
+    rid: int
+    block: Block
+    gen: int
+    t: int
+
+
 class SlotCopies:
     """The copies not run yet, in the order they were made, and the step ids they run in: the
     building step's (``building``), or with none building the next one to begin (``next``)."""
 
-    __slots__ = ("pending", "started", "is_building")
+    __slots__ = ("pending", "started", "is_building", "tracks")
 
     def __init__(self) -> None:
         self.pending: list[Copy] = []
+        self.tracks: list[TrackWrite] = []
+        """Track writes not landed yet (``extra_buffer``), in the order they were laid."""
         self.started = 0
         """Steps begun so far: the building step is ``started - 1``."""
         self.is_building = False
@@ -73,6 +92,18 @@ class SlotCopies:
             for c in self.pending
             if not (c.step == step and c.rid == rid and c.target.block_id in ids)
         ]
+        self.tracks = [w for w in self.tracks if not (w.step == step and w.rid == rid)]
+
+    def track(self, step: int, rid: int, block: Block, t: int) -> None:
+        """Lay a track write for step ``step`` (``TrackWrite``)."""
+        self.tracks.append(TrackWrite(step, rid, block, block.generation, t))
+
+    def take_tracks(self, step: int) -> list[TrackWrite]:
+        """The track writes step ``step`` lands, in order, removed from ``tracks``."""
+        mine = [w for w in self.tracks if w.step == step]
+        if mine:
+            self.tracks = [w for w in self.tracks if w.step != step]
+        return mine
 
     def take(self, step: int) -> list[Copy]:
         """The copies step ``step`` runs, in order, removed from ``pending``."""
