@@ -121,7 +121,7 @@ class EngineRegisters(TraitPolicy):
         kv = self.kv
         if not self.tracked or not isinstance(kv, GroupedKV):
             return
-        for rid, entry in step.entries.items():
+        for rid in step.entries:
             writes = self.tracked.get(rid)
             req = requests[rid]
             if not writes or rid not in step.live or req.status != RUNNING:
