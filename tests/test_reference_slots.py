@@ -490,3 +490,51 @@ def test_a_track_slot_donated_unwritten_is_named(monkeypatch: pytest.MonkeyPatch
     assert found is not None and found.invariant == "StateAtItsBoundary", found
     assert time.monotonic() - began < 30
     assert EngineRegisters is not None
+
+
+def test_a_slot_allocated_before_group_0_is_a_disagreement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the admission allocates the slot before group 0's blocks (the spec orders the
+    effects group by group): the strict lockstep finds the first ``alloc`` out of order."""
+    grow = GroupedKV.grow
+
+    def planted(self: GroupedKV, req: Request, end: int) -> None:
+        for g, table in enumerate(self.tables(req)):
+            if self.groups[g].kind == "slot" and not table:
+                self._slot(req, g, table)
+        grow(self, req, end)
+
+    monkeypatch.setattr(GroupedKV, "grow", planted)
+    rng = random.Random("slots-deferred-0-1-False")
+    cfg = _config(rng, SLOT_GROUPS[0], "deferred", 1, False)
+    found, _, _ = judged_run(cfg, 0, rng, 6, observed=False)
+    assert found is not None and found.invariant == "Disagreement", found
+    assert "alloc" in found.message
+
+
+def test_kvspec_check_judges_the_engines_own_trace(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's ``engine-registers`` run written as a trace (judging ``observed``) holds
+    under ``kvspec check`` (exit 0); with a copy taken before its step wrote the state it is
+    exit 1 naming StateAtItsBoundary."""
+    from pathlib import Path
+
+    from kvspec.cli import main
+    from kvspec.conformance.trace import write_trace
+
+    def check(name: str, runs: int) -> tuple[int, Path]:
+        for run in range(runs):
+            rng = random.Random(f"own-0-2-True-{run}")
+            cfg = own_config(rng, OWN_GROUPS[0], 2, True)
+            found, events, _ = judged_run(cfg, run, rng, 8)
+            if found is not None or run == runs - 1:
+                break
+        path = Path(str(tmp_path)) / name
+        write_trace(path, spec_config(cfg), events, judging="observed")  # type: ignore[arg-type]
+        return main(["check", str(path)]), path
+
+    code, _ = check("own.jsonl", 1)
+    assert code == 0 and "holds" in capsys.readouterr().out
+    _plant_copy_before_the_write(monkeypatch)
+    code, _ = check("planted.jsonl", 50)
+    assert code == 1 and "StateAtItsBoundary" in capsys.readouterr().out
