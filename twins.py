@@ -162,9 +162,14 @@ TWINS: tuple[Twin, ...] = (
         "(``Config.sliding_window``: its own window hit rule and skipped-block frees on its own "
         "count of the tokens in flight), and with several KV-cache groups (``Config.groups``: "
         "its coordinator's iterated hit, per-group tables, frees and registrations), chunked "
-        "local attention among them, alone or after a full or window group, and a "
-        "cross-attention group after them (tables of a request's encoder tokens, allocated and "
-        "written at admission, read whole, never hashed)",
+        "local attention among them, alone or after a full or window group, a cross-attention "
+        "group after them (tables of a request's encoder tokens, allocated and written at "
+        "admission, read whole, never hashed), and slot groups "
+        "(SGLang's MAMBA: one slot per request; under the spec's policies in strict lockstep, "
+        "and under its own registration, ``engine-registers`` with full and slot groups, judged "
+        "by the observed judge with its pool compared after every decision: states snapshotted "
+        "by copy (``no_buffer``) or through track slots (``extra_buffer``, depth 1), donated "
+        "and hit by copy)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
@@ -178,6 +183,9 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_reference_groups.py::test_the_reference_engine_with_groups_conforms",
             "tests/test_reference_groups.py::test_the_reference_engine_with_a_chunked_group_conforms",
             "tests/test_reference_cross.py::test_the_reference_engine_with_a_cross_group_conforms",
+            "tests/test_reference_slots.py::test_the_reference_engine_with_a_slot_group_conforms",
+            "tests/test_reference_slots.py::test_the_reference_engine_registering_on_its_own_is_judged_safe",
+            "tests/test_reference_slots.py::test_the_reference_engine_with_track_slots_is_judged_safe",
         ),
         label="the reference engine",
         features={
@@ -197,26 +205,15 @@ TWINS: tuple[Twin, ...] = (
         }
         | {"groups": FOLLOWS}
         | {"cross_attention": FOLLOWS}  # a cross group: tables of encoder tokens (add_request)
-        | {
-            "slot_groups": Refused(
-                "it implements the spec's own policies, none of which snapshots a slot group's "
-                "state (only an engine's own snapshots cache one: engine-registers, judged by "
-                "the spec)"
-            )
-        }
+        | {"slot_groups": FOLLOWS}  # reference/slots.py, own_registration.py
         | {"chunked_local": FOLLOWS}  # its own chunk hit rule, skipped frees and reads
-        | {
-            "track_slots": Refused(
-                "no policy of its own writes a track slot: the track effects are an engine's own "
-                "(engine-registers, judged by the spec)"
-            )
-        }
+        | {"track_slots": FOLLOWS}  # EngineConfig.slot_buffer="extra_buffer", own_registration.py
         | {"hash_lookahead": Refused(LOOKAHEAD)}
         | {"reset_running": Refused("its reset preempts nothing: it needs no block in use")}
         | {"cache_aware_admission": Refused("it admits in queue order; the spec reorders")}
         | {"trim_at_finish": Refused("it has no KV connector: a finish frees its table whole")},
         invariants=ENGINE_ONLY,
-        traits=_all_axes_but("by-engine"),
+        traits=dict(AXES),  # by-engine: its own registration (reference/own_registration.py)
     ),
     Twin(
         "kvspec.judge.fastmodel",

@@ -102,10 +102,6 @@ def engine_config(config: Config, **engine_only: object) -> EngineConfig:
         from kvspec import twins
 
         raise twins.refused("kvspec.reference", "hash_lookahead")
-    if config.slots:  # refused by its row: none of its policies snapshots (spec/slots.py)
-        from kvspec import twins
-
-        raise twins.refused("kvspec.reference", "slot_groups")
     fields = {name: getattr(config, name) for name in Config.__dataclass_fields__}
     del fields["hash_lookahead"]  # 0: the engine's own hashing
     # several KV-cache groups (issue #36) in the engine's own representation; () is one group

@@ -206,6 +206,27 @@ class BlockPool:
             else:
                 self.events.append(("publish", rid, index, block.block_id, group))
 
+    def cache_free(self, block: Block, block_hash: bytes) -> None:
+        """A free block the engine caches a copy in (a slot group's snapshot, ``slots.py``):
+        its hash evicted first (an ``evict`` event), registered under ``block_hash`` and moved
+        to the free queue's tail, unreferenced; the caller emits the ``snapshot``."""
+        if block.ref_cnt or block.block_id == 0:
+            raise RuntimeError(f"cache_free of block {block.block_id}: it is not free")
+        if block.block_hash is not None:
+            self._drop_hash(block)
+            self.n_evicted += 1
+            if self.events is not None:
+                self.events.append(("evict", block.block_id))
+        self.free_queue.remove(block)
+        self.free_queue.append(block)
+        block.block_hash = block_hash
+        self.index.setdefault(block_hash, {})[block.block_id] = block
+        self.n_published += 1
+
+    def first_free(self) -> Block | None:
+        """The free queue's head (the next block an allocation takes), or None."""
+        return next(iter(self.free_queue), None)
+
     def unpublish(self, block: Block) -> None:
         """Roll back the block's registration, if it has one."""
         if block.block_hash is None:

@@ -32,12 +32,19 @@ POLICIES: dict[str, PolicyTraits] = {
 }
 """The policies the engine knows by name. Another combination of the same traits is run by
 naming it with ``EngineConfig.policy_traits`` (the conformance layer hands over the spec's)."""
-GROUP_KINDS = ("full", "window", "state", "cross", "chunked")
+OWN_POLICIES: dict[str, PolicyTraits] = {
+    "engine-registers": PolicyTraits("by-engine", "nothing", "nothing", "never"),
+}
+"""The policies under which the engine registers on its own (``own_registration.py``): its
+publishes, snapshots and evictions are its own effects, judged by the spec's observed judge
+(the spec's ``OBSERVED_POLICIES``, whose record is ``BY_ENGINE``)."""
+GROUP_KINDS = ("full", "window", "state", "cross", "slot", "chunked")
 """The KV-cache group kinds the engine follows (docs/hybrid.md): full attention, sliding-window
 attention, a recurrent (Mamba / linear-attention) state in vLLM's ``align`` mode, an
 encoder-decoder model's cross-attention (a table of the request's encoder tokens,
-``Engine.add_request``'s ``encoder``; never group 0), and chunked local attention (a token
-attends to its own chunk of ``GroupSpec.chunk`` tokens only)."""
+``Engine.add_request``'s ``encoder``; never group 0), a recurrent state in one slot per request
+(SGLang's MAMBA ``no_buffer``, ``slots.py``), and chunked local attention (a token attends to its
+own chunk of ``GroupSpec.chunk`` tokens only)."""
 
 
 class GroupSpec(NamedTuple):
@@ -61,6 +68,13 @@ STATE_REGISTRATIONS = ("at-its-step", "when-known")
 ``at-its-step``, only in the step that ends there; ``when-known``, vLLM's ``align``
 ``MambaManager``: a slot is registered as a full block is, once the known tokens reach its
 boundary (its block, unless the slot is null)."""
+
+
+SLOT_BUFFERS = ("no_buffer", "extra_buffer")
+"""How a slot group's states are cached under the engine's own registration (SGLang's MAMBA
+strategies, ``own_registration.py``): ``no_buffer``, by copy of the working slot;
+``extra_buffer``, through two track slots per request, written beside the working slot and
+donated to the cache (``tracks.py``)."""
 
 
 DISCIPLINES = ("vllm", "general")
@@ -138,6 +152,9 @@ class EngineConfig:
     ``HybridKVCacheCoordinator``; ``groups.py``): empty, one group as ``sliding_window`` says.
     ``block_size`` is then the hash block size, the unit tokens are chained and registered in.
     External loads are not modelled with groups (no request loads), nor speculative decoding."""
+    slot_buffer: str = "no_buffer"
+    """``SLOT_BUFFERS``: how a slot group's states are cached under ``engine-registers`` (an
+    engine choice the spec's ``Config`` does not name: both are judged by the same effects)."""
     defer_loads: bool = False
     """vLLM's ``defer_async_loads`` (the spec's ``Config.defer_loads``; needs ``defer_free``):
     an asynchronous load admitted while a counted step is in flight starts only once that step
@@ -153,7 +170,7 @@ class EngineConfig:
         """The policy's traits: ``policy_traits`` when given, else its name's in ``POLICIES``."""
         if self.policy_traits is not None:
             return PolicyTraits(*self.policy_traits)
-        return POLICIES[self.policy]
+        return POLICIES[self.policy] if self.policy in POLICIES else OWN_POLICIES[self.policy]
 
     @property
     def reach(self) -> int:
@@ -170,8 +187,11 @@ class EngineConfig:
             (_is_int(self.block_size) and self.block_size >= 1, "block_size must be an int >= 1"),
             (_is_int(self.depth) and self.depth >= 1, "depth must be an int >= 1"),
             (
-                self.policy in POLICIES or self.policy_traits is not None,
-                f"policy must be one of {', '.join(POLICIES)}, or come with its policy_traits",
+                self.policy in POLICIES
+                or self.policy in OWN_POLICIES
+                or self.policy_traits is not None,
+                f"policy must be one of {', '.join((*POLICIES, *OWN_POLICIES))}, or come with "
+                "its policy_traits",
             ),
             (self.discipline in DISCIPLINES, f"discipline must be one of {', '.join(DISCIPLINES)}"),
             (self.preemption in PREEMPTIONS, f"preemption must be one of {', '.join(PREEMPTIONS)}"),
@@ -221,6 +241,17 @@ class EngineConfig:
                 raise ValueError(f"{message}, got {getattr(self, field)!r}")
         if self.groups:
             self._check_groups()
+        elif self.slot_buffer != "no_buffer":
+            raise ValueError("slot_buffer extra_buffer needs a slot group")
+        if self.policy == "engine-registers" and (
+            self.sliding_window is not None
+            or any(g.kind in ("window", "state", "chunked") for g in self.groups)
+        ):
+            raise ValueError(
+                "policy engine-registers: the engine registers on its own with full and slot "
+                "groups only (a window, state or chunked group frees its skipped blocks at "
+                "schedule, which the observed judge does not follow; own_registration.py)"
+            )
 
     def _check_groups(self) -> None:
         if not isinstance(self.groups, tuple) or not all(
@@ -261,6 +292,40 @@ class EngineConfig:
                     f"{where}: only a state group registers by a rule, one of "
                     f"{', '.join(STATE_REGISTRATIONS)}; got {g.registers!r}"
                 )
+        self._check_slots()
+
+    def _check_slots(self) -> None:
+        """A slot group follows a full group 0, its request's output is dropped when it is
+        preempted under a step in flight, and with prefix caching it is cached only by the
+        engine's own snapshots (``policy="engine-registers"``, ``slots.py``)."""
+        kinds = [g.kind for g in self.groups]
+        if "slot" not in kinds:
+            if self.slot_buffer != "no_buffer":
+                raise ValueError("slot_buffer extra_buffer needs a slot group")
+            return
+        if kinds[0] == "slot":
+            raise ValueError("groups[0]: a slot group is never group 0 (it follows a full group)")
+        if self.slot_buffer not in SLOT_BUFFERS:
+            raise ValueError(f"slot_buffer must be one of {', '.join(SLOT_BUFFERS)}")
+        if self.slot_buffer == "extra_buffer" and (
+            self.policy != "engine-registers" or self.depth > 1
+        ):
+            raise ValueError(
+                "slot_buffer extra_buffer: track slots are the engine's own registration "
+                "(engine-registers), at depth 1 (a submitted step's track write must not land "
+                "in a track slot its request let go of)"
+            )
+        if self.stale_output == "deliver" and self.depth > 1:
+            raise ValueError(
+                "groups: a slot group with stale_output='deliver' under depth > 1: a preempted "
+                "request's submitted step would read and write the slot it let go of "
+                "(NoReadOfRecycled)"
+            )
+        if self.prefix_caching and self.policy != "engine-registers":
+            raise ValueError(
+                f"groups: a slot group under policy {self.policy!r} with prefix caching: its "
+                "states are cached only by the engine's own snapshots (engine-registers)"
+            )
 
     @property
     def grouped(self) -> bool:

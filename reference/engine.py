@@ -60,6 +60,9 @@ class Engine:
                 self.pool, config.block_size, config.prefix_caching, config.spec_tokens > 0, window
             )
         )
+        if config.slot_buffer == "extra_buffer":  # (config: a slot group, so the coordinator)
+            assert isinstance(self.kv, GroupedKV)
+            self.kv.tracks_per_request = 2
         policy = make_policy(config.traits, self.kv) if config.prefix_caching else Policy(self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
         self.worker: Worker = (
@@ -76,6 +79,8 @@ class Engine:
         if config.grouped:
             assert isinstance(self.worker, FakeWorker)
             self.worker.memory = GroupMemory(config.groups, self.pool.blocks)
+            assert isinstance(self.kv, GroupedKV)
+            self.worker.memory.copies = self.kv.copies
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -134,6 +139,7 @@ class Engine:
         if cfg.cross:  # a cross table holds the encoder tokens, not the decoder's
             cross = [g.block_size for g in cfg.groups if g.kind == "cross"]
             need += sum(-(-encoder // size) - -(-tokens // size) for size in cross)
+        need -= sum(-(-tokens // g.block_size) - 1 for g in cfg.groups if g.kind == "slot")
         if need > cfg.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r}: {len(prompt)} + {max_tokens} tokens need {need} blocks, "

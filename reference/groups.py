@@ -32,6 +32,11 @@ are the ones a single group uses. docs/hybrid.md fixes what it does and emits.
   ``ceil(E / B_g)`` blocks, allocated whole by the schedule that admits it (``grow_cross``; the
   positions go to the entry's encoder pass, ``Entry.encoded``), never hit (it accepts every
   length with no block) nor registered, freed with the other tables.
+* A slot group (SGLang's MAMBA ``no_buffer``, ``slots.py``) holds one block per request, its
+  slot, allocated at admission after group 0's blocks and rewritten in place by every step; a
+  hit names one published state, takes no reference on it, and is copied into the fresh slot
+  first thing in the admitting step (``slots.SlotCopies``). Nothing registers it but the
+  engine's own snapshots (``slots.py``, under ``engine-registers``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from .config import GroupSpec
 from .hashing import extend_hashes
 from .kv_cache_manager import KVCacheManager
 from .request import Request
+from .slots import SlotCopies
 
 
 class GroupHits(list[Block]):
@@ -71,7 +77,18 @@ class GroupedKV(KVCacheManager):
 
     grouped = True
 
-    __slots__ = ("groups", "align", "group_cached", "n_shortened", "states_this_step", "encoding")
+    __slots__ = (
+        "groups",
+        "align",
+        "group_cached",
+        "n_shortened",
+        "states_this_step",
+        "encoding",
+        "copies",
+        "slot_hits",
+        "let_go",
+        "tracks_per_request",
+    )
 
     def __init__(
         self,
@@ -95,6 +112,17 @@ class GroupedKV(KVCacheManager):
         self.encoding: dict[int, tuple[tuple[int, int], ...]] = {}
         """Per request, the cross groups' (group, position) its last ``grow`` allocated: what
         the encoder pass of the entry being scheduled writes (``Entry.encoded``)."""
+        self.copies = SlotCopies()
+        """Slot groups: the copies of whole states the device runs first in a step."""
+        self.slot_hits: dict[tuple[int, int], Block] = {}
+        """(request, slot group) -> the published state its admission hit, copied into its
+        fresh slot when ``grow`` allocates it (in the same decision)."""
+        self.tracks_per_request = 0
+        """Track slots a request holds in each slot group beside its working slot (2 under
+        ``extra_buffer``, allocated by the engine's own registration right after admission)."""
+        self.let_go: dict[int, dict[int, Block]] = {}
+        """Per request that gave up its tables, its slot of each slot group (for a donation,
+        ``own_registration.py``; taken by the policy's ``on_finish``)."""
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -160,6 +188,7 @@ class GroupedKV(KVCacheManager):
         if spec.kind == "cross":  # nothing cached: any length, no block
             return range(0)
         return range(length // size - 1, length // size) if length else range(0)
+        return range(length // size - 1, length // size) if length else range(0)  # state, slot
 
     def _accepts(self, hashes: list[bytes], g: int, length: int) -> int:
         """The largest length ``<= length`` (a multiple of ``align``) the group accepts."""
@@ -178,6 +207,9 @@ class GroupedKV(KVCacheManager):
         null = self.pool.blocks[0]
         if self.groups[g].kind == "cross":  # a cross group hits nothing
             return []
+        if self.groups[g].kind == "slot":  # the one state the hit copies
+            found = self._cached(hashes, g, length // self.groups[g].block_size - 1)
+            return [found] if length and found is not None else []
         out = [null] * (length // self.groups[g].block_size)
         for slot in self._needed(g, length):
             block = self._cached(hashes, g, slot)
@@ -187,6 +219,7 @@ class GroupedKV(KVCacheManager):
 
     def new_step(self) -> None:
         self.states_this_step.clear()
+        self.copies.begin()
 
     def hit_length(self, hits: list[Block]) -> int:
         """The hit's length in tokens."""
@@ -215,6 +248,8 @@ class GroupedKV(KVCacheManager):
         size = self.groups[g].block_size
         if self.groups[g].kind == "cross":
             return max(0, -(-encoder // size) - len(table))
+        if self.groups[g].kind == "slot":  # its slot (and track slots), allocated at admission
+            return 0 if table else 1 + self.tracks_per_request
         if self.groups[g].kind != "state":
             return max(0, -(-end // size) - len(table))
         slot = -(-end // size) - 1
@@ -225,11 +260,14 @@ class GroupedKV(KVCacheManager):
         ``end`` tokens needs more blocks than are free."""
         if hits is not None:
             assert isinstance(hits, GroupHits)
-            tables = hits.groups
+            tables = [[] if self.groups[g].kind == "slot" else p for g, p in enumerate(hits.groups)]
+            pinned = sum(  # a slot group's hit state is kept out of the admission's allocations
+                1 for g, p in enumerate(hits.groups) if self.groups[g].kind == "slot" and p
+            )
             for g, part in enumerate(tables):
                 if self.groups[g].kind == "state" and part and part[-1] in self.states_this_step:
                     return True  # vLLM: num_gpu_blocks + 1, "not enough blocks" this step
-            free = self.pool.free_queue.num_free
+            free = self.pool.free_queue.num_free - pinned
             for part in tables:
                 free -= sum(1 for b in part if b.ref_cnt == 0 and b.block_id != 0)
         else:
@@ -251,9 +289,16 @@ class GroupedKV(KVCacheManager):
         event of group 0: the canonical form of docs/hybrid.md)."""
         assert isinstance(hits, GroupHits)
         tables, pool, events = self.tables(req), self.pool, self.pool.events
+        self.let_go.pop(req.rid, None)  # (a preempted request's slots, not donated)
         for g, part in enumerate(hits.groups):
-            pool.touch([b for b in part if b.block_id != 0])
-            tables[g].extend(part)
+            if self.groups[g].kind == "slot":  # copied into the fresh slot, not touched
+                if part:
+                    self.slot_hits[(req.rid, g)] = part[0]
+                    if part[0].ref_cnt == 0:  # out of the free queue until the slot is allocated
+                        pool.free_queue.remove(part[0])
+            else:
+                pool.touch([b for b in part if b.block_id != 0])
+                tables[g].extend(part)
             if events is not None:
                 hit = ("hit", req.rid, tuple(b.block_id for b in part))
                 events.append((*hit, g) if g else hit)  # group 0's field is left out
@@ -270,6 +315,10 @@ class GroupedKV(KVCacheManager):
             size = spec.block_size
             if spec.kind == "cross":
                 encoded += self.grow_cross(req, g, table)
+                continue
+            if spec.kind == "slot":
+                if not table:
+                    self._slot(req, g, table)
                 continue
             if spec.kind != "state":
                 while len(table) * size < end:
@@ -294,6 +343,79 @@ class GroupedKV(KVCacheManager):
         while len(table) < count:
             table.append(self.pool.allocate(req.rid, g))
         return [(g, i) for i in range(first, len(table))]
+
+    def _slot(self, req: Request, g: int, table: list[Block]) -> None:
+        """The admission allocates the request's slot in slot group ``g``; a hit's state is
+        copied into it first thing in the step being built."""
+        slot = self.pool.allocate(req.rid, g)
+        table.append(slot)
+        source = self.slot_hits.pop((req.rid, g), None)
+        if source is not None:
+            self.copies.make(self.copies.building, source, slot, req.rid)
+            if source.ref_cnt == 0:  # back on the free queue (its tail: just used), still cached
+                self.pool.free_queue.append(source)
+
+    def withdraw_copies(self, step: int, req: Request) -> None:
+        """The request left the building step ``step``: the copies into its slots made for it
+        do not run (the spec withdraws the entry's pending writes, a copy among them)."""
+        if self.copies.pending:
+            self.copies.withdraw(step, req.rid, [b for t in self.tables(req) for b in t])
+
+    def state_key(self, req: Request, g: int, end: int) -> bytes:
+        """The key of slot group ``g``'s state after the request's first ``end`` tokens (a
+        multiple of its block size)."""
+        k = self.groups[g].block_size // self.block_size
+        index = end // self.groups[g].block_size - 1
+        return self._key(self._hashes(req, (index + 1) * k - 1), g, index)
+
+    def snapshot_state(self, req: Request, g: int, end: int, source: Block | None) -> bool:
+        """Cache the state after ``end`` tokens of slot group ``g`` (``snapshot`` event):
+        ``source`` None, the request's finished slot itself (a donation: it must be free);
+        else by copy of ``source`` into the free queue's head, the copy running in the step
+        a copy made now runs in (``SlotCopies.now``). False when there is no free block."""
+        key = self.state_key(req, g, end)
+        index = end // self.groups[g].block_size - 1
+        if source is None:
+            block = self.let_go.get(req.rid, {}).get(g)
+            if block is None or block.ref_cnt:
+                return False
+        else:
+            found = self.pool.first_free()
+            if found is None:
+                return False
+            block = found
+        self.pool.cache_free(block, key)
+        if source is not None:
+            self.copies.make(self.copies.now, source, block, req.rid)
+        if self.pool.events is not None:
+            self.pool.events.append(("snapshot", req.rid, index, block.block_id, g))
+        return True
+
+    def alloc_track(self, req: Request, g: int) -> Block:
+        """A track slot for the request in slot group ``g`` (the engine's own ``alloc``): into
+        the first position a donation left empty, else at the table's end."""
+        block = self.pool.allocate(req.rid, g)
+        table = self.tables(req)[g]
+        hole = next((i for i in range(1, len(table)) if table[i].block_id == 0), None)
+        if hole is None:
+            table.append(block)
+        else:
+            table[hole] = block
+        return block
+
+    def donate_track(self, req: Request, g: int, block: Block, t: int) -> None:
+        """The request's track slot ``block`` holds its state after ``t`` tokens: published in
+        place (``snapshot``), it leaves the table (the null block in its place), unreferenced,
+        at the free queue's tail."""
+        table = self.tables(req)[g]
+        table[table.index(block)] = self.pool.blocks[0]
+        block.ref_cnt -= 1
+        assert block.ref_cnt == 0, block
+        self.pool.free_queue.append(block)
+        self.pool.cache_free(block, self.state_key(req, g, t))
+        if self.pool.events is not None:
+            index = t // self.groups[g].block_size - 1
+            self.pool.events.append(("snapshot", req.rid, index, block.block_id, g))
 
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""
@@ -351,6 +473,8 @@ class GroupedKV(KVCacheManager):
         out: list[tuple[int, int]] = []
         for g in range(1, len(self.groups)):
             spec = self.groups[g]
+            if spec.kind == "slot":  # only the engine's own snapshots (slots.py)
+                continue
             size, done = spec.block_size, cached[g - 1]
             upto = min(end, limit) // size
             if spec.kind == "cross":  # never hashed nor registered
@@ -395,6 +519,9 @@ class GroupedKV(KVCacheManager):
     def pop_table(self, req: Request) -> list[Block]:
         """Take the request's tables away (their nulls left out) without dropping references."""
         parts = [[b for b in t if b.block_id != 0] for t in self.tables(req)]
+        slots = {g: p[0] for g, p in enumerate(parts) if p and self.groups[g].kind == "slot"}
+        if slots:
+            self.let_go[req.rid] = slots
         req.table = []
         req.tables = [req.table] + [[] for _ in self.groups[1:]]
         req.computed = 0

@@ -13,8 +13,9 @@ then every read), each entry through the tables it was scheduled with (``Entry.t
 slots before its first new token (a window group's only those inside the window of that token),
 and the state block it starts from as it was before any write of the step (a recurrence starts
 from its initial state: a state the same step writes, its own in place or another request's,
-is not there yet; the spec's ``groups.read_states``). An entry that read the wrong thing wrote
-garbage. The names:
+is not there yet; the spec's ``groups.read_states``). A slot group's one block is read and
+written as a state block is, and the step's copies of whole states (``slots.SlotCopies``) run
+before all of it. An entry that read the wrong thing wrote garbage. The names:
 
 * ``NoReadOfRecycled``: the block read is the null block (nulled while the step was in flight)
   or was allocated again since the step was scheduled (its bytes may still be the right ones
@@ -42,6 +43,7 @@ from .block_pool import Block
 from .config import GroupSpec
 from .hashing import pack_token
 from .request import RUNNING, Entry, Request, Step
+from .slots import SlotCopies
 
 Content = tuple[int, int]
 """(tokens, crc32 of those tokens): the prefix a K/V slot closes or a state follows."""
@@ -62,7 +64,7 @@ class BadRead(NamedTuple):
 class GroupMemory:
     """Block contents per group kind; ``execute`` checks a step's reads, then does its writes."""
 
-    __slots__ = ("groups", "blocks", "kv", "state", "cross", "prefixes", "bad_reads")
+    __slots__ = ("groups", "blocks", "kv", "state", "cross", "prefixes", "bad_reads", "copies")
 
     def __init__(self, groups: Sequence[GroupSpec], blocks: Sequence[Block]) -> None:
         self.groups = tuple(groups)
@@ -77,6 +79,25 @@ class GroupMemory:
         self.prefixes: dict[int, list[int]] = {}
         """Per request, the crc32 of its first n tokens at index n (kept as tokens grow)."""
         self.bad_reads: list[BadRead] = []
+        self.copies: SlotCopies | None = None
+        """Slot groups: the coordinator's copies of whole states, run first in their step."""
+
+    def _slot_of(self, g: int, table: Sequence[tuple[int, int]], n: int) -> tuple[int, int]:
+        """The (block, generation) of a state or slot group's table holding the state after
+        ``n`` tokens: a state group's slot ``n`` falls in, a slot group's one block."""
+        if self.groups[g].kind == "slot":
+            return table[0]
+        return table[-(-n // self.groups[g].block_size) - 1]
+
+    def run_copies(self, step: Step) -> None:
+        """The step's copies of whole states, in the order they were made: each target takes
+        its source's bytes as they are now, stamped with the target's use the copy was made
+        for."""
+        if self.copies is None:
+            return
+        for copy in self.copies.take(step.step_id):
+            held = self.state.get(copy.source.block_id)
+            self.state[copy.target.block_id] = (copy.gen, None if held is None else held[1])
 
     def _content(self, req: Request, n: int) -> Content | None:
         """The identity of the request's first ``n`` tokens; None past its known tokens."""
@@ -93,6 +114,7 @@ class GroupMemory:
         self.prefixes.pop(rid, None)
 
     def execute(self, step: Step, requests: Mapping[int, Request]) -> None:
+        self.run_copies(step)
         plans = []
         for rid, entry in step.entries.items():
             if entry.load or entry.tables is None:
@@ -107,8 +129,8 @@ class GroupMemory:
                 table, size = entry.tables[g], spec.block_size
                 if spec.kind == "cross":
                     continue
-                if spec.kind == "state":
-                    block, gen = table[-(-entry.end // size) - 1]
+                if spec.kind in ("state", "slot"):
+                    block, gen = self._slot_of(g, table, entry.end)
                     state_writes.append((block, gen, self._content(req, entry.end)))
                     continue
                 for p in range(entry.start, entry.end):
@@ -121,12 +143,19 @@ class GroupMemory:
                 self.kv[(block, slot)] = (gen, content)
             for block, gen, content in state_writes:
                 self.state[block] = (gen, content)
+        wrong: dict[int, bool] = {}
         for req, entry, kv_writes, state_writes in plans:
-            if self._reads_bad(step, req, entry, before, req.rid in step.live):
+            wrong[req.rid] = self._reads_bad(step, req, entry, before, req.rid in step.live)
+            if wrong[req.rid]:
                 for block, slot, gen, _ in kv_writes:  # computed from wrong inputs
                     self.kv[(block, slot)] = (gen, None)
                 for block, gen, _ in state_writes:
                     self.state[block] = (gen, None)
+        if self.copies is not None:  # extra_buffer's track writes land after the reads
+            for w in self.copies.take_tracks(step.step_id):
+                bad = wrong.get(w.rid, True)
+                content = None if bad else self._content(requests[w.rid], w.t)
+                self.state[w.block.block_id] = (w.gen, content)
 
     def _reads_bad(
         self,
@@ -160,9 +189,9 @@ class GroupMemory:
                     wrong |= bytes_wrong
                     note(fault, g, block, at, bytes_wrong, "NoUnwrittenRead")
                 continue
-            if spec.kind == "state":
+            if spec.kind in ("state", "slot"):
                 if start:
-                    block, gen = table[-(-start // size) - 1]
+                    block, gen = self._slot_of(g, table, start)
                     held = before[block] if block in before else self.state.get(block)
                     name, bytes_wrong = self._state_fault(req, block, gen, held, start)
                     wrong |= bytes_wrong

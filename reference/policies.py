@@ -70,6 +70,13 @@ class Policy:
     def on_output(self, req: Request, entry: Entry, rejected: int = 0) -> None:
         pass
 
+    def on_committed(self, step: Step, requests: dict[int, Request]) -> None:
+        """The end of the step's commit: every sampled token appended, every finish done."""
+
+    def on_finish(self, req: Request, entry: Entry, later: bool) -> None:
+        """The request finished at the commit of the step of ``entry`` (its tables given up);
+        ``later``: a later submitted step still holds an entry of it (which will run)."""
+
     def known_upto(self, req: Request, end: int) -> int:
         """Leading blocks of tokens up to ``end`` that are full of known tokens."""
         tokens = len(req.tokens)
@@ -77,7 +84,7 @@ class Policy:
 
 
 FOLLOWED: dict[str, tuple[str, ...]] = {
-    "publish": ("at-schedule", "hidden-until-written", "at-written"),
+    "publish": ("at-schedule", "hidden-until-written", "at-written", "by-engine"),
     "track": ("nothing", "one-dict", "per-step"),
     "leave": ("nothing", "unpublish", "drop-hidden"),
     "clear": ("never", "on-begin", "on-confirmed", "on-written"),
@@ -229,5 +236,12 @@ class TraitPolicy(Policy):
 
 
 def make_policy(traits: PolicyTraits, kv: KVCacheManager) -> Policy:
-    """The policy the traits describe (``EngineConfig.traits``)."""
+    """The policy the traits describe (``EngineConfig.traits``); ``publish="by-engine"``: the
+    engine's own registration (``own_registration.py``)."""
+    if traits.publish == "by-engine":
+        from .own_registration import EngineRegisters  # (it subclasses TraitPolicy)
+
+        if traits != EngineRegisters.TRAITS:
+            raise ValueError(f"publish=by-engine goes with {EngineRegisters.TRAITS}, got {traits}")
+        return EngineRegisters(kv)
     return TraitPolicy(kv, traits)

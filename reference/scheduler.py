@@ -207,6 +207,8 @@ class Scheduler:
         if self.events is not None:
             self.events.append(("submit", step.step_id))
         self.building = None
+        if isinstance(self.kv, GroupedKV):  # a slot group's copies made now run in the next step
+            self.kv.copies.submitted()
         self.in_flight.append(step)
         self.counters["computed_tokens"] += step.budget_used
         if self.defer_free and step.budget_used > 0:
@@ -364,6 +366,8 @@ class Scheduler:
                     req.placeholders -= 1 + entry.drafts
                 if self.deliver:
                     req.holding -= 1
+                if isinstance(self.kv, GroupedKV):  # its admission's copies do not run
+                    self.kv.withdraw_copies(building.step_id, req)
             building.live.discard(rid)
         if not keep_stale:
             for step in steps:
@@ -478,10 +482,14 @@ class Scheduler:
                     self.waiting.remove(req)
                     self.held.discard(rid)
                 self._finish(req, reason)
+                if running:  # (a request finishing while it waits gave its tables up before)
+                    later = any(rid in st.entries for st in itertools.islice(in_flight, 1, None))
+                    policy.on_finish(req, entry, later)
                 if len(in_flight) > 1:
                     self._leave_later_steps(req)
             elif rejected and async_scheduling and len(in_flight) > 1:
                 self._move_back(req, rejected)
+        policy.on_committed(step, requests)
         in_flight.popleft()
         self.counters["steps"] += 1
 

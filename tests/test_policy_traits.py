@@ -34,8 +34,12 @@ def test_the_reference_engine_names_the_spec_policies_with_the_same_traits() -> 
     assert {n: tuple(t) for n, t in reference_config.POLICIES.items()} == {
         n: t.values() for n, t in POLICIES.items()
     }
-    for axis, values in AXES.items():  # every value but the observed judge's
-        assert set(reference_policies.FOLLOWED[axis]) == set(values) - {"by-engine"}, axis
+    for axis, values in AXES.items():  # every value, by-engine its own registration's
+        assert set(reference_policies.FOLLOWED[axis]) == set(values), axis
+    # its own registration is the record of every observed policy (reference/own_registration.py)
+    assert {n: tuple(t) for n, t in reference_config.OWN_POLICIES.items()} == {
+        n: spec_policies.BY_ENGINE.values() for n in OBSERVED_POLICIES
+    }
 
 
 def test_the_trace_schema_names_every_registered_policy() -> None:
