@@ -15,7 +15,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 # lock in turn (flock, from util-linux; without it, build them one at a time).
 EDITABLE_LOCK := $(if $(shell command -v flock),flock .editable-install.lock)
 
-.PHONY: venv demo test test-e2e pytest lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
+.PHONY: venv demo test test-e2e pytest pytest-all ci-prepare vllm-suite-fetch lint contracts format clean thirdparty hypofuzz-venv vllm-suite vllm-suite-ci
 
 venv: $(STAMP) $(FASTMODEL)
 
@@ -173,6 +173,21 @@ test: venv
 
 pytest: venv
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15 -m "not e2e"
+
+# CI's two long stages, each one make call (.ci/run; docs/adapters.md, "CI"):
+# - ci-prepare: the third-party environments, the vLLM releases' test suites (their sdists and
+#   requirements) and, beside them, make test's lint and CrossHair, which need only .venv. The
+#   environments are mostly pip and disk: on 2 cores they kept the CPU about 60% busy (stop 45:
+#   475 s of wall clock, 570 s of CPU), so lint and CrossHair no longer take a core from pytest.
+# - pytest-all: make test's pytest and make test-e2e's in one session (one collection, one tail
+#   of the last tests; conftest.py runs the e2e tests first, the short ones fill the end).
+ci-prepare: venv
+	$(MAKE) --no-print-directory -j4 --output-sync=target thirdparty vllm-suite-fetch lint contracts
+
+vllm-suite-fetch: $(foreach v,$(VLLM_VERSIONS),$(call vllm_venv,$(v))/vllm-$(v)/.stamp)
+
+pytest-all: venv
+	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=20
 
 # The tests marked e2e run a third-party engine end to end, once per supported release: whole
 # pytest sessions (the plugin's crash test and hybrid cases, the suite's table) or its real code

@@ -1,4 +1,5 @@
-"""Shared pytest setup: Hypothesis profiles, and the fuzzer's counterexample of the seed bug.
+"""Shared pytest setup: Hypothesis profiles, the fuzzer's counterexample of the seed bug, and the
+order of a session that holds e2e tests beside the others.
 
 Pick one with the HYPOTHESIS_PROFILE environment variable (default: ``dev``):
 
@@ -38,6 +39,14 @@ os.environ.setdefault(
     "KVSPEC_MODEL_CACHE",
     str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "kvspec-models"),
 )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The e2e tests first, each file's in their order (a stable sort): in a session that runs
+    both kinds (``make pytest-all``, CI's one session) the long e2e tests start while there is
+    work left for the other worker, and the short ones fill the end, instead of a worker waiting
+    on the last e2e test alone. A session of one kind keeps its order."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 @dataclass(frozen=True)
