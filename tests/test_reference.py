@@ -41,6 +41,7 @@ from kvspec.spec import (
     initial_state,
 )
 from kvspec.spec.actions import admissible
+from kvspec.spec.state import Group
 
 Event = tuple[object, ...]
 Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
@@ -305,16 +306,10 @@ def lockstep_run(
     return eng, rec, s
 
 
-def replay(
-    cfg: EngineConfig,
-    events: list[Event],
-    snapshots: list[Snapshot],
-    seen: Counter[str] | None = None,
-) -> State:
-    """Feed the engine's decisions to the spec; check effects, and pool state if given
-    ``snapshots`` (the engine's before each decision, then the final one). ``seen`` counts the
-    async situations the run went through (``_async_situations``)."""
-    spec_cfg = Config(
+def spec_config(cfg: EngineConfig) -> Config:
+    """The spec's ``Config`` of the engine's: every field the two share, the groups as the
+    spec's ``Group`` (``()``: one group)."""
+    return Config(
         num_blocks=cfg.num_blocks,
         block_size=cfg.block_size,
         depth=cfg.depth,
@@ -332,7 +327,20 @@ def replay(
         defer_free=cfg.defer_free,
         sliding_window=cfg.sliding_window,
         defer_loads=cfg.defer_loads,
+        groups=tuple(Group(*g) for g in cfg.groups),
     )
+
+
+def replay(
+    cfg: EngineConfig,
+    events: list[Event],
+    snapshots: list[Snapshot],
+    seen: Counter[str] | None = None,
+) -> State:
+    """Feed the engine's decisions to the spec; check effects, and pool state if given
+    ``snapshots`` (the engine's before each decision, then the final one). ``seen`` counts the
+    async situations the run went through (``_async_situations``)."""
+    spec_cfg = spec_config(cfg)
     s = initial_state(spec_cfg)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]
     assert not snapshots or len(snapshots) == len(starts) + 1  # before each, and at the end

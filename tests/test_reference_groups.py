@@ -459,26 +459,11 @@ LOCKSTEP_GROUPS = [
 def _replay_groups(cfg: EngineConfig, events: list[tuple[object, ...]], snapshots: list) -> object:  # type: ignore[type-arg]
     """Feed the engine's decisions to the spec with the same groups; each decision's effects
     must be the engine's, and the pool (refcounts, free queue) the engine's after it."""
-    from test_reference import DECISIONS
+    from test_reference import DECISIONS, spec_config
 
-    from kvspec.spec import Config, Illegal, apply, initial_state
-    from kvspec.spec.state import Group
+    from kvspec.spec import Illegal, apply, initial_state
 
-    spec_cfg = Config(
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        depth=cfg.depth,
-        policy=cfg.policy,
-        discipline=cfg.discipline,
-        preemption=cfg.preemption,
-        token_budget=cfg.token_budget,
-        max_running=cfg.max_running,
-        stop_token=cfg.stop_token,
-        async_scheduling=cfg.async_scheduling,
-        stale_output=cfg.stale_output,
-        prefix_caching=cfg.prefix_caching,
-        groups=tuple(Group(*g) for g in cfg.groups),
-    )
+    spec_cfg = spec_config(cfg)
     s = initial_state(spec_cfg)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]
     for n, i in enumerate(starts):

@@ -13,6 +13,7 @@ import random
 from collections import Counter
 
 import pytest
+from test_reference import spec_config
 
 from kvspec.reference import EngineConfig, GroupSpec
 from kvspec.reference.groups import GroupedKV
@@ -168,28 +169,6 @@ def own_drive(eng: object, rng: random.Random, num_requests: int, max_steps: int
     raise AssertionError(f"the engine did not finish in {max_steps} steps (livelock?)")
 
 
-def spec_config(cfg: EngineConfig) -> object:
-    """The spec's ``Config`` of the engine's."""
-    from kvspec.spec import Config
-    from kvspec.spec.state import Group
-
-    return Config(
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        depth=cfg.depth,
-        policy=cfg.policy,
-        discipline=cfg.discipline,
-        preemption=cfg.preemption,
-        token_budget=cfg.token_budget,
-        max_running=cfg.max_running,
-        stop_token=cfg.stop_token,
-        async_scheduling=cfg.async_scheduling,
-        stale_output=cfg.stale_output,
-        prefix_caching=cfg.prefix_caching,
-        groups=tuple(Group(*g) for g in cfg.groups),
-    )
-
-
 def judged_run(
     cfg: EngineConfig, seed: int, rng: random.Random, num_requests: int, observed: bool = True
 ) -> tuple:  # type: ignore[type-arg]
@@ -205,7 +184,7 @@ def judged_run(
     own_drive(eng, rng, num_requests)
     rec.snapshots.append(eng.snapshot())
     events = list(rec)
-    judge = Judge.spec(spec_config(cfg), observed=observed)  # type: ignore[arg-type]
+    judge = Judge.spec(spec_config(cfg), observed=observed)
     starts = [i for i, e in enumerate(events) if e[0] in DECISIONS]
     for n, i in enumerate(starts):
         end = starts[n + 1] if n + 1 < len(starts) else len(events)
@@ -530,7 +509,7 @@ def test_kvspec_check_judges_the_engines_own_trace(
             if found is not None or run == runs - 1:
                 break
         path = Path(str(tmp_path)) / name
-        write_trace(path, spec_config(cfg), events, judging="observed")  # type: ignore[arg-type]
+        write_trace(path, spec_config(cfg), events, judging="observed")
         return main(["check", str(path)]), path
 
     code, _ = check("own.jsonl", 1)
