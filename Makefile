@@ -175,14 +175,15 @@ pytest: venv
 	HYPOTHESIS_PROFILE=ci TRITON_INTERPRET=1 $(BIN)/pytest -q -n auto --durations=15 -m "not e2e"
 
 # CI's two long stages, each one make call (.ci/run; docs/adapters.md, "CI"):
-# - ci-prepare: the third-party environments, the vLLM releases' test suites (their sdists and
-#   requirements) and, beside them, make test's lint and CrossHair, which need only .venv. The
+# - ci-prepare: .venv, the third-party environments, the vLLM releases' test suites (their sdists
+#   and requirements) and, beside them, make test's lint and CrossHair, which start once .venv is
+#   built (they depend on it; the environments do not wait for it). The
 #   environments are mostly pip and disk: on 2 cores they kept the CPU about 60% busy (stop 45:
 #   475 s of wall clock, 570 s of CPU), so lint and CrossHair no longer take a core from pytest.
 # - pytest-all: make test's pytest and make test-e2e's in one session (one collection, one tail
 #   of the last tests; conftest.py runs the e2e tests first, the short ones fill the end).
-ci-prepare: venv
-	$(MAKE) --no-print-directory -j4 --output-sync=target thirdparty vllm-suite-fetch lint contracts
+ci-prepare:
+	$(MAKE) --no-print-directory -j4 --output-sync=target venv thirdparty vllm-suite-fetch lint contracts
 
 vllm-suite-fetch: $(foreach v,$(VLLM_VERSIONS),$(call vllm_venv,$(v))/vllm-$(v)/.stamp)
 
