@@ -73,6 +73,22 @@ NAMES = (
 """The invariants a run is judged by (docs/hybrid.md's table, and the K/V one they extend)."""
 
 
+NOT_FUZZED = {
+    "slot": (
+        "the reference engine caches a slot group's states only by its own snapshots (policy "
+        "engine-registers), which the observed judge judges, not this strict lockstep; "
+        "tests/test_reference_slots.py runs it (docs/hybrid.md)"
+    ),
+    "chunked": (
+        "chunked local attention is run in lockstep by "
+        "tests/test_reference_groups.py::test_the_reference_engine_with_a_chunked_group_conforms, "
+        "not yet by kvspec fuzz --groups"
+    ),
+}
+"""Group kinds the reference engine follows that ``--groups`` does not take, and why (a named
+refusal rather than a syntax error)."""
+
+
 def parse_groups(text: str) -> tuple[GroupText, ...]:
     """The groups ``--groups`` names; ValueError with the reason for anything else."""
     out: list[GroupText] = []
@@ -81,6 +97,8 @@ def parse_groups(text: str) -> tuple[GroupText, ...]:
         where = f"group {i} ({part!r})" if part else f"group {i}"
         spec, _, size_text = part.partition("@")
         kind, _, window_text = spec.partition(":")
+        if kind in NOT_FUZZED:
+            raise ValueError(f"{where}: not fuzzed here: {NOT_FUZZED[kind]}")
         if kind not in ("full", "window", "state", "cross"):
             raise ValueError(f"{where}: the kind is full, window, state or cross; syntax {SYNTAX}")
         size = _positive(size_text, where, "block size") if size_text else None

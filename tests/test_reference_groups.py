@@ -248,6 +248,9 @@ def test_groups_syntax() -> None:
     for bad in (*bad_ones, "state:later", "full:when-known", "window:when-known"):
         with pytest.raises(ValueError):
             parse_groups(bad)
+    for kind in ("slot", "chunked"):  # kinds the engine follows elsewhere: refused by name
+        with pytest.raises(ValueError, match=f"group 1 \\('{kind}'\\): not fuzzed here"):
+            parse_groups(f"full,{kind}")
 
 
 @pytest.mark.parametrize(
