@@ -28,6 +28,7 @@ from .groups import GroupedKV
 from .hashing import pack_tokens
 from .kv_cache_manager import KVCacheManager
 from .memory import BadRead, GroupMemory
+from .own_registration import make_own
 from .policies import Policy, make_policy
 from .request import FINISHED, Request, Step
 from .scheduler import Scheduler
@@ -63,7 +64,13 @@ class Engine:
         if config.slot_buffer == "extra_buffer":  # (config: a slot group, so the coordinator)
             assert isinstance(self.kv, GroupedKV)
             self.kv.tracks_per_request = 2
-        policy = make_policy(config.traits, self.kv) if config.prefix_caching else Policy(self.kv)
+        policy: Policy
+        if not config.prefix_caching:
+            policy = Policy(self.kv)
+        elif config.traits.publish == "by-engine":  # its own registration, as SGLang's
+            policy = make_own(config.traits, self.kv)
+        else:
+            policy = make_policy(config.traits, self.kv)
         self.scheduler = Scheduler(config, self.kv, policy, sink)
         self.worker: Worker = (
             FakeWorker(self.choices, config.block_size, config.vocab, record)

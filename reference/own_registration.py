@@ -141,3 +141,11 @@ class EngineRegisters(TraitPolicy):
         if req.status == FINISHED:
             self.tracked.pop(req.rid, None)
             self.turn.pop(req.rid, None)
+
+
+def make_own(traits: PolicyTraits, kv: KVCacheManager) -> EngineRegisters:
+    """The engine's own registration for ``traits`` (``publish="by-engine"``), which must be
+    ``EngineRegisters.TRAITS``: the only combination it implements."""
+    if traits != EngineRegisters.TRAITS:
+        raise ValueError(f"publish=by-engine goes with {EngineRegisters.TRAITS}, got {traits}")
+    return EngineRegisters(kv)

@@ -236,12 +236,12 @@ class TraitPolicy(Policy):
 
 
 def make_policy(traits: PolicyTraits, kv: KVCacheManager) -> Policy:
-    """The policy the traits describe (``EngineConfig.traits``); ``publish="by-engine"``: the
-    engine's own registration (``own_registration.py``)."""
+    """The trait policy the traits describe (``EngineConfig.traits``). ``publish="by-engine"``
+    is no trait policy but the engine's own registration (``own_registration.make_own``; the
+    engine picks between the two)."""
     if traits.publish == "by-engine":
-        from .own_registration import EngineRegisters  # (it subclasses TraitPolicy)
-
-        if traits != EngineRegisters.TRAITS:
-            raise ValueError(f"publish=by-engine goes with {EngineRegisters.TRAITS}, got {traits}")
-        return EngineRegisters(kv)
+        raise ValueError(
+            "publish=by-engine is the engine's own registration (own_registration.py), "
+            "not a trait policy"
+        )
     return TraitPolicy(kv, traits)

@@ -149,6 +149,9 @@ def test_a_trait_value_no_form_follows_is_refused_by_name(monkeypatch: pytest.Mo
         FastModel(Config(8, 4, policy="odd"))
     with pytest.raises(ValueError, match="at-lunch"):
         reference_policies.make_policy(reference_config.PolicyTraits(*odd.values()), None)  # type: ignore[arg-type]
+    own = reference_config.OWN_POLICIES["engine-registers"]  # no trait policy: the engine's own
+    with pytest.raises(ValueError, match="own registration"):
+        reference_policies.make_policy(own, None)  # type: ignore[arg-type]
     pytest.importorskip("z3")
     from kvspec.proofs.symbolic import Fragment
 
