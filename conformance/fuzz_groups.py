@@ -338,7 +338,7 @@ def _one_run(
         bad = _hit_fault(config, events, hits)
         if bad is not None and (finding := found("HitServedByEveryGroup", bad)):
             return finding, steps, coverage, spec_error
-        bad = _cross_fault(config, events)
+        bad = _cross_fault(config, events) if config.cross else None
         if bad is not None and (finding := found("CrossBlocksPrivate", bad)):
             return finding, steps, coverage, spec_error
         bad = _published_fault(engine, events, published)

@@ -74,7 +74,7 @@ SLOT_BUFFERS = ("no_buffer", "extra_buffer")
 """How a slot group's states are cached under the engine's own registration (SGLang's MAMBA
 strategies, ``own_registration.py``): ``no_buffer``, by copy of the working slot;
 ``extra_buffer``, through two track slots per request, written beside the working slot and
-donated to the cache (``tracks.py``)."""
+donated to the cache (``slots.py``, ``own_registration.py``)."""
 
 
 DISCIPLINES = ("vllm", "general")
@@ -239,10 +239,12 @@ class EngineConfig:
             if not ok:
                 field = message.split()[0]
                 raise ValueError(f"{message}, got {getattr(self, field)!r}")
+        if self.slot_buffer not in SLOT_BUFFERS:
+            raise ValueError(f"slot_buffer must be one of {', '.join(SLOT_BUFFERS)}")
+        if self.slot_buffer != "no_buffer" and not any(g.kind == "slot" for g in self.groups):
+            raise ValueError("slot_buffer extra_buffer needs a slot group")
         if self.groups:
             self._check_groups()
-        elif self.slot_buffer != "no_buffer":
-            raise ValueError("slot_buffer extra_buffer needs a slot group")
         if self.policy == "engine-registers" and (
             self.sliding_window is not None
             or any(g.kind in ("window", "state", "chunked") for g in self.groups)
@@ -300,13 +302,9 @@ class EngineConfig:
         engine's own snapshots (``policy="engine-registers"``, ``slots.py``)."""
         kinds = [g.kind for g in self.groups]
         if "slot" not in kinds:
-            if self.slot_buffer != "no_buffer":
-                raise ValueError("slot_buffer extra_buffer needs a slot group")
             return
         if kinds[0] == "slot":
             raise ValueError("groups[0]: a slot group is never group 0 (it follows a full group)")
-        if self.slot_buffer not in SLOT_BUFFERS:
-            raise ValueError(f"slot_buffer must be one of {', '.join(SLOT_BUFFERS)}")
         if self.slot_buffer == "extra_buffer" and (
             self.policy != "engine-registers" or self.depth > 1
         ):

@@ -38,7 +38,7 @@ from .config import PolicyTraits
 from .groups import GroupedKV
 from .kv_cache_manager import KVCacheManager
 from .policies import TraitPolicy
-from .request import FINISHED, RUNNING, Entry, Request, Step
+from .request import RUNNING, Entry, Request, Step
 
 
 class EngineRegisters(TraitPolicy):
@@ -83,15 +83,12 @@ class EngineRegisters(TraitPolicy):
         kv = self.kv
         if not self.slot_groups or not isinstance(kv, GroupedKV):
             return
-        self.forget(req)
-        slots = kv.let_go.pop(req.rid, None)
-        if slots is None or later:
-            return
-        kv.let_go[req.rid] = slots  # (snapshot_state reads it)
-        end = entry.end
-        for g in self.slot_groups:
-            if end % kv.groups[g].block_size == 0 and not self._cached(kv, req, g, end):
-                kv.snapshot_state(req, g, end, None)
+        self.on_remove(req, ())
+        if req.rid in kv.let_go and not later:  # (snapshot_state reads the slot from let_go)
+            end = entry.end
+            for g in self.slot_groups:
+                if end % kv.groups[g].block_size == 0 and not self._cached(kv, req, g, end):
+                    kv.snapshot_state(req, g, end, None)
         kv.let_go.pop(req.rid, None)
 
     def _track(self, kv: GroupedKV, req: Request, step: Step) -> None:
@@ -136,11 +133,6 @@ class EngineRegisters(TraitPolicy):
         """The request left: its track writes are not donated (its tables are given up)."""
         self.tracked.pop(req.rid, None)
         self.turn.pop(req.rid, None)
-
-    def forget(self, req: Request) -> None:
-        if req.status == FINISHED:
-            self.tracked.pop(req.rid, None)
-            self.turn.pop(req.rid, None)
 
 
 def make_own(traits: PolicyTraits, kv: KVCacheManager) -> EngineRegisters:
