@@ -166,10 +166,10 @@ TWINS: tuple[Twin, ...] = (
         "group after them (tables of a request's encoder tokens, allocated and written at "
         "admission, read whole, never hashed), and slot groups "
         "(SGLang's MAMBA: one slot per request; under the spec's policies in strict lockstep, "
-        "and under its own registration, ``engine-registers`` with full and slot groups, judged "
-        "by the observed judge with its pool compared after every decision: states snapshotted "
-        "by copy (``no_buffer``) or through track slots (``extra_buffer``, depth 1), donated "
-        "and hit by copy)",
+        "and under its own registration, ``engine-registers``, judged by the observed judge with "
+        "its pool compared after every decision: states snapshotted by copy (``no_buffer``) or "
+        "through track slots (``extra_buffer``, depth 1), donated and hit by copy; window "
+        "groups let go of by the engine itself, state and chunked groups freed at schedule)",
         (
             "tests/test_reference.py::test_engine_conforms_to_spec",
             "tests/test_spec_defer.py::test_the_reference_engine_with_deferred_frees_conforms",
@@ -186,6 +186,7 @@ TWINS: tuple[Twin, ...] = (
             "tests/test_reference_slots.py::test_the_reference_engine_with_a_slot_group_conforms",
             "tests/test_reference_slots.py::test_the_reference_engine_registering_on_its_own_is_judged_safe",
             "tests/test_reference_slots.py::test_the_reference_engine_with_track_slots_is_judged_safe",
+            "tests/test_reference_own_groups.py::test_the_reference_engine_registering_on_its_own_with_skipping_groups_is_judged_safe",
         ),
         label="the reference engine",
         features={

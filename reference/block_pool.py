@@ -164,6 +164,20 @@ class BlockPool:
                 events.append(("free", block.block_id))
         self.n_freed += len(blocks)
 
+    def let_go(self, block: Block) -> None:
+        """Drop one reference on ``block`` with no ``free`` event: the engine's own giving up
+        of a block (``GroupedKV.let_go_windows``), whose event names the table position. An
+        unreferenced block goes where ``free_reversed`` puts it."""
+        if block.ref_cnt <= 0:
+            raise RuntimeError(f"double free of block {block.block_id}")
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.block_hash is None:
+                self.free_queue.appendleft(block)
+            else:
+                self.free_queue.append(block)
+        self.n_freed += 1
+
     def free_batch(self, blocks: list[Block]) -> None:
         """vLLM's ``free_blocks``: drop one reference on each block, last first, put those left
         unreferenced without a hash at the queue's head as one batch in that order, so the

@@ -245,15 +245,6 @@ class EngineConfig:
             raise ValueError("slot_buffer extra_buffer needs a slot group")
         if self.groups:
             self._check_groups()
-        if self.policy == "engine-registers" and (
-            self.sliding_window is not None
-            or any(g.kind in ("window", "state", "chunked") for g in self.groups)
-        ):
-            raise ValueError(
-                "policy engine-registers: the engine registers on its own with full and slot "
-                "groups only (a window, state or chunked group frees its skipped blocks at "
-                "schedule, which the observed judge does not follow; own_registration.py)"
-            )
 
     def _check_groups(self) -> None:
         if not isinstance(self.groups, tuple) or not all(

@@ -64,6 +64,8 @@ class Engine:
         if config.slot_buffer == "extra_buffer":  # (config: a slot group, so the coordinator)
             assert isinstance(self.kv, GroupedKV)
             self.kv.tracks_per_request = 2
+        if isinstance(self.kv, GroupedKV) and config.traits.publish == "by-engine":
+            self.kv.windows_let_go = True  # as SGLang's SWA component (groups.let_go_windows)
         policy: Policy
         if not config.prefix_caching:
             policy = Policy(self.kv)

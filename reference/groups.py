@@ -88,6 +88,7 @@ class GroupedKV(KVCacheManager):
         "slot_hits",
         "let_go",
         "tracks_per_request",
+        "windows_let_go",
     )
 
     def __init__(
@@ -120,6 +121,11 @@ class GroupedKV(KVCacheManager):
         self.tracks_per_request = 0
         """Track slots a request holds in each slot group beside its working slot (2 under
         ``extra_buffer``, allocated by the engine's own registration right after admission)."""
+        self.windows_let_go = False
+        """Whether the engine gives up window groups' skipped blocks on its own, at each
+        step's begin (``let_go_windows``), instead of freeing them at schedule: an engine that
+        registers on its own (``engine-registers``), as SGLang's SWA component does (the spec's
+        ``groups.engine_lets_go``)."""
         self.let_go: dict[int, dict[int, Block]] = {}
         """Per request that gave up its tables, its slot of each slot group (for a donation,
         ``own_registration.py``; taken by the policy's ``on_finish``)."""
@@ -417,10 +423,20 @@ class GroupedKV(KVCacheManager):
             index = t // self.groups[g].block_size - 1
             self.pool.events.append(("snapshot", req.rid, index, block.block_id, g))
 
+    def _freed_at_schedule(self, g: int) -> bool:
+        """Group ``g``'s skipped blocks are freed at schedule (``remove_skipped``): a window,
+        chunked or state group's, unless the engine lets go of its windows itself."""
+        kind = self.groups[g].kind
+        if kind == "window" and g and self.windows_let_go:
+            return False
+        return kind in ("window", "chunked", "state")
+
     def skippable(self, req: Request, processed: int) -> int:
         """Blocks ``remove_skipped`` would put back on the free queue now."""
         count = 0
         for g, table in enumerate(self.tables(req)):
+            if not self._freed_at_schedule(g):
+                continue
             last = min(self._skipped(g, processed), len(table))
             count += sum(1 for b in table[:last] if b.block_id != 0 and b.ref_cnt == 1)
         return count
@@ -431,7 +447,7 @@ class GroupedKV(KVCacheManager):
         null = self.pool.blocks[0]
         for g, table in enumerate(self.tables(req)):
             kind = self.groups[g].kind
-            if kind == "full":
+            if not self._freed_at_schedule(g):
                 continue
             freed: list[Block] = []
             for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
@@ -443,6 +459,24 @@ class GroupedKV(KVCacheManager):
                 table[i] = null
             if freed:
                 self.pool.free_batch(freed[::-1])
+
+    def let_go_windows(self, req: Request, processed: int) -> None:
+        """``windows_let_go``: the running request gives up each window group's skipped blocks
+        (last first, down to its first null), one ``dedup`` to the null block each, the spec's
+        ``observed.let_go``. Called at a step's begin, when no entry of the step being built
+        holds them; the steps in flight read from the window of their first token on, which
+        ``processed`` (computed less the tokens in flight) already accounts for."""
+        null, events = self.pool.blocks[0], self.pool.events
+        for g, table in enumerate(self.tables(req)):
+            if not g or self.groups[g].kind != "window":
+                continue
+            for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
+                if table[i] is null:
+                    break
+                self.pool.let_go(table[i])
+                table[i] = null
+                if events is not None:
+                    events.append(("dedup", req.rid, i, 0, g))
 
     # -- registration ------------------------------------------------------------------------
 

@@ -29,6 +29,11 @@ write of the state at the last boundary ``t`` it reaches into one of them, in tu
 (ping-pong); at the commit of that step the written track slot is donated in place
 (``snapshot``) when no state is cached at ``t``, and a fresh track slot fills its position.
 A finished request donates its working slot as under ``no_buffer``.
+
+Window groups beside group 0 are let go of by the engine itself, at each step's begin
+(``GroupedKV.let_go_windows``, enabled by ``Engine`` for this policy), as SGLang's SWA component
+gives up its out-of-window pages; state and chunked groups free their skipped blocks at
+schedule, as under the spec's policies.
 """
 
 from __future__ import annotations

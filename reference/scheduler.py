@@ -201,6 +201,9 @@ class Scheduler:
             self.events.append(("begin", step.step_id))
         self.kv.new_step()
         self.policy.on_begin(step)
+        if isinstance(self.kv, GroupedKV) and self.kv.windows_let_go:
+            for req in self.running:
+                self.kv.let_go_windows(req, self.processed(req))
         return step
 
     def submit(self, step: Step) -> None:

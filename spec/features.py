@@ -77,8 +77,11 @@ FEATURES: dict[str, Feature] = {
         ),
         Feature(
             "sliding_window",
-            "a sliding window",
-            lambda c: c.sliding_window is not None,
+            "a sliding window (``sliding_window``, or a window group: alone, it is group 0's)",
+            lambda c: (
+                c.sliding_window is not None
+                or any(g.kind == "window" for g in getattr(c, "groups", ()))
+            ),
             {"sliding_window": 2},
         ),
         Feature(

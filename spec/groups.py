@@ -55,7 +55,7 @@ from math import lcm
 
 from . import slots
 from .events import grouped
-from .pool import Event, add_key, drop_key, free_batch, free_blocks, touch_counted
+from .pool import Event, add_key, drop_key, free_batch, free_blocks, take_free, touch_counted
 from .state import (
     NULL_BLOCK,
     OBSERVED_POLICIES,
@@ -360,9 +360,7 @@ def slot_schedule(s: State, req: Request, step: Step, g: int) -> list[Event]:
 
 def allocate(s: State, req: Request, g: int) -> list[Event]:
     """The free queue's head joins group ``g``'s table (``pool.allocate``, for that group)."""
-    if not s.free:
-        raise Illegal(f"allocate for r{req.id} in group {g}: the free queue is empty")
-    block = s.free.pop(0)
+    block = take_free(s, req.id, f"r{req.id} in group {g}")
     b = s.blocks[block]
     events: list[Event] = []
     if b.key is not None:

@@ -29,7 +29,10 @@ from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, Stat
 def steer(s: State, decision: Event, effects: list[Event]) -> None:
     """Before ``decision`` is applied: make the spec's pool choose what the engine chose in
     ``effects`` (the engine's effect events of that decision). Raises ``Illegal`` for a choice no
-    pool may make."""
+    pool may make. The allocations are steered as they happen (``State.steered_allocs``,
+    ``pool.take_free``), not here: a schedule frees a window's or a state group's skipped blocks
+    before it allocates (``remove_skipped``), and an engine may allocate one of those again."""
+    s.steered_allocs = []
     if decision[0] != "schedule":
         return
     rid = decision[1]
@@ -41,7 +44,10 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
     for effect in effects:
         if effect[0] == "hit" and req.status == "waiting" and not s.config.hybrid:
             hits: tuple[int, ...] = tuple(effect[2])  # type: ignore[arg-type]
+            skips = s.config.window is not None or s.config.chunk is not None
             for i, block in enumerate(hits):
+                if block == NULL_BLOCK and skips:
+                    continue  # a skipped position: where the hit rule puts nulls is the effect's
                 owners = s.index.get(s.key(req, i), [])
                 if block not in owners:
                     raise Illegal(
@@ -52,10 +58,9 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
                 owners.insert(0, block)
     allocated: list[int] = [effect[2] for effect in effects if effect[0] == "alloc"]  # type: ignore[misc]
     for block in allocated:
-        if block == NULL_BLOCK or block not in s.free or allocated.count(block) > 1:
+        if not _is_block(s, block) or block == NULL_BLOCK or allocated.count(block) > 1:
             raise Illegal(f"r{rid} is allocated block {block}, which is not free")
-    rest = [block for block in s.free if block not in allocated]
-    s.free[:] = allocated + rest
+    s.steered_allocs = allocated
 
 
 def _steer_groups(s: State, req: Request, hits: list[Event]) -> None:

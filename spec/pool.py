@@ -127,11 +127,23 @@ def touch_counted(s: State, req: Request, blocks: list[int], table: list[int], g
     s.touched.requests.add(req.id)
 
 
+def take_free(s: State, rid: int, where: str) -> int:
+    """The block an allocation takes off the free queue: its head, or under observed judging
+    the next block the engine allocated (``State.steered_allocs``), which must be free now."""
+    if not s.free:
+        raise Illegal(f"allocate for {where}: the free queue is empty")
+    if not s.steered_allocs:
+        return s.free.pop(0)
+    block = s.steered_allocs.pop(0)
+    if block not in s.free:
+        raise Illegal(f"r{rid} is allocated block {block}, which is not free")
+    s.free.remove(block)
+    return block
+
+
 def allocate(s: State, req: Request) -> list[Event]:
     """Give the free queue's head to the request, dropping the hash it was cached under."""
-    if not s.free:
-        raise Illegal(f"allocate for r{req.id}: the free queue is empty")
-    block = s.free.pop(0)
+    block = take_free(s, req.id, f"r{req.id}")
     b = s.blocks[block]
     events: list[Event] = []
     if b.key is not None:

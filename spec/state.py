@@ -591,6 +591,10 @@ class State:
     bad_state_reads: list[tuple[int, int, int]] = field(default_factory=list)
     """(step, request, block) for every live read of a state block (``Config.groups``) that did
     not find the state after exactly the step's start at execution."""
+    steered_allocs: list[int] = field(default_factory=list)
+    """Observed judging: the blocks the engine allocated in the decision being applied, in its
+    order (``observed.steer``); each allocation takes the next one (``pool.take_free``), checked
+    free at that moment, so a block the decision itself frees first may be allocated again."""
     steered_hits: list[list[int]] | None = None
     """Observed judging of several groups: the engine's hit of each group for the admission
     the next decision makes (``observed.steer``), taken by ``actions.schedule`` in place of
