@@ -34,7 +34,7 @@ Counters:
   its window, freed when their request is scheduled);
 * several KV-cache groups (``RunCoverage(kinds)``, the groups' kinds in group order; events as
   docs/hybrid.md fixes them): ``state_hits``, state blocks hit (a state group's ``hit`` naming
-  a block); ``window_nulled_shared``, window-group blocks freed by a ``schedule`` decision
+  a block); ``window_nulled_shared``, window-group (or chunked-group) blocks freed by a ``schedule`` decision
   while the request holds a block of another group that someone else holds too;
   ``hits_shortened``, admissions whose hit a group shortened below what the first group alone
   would serve (the reference engine counts its own, ``fuzz_groups``; for any other engine,
@@ -137,7 +137,7 @@ class Coverage:
         groups): what the hybrid paths reached."""
         return (
             f"groups: {self.hits_shortened} hits shortened by a group, {self.state_hits} state "
-            f"blocks hit, {self.window_nulled_shared} window blocks nulled while the request "
+            f"blocks hit, {self.window_nulled_shared} window/chunk blocks nulled while the request "
             "shared others"
             + (
                 f"; slot groups: {self.slot_hits} states hit by copy, {self.snapshots_copied} "
@@ -335,7 +335,7 @@ class RunCoverage(Coverage):
                 mine = self.held.get(self.scheduling, set())
                 mine.discard(block)
                 group = self.group_of.get(block, 0)
-                if self.kinds[group] == "window" and any(
+                if self.kinds[group] in ("window", "chunked") and any(
                     holders.get(b, 0) > 1 and self.group_of.get(b) != group for b in mine
                 ):
                     self.window_nulled_shared += 1

@@ -18,13 +18,16 @@ everywhere), workloads share prefixes (and half the time whole prompts) across r
 pool small enough to preempt, and
 the coverage line says what the hybrid paths reached.
 
-``parse_groups`` reads the flag's syntax, ``KIND[:WINDOW|:RULE][@BLOCK_SIZE]`` comma separated
-(e.g. ``full,window:8,state`` or ``full@2,state:when-known@4``; a state group's ``RULE`` is its
-registration rule, ``at-its-step`` by default or ``when-known``, vLLM's ``align`` timing,
-``docs/model.md``): an unknown kind or rule, a window on a group that is not ``window`` (or none
-on one that is), a size that is not an int in 1..65536, or one full or window group alone
-(today's model, fuzzed in lockstep without the flag) is bad input, said in one line. The hash block size is the gcd of the sizes given (every group without one
-takes it), or drawn per run when none is.
+``parse_groups`` reads the flag's syntax, ``KIND[:WINDOW|:RULE|:CHUNK][@BLOCK_SIZE]`` comma
+separated (e.g. ``full,window:8,state``, ``full@2,state:when-known@4`` or ``full,chunked:8``; a
+state group's ``RULE`` is its registration rule, ``at-its-step`` by default or ``when-known``,
+vLLM's ``align`` timing, ``docs/model.md``; a chunked group's ``CHUNK`` is its attention chunk,
+a multiple of its block size): an unknown kind or rule, a window on a group that is not
+``window`` (or none on one that is), a chunk missing or not a multiple of the group's block
+size, a size that is not an int in 1..65536, or one full or window group alone (today's model,
+fuzzed in lockstep without the flag) is bad input, said in one line. The hash block size is the
+gcd of the sizes given (every group without one takes it), or drawn per run when none is (from
+those that divide every chunk).
 """
 
 from __future__ import annotations
@@ -43,15 +46,16 @@ from kvspec.spec.events import DECISIONS
 from kvspec.spec.state import Group
 
 SYNTAX = (
-    "KIND[:WINDOW|:RULE][@BLOCK_SIZE],... (KIND full, window, state or cross; RULE a state's "
-    "at-its-step or when-known; e.g. full,window:8,state:when-known or full,cross@4)"
+    "KIND[:WINDOW|:RULE|:CHUNK][@BLOCK_SIZE],... (KIND full, window, state, cross or chunked; "
+    "RULE a state's at-its-step or when-known, CHUNK a chunked group's attention chunk; e.g. "
+    "full,window:8,state:when-known, full,cross@4 or full,chunked:8)"
 )
 RULES = ("at-its-step", "when-known")
 """A state group's registration rules (the reference engine's ``STATE_REGISTRATIONS``)."""
 
 GroupText = tuple[str, "int | None", "int | str | None"]
 """(kind, block size or None for the hash block size, what follows the colon or None: a
-window group's window, a state group's registration rule)."""
+window group's window, a state group's registration rule, a chunked group's chunk)."""
 
 MAX_LENGTH = 8
 """A request's prompt and output tokens are at most this many times the groups' common block
@@ -79,11 +83,6 @@ NOT_FUZZED = {
         "engine-registers), which the observed judge judges, not this strict lockstep; "
         "tests/test_reference_slots.py runs it (docs/hybrid.md)"
     ),
-    "chunked": (
-        "chunked local attention is run in lockstep by "
-        "tests/test_reference_groups.py::test_the_reference_engine_with_a_chunked_group_conforms, "
-        "not yet by kvspec fuzz --groups"
-    ),
 }
 """Group kinds the reference engine follows that ``--groups`` does not take, and why (a named
 refusal rather than a syntax error)."""
@@ -99,8 +98,10 @@ def parse_groups(text: str) -> tuple[GroupText, ...]:
         kind, _, window_text = spec.partition(":")
         if kind in NOT_FUZZED:
             raise ValueError(f"{where}: not fuzzed here: {NOT_FUZZED[kind]}")
-        if kind not in ("full", "window", "state", "cross"):
-            raise ValueError(f"{where}: the kind is full, window, state or cross; syntax {SYNTAX}")
+        if kind not in ("full", "window", "state", "cross", "chunked"):
+            raise ValueError(
+                f"{where}: the kind is full, window, state, cross or chunked; syntax {SYNTAX}"
+            )
         size = _positive(size_text, where, "block size") if size_text else None
         if kind == "cross" and (window_text or i == 0):
             raise ValueError(f"{where}: a cross group takes no :VALUE and is never group 0")
@@ -111,15 +112,29 @@ def parse_groups(text: str) -> tuple[GroupText, ...]:
                 )
             out.append((kind, size, window_text))
             continue
+        if kind == "chunked":
+            if not window_text:
+                raise ValueError(f"{where}: a chunked group names its chunk (chunked:C)")
+            out.append((kind, size, _positive(window_text, where, "chunk")))
+            continue
         window = _positive(window_text, where, "window") if window_text else None
         if (kind == "window") != (window is not None):
             raise ValueError(f"{where}: a window group, and only one, names its window (window:W)")
         out.append((kind, size, window))
-    if len(out) == 1 and out[0][0] != "state":
+    if len(out) == 1 and out[0][0] in ("full", "window"):
         raise ValueError(
             "one full or window group is today's model: fuzz it without --groups "
             "(--sliding-window W for a window), in lockstep with the spec"
         )
+    sizes = [s for _, s, _ in out if s is not None]
+    common = math.gcd(*sizes) if sizes else None
+    for i, (kind, size, chunk) in enumerate(out):
+        block = size or common
+        if kind == "chunked" and block and isinstance(chunk, int) and chunk % block:
+            raise ValueError(
+                f"group {i}: a chunked group's chunk ({chunk}) is not a multiple of its block size "
+                f"({block})"
+            )
     return tuple(out)
 
 
@@ -165,17 +180,22 @@ def engine_groups(parsed: tuple[GroupText, ...], hash_size: int) -> tuple[GroupS
         GroupSpec(
             kind,
             size or hash_size,
-            after if isinstance(after, int) else None,
+            after if kind == "window" and isinstance(after, int) else None,
             after if isinstance(after, str) else None,
+            after if kind == "chunked" and isinstance(after, int) else None,
         )
         for kind, size, after in parsed
     )
 
 
 def hash_block_size(parsed: tuple[GroupText, ...], rng: random.Random) -> int:
-    """The gcd of the block sizes given, or drawn from 1..3 when none is."""
+    """The gcd of the block sizes given, or drawn from those of 1..3 that divide every chunked
+    group's chunk when none is."""
     sizes = [s for _, s, _ in parsed if s is not None]
-    return math.gcd(*sizes) if sizes else rng.choice((1, 2, 3))
+    if sizes:
+        return math.gcd(*sizes)
+    chunks = [c for kind, _, c in parsed if kind == "chunked" and isinstance(c, int)]
+    return rng.choice(tuple(b for b in (1, 2, 3) if all(c % b == 0 for c in chunks)))
 
 
 def run_groups_cell(
@@ -491,6 +511,9 @@ def _hit_fault(
             elif spec.kind == "window":
                 assert spec.window is not None
                 need = range(max(0, length - spec.window + 1) // spec.block_size, len(blocks_g))
+            elif spec.kind == "chunked":  # the blocks of the chunk of the hit's next token
+                assert spec.chunk is not None
+                need = range(length // spec.chunk * spec.chunk // spec.block_size, len(blocks_g))
             else:
                 need = range(max(0, len(blocks_g) - 1), len(blocks_g))
             if any(blocks_g[i] == 0 for i in need):

@@ -193,7 +193,6 @@ class GroupedKV(KVCacheManager):
             return range(self._skipped(g, length), length // size)
         if spec.kind == "cross":  # nothing cached: any length, no block
             return range(0)
-        return range(length // size - 1, length // size) if length else range(0)
         return range(length // size - 1, length // size) if length else range(0)  # state, slot
 
     def _accepts(self, hashes: list[bytes], g: int, length: int) -> int:

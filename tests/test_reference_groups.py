@@ -248,9 +248,18 @@ def test_groups_syntax() -> None:
     for bad in (*bad_ones, "state:later", "full:when-known", "window:when-known"):
         with pytest.raises(ValueError):
             parse_groups(bad)
-    for kind in ("slot", "chunked"):  # kinds the engine follows elsewhere: refused by name
-        with pytest.raises(ValueError, match=f"group 1 \\('{kind}'\\): not fuzzed here"):
-            parse_groups(f"full,{kind}")
+    assert parse_groups("full,chunked:8") == (("full", None, None), ("chunked", None, 8))
+    assert parse_groups("chunked:6@2") == (("chunked", 2, 6),)
+    for bad, says in (
+        ("full,chunked", "names its chunk"),
+        ("full,chunked:3@2", "not a multiple of its block size"),
+        ("full@2,chunked:5", "not a multiple of its block size"),
+        ("full,chunked:x", "chunk must be an int"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            parse_groups(bad)
+    with pytest.raises(ValueError, match="group 1 \\('slot'\\): not fuzzed here"):
+        parse_groups("full,slot")  # followed elsewhere (engine-registers): refused by name
 
 
 @pytest.mark.parametrize(
@@ -277,6 +286,45 @@ def test_safe_cells_hold_with_groups(
     assert cov.state_hits > 0 and cov.hits_shortened > 0
     if "window" in groups:
         assert cov.window_nulled_shared > 0
+
+
+@pytest.mark.parametrize(
+    "policy,discipline,preemption,groups",
+    [
+        ("deferred", "vllm", "priority", "full,chunked:4"),
+        ("hide-uncommitted", "general", "fcfs", "window:3,chunked:6,state"),
+        ("eager-rollback-fifo", "vllm", "fcfs", "full@2,chunked:4@2"),
+    ],
+)
+def test_safe_cells_hold_with_a_chunked_group(
+    policy: str, discipline: str, preemption: str, groups: str
+) -> None:
+    """``--groups`` with chunked local attention, bounded as above: nothing found; hits were
+    shortened by a group and chunk blocks nulled while the request shared others."""
+    result = run_groups_cell(
+        parse_groups(groups), policy, discipline, preemption, seconds=60, max_runs=100
+    )
+    assert result.finding is None, result.finding
+    assert result.runs == 100
+    cov = result.coverage
+    assert cov.hits_shortened > 0 and cov.window_nulled_shared > 0, cov.groups_line()
+
+
+def _plant_chunk_hit_unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator accepts any length for a chunked group, its hit all null blocks: the
+    chunk of the hit's next token is not served."""
+    accepts, hit_blocks = GroupedKV._accepts, GroupedKV._hit_blocks
+
+    def _accepts(self: GroupedKV, hashes: list[bytes], g: int, length: int) -> int:
+        return length if self.groups[g].kind == "chunked" else accepts(self, hashes, g, length)
+
+    def _hit_blocks(self: GroupedKV, hashes: list[bytes], g: int, length: int) -> list[object]:
+        if self.groups[g].kind == "chunked":
+            return [self.pool.blocks[0]] * (length // self.groups[g].block_size)
+        return hit_blocks(self, hashes, g, length)  # type: ignore[return-value]
+
+    monkeypatch.setattr(GroupedKV, "_accepts", _accepts)
+    monkeypatch.setattr(GroupedKV, "_hit_blocks", _hit_blocks)
 
 
 def _plant_ignore_state(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,6 +398,14 @@ def _plant_chunks_unaligned(monkeypatch: pytest.MonkeyPatch) -> None:
 
 PLANTS = [
     ("HitServedByEveryGroup", _plant_ignore_state, "deferred", "vllm", "fcfs", "full,state"),
+    (
+        "HitServedByEveryGroup",
+        _plant_chunk_hit_unchecked,
+        "deferred",
+        "vllm",
+        "fcfs",
+        "full,chunked:4",
+    ),
     ("StateAtItsBoundary", _plant_state_anywhere, "deferred", "vllm", "fcfs", "full,state"),
     (
         "StateAtItsBoundary",
