@@ -189,11 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KINDS",
         type=_groups,
         default=None,
-        help="several KV-cache groups in the reference engine, KIND[:WINDOW|:RULE][@BLOCK_SIZE] "
-        "comma separated (KIND full, window, state or cross, a cross group never first; RULE "
-        "a state's at-its-step or when-known, vLLM's; e.g. full,window:8,state:when-known or "
-        "full,cross@4), judged by the "
-        "spec in lockstep (docs/reference-groups.md; default: one group, no flag)",
+        help="several KV-cache groups in the reference engine, "
+        "KIND[:WINDOW|:RULE|:CHUNK][@BLOCK_SIZE] comma separated (KIND full, window, state, "
+        "cross, chunked or slot, a cross or slot group never first; RULE a state's at-its-step "
+        "or when-known, vLLM's; CHUNK a chunked group's attention chunk; e.g. "
+        "full,window:8,state:when-known, full,cross@4 or full,chunked:8; a slot group with "
+        "prefix caching under --policy engine-registers, the engine's own registration, judged "
+        "observed), judged by the spec in lockstep (docs/reference-groups.md; default: one "
+        "group, no flag)",
     )
     fuzz.add_argument(
         "--invariant",
@@ -529,7 +532,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from kvspec.conformance.report import format_counterexample, observed_hint
 
     if args.groups is not None:
-        flow.admissible(Cell.from_args(args), args.target)
+        flow.admissible(Cell.from_args(args), args.target, groups=True)
         return _fuzz_groups(args)
     database = None
     if args.db:

@@ -71,16 +71,18 @@ class Fuzzed(NamedTuple):
     judging: str
 
 
-def admissible(cell: Cell, target: str | None) -> None:
+def admissible(cell: Cell, target: str | None, groups: bool = False) -> None:
     """Refuse (``ValueError``, bad input) a cell no engine can run as asked: an observed policy
     without an engine that registers on its own, ``--async`` at depth 1. Every fuzzer calls it
-    before it starts (``fuzz`` here, ``conformance/fuzz_groups.py`` through ``cli``)."""
+    before it starts (``fuzz`` here, ``conformance/fuzz_groups.py`` through ``cli``, with
+    ``groups``: the reference engine registers on its own there, judged observed)."""
     from kvspec.spec import OBSERVED_POLICIES
 
-    if cell.policy in OBSERVED_POLICIES and not target:
+    if cell.policy in OBSERVED_POLICIES and not target and not groups:
         raise ValueError(
-            f"--policy {cell.policy} needs --target: an engine that registers blocks on its own "
-            "(the reference engine does not)"
+            f"--policy {cell.policy} needs --target (an engine that registers blocks on its "
+            "own), or --groups: the reference engine's own registration is fuzzed there, "
+            "judged observed"
         )
     cell.run_depth()  # --async with --depth 1 is bad input
 

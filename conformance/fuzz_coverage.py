@@ -66,6 +66,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from kvspec.spec.events import DECISIONS
+
 Event = tuple[object, ...]
 
 WITHDRAWN = -1
@@ -172,6 +174,10 @@ class RunCoverage(Coverage):
         self.own_slot: dict[int, int] = {}
         """Slot groups: block -> the request its table holds it for (an ``alloc``; gone at its
         ``free`` or ``evict``)."""
+        self.donor: dict[int, int] = {}
+        """Slot groups: block -> the request whose ``finish`` freed it as its slot, until the
+        next decision (the reference engine frees a finished request's tables, then donates its
+        slot in the same decision: ``reference/own_registration.py``)."""
         self.track_of: dict[int, int] = {}
         """Slot groups: block -> the request a ``track`` effect wrote it for (kept past the
         table's ``free``: a finish frees the table, then donates the slot it tracked; gone at
@@ -286,6 +292,8 @@ class RunCoverage(Coverage):
     def _observe_groups(self, event: Event) -> None:
         """The group counters: tables' holders by the events, state hits, window frees."""
         kind, holders, fields_ = event[0], self.holders, _ints(event)
+        if kind in DECISIONS:
+            self.donor.clear()
         if kind == "schedule":
             self.scheduling = fields_[0]
         elif kind == "alloc":
@@ -318,7 +326,7 @@ class RunCoverage(Coverage):
             rid, block = fields_[0], fields_[2]
             if self.track_of.get(block) == rid:
                 self.track_donations += 1
-            elif self.own_slot.get(block) == rid:
+            elif self.own_slot.get(block) == rid or self.donor.get(block) == rid:
                 self.snapshots_donated += 1
             else:
                 self.snapshots_copied += 1
@@ -328,7 +336,9 @@ class RunCoverage(Coverage):
         elif kind == "free":
             block = fields_[0]
             holders[block] = holders.get(block, 1) - 1
-            self.own_slot.pop(block, None)
+            owner = self.own_slot.pop(block, None)
+            if owner is not None and self.decision == "finish":
+                self.donor[block] = owner
             if self.decision == "preempt" and self.kinds[self.group_of.get(block, 0)] == "cross":
                 self.cross_preempt_frees += 1
             if self.building is not None and self.decision == "schedule":

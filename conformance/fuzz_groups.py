@@ -41,15 +41,19 @@ from dataclasses import dataclass, field
 from kvspec.conformance.fuzz_coverage import Coverage, RunCoverage
 from kvspec.reference import Engine, EngineConfig, GroupSpec, RandomChoices
 from kvspec.reference.groups import GroupedKV
-from kvspec.spec import Config, Illegal, apply, check, initial_state
+from kvspec.spec import OBSERVED_POLICIES, Config, Illegal, apply, check, initial_state
 from kvspec.spec.events import DECISIONS
 from kvspec.spec.state import Group
 
 SYNTAX = (
-    "KIND[:WINDOW|:RULE|:CHUNK][@BLOCK_SIZE],... (KIND full, window, state, cross or chunked; "
-    "RULE a state's at-its-step or when-known, CHUNK a chunked group's attention chunk; e.g. "
-    "full,window:8,state:when-known, full,cross@4 or full,chunked:8)"
+    "KIND[:WINDOW|:RULE|:CHUNK][@BLOCK_SIZE],... (KIND full, window, state, cross, chunked or "
+    "slot; RULE a state's at-its-step or when-known, CHUNK a chunked group's attention chunk; "
+    "e.g. full,window:8,state:when-known, full,cross@4, full,chunked:8 or full,slot with "
+    "--policy engine-registers)"
 )
+KINDS = ("full", "window", "state", "cross", "chunked", "slot")
+"""The group kinds ``--groups`` takes: every kind the reference engine follows."""
+
 RULES = ("at-its-step", "when-known")
 """A state group's registration rules (the reference engine's ``STATE_REGISTRATIONS``)."""
 
@@ -77,17 +81,6 @@ NAMES = (
 """The invariants a run is judged by (docs/hybrid.md's table, and the K/V one they extend)."""
 
 
-NOT_FUZZED = {
-    "slot": (
-        "the reference engine caches a slot group's states only by its own snapshots (policy "
-        "engine-registers), which the observed judge judges, not this strict lockstep; "
-        "tests/test_reference_slots.py runs it (docs/hybrid.md)"
-    ),
-}
-"""Group kinds the reference engine follows that ``--groups`` does not take, and why (a named
-refusal rather than a syntax error)."""
-
-
 def parse_groups(text: str) -> tuple[GroupText, ...]:
     """The groups ``--groups`` names; ValueError with the reason for anything else."""
     out: list[GroupText] = []
@@ -96,15 +89,11 @@ def parse_groups(text: str) -> tuple[GroupText, ...]:
         where = f"group {i} ({part!r})" if part else f"group {i}"
         spec, _, size_text = part.partition("@")
         kind, _, window_text = spec.partition(":")
-        if kind in NOT_FUZZED:
-            raise ValueError(f"{where}: not fuzzed here: {NOT_FUZZED[kind]}")
-        if kind not in ("full", "window", "state", "cross", "chunked"):
-            raise ValueError(
-                f"{where}: the kind is full, window, state, cross or chunked; syntax {SYNTAX}"
-            )
+        if kind not in KINDS:
+            raise ValueError(f"{where}: the kind is {', '.join(KINDS)}; syntax {SYNTAX}")
         size = _positive(size_text, where, "block size") if size_text else None
-        if kind == "cross" and (window_text or i == 0):
-            raise ValueError(f"{where}: a cross group takes no :VALUE and is never group 0")
+        if kind in ("cross", "slot") and (window_text or i == 0):
+            raise ValueError(f"{where}: a {kind} group takes no :VALUE and is never group 0")
         if kind == "state" and window_text:
             if window_text not in RULES:
                 raise ValueError(
@@ -270,7 +259,9 @@ def _one_run(
     stop_on: Collection[str] | None = None,
 ) -> tuple[GroupsFinding | None, int, RunCoverage, bool]:
     engine = Engine(config, RandomChoices(rng.randrange(1 << 30)))
-    judge: SpecJudge | None = SpecJudge(config)
+    judge: SpecJudge | ObservedJudge | None = (
+        ObservedJudge(config) if config.policy in OBSERVED_POLICIES else SpecJudge(config)
+    )
     spec_error = False
     coverage = RunCoverage(tuple(g.kind for g in config.groups))
     align = math.lcm(*(g.block_size for g in config.groups))
@@ -432,29 +423,32 @@ def _published_fault(
     return None
 
 
+def spec_config(config: EngineConfig) -> Config:
+    """The spec's ``Config`` of a run's engine configuration."""
+    return Config(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        depth=config.depth,
+        policy=config.policy,
+        discipline=config.discipline,
+        preemption=config.preemption,
+        token_budget=config.token_budget,
+        max_running=config.max_running,
+        stop_token=config.stop_token,
+        async_scheduling=config.async_scheduling,
+        stale_output=config.stale_output,
+        prefix_caching=config.prefix_caching,
+        groups=tuple(Group(*g) for g in config.groups),
+    )
+
+
 class SpecJudge:
     """The spec in lockstep with one run: each engine decision is applied to the spec, whose
     effects must be the engine's that follow it (else ``Disagreement``), and the spec's
     invariants are checked after each (a violation is named by its invariant)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.state = initial_state(
-            Config(
-                num_blocks=config.num_blocks,
-                block_size=config.block_size,
-                depth=config.depth,
-                policy=config.policy,
-                discipline=config.discipline,
-                preemption=config.preemption,
-                token_budget=config.token_budget,
-                max_running=config.max_running,
-                stop_token=config.stop_token,
-                async_scheduling=config.async_scheduling,
-                stale_output=config.stale_output,
-                prefix_caching=config.prefix_caching,
-                groups=tuple(Group(*g) for g in config.groups),
-            )
-        )
+        self.state = initial_state(spec_config(config))
         self.pending: list[tuple[object, ...]] = []
         """The last decision and the effects seen after it so far."""
 
@@ -482,6 +476,30 @@ class SpecJudge:
         return None
 
 
+class ObservedJudge:
+    """``SpecJudge``'s ``feed`` over the spec's observed judge (``Judge.spec(observed=True)``,
+    docs/adapters.md, "Judging modes"), for the engine's own registration (``engine-registers``):
+    its publishes, its snapshots of slot groups' states and its letting go of window blocks are
+    its own effects, judged by their guards and the invariants; an ``Illegal`` effect is a
+    ``Disagreement``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from kvspec.judge import Judge
+
+        self.judge = Judge.spec(spec_config(config), observed=True)
+
+    def feed(self, events: list[tuple[object, ...]], final: bool = False) -> tuple[str, str] | None:
+        """(invariant or ``Disagreement``, detail) for the first decision judged wrong."""
+        found = self.judge.feed_all(events)
+        if found is None and final:
+            found = self.judge.settle()
+        if found is None:
+            return None
+        if found.invariant in ("Illegal", "Disagreement"):
+            return "Disagreement", found.message
+        return found.invariant, found.message
+
+
 def _hit_fault(
     config: EngineConfig, events: list[tuple[object, ...]], hits: dict[int, list[tuple[int, ...]]]
 ) -> str | None:
@@ -498,7 +516,9 @@ def _hit_fault(
             continue
         del hits[rid]
         lengths = {
-            len(b) * g.block_size for b, g in zip(got, groups, strict=True) if g.kind != "cross"
+            len(b) * g.block_size
+            for b, g in zip(got, groups, strict=True)
+            if g.kind not in ("cross", "slot")
         }
         if len(lengths) != 1:
             return f"request {rid}'s groups hit different lengths {sorted(lengths)}"
@@ -508,6 +528,12 @@ def _hit_fault(
                 need = range(len(blocks_g))
             elif spec.kind == "cross":  # caches nothing: its hit is empty (_cross_fault)
                 need = range(0)
+            elif spec.kind == "slot":  # one state, at the hit's length, copied into its slot
+                if len(blocks_g) != (1 if length else 0):
+                    return (
+                        f"request {rid}'s hit of {length} tokens: slot group {g} names {blocks_g}"
+                    )
+                need = range(len(blocks_g))
             elif spec.kind == "window":
                 assert spec.window is not None
                 need = range(max(0, length - spec.window + 1) // spec.block_size, len(blocks_g))

@@ -258,8 +258,10 @@ def test_groups_syntax() -> None:
     ):
         with pytest.raises(ValueError, match=says):
             parse_groups(bad)
-    with pytest.raises(ValueError, match="group 1 \\('slot'\\): not fuzzed here"):
-        parse_groups("full,slot")  # followed elsewhere (engine-registers): refused by name
+    assert parse_groups("full,slot@2") == (("full", None, None), ("slot", 2, None))
+    for bad, says in (("slot,full", "never group 0"), ("full,slot:3", "takes no :VALUE")):
+        with pytest.raises(ValueError, match=says):
+            parse_groups(bad)
 
 
 @pytest.mark.parametrize(
