@@ -424,7 +424,9 @@ def _published_fault(
 
 
 def spec_config(config: EngineConfig) -> Config:
-    """The spec's ``Config`` of a run's engine configuration."""
+    """The spec's ``Config`` of the reference engine's: every field the two share, the groups as
+    the spec's ``Group`` (``()``: one group). The lockstep tests of the reference engine use it
+    too (``tests/test_reference.py``)."""
     return Config(
         num_blocks=config.num_blocks,
         block_size=config.block_size,
@@ -438,6 +440,11 @@ def spec_config(config: EngineConfig) -> Config:
         async_scheduling=config.async_scheduling,
         stale_output=config.stale_output,
         prefix_caching=config.prefix_caching,
+        spec_tokens=config.spec_tokens,
+        delay_load_registration=config.delay_load_registration,
+        defer_free=config.defer_free,
+        sliding_window=config.sliding_window,
+        defer_loads=config.defer_loads,
         groups=tuple(Group(*g) for g in config.groups),
     )
 

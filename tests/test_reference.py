@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvspec.conformance.fuzz_groups import spec_config
 from kvspec.reference import (
     DefaultChoices,
     Engine,
@@ -34,14 +35,12 @@ from kvspec.spec import (
     INVARIANTS,
     POLICIES,
     STALE_OUTPUTS,
-    Config,
     Illegal,
     State,
     apply,
     initial_state,
 )
 from kvspec.spec.actions import admissible
-from kvspec.spec.state import Group
 
 Event = tuple[object, ...]
 Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
@@ -304,31 +303,6 @@ def lockstep_run(
     if compare:
         _compare_final_state(eng, s)
     return eng, rec, s
-
-
-def spec_config(cfg: EngineConfig) -> Config:
-    """The spec's ``Config`` of the engine's: every field the two share, the groups as the
-    spec's ``Group`` (``()``: one group)."""
-    return Config(
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        depth=cfg.depth,
-        policy=cfg.policy,
-        discipline=cfg.discipline,
-        preemption=cfg.preemption,
-        token_budget=cfg.token_budget,
-        max_running=cfg.max_running,
-        stop_token=cfg.stop_token,
-        async_scheduling=cfg.async_scheduling,
-        stale_output=cfg.stale_output,
-        prefix_caching=cfg.prefix_caching,
-        spec_tokens=cfg.spec_tokens,
-        delay_load_registration=cfg.delay_load_registration,
-        defer_free=cfg.defer_free,
-        sliding_window=cfg.sliding_window,
-        defer_loads=cfg.defer_loads,
-        groups=tuple(Group(*g) for g in cfg.groups),
-    )
 
 
 def replay(
