@@ -20,7 +20,9 @@ Counters:
   under the vLLM discipline the preemptor usually takes it at once, since a victim's blocks are
   freed last block first and its last full block is the one the step was to write);
 * ``zombie_hits``: a ``hit`` of a block allocated or published for an entry that was then
-  withdrawn from the step being built (its write never runs; an eager policy published it);
+  withdrawn from the step being built (its write never runs; an eager policy published it); a
+  block a ``snapshot`` fills since (a slot group's state, copied or donated: it takes a free
+  block with no ``alloc``) is no zombie;
 * ``unwritten_reads``: reads of the wrong bytes when a step executed (the spec's ``bad_reads``,
   added by the caller from the model's state at the end of the run: a zombie read);
 * ``load_failures``: ``load_failed`` effects (an external KV load that failed);
@@ -281,6 +283,8 @@ class RunCoverage(Coverage):
                 self.accepted_drafts += len(sampled) - len({r for r, _ in sampled})  # type: ignore[arg-type,misc]
             elif kind == "free" and self.building is not None and self.decision == "schedule":
                 self.window_frees += 1
+            elif kind == "snapshot":
+                self.writer.pop(event[3], None)  # type: ignore[call-overload]
             elif kind == "evict":
                 self.writer.pop(event[1], None)  # type: ignore[call-overload]
                 self.published.discard(event[1])  # type: ignore[arg-type]
