@@ -81,8 +81,9 @@ def admissible(cell: Cell, target: str | None, groups: bool = False) -> None:
     if cell.policy in OBSERVED_POLICIES and not target and not groups:
         raise ValueError(
             f"--policy {cell.policy} needs --target (an engine that registers blocks on its "
-            "own), or --groups: the reference engine's own registration is fuzzed there, "
-            "judged observed"
+            "own), or --groups of several groups (e.g. full,slot): the reference engine's own "
+            "registration is fuzzed there, judged observed (a single group under it runs in "
+            "tests/test_reference_slots.py)"
         )
     cell.run_depth()  # --async with --depth 1 is bad input
 

@@ -35,7 +35,7 @@ def zombie(tmp_path: Path) -> Path:
 def test_engine_registers_without_a_target_is_bad_input_not_a_traceback() -> None:
     done = run(["fuzz", "--policy", "engine-registers", "--seconds", "5"])
     assert done.returncode == 2 and one_line(done.stderr), done.stderr
-    assert "--target" in done.stderr
+    assert "--target" in done.stderr and "--groups" in done.stderr
 
 
 @pytest.mark.parametrize("seconds", ["nan", "inf", "-1", "0"])

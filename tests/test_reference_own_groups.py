@@ -168,6 +168,23 @@ def test_fuzz_groups_under_the_engines_own_registration_holds(
     assert cov.hits_shortened > 0, line
 
 
+def test_fuzz_groups_command_under_the_engines_own_registration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``kvspec fuzz --groups full,slot --policy engine-registers`` needs no ``--target``: it
+    holds (exit 0) and prints the slot groups' coverage; a slot group with prefix caching under
+    a spec policy is exit 2 in one line."""
+    from kvspec.cli import main
+
+    base = ["fuzz", "--groups", "full,slot", "--seconds", "2"]
+    assert main([*base, "--policy", "engine-registers"]) == 0
+    out = capsys.readouterr().out
+    assert "no counterexample" in out and "snapshots by copy" in out, out
+    assert main([*base, "--policy", "deferred"]) == 2
+    err = capsys.readouterr().err
+    assert "engine-registers" in err and len(err.strip().splitlines()) == 1, err
+
+
 def _plant_copy_before_the_write(monkeypatch: pytest.MonkeyPatch) -> None:
     from test_reference_slots import _plant_copy_before_the_write as plant
 
