@@ -29,9 +29,10 @@ from .state import NULL_BLOCK, OBSERVED_POLICIES, Config, Illegal, Request, Stat
 def steer(s: State, decision: Event, effects: list[Event]) -> None:
     """Before ``decision`` is applied: make the spec's pool choose what the engine chose in
     ``effects`` (the engine's effect events of that decision). Raises ``Illegal`` for a choice no
-    pool may make. The allocations are steered as they happen (``State.steered_allocs``,
-    ``pool.take_free``), not here: a schedule frees a window's or a state group's skipped blocks
-    before it allocates (``remove_skipped``), and an engine may allocate one of those again."""
+    pool may make. An allocated block free now is moved to the free queue's head; one the
+    engine freed earlier in the same decision (a schedule frees a window's or a state group's
+    skipped blocks before it allocates, ``remove_skipped``, and may allocate one of them again)
+    is steered when it is allocated (``State.steered_allocs``, ``pool.take_free``)."""
     s.steered_allocs = []
     if decision[0] != "schedule":
         return
@@ -56,11 +57,21 @@ def steer(s: State, decision: Event, effects: list[Event]) -> None:
                     )
                 owners.remove(block)
                 owners.insert(0, block)
-    allocated: list[int] = [effect[2] for effect in effects if effect[0] == "alloc"]  # type: ignore[misc]
-    for block in allocated:
-        if not _is_block(s, block) or block == NULL_BLOCK or allocated.count(block) > 1:
-            raise Illegal(f"r{rid} is allocated block {block}, which is not free")
-    s.steered_allocs = allocated
+    allocated: list[int] = []
+    freed_first: set[int] = set()  # blocks the decision frees before the engine allocates them
+    for effect in effects:
+        if effect[0] == "free" and _is_block(s, effect[1]):
+            freed_first.add(effect[1])  # type: ignore[arg-type]
+        elif effect[0] == "alloc":
+            chosen = effect[2]
+            free = chosen in s.free or chosen in freed_first
+            if not _is_block(s, chosen) or chosen == NULL_BLOCK or chosen in allocated or not free:
+                raise Illegal(f"r{rid} is allocated block {chosen}, which is not free")
+            assert isinstance(chosen, int)
+            allocated.append(chosen)
+    now = [b for b in allocated if b in s.free]
+    s.free[:] = now + [b for b in s.free if b not in now]
+    s.steered_allocs = [None if b in now else b for b in allocated]
 
 
 def _steer_groups(s: State, req: Request, hits: list[Event]) -> None:

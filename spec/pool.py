@@ -128,13 +128,14 @@ def touch_counted(s: State, req: Request, blocks: list[int], table: list[int], g
 
 
 def take_free(s: State, rid: int, where: str) -> int:
-    """The block an allocation takes off the free queue: its head, or under observed judging
-    the next block the engine allocated (``State.steered_allocs``), which must be free now."""
+    """The block an allocation takes off the free queue: its head, or under observed judging a
+    block the engine allocated that this decision freed first (``State.steered_allocs``), which
+    must be free now."""
     if not s.free:
         raise Illegal(f"allocate for {where}: the free queue is empty")
-    if not s.steered_allocs:
+    block = s.steered_allocs.pop(0) if s.steered_allocs else None
+    if block is None:
         return s.free.pop(0)
-    block = s.steered_allocs.pop(0)
     if block not in s.free:
         raise Illegal(f"r{rid} is allocated block {block}, which is not free")
     s.free.remove(block)

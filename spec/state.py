@@ -591,10 +591,12 @@ class State:
     bad_state_reads: list[tuple[int, int, int]] = field(default_factory=list)
     """(step, request, block) for every live read of a state block (``Config.groups``) that did
     not find the state after exactly the step's start at execution."""
-    steered_allocs: list[int] = field(default_factory=list)
-    """Observed judging: the blocks the engine allocated in the decision being applied, in its
-    order (``observed.steer``); each allocation takes the next one (``pool.take_free``), checked
-    free at that moment, so a block the decision itself frees first may be allocated again."""
+    steered_allocs: list[int | None] = field(default_factory=list)
+    """Observed judging: one entry per block the engine allocated in the decision being applied,
+    in its order (``observed.steer``), each taken by the next allocation (``pool.take_free``):
+    None where the block was free before the decision (``steer`` moved it to the free queue's
+    head, which the allocation takes), the block itself where the decision frees it first (a
+    window's or a state group's skipped block), checked free at that moment."""
     steered_hits: list[list[int]] | None = None
     """Observed judging of several groups: the engine's hit of each group for the admission
     the next decision makes (``observed.steer``), taken by ``actions.schedule`` in place of
