@@ -6,10 +6,11 @@ A schedule frees a window's, a chunked group's or a state group's skipped blocks
 allocates (``remove_skipped``); with a short free queue an engine allocates one of them again in
 the same decision. The observed judge used to move the engine's allocated blocks to the head of
 its free queue before the decision, so such a block was "not free" (``Illegal``) on a safe
-engine. Each allocation now takes the engine's next block as it happens
-(``spec/pool.take_free``). Under ``engine-registers`` a window group beside group 0 is let go of
-by the engine itself, at each step's begin (``GroupedKV.let_go_windows``, the spec's
-``observed.let_go``); a plant that lets go too early is named by its invariant."""
+engine. Such a block is now steered when it is allocated (``spec/pool.take_free``); a block
+free before the decision is moved to the free queue's head as before. Under
+``engine-registers`` a window group beside group 0 is let go of by the engine itself, at each
+step's begin (``GroupedKV.let_go_windows``, the spec's ``observed.let_go``); a plant that lets
+go too early is named by its invariant."""
 
 from __future__ import annotations
 
