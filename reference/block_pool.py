@@ -150,24 +150,16 @@ class BlockPool:
     def free_reversed(self, blocks: list[Block]) -> None:
         """Drop one reference on each block, last first; an unreferenced block goes to the head
         of the free queue if it has no hash and to the tail (LRU) if it is cached."""
-        queue, events = self.free_queue, self.events
+        events = self.events
         for block in reversed(blocks):
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+            self.let_go(block)
             if events is not None:
                 events.append(("free", block.block_id))
-        self.n_freed += len(blocks)
 
     def let_go(self, block: Block) -> None:
-        """Drop one reference on ``block`` with no ``free`` event: the engine's own giving up
-        of a block (``GroupedKV.let_go_windows``), whose event names the table position. An
-        unreferenced block goes where ``free_reversed`` puts it."""
+        """Drop one reference on ``block`` with no ``free`` event (``free_reversed``'s step for
+        one block; alone, the engine's own giving up of a block, ``GroupedKV.let_go_windows``,
+        whose event names the table position)."""
         if block.ref_cnt <= 0:
             raise RuntimeError(f"double free of block {block.block_id}")
         block.ref_cnt -= 1

@@ -445,19 +445,27 @@ class GroupedKV(KVCacheManager):
         flight reads any more: a window group's down to its first null, a state group's all."""
         null = self.pool.blocks[0]
         for g, table in enumerate(self.tables(req)):
-            kind = self.groups[g].kind
             if not self._freed_at_schedule(g):
                 continue
             freed: list[Block] = []
-            for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
-                if table[i] is null:
-                    if kind in ("window", "chunked"):
-                        break
-                    continue
+            for i in self._skipped_held(g, table, processed):
                 freed.append(table[i])
                 table[i] = null
             if freed:
                 self.pool.free_batch(freed[::-1])
+
+    def _skipped_held(self, g: int, table: list[Block], processed: int) -> list[int]:
+        """The positions of ``table`` (group ``g``'s) that ``_skipped`` gives up and that still
+        hold a block, last first: a window's or a chunked group's down to its first null (its
+        nulls are a leading run), a state group's all."""
+        null, out = self.pool.blocks[0], []
+        for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
+            if table[i] is null:
+                if self.groups[g].kind in ("window", "chunked"):
+                    break
+                continue
+            out.append(i)
+        return out
 
     def let_go_windows(self, req: Request, processed: int) -> None:
         """``windows_let_go``: the running request gives up each window group's skipped blocks
@@ -469,9 +477,7 @@ class GroupedKV(KVCacheManager):
         for g, table in enumerate(self.tables(req)):
             if not g or self.groups[g].kind != "window":
                 continue
-            for i in range(min(self._skipped(g, processed), len(table)) - 1, -1, -1):
-                if table[i] is null:
-                    break
+            for i in self._skipped_held(g, table, processed):
                 self.pool.let_go(table[i])
                 table[i] = null
                 if events is not None:

@@ -19,7 +19,7 @@ import random
 from collections import Counter
 
 import pytest
-from test_reference_slots import RUNS, judged_run, own_config
+from test_reference_slots import RUNS, _plant_copy_before_the_write, judged_run, own_config
 
 from kvspec.conformance.fuzz_groups import parse_groups, run_groups_cell
 from kvspec.reference import EngineConfig, GroupSpec
@@ -184,12 +184,6 @@ def test_fuzz_groups_command_under_the_engines_own_registration(
     assert main([*base, "--policy", "deferred"]) == 2
     err = capsys.readouterr().err
     assert "engine-registers" in err and len(err.strip().splitlines()) == 1, err
-
-
-def _plant_copy_before_the_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_reference_slots import _plant_copy_before_the_write as plant
-
-    plant(monkeypatch)
 
 
 @pytest.mark.parametrize(
